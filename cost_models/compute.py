@@ -1,0 +1,290 @@
+"""FLOPs and bytes moved per aten op, and a roofline time on a :class:`~fxpar.cluster.DeviceSpec`.
+
+A rule per op, in a table keyed by the op's overload packet (``aten.mm``), with a default that
+always works. Lookup order for a node's target:
+
+1. ``FLOP_RULES`` (matmuls, convolutions, attention, norms, softmax, embedding, ...);
+2. ``torch.Tag.pointwise`` ops: one FLOP per output element (class ``"elementwise"``);
+3. ``torch.Tag.reduction`` ops: one FLOP per input element (class ``"reduction"``);
+4. ops whose schema says the output aliases an input (views, ``getitem``): free;
+5. the default rule: ``bytes = inputs + outputs``, ``flops = numel(output)``; the op is
+   reported in :attr:`GraphCompute.defaulted` so ``explain()`` can show it.
+
+FLOP formulas follow ``torch/utils/flop_counter.py`` (PyTorch): a matmul ``[m,k]@[k,n]`` is
+``2mnk``; a convolution is ``2 * N * C_out * prod(out_spatial) * C_in/groups * prod(kernel)``
+(Molchanov et al. 2017 count); its backward is one such count per requested gradient;
+scaled-dot-product attention is ``2bhs t d_qk + 2bhs t d_v`` forward and twice that backward
+(the causal mask is ignored, as in flop_counter). Norm/softmax constants are element-op counts.
+
+Time is the roofline (Williams, Waterman, Patterson 2009, "Roofline: an insightful visual
+performance model")::
+
+    t = max(flops / (peak_flops * eff[class]), bytes / (mem_bandwidth * eff["memory"]))
+
+Shapes may be SymInts: every rule is written with ``*`` and ``+`` only, so on a symbolic graph
+the figures are SymInts too (see :mod:`cost_models.symbolic`); :func:`node_time` needs numbers
+and uses each SymInt's hint.
+"""
+from __future__ import annotations
+
+import math
+import operator
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+__all__ = ["OpCost", "GraphCompute", "FLOP_RULES", "ZERO_COST_TARGETS", "node_cost", "node_time",
+           "graph_compute", "tensor_bytes", "numel", "concrete"]
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """Work of one node: FLOPs, bytes read+written, its op class and which rule gave it."""
+    flops: object            # int, or SymInt on a symbolic graph
+    bytes: object
+    op_class: str            # "matmul", "conv", "attention", "norm", "softmax", "elementwise", ...
+    rule: str                # "table", "pointwise", "reduction", "view", "free", "default"
+
+
+@dataclass
+class GraphCompute:
+    """Per-node costs of one graph; ``times`` are seconds on the device it was costed for."""
+    costs: dict = field(default_factory=dict)          # node -> OpCost
+    times: dict = field(default_factory=dict)          # node -> float seconds
+    defaulted: Counter = field(default_factory=Counter)  # op name -> count that hit the default
+
+    @property
+    def flops(self) -> float:
+        return sum(concrete(c.flops) for c in self.costs.values())
+
+    @property
+    def bytes(self) -> float:
+        return sum(concrete(c.bytes) for c in self.costs.values())
+
+    @property
+    def time_s(self) -> float:
+        return sum(self.times.values())
+
+    def by_class(self) -> dict:
+        """op class -> (flops, seconds)."""
+        out: dict = {}
+        for n, c in self.costs.items():
+            f, t = out.get(c.op_class, (0.0, 0.0))
+            out[c.op_class] = (f + concrete(c.flops), t + self.times.get(n, 0.0))
+        return out
+
+
+# ---- shape helpers -----------------------------------------------------------------------------
+def concrete(x) -> float:
+    """A number from an int/float/SymInt (a SymInt gives its hint)."""
+    if isinstance(x, (torch.SymInt, torch.SymFloat)):
+        hint = x.node.hint
+        if hint is None:
+            raise ValueError(f"symbolic size {x} has no hint; cost it with cost_models.symbolic instead")
+        return float(hint)
+    return float(x)
+
+
+def _tensors(v):
+    if isinstance(v, torch.Tensor):
+        return [v]
+    if isinstance(v, (list, tuple)):
+        return [t for x in v for t in _tensors(x)]
+    return []
+
+
+def numel(t) -> object:
+    return math.prod(t.shape) if t.dim() else 1
+
+
+def tensor_bytes(v) -> object:
+    """Bytes of a tensor, or of every tensor in a (nested) tuple/list."""
+    return sum((numel(t) * t.element_size() for t in _tensors(v)), 0)
+
+
+def _val(a):
+    return a.meta.get("val") if isinstance(a, torch.fx.Node) else a
+
+
+def _args(node):
+    return [torch.fx.node.map_aggregate(a, _val) for a in node.args]
+
+
+def _out_numel(out):
+    return sum((numel(t) for t in _tensors(out)), 0)
+
+
+# ---- rules: (args, out) -> flops ------------------------------------------------------------------
+def _mm(a, out):
+    (m, k), n = a[0].shape, a[1].shape[-1]
+    return 2 * m * n * k
+
+
+def _addmm(a, out):
+    (m, k), n = a[1].shape, a[2].shape[-1]
+    return 2 * m * n * k + m * n
+
+
+def _bmm(a, out):
+    (b, m, k), n = a[0].shape, a[1].shape[-1]
+    return 2 * b * m * n * k
+
+
+def _baddbmm(a, out):
+    (b, m, k), n = a[1].shape, a[2].shape[-1]
+    return 2 * b * m * n * k + b * m * n
+
+
+def _conv_count(x_shape, w_shape, out_shape, transposed):
+    # flop_counter.conv_flop_count: 2 * batch * prod(w) * prod(spatial of the "output" side)
+    spatial = out_shape[2:] if not transposed else x_shape[2:]
+    return 2 * out_shape[0] * math.prod(w_shape) * math.prod(spatial)
+
+
+def _conv(a, out):
+    return _conv_count(a[0].shape, a[1].shape, out.shape, a[6])
+
+
+def _conv_bwd(a, out):
+    # convolution_backward(grad_out, input, weight, bias_sizes, stride, padding, dilation,
+    #                      transposed, output_padding, groups, output_mask)
+    g, x, w, transposed, mask = a[0], a[1], a[2], a[7], a[10]
+    fwd = _conv_count(x.shape, w.shape, g.shape, transposed)
+    return fwd * int(bool(mask[0])) + fwd * int(bool(mask[1])) + (numel(g) if mask[2] else 0)
+
+
+def _sdpa_fwd(a, out):
+    q, k, v = a[0], a[1], a[2]
+    b, h, s, d = q.shape
+    t, dv = k.shape[-2], v.shape[-1]
+    return 2 * b * h * s * t * d + 2 * b * h * s * t * dv
+
+
+def _sdpa_bwd(a, out):
+    # (grad_out, q, k, v, ...): dV, dP, dQ, dK matmuls = 2x forward
+    return 2 * _sdpa_fwd(a[1:4], out)
+
+
+def _per_elem(c, which="out"):
+    def rule(a, out):
+        return c * (_out_numel(out) if which == "out" else numel(a[0]))
+    return rule
+
+
+def _embedding_bwd(a, out):
+    return numel(a[0])          # one add per gradient element scattered into the table
+
+
+def _zero(a, out):
+    return 0
+
+
+FLOP_RULES = {
+    aten.mm: (_mm, "matmul"), aten.addmm: (_addmm, "matmul"), aten.bmm: (_bmm, "matmul"),
+    aten.baddbmm: (_baddbmm, "matmul"),
+    aten.convolution: (_conv, "conv"), aten.convolution_backward: (_conv_bwd, "conv"),
+    aten._convolution: (_conv, "conv"),
+    aten.native_layer_norm: (_per_elem(5, "in"), "norm"),
+    aten.native_layer_norm_backward: (_per_elem(8, "in"), "norm"),
+    aten.native_batch_norm: (_per_elem(5, "in"), "norm"),
+    aten._native_batch_norm_legit: (_per_elem(5, "in"), "norm"),
+    aten._native_batch_norm_legit_functional: (_per_elem(5, "in"), "norm"),
+    aten._native_batch_norm_legit_no_training: (_per_elem(2, "in"), "norm"),
+    aten.native_batch_norm_backward: (_per_elem(8, "in"), "norm"),
+    aten._softmax: (_per_elem(5), "softmax"), aten._log_softmax: (_per_elem(5), "softmax"),
+    aten._safe_softmax: (_per_elem(5), "softmax"),
+    aten._softmax_backward_data: (_per_elem(3), "softmax"),
+    aten._log_softmax_backward_data: (_per_elem(3), "softmax"),
+    aten.embedding: (_zero, "embedding"), aten.embedding_dense_backward: (_embedding_bwd, "embedding"),
+    aten.nll_loss_forward: (_per_elem(1, "in"), "reduction"),
+    aten.nll_loss_backward: (_per_elem(1), "elementwise"),
+    # creation ops write their output and compute nothing
+    aten.empty: (_zero, "creation"), aten.empty_like: (_zero, "creation"),
+    aten.empty_strided: (_zero, "creation"), aten.zeros: (_zero, "creation"),
+    aten.zeros_like: (_zero, "creation"), aten.ones: (_zero, "creation"),
+    aten.ones_like: (_zero, "creation"), aten.full: (_zero, "creation"),
+    aten.full_like: (_zero, "creation"), aten.scalar_tensor: (_zero, "creation"),
+    aten.arange: (_zero, "creation"), aten.clone: (_zero, "copy"), aten.copy: (_zero, "copy"),
+    aten.copy_: (_zero, "copy"), aten._to_copy: (_zero, "copy"), aten.cat: (_zero, "copy"),
+    aten.bernoulli: (_per_elem(1), "elementwise"), aten.bernoulli_: (_per_elem(1), "elementwise"),
+    aten.native_dropout: (_per_elem(2, "in"), "elementwise"),
+    aten.native_dropout_backward: (_per_elem(1), "elementwise"),
+}
+for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+              "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
+    if hasattr(aten, _name):
+        FLOP_RULES[getattr(aten, _name)] = (_sdpa_fwd, "attention")
+    if hasattr(aten, _name + "_backward"):
+        FLOP_RULES[getattr(aten, _name + "_backward")] = (_sdpa_bwd, "attention")
+
+# Nodes that cost nothing on the compute lane (collectives are costed by cost_models.comm).
+ZERO_COST_TARGETS = {operator.getitem, aten._unsafe_view.default, aten._reshape_alias.default}
+_WRITE_ONLY = {"creation"}
+_ZERO = OpCost(0, 0, "view", "view")
+
+
+def _is_view(target) -> bool:
+    schema = getattr(target, "_schema", None)
+    if schema is None or schema.is_mutable:
+        return False
+    return any(r.alias_info is not None for r in schema.returns)
+
+
+def node_cost(node: torch.fx.Node) -> OpCost:
+    """FLOPs, bytes and op class of one ``call_function`` node (zero for other nodes)."""
+    if node.op != "call_function":
+        return _ZERO
+    target = node.target
+    if target in ZERO_COST_TARGETS or _is_view(target):
+        return _ZERO
+    ns = getattr(target, "namespace", "")
+    if ns == "_c10d_functional" or "fxpar_comm" in node.meta:
+        return OpCost(0, 0, "collective", "free")
+    out = node.meta.get("val")
+    args = _args(node)
+    packet = getattr(target, "overloadpacket", target)
+    entry = FLOP_RULES.get(packet)
+    tags = getattr(target, "tags", ())
+    if entry is not None:
+        rule, cls, how = entry[0], entry[1], "table"
+    elif torch.Tag.pointwise in tags:
+        rule, cls, how = _per_elem(1), "elementwise", "pointwise"
+    elif torch.Tag.reduction in tags:
+        rule, cls, how = (lambda a, o: sum((numel(t) for t in _tensors(a[:1])), 0)), "reduction", "reduction"
+    else:
+        rule, cls, how = _per_elem(1), "other", "default"
+    try:
+        flops = rule(args, out)
+    except (AttributeError, IndexError, TypeError, ValueError):
+        rule, cls, how = _per_elem(1), "other", "default"
+        flops = rule(args, out)
+    out_b = tensor_bytes(out)
+    in_b = 0 if cls in _WRITE_ONLY else tensor_bytes(args)
+    return OpCost(flops, in_b + out_b, cls, how)
+
+
+def node_time(cost: OpCost, device) -> float:
+    """Roofline seconds of ``cost`` on ``device`` (a :class:`fxpar.cluster.DeviceSpec`)."""
+    eff = device.efficiency or {}
+    f, b = concrete(cost.flops), concrete(cost.bytes)
+    if f == 0 and b == 0:
+        return 0.0
+    t_flop = f / (device.peak_flops * eff.get(cost.op_class, eff.get("compute", 1.0)))
+    t_mem = b / (device.mem_bandwidth * eff.get("memory", 1.0))
+    return max(t_flop, t_mem)
+
+
+def graph_compute(gm: torch.fx.GraphModule, device) -> GraphCompute:
+    """Cost every node of ``gm`` on ``device``; ops that hit the default rule are counted."""
+    gc = GraphCompute()
+    for n in gm.graph.nodes:
+        c = node_cost(n)
+        gc.costs[n] = c
+        gc.times[n] = node_time(c, device)
+        if c.rule == "default":
+            gc.defaulted[str(n.target)] += 1
+    return gc

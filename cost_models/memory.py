@@ -1,0 +1,276 @@
+"""Memory per rank: liveness over a graph, and the closed forms it is checked against.
+
+Liveness (:func:`liveness`) walks a graph in order. Every tensor a node makes is a *storage*
+that lives from its producer to the last user of any alias of it; views (ops whose schema says
+the output aliases an input, plus ``_unsafe_view``), in-place ops, ``getitem`` of a multi-output
+op and ``wait_tensor`` alias a storage rather than make one. Placeholders belong to the caller
+and live the whole step; graph outputs live to the end. Each storage gets a category::
+
+    param, buffer, opt_state, input      placeholders, by node.meta["fxpar_role"]
+    activation                           made in the forward phase, read by a backward node
+    grad                                 made in backward, read by the optimizer or returned
+    temporary                            everything else
+
+Before/after of what the walk sees (``x`` a placeholder, ``w`` a param)::
+
+    %t   = aten.t(%w)              -> alias of w, no new bytes
+    %mm  = aten.mm(%x, %t)         -> new storage, live until its last user
+    %r   = aten.relu(%mm)          -> new storage; %mm dies here if %r was its last user
+
+Closed forms: ZeRO model-state bytes for mixed-precision Adam (Rajbhandari et al. 2020,
+"ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", §5: 2Ψ fp16 params,
+2Ψ fp16 grads, KΨ = 12Ψ fp32 optimizer state) and activation bytes per transformer layer
+(Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models",
+eq. 1 and Table 2: ``sbh(34 + 5as/h)`` with 16-bit activations and 1-byte dropout masks).
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from .compute import concrete, tensor_bytes
+
+__all__ = ["Storage", "Liveness", "liveness", "infer_phases", "peak_over_executions",
+           "zero_model_state_bytes", "korthikanti_activation_bytes", "CATEGORIES"]
+
+CATEGORIES = ("param", "buffer", "opt_state", "input", "activation", "grad", "temporary")
+_ROLE_CATEGORY = {"param": "param", "buffer": "buffer", "opt_state": "opt_state"}
+_ALIAS_TARGETS = {torch.ops.aten._unsafe_view.default, torch.ops.aten._reshape_alias.default,
+                  torch.ops._c10d_functional.wait_tensor.default}
+
+
+@dataclass
+class Storage:
+    """One allocation: bytes, the node that made it, first and last step index, category."""
+    nbytes: float
+    producer: torch.fx.Node
+    start: int
+    end: int
+    category: str = "temporary"
+
+
+@dataclass
+class Liveness:
+    """Result of :func:`liveness`. ``live[i]`` is the bytes live while node ``i`` runs."""
+    storages: list = field(default_factory=list)
+    live: list = field(default_factory=list)
+    nodes: list = field(default_factory=list)
+    peak_bytes: float = 0.0
+    peak_index: int = 0
+    peak_breakdown: dict = field(default_factory=dict)     # category -> bytes live at the peak
+
+    @property
+    def peak_node(self):
+        return self.nodes[self.peak_index] if self.nodes else None
+
+    def totals(self) -> dict:
+        """category -> total bytes of every storage of that category (not only at the peak)."""
+        out = dict.fromkeys(CATEGORIES, 0.0)
+        for s in self.storages:
+            out[s.category] += s.nbytes
+        return out
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in self.peak_breakdown.items() if v)
+        where = self.peak_node.name if self.peak_node is not None else "-"
+        return f"peak {self.peak_bytes / 2**20:.1f} MiB at {where} ({parts})"
+
+
+def _is_alias_op(target) -> bool:
+    if target in _ALIAS_TARGETS or target is operator.getitem:
+        return True
+    schema = getattr(target, "_schema", None)
+    return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _first_tensor_arg(node):
+    for a in node.args:
+        if isinstance(a, torch.fx.Node):
+            return a
+    return None
+
+
+def infer_phases(gm: torch.fx.GraphModule) -> dict:
+    """node -> phase: ``node.meta["fxpar_phase"]`` where present, else inferred.
+
+    Inference (for graphs not made by ``fxpar.capture``): the first output is the loss and its
+    ancestors are ``forward``; every other computing node is ``backward`` unless its meta says
+    otherwise (so optimizer nodes need the meta to be told apart from backward ones).
+    """
+    nodes = list(gm.graph.nodes)
+    if all("fxpar_phase" in n.meta for n in nodes if n.op == "call_function"):
+        return {n: n.meta.get("fxpar_phase", "input") for n in nodes}
+    out = next(n for n in reversed(nodes) if n.op == "output")
+    flat = torch.fx.node.map_aggregate(out.args[0], lambda x: x)
+    first = flat
+    while isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    forward: set = set()
+    stack = [first] if isinstance(first, torch.fx.Node) else []
+    while stack:
+        n = stack.pop()
+        if n in forward:
+            continue
+        forward.add(n)
+        stack.extend(n.all_input_nodes)
+    phases = {}
+    for n in nodes:
+        if "fxpar_phase" in n.meta:
+            phases[n] = n.meta["fxpar_phase"]
+        elif n.op == "placeholder":
+            phases[n] = "input"
+        else:
+            phases[n] = "forward" if n in forward else "backward"
+    return phases
+
+
+def _category(s_node, users_phase: set, phases: dict, is_output: bool) -> str:
+    if s_node.op == "placeholder":
+        return _ROLE_CATEGORY.get(s_node.meta.get("fxpar_role", "input"), "input")
+    ph = phases.get(s_node)
+    if ph == "forward" and "backward" in users_phase:
+        return "activation"
+    if ph == "backward" and ("fxpar_grad_of" in s_node.meta or "optimizer" in users_phase or is_output):
+        return "grad"
+    return "temporary"
+
+
+def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
+    """Live bytes at every node of ``gm``, the peak, and what is live at the peak."""
+    phases = phases if phases is not None else infer_phases(gm)
+    nodes = list(gm.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    last = len(nodes) - 1
+    storage_of: dict = {}            # node -> Storage or list[Storage | None]
+    storages: list = []
+    for i, n in enumerate(nodes):
+        if n.op == "output":
+            continue
+        val = n.meta.get("val")
+        if n.op == "call_function" and _is_alias_op(n.target):
+            base = n.args[0] if n.target is operator.getitem else _first_tensor_arg(n)
+            src = storage_of.get(base)
+            if n.target is operator.getitem and isinstance(src, list):
+                src = src[n.args[1]] if n.args[1] < len(src) else None
+            elif isinstance(src, list):
+                src = next((s for s in src if s is not None), None)
+            if isinstance(val, (list, tuple)):
+                storage_of[n] = [src] * len(val)
+            else:
+                storage_of[n] = src
+            continue
+        if isinstance(val, torch.Tensor):
+            s = Storage(concrete(tensor_bytes(val)), n, 0 if n.op == "placeholder" else i, i)
+            storages.append(s)
+            storage_of[n] = s
+        elif isinstance(val, (list, tuple)):
+            outs = []
+            for v in val:
+                if isinstance(v, torch.Tensor):
+                    s = Storage(concrete(tensor_bytes(v)), n, i, i)
+                    storages.append(s)
+                    outs.append(s)
+                else:
+                    outs.append(None)
+            storage_of[n] = outs
+    # extend each storage to the last user of any alias; collect the phases that read it
+    readers: dict = {}
+    outputs: set = set()
+    for n in nodes:
+        st = storage_of.get(n)
+        for s in (st if isinstance(st, list) else [st]):
+            if s is None:
+                continue
+            for u in n.users:
+                if u.op == "output":
+                    s.end = last
+                    outputs.add(id(s))
+                else:
+                    s.end = max(s.end, index[u])
+                    if not (u.op == "call_function" and _is_alias_op(u.target)):
+                        readers.setdefault(id(s), set()).add(phases.get(u))
+    for s in storages:
+        if s.producer.op == "placeholder":
+            s.start, s.end = 0, last
+        s.category = _category(s.producer, readers.get(id(s), set()), phases, id(s) in outputs)
+    # sweep: +bytes at start, -bytes after end
+    delta = [0.0] * (len(nodes) + 1)
+    for s in storages:
+        delta[s.start] += s.nbytes
+        delta[s.end + 1] -= s.nbytes
+    live, cur = [], 0.0
+    for i in range(len(nodes)):
+        cur += delta[i]
+        live.append(cur)
+    pi = max(range(len(live)), key=live.__getitem__) if live else 0
+    breakdown = dict.fromkeys(CATEGORIES, 0.0)
+    for s in storages:
+        if s.start <= pi <= s.end:
+            breakdown[s.category] += s.nbytes
+    return Liveness(storages, live, nodes, live[pi] if live else 0.0, pi, breakdown)
+
+
+def peak_over_executions(executions, cache: dict | None = None) -> float:
+    """Peak bytes over a sequence of ``(graph, microbatch)`` executions on one rank.
+
+    The schedule-aware form: persistent state (param/buffer/opt_state placeholders) is counted
+    once per distinct graph; within an execution the graph's own liveness applies; the outputs
+    of an execution (e.g. a forward stage's saved activations) stay live until the last
+    execution of the same microbatch has run. ``cache`` maps graph -> :class:`Liveness`.
+    """
+    cache = {} if cache is None else cache
+    executions = list(executions)
+    last_of_mb = {mb: i for i, (_, mb) in enumerate(executions)}
+    persistent: dict = {}
+    held: dict = {}               # microbatch -> bytes of outputs kept alive
+    peak = 0.0
+    for i, (gm, mb) in enumerate(executions):
+        lv = cache.get(gm) or cache.setdefault(gm, liveness(gm))
+        state = sum(s.nbytes for s in lv.storages if s.category in ("param", "buffer", "opt_state"))
+        persistent[id(gm)] = state
+        transient = [b - state for b in lv.live] or [0.0]
+        carried = sum(held.values())
+        peak = max(peak, sum(persistent.values()) + carried + max(transient))
+        outs = sum(s.nbytes for s in lv.storages
+                   if s.end == len(lv.nodes) - 1 and s.producer.op != "placeholder")
+        held[mb] = held.get(mb, 0.0) + outs
+        if last_of_mb[mb] == i:
+            held.pop(mb, None)
+    return peak
+
+
+def zero_model_state_bytes(num_params: float, stage: int, dp: int, optimizer_bytes_per_param: int = 12) -> float:
+    """Model-state bytes per rank for mixed-precision Adam under ZeRO stage 0–3.
+
+    Rajbhandari et al. 2020, Fig. 1 / §5.1 with K = 12: stage 0 ``16Ψ``; stage 1 (optimizer
+    states sharded) ``4Ψ + 12Ψ/N``; stage 2 (+ gradients) ``2Ψ + 14Ψ/N``; stage 3 (+ parameters)
+    ``16Ψ/N``.
+    """
+    psi, k, n = float(num_params), optimizer_bytes_per_param, dp
+    forms = {0: 4 * psi + k * psi, 1: 4 * psi + k * psi / n, 2: 2 * psi + (2 + k) * psi / n,
+             3: (4 + k) * psi / n}
+    if stage not in forms:
+        raise ValueError(f"ZeRO stage={stage!r}: use 0, 1, 2 or 3")
+    return forms[stage]
+
+
+def korthikanti_activation_bytes(s: int, b: int, h: int, a: int, tp: int = 1,
+                                 sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Activation bytes of one transformer layer (Korthikanti et al. 2022, Table 2).
+
+    ``none``: ``sbh(34 + 5as/h)`` at tp=1; with tensor parallelism ``sbh(10 + 24/t + 5as/(ht))``,
+    and with sequence parallelism ``sbh/t · (34 + 5as/h)``. ``selective`` recompute drops the
+    ``5as/h`` term; ``full`` keeps only the layer input, ``2sbh`` (``2sbh/t`` with sequence parallel).
+    """
+    t = tp
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    attn = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    if recompute not in ("none", "selective"):
+        raise ValueError(f"recompute={recompute!r}: use 'none', 'selective' or 'full'")
+    if sequence_parallel:
+        return s * b * h * (34 / t + attn)
+    return s * b * h * (10 + 24 / t + attn)

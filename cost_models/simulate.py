@@ -1,0 +1,212 @@
+"""Event simulation of per-rank programs: a compute lane and a comm lane per rank.
+
+Each rank's graph is compiled (once per distinct program, see :func:`compile_program`) into a
+list of steps::
+
+    ("compute", seconds, segment)      nodes between two comm events, costed by cost_models.compute
+    ("issue", k)                       the k-th comm node is handed to the comm lane
+    ("wait", k)                        wait_tensor: compute blocks until comm k has finished
+
+Rules (those of NCCL/gloo communicators, and of PyTorch's pipelining dry-run
+``_simulate_comms_compute``): a rank's comm lane runs its comm ops one at a time in issue
+order; a collective starts when every rank of its group has issued it and every such lane is
+free, and takes :func:`cost_models.comm.comm_info_cost` seconds on all of them; the i-th
+collective a rank issues over a group matches the i-th one every other member issues over it
+(send/recv match per ``(src, dst)`` pair). A comm node that no ``wait_tensor`` reads blocks at
+once. When no rank can move, the programs deadlock and the error names who waits on whom.
+
+Speed: ranks whose programs are the same graph object (or the same code on the same input
+shapes) are costed once; when every group's members share a program, one representative per
+class is simulated and its timeline shared (the usual data/tensor-parallel case).
+"""
+from __future__ import annotations
+
+import operator
+
+import torch.fx
+
+from .comm import comm_info_cost
+from .compute import graph_compute
+from .memory import liveness
+
+__all__ = ["Program", "compile_program", "simulate", "SimResult", "DeadlockError"]
+
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+
+
+class DeadlockError(RuntimeError):
+    """The per-rank programs cannot all finish: some rank waits on a comm others never issue."""
+
+
+class Program:
+    """One rank's graph, compiled: steps, per-segment node times, comm nodes, memory."""
+
+    def __init__(self, gm, cluster):
+        self.gm = gm
+        gc = graph_compute(gm, cluster.device)
+        self.compute = gc
+        self.comm_nodes: list = []
+        self.segments: list = []          # list of [(node name, seconds)]
+        self.steps: list = []
+        comm_index: dict = {}
+        waited: set = set()
+        seg: list = []
+
+        def flush():
+            if seg:
+                self.segments.append(list(seg))
+                self.steps.append(("compute", sum(t for _, t in seg), len(self.segments) - 1))
+                seg.clear()
+
+        for n in gm.graph.nodes:
+            if "fxpar_comm" in n.meta:
+                flush()
+                comm_index[n] = len(self.comm_nodes)
+                self.comm_nodes.append(n)
+                self.steps.append(("issue", comm_index[n]))
+                if not any(u.target is _WAIT for u in n.users) and not _waited_via_getitem(n):
+                    self.steps.append(("wait", comm_index[n]))   # blocking comm op
+                    waited.add(comm_index[n])
+            elif n.op == "call_function" and n.target is _WAIT:
+                src = n.args[0]
+                while src not in comm_index and isinstance(src, torch.fx.Node) and src.target is operator.getitem:
+                    src = src.args[0]
+                if src in comm_index and comm_index[src] not in waited:
+                    flush()
+                    self.steps.append(("wait", comm_index[src]))
+                    waited.add(comm_index[src])
+            else:
+                t = gc.times.get(n, 0.0)
+                if t > 0:
+                    seg.append((n.name, t))
+        flush()
+        self.compute_time_s = gc.time_s
+        self.liveness = liveness(gm)
+        self.infos = [n.meta["fxpar_comm"] for n in self.comm_nodes]
+
+
+def _waited_via_getitem(n) -> bool:
+    return any(u.target is operator.getitem and any(w.target is _WAIT for w in u.users) for u in n.users)
+
+
+def compile_program(gm, cluster, cache: dict) -> Program:
+    """The :class:`Program` of ``gm``, shared by graph identity, then by (code, input shapes)."""
+    p = cache.get(id(gm))
+    if p is not None:
+        return p
+    phs = tuple((tuple(v.shape), v.dtype) if hasattr(v, "shape") else repr(v)
+                for v in (n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"))
+    skey = (hash(gm.code), phs)
+    base = cache.get(skey)
+    if base is not None and base.gm.code == gm.code:
+        p = Program.__new__(Program)
+        p.__dict__.update(base.__dict__)
+        p.gm = gm
+        p.comm_nodes = [n for n in gm.graph.nodes if "fxpar_comm" in n.meta]
+        p.infos = [n.meta["fxpar_comm"] for n in p.comm_nodes]
+    else:
+        p = Program(gm, cluster)
+        cache[skey] = p
+    cache[id(gm)] = p
+    return p
+
+
+class SimResult:
+    """Per-rank outcome: compute intervals, comm intervals, end time."""
+
+    def __init__(self):
+        self.compute: list = []     # (start, dur, segment index)
+        self.comm: list = []        # (start, dur, comm index)
+        self.end = 0.0
+
+
+def _group_key(info, rank):
+    if info.kind in ("send", "recv"):
+        return ("p2p", info.ranks[0], info.ranks[-1])
+    return tuple(sorted(info.ranks))
+
+
+def simulate(programs: dict, durations: dict, symmetric: bool = False) -> dict:
+    """Run ``programs`` (rank -> Program); ``durations[rank][k]`` is comm k's seconds.
+
+    With ``symmetric=True`` each rank is simulated alone: its collectives start when its own
+    lane is free, which is exact when every member of each group runs the same program.
+    """
+    ranks = sorted(programs)
+    res = {r: SimResult() for r in ranks}
+    pc = dict.fromkeys(ranks, 0)
+    t_c = dict.fromkeys(ranks, 0.0)
+    lane = dict.fromkeys(ranks, 0.0)
+    queue = {r: [] for r in ranks}          # unresolved comm ids in issue order
+    qhead = dict.fromkeys(ranks, 0)
+    seq: dict = {}                           # (rank, group key) -> count issued
+    issued: dict = {}                        # comm id -> {rank: (issue time, k)}
+    end_of: dict = {}                        # (rank, k) -> end time
+
+    def members(cid):
+        return (cid[2],) if symmetric else cid[0][1:] if cid[0][0] == "p2p" else cid[0]
+
+    def try_resolve(cid, work):
+        mem = members(cid)
+        got = issued.get(cid, {})
+        if len(got) < len(mem) or any(qhead[m] >= len(queue[m]) or queue[m][qhead[m]] != cid for m in mem):
+            return
+        start = max(max(got[m][0], lane[m]) for m in mem)
+        for m in mem:
+            k = got[m][1]
+            dur = durations[m][k]
+            lane[m] = start + dur
+            end_of[(m, k)] = start + dur
+            res[m].comm.append((start, dur, k))
+            qhead[m] += 1
+            if qhead[m] < len(queue[m]):
+                work.append(queue[m][qhead[m]])
+
+    moved = True
+    while moved:
+        moved = False
+        for r in ranks:
+            steps, infos = programs[r].steps, programs[r].infos
+            i, t = pc[r], t_c[r]
+            while i < len(steps):
+                st = steps[i]
+                if st[0] == "compute":
+                    res[r].compute.append((t, st[1], st[2]))
+                    t += st[1]
+                elif st[0] == "issue":
+                    k = st[1]
+                    g = _group_key(infos[k], r)
+                    n = seq.get((r, g), 0)
+                    seq[(r, g)] = n + 1
+                    cid = (g, n, r) if symmetric else (g, n)
+                    issued.setdefault(cid, {})[r] = (t, k)
+                    queue[r].append(cid)
+                    work = [cid]
+                    while work:
+                        try_resolve(work.pop(), work)
+                else:
+                    e = end_of.get((r, st[1]))
+                    if e is None:
+                        break
+                    t = max(t, e)
+                i += 1
+            if i != pc[r]:
+                moved = True
+            pc[r], t_c[r] = i, t
+    stuck = [r for r in ranks if pc[r] < len(programs[r].steps)]
+    if stuck:
+        lines = []
+        for r in stuck[:8]:
+            k = programs[r].steps[pc[r]][1]
+            info = programs[r].infos[k]
+            cid = queue[r][qhead[r]] if qhead[r] < len(queue[r]) else None
+            missing = [m for m in members(cid) if m not in issued.get(cid, {})] if cid else []
+            lines.append(f"rank {r} waits on {info.kind} #{k} ({programs[r].comm_nodes[k].name}, axis "
+                         f"{info.axis!r}, group {info.ranks}); ranks not yet issued: {missing}")
+        raise DeadlockError("the per-rank programs deadlock:\n  " + "\n  ".join(lines) +
+                            "\nEvery member of a group must issue its collectives in the same order; "
+                            "check the comm order the passes produced for these ranks.")
+    for r in ranks:
+        comm_end = max((s + d for s, d, _ in res[r].comm), default=0.0)
+        res[r].end = max(t_c[r], comm_end)
+    return res

@@ -1,0 +1,186 @@
+"""ClusterSpec: the devices, how they are connected, and the backend that connects them.
+
+A ClusterSpec is pure data with a JSON round-trip. The planner and the cost models read it;
+the runtime reads only ``world_size`` and ``backend``.
+
+    >>> spec = ClusterSpec.local(world_size=2)            # CPU processes over gloo
+    >>> spec = ClusterSpec.preset("a100-80gb", nodes=4, gpus_per_node=8)
+    >>> ClusterSpec.from_json(spec.to_json()) == spec
+    True
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, replace
+
+from .errors import ClusterSpecError
+
+__all__ = ["DeviceSpec", "LinkSpec", "ClusterSpec", "PRESETS"]
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One device. Figures are peak (vendor) numbers; cost models apply measured efficiencies."""
+    kind: str = "cpu"                     # "cpu" or "cuda"
+    name: str = "cpu"
+    memory_bytes: int = 16 * 2**30
+    peak_flops: float = 50e9              # FLOP/s for the training dtype
+    mem_bandwidth: float = 10e9           # bytes/s
+    efficiency: dict = field(default_factory=dict)   # op class -> fraction of peak, from calibrate()
+
+    def __hash__(self):
+        return hash((self.kind, self.name, self.memory_bytes, self.peak_flops, self.mem_bandwidth))
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    """A link class: bandwidth in bytes/s per direction per device, latency in seconds."""
+    bandwidth: float
+    latency: float
+
+
+# Vendor figures. A100 SXM4 80GB: 312 TFLOP/s bf16 dense, 2.039 TB/s HBM2e, NVLink3 600 GB/s
+# total (300 GB/s per direction); H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink4
+# 900 GB/s total. Inter-node: 8x 200 Gb/s HDR (A100, DGX A100) and 8x 400 Gb/s NDR (H100,
+# DGX H100) InfiniBand, i.e. 25 GB/s and 50 GB/s per GPU.
+PRESETS = {
+    "a100-80gb": dict(device=DeviceSpec("cuda", "A100-SXM4-80GB", 80 * 2**30, 312e12, 2.039e12),
+                      intra=LinkSpec(300e9, 3e-6), inter=LinkSpec(25e9, 5e-6)),
+    "a100-40gb": dict(device=DeviceSpec("cuda", "A100-SXM4-40GB", 40 * 2**30, 312e12, 1.555e12),
+                      intra=LinkSpec(300e9, 3e-6), inter=LinkSpec(25e9, 5e-6)),
+    "h100-80gb": dict(device=DeviceSpec("cuda", "H100-SXM5-80GB", 80 * 2**30, 989e12, 3.35e12),
+                      intra=LinkSpec(450e9, 2.5e-6), inter=LinkSpec(50e9, 5e-6)),
+}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """``nodes`` machines of ``devices_per_node`` identical devices each.
+
+    Ranks are numbered node-major: rank r lives on node ``r // devices_per_node``.
+    """
+    device: DeviceSpec = field(default_factory=DeviceSpec)
+    nodes: int = 1
+    devices_per_node: int = 1
+    intra_node: LinkSpec = field(default_factory=lambda: LinkSpec(1.5 * 2**30, 50e-6))
+    inter_node: LinkSpec = field(default_factory=lambda: LinkSpec(1.25e9, 100e-6))
+    backend: str = "gloo"
+
+    def __post_init__(self):
+        self.validate()
+
+    # ---- construction -------------------------------------------------------------------
+    @classmethod
+    def local(cls, world_size: int, **overrides) -> "ClusterSpec":
+        """``world_size`` CPU processes on this machine, talking over gloo on 127.0.0.1.
+
+        Loopback figures are measured on a 2-core machine (about 1.5 GiB/s for 128 MB
+        all_reduce); run :meth:`calibrate` for this machine's own numbers.
+        """
+        if not isinstance(world_size, int) or world_size < 1:
+            raise ClusterSpecError(f"ClusterSpec.local(world_size={world_size!r}): world_size must be a positive int.")
+        cpu = DeviceSpec("cpu", "cpu", _host_memory_bytes(), 50e9, 10e9)
+        return cls(**{"device": cpu, "nodes": 1, "devices_per_node": world_size, "backend": "gloo", **overrides})
+
+    @classmethod
+    def preset(cls, name: str, nodes: int = 1, gpus_per_node: int = 8) -> "ClusterSpec":
+        """A cluster of well-known GPU nodes (``"a100-80gb"``, ``"a100-40gb"``, ``"h100-80gb"``)."""
+        if name not in PRESETS:
+            raise ClusterSpecError(f"unknown ClusterSpec preset {name!r}; choose one of {sorted(PRESETS)}")
+        p = PRESETS[name]
+        return cls(device=p["device"], nodes=nodes, devices_per_node=gpus_per_node,
+                   intra_node=p["intra"], inter_node=p["inter"], backend="nccl")
+
+    @classmethod
+    def calibrate(cls, world_size: int = 2, **kwargs) -> "ClusterSpec":
+        """Measure this machine (collective bandwidth/latency by size, op throughput)."""
+        from cost_models.calibrate import calibrate  # cost models never import fxpar's runtime
+        return calibrate(world_size=world_size, **kwargs)
+
+    # ---- queries ----------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.devices_per_node
+
+    def link(self, a: int, b: int) -> LinkSpec:
+        """The link class between ranks ``a`` and ``b``."""
+        return self.intra_node if self.node_of(a) == self.node_of(b) else self.inter_node
+
+    def with_world_size(self, world_size: int) -> "ClusterSpec":
+        return replace(self, nodes=1, devices_per_node=world_size)
+
+    # ---- checks -------------------------------------------------------------------------
+    def validate(self) -> None:
+        d = self.device
+        problems = []
+        if self.nodes < 1 or self.devices_per_node < 1:
+            problems.append(f"nodes={self.nodes}, devices_per_node={self.devices_per_node}: both must be >= 1")
+        if d.memory_bytes <= 0:
+            problems.append(f"device.memory_bytes={d.memory_bytes}: must be > 0")
+        if d.peak_flops <= 0:
+            problems.append(f"device.peak_flops={d.peak_flops}: must be > 0")
+        if d.mem_bandwidth <= 0:
+            problems.append(f"device.mem_bandwidth={d.mem_bandwidth}: must be > 0")
+        for name, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
+            if link.bandwidth <= 0:
+                problems.append(f"{name}.bandwidth={link.bandwidth}: a link needs a positive bandwidth (bytes/s)")
+            if link.latency < 0:
+                problems.append(f"{name}.latency={link.latency}: must be >= 0 seconds")
+        if self.backend not in ("gloo", "nccl", "fake"):
+            problems.append(f"backend={self.backend!r}: use 'gloo' (CPU), 'nccl' (GPU) or 'fake' (planning only)")
+        if d.kind == "cpu" and self.backend == "nccl":
+            problems.append("backend='nccl' needs CUDA devices; use backend='gloo' for CPU devices")
+        if problems:
+            raise ClusterSpecError("invalid ClusterSpec:\n  - " + "\n  - ".join(problems))
+
+    def check_fits(self, bytes_needed: int, what: str) -> None:
+        """Raise if ``bytes_needed`` (e.g. one parameter) cannot fit in one device's memory."""
+        if bytes_needed > self.device.memory_bytes:
+            raise ClusterSpecError(
+                f"{what} needs {bytes_needed} bytes but a {self.device.name} has {self.device.memory_bytes} bytes "
+                "of memory; shard it (Strategy(tp=...) or zero=3) or use larger devices.")
+
+    # ---- JSON -----------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
+        if path:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ClusterSpec":
+        try:
+            return cls(device=DeviceSpec(**d["device"]), nodes=d["nodes"], devices_per_node=d["devices_per_node"],
+                       intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
+                       backend=d.get("backend", "gloo"))
+        except (KeyError, TypeError) as e:
+            raise ClusterSpecError(f"ClusterSpec JSON is missing or has a wrong field: {e}") from None
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> "ClusterSpec":
+        text = text_or_path
+        if not text_or_path.lstrip().startswith("{") and os.path.exists(text_or_path):
+            with open(text_or_path) as f:
+                text = f.read()
+        return cls.from_dict(json.loads(text))
+
+    def __str__(self) -> str:
+        d = self.device
+        return (f"{self.nodes} node(s) x {self.devices_per_node} {d.name} ({d.memory_bytes / 2**30:.0f} GiB, "
+                f"{d.peak_flops / 1e12:.3g} TFLOP/s), backend={self.backend}, intra {self.intra_node.bandwidth / 1e9:.3g} GB/s, "
+                f"inter {self.inter_node.bandwidth / 1e9:.3g} GB/s")
+
+
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 16 * 2**30

@@ -1,0 +1,84 @@
+"""Inserting functional collectives into a graph: the helpers passes (ours and users') call.
+
+A collective is two nodes: the functional op, which starts it, and ``wait_tensor``, which
+blocks until the result is there. Everything between them overlaps with the communication,
+so moving a wait later is how a pass expresses overlap. Groups are named by mesh axis
+(``"fxpar:dp"``) in the graph; the runtime binds that name to this rank's process group, so
+ranks that differ only in their dp coordinate share one graph.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+
+from . import meta as M
+
+__all__ = ["group_tag", "axis_of_tag", "insert_all_reduce", "insert_broadcast", "is_collective", "is_wait",
+           "collective_nodes", "C10D"]
+
+C10D = torch.ops._c10d_functional
+_TAG = "fxpar:"
+
+
+def group_tag(axis: str) -> str:
+    return _TAG + axis
+
+
+def axis_of_tag(tag) -> str | None:
+    return tag[len(_TAG):] if isinstance(tag, str) and tag.startswith(_TAG) else None
+
+
+def is_collective(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and M.COMM.name in n.meta
+
+
+def is_wait(n: torch.fx.Node) -> bool:
+    return n.op == "call_function" and n.target is C10D.wait_tensor.default
+
+
+def collective_nodes(gm: torch.fx.GraphModule) -> list:
+    """Collectives in graph (issue) order."""
+    return [n for n in gm.graph.nodes if is_collective(n)]
+
+
+def _nbytes(node: torch.fx.Node) -> int:
+    v = node.meta.get("val")
+    return int(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0
+
+
+def _stamp(node, src, val):
+    node.meta["val"] = val
+    if src is not None:
+        for k in (M.PHASE.name, M.MODULE.name):
+            if k in src.meta:
+                node.meta[k] = src.meta[k]
+
+
+def insert_all_reduce(graph: torch.fx.Graph, x: torch.fx.Node, axis: str, ranks: tuple,
+                      after: torch.fx.Node | None = None, wait_before: torch.fx.Node | None = None,
+                      reduce_op: str = "sum") -> tuple:
+    """Insert ``all_reduce(x)`` after ``after`` (default: x) and its wait before ``wait_before``
+    (default: right after the collective). Returns ``(collective, wait)``."""
+    with graph.inserting_after(after or x):
+        ar = graph.call_function(C10D.all_reduce.default, (x, reduce_op, group_tag(axis)))
+    _stamp(ar, x, x.meta.get("val"))
+    M.set_meta(ar, M.COMM, M.CommInfo("all_reduce", axis, tuple(ranks), _nbytes(x), reduce_op))
+    ctx = graph.inserting_before(wait_before) if wait_before is not None else graph.inserting_after(ar)
+    with ctx:
+        w = graph.call_function(C10D.wait_tensor.default, (ar,))
+    _stamp(w, x, x.meta.get("val"))
+    return ar, w
+
+
+def insert_broadcast(graph: torch.fx.Graph, x: torch.fx.Node, axis: str, ranks: tuple, src: int,
+                     before: torch.fx.Node | None = None) -> tuple:
+    """Broadcast ``x`` from global rank ``src`` over the axis group, inserted before ``before``
+    (default: right after x); returns ``(collective, wait)``."""
+    with (graph.inserting_before(before) if before is not None else graph.inserting_after(x)):
+        bc = graph.call_function(C10D.broadcast.default, (x, src, group_tag(axis)))
+    _stamp(bc, x, x.meta.get("val"))
+    M.set_meta(bc, M.COMM, M.CommInfo("broadcast", axis, tuple(ranks), _nbytes(x)))
+    with graph.inserting_after(bc):
+        w = graph.call_function(C10D.wait_tensor.default, (bc,))
+    _stamp(w, x, x.meta.get("val"))
+    return bc, w

@@ -1,0 +1,121 @@
+"""Functional optimizers that trace into the training-step graph.
+
+Each reproduces the update rule of its ``torch.optim`` namesake (single-tensor path, the CPU
+default) with the learning rate and the step count as graph *inputs*, so that torch LR
+schedulers drive the traced program: the runtime keeps a real ``torch.optim`` object only to
+hold ``param_groups[0]["lr"]`` for the scheduler.
+
+    SGD   (torch.optim.SGD): d = g + wd·p;  b = d (first step) else μ·b + (1−τ)·d;
+          d = d + μ·b (nesterov) else b;  p ← p − lr·d
+    Adam  (Kingma & Ba 2015, torch.optim.Adam): g = g + wd·p;  m ← lerp(m, g, 1−β1);
+          v ← β2·v + (1−β2)·g²;  p ← p − lr/(1−β1^t) · m / (√v/√(1−β2^t) + ε)
+    AdamW (Loshchilov & Hutter 2019): as Adam without the wd term in g, and p ← p·(1 − lr·wd) first.
+
+Other optimizers (and these with options fxpar does not trace: amsgrad, maximize, several
+param groups) run eagerly on each rank after the graph returns the synchronised gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["OptimizerSpec", "resolve_optimizer", "TRACEABLE"]
+
+
+@dataclass
+class OptimizerSpec:
+    """The user's optimizer choice, and whether fxpar traces its step into the graph."""
+    cls: type
+    kwargs: dict = field(default_factory=dict)
+    traced: bool = False
+    why_not_traced: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.cls.__name__
+
+    @property
+    def state_names(self) -> tuple:
+        """Per-parameter state tensors the traced step reads and writes."""
+        if not self.traced:
+            return ()
+        if self.cls is torch.optim.SGD:
+            return ("momentum_buffer",) if self.kwargs.get("momentum", 0) else ()
+        return ("exp_avg", "exp_avg_sq")
+
+    def hyper(self, key, default):
+        return self.kwargs.get(key, default)
+
+    def make_torch_optimizer(self, params):
+        return self.cls(params, **self.kwargs)
+
+    def init_state(self, p: torch.Tensor) -> list:
+        return [torch.zeros_like(p) for _ in self.state_names]
+
+    def step(self, p, g, state: list, lr, step):
+        """One update of one parameter; returns (new_p, new_state). ``step`` is the count *after* increment."""
+        if self.cls is torch.optim.SGD:
+            return _sgd(self.kwargs, p, g, state, lr, step)
+        return _adam(self.kwargs, p, g, state, lr, step, decoupled=self.cls is torch.optim.AdamW)
+
+
+TRACEABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+_UNTRACED_OPTIONS = ("amsgrad", "maximize", "differentiable", "capturable", "fused")
+
+
+def resolve_optimizer(optimizer) -> OptimizerSpec:
+    """Accept ``(cls, kwargs)``, ``cls`` or ``None`` (plain SGD, lr=0.01)."""
+    if optimizer is None:
+        optimizer = (torch.optim.SGD, {"lr": 0.01})
+    if isinstance(optimizer, type):
+        optimizer = (optimizer, {})
+    if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[0], type)
+            and issubclass(optimizer[0], torch.optim.Optimizer) and isinstance(optimizer[1], dict)):
+        raise TypeError(f"optimizer={optimizer!r}: pass (torch.optim.X, {{'lr': ...}}), e.g. "
+                        "(torch.optim.AdamW, {'lr': 1e-3}); an optimizer instance cannot be captured because "
+                        "its parameters are the model's, not the ranks' shards.")
+    cls, kwargs = optimizer
+    spec = OptimizerSpec(cls, dict(kwargs))
+    if cls not in TRACEABLE:
+        spec.why_not_traced = f"{cls.__name__} has no traced step in fxpar (traced: SGD, Adam, AdamW)"
+    else:
+        bad = [k for k in _UNTRACED_OPTIONS if kwargs.get(k)]
+        if bad:
+            spec.why_not_traced = f"{cls.__name__} option(s) {bad} are not traced"
+        elif kwargs.get("foreach") is not None:
+            spec.why_not_traced = ""  # foreach only changes the kernel, not the math
+    spec.traced = not spec.why_not_traced
+    return spec
+
+
+def _sgd(kw, p, g, state, lr, step):
+    momentum, dampening = kw.get("momentum", 0.0), kw.get("dampening", 0.0)
+    wd, nesterov = kw.get("weight_decay", 0.0), kw.get("nesterov", False)
+    d = g + wd * p if wd else g
+    new_state = []
+    if momentum:
+        (buf,) = state
+        buf = torch.where(step == 1, d, buf * momentum + (1 - dampening) * d)
+        new_state = [buf]
+        d = d + momentum * buf if nesterov else buf
+    return p - lr * d, new_state
+
+
+def _adam(kw, p, g, state, lr, step, decoupled):
+    beta1, beta2 = kw.get("betas", (0.9, 0.999))
+    eps = kw.get("eps", 1e-8)
+    wd = kw.get("weight_decay", 1e-2 if decoupled else 0.0)
+    exp_avg, exp_avg_sq = state
+    if wd:
+        if decoupled:
+            p = p * (1 - lr * wd)
+        else:
+            g = g + wd * p
+    exp_avg = torch.lerp(exp_avg, g, 1 - beta1)
+    exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, g, g, value=1 - beta2)
+    bias_correction1 = 1 - beta1 ** step
+    bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
+    step_size = lr / bias_correction1
+    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+    return p - step_size * (exp_avg / denom), [exp_avg, exp_avg_sq]

@@ -1,0 +1,166 @@
+"""The pass API: ``(GraphModule, PassContext) -> PassResult``, run in order by a PassManager.
+
+A pass declares the passes it ``requires`` (must have run before it) and those it must come
+``before``; the manager checks the order before running anything, lints the graph and checks
+the step signature after every pass, stamps each new node with the pass that made it
+(``fxpar_pass``), and keeps a history entry per pass so a user can print the graph after each::
+
+    class CountMatmuls(fxpar.Pass):
+        name = "count_matmuls"
+        def run(self, gm, ctx):
+            ctx.notes.append(f"{sum(n.target is torch.ops.aten.mm.default for n in gm.graph.nodes)} mm")
+            return fxpar.PassResult(gm, modified=False)
+
+    program = fxpar.parallelize(..., strategy=fxpar.Strategy(dp=2, passes=[CountMatmuls()]))
+    program.history(rank=0)["count_matmuls"]      # the graph after it, as code
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.fx
+
+from . import meta as M
+from .errors import PassError
+
+__all__ = ["Pass", "PassResult", "PassContext", "PassManager", "HistoryEntry", "graph_pass"]
+
+
+@dataclass
+class PassResult:
+    graph_module: torch.fx.GraphModule
+    modified: bool
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class PassContext:
+    """What a pass may read: the plan, the cluster, the mesh, which rank it lowers for."""
+    plan: Any = None
+    cluster: Any = None
+    mesh: Any = None
+    rank: int = 0
+    signature: Any = None              # fxpar.capture.StepSignature of the graph being lowered
+    captured: Any = None               # fxpar.capture.CapturedStep
+    notes: list = field(default_factory=list)    # plain-language lines for explain()
+    store: dict = field(default_factory=dict)    # what passes hand to later passes / the runtime
+
+
+class Pass:
+    """Subclass and implement :meth:`run`; set ``name``, and optionally ``requires``/``before``."""
+    name: str = ""
+    requires: tuple = ()
+    before: tuple = ()
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> PassResult:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def __call__(self, gm, ctx) -> PassResult:
+        return self.run(gm, ctx)
+
+    def __repr__(self) -> str:
+        return f"<pass {self.name or type(self).__name__}>"
+
+
+def graph_pass(name: str, requires: tuple = (), before: tuple = ()) -> Callable:
+    """Turn ``fn(gm, ctx) -> PassResult | bool | None`` into a Pass."""
+    def wrap(fn):
+        class _FnPass(Pass):
+            def run(self, gm, ctx):
+                r = fn(gm, ctx)
+                if isinstance(r, PassResult):
+                    return r
+                return PassResult(gm, bool(r) if r is not None else True)
+        p = _FnPass()
+        p.name, p.requires, p.before = name, tuple(requires), tuple(before)
+        p.__doc__ = fn.__doc__
+        return p
+    return wrap
+
+
+@dataclass
+class HistoryEntry:
+    pass_name: str
+    modified: bool
+    seconds: float
+    nodes: int
+    code: str
+    info: dict
+
+    def __str__(self) -> str:
+        return f"# after {self.pass_name} ({'modified' if self.modified else 'unchanged'}, {self.nodes} nodes)\n{self.code}"
+
+
+class PassManager:
+    def __init__(self, passes: list, check: bool = True, keep_history: bool = True):
+        self.passes = list(passes)
+        self.check = check
+        self.keep_history = keep_history
+        self._check_order()
+
+    def _check_order(self) -> None:
+        names = [p.name for p in self.passes]
+        for i, p in enumerate(self.passes):
+            if not p.name:
+                raise PassError(f"{p!r} has no name: set `name = '...'` on the pass class")
+            for r in p.requires:
+                if r not in names[:i]:
+                    where = f"it comes at position {names.index(r)}" if r in names else "it is not in the pipeline"
+                    raise PassError(f"pass '{p.name}' requires '{r}' to run before it, but {where}. "
+                                    f"Pipeline order: {names}")
+            for b in p.before:
+                if b in names[:i]:
+                    raise PassError(f"pass '{p.name}' must run before '{b}', but '{b}' is at position "
+                                    f"{names.index(b)} and '{p.name}' at {i}. Pipeline order: {names}")
+
+    def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> tuple:
+        history = []
+        if self.keep_history:
+            history.append(HistoryEntry("capture", True, 0.0, len(gm.graph.nodes), gm.code, {}))
+        done = []
+        for p in self.passes:
+            before = set(gm.graph.nodes)
+            t0 = time.perf_counter()
+            try:
+                result = p(gm, ctx)
+            except PassError:
+                raise
+            except Exception as e:
+                first = (str(e).strip().splitlines() or [""])[0][:500]
+                raise PassError(f"pass '{p.name}' failed on rank {ctx.rank} with {type(e).__name__}: {first} "
+                                f"(passes run before it: {done or 'none'})") from e
+            if not isinstance(result, PassResult):
+                raise PassError(f"pass '{p.name}' returned {type(result).__name__}; a pass returns "
+                                "PassResult(graph_module, modified)")
+            gm = result.graph_module
+            for n in gm.graph.nodes:
+                if n not in before and M.PASS.name not in n.meta:
+                    n.meta[M.PASS.name] = p.name
+            if self.check:
+                self._verify(gm, ctx, p.name, done)
+            if result.modified:
+                gm.recompile()
+            done.append(p.name)
+            if self.keep_history:
+                history.append(HistoryEntry(p.name, result.modified, time.perf_counter() - t0,
+                                            len(gm.graph.nodes), gm.code if result.modified else history[-1].code,
+                                            result.info))
+        return gm, history
+
+    @staticmethod
+    def _verify(gm, ctx, name, done) -> None:
+        try:
+            gm.graph.lint()
+        except Exception as e:
+            first = (str(e).strip().splitlines() or [""])[0][:500]
+            raise PassError(f"after pass '{name}' the graph is malformed: {first} (passes before: {done or 'none'})") from e
+        sig = gm.meta.get("fxpar_signature")
+        if sig is not None:
+            n_in = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
+            outs = gm.graph.find_nodes(op="output")[0].args[0]
+            if n_in != len(sig.inputs) or len(outs) != len(sig.outputs):
+                raise PassError(f"after pass '{name}' the graph has {n_in} inputs / {len(outs)} outputs but its "
+                                f"signature lists {len(sig.inputs)} / {len(sig.outputs)}: a pass that adds inputs or "
+                                "outputs must update gm.meta['fxpar_signature']")

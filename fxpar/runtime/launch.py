@@ -1,0 +1,176 @@
+"""Local launch: N worker processes on this machine, a gloo group on 127.0.0.1.
+
+A :class:`LocalCluster` keeps its workers (and their process group) alive between runs, so
+several programs can run on one group without paying process start-up again::
+
+    with fxpar.LocalCluster(4) as lc:
+        program_a.run_local(batches, cluster=lc)
+        program_b.run_local(batches, cluster=lc)
+
+If any rank raises, every worker is stopped within ``grace_s`` seconds and the caller gets
+:class:`~fxpar.errors.RankFailedError` carrying that rank's traceback: a failure never hangs.
+A run that does not finish in ``timeout_s`` stops the same way and names the ranks still busy.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+from multiprocessing import connection
+
+import torch
+import torch.multiprocessing as mp
+
+from ..errors import RankFailedError
+
+__all__ = ["LocalCluster", "find_free_port", "init_from_env"]
+
+
+def find_free_port() -> int:
+    """A TCP port the OS says is free now (bound to port 0 on 127.0.0.1, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> None:
+    """The torchrun path: ``env://`` rendezvous (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+
+
+def _worker(rank: int, world: int, port: int, conn, backend: str, threads: int, timeout_s: float) -> None:
+    import torch.distributed as dist
+    import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401 - unpickling a GraphModule needs it loaded
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        conn.send(("ready", None))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        conn.send(("err", traceback.format_exc()))
+        return
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            break
+        except BaseException:  # noqa: BLE001 - a payload that does not unpickle here
+            conn.send(("err", "while receiving the work for this rank:\n" + traceback.format_exc()))
+            continue
+        if msg is None:
+            break
+        fn, args = msg
+        try:
+            conn.send(("ok", fn(*args)))
+        except BaseException:  # noqa: BLE001 - reported to the parent, which stops everyone
+            conn.send(("err", traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class LocalCluster:
+    def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 600.0, grace_s: float = 2.0):
+        self.world_size = world_size
+        self.timeout_s, self.grace_s = timeout_s, grace_s
+        self.alive = False
+        ctx = mp.get_context("spawn")
+        port = find_free_port()
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+        self.conns, self.procs = [], []
+        for r in range(world_size):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker, args=(r, world_size, port, child, backend, threads, timeout_s),
+                            daemon=True, name=f"fxpar-rank{r}")
+            p.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(p)
+        self.alive = True
+        self._collect(["ready"] * world_size, what="starting the process group")
+
+    def run(self, fn, per_rank_args: list, timeout_s: float | None = None) -> list:
+        """Call ``fn(*per_rank_args[r])`` on every rank r; return the results in rank order."""
+        if not self.alive:
+            raise RuntimeError("this LocalCluster was stopped after a failure; create a new one")
+        for conn, args in zip(self.conns, per_rank_args):
+            conn.send((fn, tuple(args)))
+        return self._collect(None, what=getattr(fn, "__name__", "run"), timeout_s=timeout_s)
+
+    def _collect(self, expect, what: str, timeout_s: float | None = None) -> list:
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        results = [None] * self.world_size
+        pending = set(range(self.world_size))
+        by_conn = {c: r for r, c in enumerate(self.conns)}
+        by_sentinel = {p.sentinel: r for r, p in enumerate(self.procs)}
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self.close(force=True)
+                raise RankFailedError(min(pending), f"timed out after {timeout_s or self.timeout_s:.0f}s while "
+                                      f"{what}; ranks still busy: {sorted(pending)} (a deadlock, or a rank much "
+                                      "slower than the others)")
+            ready = connection.wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending],
+                                    timeout=left)
+            for obj in ready:
+                if obj in by_conn:
+                    r = by_conn[obj]
+                    if r not in pending:
+                        continue
+                    try:
+                        kind, value = obj.recv()
+                    except EOFError:
+                        kind, value = "err", f"rank {r} closed its pipe (exit code {self.procs[r].exitcode})"
+                    if kind == "err":
+                        self._fail(r, value)
+                    results[r] = value
+                    pending.discard(r)
+                elif obj in by_sentinel and by_sentinel[obj] in pending:
+                    r = by_sentinel[obj]
+                    if not self.conns[r].poll():
+                        self._fail(r, f"rank {r} died with exit code {self.procs[r].exitcode} while {what}")
+        return results
+
+    def _fail(self, rank: int, text: str) -> None:
+        # give the other ranks a moment to report their own errors, then stop everyone
+        time.sleep(min(self.grace_s, 0.2))
+        self.close(force=True)
+        raise RankFailedError(rank, text)
+
+    def close(self, force: bool = False) -> None:
+        if not self.procs:
+            return
+        if not force and self.alive:
+            for c in self.conns:
+                try:
+                    c.send(None)
+                except (OSError, BrokenPipeError):
+                    pass
+            for p in self.procs:
+                p.join(timeout=self.grace_s)
+        for p in self.procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self.procs:
+            p.join(timeout=self.grace_s)
+            if p.is_alive():
+                p.kill()
+        self.alive = False
+        self.procs, self.conns = [], []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close(force=True)
+        except Exception:  # noqa: BLE001
+            pass

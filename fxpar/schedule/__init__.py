@@ -1,0 +1,28 @@
+"""fxpar's pipeline schedule IR: per-rank action lists that print, parse, validate and dry-run.
+
+    >>> from fxpar.schedule import get_schedule, simulate
+    >>> s = get_schedule("1f1b", p=2, m=4)
+    >>> print(s.format_lists().splitlines()[1])
+    rank 0: F0.0 SF0.0>1 F0.1 SF0.1>1 RB0.0<1 B0.0 F0.2 SF0.2>1 RB0.1<1 B0.1 F0.3 SF0.3>1 RB0.2<1 B0.2 RB0.3<1 B0.3 STEP0
+    >>> round(simulate(s).bubble_fraction, 3)    # (p-1)/(m+p-1)
+    0.2
+
+Modules: :mod:`.ir` (Action, Schedule, text grammar), :mod:`.synchronous` (GPipe, 1F1B,
+interleaved), :mod:`.asynchronous` (PipeDream, PipeDream-2BW), :mod:`.chimera`, :mod:`.registry`
+(``get_schedule``), :mod:`.validate` (structural checks), :mod:`.simulate` (the dry run, and the
+runtime semantics an executor must follow).
+"""
+from fxpar.schedule.asynchronous import pipedream, pipedream_2bw
+from fxpar.schedule.chimera import chimera
+from fxpar.schedule.errors import (ScheduleDeadlockError, ScheduleError, ScheduleParseError,
+                                   ScheduleValidationError)
+from fxpar.schedule.ir import Action, ActionKind, Schedule, parse_action
+from fxpar.schedule.registry import SCHEDULES, get_schedule
+from fxpar.schedule.simulate import SimResult, simulate
+from fxpar.schedule.synchronous import gpipe, interleaved, one_f_one_b
+from fxpar.schedule.validate import find_problems, validate
+
+__all__ = ["Action", "ActionKind", "Schedule", "parse_action",
+           "gpipe", "one_f_one_b", "interleaved", "pipedream", "pipedream_2bw", "chimera",
+           "SCHEDULES", "get_schedule", "simulate", "SimResult", "validate", "find_problems",
+           "ScheduleError", "ScheduleParseError", "ScheduleValidationError", "ScheduleDeadlockError"]

@@ -1,0 +1,76 @@
+"""Asynchronous 1F1B schedules without a flush: PipeDream and PipeDream-2BW.
+
+Both keep 1F1B's order (stage s warms up with ``p-s-1`` forwards, then alternates F and B) but never
+drain the pipeline to update weights; instead the weights change while microbatches are in flight,
+and every F/B says which weight version of its stage it uses (``F0.5@2``). Version v of stage s is
+its weights after v STEPs of stage s (0 = initial). A B always uses the version its F used, so the
+runtime must keep ("stash") that version until the B has run.
+
+PipeDream (Harlap, Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training",
+SOSP'19): a STEP after every B (per-microbatch updates); each F uses the newest version. Stage s
+holds at most ``p-s`` versions at once (its in-flight microbatches' stashed versions plus the newest).
+
+PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML'21): the
+m microbatches of batch b accumulate one gradient, computed on every stage with version ``max(b-1, 0)``;
+after the last B of batch b, ``STEP@(b+1)`` makes W(b+1) = W(b) - lr * grad(W(b-1)) -- the paper's
+W(t+1) = W(t) - nu * grad f(W(t-1)) with W(-1) = W(0). Two versions at most, if m >= p.
+
+Example, ``pipedream(2, 3)``::
+
+    rank 0: F0.0@0 SF0.0>1 F0.1@0 SF0.1>1 RB0.0<1 B0.0@0 STEP0@1 F0.2@1 SF0.2>1 RB0.1<1 B0.1@0 STEP0@2 ...
+"""
+from __future__ import annotations
+
+from fxpar.schedule._build import finish
+from fxpar.schedule.errors import ScheduleError
+from fxpar.schedule.ir import Action, ActionKind, Schedule
+from fxpar.schedule.synchronous import _one_f_one_b_lists
+
+__all__ = ["pipedream", "pipedream_2bw"]
+
+
+def pipedream(p: int, m: int) -> Schedule:
+    """PipeDream's asynchronous 1F1B with weight stashing over m microbatches, one STEP per B.
+
+    F of microbatch i on stage s uses the newest version, which is the number of B's stage s ran
+    before it: ``max(0, i - (p-s-1))``. Its B uses the same version; ``STEP@(k+1)`` follows ``B k``.
+    The schedule covers m microbatches from an empty pipeline to an empty pipeline; in a long run the
+    next window continues with version m (steady state is never flushed in PipeDream).
+    """
+    if p < 1 or m < 1:
+        raise ScheduleError(f"pipedream: need p >= 1 stages and m >= 1 microbatches, got p={p}, m={m}")
+
+    def version(s: int, i: int) -> int:
+        return max(0, i - (p - s - 1))
+
+    lists = _one_f_one_b_lists(p, m, version, lambda s, k: Action(s, ActionKind.STEP, s, version=k + 1))
+    return finish(lists, p, m, {s: (s,) for s in range(p)}, "pipedream", step=False)
+
+
+def pipedream_2bw(p: int, m: int, n_batches: int = 2) -> Schedule:
+    """PipeDream-2BW: 1F1B over ``n_batches`` batches of m microbatches without a flush between them.
+
+    Microbatch j belongs to batch ``b = j // m`` and uses version ``max(b-1, 0)`` on every stage, for F
+    and B alike; ``STEP@(b+1)`` follows the B of batch b's last microbatch on each stage. The schedule
+    has ``n_batches * m`` microbatches (``n_microbatches`` counts them all). The paper's bound of two
+    stashed versions per stage needs m >= p (a batch must outlast one trip through the pipeline).
+    """
+    if p < 1 or m < 1 or n_batches < 1:
+        raise ScheduleError(f"2bw: need p, m, n_batches >= 1, got p={p}, m={m}, n_batches={n_batches}")
+    if m < p:
+        raise ScheduleError(
+            f"2bw(p={p}, m={m}) needs m >= p microbatches per batch: PipeDream-2BW keeps only two weight "
+            f"versions because each batch outlasts one trip through the {p}-stage pipeline (Narayanan et al. "
+            f"ICML'21). With m={m} a stage would need a third version. Use m >= {p}, or 'pipedream' for "
+            f"per-microbatch updates.")
+    total = m * n_batches
+
+    def version(s: int, j: int) -> int:
+        return max(j // m - 1, 0)
+
+    def step_after(s: int, k: int):
+        return Action(s, ActionKind.STEP, s, version=k // m + 1) if k % m == m - 1 else None
+
+    lists = _one_f_one_b_lists(p, total, version, step_after)
+    return finish(lists, p, total, {s: (s,) for s in range(p)}, "2bw", step=False,
+                  batch=m, n_batches=n_batches)

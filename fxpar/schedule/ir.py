@@ -1,0 +1,230 @@
+"""The pipeline schedule IR: one ``Action`` per thing a rank does, a ``Schedule`` of per-rank lists.
+
+Text grammar of one action (``str(action)`` prints it, :func:`parse_action` reads it back)::
+
+    action   := [RANK ":"] body
+    body     := ("F" | "B" | "W") STAGE "." MB [ "@" VERSION ]      compute
+              | ("SF" | "SB") STAGE "." MB ">" PEER                  send (activations | gradients)
+              | ("RF" | "RB") STAGE "." MB "<" PEER                  receive (activations | gradients)
+              | "SYNC" STAGE                                          all-reduce of a stage's gradients
+              | "STEP" STAGE [ "@" VERSION ]                          optimizer step of a stage
+
+    F0.3      forward of stage 0, microbatch 3 (F of the last stage also computes the loss)
+    B1.2@4    backward of stage 1, microbatch 2, with weight version 4 of stage 1
+    SF0.3>1   send the output activations of stage 0, microbatch 3, to rank 1
+    RF1.3<0   receive the input activations of stage 1, microbatch 3, from rank 0
+    SB1.2>0   send the input gradients of stage 1, microbatch 2, to rank 0
+    RB0.2<1   receive the output gradients of stage 0, microbatch 2, from rank 1
+    SYNC0     all-reduce (sum) stage 0's gradients over every rank holding a replica of stage 0
+    STEP0@3   optimizer step of stage 0 that creates weight version 3 of stage 0
+    2:F0.3    the same forward, on rank 2 (the full form; inside a rank's list the prefix is left out)
+
+A send names the stage that produced the tensor, a receive the stage that consumes it: ``SF0.3>1``
+on rank 0 matches ``RF1.3<0`` on rank 1, and ``SB1.2>0`` on rank 1 matches ``RB0.2<1`` on rank 0.
+
+Versions (asynchronous schedules only; ``None`` in synchronous ones, printed as nothing): version
+``v`` of a stage is its weights after ``v`` optimizer steps of that stage, version 0 the initial
+weights. ``F``/``B``/``W`` carry the version they compute with; a ``B`` uses the version its ``F``
+used (PipeDream's weight stashing, Harlap/Narayanan et al. SOSP'19). ``STEP@v`` creates version v.
+
+A :class:`Schedule` prints as a step x rank grid (like ``_format_pipeline_order`` in
+``torch.distributed.pipelining``) under a one-line header, and :meth:`Schedule.parse` reads that grid,
+or the plainer ``rank R: A A A`` lines of :meth:`Schedule.format_lists`, back.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from enum import Enum
+
+from fxpar.schedule.errors import ScheduleParseError
+
+__all__ = ["ActionKind", "Action", "Schedule", "parse_action", "COMPUTE", "SENDS", "RECVS"]
+
+
+class ActionKind(str, Enum):
+    F = "F"            # forward of one stage, one microbatch
+    B = "B"            # backward: input and weight gradients (input gradients only if a W follows)
+    W = "W"            # weight gradients only (optional split of B)
+    SEND_F = "SF"      # send output activations to the rank running the next stage
+    RECV_F = "RF"      # receive input activations from the rank running the previous stage
+    SEND_B = "SB"      # send input gradients to the rank running the previous stage
+    RECV_B = "RB"      # receive output gradients from the rank running the next stage
+    SYNC = "SYNC"      # all-reduce (sum) of a stage's gradients over its replicas
+    STEP = "STEP"      # optimizer step of a stage
+
+
+COMPUTE = frozenset({ActionKind.F, ActionKind.B, ActionKind.W})
+SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
+RECVS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
+_VERSIONED = COMPUTE | {ActionKind.STEP}
+_NO_MB = frozenset({ActionKind.SYNC, ActionKind.STEP})
+
+_ACTION_RE = re.compile(r"^(?:(\d+):)?(SYNC|STEP|SF|SB|RF|RB|F|B|W)(\d+)(?:\.(\d+))?(?:([<>])(\d+))?(?:@(\d+))?$")
+
+
+@dataclass(frozen=True)
+class Action:
+    """One thing one rank does. See the module docstring for the text form."""
+
+    rank: int
+    kind: ActionKind
+    stage: int
+    microbatch: int | None = None
+    peer: int | None = None
+    version: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "kind", ActionKind(self.kind))
+        k = self.kind
+        if k in _NO_MB and self.microbatch is not None:
+            raise ValueError(f"{k.name} applies to a whole stage; it takes no microbatch (got {self.microbatch})")
+        if k not in _NO_MB and self.microbatch is None:
+            raise ValueError(f"{k.name} of stage {self.stage} needs a microbatch")
+        if (k in SENDS or k in RECVS) != (self.peer is not None):
+            raise ValueError(f"{k.name}: a peer rank is required for SEND/RECV and only for them")
+        if self.version is not None and k not in _VERSIONED:
+            raise ValueError(f"{k.name} carries no weight version (only F, B, W and STEP do)")
+        if min(self.rank, self.stage, self.microbatch or 0, self.peer or 0, self.version or 0) < 0:
+            raise ValueError(f"negative rank, stage, microbatch, peer or version in {self!r}")
+
+    def short(self) -> str:
+        """The text form without the rank prefix, as it appears in a rank's list: ``F0.3``."""
+        s = f"{self.kind.value}{self.stage}"
+        if self.microbatch is not None:
+            s += f".{self.microbatch}"
+        if self.kind in SENDS:
+            s += f">{self.peer}"
+        elif self.kind in RECVS:
+            s += f"<{self.peer}"
+        if self.version is not None:
+            s += f"@{self.version}"
+        return s
+
+    def __str__(self) -> str:
+        return f"{self.rank}:{self.short()}"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in COMPUTE
+
+
+def parse_action(text: str, rank: int | None = None) -> Action:
+    """Read one action. ``"1:F0.3"`` carries its rank; ``"F0.3"`` takes it from ``rank``."""
+    m = _ACTION_RE.match(text.strip())
+    if m is None:
+        raise ScheduleParseError(f"cannot read action {text!r}: expected e.g. F0.3, B1.2@4, SF0.3>1, RF1.3<0, "
+                                 f"SYNC0, STEP0@1, optionally prefixed by 'RANK:'")
+    r, kind, stage, mb, arrow, peer, ver = m.groups()
+    if r is None and rank is None:
+        raise ScheduleParseError(f"action {text!r} names no rank: write '{rank or 0}:{text}' or pass rank=")
+    if r is not None and rank is not None and int(r) != rank:
+        raise ScheduleParseError(f"action {text!r} says rank {r} but sits in rank {rank}'s list")
+    k = ActionKind(kind)
+    want_arrow = ">" if k in SENDS else "<" if k in RECVS else None
+    if arrow != want_arrow:
+        raise ScheduleParseError(f"action {text!r}: {k.name} takes {repr(want_arrow) if want_arrow else 'no'} peer arrow")
+    try:
+        return Action(int(r) if r is not None else rank, k, int(stage), None if mb is None else int(mb),
+                      None if peer is None else int(peer), None if ver is None else int(ver))
+    except ValueError as e:
+        raise ScheduleParseError(f"action {text!r}: {e}") from None
+
+
+def _format_placement(stage_to_rank: dict[int, tuple[int, ...]]) -> str:
+    return ",".join(f"{s}:{'/'.join(map(str, rs))}" for s, rs in sorted(stage_to_rank.items()))
+
+
+def _parse_placement(text: str) -> dict[int, tuple[int, ...]]:
+    out = {}
+    for item in text.split(","):
+        s, rs = item.split(":")
+        out[int(s)] = tuple(int(r) for r in rs.split("/"))
+    return out
+
+
+@dataclass
+class Schedule:
+    """Per-rank action lists plus the shape of the pipeline.
+
+    ``stage_to_rank[s]`` is the tuple of ranks holding a replica of stage ``s``: ``(s,)`` for
+    1F1B, ``(s % p,)`` for interleaved, ``(s, p-1-s)`` for Chimera. Every rank in ``actions`` is
+    listed, even one with nothing to do.
+    """
+
+    actions: dict[int, list[Action]]
+    n_stages: int
+    n_microbatches: int
+    stage_to_rank: dict[int, tuple[int, ...]]
+    name: str = "custom"
+    meta: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def n_ranks(self) -> int:
+        return len(self.actions)
+
+    def rank_stages(self, rank: int) -> list[int]:
+        """The stages whose weights ``rank`` holds."""
+        return [s for s, rs in sorted(self.stage_to_rank.items()) if rank in rs]
+
+    def where(self, kind: ActionKind, stage: int, microbatch: int | None = None) -> list[Action]:
+        """Every action of this kind, stage and microbatch, over all ranks (for tests and tools)."""
+        return [a for acts in self.actions.values() for a in acts
+                if a.kind == kind and a.stage == stage and (microbatch is None or a.microbatch == microbatch)]
+
+    # ----- text -----------------------------------------------------------------------------
+    def header(self) -> str:
+        extra = "".join(f" {k}={v}" for k, v in sorted(self.meta.items()))
+        return (f"# schedule name={self.name} ranks={self.n_ranks} stages={self.n_stages} "
+                f"microbatches={self.n_microbatches} placement={_format_placement(self.stage_to_rank)}{extra}")
+
+    def format_lists(self) -> str:
+        """Header, then one ``rank R: A A A`` line per rank."""
+        lines = [self.header()]
+        for r in sorted(self.actions):
+            lines.append(f"rank {r}: " + " ".join(a.short() for a in self.actions[r]))
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        """Header, then a grid: one row per step (position in the rank's list), one column per rank."""
+        ranks = sorted(self.actions)
+        cols = {r: [a.short() for a in self.actions[r]] for r in ranks}
+        width = max([len(x) for c in cols.values() for x in c] + [len(f"rank{r}") for r in ranks] + [1])
+        n_steps = max((len(c) for c in cols.values()), default=0)
+        sw = max(len(str(max(n_steps - 1, 0))), 4)
+        lines = [self.header(), "step".rjust(sw) + "  " + "  ".join(f"rank{r}".ljust(width) for r in ranks).rstrip()]
+        for t in range(n_steps):
+            cells = [(cols[r][t] if t < len(cols[r]) else ".").ljust(width) for r in ranks]
+            lines.append(str(t).rjust(sw) + "  " + "  ".join(cells).rstrip())
+        return "\n".join(lines)
+
+    @classmethod
+    def parse(cls, text: str) -> "Schedule":
+        """Read :meth:`__str__`'s grid or :meth:`format_lists`'s lines back into a Schedule."""
+        lines = [ln.rstrip() for ln in text.strip().splitlines() if ln.strip()]
+        if not lines or not lines[0].startswith("# schedule "):
+            raise ScheduleParseError("schedule text must start with a '# schedule name=... ranks=... stages=... "
+                                     "microbatches=... placement=...' header line")
+        fields = dict(kv.split("=", 1) for kv in lines[0][len("# schedule "):].split())
+        try:
+            n_ranks, n_stages, n_mb = int(fields.pop("ranks")), int(fields.pop("stages")), int(fields.pop("microbatches"))
+            placement, name = _parse_placement(fields.pop("placement")), fields.pop("name")
+        except (KeyError, ValueError) as e:
+            raise ScheduleParseError(f"bad schedule header {lines[0]!r}: {e}") from None
+        actions: dict[int, list[Action]] = {r: [] for r in range(n_ranks)}
+        body = lines[1:]
+        if body and body[0].split()[0] == "step":
+            ranks = [int(c[len("rank"):]) for c in body[0].split()[1:]]
+            for ln in body[1:]:
+                cells = ln.split()[1:]
+                for r, cell in zip(ranks, cells):
+                    if cell != ".":
+                        actions[r].append(parse_action(cell, r))
+        else:
+            for ln in body:
+                m = re.match(r"^rank (\d+):(.*)$", ln)
+                if m is None:
+                    raise ScheduleParseError(f"cannot read line {ln!r}: expected 'rank R: ACTION ACTION ...'")
+                r = int(m.group(1))
+                actions[r] = [parse_action(tok, r) for tok in m.group(2).split()]
+        return cls(actions, n_stages, n_mb, placement, name, fields)

@@ -1,0 +1,64 @@
+"""Strategy: what the user asks for. The planner turns it into a Plan (what will be done)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import StrategyError
+
+__all__ = ["Strategy"]
+
+_SCHEDULES = ("gpipe", "1f1b", "interleaved", "pipedream", "2bw", "chimera")
+
+
+@dataclass
+class Strategy:
+    """How to parallelise a training step.
+
+    dp, tp, pp: sizes of the data-, tensor- and pipeline-parallel mesh axes; their product must
+        equal the ClusterSpec's world size.
+    bucket_cap_mb: gradient bucket size for data parallelism (DDP's default: 25 MB). 0 means one
+        collective per gradient.
+    broadcast_buffers: like DDP's flag: after each step every dp rank takes dp-rank 0's buffers
+        (BatchNorm running statistics).
+    passes: your own passes (fxpar.Pass), appended after fxpar's, in order.
+    """
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    schedule: str | None = None
+    microbatches: int = 1
+    split_points: list | None = None
+    bucket_cap_mb: float = 25.0
+    broadcast_buffers: bool = True
+    passes: list = field(default_factory=list)
+
+    def __post_init__(self):
+        for name in ("dp", "tp", "pp", "microbatches"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise StrategyError(f"Strategy({name}={v!r}): {name} must be a positive int")
+        if self.bucket_cap_mb < 0:
+            raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
+        if self.schedule is not None and self.schedule not in _SCHEDULES:
+            raise StrategyError(f"Strategy(schedule={self.schedule!r}): choose one of {_SCHEDULES}")
+
+    @property
+    def size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def coerce(cls, strategy, world_size: int) -> "Strategy":
+        """Accept a Strategy, "auto" / None (data parallel over every rank), or a list of passes."""
+        if strategy is None or strategy == "auto":
+            return cls(dp=world_size)
+        if isinstance(strategy, (list, tuple)):
+            return cls(dp=world_size, passes=list(strategy))
+        if not isinstance(strategy, cls):
+            raise StrategyError(f"strategy={strategy!r}: pass fxpar.Strategy(...), 'auto', or a list of passes")
+        return strategy
+
+    def __str__(self) -> str:
+        parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.pp > 1:
+            parts += [f"schedule={self.schedule or '1f1b'}", f"microbatches={self.microbatches}"]
+        return "Strategy(" + ", ".join(parts) + ")"

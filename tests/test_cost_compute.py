@@ -1,0 +1,93 @@
+"""cost_models.compute: FLOPs per op against closed forms and torch.utils.flop_counter."""
+import torch
+import torch.nn.functional as F
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils.flop_counter import FlopCounterMode
+
+from cost_models.compute import graph_compute, node_cost, node_time
+from fxpar.cluster import ClusterSpec, DeviceSpec
+
+
+def _trace(fn, *args, mode="fake"):
+    return make_fx(fn, tracing_mode=mode)(*args)
+
+
+def _costs(gm, target):
+    return [node_cost(n) for n in gm.graph.nodes if n.op == "call_function" and n.target == target]
+
+
+def test_mm_is_exactly_2mnk_and_bytes_in_plus_out():
+    m, k, n = 7, 11, 13
+    gm = _trace(torch.mm, torch.randn(m, k), torch.randn(k, n))
+    (c,) = _costs(gm, torch.ops.aten.mm.default)
+    assert c.flops == 2 * m * n * k
+    assert c.bytes == 4 * (m * k + k * n + m * n)
+    assert (c.op_class, c.rule) == ("matmul", "table")
+
+
+def test_addmm_bmm_baddbmm():
+    gm = _trace(lambda b, x, w: torch.addmm(b, x, w), torch.randn(5), torch.randn(3, 4), torch.randn(4, 5))
+    assert _costs(gm, torch.ops.aten.addmm.default)[0].flops == 2 * 3 * 5 * 4 + 3 * 5
+    gm = _trace(torch.bmm, torch.randn(2, 3, 4), torch.randn(2, 4, 6))
+    assert _costs(gm, torch.ops.aten.bmm.default)[0].flops == 2 * 2 * 3 * 6 * 4
+    gm = _trace(torch.baddbmm, torch.randn(2, 3, 6), torch.randn(2, 3, 4), torch.randn(2, 4, 6))
+    assert _costs(gm, torch.ops.aten.baddbmm.default)[0].flops == 2 * 2 * 3 * 6 * 4 + 2 * 3 * 6
+
+
+def test_conv_forward_and_backward_match_closed_form_and_flop_counter():
+    x, w = torch.randn(2, 3, 16, 16, requires_grad=True), torch.randn(8, 3, 3, 3, requires_grad=True)
+
+    def f(x, w):
+        y = F.conv2d(x, w, padding=1, stride=2)
+        return torch.autograd.grad(y.sum(), (x, w))
+
+    gm = _trace(f, x, w)
+    (fwd,) = _costs(gm, torch.ops.aten.convolution.default)
+    # out 2x8x8x8; 2 * N * Cout * Hout * Wout * Cin * kh * kw
+    assert fwd.flops == 2 * 2 * 8 * 8 * 8 * 3 * 3 * 3
+    (bwd,) = _costs(gm, torch.ops.aten.convolution_backward.default)
+    with FlopCounterMode(display=False) as fc:
+        f(x, w)
+    assert fwd.flops + bwd.flops == fc.get_total_flops()
+
+
+def test_cpu_flash_attention_forward_backward():
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+
+    def f(q, k, v):
+        return torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(), q)
+
+    gm = _trace(f, q, torch.randn(2, 4, 16, 8), torch.randn(2, 4, 16, 8))
+    costs = [node_cost(n) for n in gm.graph.nodes if "attention" in str(n.target)]
+    assert [c.op_class for c in costs] == ["attention", "attention"]
+    fwd = 2 * (2 * 2 * 4 * 16 * 16 * 8)
+    assert [c.flops for c in costs] == [fwd, 2 * fwd]
+
+
+def test_unknown_op_gets_default_and_is_listed():
+    gm = _trace(lambda x: torch.cumsum(x, 0) + 1, torch.randn(4, 5))
+    gc = graph_compute(gm, DeviceSpec())
+    assert gc.defaulted == {"aten.cumsum.default": 1}
+    (c,) = _costs(gm, torch.ops.aten.cumsum.default)
+    assert (c.flops, c.bytes, c.rule) == (20, 160, "default")
+    (add,) = _costs(gm, torch.ops.aten.add.Tensor)
+    assert add.rule == "pointwise"
+
+
+def test_views_are_free_and_roofline_picks_the_bound():
+    gm = _trace(lambda x: x.t().reshape(-1).sum(), torch.randn(64, 32))
+    free = [node_cost(n) for n in gm.graph.nodes if n.target == torch.ops.aten.t.default]
+    assert free[0].flops == 0 and free[0].bytes == 0
+    dev = DeviceSpec(peak_flops=1e9, mem_bandwidth=1e9, efficiency={"matmul": 0.5})
+    mm = _costs(_trace(torch.mm, torch.randn(100, 100), torch.randn(100, 100)), torch.ops.aten.mm.default)[0]
+    assert node_time(mm, dev) == 2e6 / 0.5e9                      # compute-bound
+    add = _costs(_trace(torch.add, torch.randn(1000), torch.randn(1000)), torch.ops.aten.add.Tensor)[0]
+    assert node_time(add, dev) == 12000 / 1e9                     # memory-bound
+
+
+def test_symbolic_shapes_give_symbolic_flops():
+    gm = _trace(torch.mm, torch.randn(6, 5), torch.randn(5, 3), mode="symbolic")
+    (c,) = _costs(gm, torch.ops.aten.mm.default)
+    assert isinstance(c.flops, torch.SymInt)
+    assert node_time(c, ClusterSpec.local(1).device) > 0            # hints make it concrete
+    assert int(c.flops.node.hint) == 2 * 6 * 5 * 3
