@@ -244,7 +244,12 @@ def node_cost(node: torch.fx.Node) -> OpCost:
     ns = getattr(target, "namespace", "")
     if ns == "_c10d_functional" or "fxpar_comm" in node.meta:
         return OpCost(0, 0, "collective", "free")
-    out = node.meta.get("val")
+    if "val" not in node.meta:
+        return OpCost(0, 0, "other", "default")          # no shape to cost: listed in explain()
+    out = node.meta["val"]
+    schema = getattr(target, "_schema", None)
+    if not _tensors(out) and not (schema is not None and schema.is_mutable):
+        return OpCost(0, 0, "size", "free")             # sym_size, operator.mul on SymInts, ...
     args = _args(node)
     packet = getattr(target, "overloadpacket", target)
     entry = FLOP_RULES.get(packet)

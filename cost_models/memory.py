@@ -9,6 +9,7 @@ and live the whole step; graph outputs live to the end. Each storage gets a cate
     param, buffer, opt_state, input      placeholders, by node.meta["fxpar_role"]
     activation                           made in the forward phase, read by a backward node
     grad                                 made in backward, read by the optimizer or returned
+    new_state                            made by the optimizer and returned (updated params/state)
     temporary                            everything else
 
 Before/after of what the walk sees (``x`` a placeholder, ``w`` a param)::
@@ -36,7 +37,8 @@ from .compute import concrete, tensor_bytes
 __all__ = ["Storage", "Liveness", "liveness", "infer_phases", "peak_over_executions",
            "zero_model_state_bytes", "korthikanti_activation_bytes", "CATEGORIES"]
 
-CATEGORIES = ("param", "buffer", "opt_state", "input", "activation", "grad", "temporary")
+CATEGORIES = ("param", "buffer", "opt_state", "input", "activation", "grad", "new_state", "temporary")
+_OPT_ROLES = ("opt_state", "lr", "step")
 _ROLE_CATEGORY = {"param": "param", "buffer": "buffer", "opt_state": "opt_state"}
 _ALIAS_TARGETS = {torch.ops.aten._unsafe_view.default, torch.ops.aten._reshape_alias.default,
                   torch.ops._c10d_functional.wait_tensor.default}
@@ -50,6 +52,7 @@ class Storage:
     start: int
     end: int
     category: str = "temporary"
+    size: object = None          # nbytes as the graph has it: an int, or a SymInt on a symbolic graph
 
 
 @dataclass
@@ -97,8 +100,9 @@ def infer_phases(gm: torch.fx.GraphModule) -> dict:
     """node -> phase: ``node.meta["fxpar_phase"]`` where present, else inferred.
 
     Inference (for graphs not made by ``fxpar.capture``): the first output is the loss and its
-    ancestors are ``forward``; every other computing node is ``backward`` unless its meta says
-    otherwise (so optimizer nodes need the meta to be told apart from backward ones).
+    ancestors are ``forward``; from the first non-forward node that reads an ``opt_state``,
+    ``lr`` or ``step`` placeholder on, nodes are ``optimizer`` (a traced step runs the optimizer
+    last); the rest are ``backward``.
     """
     nodes = list(gm.graph.nodes)
     if all("fxpar_phase" in n.meta for n in nodes if n.op == "call_function"):
@@ -116,14 +120,18 @@ def infer_phases(gm: torch.fx.GraphModule) -> dict:
             continue
         forward.add(n)
         stack.extend(n.all_input_nodes)
-    phases = {}
+    phases, in_optimizer = {}, False
     for n in nodes:
         if "fxpar_phase" in n.meta:
             phases[n] = n.meta["fxpar_phase"]
         elif n.op == "placeholder":
             phases[n] = "input"
+        elif n in forward:
+            phases[n] = "forward"
         else:
-            phases[n] = "forward" if n in forward else "backward"
+            in_optimizer = in_optimizer or any(
+                a.op == "placeholder" and a.meta.get("fxpar_role") in _OPT_ROLES for a in n.all_input_nodes)
+            phases[n] = "optimizer" if in_optimizer else "backward"
     return phases
 
 
@@ -135,6 +143,8 @@ def _category(s_node, users_phase: set, phases: dict, is_output: bool) -> str:
         return "activation"
     if ph == "backward" and ("fxpar_grad_of" in s_node.meta or "optimizer" in users_phase or is_output):
         return "grad"
+    if ph == "optimizer" and is_output:
+        return "new_state"
     return "temporary"
 
 
@@ -163,14 +173,16 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
                 storage_of[n] = src
             continue
         if isinstance(val, torch.Tensor):
-            s = Storage(concrete(tensor_bytes(val)), n, 0 if n.op == "placeholder" else i, i)
+            raw = tensor_bytes(val)
+            s = Storage(concrete(raw), n, 0 if n.op == "placeholder" else i, i, size=raw)
             storages.append(s)
             storage_of[n] = s
         elif isinstance(val, (list, tuple)):
             outs = []
             for v in val:
                 if isinstance(v, torch.Tensor):
-                    s = Storage(concrete(tensor_bytes(v)), n, i, i)
+                    raw = tensor_bytes(v)
+                    s = Storage(concrete(raw), n, i, i, size=raw)
                     storages.append(s)
                     outs.append(s)
                 else:

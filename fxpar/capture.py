@@ -223,6 +223,24 @@ def _clean(name: str) -> str:
     return "".join(c if c.isalnum() else "_" for c in name)
 
 
+def _backward_module(n: torch.fx.Node, param_module: dict) -> str:
+    """A backward node belongs to the module whose activations or parameters it reads (the deepest),
+    else to the module of the backward node that feeds it. Data flow, not autograd bookkeeping."""
+    best = ""
+    for a in n.all_input_nodes:
+        m = param_module.get(a)
+        if m is None and a.op == "call_function" and M.get(a, M.PHASE) == "forward":
+            m = M.get(a, M.MODULE, "")
+        if m and m.count(".") >= best.count(".") and len(m) > len(best):
+            best = m
+    if best:
+        return best
+    for a in n.all_input_nodes:
+        if a.op == "call_function" and M.get(a, M.PHASE) == "backward" and M.get(a, M.MODULE):
+            return M.get(a, M.MODULE)
+    return ""
+
+
 def _annotate(gm: torch.fx.GraphModule, sig: StepSignature) -> None:
     """Name placeholders after the model's keys and write fxpar's meta keys."""
     g = gm.graph
@@ -241,7 +259,8 @@ def _annotate(gm: torch.fx.GraphModule, sig: StepSignature) -> None:
         M.set_meta(node, M.ROLE, role)
         if role in ("param", "buffer", "opt_state"):
             M.set_meta(node, M.PARAM, key)
-    by_seq = {}
+    param_module = {n: M.get(n, M.PARAM).rsplit(".", 1)[0] if "." in M.get(n, M.PARAM) else ""
+                    for n in placeholders if M.get(n, M.ROLE) == "param"}
     for n in g.nodes:
         custom = n.meta.pop("custom", None)
         if n.op != "call_function":
@@ -249,11 +268,8 @@ def _annotate(gm: torch.fx.GraphModule, sig: StepSignature) -> None:
         phase = (custom or {}).get(M.PHASE.name, "optimizer")
         M.set_meta(n, M.PHASE, phase)
         module = (custom or {}).get(M.MODULE.name, "")
-        seq = n.meta.get("seq_nr")
-        if phase == "forward" and seq is not None:
-            by_seq.setdefault(seq, module)
-        elif phase == "backward" and seq is not None:
-            module = by_seq.get(seq, module)
+        if phase == "backward":
+            module = _backward_module(n, param_module)
         M.set_meta(n, M.MODULE, module)
     out = g.find_nodes(op="output")[0]
     for node, (role, key) in zip(out.args[0], sig.outputs):

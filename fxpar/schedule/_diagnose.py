@@ -26,7 +26,7 @@ def _where(schedule: Schedule, ptr: dict[int, int], rank: int) -> str:
 
 
 def _reason(schedule: Schedule, ptr: dict[int, int], r: int, a: Action, blocking: bool) -> str:
-    s, i, n = a.stage, a.microbatch, schedule.n_stages
+    s, i = a.stage, a.microbatch
     here = ptr[r]
     if a.kind in (_K.RECV_F, _K.RECV_B):
         src = a.peer
@@ -87,6 +87,8 @@ def deadlock_error(schedule: Schedule, ptr: dict[int, int], blocking: bool) -> S
     step = min(st for st, _, _ in stuck.values())
     msg = (f"schedule '{schedule.name}' deadlocks at step {step}: ranks {sorted(stuck)} can never go on.\n  "
            + "\n  ".join(lines)
-           + "\nFix the order so each RECV's SEND comes before anything that waits on this rank "
-             "(check with fxpar.schedule.validate, then simulate).")
+           + ("\nWith blocking sends every SEND must meet its RECV at the same point on both ranks: reorder, "
+              "or run with asynchronous sends (isend), the default semantics." if blocking else
+              "\nFix the order so each RECV's SEND comes before anything that waits on this rank "
+              "(check with fxpar.schedule.validate, then simulate)."))
     return ScheduleDeadlockError(msg, stuck)

@@ -13,7 +13,8 @@ holds at most ``p-s`` versions at once (its in-flight microbatches' stashed vers
 PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML'21): the
 m microbatches of batch b accumulate one gradient, computed on every stage with version ``max(b-1, 0)``;
 after the last B of batch b, ``STEP@(b+1)`` makes W(b+1) = W(b) - lr * grad(W(b-1)) -- the paper's
-W(t+1) = W(t) - nu * grad f(W(t-1)) with W(-1) = W(0). Two versions at most, if m >= p.
+W(t+1) = W(t) - nu * grad f(W(t-1)) with W(-1) = W(0). Two versions at most per stage; the
+generator needs m >= p-1 so that version b-1 exists on stage 0 when batch b starts.
 
 Example, ``pipedream(2, 3)``::
 
@@ -52,17 +53,17 @@ def pipedream_2bw(p: int, m: int, n_batches: int = 2) -> Schedule:
 
     Microbatch j belongs to batch ``b = j // m`` and uses version ``max(b-1, 0)`` on every stage, for F
     and B alike; ``STEP@(b+1)`` follows the B of batch b's last microbatch on each stage. The schedule
-    has ``n_batches * m`` microbatches (``n_microbatches`` counts them all). The paper's bound of two
-    stashed versions per stage needs m >= p (a batch must outlast one trip through the pipeline).
+    has ``n_batches * m`` microbatches (``n_microbatches`` counts them all). Needs m >= p-1: stage 0
+    runs batch b's first F after the B of microbatch ``b*m - p``, which must end batch b-2 or later.
     """
     if p < 1 or m < 1 or n_batches < 1:
         raise ScheduleError(f"2bw: need p, m, n_batches >= 1, got p={p}, m={m}, n_batches={n_batches}")
-    if m < p:
+    if m < p - 1:
         raise ScheduleError(
-            f"2bw(p={p}, m={m}) needs m >= p microbatches per batch: PipeDream-2BW keeps only two weight "
-            f"versions because each batch outlasts one trip through the {p}-stage pipeline (Narayanan et al. "
-            f"ICML'21). With m={m} a stage would need a third version. Use m >= {p}, or 'pipedream' for "
-            f"per-microbatch updates.")
+            f"2bw(p={p}, m={m}) needs m >= p-1 = {p - 1} microbatches per batch: batch b computes with weight "
+            f"version b-1, which stage 0 only has after the last backward of batch b-2, and with 1F1B's p-1 = "
+            f"{p - 1} warmup forwards on stage 0 that backward comes before batch b's first forward only if "
+            f"m >= p-1. Use m >= {p - 1}, or 'pipedream' for per-microbatch updates.")
     total = m * n_batches
 
     def version(s: int, j: int) -> int:

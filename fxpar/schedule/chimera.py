@@ -6,21 +6,22 @@ pipeline puts stage s on rank s, the *up* pipeline puts stage s on rank p-1-s, s
 stage s and stage p-1-s (two replicas of every stage in the system: ``stage_to_rank[s] == (s, p-1-s)``).
 The first m/2 microbatches go down, the other m/2 go up. Each worker runs the earliest ready work,
 backwards first (the order is found by list scheduling with equal F and B slots, as the paper's
-figures and bubble counts assume), so the two pipelines fill each other's bubbles. At the end every rank all-reduces (``SYNC``) the
-gradients of both its stages with the other replica -- in increasing stage order on every rank --
-then steps both (``STEP``). Everything is synchronous: one weight version.
+figures and bubble counts assume), so the two pipelines fill each other's bubbles. At the end every
+rank all-reduces (``SYNC``) the gradients of both its stages with the other replica, in increasing
+stage order on every rank, then steps both (``STEP``). Everything is synchronous: one weight version.
 
-The paper's bubble ratio for the basic schedule (m = p microbatches) is (p-2)/(2m+p-2) (Li &
-Hoefler Sec. 3.3 / Table 2, with D = p and N = m), against (p-1)/(m+p-1) for GPipe and 1F1B;
-it counts bubbles in slots where F and B take the same time, and the simulator reproduces it exactly
-with F = B (also for m a multiple of p). With B = 2F the bubble is larger than that figure
-(0.25 instead of 0.2 for p = m = 4). Peak activations per rank lie between p/2 and p
-(more balanced than 1F1B's p on rank 0 and 1 on rank p-1).
+The paper gives the bubble ratio (D-2)/(2N+D-2) for D stages and N microbatches, i.e.
+(p-2)/(2m+p-2), against (p-1)/(m+p-1) for GPipe and 1F1B. It counts bubbles in slots where F and B
+take the same time; with F = B the simulator reproduces the figure exactly for m = p (the basic
+schedule) and for m a multiple of p. For other even m the bubble is larger: the paper's own scheme
+for m > p (concatenating basic units) is not implemented, the list scheduler fills in. With B = 2F
+the bubble exceeds the figure (0.25 instead of 0.2 for p = m = 4). Peak activations per rank lie
+between p/2 and p, more balanced than 1F1B's p on rank 0 and 1 on rank p-1.
 
 Example, ``chimera(2, 2)``::
 
     rank 0: F0.0 SF0.0>1 RF1.1<1 F1.1 B1.1 SB1.1>1 RB0.0<1 B0.0 SYNC0 SYNC1 STEP0 STEP1
-    rank 1: RF1.0<0 F1.0 ... SYNC0 SYNC1 STEP0 STEP1
+    rank 1: F0.1 SF0.1>0 RF1.0<0 F1.0 B1.0 SB1.0>0 RB0.1<0 B0.1 SYNC0 SYNC1 STEP0 STEP1
 """
 from __future__ import annotations
 

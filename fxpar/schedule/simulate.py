@@ -16,16 +16,21 @@ Runtime semantics this simulator implements -- and that an executor must impleme
   which is how one checks a schedule for a runtime with blocking ``send``.
 * ``SYNC s`` is a collective over ``stage_to_rank[s]``: every replica of s must reach its n-th
   ``SYNC s``; all leave together ``sync`` after the last one arrived.
-* ``STEP s`` updates stage s from the gradients accumulated since its previous STEP, creating the
-  next version; ``STEP s@v`` must create exactly version v. ``F``/``B``/``W`` with ``@v`` need version v
-  of their stage to exist on the rank already; without ``@v`` they use the newest version.
+* ``SYNC`` sums the gradients each replica accumulated (for Chimera the two halves of the batch); a
+  runtime that averages losses over microbatches must scale by the global microbatch count.
+* ``STEP s`` updates stage s from the gradients accumulated since its previous STEP (then zeroes
+  them), applied to the newest version, creating the next version; ``STEP s@v`` must create exactly
+  version v. ``F``/``B``/``W`` with ``@v`` need version v of their stage to exist on the rank already
+  and compute with it; without ``@v`` they use the newest version. The runtime may drop a version
+  once it is not the newest and no later F/B/W on that rank names it; the simulator counts versions
+  held exactly that way (``peak_versions``), and activations from the start of F to the end of B (W).
 
 Durations: ``F``, ``B``, ``W``, ``comm``, ``sync``, ``step`` are each a number or a ``{stage: number}``
 mapping. The bubble fraction is the idle share of compute time: ``1 - sum(F/B/W time) / (ranks * makespan)``.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Mapping, Union
 
 from fxpar.schedule.errors import ScheduleDeadlockError, ScheduleValidationError
@@ -48,7 +53,6 @@ class SimResult:
     peak_activations: dict[int, int]                           # stage -> most microbatches in flight (all replicas)
     peak_activations_per_rank: dict[int, int]                  # rank -> most microbatches in flight (all its stages)
     peak_versions: dict[int, int]                              # stage -> most weight versions held (max over replicas)
-    notes: list[str] = field(default_factory=list)
 
     def compute_grid(self, unit: float = 1.0) -> str:
         """One row per rank, one column per ``unit`` of time; each cell the compute action running then."""

@@ -28,8 +28,9 @@ def _check_pm(name: str, p: int, m: int) -> None:
 def _too_few_microbatches(name: str, p: int, m: int, v: int = 1) -> ScheduleError:
     bubble = (p - 1) / (v * m + p - 1)
     return ScheduleError(
-        f"{name}(p={p}, m={m}) needs m >= p: with fewer microbatches than stages its warmup never ends and "
-        f"each rank idles {bubble:.0%} of the step (bubble (p-1)/(v*m+p-1)), exactly as GPipe would. "
+        f"{name}(p={p}, m={m}) needs m >= p: with fewer microbatches than stages it never reaches its "
+        f"one-forward-one-backward steady state, and each rank idles {bubble:.0%} of the step "
+        f"(bubble (p-1)/(v*m+p-1)), exactly as GPipe would. "
         f"Use m >= {p} microbatches (several times p keeps the bubble small: m={4 * p} gives "
         f"{(p - 1) / (v * 4 * p + p - 1):.0%}), or fewer pipeline stages, or schedule='gpipe' if m must stay {m}.")
 

@@ -1,0 +1,125 @@
+"""Measure this machine and return a :class:`~fxpar.cluster.ClusterSpec` with its own figures.
+
+    >>> spec = ClusterSpec.calibrate(world_size=2)          # about 10 s on a 2-core machine
+    >>> spec, raw = calibrate(world_size=2, return_measurements=True)
+
+``world_size`` processes are spawned (``torch.multiprocessing``, start method ``spawn``) and
+joined in a gloo group on 127.0.0.1 at a free port (a socket bound to port 0). While all ranks
+run at once, as they will in training, each times:
+
+- ``torch.mm`` on fp32 ``n x n`` matrices -> ``device.peak_flops`` (efficiency ``matmul`` = 1);
+- an fp32 ``add`` over 4M elements (12 bytes per element moved) -> ``device.mem_bandwidth``;
+- softmax and layer_norm -> ``efficiency["softmax"]``, ``efficiency["norm"]``: the fraction of
+  peak that makes the roofline of :mod:`cost_models.compute` give the measured time;
+- ``all_reduce`` of sizes 4 KiB .. 16 MiB (median of a few runs after a barrier).
+
+The all_reduce times are fitted by least squares to ``T(S) = a + b·S`` and read as the ring
+model ``T = 2(N-1)α + 2(N-1)/N · S/B`` (Patarasuk & Yuan 2009), so ``α = a / (2(N-1))`` and
+``B = 2(N-1) / (N·b)``; these become ``intra_node``. Each rank uses ``cores // world_size``
+threads so ranks do not fight for cores.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from dataclasses import replace
+
+import torch
+
+from fxpar.cluster import ClusterSpec, LinkSpec
+
+__all__ = ["calibrate", "fit_alpha_beta", "free_port"]
+
+_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def fit_alpha_beta(sizes, times, n: int) -> tuple[float, float]:
+    """(α seconds, B bytes/s) of the ring all_reduce model fitted to (size, seconds) pairs."""
+    k = len(sizes)
+    mx, my = sum(sizes) / k, sum(times) / k
+    sxx = sum((x - mx) ** 2 for x in sizes)
+    b = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx if sxx else 0.0
+    a = my - b * mx
+    b = max(b, 1e-15)
+    a = max(a, 0.0)
+    steps = max(1, 2 * (n - 1))
+    return a / steps, steps / n / b if n > 1 else 1.0 / b
+
+
+def _time(fn, reps: int, sync=None) -> float:
+    fn()
+    out = []
+    for _ in range(reps):
+        if sync is not None:
+            sync()
+        t = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def _measure_compute(reps: int, sync=None) -> dict:
+    n = 512
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    x, y = torch.randn(4 << 20), torch.randn(4 << 20)
+    s = torch.randn(1024, 1024)
+    t_mm = _time(lambda: torch.mm(a, b), reps, sync)
+    t_add = _time(lambda: torch.add(x, y), reps, sync)
+    t_sm = _time(lambda: torch.softmax(s, -1), reps, sync)
+    t_ln = _time(lambda: torch.nn.functional.layer_norm(s, (1024,)), reps, sync)
+    return {"mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
+            "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel()}
+
+
+def _worker(rank, world_size, port, sizes, reps, queue):
+    import torch.distributed as dist
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        compute = _measure_compute(reps, dist.barrier)
+        comm = []
+        for size in sizes:
+            t = torch.ones(size // 4)
+            comm.append((size, _time(lambda: dist.all_reduce(t), reps, dist.barrier)))
+        if rank == 0:
+            queue.put({"compute": compute, "all_reduce": comm})
+    finally:
+        dist.destroy_process_group()
+
+
+def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measurements: bool = False):
+    """Measure ``world_size`` local gloo ranks; a ClusterSpec (and the raw figures if asked)."""
+    import torch.multiprocessing as mp
+    base = ClusterSpec.local(world_size)
+    if world_size == 1:
+        raw = {"compute": _measure_compute(reps), "all_reduce": []}
+    else:
+        ctx = mp.get_context("spawn")
+        queue = ctx.SimpleQueue()
+        mp.start_processes(_worker, args=(world_size, free_port(), tuple(sizes), reps, queue),
+                           nprocs=world_size, join=True, start_method="spawn")
+        raw = queue.get()
+    c = raw["compute"]
+    peak, bw = c["mm_flops"], c["add_bytes_per_s"]
+    numel = c["softmax_numel"]
+    eff = {"matmul": 1.0, "conv": 1.0, "attention": 1.0, "elementwise": 1.0, "memory": 1.0,
+           # roofline: flops/(peak*eff) = measured time; 5 FLOPs/element as cost_models.compute counts
+           "softmax": min(1.0, 5 * numel / (peak * c["softmax_s"])),
+           "norm": min(1.0, 5 * numel / (peak * c["layer_norm_s"]))}
+    device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff)
+    spec = replace(base, device=device)
+    if raw["all_reduce"]:
+        sizes_, times = zip(*raw["all_reduce"])
+        alpha, beta = fit_alpha_beta(sizes_, times, world_size)
+        raw["alpha"], raw["bandwidth"] = alpha, beta
+        spec = replace(spec, intra_node=LinkSpec(beta, alpha))
+    return (spec, raw) if return_measurements else spec

@@ -1,0 +1,251 @@
+"""``build_pipeline_program``: model + Strategy(pp > 1) → a PipelineProgram (per-stage graphs + schedule).
+
+The flow, top to bottom:
+
+1. trace forward + loss of one microbatch (:mod:`.trace`);
+2. cut it into the schedule's number of stages (:mod:`passes.split_stages`);
+3. per stage, trace forward and backward with the saved tensors explicit, and the optimizer step
+   (:mod:`.autodiff`);
+4. per rank, the schedule's action list (:mod:`fxpar.schedule`), run by :mod:`.executor`.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from ..errors import StrategyError
+from ..mesh import Mesh
+from ..program import RunResult, _fmt
+from ..runtime.launch import LocalCluster
+from ..schedule import ActionKind, ScheduleError, get_schedule, simulate
+from ..schedule.ir import Action
+from .autodiff import differentiate_stage, trace_step
+from .executor import PipelinePayload, train
+from .trace import trace_forward
+
+__all__ = ["build_pipeline_program", "PipelineProgram", "PipelinePlan", "ActionList"]
+
+_ASYNC = ("pipedream", "2bw")
+
+
+class ActionList(list):
+    """One rank's actions; ``str()`` prints them in the schedule IR's text form."""
+
+    def __init__(self, rank: int, actions):
+        super().__init__(actions)
+        self.rank = rank
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: " + " ".join(a.short() for a in self)
+
+
+@dataclass
+class PipelinePlan:
+    mesh: Mesh
+    schedule: str
+    microbatches: int
+    microbatch_size: int
+    cuts: list
+    candidates: list
+    stage_to_rank: dict            # stage -> pipeline ranks
+    shared_params: dict
+
+    def __str__(self) -> str:
+        return "\n".join([
+            f"mesh {self.mesh} (global rank = pp_index * dp + dp_index)",
+            f"schedule {self.schedule}, {self.microbatches} microbatches of {self.microbatch_size} per pipeline",
+            f"stages start before {['(start)'] + self.cuts}; placement {self.stage_to_rank}",
+            f"cut candidates: {self.candidates}",
+            f"shared parameters (gradients summed across stages): {self.shared_params or 'none'}"])
+
+
+def _check_batch(batch, dp: int, m: int) -> int:
+    sizes = {t.shape[0] for t in batch}
+    if len(sizes) != 1:
+        raise StrategyError(f"example_inputs have different batch sizes {sorted(sizes)} on dim 0")
+    b = sizes.pop()
+    if b % (dp * m):
+        k = dp * m
+        raise StrategyError(
+            f"global batch {b} does not split into dp={dp} x microbatches={m} = {k} equal microbatches; use a batch "
+            f"that is a multiple of {k} (e.g. {max(k, b - b % k)} or {b - b % k + k}) or change microbatches.")
+    return b
+
+
+def build_pipeline_program(model, cluster, example_inputs, loss_fn, optimizer_spec, strategy,
+                           lr_scheduler=None) -> "PipelineProgram":
+    """Compile ``model``'s training step for ``strategy.pp`` pipeline ranks × ``strategy.dp`` replicas."""
+    t0 = time.perf_counter()
+    pp, dp, m = strategy.pp, strategy.dp, strategy.microbatches
+    if strategy.tp != 1:
+        raise StrategyError(f"{strategy}: pipeline parallelism with tp > 1 is not available; use tp=1")
+    if pp * dp != cluster.world_size:
+        raise StrategyError(f"{strategy} needs dp*pp = {pp * dp} ranks but the cluster has {cluster.world_size}")
+    name = strategy.schedule or "1f1b"
+    if name in _ASYNC:
+        raise StrategyError(f"schedule {name!r} (asynchronous, weight stashing) is not run by fxpar's pipeline "
+                            "runtime yet; use 'gpipe', '1f1b', 'interleaved' or 'chimera'")
+    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    b = _check_batch(batch, dp, m)
+    try:
+        sched = get_schedule(name, pp, m)
+    except ScheduleError as e:
+        raise StrategyError(f"{strategy}: {e}") from e
+    mb = b // (dp * m)
+    micro = tuple(t.narrow(0, 0, mb) for t in batch)
+    ft = trace_forward(model, micro, loss_fn)
+    t1 = time.perf_counter()
+    from passes.split_stages import split_stages   # fxpar reaches passes only through the pipeline
+    fpb = cluster.device.peak_flops / cluster.intra_node.bandwidth
+    split = split_stages(ft.gm, ft.roles, sched.n_stages, strategy.split_points, ft.module_types, fpb)
+    params = {k: v for k, v in model.named_parameters()}
+    stages = []
+    for st in split.stages:
+        sp = differentiate_stage(st.index, st.gm, st.inputs, st.outputs)
+        sp.step = trace_step(st.index, optimizer_spec, [(tuple(params[k].shape), params[k].dtype) for k in sp.param_keys])
+        stages.append(sp)
+    t2 = time.perf_counter()
+    return PipelineProgram(model=model, cluster=cluster, strategy=strategy, schedule=sched, split=split,
+                           stages=stages, trace=ft, optimizer=optimizer_spec, lr_scheduler=lr_scheduler,
+                           n_inputs=len(batch) - (1 if loss_fn is not None else 0), microbatch_size=mb,
+                           timings={"capture": t1 - t0, "lower": t2 - t1})
+
+
+class PipelineProgram:
+    def __init__(self, *, model, cluster, strategy, schedule, split, stages, trace, optimizer, lr_scheduler,
+                 n_inputs, microbatch_size, timings):
+        self.model_name = type(model).__name__
+        self.cluster, self.strategy, self.split, self.stages = cluster, strategy, split, stages
+        self.pipe_schedule = schedule
+        self.trace, self.optimizer, self._lr_scheduler = trace, optimizer, lr_scheduler
+        self.n_inputs, self.timings = n_inputs, timings
+        self.dp, self.pp = strategy.dp, strategy.pp
+        self.mesh = Mesh((("pp", self.pp), ("dp", self.dp)))
+        self._params = {k: v.detach() for k, v in model.named_parameters()}
+        self._buffers = {**{k: v.detach() for k, v in model.named_parameters() if not v.requires_grad},
+                         **{k: v.detach() for k, v in model.named_buffers()}}
+        self._model_keys = list(model.state_dict().keys())
+        self.plan = PipelinePlan(self.mesh, schedule.name, schedule.n_microbatches, microbatch_size, split.cuts,
+                                 split.candidates, dict(schedule.stage_to_rank), split.shared_params)
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp
+
+    def _pipe(self, rank: int) -> tuple:
+        if not 0 <= rank < self.world_size:
+            raise IndexError(f"rank {rank} is outside this program's {self.world_size} ranks")
+        return divmod(rank, self.dp)
+
+    # ---- inspection -----------------------------------------------------------------------
+    def graphs(self, rank: int = 0) -> dict:
+        """name -> GraphModule for every stage this rank holds: ``stage{s}.forward/.backward/.step``."""
+        pr, _ = self._pipe(rank)
+        out = {}
+        for s in self.pipe_schedule.rank_stages(pr):
+            sp = self.stages[s]
+            out[f"stage{s}.forward"], out[f"stage{s}.backward"] = sp.forward, sp.backward
+            if sp.step is not None:
+                out[f"stage{s}.step"] = sp.step
+        return out
+
+    def schedule(self, rank: int = 0) -> ActionList:
+        """This rank's actions, peers as global ranks (``str()`` prints ``rank R: F0.0 SF0.0>1 ...``)."""
+        pr, d = self._pipe(rank)
+        g = lambda r: None if r is None else r * self.dp + d   # noqa: E731
+        return ActionList(rank, [Action(rank, a.kind, a.stage, a.microbatch, g(a.peer), a.version)
+                                 for a in self.pipe_schedule.actions[pr]])
+
+    def explain(self) -> str:
+        sim = simulate(self.pipe_schedule)
+        lines = [f"fxpar pipeline program for {self.model_name}: {self.strategy} on {self.world_size} rank(s)",
+                 "", "plan:"] + ["  " + ln for ln in str(self.plan).splitlines()]
+        lines += ["", "stages:"]
+        for st, sp in zip(self.split.stages, self.stages):
+            pbytes = sum(self._params[k].numel() * self._params[k].element_size() for k in sp.param_keys)
+            sends = sum(int(torch.Size(sh).numel()) * torch.empty((), dtype=dt).element_size()
+                        for (sh, dt), (r, _) in zip(sp.output_meta, sp.outputs) if r == "act")
+            lines.append(f"  stage {st.index} on pipeline rank(s) {self.pipe_schedule.stage_to_rank[st.index]}: "
+                         f"{len(st.nodes)} nodes ({st.flops / 1e6:.2f} MFLOP fwd per microbatch), "
+                         f"modules {st.modules[:3]}{'...' if len(st.modules) > 3 else ''}")
+            lines.append(f"    params {_fmt(pbytes)} in {len(sp.param_keys)} tensors; saves {sp.n_saved} tensors "
+                         f"({_fmt(sp.saved_bytes)}) per microbatch in flight; sends {_fmt(sends)} forward per microbatch")
+        peak = sim.peak_activations_per_rank
+        lines += ["", f"schedule {self.pipe_schedule.name} (F=1, B=2 units): bubble {sim.bubble_fraction:.3f}; "
+                      f"microbatches in flight per rank {peak}",
+                  "  activation memory per rank ~ in-flight microbatches x saved bytes of its stages"]
+        lines += ["  " + ln for ln in self.pipe_schedule.format_lists().splitlines()]
+        if self.split.shared_params:
+            lines += ["", "tied parameters: each stage holds a copy; before the step their gradients are summed "
+                          "(all-reduce over the ranks holding them), so every copy takes the same update"]
+        if self.dp > 1:
+            lines += [f"data parallel: each stage's gradients are all-reduced over its {self.dp} replicas before STEP"]
+        lines += ["", f"time: capture {self.timings['capture']:.2f}s, split+differentiate {self.timings['lower']:.2f}s"]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return f"<fxpar.PipelineProgram {self.model_name} {self.strategy} on {self.world_size} ranks>"
+
+    # ---- running ------------------------------------------------------------------------------
+    def _groups(self) -> list:
+        dp, out = self.dp, []
+        for r in range(self.pp):
+            out.append(tuple(r * dp + d for d in range(dp)))
+        for d in range(dp):
+            for s, rs in sorted(self.pipe_schedule.stage_to_rank.items()):
+                out.append(tuple(sorted(r * dp + d for r in rs)))
+            for key, ss in sorted(self.split.shared_params.items()):
+                holders = sorted({r for s in ss for r in self.pipe_schedule.stage_to_rank[s]})
+                out.append(tuple(r * dp + d for r in holders))
+        seen, uniq = set(), []
+        for g in out:
+            if len(g) > 1 and g not in seen:
+                seen.add(g)
+                uniq.append(g)
+        return uniq
+
+    def payload(self, rank: int) -> PipelinePayload:
+        pr, _ = self._pipe(rank)
+        held = self.pipe_schedule.rank_stages(pr)
+        keys = {k for s in held for k in self.stages[s].param_keys}
+        return PipelinePayload(rank=rank, dp=self.dp, pp=self.pp, actions=list(self.pipe_schedule.actions[pr]),
+                               stage_to_rank=dict(self.pipe_schedule.stage_to_rank),
+                               n_stages=self.pipe_schedule.n_stages, microbatches=self.pipe_schedule.n_microbatches,
+                               stages={s: self.stages[s] for s in held}, params={k: self._params[k] for k in keys},
+                               buffers=dict(self._buffers), optimizer=self.optimizer,
+                               shared=dict(self.split.shared_params), groups=self._groups(),
+                               lr_scheduler=self._lr_scheduler, extra={"n_inputs": self.n_inputs})
+
+    def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0) -> RunResult:
+        """Spawn (or reuse) ``world_size`` gloo ranks, train one step per global batch, gather the result."""
+        batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
+        for b in batches:
+            _check_batch(b, self.dp, self.pipe_schedule.n_microbatches)
+        own = cluster is None
+        lc = cluster or LocalCluster(self.world_size, backend=self.cluster.backend)
+        if lc.world_size != self.world_size:
+            raise ValueError(f"LocalCluster has {lc.world_size} ranks but this program needs {self.world_size}")
+        try:
+            results = lc.run(train, [(self.payload(r), batches) for r in range(self.world_size)], timeout_s=timeout_s)
+        finally:
+            if own:
+                lc.close()
+        return self._gather(results)
+
+    def _gather(self, results: list) -> RunResult:
+        n = len(results[0]["loss_sums"])
+        total_mb = self.pipe_schedule.n_microbatches * self.dp
+        losses = [sum(r["loss_sums"][i] for r in results) / total_mb for i in range(n)]
+        times = [max(r["step_times"][i] for r in results) for i in range(n)]
+        state = {}
+        for r in results:
+            state.update(r.get("state", {}))
+        state.update(self._buffers)
+        for alias, canon in self.trace.aliases.items():
+            state[alias] = state[canon]
+        state = {k: state[k] for k in self._model_keys if k in state}
+        res = RunResult(losses, times, {i: r["loss_sums"] for i, r in enumerate(results)}, state)
+        res.comm = {i: r["comm"] for i, r in enumerate(results)}
+        return res

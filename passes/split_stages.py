@@ -1,0 +1,300 @@
+"""split_stages: cut a forward+loss graph into pipeline stages, each its own GraphModule.
+
+Nodes fall in two kinds. An *activation* node depends on a trainable parameter and on the
+batch: it runs in exactly one stage, the one whose range of graph positions holds it (a cut
+"before module ``blocks.2``" is the position of the first node ``blocks.2`` runs). Every other
+node (``t(weight)``, a causal mask built from the input, ``arange``) is *replicated*: each stage
+that needs it recomputes it from its own placeholders, so a stage never receives a parameter and
+a tied weight (GPT's embedding reused by the LM head) is simply a placeholder of both stages.
+
+A value made in stage a and used in stage c > a+1 (a skip connection) goes through every stage
+in between: it is an input and an output of each, so a schedule only ever sends between
+neighbour stages. Before, cut before ``fc2``::
+
+    x = placeholder; w1 = placeholder; w2 = placeholder
+    t = t(w1); h = mm(x, t)          # fc1
+    r = relu(h)
+    t_1 = t(w2); o = mm(r, t_1)      # fc2
+    s = add(o, h)                    # skip: h crosses the cut
+    loss = mean(s)
+
+After: stage 0 ``(x, w1) -> (h, r)``; stage 1 ``(w2, h, r) -> loss`` with ``t_1`` recomputed there.
+
+Where no split points are given, cuts go where a PipeDream-style partition (Narayanan et al.
+SOSP'19) puts them: candidate cuts are the starts of the children of the root and of every
+``ModuleList``/``Sequential``; a dynamic program over them minimises the largest stage cost,
+FLOPs (``cost_models.compute``) plus the bytes the stage receives times ``flops_per_byte``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from fxpar import meta as M
+from fxpar.errors import StrategyError
+from fxpar.pass_manager import Pass, PassResult
+
+__all__ = ["StageGraph", "StageSplit", "split_stages", "cut_candidates", "balanced_cuts", "SplitStages"]
+
+_CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
+
+
+@dataclass
+class StageGraph:
+    """One stage's forward: ``gm(*inputs) -> outputs``; inputs/outputs are ``(role, key)`` pairs.
+
+    Input roles: ``param``, ``buffer``, ``input``, ``target`` (key: model key or batch position) and
+    ``act`` (key: the name of the node in the whole-model graph that made it). Output roles:
+    ``act``, or ``loss`` on the last stage.
+    """
+    index: int
+    gm: torch.fx.GraphModule
+    inputs: list
+    outputs: list
+    nodes: list                    # names of the activation nodes this stage computes
+    replicated: list               # names of the replicated nodes it recomputes
+    modules: list                  # module paths it runs, in order
+    flops: int = 0
+
+    @property
+    def params(self) -> list:
+        return [k for r, k in self.inputs if r == "param"]
+
+
+@dataclass
+class StageSplit:
+    stages: list
+    cuts: list                      # module path each stage after the first starts at
+    candidates: list                # every module path a cut may go before
+    shared_params: dict = field(default_factory=dict)   # param key -> stages using it (when > 1)
+
+    def __str__(self) -> str:
+        lines = []
+        for st in self.stages:
+            start = "start" if st.index == 0 else f"before {self.cuts[st.index - 1]!r}"
+            acts_in = [k for r, k in st.inputs if r == "act"]
+            lines.append(f"stage {st.index} ({start}): {len(st.nodes)} nodes, {st.flops / 1e6:.2f} MFLOP fwd, "
+                         f"params {st.params}, receives {acts_in or '-'}, sends "
+                         f"{[k for _, k in st.outputs]}")
+        for k, ss in self.shared_params.items():
+            lines.append(f"shared parameter {k!r} in stages {ss}: gradients summed across them before the step")
+        return "\n".join(lines)
+
+
+def _node_flops(n: torch.fx.Node) -> int:
+    try:
+        from cost_models.compute import concrete, node_cost
+        return int(concrete(node_cost(n).flops))
+    except Exception:  # noqa: BLE001 - a node the cost model cannot read counts as free
+        return 0
+
+
+def _bytes(n: torch.fx.Node) -> int:
+    v = n.meta.get("val")
+    return int(v.numel() * v.element_size()) if isinstance(v, torch.Tensor) else 0
+
+
+def _classify(gm: torch.fx.GraphModule, roles: dict) -> set:
+    """Names of activation nodes: those depending on a trainable parameter and on the batch."""
+    dep = {}
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            role = roles[n.name][0]
+            dep[n] = (role == "param", role in ("input", "target"))
+        elif n.op == "call_function":
+            ins = [dep[a] for a in n.all_input_nodes]
+            dep[n] = (any(p for p, _ in ins), any(b for _, b in ins))
+    return {n.name for n, (p, b) in dep.items() if n.op == "call_function" and p and b}
+
+
+def _first_positions(gm: torch.fx.GraphModule) -> dict:
+    """Module path (and every prefix of it) -> position of the first node it runs."""
+    first = {}
+    for i, n in enumerate(gm.graph.nodes):
+        mod = M.get(n, M.MODULE) if n.op == "call_function" else None
+        if not mod:
+            continue
+        parts = mod.split(".")
+        for j in range(1, len(parts) + 1):
+            first.setdefault(".".join(parts[:j]), i)
+    return first
+
+
+def cut_candidates(gm: torch.fx.GraphModule, roles: dict, module_types: dict) -> list:
+    """Module paths a stage may start at, in execution order: children of the root or of a container."""
+    acts = _classify(gm, roles)
+    pos = {n.name: i for i, n in enumerate(gm.graph.nodes)}
+    first_act = min((pos[a] for a in acts), default=0)
+    by_pos: dict = {}
+    for path, i in _first_positions(gm).items():
+        parent = path.rsplit(".", 1)[0] if "." in path else ""
+        grand = parent.rsplit(".", 1)[0] if "." in parent else ""
+        top = parent == "" or (module_types.get(parent, "") in _CONTAINERS and grand == "")
+        if top and i > first_act and path.count(".") >= by_pos.get(i, "").count("."):
+            by_pos[i] = path          # two paths starting at one node: keep the deeper (blocks.0, not blocks)
+    out = sorted(((p, i) for i, p in by_pos.items()), key=lambda x: x[1])
+    return [p for p, _ in out]
+
+
+def balanced_cuts(gm: torch.fx.GraphModule, roles: dict, candidates: list, n_stages: int,
+                  flops_per_byte: float = 0.0) -> list:
+    """Choose ``n_stages - 1`` of ``candidates`` minimising the largest stage cost (FLOPs + received bytes)."""
+    first = _first_positions(gm)
+    nodes = list(gm.graph.nodes)
+    acts = _classify(gm, roles)
+    bounds = [0] + [first[c] for c in candidates] + [len(nodes)]
+    seg_cost = [sum(_node_flops(n) for n in nodes[a:b] if n.name in acts) for a, b in zip(bounds, bounds[1:])]
+    pos = {n: i for i, n in enumerate(nodes)}
+
+    def crossing(i: int) -> int:   # bytes live across position i
+        return sum(_bytes(n) for n in nodes[:i] if n.name in acts and any(pos[u] >= i for u in n.users))
+
+    cross = [0] + [crossing(first[c]) * flops_per_byte for c in candidates]
+    k_seg = len(seg_cost)
+    prefix = [0]
+    for c in seg_cost:
+        prefix.append(prefix[-1] + c)
+    INF = float("inf")
+    best = [[(INF, INF, None)] * (k_seg + 1) for _ in range(n_stages + 1)]   # (max cost, sum bytes, prev)
+    best[0][0] = (0, 0, None)
+    for k in range(1, n_stages + 1):
+        for j in range(k, k_seg + 1):
+            for i in range(k - 1, j):
+                mx, tot, _ = best[k - 1][i]
+                if mx == INF:
+                    continue
+                cost = prefix[j] - prefix[i] + cross[i]
+                cand = (max(mx, cost), tot + cross[i], i)
+                if cand[:2] < best[k][j][:2]:
+                    best[k][j] = cand
+    cuts, j = [], k_seg
+    for k in range(n_stages, 0, -1):
+        i = best[k][j][2]
+        if i:
+            cuts.append(candidates[i - 1])
+        j = i
+    return list(reversed(cuts))
+
+
+def split_stages(gm: torch.fx.GraphModule, roles: dict, n_stages: int, split_points=None,
+                 module_types: dict | None = None, flops_per_byte: float = 0.0) -> StageSplit:
+    """Cut ``gm`` (forward + loss, placeholders described by ``roles``) into ``n_stages`` stage graphs."""
+    module_types = module_types or {}
+    candidates = cut_candidates(gm, roles, module_types)
+    first = _first_positions(gm)
+    if split_points is not None:
+        cuts = list(split_points)
+        if len(cuts) != n_stages - 1:
+            raise StrategyError(f"split_points={cuts} gives {len(cuts) + 1} stages but the schedule needs {n_stages}; "
+                                f"give {n_stages - 1} module paths, e.g. {candidates[:n_stages - 1]}")
+        for c in cuts:
+            if c not in first:
+                raise StrategyError(f"split point {c!r} is not a module the forward runs; candidates: {candidates}")
+        ps = [first[c] for c in cuts]
+        if any(a >= b for a, b in zip(ps, ps[1:])):
+            raise StrategyError(f"split_points={cuts} are not in execution order (or two start at the same node); "
+                                f"order them as the model runs them: candidates in order are {candidates}")
+    else:
+        if n_stages - 1 > len(candidates):
+            raise StrategyError(
+                f"cannot cut the model into {n_stages} pipeline stages: it has only {len(candidates)} place(s) to "
+                f"cut, before {candidates} (children of the root and of ModuleList/Sequential containers). Use at "
+                f"most {len(candidates) + 1} stages, or pass Strategy(split_points=[...]) with deeper module paths.")
+        cuts = balanced_cuts(gm, roles, candidates, n_stages, flops_per_byte) if n_stages > 1 else []
+    return _build(gm, roles, [first[c] for c in cuts], cuts, candidates, n_stages)
+
+
+def _build(gm, roles, cut_pos, cuts, candidates, n_stages) -> StageSplit:
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    acts = _classify(gm, roles)
+    out_node = nodes[-1]
+    loss = out_node.args[0]
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    if loss.name not in acts:
+        raise StrategyError(f"the loss ({loss.name}) does not depend on both the parameters and the batch; "
+                            "nothing to pipeline")
+
+    def stage_of(n) -> int:
+        return sum(1 for c in cut_pos if pos[n] >= c)
+
+    act_stage = {n: stage_of(n) for n in nodes if n.name in acts}
+    act_stage[loss] = n_stages - 1
+    # the last stage to use each activation (the loss counts as a use on the last stage)
+    last_use = {n: max([act_stage[u] for u in n.users if u in act_stage] + [act_stage[n]]) for n in act_stage}
+    boundary = {s: [n for n in nodes if n in act_stage and act_stage[n] < s <= last_use[n]] for s in range(n_stages + 1)}
+    stages, shared = [], {}
+    for s in range(n_stages):
+        own = [n for n in nodes if act_stage.get(n) == s]
+        outs = [loss] if s == n_stages - 1 else boundary[s + 1]
+        st = _stage_graph(gm, roles, s, own, boundary[s], outs, acts, is_last=s == n_stages - 1)
+        for k in st.params:
+            shared.setdefault(k, []).append(s)
+        stages.append(st)
+        if not own:
+            raise StrategyError(f"stage {s} would compute nothing (cuts {cuts}); choose split points that each start a "
+                                f"different part of the model, from {candidates}")
+    return StageSplit(stages, list(cuts), candidates, {k: v for k, v in shared.items() if len(v) > 1})
+
+
+def _stage_graph(gm, roles, s, own, acts_in, outs, acts, is_last) -> StageGraph:
+    needed_rep, needed_ph = [], []
+    seen = set()
+
+    def visit(n):
+        if n in seen or n.name in acts and n not in own:
+            return
+        seen.add(n)
+        for a in n.all_input_nodes:
+            if a.name in acts and a not in own:
+                continue
+            visit(a)
+        if n.op == "placeholder":
+            needed_ph.append(n)
+        elif n not in own:
+            needed_rep.append(n)
+
+    for n in own:
+        visit(n)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    rank = {"param": 0, "buffer": 1, "input": 2, "target": 3}
+    needed_ph.sort(key=lambda n: (rank[roles[n.name][0]], order[n]))
+    g = torch.fx.Graph()
+    env = {}
+    inputs = []
+    for n in needed_ph:
+        env[n] = g.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+        inputs.append(roles[n.name])
+    for n in acts_in:
+        env[n] = g.placeholder(n.name)
+        env[n].meta = dict(n.meta)
+        inputs.append(("act", n.name))
+    for n in sorted(needed_rep, key=order.get) + sorted(own, key=order.get):
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[n] for n in outs))
+    sgm = torch.fx.GraphModule(gm, g)
+    modules = []
+    for n in own:
+        mod = M.get(n, M.MODULE)
+        if mod and mod not in modules:
+            modules.append(mod)
+    outputs = [("loss", "loss")] if is_last else [("act", n.name) for n in outs]
+    return StageGraph(s, sgm, inputs, outputs, [n.name for n in own], [n.name for n in needed_rep], modules,
+                      sum(_node_flops(n) for n in own))
+
+
+class SplitStages(Pass):
+    """The pass form: ``ctx.store['pipeline']`` holds ``n_stages``, ``roles``, optional ``split_points`` and
+    ``module_types``; the result's ``info['split']`` is the :class:`StageSplit`. The graph is unchanged."""
+    name = "split_stages"
+
+    def run(self, gm, ctx) -> PassResult:
+        cfg = ctx.store["pipeline"]
+        split = split_stages(gm, cfg["roles"], cfg["n_stages"], cfg.get("split_points"), cfg.get("module_types"),
+                             cfg.get("flops_per_byte", 0.0))
+        ctx.store["split"] = split
+        ctx.notes.append(f"split_stages: {len(split.stages)} stages, cuts before {split.cuts}")
+        return PassResult(gm, modified=False, info={"split": split})

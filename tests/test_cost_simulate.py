@@ -1,0 +1,113 @@
+"""cost_models.estimate / simulate: hand-built rank programs with known timelines."""
+import json
+
+import pytest
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import cost_models
+from cost_models import DeadlockError, estimate
+from fxpar.cluster import ClusterSpec, DeviceSpec, LinkSpec
+from fxpar.meta import CommInfo
+
+N = 64
+MM = 1e-3                    # one 64x64 matmul: 2*64**3 FLOPs at 2*64**3*1e3 FLOP/s
+ADD = 2 * N * N / (2 * N**3 * 1e3) / 2    # one FLOP per element (4096) at the same peak
+AR = 1.5e-3                  # one all_reduce of 16 KiB on 2 ranks: S/B with latency 0
+_fake = FakeTensorMode()
+aten, c10d = torch.ops.aten, torch.ops._c10d_functional
+
+
+def _cluster(world=2, per_node=None):
+    dev = DeviceSpec("cuda", "toy", 2**30, 2 * N**3 * 1e3, 1e18)
+    return ClusterSpec(device=dev, nodes=world // (per_node or world), devices_per_node=per_node or world,
+                       intra_node=LinkSpec(16384 / AR, 0.0), inter_node=LinkSpec(16384 / AR / 4, 0.0), backend="nccl")
+
+
+def _program(steps, ranks=(0, 1)):
+    """steps: 'mm', 'ar' (issue all_reduce of the last value), 'wait', 'send:p', 'recv:p'."""
+    g = torch.fx.Graph()
+    with _fake:
+        x = g.placeholder("x")
+        x.meta["val"] = torch.empty(N, N)
+        last, pending, acc = x, [], None
+        for s in steps:
+            if s == "mm":
+                last = g.call_function(aten.mm.default, (last, x))
+                last.meta["val"] = torch.empty(N, N)
+            elif s in ("ar",) or s.startswith(("send", "recv")):
+                kind = "all_reduce" if s == "ar" else s.split(":")[0]
+                grp = ranks if s == "ar" else tuple(int(v) for v in s.split(":")[1:])
+                c = g.call_function(c10d.all_reduce.default, (last, "sum", "g"))
+                c.meta["val"] = torch.empty(N, N)
+                c.meta["fxpar_comm"] = CommInfo(kind, "dp" if s == "ar" else "pp", grp, 16384)
+                pending.append(c)
+            elif s == "wait":
+                w = g.call_function(c10d.wait_tensor.default, (pending.pop(0),))
+                w.meta["val"] = torch.empty(N, N)
+                acc = w if acc is None else acc
+                last = g.call_function(aten.add.Tensor, (last, w))
+                last.meta["val"] = torch.empty(N, N)
+        g.output(last)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_comm_overlaps_independent_compute():
+    gm = _program(["mm", "ar", "mm", "wait"])
+    est = estimate({0: gm, 1: gm}, _cluster())
+    assert est.symmetric and est.program_classes == 1
+    assert est.step_time_s == pytest.approx(MM + max(MM, AR) + ADD)
+    r = est.ranks[0]
+    assert r.comm_time_s == pytest.approx(AR) and r.compute_time_s == pytest.approx(2 * MM + ADD)
+    assert r.overlap_s == pytest.approx(MM)                     # the second mm hides 1 ms of the 1.5
+    assert r.comm_bytes == 16384                                 # ring: 2(N-1)/N * S with N=2
+    assert r.idle_s == pytest.approx(AR - MM)
+    assert "overlapped" in str(est) and "rank 0 (+1 alike)" in str(est)
+
+
+def test_wait_blocks_until_the_slowest_rank_issues():
+    fast, slow = _program(["mm", "ar", "wait", "mm"]), _program(["mm", "mm", "mm", "ar", "wait", "mm"])
+    est = estimate({0: fast, 1: slow}, _cluster())
+    assert not est.symmetric
+    start = 3 * MM                                               # rank 1 issues after three matmuls
+    assert est.ranks[0].end_time_s == pytest.approx(start + AR + ADD + MM)
+    assert est.ranks[1].end_time_s == pytest.approx(start + AR + ADD + MM)
+    assert est.ranks[0].idle_s == pytest.approx(est.ranks[0].end_time_s - 2 * MM - ADD)
+    assert est.ranks[0].overlap_s == 0
+
+
+def test_send_recv_pair_and_deadlock_is_named():
+    a, b = _program(["mm", "send:0:1", "wait"]), _program(["recv:0:1", "wait", "mm"])
+    est = estimate({0: a, 1: b}, _cluster())
+    assert est.ranks[1].end_time_s == pytest.approx(MM + AR + ADD + MM)     # p2p: S/B, same as a 2-rank ring
+    assert est.ranks[0].comm_bytes == 16384 and est.ranks[1].comm_bytes == 0
+    lonely = _program(["mm", "ar", "wait"])
+    with pytest.raises(DeadlockError, match=r"rank 0 waits on all_reduce #0 .*ranks not yet issued: \[1\]"):
+        estimate({0: lonely, 1: _program(["mm"])}, _cluster())
+
+
+def test_symmetric_fast_path_equals_full_simulation_across_nodes():
+    progs = {r: _program(["mm", "ar", "mm", "ar", "wait", "wait"], ranks=(0, 1, 2, 3)) for r in range(4)}
+    cl = _cluster(world=4, per_node=2)
+    fast = estimate(progs, cl)                                   # distinct objects, same code: one class
+    assert fast.symmetric and fast.program_classes == 1
+    full = cost_models.simulate.simulate(
+        {r: cost_models.simulate.compile_program(g, cl, {}) for r, g in progs.items()},
+        {r: [c.time_s for c in (cost_models.comm_info_cost(i, cl) for i in fast._programs[r].infos)] for r in progs})
+    assert all(full[r].end == pytest.approx(fast.step_time_s) for r in progs)
+    hier = cost_models.collective_cost("all_reduce", 16384, range(4), cl)
+    assert hier.algorithm == "hierarchical"
+    assert fast.ranks[3].comm_time_s == pytest.approx(2 * hier.time_s)
+
+
+def test_timeline_is_valid_chrome_trace(tmp_path):
+    gm = _program(["mm", "ar", "mm", "wait"])
+    est = estimate({0: gm, 1: gm}, _cluster())
+    path = est.timeline(str(tmp_path / "t.json"))
+    events = json.load(open(path))["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    assert {(e["pid"], e["tid"]) for e in spans} == {(0, 0), (0, 1), (1, 0), (1, 1)}
+    comm = [e for e in spans if e["tid"] == 1]
+    assert comm[0]["name"].startswith("all_reduce[dp]") and comm[0]["dur"] == pytest.approx(AR * 1e6)
+    assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)

@@ -1,0 +1,96 @@
+"""Structure tier: the collectives data parallelism inserts, in number, order and size."""
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar import meta as M
+from fxpar.collectives import C10D, collective_nodes, is_wait
+from fxpar.testing import GPT, BNConvNet, MLP, gpt_loss
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-3})
+
+
+def _gpt_program(dp=2, cap_mb=0.02):
+    x = torch.randint(0, 64, (4, 16))
+    return fxpar.parallelize(GPT(), fxpar.ClusterSpec.local(dp), (x, x), loss_fn=gpt_loss, optimizer=ADAMW,
+                             strategy=fxpar.Strategy(dp=dp, bucket_cap_mb=cap_mb))
+
+
+def _nbytes(key, cap):
+    shape = cap.param_shapes[key]
+    n = 1
+    for s in shape:
+        n *= s
+    return n * torch.empty((), dtype=cap.param_dtypes[key]).element_size()
+
+
+def test_collectives_match_bucket_plan():
+    p = _gpt_program()
+    gm = p.graphs(0)["step"]
+    colls = collective_nodes(gm)
+    ar = [c for c in colls if c.target is C10D.all_reduce.default]
+    plan = p.plan
+    assert len(ar) == len(plan.buckets) > 1
+    # order: bucket i is issued i-th; size: the bucket's gradient bytes
+    for i, (node, keys) in enumerate(zip(ar, plan.buckets)):
+        assert M.get(node, M.BUCKET) == i
+        assert M.get(node, M.COMM).nbytes == sum(_nbytes(k, p.captured) for k in keys)
+        assert M.get(node, M.COMM).ranks == (0, 1)
+        assert node.args[1:] == ("sum", "fxpar:dp")
+    # every bucket respects the cap unless it holds one gradient
+    for keys in plan.buckets:
+        assert len(keys) == 1 or sum(_nbytes(k, p.captured) for k in keys) <= plan.bucket_cap_bytes
+    # each trainable parameter synchronised exactly once
+    flat = [k for b in plan.buckets for k in b]
+    assert sorted(flat) == sorted(p.captured.param_names)
+
+
+def test_buckets_follow_backward_order_and_waits_are_late():
+    p = _gpt_program()
+    gm = p.graphs(0)["step"]
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    ar = [c for c in collective_nodes(gm) if c.target is C10D.all_reduce.default]
+    # issued in backward: each all_reduce sits before the last backward node
+    last_backward = max(i for i, n in enumerate(nodes) if M.get(n, M.PHASE) == "backward" and not is_wait(n)
+                        and M.PASS.name not in n.meta)
+    assert all(pos[a] < last_backward for a in ar[:-1])
+    assert [pos[a] for a in ar] == sorted(pos[a] for a in ar)
+    # the first bucket holds the first gradients backward produces: the LM head / final LayerNorm
+    assert "ln_f.weight" in p.plan.buckets[0] or "ln_f.bias" in p.plan.buckets[0]
+    # waits: after every backward op that is not part of the sync, i.e. just before the optimizer uses them
+    waits = [n for n in nodes if is_wait(n)]
+    assert len(waits) == len(ar) + 0
+    for w in waits:
+        first_user = min(pos[u] for u in w.users)
+        assert pos[w] < first_user
+        between = nodes[pos[w] + 1:first_user]
+        assert all(M.PASS.name in n.meta or is_wait(n) for n in between)
+
+
+def test_zero_cap_means_one_collective_per_gradient():
+    p = _gpt_program(cap_mb=0)
+    assert len(p.collectives(0)) == len(p.captured.param_names)
+    assert [c.nbytes for c in p.collectives(0)] == [_nbytes(b[0], p.captured) for b in p.plan.buckets]
+
+
+def test_ddp_default_bucket_is_one_for_a_small_model():
+    p = _gpt_program(cap_mb=25)
+    assert len(p.plan.buckets) == 1 and len(p.collectives(0)) == 1
+
+
+def test_buffers_broadcast_from_rank0():
+    x = torch.randn(4, 3, 8, 8)
+    p = fxpar.parallelize(BNConvNet(), fxpar.ClusterSpec.local(2), (x, torch.zeros(4, dtype=torch.long)),
+                          loss_fn=F.cross_entropy, strategy=fxpar.Strategy(dp=2))
+    kinds = [c.kind for c in p.collectives(0)]
+    assert kinds.count("broadcast") == 2          # running_mean, running_var (not num_batches_tracked)
+    assert kinds[-2:] == ["broadcast", "broadcast"]
+
+
+def test_dp1_inserts_nothing_and_ranks_share_graphs():
+    x = torch.randn(4, 16)
+    p1 = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(1), (x, torch.randn(4, 8)), loss_fn=F.mse_loss)
+    assert p1.collectives(0) == []
+    p4 = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(4), (x, torch.randn(4, 8)), loss_fn=F.mse_loss)
+    assert p4.graphs(0)["step"] is p4.graphs(3)["step"]   # collectives name the axis; runtime binds the group

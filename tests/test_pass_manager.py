@@ -1,0 +1,104 @@
+"""The pass API: ordering constraints, checks between passes, history, custom passes."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar.testing import MLP
+
+
+def _batch():
+    return (torch.randn(4, 16), torch.randn(4, 8))
+
+
+class CountMatmuls(fxpar.Pass):
+    name = "count_matmuls"
+
+    def run(self, gm, ctx):
+        n = sum(n.target in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) for n in gm.graph.nodes)
+        ctx.notes.append(f"count_matmuls: {n}")
+        return fxpar.PassResult(gm, modified=False, info={"matmuls": n})
+
+
+def test_custom_pass_runs_last_and_history_is_kept():
+    p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss,
+                          strategy=fxpar.Strategy(dp=2, passes=[CountMatmuls()]))
+    names = [h.pass_name for h in p.history(0)]
+    assert names == ["capture", "data_parallel", "bucket", "sync_buffers", "count_matmuls"]
+    assert p.history(0)[-1].info["matmuls"] == 8      # 3 forward addmm + 5 backward mm (no grad for the input)
+    assert "all_reduce" not in p.history(0)[0].code and "all_reduce" in p.history(0)[1].code
+    assert "count_matmuls: 8" in p.explain()
+    assert "# after bucket" in str(p.history(0)[2])
+
+
+def test_new_nodes_record_the_pass_that_made_them():
+    p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss)
+    gm = p.graphs(0)["step"]
+    made = {n.meta.get("fxpar_pass") for n in gm.graph.nodes}
+    assert made == {None, "bucket"}      # data_parallel's per-gradient nodes were all fused away by bucket
+    assert all(n.meta.get("fxpar_pass") == "bucket" for n in gm.graph.nodes if "c10d" in str(n.target))
+
+
+def test_function_pass_that_edits_the_graph():
+    @fxpar.graph_pass("double_lr")
+    def double_lr(gm, ctx):
+        """Scale the learning rate by 2 inside the graph."""
+        lr = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "lr")
+        users = list(lr.users)
+        with gm.graph.inserting_after(lr):
+            twice = gm.graph.call_function(torch.ops.aten.mul.Tensor, (lr, 2.0))
+        for u in users:
+            u.replace_input_with(lr, twice)
+        return True
+
+    model = MLP().double()
+    batches = [tuple(t.double() for t in _batch())]
+    base = fxpar.parallelize(model, 1, batches[0], loss_fn=F.mse_loss, optimizer=(torch.optim.SGD, {"lr": 0.1}))
+    fast = fxpar.parallelize(model, 1, batches[0], loss_fn=F.mse_loss, optimizer=(torch.optim.SGD, {"lr": 0.05}),
+                             strategy=[double_lr])
+    a, b = base.run_local(batches).state_dict(), fast.run_local(batches).state_dict()
+    assert all(torch.allclose(a[k], b[k], atol=1e-14, rtol=0) for k in a)
+
+
+def test_order_constraints_are_checked_before_running():
+    class NeedsBucket(fxpar.Pass):
+        name = "needs_bucket"
+        requires = ("bucket",)
+
+        def run(self, gm, ctx):
+            return fxpar.PassResult(gm, False)
+
+    with pytest.raises(fxpar.PassError, match=r"'needs_bucket' requires 'bucket'.*not in the pipeline"):
+        fxpar.PassManager([NeedsBucket()])
+
+
+def test_a_pass_that_breaks_the_signature_is_named():
+    @fxpar.graph_pass("drop_output")
+    def drop_output(gm, ctx):
+        out = gm.graph.find_nodes(op="output")[0]
+        out.args = (out.args[0][:-1],)
+        return True
+
+    with pytest.raises(fxpar.PassError, match=r"after pass 'drop_output'.*signature"):
+        fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss,
+                          strategy=fxpar.Strategy(dp=2, passes=[drop_output]))
+
+
+def test_a_failing_pass_names_itself_and_the_passes_before():
+    @fxpar.graph_pass("boom")
+    def boom(gm, ctx):
+        raise ValueError("no good")
+
+    with pytest.raises(fxpar.PassError, match=r"pass 'boom' failed.*no good.*\['data_parallel', 'bucket', 'sync_buffers'\]"):
+        fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss,
+                          strategy=fxpar.Strategy(dp=2, passes=[boom]))
+
+
+def test_plan_round_trips_and_an_edited_plan_is_used():
+    p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss)
+    plan = fxpar.Plan.from_json(p.plan.to_json())
+    assert plan == p.plan
+    keys = [k for b in plan.buckets for k in b]
+    plan.buckets = [[k] for k in keys]
+    q = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss, plan=plan)
+    assert len(q.collectives(0)) == len(keys)
