@@ -73,6 +73,9 @@ def build(layers=96, hidden=256, heads=8, vocab=1024, seq=128, batch=4, world=10
     idx = torch.zeros(batch, seq, dtype=torch.long)
     gm = make_fx(step, tracing_mode="fake")(params, idx, idx)
     group = tuple(range(world))
+    for n in gm.graph.nodes:             # what fxpar.capture would record
+        if n.op == "placeholder":
+            n.meta["fxpar_role"] = "param" if n.name.startswith("params") else "input"
     for n in list(gm.graph.nodes):
         if n.target is c10d.all_reduce.default:
             n.meta["fxpar_comm"] = CommInfo("all_reduce", "dp", group, math.prod(n.meta["val"].shape) * 4)
@@ -97,11 +100,26 @@ def main():
         s = time.perf_counter()
         est = estimate(graphs, cluster)
         times.append(time.perf_counter() - s)
+    # the general path (every rank simulated, no symmetry shortcut), for comparison
+    from cost_models.simulate import compile_program, simulate
+    progs = {r: compile_program(gm, cluster, {}) for r in range(1)}
+    progs = {r: progs[0] for r in range(args.ranks)}
+    dur = _durations(progs[0], cluster)
+    s = time.perf_counter()
+    full = simulate(progs, {r: dur for r in progs})
+    t_full = time.perf_counter() - s
     nodes = len(gm.graph.nodes)
     comms = sum(1 for n in gm.graph.nodes if "fxpar_comm" in n.meta)
     print(f"graph: {args.layers} layers, {nodes} nodes, {comms} all_reduces; traced in {t1 - t0:.1f} s")
     print(f"estimate() on {args.ranks} ranks: best {min(times):.3f} s, first {times[0]:.3f} s (goal < 2 s)")
+    print(f"general path (all {args.ranks} ranks simulated): {t_full:.3f} s, step "
+          f"{max(r.end for r in full.values()) * 1e3:.3f} ms vs {est.step_time_s * 1e3:.3f} ms")
     print(est)
+
+
+def _durations(program, cluster):
+    from cost_models import comm_info_cost
+    return [comm_info_cost(i, cluster).time_s for i in program.infos]
 
 
 if __name__ == "__main__":

@@ -175,6 +175,10 @@ def _per_elem(c, which="out"):
     return rule
 
 
+def _foreach(a, out):
+    return sum((numel(t) for t in _tensors(a[0])), 0)    # one FLOP per element of the first list
+
+
 def _embedding_bwd(a, out):
     return numel(a[0])          # one add per gradient element scattered into the table
 
@@ -210,6 +214,8 @@ FLOP_RULES = {
     aten.full_like: (_zero, "creation"), aten.scalar_tensor: (_zero, "creation"),
     aten.arange: (_zero, "creation"), aten.clone: (_zero, "copy"), aten.copy: (_zero, "copy"),
     aten.copy_: (_zero, "copy"), aten._to_copy: (_zero, "copy"), aten.cat: (_zero, "copy"),
+    aten.slice_backward: (_zero, "copy"), aten.select_backward: (_zero, "copy"),
+    aten.slice_scatter: (_zero, "copy"), aten.select_scatter: (_zero, "copy"),
     aten.bernoulli: (_per_elem(1), "elementwise"), aten.bernoulli_: (_per_elem(1), "elementwise"),
     aten.native_dropout: (_per_elem(2, "in"), "elementwise"),
     aten.native_dropout_backward: (_per_elem(1), "elementwise"),
@@ -256,6 +262,8 @@ def node_cost(node: torch.fx.Node) -> OpCost:
     tags = getattr(target, "tags", ())
     if entry is not None:
         rule, cls, how = entry[0], entry[1], "table"
+    elif getattr(packet, "__name__", "").startswith("_foreach_"):
+        rule, cls, how = _foreach, "elementwise", "pointwise"     # optimizer steps over tensor lists
     elif torch.Tag.pointwise in tags:
         rule, cls, how = _per_elem(1), "elementwise", "pointwise"
     elif torch.Tag.reduction in tags:
@@ -267,7 +275,7 @@ def node_cost(node: torch.fx.Node) -> OpCost:
     except (AttributeError, IndexError, TypeError, ValueError):
         rule, cls, how = _per_elem(1), "other", "default"
         flops = rule(args, out)
-    out_b = tensor_bytes(out)
+    out_b = tensor_bytes(out) if _tensors(out) or not args else tensor_bytes(args[0])   # in place: rewrites arg 0
     in_b = 0 if cls in _WRITE_ONLY else tensor_bytes(args)
     return OpCost(flops, in_b + out_b, cls, how)
 

@@ -25,7 +25,6 @@ import operator
 
 import torch.fx
 
-from .comm import comm_info_cost
 from .compute import graph_compute
 from .memory import liveness
 

@@ -167,11 +167,10 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
         if not optimizer.traced:
             return (loss, *b.values(), *(grads[k] for k in pnames))
         k = len(optimizer.state_names)
-        new_p, new_s = [], []
-        for i, name in enumerate(pnames):
-            np_, ns = optimizer.step(p[name], grads[name], list(state[i * k:(i + 1) * k]), lr, step_count)
-            new_p.append(np_)
-            new_s.extend(ns)
+        by_state = [[state[i * k + j] for i in range(n_p)] for j in range(k)]
+        new_p, new_by_state = optimizer.step_all([p[n] for n in pnames], [grads[n] for n in pnames], by_state,
+                                                 lr, step_count)
+        new_s = [new_by_state[j][i] for i in range(n_p) for j in range(k)]
         return (loss, *new_p, *b.values(), *new_s, *(grads[k_] for k_ in pnames))
 
     state_vals = [torch.empty_like(trainable[n.split(":", 1)[1]]) for n in snames]

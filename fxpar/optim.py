@@ -5,6 +5,8 @@ default) with the learning rate and the step count as graph *inputs*, so that to
 schedulers drive the traced program: the runtime keeps a real ``torch.optim`` object only to
 hold ``param_groups[0]["lr"]`` for the scheduler.
 
+The step is traced with ``torch._foreach_*`` ops: one node per operation for all parameters.
+
     SGD   (torch.optim.SGD): d = g + wd·p;  b = d (first step) else μ·b + (1−τ)·d;
           d = d + μ·b (nesterov) else b;  p ← p − lr·d
     Adam  (Kingma & Ba 2015, torch.optim.Adam): g = g + wd·p;  m ← lerp(m, g, 1−β1);
@@ -53,11 +55,13 @@ class OptimizerSpec:
     def init_state(self, p: torch.Tensor) -> list:
         return [torch.zeros_like(p) for _ in self.state_names]
 
-    def step(self, p, g, state: list, lr, step):
-        """One update of one parameter; returns (new_p, new_state). ``step`` is the count *after* increment."""
+    def step_all(self, params: list, grads: list, states: list, lr, step):
+        """One update of every parameter with ``torch._foreach_*`` ops (a few graph nodes, not a few
+        per parameter). ``states[j]`` is the list of state ``state_names[j]`` over the parameters;
+        ``step`` is the count after increment. Returns (new_params, new_states)."""
         if self.cls is torch.optim.SGD:
-            return _sgd(self.kwargs, p, g, state, lr, step)
-        return _adam(self.kwargs, p, g, state, lr, step, decoupled=self.cls is torch.optim.AdamW)
+            return _sgd(self.kwargs, params, grads, states, lr, step)
+        return _adam(self.kwargs, params, grads, states, lr, step, decoupled=self.cls is torch.optim.AdamW)
 
 
 TRACEABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
@@ -89,33 +93,39 @@ def resolve_optimizer(optimizer) -> OptimizerSpec:
     return spec
 
 
-def _sgd(kw, p, g, state, lr, step):
+def _sgd(kw, params, grads, states, lr, step):
     momentum, dampening = kw.get("momentum", 0.0), kw.get("dampening", 0.0)
     wd, nesterov = kw.get("weight_decay", 0.0), kw.get("nesterov", False)
-    d = g + wd * p if wd else g
-    new_state = []
+    F = torch
+    d = F._foreach_add(grads, params, alpha=wd) if wd else list(grads)
+    new_states = []
     if momentum:
-        (buf,) = state
-        buf = torch.where(step == 1, d, buf * momentum + (1 - dampening) * d)
-        new_state = [buf]
-        d = d + momentum * buf if nesterov else buf
-    return p - lr * d, new_state
+        (bufs,) = states
+        first = (step == 1).to(step.dtype)     # torch starts the buffer as a copy of d (float64 coefficients)
+        keep = momentum * (1 - first)
+        take = first + (1 - dampening) * (1 - first)
+        bufs = F._foreach_add(F._foreach_mul(bufs, keep), F._foreach_mul(d, take))
+        new_states = [bufs]
+        d = F._foreach_add(d, bufs, alpha=momentum) if nesterov else bufs
+    return F._foreach_sub(params, F._foreach_mul(d, lr)), new_states
 
 
-def _adam(kw, p, g, state, lr, step, decoupled):
+def _adam(kw, params, grads, states, lr, step, decoupled):
     beta1, beta2 = kw.get("betas", (0.9, 0.999))
     eps = kw.get("eps", 1e-8)
     wd = kw.get("weight_decay", 1e-2 if decoupled else 0.0)
-    exp_avg, exp_avg_sq = state
+    F = torch
+    exp_avg, exp_avg_sq = states
     if wd:
         if decoupled:
-            p = p * (1 - lr * wd)
+            params = F._foreach_mul(params, 1 - lr * wd)
         else:
-            g = g + wd * p
-    exp_avg = torch.lerp(exp_avg, g, 1 - beta1)
-    exp_avg_sq = torch.addcmul(exp_avg_sq * beta2, g, g, value=1 - beta2)
+            grads = F._foreach_add(grads, params, alpha=wd)
+    exp_avg = F._foreach_lerp(exp_avg, grads, 1 - beta1)
+    exp_avg_sq = F._foreach_addcmul(F._foreach_mul(exp_avg_sq, beta2), grads, grads, value=1 - beta2)
     bias_correction1 = 1 - beta1 ** step
     bias_correction2_sqrt = (1 - beta2 ** step) ** 0.5
     step_size = lr / bias_correction1
-    denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
-    return p - step_size * (exp_avg / denom), [exp_avg, exp_avg_sq]
+    denom = F._foreach_add(F._foreach_div(F._foreach_sqrt(exp_avg_sq), bias_correction2_sqrt), eps)
+    update = F._foreach_mul(F._foreach_div(exp_avg, denom), step_size)
+    return F._foreach_sub(params, update), [exp_avg, exp_avg_sq]

@@ -119,7 +119,7 @@ class PassManager:
         history = []
         if self.keep_history:
             history.append(HistoryEntry("capture", True, 0.0, len(gm.graph.nodes), gm.code, {}))
-        done = []
+        done, modified_any = [], False
         for p in self.passes:
             before = set(gm.graph.nodes)
             t0 = time.perf_counter()
@@ -140,13 +140,14 @@ class PassManager:
                     n.meta[M.PASS.name] = p.name
             if self.check:
                 self._verify(gm, ctx, p.name, done)
-            if result.modified:
-                gm.recompile()
+            modified_any = modified_any or result.modified
             done.append(p.name)
             if self.keep_history:
+                code = gm.graph.python_code(root_module="self").src if result.modified else history[-1].code
                 history.append(HistoryEntry(p.name, result.modified, time.perf_counter() - t0,
-                                            len(gm.graph.nodes), gm.code if result.modified else history[-1].code,
-                                            result.info))
+                                            len(gm.graph.nodes), code, result.info))
+        if modified_any:
+            gm.recompile()     # once: passes edit the graph; the Python code is regenerated at the end
         return gm, history
 
     @staticmethod

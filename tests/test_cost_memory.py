@@ -152,3 +152,23 @@ def test_korthikanti_activation_memory_of_traced_bf16_layer():
     assert saved == pytest.approx(formula, rel=0.10)
     assert korthikanti_activation_bytes(s, b, h, a, tp=8, sequence_parallel=True) == pytest.approx(formula / 8)
     assert korthikanti_activation_bytes(s, b, h, a, recompute="full") == 2 * s * b * h
+
+
+def test_liveness_matches_tracker_on_fxpar_captured_gpt_step():
+    import fxpar
+    from fxpar.testing import GPT, gpt_loss
+    x = torch.randint(0, 64, (4, 16))
+    p = fxpar.parallelize(GPT(), fxpar.ClusterSpec.local(1), (x, x), loss_fn=gpt_loss,
+                          optimizer=(torch.optim.AdamW, {"lr": 1e-3}), strategy=fxpar.Strategy(dp=1))
+    gm = p.graphs(0)["step"]
+    args = []
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            v = n.meta["val"]
+            args.append(torch.randn(v.shape, dtype=v.dtype) if v.dtype.is_floating_point
+                        else torch.randint(0, 64, v.shape, dtype=v.dtype))
+    lv = liveness(gm)
+    with PeakMemoryTracker(initial=args) as tr:
+        gm(*args)
+    assert lv.peak_bytes == pytest.approx(tr.peak_bytes, rel=0.05)
+    assert lv.peak_breakdown["opt_state"] == 2 * lv.peak_breakdown["param"] > 0      # AdamW: exp_avg, exp_avg_sq

@@ -111,3 +111,21 @@ def test_timeline_is_valid_chrome_trace(tmp_path):
     comm = [e for e in spans if e["tid"] == 1]
     assert comm[0]["name"].startswith("all_reduce[dp]") and comm[0]["dur"] == pytest.approx(AR * 1e6)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+
+
+def test_estimate_on_fxpar_data_parallel_graphs():
+    import fxpar
+    from fxpar.testing import GPT, gpt_loss
+    x = torch.randint(0, 64, (4, 16))
+    p = fxpar.parallelize(GPT(), fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
+                          optimizer=(torch.optim.AdamW, {"lr": 1e-3}), strategy=fxpar.Strategy(dp=2, bucket_cap_mb=0.02))
+    graphs = {r: p.graphs(r)["step"] for r in range(2)}
+    cl = fxpar.ClusterSpec.local(2)
+    est = estimate(graphs, cl)
+    infos = [n.meta["fxpar_comm"] for n in graphs[0].graph.nodes if "fxpar_comm" in n.meta]
+    assert len(infos) > 1
+    assert est.ranks[0].comm_bytes == sum(i.nbytes for i in infos)           # ring, N=2: 2(N-1)/N * S = S
+    assert est.ranks[0].comm_time_s == pytest.approx(sum(
+        cost_models.ring_all_reduce_time(i.nbytes, 2, cl.intra_node.bandwidth, cl.intra_node.latency) for i in infos))
+    assert not est.defaulted                                                 # every op of the step has a rule
+    assert est.step_time_s >= max(est.ranks[0].compute_time_s, est.ranks[0].comm_time_s)

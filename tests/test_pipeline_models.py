@@ -87,3 +87,138 @@ def reference_train(model: nn.Module, loss_fn, batches, optimizer) -> tuple:
         opt.step()
         losses.append(float(loss))
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+# ---- structure tests: no ranks, fake tensors only -------------------------------------------------
+import pytest  # noqa: E402
+
+import fxpar  # noqa: E402
+from fxpar.optim import resolve_optimizer  # noqa: E402
+from fxpar.pipeline import build_pipeline_program  # noqa: E402
+from fxpar.pipeline.trace import trace_forward  # noqa: E402
+from passes.split_stages import cut_candidates, split_stages  # noqa: E402
+
+SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+
+
+def _gpt_trace(batch=2):
+    torch.manual_seed(0)
+    return trace_forward(TinyGPT().double(), gpt_batches(1, batch=batch)[0], gpt_loss)
+
+
+def test_cut_candidates_are_blocks_in_order():
+    ft = _gpt_trace()
+    assert cut_candidates(ft.gm, ft.roles, ft.module_types) == \
+        ["wpe", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "ln_f", "head"]
+
+
+def test_user_split_points_assign_modules_and_tie_the_embedding():
+    ft = _gpt_trace()
+    split = split_stages(ft.gm, ft.roles, 4, ["blocks.1", "blocks.2", "ln_f"], ft.module_types)
+    mods = [{m.split(".")[0] + ("." + m.split(".")[1] if m.startswith("blocks") else "") for m in st.modules}
+            for st in split.stages]
+    assert mods == [{"wte", "blocks.0"}, {"blocks.1"}, {"blocks.2", "blocks.3"}, {"ln_f", "head"}]
+    # the LM head is tied to wte: both the first and the last stage hold it, nothing else is shared
+    assert split.shared_params == {"wte.weight": [0, 3]}
+    # each boundary is one tensor (the residual stream), the last stage returns the loss
+    assert [len([1 for r, _ in st.inputs if r == "act"]) for st in split.stages] == [0, 1, 1, 1]
+    assert split.stages[-1].outputs == [("loss", "loss")]
+    # every activation node lands in exactly one stage; replicated nodes (t(weight), arange) are recomputed
+    owned = [n for st in split.stages for n in st.nodes]
+    assert len(owned) == len(set(owned))
+    assert any("arange" in n for n in split.stages[0].replicated)
+
+
+def test_skip_connection_is_forwarded_through_middle_stages():
+    torch.manual_seed(0)
+    ft = trace_forward(SkipNet().double(), skip_batches(1)[0], torch.nn.functional.cross_entropy)
+    split = split_stages(ft.gm, ft.roles, 4, ["layers.1", "layers.2", "layers.3"], ft.module_types)
+    h = split.stages[0].outputs[0][1]          # the output of `inp`, added back at the end
+    for st in split.stages[1:]:
+        assert ("act", h) in st.inputs          # it reaches every later stage ...
+    for st in split.stages[1:-1]:
+        assert ("act", h) in st.outputs         # ... passing through the middle ones unchanged
+    assert [len(st.outputs) for st in split.stages] == [2, 2, 2, 1]
+
+
+def test_balanced_cut_splits_the_blocks_evenly():
+    ft = _gpt_trace()
+    split = split_stages(ft.gm, ft.roles, 2, None, ft.module_types)
+    assert split.cuts == ["blocks.2"]
+    f0, f1 = (st.flops for st in split.stages)
+    assert 0.7 < f0 / f1 < 1.3
+
+
+def test_too_many_stages_names_the_candidates():
+    torch.manual_seed(0)
+    ft = trace_forward(SkipNet(layers=2).double(), skip_batches(1)[0], torch.nn.functional.cross_entropy)
+    with pytest.raises(fxpar.StrategyError, match=r"only 3 place\(s\) to cut, before \['layers.0', 'layers.1', 'out'\]"):
+        split_stages(ft.gm, ft.roles, 5, None, ft.module_types)
+    with pytest.raises(fxpar.StrategyError, match="not a module the forward runs"):
+        split_stages(ft.gm, ft.roles, 2, ["layers.7"], ft.module_types)
+
+
+def _build(model, batch, loss_fn, **strategy):
+    strategy = fxpar.Strategy(**strategy)
+    return build_pipeline_program(model, fxpar.ClusterSpec.local(strategy.size), batch, loss_fn,
+                                  resolve_optimizer(SGD), strategy)
+
+
+def test_1f1b_with_fewer_microbatches_than_stages_states_the_bubble():
+    torch.manual_seed(0)
+    with pytest.raises(fxpar.StrategyError, match=r"m >= p.*33%.*\(p-1\)/\(v\*m\+p-1\)"):
+        _build(SkipNet().double(), skip_batches(1)[0], torch.nn.functional.cross_entropy,
+               pp=2, schedule="1f1b", microbatches=1)
+
+
+def test_batch_not_divisible_by_microbatches_times_dp():
+    torch.manual_seed(0)
+    with pytest.raises(fxpar.StrategyError, match=r"dp=2 x microbatches=3 = 6 equal microbatches"):
+        _build(SkipNet().double(), skip_batches(1, batch=8)[0], torch.nn.functional.cross_entropy,
+               pp=2, dp=2, schedule="gpipe", microbatches=3)
+
+
+def test_program_graphs_schedule_and_sends():
+    torch.manual_seed(0)
+    prog = _build(TinyGPT().double(), gpt_batches(1)[0], gpt_loss, pp=2, dp=2, schedule="1f1b", microbatches=4)
+    assert prog.world_size == 4
+    assert set(prog.graphs(0)) == {"stage0.forward", "stage0.backward", "stage0.step"}
+    assert set(prog.graphs(3)) == {"stage1.forward", "stage1.backward", "stage1.step"}
+    # rank 1 is pipeline rank 0 of the second replica: its peer is global rank 3
+    assert str(prog.schedule(1)).startswith("rank 1: F0.0 SF0.0>3 F0.1 SF0.1>3 RB0.0<3 B0.0")
+    kinds = [a.kind.value for a in prog.schedule(0)]
+    assert kinds.count("SF") == 4 and kinds.count("RB") == 4 and kinds.count("STEP") == 1
+    text = prog.explain()
+    assert "bubble 0.200" in text and "wte.weight" in text
+
+
+def test_stage_graphs_compose_to_autograd_gradients():
+    """Run stage forwards then backwards in one process: the gradients equal torch.autograd's."""
+    torch.manual_seed(0)
+    model = TinyGPT().double()
+    x, y = gpt_batches(1, batch=2)[0]
+    prog = _build(model, (x, y), gpt_loss, pp=2, schedule="gpipe", microbatches=1)
+    params = dict(model.named_parameters())
+    acts, saved = [], []
+    for sp in prog.stages:
+        args = [params[k] if r == "param" else x if r == "input" else y if r == "target" else acts.pop(0)
+                for r, k in sp.inputs]
+        res = sp.forward(*[a.detach() for a in args])
+        saved.append(res[len(sp.outputs):])
+        acts = list(res[:len(sp.outputs)])
+    loss = acts[0]
+    grads, tangents = {}, [torch.tensor(1.0, dtype=torch.float64)]
+    for sp, sv in reversed(list(zip(prog.stages, saved))):
+        res = sp.backward(*sv, *tangents)
+        tangents = []
+        for j, g in zip(sp.diff_inputs, res):
+            r, k = sp.inputs[j]
+            if r == "param":
+                grads[k] = grads.get(k, 0) + g
+            else:
+                tangents.append(g)
+    ref = gpt_loss(model(x), y)
+    ref.backward()
+    assert abs(float(loss) - float(ref)) < 1e-12
+    for k, p in params.items():
+        torch.testing.assert_close(grads[k], p.grad, rtol=0, atol=1e-12)

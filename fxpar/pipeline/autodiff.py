@@ -139,14 +139,11 @@ def trace_step(index: int, spec, param_meta: list) -> torch.fx.GraphModule | Non
     k, n = len(spec.state_names), len(param_meta)
 
     def step(*flat):
-        ps, gs, st = flat[:n], flat[n:2 * n], flat[2 * n:2 * n + n * k]
+        ps, gs, st = list(flat[:n]), list(flat[n:2 * n]), flat[2 * n:2 * n + n * k]
         lr, count = flat[-2], flat[-1]
-        new_p, new_s = [], []
-        for i in range(n):
-            p, s = spec.step(ps[i], gs[i], list(st[i * k:(i + 1) * k]), lr, count)
-            new_p.append(p)
-            new_s.extend(s)
-        return (*new_p, *new_s)
+        states = [[st[i * k + j] for i in range(n)] for j in range(k)]   # per state name, over params
+        new_p, new_s = spec.step_all(ps, gs, states, lr, count)
+        return (*new_p, *(new_s[j][i] for i in range(n) for j in range(k)))
 
     ex = [torch.empty(s, dtype=d) for s, d in param_meta] * 2 + \
          [torch.empty(s, dtype=d) for s, d in param_meta for _ in range(k)] + \

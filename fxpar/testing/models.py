@@ -77,6 +77,8 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         self.head.weight = self.wte.weight
+        for emb in (self.wte, self.wpe):          # GPT-2's initialisation (N(0, 1) makes the tied head's logits huge)
+            nn.init.normal_(emb.weight, std=0.02)
 
     def forward(self, idx):
         T = idx.shape[1]

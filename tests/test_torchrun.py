@@ -1,0 +1,26 @@
+"""The torchrun (env://) path: the example script under torch.distributed.run equals single-process."""
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from fxpar.testing import GPT, gpt_loss, reference_training
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_torchrun_two_ranks_match_single_process():
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(ROOT / "examples" / "torchrun_train.py"), "--steps", "3"],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("losses", "checksum")))
+    losses = [float(x) for x in lines["losses"].split()]
+    torch.manual_seed(0)
+    model = GPT().double()
+    batches = [(torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))) for _ in range(3)]
+    ref_losses, ref_state = reference_training(model, batches, gpt_loss, (torch.optim.AdamW, {"lr": 1e-2}))
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-10
+    checksum = sum(float(v.double().sum()) for v in ref_state.values())
+    assert abs(float(lines["checksum"]) - checksum) <= 1e-8
