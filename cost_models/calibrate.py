@@ -7,6 +7,7 @@
 joined in a gloo group on 127.0.0.1 at a free port (a socket bound to port 0). While all ranks
 run at once, as they will in training, each times:
 
+- a GraphModule of 200 tiny aten adds -> ``device.op_overhead_s`` (per-op dispatch cost);
 - ``torch.mm`` on fp32 ``n x n`` matrices -> ``device.peak_flops`` (efficiency ``matmul`` = 1);
 - an fp32 ``add`` over 4M elements (12 bytes per element moved) -> ``device.mem_bandwidth``;
 - softmax and layer_norm -> ``efficiency["softmax"]``, ``efficiency["norm"]``: the fraction of
@@ -67,6 +68,23 @@ def _time(fn, reps: int, sync=None) -> float:
     return statistics.median(out)
 
 
+_TINY_OPS = 200
+
+
+def _tiny_ops_graph():
+    """A GraphModule of 200 aten adds on 8-element tensors, run as fxpar runs its graphs: the
+    per-op dispatch cost (the compute is negligible)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = x
+    for _ in range(_TINY_OPS):
+        y = g.call_function(torch.ops.aten.add.Tensor, (y, x))
+    g.output(y)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    t = torch.ones(8)
+    return lambda: gm(t)
+
+
 def _measure_compute(reps: int, sync=None) -> dict:
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -76,7 +94,8 @@ def _measure_compute(reps: int, sync=None) -> dict:
     t_add = _time(lambda: torch.add(x, y), reps, sync)
     t_sm = _time(lambda: torch.softmax(s, -1), reps, sync)
     t_ln = _time(lambda: torch.nn.functional.layer_norm(s, (1024,)), reps, sync)
-    return {"mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
+    t_op = _time(_tiny_ops_graph(), reps, sync) / _TINY_OPS
+    return {"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
             "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel()}
 
 
@@ -115,7 +134,8 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
            # roofline: flops/(peak*eff) = measured time; 5 FLOPs/element as cost_models.compute counts
            "softmax": min(1.0, 5 * numel / (peak * c["softmax_s"])),
            "norm": min(1.0, 5 * numel / (peak * c["layer_norm_s"]))}
-    device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff)
+    device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
+                     op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s))
     spec = replace(base, device=device)
     if raw["all_reduce"]:
         sizes_, times = zip(*raw["all_reduce"])

@@ -4,7 +4,7 @@ A rule per op, in a table keyed by the op's overload packet (``aten.mm``), with 
 always works. Lookup order for a node's target:
 
 1. ``FLOP_RULES`` (matmuls, convolutions, attention, norms, softmax, embedding, ...);
-2. ``torch.Tag.pointwise`` ops: one FLOP per output element (class ``"elementwise"``);
+2. ``torch.Tag.pointwise`` ops and ``_foreach_*`` ops: one FLOP per element (``"elementwise"``);
 3. ``torch.Tag.reduction`` ops: one FLOP per input element (class ``"reduction"``);
 4. ops whose schema says the output aliases an input (views, ``getitem``): free;
 5. the default rule: ``bytes = inputs + outputs``, ``flops = numel(output)``; the op is
@@ -291,13 +291,23 @@ def node_time(cost: OpCost, device) -> float:
     return max(t_flop, t_mem)
 
 
+def pays_dispatch(n: torch.fx.Node) -> bool:
+    """An aten op that runs as its own kernel (not a symbolic-size query such as ``sym_size``)."""
+    t = n.target
+    return (isinstance(t, torch._ops.OpOverload) and t.namespace == "aten"
+            and not t._schema.name.split("::")[-1].startswith("sym_"))
+
+
 def graph_compute(gm: torch.fx.GraphModule, device) -> GraphCompute:
     """Cost every node of ``gm`` on ``device``; ops that hit the default rule are counted."""
     gc = GraphCompute()
+    overhead = getattr(device, "op_overhead_s", 0.0)
     for n in gm.graph.nodes:
         c = node_cost(n)
         gc.costs[n] = c
-        gc.times[n] = node_time(c, device)
+        # every aten op pays a fixed dispatch/launch cost on top of its roofline time
+        fixed = overhead if pays_dispatch(n) else 0.0
+        gc.times[n] = node_time(c, device) + fixed
         if c.rule == "default":
             gc.defaulted[str(n.target)] += 1
     return gc

@@ -119,7 +119,7 @@ class SimResult:
         self.end = 0.0
 
 
-def _group_key(info, rank):
+def _group_key(info):
     if info.kind in ("send", "recv"):
         return ("p2p", info.ranks[0], info.ranks[-1])
     return tuple(sorted(info.ranks))
@@ -142,14 +142,28 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False) -> dict:
     issued: dict = {}                        # comm id -> {rank: (issue time, k)}
     end_of: dict = {}                        # (rank, k) -> end time
 
-    def members(cid):
-        return (cid[2],) if symmetric else cid[0][1:] if cid[0][0] == "p2p" else cid[0]
+    gid_of: dict = {}                        # id(CommInfo.ranks) -> small int naming the group
+    gid_key: dict = {}                       # group key -> small int
+    gmembers: list = []                      # small int -> member ranks
 
-    def try_resolve(cid, work):
+    def group_id(info):
+        g = gid_of.get((id(info.ranks), info.kind in ("send", "recv")))
+        if g is None:
+            key = _group_key(info)
+            g = gid_key.setdefault(key, len(gid_key))
+            if g == len(gmembers):
+                gmembers.append(key[1:] if key[0] == "p2p" else key)
+            gid_of[(id(info.ranks), info.kind in ("send", "recv"))] = g
+        return g
+
+    def members(cid):
+        return (cid[2],) if symmetric else gmembers[cid[0]]
+
+    at_head: dict = {}                       # comm id -> members that issued it and have it next in line
+
+    def resolve(cid, work):
         mem = members(cid)
-        got = issued.get(cid, {})
-        if len(got) < len(mem) or any(qhead[m] >= len(queue[m]) or queue[m][qhead[m]] != cid for m in mem):
-            return
+        got = issued[cid]
         start = max(max(got[m][0], lane[m]) for m in mem)
         for m in mem:
             k = got[m][1]
@@ -159,7 +173,10 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False) -> dict:
             res[m].comm.append((start, dur, k))
             qhead[m] += 1
             if qhead[m] < len(queue[m]):
-                work.append(queue[m][qhead[m]])
+                nxt = queue[m][qhead[m]]
+                at_head[nxt] = at_head.get(nxt, 0) + 1
+                if at_head[nxt] == len(members(nxt)):
+                    work.append(nxt)
 
     moved = True
     while moved:
@@ -174,15 +191,18 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False) -> dict:
                     t += st[1]
                 elif st[0] == "issue":
                     k = st[1]
-                    g = _group_key(infos[k], r)
+                    g = group_id(infos[k])
                     n = seq.get((r, g), 0)
                     seq[(r, g)] = n + 1
                     cid = (g, n, r) if symmetric else (g, n)
                     issued.setdefault(cid, {})[r] = (t, k)
                     queue[r].append(cid)
-                    work = [cid]
-                    while work:
-                        try_resolve(work.pop(), work)
+                    if qhead[r] == len(queue[r]) - 1:          # nothing ahead of it on this lane
+                        at_head[cid] = at_head.get(cid, 0) + 1
+                        if at_head[cid] == len(members(cid)):
+                            work = [cid]
+                            while work:
+                                resolve(work.pop(), work)
                 else:
                     e = end_of.get((r, st[1]))
                     if e is None:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from .compute import node_cost
+from .compute import pays_dispatch, node_cost
 from .memory import CATEGORIES, korthikanti_activation_bytes, liveness, zero_model_state_bytes
 
 __all__ = ["SymbolicCost", "symbolic_cost", "to_sympy", "largest_microbatch", "transformer_memory_expr",
@@ -89,14 +89,17 @@ def symbolic_cost(gm: torch.fx.GraphModule, device, keep: dict) -> SymbolicCost:
     eff = device.efficiency or {}
     terms: Counter = Counter()
     flops = by = sympy.Integer(0)
+    n_aten = 0
     for n in gm.graph.nodes:
+        if pays_dispatch(n):
+            n_aten += 1          # each pays the device's fixed per-op cost, as in cost_models.compute
         c = node_cost(n)
         if c.flops == 0 and c.bytes == 0:
             continue
         f, b = ex(c.flops), ex(c.bytes)
         flops, by = flops + f, by + b
         terms[(f, b, c.op_class)] += 1
-    time = sympy.Integer(0)
+    time = n_aten * sympy.Float(getattr(device, "op_overhead_s", 0.0))
     for (f, b, cls), k in terms.items():
         pf = device.peak_flops * eff.get(cls, eff.get("compute", 1.0))
         time += k * sympy.Max(f / pf, b / (device.mem_bandwidth * eff.get("memory", 1.0)))

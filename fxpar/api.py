@@ -28,7 +28,8 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     loss_fn: ``loss_fn(model(*inputs), target)``; None if ``model(*example_inputs)`` returns the loss.
     optimizer: ``(torch.optim.X, kwargs)``; SGD, Adam and AdamW are traced into the graph.
     strategy: a :class:`Strategy`, ``"auto"`` (data parallel over every rank) or a list of passes.
-    lr_scheduler: ``callable(torch_optimizer) -> scheduler``; stepped after every optimizer step.
+    lr_scheduler: ``(torch.optim.lr_scheduler.X, kwargs)`` or a picklable ``callable(torch_optimizer)``;
+        stepped after every optimizer step.
     plan: a Plan to use instead of the planner's (e.g. one you edited from ``program.plan``).
     """
     if isinstance(cluster, int):

@@ -28,6 +28,7 @@ class DeviceSpec:
     peak_flops: float = 50e9              # FLOP/s for the training dtype
     mem_bandwidth: float = 10e9           # bytes/s
     efficiency: dict = field(default_factory=dict)   # op class -> fraction of peak, from calibrate()
+    op_overhead_s: float = 0.0            # fixed cost per aten op (dispatch / kernel launch), from calibrate()
 
     def __hash__(self):
         return hash((self.kind, self.name, self.memory_bytes, self.peak_flops, self.mem_bandwidth))
@@ -80,7 +81,8 @@ class ClusterSpec:
         """
         if not isinstance(world_size, int) or world_size < 1:
             raise ClusterSpecError(f"ClusterSpec.local(world_size={world_size!r}): world_size must be a positive int.")
-        cpu = DeviceSpec("cpu", "cpu", _host_memory_bytes(), 50e9, 10e9)
+        # ~8 us per aten op: eager dispatch of an FX graph on CPU, as calibrate() measures it here
+        cpu = DeviceSpec("cpu", "cpu", _host_memory_bytes(), 50e9, 10e9, op_overhead_s=8e-6)
         return cls(**{"device": cpu, "nodes": 1, "devices_per_node": world_size, "backend": "gloo", **overrides})
 
     @classmethod
@@ -123,6 +125,8 @@ class ClusterSpec:
             problems.append(f"device.memory_bytes={d.memory_bytes}: must be > 0")
         if d.peak_flops <= 0:
             problems.append(f"device.peak_flops={d.peak_flops}: must be > 0")
+        if d.op_overhead_s < 0:
+            problems.append(f"device.op_overhead_s={d.op_overhead_s}: must be >= 0 seconds")
         if d.mem_bandwidth <= 0:
             problems.append(f"device.mem_bandwidth={d.mem_bandwidth}: must be > 0")
         for name, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):

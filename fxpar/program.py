@@ -18,6 +18,7 @@ class RunResult:
     losses: list                    # one float per step: the global-batch loss
     step_times: list                # seconds per step (slowest rank)
     per_rank_losses: dict = field(default_factory=dict)
+    comm_calls: dict = field(default_factory=dict)   # rank -> per step [(kind, bytes)], with measure_comm=True
     _state: dict = field(default_factory=dict, repr=False)
     optimizer_state: dict = field(default_factory=dict, repr=False)
 
@@ -30,7 +31,7 @@ def _train(payload: RankPayload, batches: list) -> dict:
     ex = StepExecutor(payload)
     for b in batches:
         ex.step(b)
-    out = {"losses": ex.losses, "step_times": ex.step_times, "dp_index": ex.dp_index}
+    out = {"losses": ex.losses, "step_times": ex.step_times, "dp_index": ex.dp_index, "comm_calls": ex.comm_calls}
     if payload.rank == 0:
         out["state"] = ex.state_dict()
         out["optimizer_state"] = ex.optimizer_state()
@@ -73,6 +74,14 @@ class Program:
         """The collectives of this rank's step in issue order, as ``fxpar.meta.CommInfo``."""
         return [M.get(n, M.COMM) for n in collective_nodes(self._graphs[rank])]
 
+    def estimate(self):
+        """Predicted step time, per-rank compute/comm time, bytes on the wire and peak memory, from the
+        cost models (``cost_models.estimate``) over this program's per-rank graphs. Starts no process."""
+        if getattr(self, "_estimate", None) is None:
+            import cost_models     # the cost models read graphs; fxpar reaches them only here and in the planner
+            self._estimate = cost_models.estimate(dict(self._graphs), self.cluster)
+        return self._estimate
+
     def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} is outside this program's {self.world_size} ranks")
@@ -103,6 +112,19 @@ class Program:
         if not cap.optimizer.traced:
             lines += ["", f"optimizer {cap.optimizer.name} runs eagerly on each rank ({cap.optimizer.why_not_traced}):",
                       "  its update is not in the graph, so passes that rewrite the optimizer step do not apply."]
+        lines += ["", "estimate (cost models; " + ("calibrated cluster" if self.cluster.device.efficiency
+                                                  else "vendor/default figures: ClusterSpec.calibrate() for this machine's") + "):"]
+        est = self.estimate()
+        lines += ["  " + ln for ln in str(est).splitlines()]
+        mem = self.cluster.device.memory_bytes
+        over = [r.rank for r in est.ranks if r.peak_memory_bytes > mem]
+        if over:
+            lines.append(f"  WARNING: predicted peak memory {_fmt(max(r.peak_memory_bytes for r in est.ranks))} exceeds the "
+                         f"{_fmt(mem)} of a {self.cluster.device.name} on {len(over)} rank(s): shard state (ZeRO), "
+                         "or split the model (tp/pp), or use a smaller batch.")
+        if est.defaulted:
+            lines.append("  ops costed by the default rule (no entry in cost_models.compute.FLOP_RULES): "
+                         + ", ".join(f"{k} x{v}" for k, v in est.defaulted.most_common()))
         lines += ["", f"time: capture {self.timings['capture']:.2f}s, plan+lower {self.timings['lower']:.2f}s"]
         return "\n".join(lines)
 
@@ -110,30 +132,44 @@ class Program:
         return f"<fxpar.Program {self.model_name} {self.strategy} on {self.world_size} ranks>"
 
     # ---- running ------------------------------------------------------------------------------
-    def payload(self, rank: int) -> RankPayload:
+    def payload(self, rank: int, measure_comm: bool = False) -> RankPayload:
         cap = self.captured
         return RankPayload(rank=rank, gm=self._graphs[rank], signature=self._graphs[rank].meta["fxpar_signature"],
                            mesh_axes=self.plan.mesh_axes, batch_dim=self.plan.batch_dim,
                            params={k: self._params[k] for k in cap.param_names},
                            buffers={k: self._buffers[k] for k in cap.buffer_names},
-                           optimizer=cap.optimizer, lr_scheduler=self._lr_scheduler)
+                           optimizer=cap.optimizer, lr_scheduler=self._lr_scheduler,
+                           extra={"measure_comm": measure_comm})
 
-    def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0) -> RunResult:
-        """Spawn the ranks here (gloo on 127.0.0.1), train one step per global batch, gather the result."""
+    def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
+                  measure_comm: bool = False) -> RunResult:
+        """Spawn the ranks here (gloo on 127.0.0.1), train one step per global batch, gather the result.
+        ``measure_comm=True`` records every collective each rank runs (``RunResult.comm_calls``)."""
         batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
         if self.world_size == 1:
-            results = [_train(self.payload(0), batches)]
+            results = [_train(self.payload(0, measure_comm), batches)]
         else:
+            self._check_picklable()
             own = cluster is None
             lc = cluster or LocalCluster(self.world_size, backend=self.cluster.backend)
             if lc.world_size != self.world_size:
                 raise ValueError(f"LocalCluster has {lc.world_size} ranks but this program needs {self.world_size}")
             try:
-                results = lc.run(_train, [(self.payload(r), batches) for r in range(self.world_size)], timeout_s=timeout_s)
+                results = lc.run(_train, [(self.payload(r, measure_comm), batches) for r in range(self.world_size)], timeout_s=timeout_s)
             finally:
                 if own:
                     lc.close()
         return self._gather(results)
+
+    def _check_picklable(self) -> None:
+        import pickle
+        try:
+            pickle.dumps(self._lr_scheduler)
+        except Exception as e:  # noqa: BLE001
+            raise TypeError(
+                f"lr_scheduler={self._lr_scheduler!r} cannot be sent to the spawned ranks ({e}). Pass "
+                "(torch.optim.lr_scheduler.StepLR, {'step_size': 1}) or a module-level function instead of a "
+                "lambda or a local function.") from None
 
     def _gather(self, results: list) -> RunResult:
         dp_ranks = [r for r in range(self.world_size)]
@@ -144,7 +180,8 @@ class Program:
         for alias, canon in self.captured.aliases.items():
             state[alias] = state[canon]
         state = {k: state[k] for k in self._model_keys if k in state}
-        return RunResult(losses, times, {r: res["losses"] for r, res in enumerate(results)}, state,
+        return RunResult(losses, times, {r: res["losses"] for r, res in enumerate(results)},
+                         {r: res["comm_calls"] for r, res in enumerate(results)}, state,
                          results[0].get("optimizer_state", {}))
 
     def runner(self, backend: str | None = None) -> "RankRunner":

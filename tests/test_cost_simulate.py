@@ -128,4 +128,5 @@ def test_estimate_on_fxpar_data_parallel_graphs():
     assert est.ranks[0].comm_time_s == pytest.approx(sum(
         cost_models.ring_all_reduce_time(i.nbytes, 2, cl.intra_node.bandwidth, cl.intra_node.latency) for i in infos))
     assert not est.defaulted                                                 # every op of the step has a rule
-    assert est.step_time_s >= max(est.ranks[0].compute_time_s, est.ranks[0].comm_time_s)
+    # (1e-12 relative: the simulator and the per-lane totals add the same times in different orders)
+    assert est.step_time_s >= max(est.ranks[0].compute_time_s, est.ranks[0].comm_time_s) * (1 - 1e-12)

@@ -113,7 +113,7 @@ def test_untraced_optimizer_runs_eagerly(clusters):
 
 
 def test_lr_scheduler_drives_traced_optimizer(clusters):
-    sched = lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)  # noqa: E731
+    sched = (torch.optim.lr_scheduler.StepLR, {"step_size": 1, "gamma": 0.5})
     model = MLP().double()
     batches = _data("mlp", 8, torch.float64, steps=4)
     program = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=F.mse_loss, optimizer=SGD_M,
@@ -139,3 +139,12 @@ def test_model_returning_its_loss(clusters):
     ref_losses, ref_state = reference_training(model, batches, None, SGD_M)
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) <= 1e-10
     assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
+
+
+def test_unpicklable_scheduler_is_refused_before_spawning():
+    model = MLP()
+    batches = _data("mlp", 8, torch.float32, steps=1)
+    program = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=F.mse_loss, optimizer=SGD_M,
+                                lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1))
+    with pytest.raises(TypeError, match=r"cannot be sent to the spawned ranks.*StepLR"):
+        program.run_local(batches)

@@ -94,3 +94,14 @@ def test_dp1_inserts_nothing_and_ranks_share_graphs():
     assert p1.collectives(0) == []
     p4 = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(4), (x, torch.randn(4, 8)), loss_fn=F.mse_loss)
     assert p4.graphs(0)["step"] is p4.graphs(3)["step"]   # collectives name the axis; runtime binds the group
+
+
+def test_measured_collectives_equal_the_graphs(clusters):
+    """What ranks run (recorded at dispatch) is exactly what the graph's collectives say."""
+    x = torch.randint(0, 64, (8, 16))
+    p = fxpar.parallelize(GPT(), fxpar.ClusterSpec.local(4), (x, x), loss_fn=gpt_loss, optimizer=ADAMW,
+                          strategy=fxpar.Strategy(dp=4, bucket_cap_mb=0.02))
+    res = p.run_local([(x, x)] * 2, cluster=clusters.get(4), measure_comm=True)
+    for r in range(4):
+        expected = [(c.kind, c.nbytes) for c in p.collectives(r)]
+        assert res.comm_calls[r] == [expected, expected]

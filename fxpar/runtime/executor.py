@@ -15,7 +15,7 @@ import torch.fx
 
 from ..collectives import axis_of_tag
 
-__all__ = ["RankPayload", "StepExecutor", "bind_groups"]
+__all__ = ["RankPayload", "StepExecutor", "bind_groups", "make_scheduler"]
 
 _GROUPS: dict = {}   # ranks tuple -> ProcessGroup, per process (reused across programs)
 
@@ -31,7 +31,7 @@ class RankPayload:
     params: dict                  # key -> tensor (this rank's initial values)
     buffers: dict
     optimizer: object             # fxpar.optim.OptimizerSpec
-    lr_scheduler: object = None   # callable(torch optimizer) -> scheduler, or None
+    lr_scheduler: object = None   # (SchedulerClass, kwargs), callable(torch optimizer) -> scheduler, or None
     extra: dict = field(default_factory=dict)
 
 
@@ -71,6 +71,16 @@ def bind_groups(gm: torch.fx.GraphModule, mesh, rank: int) -> torch.fx.GraphModu
     return gm
 
 
+def make_scheduler(spec, optimizer):
+    """``(SchedulerClass, kwargs)`` or ``callable(optimizer) -> scheduler`` or None."""
+    if spec is None:
+        return None
+    if isinstance(spec, tuple):
+        cls, kwargs = spec
+        return cls(optimizer, **kwargs)
+    return spec(optimizer)
+
+
 class StepExecutor:
     """Runs one rank's training steps. ``step(global_batch)`` returns this rank's loss."""
 
@@ -88,12 +98,14 @@ class StepExecutor:
         self.spec = spec
         self._leaves = {k: torch.nn.Parameter(v, requires_grad=True) for k, v in self.params.items()}
         self.torch_opt = spec.make_torch_optimizer(list(self._leaves.values()))
-        self.scheduler = payload.lr_scheduler(self.torch_opt) if payload.lr_scheduler else None
+        self.scheduler = make_scheduler(payload.lr_scheduler, self.torch_opt)
         self.state = {k: torch.zeros_like(self.params[k.split(":", 1)[1]]) for k in sig.keys("opt_state")}
         self.step_count = 0
         coords = self.mesh.coords(self.rank)
         self.dp_index, self.dp = coords.get("dp", 0), self.mesh.axis_size("dp")
         self.losses, self.step_times = [], []
+        self.measure_comm = bool(payload.extra.get("measure_comm"))
+        self.comm_calls: list = []          # per step: [(kind, bytes handed to the collective), ...]
 
     def shard(self, batch) -> list:
         batch = batch if isinstance(batch, (tuple, list)) else (batch,)
@@ -121,7 +133,13 @@ class StepExecutor:
             elif role == "step":
                 args.append(step_t)
         args += self.shard(batch)
-        outs = self.gm(*args)
+        if self.measure_comm:
+            from .measure import CommCounter
+            with CommCounter() as counter:
+                outs = self.gm(*args)
+            self.comm_calls.append(counter.calls)
+        else:
+            outs = self.gm(*args)
         loss, grads = None, {}
         for (role, key), v in zip(self.sig.outputs, outs):
             if role == "loss":

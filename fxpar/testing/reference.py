@@ -19,7 +19,8 @@ def reference_training(model, batches, loss_fn, optimizer, lr_scheduler=None):
     m = copy.deepcopy(model)
     cls, kw = optimizer
     opt = cls(m.parameters(), **kw)
-    sched = lr_scheduler(opt) if lr_scheduler else None
+    from fxpar.runtime.executor import make_scheduler
+    sched = make_scheduler(lr_scheduler, opt)
     losses = []
     for b in batches:
         opt.zero_grad()
