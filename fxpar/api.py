@@ -53,9 +53,23 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     t0 = time.perf_counter()
     captured = capture_training_step(model, local, loss_fn, resolve_optimizer(optimizer))
     t1 = time.perf_counter()
+    _check_parameters_fit(captured, cluster, model)
     plan = plan or make_plan(strategy, captured, global_batch)
     graphs, histories, notes = lower(captured, plan, cluster, strategy.passes)
     t2 = time.perf_counter()
     return Program(model=model, captured=captured, plan=plan, strategy=strategy, cluster=cluster, graphs=graphs,
                    histories=histories, notes=notes, lr_scheduler=lr_scheduler,
                    timings={"capture": t1 - t0, "lower": t2 - t1})
+
+
+def _check_parameters_fit(captured, cluster: ClusterSpec, model) -> None:
+    """Every rank holds at least one whole parameter tensor: it must fit in one device."""
+    if not captured.param_names:
+        return
+    def nbytes(k):
+        n = 1
+        for d in captured.param_shapes[k]:
+            n *= int(d)
+        return n * torch.empty((), dtype=captured.param_dtypes[k]).element_size()
+    key = max(captured.param_names, key=nbytes)
+    cluster.check_fits(nbytes(key), f"parameter '{key}' of {type(model).__name__} (shape {tuple(captured.param_shapes[key])})")

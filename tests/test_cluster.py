@@ -34,3 +34,15 @@ def test_impossible_numbers_are_rejected():
     small = dataclasses.replace(spec, device=dataclasses.replace(spec.device, memory_bytes=1024))
     with pytest.raises(ClusterSpecError, match=r"embedding needs 4096 bytes.*1024 bytes"):
         small.check_fits(4096, "embedding")
+
+
+def test_device_smaller_than_a_parameter_is_refused_at_parallelize():
+    import dataclasses
+
+    import torch
+    import torch.nn.functional as F
+    spec = ClusterSpec.local(1)
+    tiny = dataclasses.replace(spec, device=dataclasses.replace(spec.device, memory_bytes=1000))
+    model = torch.nn.Linear(64, 8)
+    with pytest.raises(ClusterSpecError, match=r"parameter 'weight' of Linear \(shape \(8, 64\)\) needs 2048 bytes.*1000 bytes"):
+        fxpar.parallelize(model, tiny, (torch.randn(2, 64), torch.randn(2, 8)), loss_fn=F.mse_loss)
