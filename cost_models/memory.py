@@ -191,19 +191,31 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
     # extend each storage to the last user of any alias; collect the phases that read it
     readers: dict = {}
     outputs: set = set()
+    def touch(s, u):
+        if s is None:
+            return
+        if u.op == "output":
+            s.end = last
+            outputs.add(id(s))
+        else:
+            s.end = max(s.end, index[u])
+            if not (u.op == "call_function" and _is_alias_op(u.target)):
+                readers.setdefault(id(s), set()).add(phases.get(u))
+
     for n in nodes:
         st = storage_of.get(n)
-        for s in (st if isinstance(st, list) else [st]):
-            if s is None:
-                continue
+        if not isinstance(st, list):
             for u in n.users:
-                if u.op == "output":
-                    s.end = last
-                    outputs.add(id(s))
-                else:
-                    s.end = max(s.end, index[u])
-                    if not (u.op == "call_function" and _is_alias_op(u.target)):
-                        readers.setdefault(id(s), set()).add(phases.get(u))
+                touch(st, u)
+            continue
+        for u in n.users:
+            # a getitem of a multi-output node reads only the element it selects (linear, not
+            # outputs x users: a _foreach_ op over every parameter has one getitem per parameter)
+            if u.target is operator.getitem and isinstance(u.args[1], int) and u.args[1] < len(st):
+                touch(st[u.args[1]], u)
+            else:
+                for s in st:
+                    touch(s, u)
     for s in storages:
         if s.producer.op == "placeholder":
             s.start, s.end = 0, last
