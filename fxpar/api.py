@@ -44,9 +44,16 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
             f"{strategy} uses dp*tp*pp = {strategy.size} ranks but the ClusterSpec has {cluster.world_size} "
             f"({cluster.nodes} node(s) x {cluster.devices_per_node}); make them equal, e.g. "
             f"Strategy(dp={cluster.world_size}) or ClusterSpec.local({strategy.size}).")
-    if strategy.tp > 1 or strategy.pp > 1:
-        raise StrategyError(f"{strategy}: tensor and pipeline parallelism are not available in this version of "
-                            "fxpar; use dp only (see docs/support-matrix.md for what is planned).")
+    if strategy.tp > 1:
+        raise StrategyError(f"{strategy}: tensor parallelism is not available in this version of fxpar; "
+                            "use dp and pp (see docs/support-matrix.md for what is planned).")
+    if strategy.pp > 1:
+        if plan is not None:
+            raise StrategyError("plan= is not used by pipeline programs yet; choose the cuts with "
+                                "Strategy(split_points=[...]) instead")
+        from .pipeline import build_pipeline_program   # pipelines: stage graphs + schedule executor
+        return build_pipeline_program(model, cluster, example_inputs, loss_fn, resolve_optimizer(optimizer),
+                                      strategy, lr_scheduler)
     batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     global_batch = check_batch(batch, strategy.dp)
     local = tuple(t.narrow(0, 0, global_batch // strategy.dp) for t in batch)

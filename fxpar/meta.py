@@ -30,6 +30,7 @@ class CommInfo:
     axis: str                 # mesh axis name, e.g. "dp"
     ranks: tuple              # global ranks of the group, in group order
     nbytes: int               # size of the tensor handed to the collective on this rank
+    # for "send"/"recv", ranks is (src, dst) on both sides
     reduce_op: str = "sum"
 
 
@@ -37,7 +38,7 @@ ROLE = MetaKey("fxpar_role", str, "fxpar.capture",
                "placeholders and outputs: 'param', 'buffer', 'opt_state', 'lr', 'step', 'input', "
                "'target'; outputs: 'loss', 'new_param', 'new_buffer', 'new_opt_state', 'grad'")
 PHASE = MetaKey("fxpar_phase", str, "fxpar.capture", "'forward', 'backward' or 'optimizer'")
-MODULE = MetaKey("fxpar_module", str, "fxpar.capture",
+MODULE = MetaKey("fxpar_module", str, "fxpar.capture (and fxpar.pipeline.trace, the pipeline's capture)",
                  "dotted path of the user's module that produced the node ('' for the root)")
 PARAM = MetaKey("fxpar_param", str, "fxpar.capture",
                 "on param/buffer/opt_state placeholders: the model's key (e.g. 'blocks.0.fc.weight')")

@@ -10,6 +10,6 @@ Modules: :mod:`.trace` (forward + loss at aten level), :mod:`passes.split_stages
 :mod:`.autodiff` (forward/backward with saved tensors explicit, the step), :mod:`.executor`
 (the runtime), :mod:`.program` (``build_pipeline_program``, ``PipelineProgram``).
 """
-from .program import ActionList, PipelinePlan, PipelineProgram, build_pipeline_program
+from .program import ActionList, PipelinePlan, PipelineProgram, PipelineRankRunner, build_pipeline_program
 
-__all__ = ["build_pipeline_program", "PipelineProgram", "PipelinePlan", "ActionList"]
+__all__ = ["build_pipeline_program", "PipelineProgram", "PipelinePlan", "PipelineRankRunner", "ActionList"]

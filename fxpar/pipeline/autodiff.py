@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import operator
+
 import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -38,7 +40,7 @@ class StageProgram:
     diff_outputs: list           # indices into outputs that take a tangent
     input_meta: list             # (shape, dtype) per input (microbatch shapes)
     output_meta: list            # (shape, dtype) per output
-    saved_bytes: int = 0
+    saved_bytes: int = 0          # activation bytes saved per microbatch (weights excluded)
     param_keys: list = None      # trainable parameters of the stage, in input order
 
 
@@ -89,13 +91,13 @@ def differentiate_stage(index: int, gm: torch.fx.GraphModule, inputs: list, outp
     examples = [torch.empty(s, dtype=d) for s, d in in_meta] + \
                [torch.empty(out_meta[j][0], dtype=out_meta[j][1]) for j in diff_out]
     jgm = make_fx(joint, tracing_mode="fake")(*examples)
-    fw, bw, n_saved, saved_bytes = _partition(jgm, n_in, n_out, index)
+    fw, bw, n_saved, saved_bytes = _partition(jgm, n_in, n_out, index, [i for i, (r, _) in enumerate(inputs) if r == "param"])
     params = [k for r, k in inputs if r == "param"]
     return StageProgram(index, fw, bw, None, list(inputs), list(outputs), n_saved, diff_in, diff_out,
                         in_meta, out_meta, saved_bytes, params)
 
 
-def _partition(jgm: torch.fx.GraphModule, n_in: int, n_out: int, index: int):
+def _partition(jgm: torch.fx.GraphModule, n_in: int, n_out: int, index: int, param_idx: list):
     g = jgm.graph
     phs = g.find_nodes(op="placeholder")
     primals, tangents = phs[:n_in], phs[n_in:]
@@ -103,6 +105,10 @@ def _partition(jgm: torch.fx.GraphModule, n_in: int, n_out: int, index: int):
     f_outs, g_outs = outs[:n_out], outs[n_out:]
     fwd = _ancestors(f_outs) | set(primals)
     bwd = _ancestors(g_outs) - fwd
+    for n in list(bwd):     # an output of a forward op read only by the backward (layer norm's rstd): save it, not the tuple
+        if n.target is operator.getitem and n.args[0] in fwd:
+            bwd.discard(n)
+            fwd.add(n)
     saved = [n for n in g.nodes if n in fwd and (any(u in bwd for u in n.users) or n in g_outs)]
     order = {n: i for i, n in enumerate(g.nodes)}
 
@@ -127,8 +133,19 @@ def _partition(jgm: torch.fx.GraphModule, n_in: int, n_out: int, index: int):
         benv[n] = bg.node_copy(n, lambda a: benv[a])
     bg.output(tuple(benv[n] if isinstance(n, torch.fx.Node) else n for n in g_outs))
     fgm, bgm = torch.fx.GraphModule({}, fg, f"Stage{index}Forward"), torch.fx.GraphModule({}, bg, f"Stage{index}Backward")
-    nbytes = sum(int(n.meta["val"].numel() * n.meta["val"].element_size()) for n in saved
-                 if isinstance(n.meta.get("val"), torch.Tensor))
+    # activation bytes: saved tensors not made from the weights alone (weights and their views are not counted)
+    weight_made = {primals[i] for i in param_idx}
+    for n in sorted(fwd, key=order.get):
+        if n.op == "call_function" and n.all_input_nodes and all(a in weight_made for a in n.all_input_nodes):
+            weight_made.add(n)
+    per_mb = fwd - weight_made
+    storages = {}        # a view keeps its base's storage alive: count each storage once (fake tensors share them too)
+    for n in saved:
+        v = n.meta.get("val")
+        if n in per_mb and isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            storages[st._cdata] = int(st.nbytes())
+    nbytes = sum(storages.values())
     return fgm, bgm, len(saved), nbytes
 
 

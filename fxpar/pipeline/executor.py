@@ -71,6 +71,9 @@ class PipelineExecutor:
         self.scheduler = p.lr_scheduler(self.torch_opt) if p.lr_scheduler else None
         self.step_count = {s: 0 for s in p.stages}
         self.loss_sums, self.step_times, self.comm = [], [], {"sent_bytes": 0, "sends": 0, "recvs": 0}
+        self.peak_versions: dict = {}
+        self.peak_version_bytes = 0
+        self.busy: list = []             # seconds of F/B compute per window
 
     def _global(self, pipe_rank: int) -> int:
         return pipe_rank * self.p.dp + self.dp_index
@@ -87,24 +90,48 @@ class PipelineExecutor:
         return [tuple(parts[i] for parts in out) for i in range(m)]
 
     def step(self, batch) -> float:
+        """One synchronous training step on one global batch; returns this rank's sum of microbatch losses."""
         t0 = time.perf_counter()
+        loss = self.run_window(self.microbatches(batch), self.p.actions)[0]
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.loss_sums.append(loss)
+        self.step_times.append(time.perf_counter() - t0)
+        return loss
+
+    def run_async(self, batches: list) -> None:
+        """An asynchronous schedule: one window over every microbatch of every batch, no flush between."""
+        t0 = time.perf_counter()
+        micro = [mb for b in batches for mb in self.microbatches(b)]
+        sums = self.run_window(micro, self.p.actions, per_batch=self.p.microbatches)
+        self.loss_sums += sums
+        self.step_times += [(time.perf_counter() - t0) / len(batches)] * len(batches)
+
+    def run_window(self, micro: list, actions: list, per_batch: int | None = None) -> list:
+        """Run ``actions`` over microbatches ``micro``; loss sums per group of ``per_batch`` microbatches."""
         p = self.p
-        micro = self.microbatches(batch)
-        seed = torch.tensor(1.0 / (p.microbatches * p.dp), dtype=torch.float64)
+        seed = torch.tensor(p.extra.get("seed", 1.0 / (p.microbatches * p.dp)), dtype=torch.float64)
         fwd_msg, bwd_msg, saved, sends = {}, {}, {}, []
         grads = {s: {k: torch.zeros_like(v) for k, v in ps.items()} for s, ps in self.params.items()}
-        loss_sum, synced = 0.0, False
-        for a in p.actions:
+        per_batch = per_batch or len(micro)
+        loss_sums = [0.0] * (len(micro) // per_batch)
+        synced = False
+        store = VersionStore(self.params, actions)
+        busy = 0.0
+        for idx, a in enumerate(actions):
             s, i = a.stage, a.microbatch
+            tc = time.perf_counter()
             if a.kind == _K.F:
                 sp = p.stages[s]
                 acts = iter(fwd_msg.pop((s, i), ()))
-                args = [self._input(sp, role, key, s, micro[i], acts) for role, key in sp.inputs]
+                weights = self.params[s] if a.version is None else store.get(s, a.version)
+                args = [weights[key] if role == "param" else self._input(sp, role, key, s, micro[i], acts)
+                        for role, key in sp.inputs]
                 res = sp.forward(*args)
                 n_out = len(sp.outputs)
-                saved[(s, i)] = res[n_out:]
+                saved[(s, i)] = res[n_out:]      # holds the weights the backward needs: weight stashing
                 if s == p.n_stages - 1:
-                    loss_sum += float(res[0])
+                    loss_sums[i // per_batch] += float(res[0])
                 else:
                     fwd_msg[(s + 1, i)] = list(res[:n_out])
             elif a.kind == _K.B:
@@ -120,6 +147,8 @@ class PipelineExecutor:
                         act_grads.append(g)
                 if s > 0:
                     bwd_msg[(s - 1, i)] = act_grads
+            if a.kind in (_K.F, _K.B):       # (computed above) count its time; the other kinds follow
+                busy += time.perf_counter() - tc
             elif a.kind in (_K.SEND_F, _K.SEND_B):
                 key = (s + 1, i) if a.kind == _K.SEND_F else (s - 1, i)
                 box = fwd_msg if a.kind == _K.SEND_F else bwd_msg
@@ -134,6 +163,13 @@ class PipelineExecutor:
             elif a.kind == _K.SYNC:
                 self._all_reduce_stage(grads, s, tuple(self._global(r) for r in p.stage_to_rank[s]))
             elif a.kind == _K.STEP:
+                if a.version is not None:          # asynchronous: this stage alone, then a fresh accumulator
+                    if p.dp > 1:
+                        self._all_reduce_stage(grads, s, tuple(self.pipe_rank * p.dp + d for d in range(p.dp)))
+                    self._step_stage(s, grads[s])
+                    grads[s] = {k: torch.zeros_like(v) for k, v in grads[s].items()}
+                    store.created(s, a.version, self.params[s], idx)
+                    continue
                 if not synced:
                     self._sync_before_step(grads)
                     synced = True
@@ -142,11 +178,10 @@ class PipelineExecutor:
                 raise NotImplementedError(f"action {a} ({a.kind.name}) is not run by this executor")
         for w, _ in sends:
             w.wait()
-        if self.scheduler is not None:
-            self.scheduler.step()
-        self.loss_sums.append(loss_sum)
-        self.step_times.append(time.perf_counter() - t0)
-        return loss_sum
+        self.busy.append(busy)
+        self.peak_versions = {s: max(self.peak_versions.get(s, 0), n) for s, n in store.peak.items()}
+        self.peak_version_bytes = max(self.peak_version_bytes, store.peak_bytes)
+        return loss_sums
 
     def _input(self, sp, role, key, s, mb, acts):
         if role == "param":
@@ -217,6 +252,7 @@ class PipelineExecutor:
             st = [x for k in keys for x in self.state[s][k]]
             out = sp.step(*[self.params[s][k] for k in keys], *[g[k] for k in keys], *st, lr, cnt)
             n, ns = len(keys), len(self.spec.state_names)
+            self.params[s] = dict(self.params[s])    # a new version: the old dict may be held by the VersionStore
             for j, k in enumerate(keys):
                 self.params[s][k] = out[j]
                 self.state[s][k] = list(out[n + j * ns:n + (j + 1) * ns])
@@ -230,6 +266,7 @@ class PipelineExecutor:
         for _, leaf in others:
             leaf.grad = None                  # torch skips parameters without a gradient
         self.torch_opt.step()
+        self.params[s] = dict(self.params[s])
         for k in keys:
             self.params[s][k] = self._leaves[(s, k)].detach().clone()
 
@@ -243,12 +280,55 @@ class PipelineExecutor:
         return out
 
 
+class VersionStore:
+    """Weight versions of each stage this rank holds, for asynchronous schedules (PipeDream, 2BW).
+
+    Version 0 is the weights at the start of the window; ``STEP s@v`` adds version v. A version is
+    dropped once no later F or B of this rank's list names it and a newer one exists (a B needs no
+    lookup: its forward's saved tensors already hold the weights it differentiates through).
+    ``peak`` counts the versions held at once per stage, ``peak_bytes`` their bytes on this rank.
+    """
+
+    def __init__(self, params: dict, actions: list):
+        self.versions = {s: {0: ps} for s, ps in params.items()}
+        self.last_use: dict = {}
+        for idx, a in enumerate(actions):
+            if a.kind in (_K.F, _K.B) and a.version is not None:
+                self.last_use[(a.stage, a.version)] = idx
+        self.peak = {s: 1 for s in params}
+        self.peak_bytes = self._bytes()
+
+    def get(self, s: int, version):
+        vs = self.versions[s]
+        if version is None:
+            return vs[max(vs)]
+        if version not in vs:
+            raise RuntimeError(f"stage {s} version {version} is not held on this rank (held: {sorted(vs)})")
+        return vs[version]
+
+    def created(self, s: int, version: int, params: dict, idx: int) -> None:
+        vs = self.versions[s]
+        vs[version] = params
+        for v in [v for v in vs if v != max(vs) and self.last_use.get((s, v), -1) <= idx]:
+            del vs[v]
+        self.peak[s] = max(self.peak[s], len(vs))
+        self.peak_bytes = max(self.peak_bytes, self._bytes())
+
+    def _bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for vs in self.versions.values() for ps in vs.values()
+                   for t in ps.values())
+
+
 def train(payload: PipelinePayload, batches: list) -> dict:
     """Worker entry: run every step, return loss sums, times and (dp index 0) the stages' parameters."""
     ex = PipelineExecutor(payload)
-    for b in batches:
-        ex.step(b)
-    out = {"loss_sums": ex.loss_sums, "step_times": ex.step_times, "comm": ex.comm}
+    if payload.extra.get("asynchronous"):
+        ex.run_async(batches)
+    else:
+        for b in batches:
+            ex.step(b)
+    out = {"loss_sums": ex.loss_sums, "step_times": ex.step_times, "comm": ex.comm, "busy": ex.busy,
+           "peak_versions": ex.peak_versions, "peak_version_bytes": ex.peak_version_bytes}
     if ex.dp_index == 0:
         out["state"] = ex.state_dict()
     return out

@@ -18,16 +18,26 @@ import torch
 from ..errors import StrategyError
 from ..mesh import Mesh
 from ..program import RunResult, _fmt
-from ..runtime.launch import LocalCluster
-from ..schedule import ActionKind, ScheduleError, get_schedule, simulate
+from ..runtime.launch import LocalCluster, init_from_env
+from ..schedule import ScheduleError, get_schedule, simulate
 from ..schedule.ir import Action
 from .autodiff import differentiate_stage, trace_step
-from .executor import PipelinePayload, train
+from .executor import PipelineExecutor, PipelinePayload, train
 from .trace import trace_forward
 
-__all__ = ["build_pipeline_program", "PipelineProgram", "PipelinePlan", "ActionList"]
+__all__ = ["build_pipeline_program", "PipelineProgram", "PipelinePlan", "ActionList", "PipelineRankRunner"]
 
 _ASYNC = ("pipedream", "2bw")
+
+
+def _schedule(name: str, pp: int, m: int, n_batches: int):
+    """The schedule for ``n_batches`` batches: one window for asynchronous schedules (no flush between
+    batches), a per-batch schedule otherwise."""
+    if name == "pipedream":
+        return get_schedule(name, pp, m * n_batches)     # one weight update per microbatch, never flushed
+    if name == "2bw":
+        return get_schedule(name, pp, m, n_batches=n_batches)
+    return get_schedule(name, pp, m)
 
 
 class ActionList(list):
@@ -84,13 +94,14 @@ def build_pipeline_program(model, cluster, example_inputs, loss_fn, optimizer_sp
     if pp * dp != cluster.world_size:
         raise StrategyError(f"{strategy} needs dp*pp = {pp * dp} ranks but the cluster has {cluster.world_size}")
     name = strategy.schedule or "1f1b"
-    if name in _ASYNC:
-        raise StrategyError(f"schedule {name!r} (asynchronous, weight stashing) is not run by fxpar's pipeline "
-                            "runtime yet; use 'gpipe', '1f1b', 'interleaved' or 'chimera'")
+    if name in _ASYNC and lr_scheduler is not None:
+        raise StrategyError(f"schedule {name!r} updates weights inside a window of microbatches; an lr_scheduler "
+                            "stepped once per batch is not defined for it. Drop lr_scheduler or use a synchronous "
+                            "schedule ('gpipe', '1f1b', 'interleaved', 'chimera').")
     batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     b = _check_batch(batch, dp, m)
     try:
-        sched = get_schedule(name, pp, m)
+        sched = _schedule(name, pp, m, 2)
     except ScheduleError as e:
         raise StrategyError(f"{strategy}: {e}") from e
     mb = b // (dp * m)
@@ -100,6 +111,10 @@ def build_pipeline_program(model, cluster, example_inputs, loss_fn, optimizer_sp
     from passes.split_stages import split_stages   # fxpar reaches passes only through the pipeline
     fpb = cluster.device.peak_flops / cluster.intra_node.bandwidth
     split = split_stages(ft.gm, ft.roles, sched.n_stages, strategy.split_points, ft.module_types, fpb)
+    if name in _ASYNC and split.shared_params:
+        raise StrategyError(f"schedule {name!r} steps each stage at its own time, so a parameter shared by stages "
+                            f"({sorted(split.shared_params)}: {split.shared_params}) would get different versions "
+                            "in different stages. Untie it, or use a synchronous schedule.")
     params = {k: v for k, v in model.named_parameters()}
     stages = []
     for st in split.stages:
@@ -127,7 +142,7 @@ class PipelineProgram:
         self._buffers = {**{k: v.detach() for k, v in model.named_parameters() if not v.requires_grad},
                          **{k: v.detach() for k, v in model.named_buffers()}}
         self._model_keys = list(model.state_dict().keys())
-        self.plan = PipelinePlan(self.mesh, schedule.name, schedule.n_microbatches, microbatch_size, split.cuts,
+        self.plan = PipelinePlan(self.mesh, schedule.name, strategy.microbatches, microbatch_size, split.cuts,
                                  split.candidates, dict(schedule.stage_to_rank), split.shared_params)
 
     @property
@@ -177,6 +192,10 @@ class PipelineProgram:
                       f"microbatches in flight per rank {peak}",
                   "  activation memory per rank ~ in-flight microbatches x saved bytes of its stages"]
         lines += ["  " + ln for ln in self.pipe_schedule.format_lists().splitlines()]
+        if self.asynchronous:
+            lines += ["", f"asynchronous: the schedule above covers 2 batches; a run covers all its batches in one "
+                          f"window with no flush. Weight versions held at once per stage (simulator): "
+                          f"{sim.peak_versions}; each forward's saved tensors keep the version its backward needs."]
         if self.split.shared_params:
             lines += ["", "tied parameters: each stage holds a copy; before the step their gradients are summed "
                           "(all-reduce over the ranks holding them), so every copy takes the same update"]
@@ -206,37 +225,61 @@ class PipelineProgram:
                 uniq.append(g)
         return uniq
 
-    def payload(self, rank: int) -> PipelinePayload:
+    @property
+    def asynchronous(self) -> bool:
+        return self.pipe_schedule.name in _ASYNC
+
+    def payload(self, rank: int, n_batches: int = 1) -> PipelinePayload:
+        """Rank ``rank``'s part. Asynchronous schedules cover all ``n_batches`` batches in one window."""
         pr, _ = self._pipe(rank)
-        held = self.pipe_schedule.rank_stages(pr)
+        sched = self.pipe_schedule
+        extra = {"n_inputs": self.n_inputs}
+        if self.asynchronous:
+            sched = _schedule(sched.name, self.pp, self.plan.microbatches, n_batches)
+            m = self.plan.microbatches
+            extra.update(asynchronous=True, seed=1.0 / self.dp if sched.name == "pipedream" else 1.0 / (m * self.dp))
+        held = sched.rank_stages(pr)
         keys = {k for s in held for k in self.stages[s].param_keys}
-        return PipelinePayload(rank=rank, dp=self.dp, pp=self.pp, actions=list(self.pipe_schedule.actions[pr]),
-                               stage_to_rank=dict(self.pipe_schedule.stage_to_rank),
-                               n_stages=self.pipe_schedule.n_stages, microbatches=self.pipe_schedule.n_microbatches,
+        return PipelinePayload(rank=rank, dp=self.dp, pp=self.pp, actions=list(sched.actions[pr]),
+                               stage_to_rank=dict(sched.stage_to_rank),
+                               n_stages=sched.n_stages, microbatches=self.plan.microbatches,
                                stages={s: self.stages[s] for s in held}, params={k: self._params[k] for k in keys},
                                buffers=dict(self._buffers), optimizer=self.optimizer,
                                shared=dict(self.split.shared_params), groups=self._groups(),
-                               lr_scheduler=self._lr_scheduler, extra={"n_inputs": self.n_inputs})
+                               lr_scheduler=self._lr_scheduler, extra=extra)
 
     def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0) -> RunResult:
         """Spawn (or reuse) ``world_size`` gloo ranks, train one step per global batch, gather the result."""
         batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
         for b in batches:
-            _check_batch(b, self.dp, self.pipe_schedule.n_microbatches)
+            _check_batch(b, self.dp, self.plan.microbatches)
         own = cluster is None
         lc = cluster or LocalCluster(self.world_size, backend=self.cluster.backend)
         if lc.world_size != self.world_size:
             raise ValueError(f"LocalCluster has {lc.world_size} ranks but this program needs {self.world_size}")
         try:
-            results = lc.run(train, [(self.payload(r), batches) for r in range(self.world_size)], timeout_s=timeout_s)
+            results = lc.run(train, [(self.payload(r, len(batches)), batches) for r in range(self.world_size)],
+                             timeout_s=timeout_s)
         finally:
             if own:
                 lc.close()
         return self._gather(results)
 
+    def runner(self, backend: str | None = None) -> "PipelineRankRunner":
+        """Under torchrun (or on an initialised group): this rank's part, one ``step(global_batch)`` at a time."""
+        init_from_env(backend or self.cluster.backend)
+        import torch.distributed as dist
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(f"{dist.get_world_size()} processes but the program needs {self.world_size}: use "
+                             f"--nproc-per-node {self.world_size} (or change the Strategy)")
+        if self.asynchronous:
+            raise StrategyError(f"schedule {self.pipe_schedule.name!r} runs all batches in one window; use "
+                                "run_local(batches), or a synchronous schedule with runner()")
+        return PipelineRankRunner(PipelineExecutor(self.payload(dist.get_rank())), self)
+
     def _gather(self, results: list) -> RunResult:
         n = len(results[0]["loss_sums"])
-        total_mb = self.pipe_schedule.n_microbatches * self.dp
+        total_mb = self.plan.microbatches * self.dp
         losses = [sum(r["loss_sums"][i] for r in results) / total_mb for i in range(n)]
         times = [max(r["step_times"][i] for r in results) for i in range(n)]
         state = {}
@@ -246,6 +289,47 @@ class PipelineProgram:
         for alias, canon in self.trace.aliases.items():
             state[alias] = state[canon]
         state = {k: state[k] for k in self._model_keys if k in state}
-        res = RunResult(losses, times, {i: r["loss_sums"] for i, r in enumerate(results)}, state)
+        res = RunResult(losses=losses, step_times=times, _state=state,
+                        per_rank_losses={i: r["loss_sums"] for i, r in enumerate(results)})
         res.comm = {i: r["comm"] for i, r in enumerate(results)}
+        # weight versions held at once, per stage (max over ranks), and the most bytes any rank held in them
+        res.peak_versions = {}
+        for r in results:
+            for s, held in r["peak_versions"].items():
+                res.peak_versions[s] = max(res.peak_versions.get(s, 0), held)
+        res.peak_version_bytes = max(r["peak_version_bytes"] for r in results)
+        # measured bubble per step: the idle share of the ranks' time, 1 - sum(F/B time) / (ranks * step time)
+        if not self.asynchronous:
+            res.bubble = [1 - sum(r["busy"][i] for r in results) / (len(results) * times[i]) for i in range(n)]
         return res
+
+
+class PipelineRankRunner:
+    """One rank's side of a pipeline program: ``step(batch)`` trains one step, returns the global-batch loss."""
+
+    def __init__(self, executor: PipelineExecutor, program: PipelineProgram):
+        self.executor, self.program = executor, program
+
+    @property
+    def rank(self) -> int:
+        return self.executor.rank
+
+    def step(self, batch) -> float:
+        import torch.distributed as dist
+        batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        t = torch.tensor([self.executor.step(batch)], dtype=torch.float64)   # loss sums live on last stages
+        dist.all_reduce(t)
+        return float(t) / (self.program.plan.microbatches * self.program.dp)
+
+    def state_dict(self) -> dict:
+        """The whole model's trained state under its own keys. Collective: every rank must call it."""
+        import torch.distributed as dist
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, self.executor.state_dict() if self.executor.dp_index == 0 else {})
+        state = {}
+        for part in parts:
+            state.update(part)
+        state.update(self.program._buffers)
+        for alias, canon in self.program.trace.aliases.items():
+            state[alias] = state[canon]
+        return {k: state[k] for k in self.program._model_keys if k in state}

@@ -1,0 +1,35 @@
+"""fxpar.parallelize with pp > 1 returns a pipeline program (the issue's contract)."""
+import pytest
+import torch
+
+import fxpar
+from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training
+
+SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+
+
+@pytest.mark.parametrize("dp,schedule", [(1, "gpipe"), (2, "1f1b")])
+def test_parallelize_pipeline_matches_single_process(clusters, dp, schedule):
+    model = GPT(layers=4).double()
+    batches = [(torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))) for _ in range(3)]
+    strategy = fxpar.Strategy(dp=dp, pp=2, schedule=schedule, microbatches=4 // dp)
+    program = fxpar.parallelize(model, fxpar.ClusterSpec.local(2 * dp), batches[0], loss_fn=gpt_loss,
+                                optimizer=SGD_M, strategy=strategy)
+    text = str(program.schedule(0))
+    assert "F0.0" in text and "STEP0" in text
+    assert set(program.graphs(0)) >= {"stage0.forward", "stage0.backward"}
+    res = program.run_local(batches, cluster=clusters.get(2 * dp))
+    ref_losses, ref_state = reference_training(model, batches, gpt_loss, SGD_M)
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) <= 1e-10
+    assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
+
+
+def test_user_split_points_and_plan_refused():
+    model = GPT(layers=4)
+    x = torch.randint(0, 64, (8, 16))
+    p = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
+                          strategy=fxpar.Strategy(pp=2, microbatches=4, split_points=["blocks.1"]))
+    assert "blocks.1" in p.explain()
+    with pytest.raises(fxpar.StrategyError, match="split_points"):
+        fxpar.parallelize(model, fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
+                          strategy=fxpar.Strategy(pp=2, microbatches=4), plan=fxpar.Plan())
