@@ -2,8 +2,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .errors import StrategyError
+
+if TYPE_CHECKING:
+    from .schedule import Schedule
 
 __all__ = ["Strategy"]
 
@@ -21,11 +25,15 @@ class Strategy:
     broadcast_buffers: like DDP's flag: after each step every dp rank takes dp-rank 0's buffers
         (BatchNorm running statistics).
     passes: your own passes (fxpar.Pass), appended after fxpar's, in order.
+    schedule: (pp > 1) a schedule name (``"gpipe"``, ``"1f1b"``, ...), or a hand-written schedule: a
+        ``fxpar.schedule.Schedule`` or its text (``str(schedule)``'s grid or ``schedule.format_lists()``),
+        read with ``Schedule.parse``. A hand-written one is validated and dry-run when the program is built:
+        one that would deadlock raises ``fxpar.schedule.ScheduleDeadlockError`` naming the step and ranks.
     """
     dp: int = 1
     tp: int = 1
     pp: int = 1
-    schedule: str | None = None
+    schedule: "str | Schedule | None" = None
     microbatches: int = 1
     split_points: list | None = None
     bucket_cap_mb: float = 25.0
@@ -39,8 +47,20 @@ class Strategy:
                 raise StrategyError(f"Strategy({name}={v!r}): {name} must be a positive int")
         if self.bucket_cap_mb < 0:
             raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
-        if self.schedule is not None and self.schedule not in _SCHEDULES:
-            raise StrategyError(f"Strategy(schedule={self.schedule!r}): choose one of {_SCHEDULES}")
+        if isinstance(self.schedule, str) and self.schedule.lstrip().startswith("#"):
+            from .schedule import Schedule, ScheduleParseError
+            try:
+                self.schedule = Schedule.parse(self.schedule)
+            except ScheduleParseError as e:
+                raise StrategyError(f"Strategy(schedule=<text>): {e}") from None
+        if self.schedule is not None and not self._custom_schedule and self.schedule not in _SCHEDULES:
+            raise StrategyError(f"Strategy(schedule={self.schedule!r}): choose one of {_SCHEDULES}, or pass a "
+                                "fxpar.schedule.Schedule or its text (starting with its '# schedule ...' header)")
+
+    @property
+    def _custom_schedule(self) -> bool:
+        from .schedule import Schedule
+        return isinstance(self.schedule, Schedule)
 
     @property
     def size(self) -> int:
@@ -60,5 +80,8 @@ class Strategy:
     def __str__(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
         if self.pp > 1:
-            parts += [f"schedule={self.schedule or '1f1b'}", f"microbatches={self.microbatches}"]
+            sched = self.schedule or "1f1b"
+            if self._custom_schedule:
+                sched = f"<hand-written {sched.name!r}: {sched.n_ranks} ranks, {sched.n_stages} stages>"
+            parts += [f"schedule={sched}", f"microbatches={self.microbatches}"]
         return "Strategy(" + ", ".join(parts) + ")"

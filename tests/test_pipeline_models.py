@@ -235,3 +235,25 @@ def test_buffers_written_in_forward_are_refused():
     with pytest.raises(fxpar.StrategyError, match="writes to buffer .*running"):
         _build(BNConvNet().double(), (torch.randn(4, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (4,))),
                torch.nn.functional.cross_entropy, pp=2, schedule="gpipe", microbatches=2)
+
+
+def test_history_and_collectives_of_a_pipeline_rank():
+    """history(rank): each lowering step's graph per held stage, ending in the graphs the rank runs;
+    collectives(rank): its sends/recvs in schedule order, then the dp and tied-weight all-reduces."""
+    torch.manual_seed(0)
+    prog = _build(TinyGPT().double(), gpt_batches(1, batch=16)[0], gpt_loss, pp=2, dp=2, schedule="1f1b",
+                  microbatches=4)
+    hist = prog.history(0)
+    assert [h.pass_name for h in hist] == ["trace_forward", "split_stages", "differentiate_stage:forward",
+                                           "differentiate_stage:backward", "trace_step"]
+    assert all(h.info.get("stage", 0) == 0 for h in hist)
+    assert hist[2].code == prog.graphs(0)["stage0.forward"].code and hist[3].code == prog.graphs(0)["stage0.backward"].code
+    assert {h.info["stage"] for h in prog.history(3)[1:]} == {1}
+    comms = prog.collectives(1)                  # pipeline rank 0 of the second replica; its peer is rank 3
+    act = 2 * 8 * 16 * 8                          # a microbatch of 2 x 8 tokens x d=16, float64
+    assert [(c.kind, c.ranks, c.nbytes) for c in comms[:4]] == \
+        [("send", (1, 3), act), ("send", (1, 3), act), ("recv", (3, 1), act), ("send", (1, 3), act)]
+    assert sum(c.kind == "send" for c in comms) == 4 and sum(c.kind == "recv" for c in comms) == 4
+    stage0 = sum(prog._params[k].numel() * 8 for k in prog.stages[0].param_keys)
+    assert [(c.kind, c.axis, c.ranks, c.nbytes) for c in comms[8:]] == \
+        [("all_reduce", "dp", (0, 1), stage0), ("all_reduce", "pp", (1, 3), 32 * 16 * 8)]   # dp, then tied wte

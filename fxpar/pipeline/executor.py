@@ -13,6 +13,11 @@ global-batch mean loss. Before the first STEP of a step, gradients are summed ov
 all-reduce per stage, flattened) and a parameter used by several stages (a tied embedding) gets
 the sum of their gradients (an all-reduce over the ranks holding those stages; one replica of each
 stage contributes). ``SYNC s`` sums stage s's gradients over its replicas (Chimera).
+
+Besides the math each rank measures, per window: per stage the most microbatches whose saved tensors are
+alive at once and their bytes (``act_peak``, ``act_peak_bytes``; see :func:`.tracking.activation_bytes`),
+the seconds of every action (``action_times``, ``timelines``) and, with ``extra['record_weights']``, a
+fingerprint of the weights every F and B computes with (``weight_log``).
 """
 from __future__ import annotations
 
@@ -24,8 +29,9 @@ import torch.distributed as dist
 
 from ..runtime.executor import _group
 from ..schedule import ActionKind
+from .tracking import VersionStore, activation_bytes, digest
 
-__all__ = ["PipelinePayload", "PipelineExecutor"]
+__all__ = ["PipelinePayload", "PipelineExecutor", "VersionStore"]
 
 _K = ActionKind
 
@@ -74,6 +80,15 @@ class PipelineExecutor:
         self.peak_versions: dict = {}
         self.peak_version_bytes = 0
         self.busy: list = []             # seconds of F/B compute per window
+        # measured activation memory per stage: most microbatches whose saved tensors were alive at once,
+        # and most bytes those saved tensors held (weights excluded, each storage counted once)
+        self.act_peak = {s: 0 for s in p.stages}
+        self.act_peak_bytes = {s: 0 for s in p.stages}
+        self.action_times: list = []     # per window: (kind, stage) -> [total seconds, count]
+        self._times: dict = {}
+        self.timelines: list = []        # per window: (kind, stage, microbatch, start, end), perf_counter seconds
+        self.record_weights = bool(p.extra.get("record_weights"))
+        self.weight_log: list = []       # with record_weights: one entry per F and B, see _fingerprint
 
     def _global(self, pipe_rank: int) -> int:
         return pipe_rank * self.p.dp + self.dp_index
@@ -117,6 +132,8 @@ class PipelineExecutor:
         loss_sums = [0.0] * (len(micro) // per_batch)
         synced = False
         store = VersionStore(self.params, actions)
+        live = {s: {} for s in p.stages}          # stage -> {microbatch: bytes of its saved activations}
+        self._times, timeline = {}, []
         busy = 0.0
         for idx, a in enumerate(actions):
             s, i = a.stage, a.microbatch
@@ -130,6 +147,11 @@ class PipelineExecutor:
                 res = sp.forward(*args)
                 n_out = len(sp.outputs)
                 saved[(s, i)] = res[n_out:]      # holds the weights the backward needs: weight stashing
+                live[s][i] = activation_bytes(res[n_out:], args, weights)
+                self.act_peak[s] = max(self.act_peak[s], len(live[s]))
+                self.act_peak_bytes[s] = max(self.act_peak_bytes[s], sum(live[s].values()))
+                if self.record_weights:
+                    self._fingerprint("F", s, i, a.version, res[n_out:], weights)
                 if s == p.n_stages - 1:
                     loss_sums[i // per_batch] += float(res[0])
                 else:
@@ -137,7 +159,12 @@ class PipelineExecutor:
             elif a.kind == _K.B:
                 sp = p.stages[s]
                 tangents = [seed.to(sp.output_meta[0][1])] if s == p.n_stages - 1 else bwd_msg.pop((s, i))
-                res = sp.backward(*saved.pop((s, i)), *tangents)
+                held = saved.pop((s, i))
+                if self.record_weights:        # the weights this B differentiates through: those its F saved
+                    self._fingerprint("B", s, i, a.version, held, store.get(s, a.version) if a.version is not None
+                                      else self.params[s], versions_held=len(store.versions.get(s, {})))
+                res = sp.backward(*held, *tangents)
+                del live[s][i]
                 act_grads = []
                 for j, g in zip(sp.diff_inputs, res):
                     role, key = sp.inputs[j]
@@ -149,6 +176,7 @@ class PipelineExecutor:
                     bwd_msg[(s - 1, i)] = act_grads
             if a.kind in (_K.F, _K.B):       # (computed above) count its time; the other kinds follow
                 busy += time.perf_counter() - tc
+                self._timed(a, tc)
             elif a.kind in (_K.SEND_F, _K.SEND_B):
                 key = (s + 1, i) if a.kind == _K.SEND_F else (s - 1, i)
                 box = fwd_msg if a.kind == _K.SEND_F else bwd_msg
@@ -158,10 +186,13 @@ class PipelineExecutor:
                     sends.append((dist.isend(t, self._global(a.peer), tag=tag), t))
                     self.comm["sent_bytes"] += t.numel() * t.element_size()
                 self.comm["sends"] += 1
+                self._timed(a, tc)
             elif a.kind in (_K.RECV_F, _K.RECV_B):
                 self._recv(a, fwd_msg, bwd_msg)
+                self._timed(a, tc)
             elif a.kind == _K.SYNC:
                 self._all_reduce_stage(grads, s, tuple(self._global(r) for r in p.stage_to_rank[s]))
+                self._timed(a, tc)
             elif a.kind == _K.STEP:
                 if a.version is not None:          # asynchronous: this stage alone, then a fresh accumulator
                     if p.dp > 1:
@@ -169,19 +200,51 @@ class PipelineExecutor:
                     self._step_stage(s, grads[s])
                     grads[s] = {k: torch.zeros_like(v) for k, v in grads[s].items()}
                     store.created(s, a.version, self.params[s], idx)
+                    self._timed(a, tc)
+                    timeline.append((a.kind.value, s, i, tc, time.perf_counter()))
                     continue
                 if not synced:
                     self._sync_before_step(grads)
+                    self._timed(("allreduce", -1), tc)      # dp and tied-weight all-reduces, timed apart
+                    tc = time.perf_counter()
                     synced = True
                 self._step_stage(s, grads[s])
+                self._timed(a, tc)
             else:
                 raise NotImplementedError(f"action {a} ({a.kind.name}) is not run by this executor")
+            timeline.append((a.kind.value, s, i, tc, time.perf_counter()))
         for w, _ in sends:
             w.wait()
         self.busy.append(busy)
+        self.action_times.append(self._times)
+        self.timelines.append(timeline)
         self.peak_versions = {s: max(self.peak_versions.get(s, 0), n) for s, n in store.peak.items()}
         self.peak_version_bytes = max(self.peak_version_bytes, store.peak_bytes)
         return loss_sums
+
+    def _timed(self, a, t0: float) -> None:
+        key = a if isinstance(a, tuple) else (a.kind.value, a.stage)
+        rec = self._times.setdefault(key, [0.0, 0])
+        rec[0] += time.perf_counter() - t0
+        rec[1] += 1
+
+    def _fingerprint(self, kind: str, s: int, i: int, version, saved, weights: dict, versions_held=None):
+        """Log which weights an F or B of stage s, microbatch i computes with. ``saved``: the forward's saved
+        tensors (what the backward reads); ``weights``: the version the action names (the store's tensors).
+
+        ``saved_digest`` hashes the bytes of the saved tensors that are weights or views of them (found by
+        storage); ``digest`` hashes those weights' whole tensors in ``weights``, ``newest`` the stage's newest
+        weights under the same keys; ``same_storage`` says the saved views sit on ``weights``' storages."""
+        by_ptr = {t.untyped_storage().data_ptr(): k for k, t in weights.items()}
+        views = {j: by_ptr[t.untyped_storage().data_ptr()] for j, t in enumerate(saved)
+                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in by_ptr}
+        keys = sorted(set(views.values()))
+        self.weight_log.append({
+            "kind": kind, "stage": s, "mb": i, "version": version, "keys": keys,
+            "saved_digest": digest({f"{j}:{k}": saved[j] for j, k in views.items()}),
+            "digest": digest({k: weights[k] for k in keys}),
+            "newest": digest({k: self.params[s][k] for k in keys}),
+            "same_storage": bool(views), "steps": self.step_count[s], "versions_held": versions_held})
 
     def _input(self, sp, role, key, s, mb, acts):
         if role == "param":
@@ -280,45 +343,6 @@ class PipelineExecutor:
         return out
 
 
-class VersionStore:
-    """Weight versions of each stage this rank holds, for asynchronous schedules (PipeDream, 2BW).
-
-    Version 0 is the weights at the start of the window; ``STEP s@v`` adds version v. A version is
-    dropped once no later F or B of this rank's list names it and a newer one exists (a B needs no
-    lookup: its forward's saved tensors already hold the weights it differentiates through).
-    ``peak`` counts the versions held at once per stage, ``peak_bytes`` their bytes on this rank.
-    """
-
-    def __init__(self, params: dict, actions: list):
-        self.versions = {s: {0: ps} for s, ps in params.items()}
-        self.last_use: dict = {}
-        for idx, a in enumerate(actions):
-            if a.kind in (_K.F, _K.B) and a.version is not None:
-                self.last_use[(a.stage, a.version)] = idx
-        self.peak = {s: 1 for s in params}
-        self.peak_bytes = self._bytes()
-
-    def get(self, s: int, version):
-        vs = self.versions[s]
-        if version is None:
-            return vs[max(vs)]
-        if version not in vs:
-            raise RuntimeError(f"stage {s} version {version} is not held on this rank (held: {sorted(vs)})")
-        return vs[version]
-
-    def created(self, s: int, version: int, params: dict, idx: int) -> None:
-        vs = self.versions[s]
-        vs[version] = params
-        for v in [v for v in vs if v != max(vs) and self.last_use.get((s, v), -1) <= idx]:
-            del vs[v]
-        self.peak[s] = max(self.peak[s], len(vs))
-        self.peak_bytes = max(self.peak_bytes, self._bytes())
-
-    def _bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for vs in self.versions.values() for ps in vs.values()
-                   for t in ps.values())
-
-
 def train(payload: PipelinePayload, batches: list) -> dict:
     """Worker entry: run every step, return loss sums, times and (dp index 0) the stages' parameters."""
     ex = PipelineExecutor(payload)
@@ -328,7 +352,9 @@ def train(payload: PipelinePayload, batches: list) -> dict:
         for b in batches:
             ex.step(b)
     out = {"loss_sums": ex.loss_sums, "step_times": ex.step_times, "comm": ex.comm, "busy": ex.busy,
-           "peak_versions": ex.peak_versions, "peak_version_bytes": ex.peak_version_bytes}
+           "peak_versions": ex.peak_versions, "peak_version_bytes": ex.peak_version_bytes,
+           "act_peak": ex.act_peak, "act_peak_bytes": ex.act_peak_bytes, "action_times": ex.action_times,
+           "weight_log": ex.weight_log, "timelines": ex.timelines}
     if ex.dp_index == 0:
         out["state"] = ex.state_dict()
     return out

@@ -19,26 +19,15 @@ from ..errors import StrategyError
 from ..mesh import Mesh
 from ..program import RunResult, _fmt
 from ..runtime.launch import LocalCluster, init_from_env
-from ..schedule import ScheduleError, get_schedule, simulate
+from ..schedule import Schedule, ScheduleError, simulate
 from ..schedule.ir import Action
 from .autodiff import differentiate_stage, trace_step
 from .executor import PipelineExecutor, PipelinePayload, train
+from .inspection import rank_collectives, stage_history
+from .schedules import ASYNC, check_custom_schedule, schedule_for
 from .trace import trace_forward
 
 __all__ = ["build_pipeline_program", "PipelineProgram", "PipelinePlan", "ActionList", "PipelineRankRunner"]
-
-_ASYNC = ("pipedream", "2bw")
-
-
-def _schedule(name: str, pp: int, m: int, n_batches: int):
-    """The schedule for ``n_batches`` batches: one window for asynchronous schedules (no flush between
-    batches), a per-batch schedule otherwise."""
-    if name == "pipedream":
-        return get_schedule(name, pp, m * n_batches)     # one weight update per microbatch, never flushed
-    if name == "2bw":
-        return get_schedule(name, pp, m, n_batches=n_batches)
-    return get_schedule(name, pp, m)
-
 
 class ActionList(list):
     """One rank's actions; ``str()`` prints them in the schedule IR's text form."""
@@ -93,17 +82,21 @@ def build_pipeline_program(model, cluster, example_inputs, loss_fn, optimizer_sp
         raise StrategyError(f"{strategy}: pipeline parallelism with tp > 1 is not available; use tp=1")
     if pp * dp != cluster.world_size:
         raise StrategyError(f"{strategy} needs dp*pp = {pp * dp} ranks but the cluster has {cluster.world_size}")
-    name = strategy.schedule or "1f1b"
-    if name in _ASYNC and lr_scheduler is not None:
+    custom = isinstance(strategy.schedule, Schedule)
+    name = "custom" if custom else strategy.schedule or "1f1b"
+    if name in ASYNC and lr_scheduler is not None:
         raise StrategyError(f"schedule {name!r} updates weights inside a window of microbatches; an lr_scheduler "
                             "stepped once per batch is not defined for it. Drop lr_scheduler or use a synchronous "
                             "schedule ('gpipe', '1f1b', 'interleaved', 'chimera').")
     batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     b = _check_batch(batch, dp, m)
-    try:
-        sched = _schedule(name, pp, m, 2)
-    except ScheduleError as e:
-        raise StrategyError(f"{strategy}: {e}") from e
+    if custom:
+        sched = check_custom_schedule(strategy.schedule, strategy)
+    else:
+        try:
+            sched = schedule_for(name, pp, m, 2)
+        except ScheduleError as e:
+            raise StrategyError(f"{strategy}: {e}") from e
     mb = b // (dp * m)
     micro = tuple(t.narrow(0, 0, mb) for t in batch)
     ft = trace_forward(model, micro, loss_fn)
@@ -111,31 +104,38 @@ def build_pipeline_program(model, cluster, example_inputs, loss_fn, optimizer_sp
     from passes.split_stages import split_stages   # fxpar reaches passes only through the pipeline
     fpb = cluster.device.peak_flops / cluster.intra_node.bandwidth
     split = split_stages(ft.gm, ft.roles, sched.n_stages, strategy.split_points, ft.module_types, fpb)
-    if name in _ASYNC and split.shared_params:
+    if name in ASYNC and split.shared_params:
         raise StrategyError(f"schedule {name!r} steps each stage at its own time, so a parameter shared by stages "
                             f"({sorted(split.shared_params)}: {split.shared_params}) would get different versions "
                             "in different stages. Untie it, or use a synchronous schedule.")
     params = {k: v for k, v in model.named_parameters()}
-    stages = []
+    stages, histories = [], []
+    t_split = time.perf_counter() - t1
     for st in split.stages:
+        ta = time.perf_counter()
         sp = differentiate_stage(st.index, st.gm, st.inputs, st.outputs)
+        tb = time.perf_counter()
         sp.step = trace_step(st.index, optimizer_spec, [(tuple(params[k].shape), params[k].dtype) for k in sp.param_keys])
         stages.append(sp)
+        histories.append(stage_history(ft.gm, st, sp, {"trace_forward": t1 - t0, "split_stages": t_split,
+                                                       "differentiate_stage:forward": tb - ta,
+                                                       "trace_step": time.perf_counter() - tb}))
     t2 = time.perf_counter()
     return PipelineProgram(model=model, cluster=cluster, strategy=strategy, schedule=sched, split=split,
                            stages=stages, trace=ft, optimizer=optimizer_spec, lr_scheduler=lr_scheduler,
                            n_inputs=len(batch) - (1 if loss_fn is not None else 0), microbatch_size=mb,
-                           timings={"capture": t1 - t0, "lower": t2 - t1})
+                           timings={"capture": t1 - t0, "lower": t2 - t1}, histories=histories)
 
 
 class PipelineProgram:
     def __init__(self, *, model, cluster, strategy, schedule, split, stages, trace, optimizer, lr_scheduler,
-                 n_inputs, microbatch_size, timings):
+                 n_inputs, microbatch_size, timings, histories=None):
         self.model_name = type(model).__name__
         self.cluster, self.strategy, self.split, self.stages = cluster, strategy, split, stages
         self.pipe_schedule = schedule
         self.trace, self.optimizer, self._lr_scheduler = trace, optimizer, lr_scheduler
         self.n_inputs, self.timings = n_inputs, timings
+        self._histories = histories or []
         self.dp, self.pp = strategy.dp, strategy.pp
         self.mesh = Mesh((("pp", self.pp), ("dp", self.dp)))
         self._params = {k: v.detach() for k, v in model.named_parameters()}
@@ -166,6 +166,19 @@ class PipelineProgram:
                 out[f"stage{s}.step"] = sp.step
         return out
 
+    def history(self, rank: int = 0) -> list:
+        """Per stage this rank holds, the graph after each lowering step (``HistoryEntry``; ``str()`` is its code):
+        ``trace_forward`` (whole model), ``split_stages``, ``differentiate_stage:forward``/``:backward``,
+        ``trace_step``; ``entry.info['stage']`` says which stage."""
+        pr, _ = self._pipe(rank)
+        return [e for s in self.pipe_schedule.rank_stages(pr) for e in self._histories[s]]
+
+    def collectives(self, rank: int = 0) -> list:
+        """This rank's sends, receives and all-reduces of one step in issue order, as ``fxpar.meta.CommInfo``
+        (send/recv: ``ranks=(src, dst)``; all-reduce axis ``dp`` for replicas, ``pp`` for SYNC and tied weights)."""
+        self._pipe(rank)
+        return rank_collectives(self, rank)
+
     def schedule(self, rank: int = 0) -> ActionList:
         """This rank's actions, peers as global ranks (``str()`` prints ``rank R: F0.0 SF0.0>1 ...``)."""
         pr, d = self._pipe(rank)
@@ -190,7 +203,8 @@ class PipelineProgram:
         peak = sim.peak_activations_per_rank
         lines += ["", f"schedule {self.pipe_schedule.name} (F=1, B=2 units): bubble {sim.bubble_fraction:.3f}; "
                       f"microbatches in flight per rank {peak}",
-                  "  activation memory per rank ~ in-flight microbatches x saved bytes of its stages"]
+                  "  activation memory per rank ~ in-flight microbatches x saved bytes of its stages "
+                  "(run_local measures both: RunResult.peak_activations, .peak_activation_bytes)"]
         lines += ["  " + ln for ln in self.pipe_schedule.format_lists().splitlines()]
         if self.asynchronous:
             lines += ["", f"asynchronous: the schedule above covers 2 batches; a run covers all its batches in one "
@@ -227,15 +241,16 @@ class PipelineProgram:
 
     @property
     def asynchronous(self) -> bool:
-        return self.pipe_schedule.name in _ASYNC
+        return not isinstance(self.strategy.schedule, Schedule) and self.pipe_schedule.name in ASYNC
 
-    def payload(self, rank: int, n_batches: int = 1) -> PipelinePayload:
-        """Rank ``rank``'s part. Asynchronous schedules cover all ``n_batches`` batches in one window."""
+    def payload(self, rank: int, n_batches: int = 1, record_weights: bool = False) -> PipelinePayload:
+        """Rank ``rank``'s part. Asynchronous schedules cover all ``n_batches`` batches in one window.
+        ``record_weights``: log a hash of the weights every F and B computes with (``RunResult.weight_log``)."""
         pr, _ = self._pipe(rank)
         sched = self.pipe_schedule
-        extra = {"n_inputs": self.n_inputs}
+        extra = {"n_inputs": self.n_inputs, "record_weights": record_weights}
         if self.asynchronous:
-            sched = _schedule(sched.name, self.pp, self.plan.microbatches, n_batches)
+            sched = schedule_for(sched.name, self.pp, self.plan.microbatches, n_batches)
             m = self.plan.microbatches
             extra.update(asynchronous=True, seed=1.0 / self.dp if sched.name == "pipedream" else 1.0 / (m * self.dp))
         held = sched.rank_stages(pr)
@@ -248,8 +263,18 @@ class PipelineProgram:
                                shared=dict(self.split.shared_params), groups=self._groups(),
                                lr_scheduler=self._lr_scheduler, extra=extra)
 
-    def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0) -> RunResult:
-        """Spawn (or reuse) ``world_size`` gloo ranks, train one step per global batch, gather the result."""
+    def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
+                  record_weights: bool = False) -> RunResult:
+        """Spawn (or reuse) ``world_size`` gloo ranks, train one step per global batch, gather the result.
+
+        Besides losses and state, the result carries what the ranks measured: ``peak_activations`` /
+        ``peak_activation_bytes`` (stage -> most microbatches whose saved tensors were alive at once, and
+        their bytes; max over replicas), ``action_times`` (rank -> per step, ``{(kind, stage): (total seconds,
+        count)}``; ``("allreduce", -1)`` is the dp and tied-weight gradient all-reduce before the first STEP),
+        ``timelines`` (rank -> per step, ``(kind, stage, microbatch, start, end)`` per action, seconds of
+        ``time.perf_counter``, one clock for every process on a Linux host),
+        ``peak_versions``, ``bubble``, ``comm``; with ``record_weights`` also ``weight_log`` (rank -> one
+        entry per F and B: version, hash of the weights its backward reads, hash of the newest weights)."""
         batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
         for b in batches:
             _check_batch(b, self.dp, self.plan.microbatches)
@@ -258,8 +283,8 @@ class PipelineProgram:
         if lc.world_size != self.world_size:
             raise ValueError(f"LocalCluster has {lc.world_size} ranks but this program needs {self.world_size}")
         try:
-            results = lc.run(train, [(self.payload(r, len(batches)), batches) for r in range(self.world_size)],
-                             timeout_s=timeout_s)
+            results = lc.run(train, [(self.payload(r, len(batches), record_weights), batches)
+                                     for r in range(self.world_size)], timeout_s=timeout_s)
         finally:
             if own:
                 lc.close()
@@ -298,6 +323,15 @@ class PipelineProgram:
             for s, held in r["peak_versions"].items():
                 res.peak_versions[s] = max(res.peak_versions.get(s, 0), held)
         res.peak_version_bytes = max(r["peak_version_bytes"] for r in results)
+        res.peak_activations, res.peak_activation_bytes = {}, {}
+        for r in results:
+            for s, held in r["act_peak"].items():
+                res.peak_activations[s] = max(res.peak_activations.get(s, 0), held)
+                res.peak_activation_bytes[s] = max(res.peak_activation_bytes.get(s, 0), r["act_peak_bytes"][s])
+        res.action_times = {i: [{k: tuple(v) for k, v in w.items()} for w in r["action_times"]]
+                            for i, r in enumerate(results)}
+        res.weight_log = {i: r["weight_log"] for i, r in enumerate(results)}
+        res.timelines = {i: r["timelines"] for i, r in enumerate(results)}
         # measured bubble per step: the idle share of the ranks' time, 1 - sum(F/B time) / (ranks * step time)
         if not self.asynchronous:
             res.bubble = [1 - sum(r["busy"][i] for r in results) / (len(results) * times[i]) for i in range(n)]

@@ -1,0 +1,125 @@
+"""The torch side of benchmarks/bench_pipeline_vs_torch.py: ``torch.distributed.pipelining`` on a
+LocalCluster, with the model split by hand into two stages.
+
+``UntiedGPT`` is a GPT whose LM head is *not* tied to the token embedding (torch's pipelining cannot
+share a weight between stages). ``pipelining_worker`` runs on every rank of an initialised gloo group:
+``lc.run(pipelining_worker, [(model, batches, split, opt, schedule, m, warmup)] * pp)``.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.nn as nn
+
+from .models import Block, gpt_loss
+
+__all__ = ["UntiedGPT", "split_untied_gpt", "pipelining_worker"]
+
+
+class UntiedGPT(nn.Module):
+    """GPT-2-style decoder (token + position tables, pre-LN blocks, final LayerNorm, LM head) with
+    an LM head of its own."""
+
+    def __init__(self, vocab=2048, d=128, layers=8, heads=4, max_seq=64):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.wpe = nn.Embedding(max_seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        for emb in (self.wte, self.wpe):
+            nn.init.normal_(emb.weight, std=0.02)
+
+    def forward(self, idx):
+        T = idx.shape[1]
+        x = self.wte(idx) + self.wpe.weight[:T]
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+class _First(nn.Module):
+    def __init__(self, model: UntiedGPT, blocks):
+        super().__init__()
+        self.wte, self.wpe, self.blocks = model.wte, model.wpe, nn.ModuleList(blocks)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe.weight[:idx.shape[1]]
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _Middle(nn.Module):
+    def __init__(self, blocks):
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+class _Last(nn.Module):
+    def __init__(self, model: UntiedGPT, blocks):
+        super().__init__()
+        self.blocks, self.ln_f, self.head = nn.ModuleList(blocks), model.ln_f, model.head
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def split_untied_gpt(model: UntiedGPT, cuts: list[int], stage: int) -> nn.Module:
+    """Stage ``stage`` of ``model`` cut before blocks ``cuts`` (e.g. [4] for 2 stages of 8 blocks):
+    stage 0 holds the embeddings, the last one ln_f + head."""
+    bounds = [0, *cuts, len(model.blocks)]
+    blocks = list(model.blocks)[bounds[stage]:bounds[stage + 1]]
+    if stage == 0:
+        return _First(model, blocks)
+    if stage == len(cuts):
+        return _Last(model, blocks)
+    return _Middle(blocks)
+
+
+def pipelining_worker(model, batches, cuts, optimizer, schedule: str = "gpipe", microbatches: int = 8,
+                      warmup: int = 1, loss_fn=gpt_loss) -> dict:
+    """Train with ``torch.distributed.pipelining`` (one stage per rank) on the default group.
+
+    Returns this rank's step times (after ``warmup`` untimed steps) and, on the last rank, the
+    global-batch loss per step (mean of the microbatch losses, as fxpar reports it).
+    """
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world != len(cuts) + 1:
+        raise ValueError(f"{world} ranks but {len(cuts) + 1} stages")
+    module = split_untied_gpt(copy.deepcopy(model), cuts, rank)
+    stage = PipelineStage(module, rank, world, device=torch.device("cpu"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
+    sched = cls(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    ocls, kw = optimizer
+    opt = ocls(module.parameters(), **kw)
+    last = rank == world - 1
+    losses, times = [], []
+    for i, (x, y) in enumerate(batches):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        mb_losses = []
+        if rank == 0:
+            sched.step(x)
+        elif last:
+            sched.step(target=y, losses=mb_losses, return_outputs=False)
+        else:
+            sched.step()
+        opt.step()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        if last:
+            losses.append(sum(float(v.detach()) for v in mb_losses) / len(mb_losses))
+    return {"step_times": times, "losses": losses if last else None}
