@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from cost_models import estimate
-from fxpar.cluster import ClusterSpec
-from fxpar.meta import CommInfo
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cost_models import estimate  # noqa: E402
+from fxpar.cluster import ClusterSpec  # noqa: E402
+from fxpar.meta import CommInfo  # noqa: E402
 
 c10d = torch.ops._c10d_functional
 
