@@ -13,7 +13,7 @@ __all__ = ["default_passes", "lower"]
 
 
 def default_passes(plan, custom: list) -> list:
-    from passes import BucketGradients, DataParallelGradSync, SyncBuffers   # fxpar reaches passes only here
+    from passes import BucketGradients, DataParallelGradSync, ReinplaceOptimizer, SyncBuffers  # fxpar reaches passes only here
     pipeline = []
     if plan.dp > 1:
         pipeline += [
@@ -21,6 +21,8 @@ def default_passes(plan, custom: list) -> list:
             BucketGradients(),       # fuse those all_reduces into DDP-style buckets, issued as backward produces them
             SyncBuffers(),           # buffers (BatchNorm stats) follow dp-rank 0, as DDP's broadcast_buffers
         ]
+    if plan.optimizer.get("traced"):
+        pipeline.append(ReinplaceOptimizer())   # write the update into the parameter/state buffers, as torch.optim does
     pipeline += list(custom)         # the user's passes see the finished distributed graph
     return pipeline
 

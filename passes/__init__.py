@@ -1,5 +1,6 @@
 """fxpar's passes, one per module. Each is ``(GraphModule, PassContext) -> PassResult``."""
 from .bucket import BucketGradients
 from .data_parallel import DataParallelGradSync, SyncBuffers
+from .reinplace import ReinplaceOptimizer
 
-__all__ = ["DataParallelGradSync", "BucketGradients", "SyncBuffers"]
+__all__ = ["DataParallelGradSync", "BucketGradients", "SyncBuffers", "ReinplaceOptimizer"]

@@ -105,3 +105,36 @@ def test_measured_collectives_equal_the_graphs(clusters):
     for r in range(4):
         expected = [(c.kind, c.nbytes) for c in p.collectives(r)]
         assert res.comm_calls[r] == [expected, expected]
+
+
+def test_optimizer_runs_in_place_on_its_own_buffers():
+    """reinplace_optimizer: parameters and moments are updated in place (the outputs *are* the input
+    buffers) and the step is bitwise identical to the functional graph capture produced."""
+    x = torch.randint(0, 64, (4, 16))
+    torch.manual_seed(0)
+    p = fxpar.parallelize(GPT().double(), 1, (x, x), loss_fn=gpt_loss,
+                          optimizer=(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}))
+    gm, functional = p.graphs(0)["step"], p.captured.gm
+    assert [h.pass_name for h in p.history(0)] == ["capture", "reinplace_optimizer"]
+    sig = gm.meta["fxpar_signature"]
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    for i in sig.index("new_param", outputs=True) + sig.index("new_opt_state", outputs=True):
+        assert outs[i].op == "placeholder"
+    payload = p.payload(0)
+
+    def inputs():
+        torch.manual_seed(1)
+        args = []
+        for role, key in sig.inputs:
+            if role == "param":
+                args.append(payload.params[key].clone())
+            elif role == "opt_state":
+                args.append(torch.rand_like(payload.params[key.split(":", 1)[1]]))
+            elif role == "lr":
+                args.append(torch.tensor(1e-2, dtype=torch.float64))
+            elif role == "step":
+                args.append(torch.tensor(3.0, dtype=torch.float64))
+        return args + [x, x]
+
+    a, b = gm(*inputs()), functional(*inputs())
+    assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))

@@ -24,7 +24,7 @@ def test_custom_pass_runs_last_and_history_is_kept():
     p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss,
                           strategy=fxpar.Strategy(dp=2, passes=[CountMatmuls()]))
     names = [h.pass_name for h in p.history(0)]
-    assert names == ["capture", "data_parallel", "bucket", "sync_buffers", "count_matmuls"]
+    assert names == ["capture", "data_parallel", "bucket", "sync_buffers", "reinplace_optimizer", "count_matmuls"]
     assert p.history(0)[-1].info["matmuls"] == 8      # 3 forward addmm + 5 backward mm (no grad for the input)
     assert "all_reduce" not in p.history(0)[0].code and "all_reduce" in p.history(0)[1].code
     assert "count_matmuls: 8" in p.explain()
@@ -35,7 +35,8 @@ def test_new_nodes_record_the_pass_that_made_them():
     p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss)
     gm = p.graphs(0)["step"]
     made = {n.meta.get("fxpar_pass") for n in gm.graph.nodes}
-    assert made == {None, "bucket"}      # data_parallel's per-gradient nodes were all fused away by bucket
+    # data_parallel's per-gradient nodes were all fused away by bucket; reinplace_optimizer made the in-place step
+    assert made == {None, "bucket", "reinplace_optimizer"}
     assert all(n.meta.get("fxpar_pass") == "bucket" for n in gm.graph.nodes if "c10d" in str(n.target))
 
 
@@ -89,7 +90,7 @@ def test_a_failing_pass_names_itself_and_the_passes_before():
     def boom(gm, ctx):
         raise ValueError("no good")
 
-    with pytest.raises(fxpar.PassError, match=r"pass 'boom' failed.*no good.*\['data_parallel', 'bucket', 'sync_buffers'\]"):
+    with pytest.raises(fxpar.PassError, match=r"pass 'boom' failed.*no good.*\['data_parallel', 'bucket', 'sync_buffers', 'reinplace_optimizer'\]"):
         fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss,
                           strategy=fxpar.Strategy(dp=2, passes=[boom]))
 
