@@ -101,6 +101,7 @@ class ReinplaceOptimizer(Pass):
                 with g.inserting_before(n):
                     m = g.call_function(new_target, n.args, n.kwargs)
                 m.meta.update({k: v for k, v in n.meta.items() if k in (M.PHASE.name, M.MODULE.name)})
+                m.meta["val"] = None            # the in-place foreach ops return nothing
                 for u in list(n.users):
                     u.replace_all_uses_with(xs[u.args[1]])
                     g.erase_node(u)
