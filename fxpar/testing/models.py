@@ -67,16 +67,18 @@ class Block(nn.Module):
 
 class GPT(nn.Module):
     """GPT-2-style decoder: token + learned position table (sliced by sequence length), pre-LN
-    blocks with causal SDPA, final LayerNorm, LM head tied to the token embedding."""
+    blocks with causal SDPA, final LayerNorm, LM head tied to the token embedding (unless
+    ``tie_weights=False``)."""
 
-    def __init__(self, vocab=64, d=32, layers=2, heads=4, max_seq=32, qkv_bias=True):
+    def __init__(self, vocab=64, d=32, layers=2, heads=4, max_seq=32, qkv_bias=True, tie_weights=True):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(max_seq, d)
         self.blocks = nn.ModuleList(Block(d, heads, qkv_bias) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight
+        if tie_weights:
+            self.head.weight = self.wte.weight
         for emb in (self.wte, self.wpe):          # GPT-2's initialisation (N(0, 1) makes the tied head's logits huge)
             nn.init.normal_(emb.weight, std=0.02)
 

@@ -13,35 +13,18 @@ import time
 import torch
 import torch.nn as nn
 
-from .models import Block, gpt_loss
+from .models import GPT, gpt_loss
 
 __all__ = ["UntiedGPT", "split_untied_gpt", "pipelining_worker"]
 
 
-class UntiedGPT(nn.Module):
-    """GPT-2-style decoder (token + position tables, pre-LN blocks, final LayerNorm, LM head) with
-    an LM head of its own."""
-
-    def __init__(self, vocab=2048, d=128, layers=8, heads=4, max_seq=64):
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.wpe = nn.Embedding(max_seq, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        for emb in (self.wte, self.wpe):
-            nn.init.normal_(emb.weight, std=0.02)
-
-    def forward(self, idx):
-        T = idx.shape[1]
-        x = self.wte(idx) + self.wpe.weight[:T]
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.ln_f(x))
+def UntiedGPT(vocab=2048, d=128, layers=8, heads=4, max_seq=64) -> GPT:
+    """``fxpar.testing.GPT`` with an LM head of its own (not tied to the token embedding)."""
+    return GPT(vocab=vocab, d=d, layers=layers, heads=heads, max_seq=max_seq, tie_weights=False)
 
 
 class _First(nn.Module):
-    def __init__(self, model: UntiedGPT, blocks):
+    def __init__(self, model: GPT, blocks):
         super().__init__()
         self.wte, self.wpe, self.blocks = model.wte, model.wpe, nn.ModuleList(blocks)
 
@@ -64,7 +47,7 @@ class _Middle(nn.Module):
 
 
 class _Last(nn.Module):
-    def __init__(self, model: UntiedGPT, blocks):
+    def __init__(self, model: GPT, blocks):
         super().__init__()
         self.blocks, self.ln_f, self.head = nn.ModuleList(blocks), model.ln_f, model.head
 
@@ -74,7 +57,7 @@ class _Last(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def split_untied_gpt(model: UntiedGPT, cuts: list[int], stage: int) -> nn.Module:
+def split_untied_gpt(model: GPT, cuts: list[int], stage: int) -> nn.Module:
     """Stage ``stage`` of ``model`` cut before blocks ``cuts`` (e.g. [4] for 2 stages of 8 blocks):
     stage 0 holds the embeddings, the last one ln_f + head."""
     bounds = [0, *cuts, len(model.blocks)]
