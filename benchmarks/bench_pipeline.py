@@ -21,6 +21,7 @@ steps after the first), the simulated one for those durations, and their ratio (
 the simulated idle fraction with receives costing nothing (``no recv``) and with the unit durations F=1, B=2.
 """
 import argparse
+import copy
 import statistics
 import sys
 import time
@@ -51,15 +52,8 @@ def main():
     args = ap.parse_args()
     if args.calibrate:
         return calibrate(args)
-    torch.manual_seed(0)
-    vocab = 512
-    model = GPT(vocab=vocab, d=args.d, layers=args.layers, heads=4, max_seq=args.seq)
-    tokens = torch.randint(0, vocab, (args.steps, args.batch, args.seq + 1))
-    batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
-    opt = (torch.optim.AdamW, {"lr": 1e-3})
-
-    ref = GPT(vocab=vocab, d=args.d, layers=args.layers, heads=4, max_seq=args.seq)
-    ref.load_state_dict(model.state_dict())
+    model, batches, opt = _setup(args)
+    ref = copy.deepcopy(model)
     o = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     times = []
     for x, y in batches:
@@ -148,13 +142,18 @@ def _comm_model(res, prog) -> tuple:
     return lat, over
 
 
-def calibrate(args):
+def _setup(args):
+    """The model, batches and optimizer both modes of this benchmark use."""
     torch.manual_seed(0)
     vocab = 512
     model = GPT(vocab=vocab, d=args.d, layers=args.layers, heads=4, max_seq=args.seq)
     tokens = torch.randint(0, vocab, (args.steps, args.batch, args.seq + 1))
     batches = [(t[:, :-1], t[:, 1:]) for t in tokens]
-    opt = (torch.optim.AdamW, {"lr": 1e-3})
+    return model, batches, (torch.optim.AdamW, {"lr": 1e-3})
+
+
+def calibrate(args):
+    model, batches, opt = _setup(args)
     print(f"GPT d={args.d} layers={args.layers}, batch {args.batch}x{args.seq}, pp={args.pp}, "
           f"m={args.microbatches}, {args.steps} steps (the first left out)")
     print(f"{'schedule':<9} {'F ms/stage':>16} {'B ms/stage':>16} {'latency ms':>10} {'recv ms':>10} {'pp ms':>7} {'step ms':>12} "
