@@ -29,12 +29,12 @@ def main():
     batches = [(torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))) for _ in range(args.steps)]
     program = fxpar.parallelize(model, fxpar.ClusterSpec.local(world), batches[0], loss_fn=gpt_loss,
                                 optimizer=(torch.optim.AdamW, {"lr": 1e-2}), strategy=fxpar.Strategy(dp=world))
-    runner = program.runner()
-    losses = [runner.step(b) for b in batches]
-    if runner.rank == 0:
-        state = runner.state_dict()
-        print("losses", " ".join(f"{x:.15e}" for x in losses))
-        print("checksum", f"{sum(float(v.double().sum()) for v in state.values()):.15e}")
+    with program.runner() as runner:       # leaving the block waits for every rank, then leaves the group
+        losses = [runner.step(b) for b in batches]
+        if runner.rank == 0:
+            state = runner.state_dict()
+            print("losses", " ".join(f"{x:.15e}" for x in losses))
+            print("checksum", f"{sum(float(v.double().sum()) for v in state.values()):.15e}")
 
 
 if __name__ == "__main__":

@@ -218,6 +218,18 @@ class RankRunner:
             state[alias] = state[canon]
         return state
 
+    def close(self) -> None:
+        """Wait for every rank, then leave the process group. Also runs at interpreter exit."""
+        from .runtime.launch import shutdown_env_group
+        shutdown_env_group()
+
+    def __enter__(self) -> "RankRunner":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+
 
 def _numel(shape) -> int:
     n = 1

@@ -13,6 +13,7 @@ A run that does not finish in ``timeout_s`` stops the same way and names the ran
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import time
@@ -25,7 +26,7 @@ import torch.multiprocessing as mp
 
 from ..errors import RankFailedError
 
-__all__ = ["LocalCluster", "find_free_port", "init_from_env"]
+__all__ = ["LocalCluster", "find_free_port", "init_from_env", "shutdown_env_group"]
 
 
 def find_free_port() -> int:
@@ -40,6 +41,21 @@ def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> None:
     import torch.distributed as dist
     if not dist.is_initialized():
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
+        # A process that leaves with its group alive can abort in the C++ destructor
+        # ("terminate called without an active exception") while a peer is still talking to it:
+        # meet the others, then tear the group down, before the interpreter exits.
+        atexit.register(shutdown_env_group)
+
+
+def shutdown_env_group() -> None:
+    """Barrier with the other ranks, then destroy the default group (idempotent)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def _worker(rank: int, world: int, port: int, conn, backend: str, threads: int, timeout_s: float) -> None:
