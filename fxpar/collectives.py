@@ -56,11 +56,15 @@ def _stamp(node, src, val):
 
 def insert_all_reduce(graph: torch.fx.Graph, x: torch.fx.Node, axis: str, ranks: tuple,
                       after: torch.fx.Node | None = None, wait_before: torch.fx.Node | None = None,
-                      reduce_op: str = "sum") -> tuple:
+                      reduce_op: str = "sum", in_place: bool = False) -> tuple:
     """Insert ``all_reduce(x)`` after ``after`` (default: x) and its wait before ``wait_before``
-    (default: right after the collective). Returns ``(collective, wait)``."""
+    (default: right after the collective). Returns ``(collective, wait)``.
+
+    ``in_place=True`` reduces ``x``'s own storage (``all_reduce_``) instead of a copy: only for
+    a buffer nothing else reads, such as a freshly made bucket."""
+    op = C10D.all_reduce_.default if in_place else C10D.all_reduce.default
     with graph.inserting_after(after or x):
-        ar = graph.call_function(C10D.all_reduce.default, (x, reduce_op, group_tag(axis)))
+        ar = graph.call_function(op, (x, reduce_op, group_tag(axis)))
     _stamp(ar, x, x.meta.get("val"))
     M.set_meta(ar, M.COMM, M.CommInfo("all_reduce", axis, tuple(ranks), _nbytes(x), reduce_op))
     ctx = graph.inserting_before(wait_before) if wait_before is not None else graph.inserting_after(ar)

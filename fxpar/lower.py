@@ -23,7 +23,12 @@ def default_passes(plan, custom: list) -> list:
         ]
     if plan.optimizer.get("traced"):
         pipeline.append(ReinplaceOptimizer())   # write the update into the parameter/state buffers, as torch.optim does
-    pipeline += list(custom)         # the user's passes see the finished distributed graph
+    # The user's passes see the finished distributed graph, unless one declares ``before=(...)``
+    # naming one of ours: then it goes just ahead of the earliest pass it names.
+    for p in custom:
+        names = [q.name for q in pipeline]
+        at = [names.index(b) for b in getattr(p, "before", ()) if b in names]
+        pipeline.insert(min(at), p) if at else pipeline.append(p)
     return pipeline
 
 

@@ -22,6 +22,7 @@ class Plan:
     batch_dim: int = 0                         # dim of every batch tensor that dp splits
     global_batch: int = 0
     bucket_cap_bytes: int = 25 * 2**20
+    first_bucket_cap_bytes: int = 2**20
     buckets: list = field(default_factory=list)   # [[param key, ...], ...] in issue order
     broadcast_buffers: bool = True
     optimizer: dict = field(default_factory=dict)  # {"name": ..., "traced": bool, "why_not_traced": str}
@@ -52,8 +53,9 @@ class Plan:
     def __str__(self) -> str:
         lines = [f"mesh: {self.mesh}", f"batch: {self.global_batch} split on dim {self.batch_dim} over dp={self.dp}"]
         if self.dp > 1:
-            lines.append(f"gradient sync: all_reduce(sum)/dp in {len(self.buckets)} bucket(s) "
-                         f"(cap {self.bucket_cap_bytes / 2**20:.3g} MiB), issued in backward order")
+            lines.append(f"gradient sync: mean over dp (all_reduce(sum)) in {len(self.buckets)} "
+                         f"bucket(s) (cap {self.bucket_cap_bytes / 2**20:.3g} MiB, the first "
+                         f"{min(self.first_bucket_cap_bytes, self.bucket_cap_bytes) / 2**20:.3g} MiB), issued in backward order")
             lines.append("buffers: " + ("dp-rank 0's broadcast after each step (DDP broadcast_buffers)"
                                         if self.broadcast_buffers else "per-rank (not synchronised)"))
         opt = self.optimizer

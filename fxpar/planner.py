@@ -30,8 +30,9 @@ def check_batch(batch, dp: int, batch_dim: int = 0) -> int:
     return sizes.pop()
 
 
-def plan_buckets(cap: CapturedStep, cap_bytes: int) -> list:
-    """DDP-style buckets: gradients in the order backward produces them, cut at ``cap_bytes``."""
+def plan_buckets(cap: CapturedStep, cap_bytes: int, first_cap_bytes: int | None = None) -> list:
+    """DDP-style buckets: gradients in the order backward produces them, cut at ``cap_bytes``;
+    the first bucket at ``min(first_cap_bytes, cap_bytes)`` (DDP: 1 MiB), as DDP's rebuilt buckets."""
     order = []
     for n in cap.gm.graph.nodes:
         key = M.get(n, M.GRAD_OF)
@@ -43,7 +44,8 @@ def plan_buckets(cap: CapturedStep, cap_bytes: int) -> list:
     buckets, cur, size = [], [], 0
     for key in order:
         nbytes = _numel(cap.param_shapes[key]) * _itemsize(cap.param_dtypes[key])
-        if cur and (cap_bytes == 0 or size + nbytes > cap_bytes):
+        limit = cap_bytes if buckets or first_cap_bytes is None else min(cap_bytes, first_cap_bytes)
+        if cur and (limit == 0 or size + nbytes > limit):
             buckets.append(cur)
             cur, size = [], 0
         cur.append(key)
@@ -56,9 +58,10 @@ def plan_buckets(cap: CapturedStep, cap_bytes: int) -> list:
 def make_plan(strategy: Strategy, cap: CapturedStep, global_batch: int) -> Plan:
     axes = [["dp", strategy.dp]]
     cap_bytes = int(strategy.bucket_cap_mb * 2**20)
+    first_cap = int(strategy.first_bucket_cap_mb * 2**20)
     return Plan(
-        mesh_axes=axes, global_batch=global_batch, bucket_cap_bytes=cap_bytes,
-        buckets=plan_buckets(cap, cap_bytes) if strategy.dp > 1 else [],
+        mesh_axes=axes, global_batch=global_batch, bucket_cap_bytes=cap_bytes, first_bucket_cap_bytes=first_cap,
+        buckets=plan_buckets(cap, cap_bytes, first_cap) if strategy.dp > 1 else [],
         broadcast_buffers=strategy.broadcast_buffers,
         optimizer={"name": cap.optimizer.name, "traced": cap.optimizer.traced,
                    "why_not_traced": cap.optimizer.why_not_traced},

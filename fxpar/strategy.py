@@ -22,6 +22,9 @@ class Strategy:
         equal the ClusterSpec's world size.
     bucket_cap_mb: gradient bucket size for data parallelism (DDP's default: 25 MB). 0 means one
         collective per gradient.
+    first_bucket_cap_mb: cap of the first bucket backward fills (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``:
+        1 MiB), so the first all_reduce starts early and overlaps the rest of backward. Never above
+        ``bucket_cap_mb``.
     broadcast_buffers: like DDP's flag: after each step every dp rank takes dp-rank 0's buffers
         (BatchNorm running statistics).
     passes: your own passes (fxpar.Pass), appended after fxpar's, in order.
@@ -37,6 +40,7 @@ class Strategy:
     microbatches: int = 1
     split_points: list | None = None
     bucket_cap_mb: float = 25.0
+    first_bucket_cap_mb: float = 1.0
     broadcast_buffers: bool = True
     passes: list = field(default_factory=list)
 
@@ -47,6 +51,8 @@ class Strategy:
                 raise StrategyError(f"Strategy({name}={v!r}): {name} must be a positive int")
         if self.bucket_cap_mb < 0:
             raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
+        if self.first_bucket_cap_mb < 0:
+            raise StrategyError(f"Strategy(first_bucket_cap_mb={self.first_bucket_cap_mb}): must be >= 0")
         if isinstance(self.schedule, str) and self.schedule.lstrip().startswith("#"):
             from .schedule import Schedule, ScheduleParseError
             try:

@@ -2,25 +2,27 @@
 
 The planner cuts the gradients, in the order backward produces them, into buckets of at most
 ``bucket_cap_bytes`` (``Plan.buckets``). For each bucket this pass flattens the gradients into
-one buffer right after the last of them is produced, issues one all_reduce there (so it
-overlaps with the rest of backward), and places the wait as late as possible: just before the
-first use of any of the bucket's gradients. Before / after, for a bucket {fc.weight, fc.bias}::
+one buffer right after the last of them is produced, issues one in-place all_reduce there (so
+it overlaps with the rest of backward), and places the wait as late as possible: just before
+the first use of any of the bucket's gradients. The gradients are then views of the reduced
+buffer. Like DDP, this makes one pass over the gradients (the copy into the bucket): the
+division by dp was folded into backward's seed by ``data_parallel``; a graph without that seed
+gets an in-place ``div_`` of the bucket. Before / after, for a bucket {fc.weight, fc.bias}::
 
     mm_5 = aten.mm(...)                              # grad fc.weight
-    all_reduce = c10d.all_reduce(mm_5, 'sum', 'fxpar:dp'); wait = c10d.wait_tensor(all_reduce); div = wait / 2
+    all_reduce = c10d.all_reduce(mm_5, 'sum', 'fxpar:dp'); wait = c10d.wait_tensor(all_reduce)
     view_2 = aten.view(sum_1, [64])                  # grad fc.bias
-    all_reduce_1 = ...; wait_1 = ...; div_1 = ...
+    all_reduce_1 = ...; wait_1 = ...
 
     mm_5 = aten.mm(...)
     view_2 = aten.view(sum_1, [64])
     reshape = aten.reshape(mm_5, [-1]); reshape_1 = aten.reshape(view_2, [-1])
     cat = aten.cat([reshape, reshape_1])
-    all_reduce = c10d.all_reduce(cat, 'sum', 'fxpar:dp')     # bucket 0, issued here
+    all_reduce_ = c10d.all_reduce_(cat, 'sum', 'fxpar:dp')   # bucket 0, issued here, in place
     ...                                                       # rest of backward overlaps
-    wait_tensor = c10d.wait_tensor(all_reduce)                # just before the optimizer needs it
-    div = aten.div(wait_tensor, 2)
-    slice_1 = aten.slice(div, 0, 0, 4096); view_3 = aten.view(slice_1, [64, 64])   # fc.weight
-    slice_2 = aten.slice(div, 0, 4096, 4160); view_4 = aten.view(slice_2, [64])     # fc.bias
+    wait_tensor = c10d.wait_tensor(all_reduce_)               # just before the optimizer needs it
+    slice_1 = aten.slice(wait_tensor, 0, 0, 4096); view_3 = aten.view(slice_1, [64, 64])   # fc.weight
+    slice_2 = aten.slice(wait_tensor, 0, 4096, 4160); view_4 = aten.view(slice_2, [64])     # fc.bias
 """
 from __future__ import annotations
 
@@ -36,13 +38,19 @@ aten = torch.ops.aten
 
 
 def _chains(gm) -> dict:
-    """param key -> (raw grad, all_reduce, wait, averaged grad) as made by data_parallel."""
+    """param key -> (raw grad, all_reduce, wait, averaged grad) as made by data_parallel.
+    The averaged grad is a ``div`` of the wait, or the wait itself when backward was pre-scaled."""
     out = {}
     for avg in gm.graph.nodes:
         key = M.get(avg, M.GRAD_OF)
-        if key is None or avg.target is not aten.div.Tensor:
+        if key is None or avg.op != "call_function":
             continue
-        w = avg.args[0]
+        if avg.target is aten.div.Tensor:
+            w = avg.args[0]
+        elif avg.target is C10D.wait_tensor.default:
+            w = avg
+        else:
+            continue
         if w.op != "call_function" or w.target is not C10D.wait_tensor.default:
             continue
         ar = w.args[0]
@@ -90,12 +98,16 @@ class BucketGradients(Pass):
             with g.inserting_after(cursor):
                 cat = g.call_function(aten.cat.default, (flats,))
             _meta(cat, torch.cat([f.meta["val"] for f in flats]), last)
-            ar, w = insert_all_reduce(g, cat, "dp", ranks, after=cat, wait_before=first_use)
+            # the flat buffer is ours alone: reduce it in place (the functional all_reduce would copy it)
+            ar, w = insert_all_reduce(g, cat, "dp", ranks, after=cat, wait_before=first_use, in_place=True)
             M.set_meta(ar, M.BUCKET, b_idx)
             sizes.append(M.get(ar, M.COMM).nbytes)
-            with g.inserting_after(w):
-                div = g.call_function(aten.div.Tensor, (w, dp))
-            _meta(div, cat.meta["val"], last)
+            if all(p[3] is p[2] for p in parts):       # backward already divided by dp
+                div = w
+            else:
+                with g.inserting_after(w):
+                    div = g.call_function(aten.div_.Tensor, (w, dp))
+                _meta(div, cat.meta["val"], last)
             off, anchor = 0, div
             for key, (raw, old_ar, old_w, avg) in zip(keys, parts):
                 shape = list(raw.meta["val"].shape)
@@ -107,7 +119,7 @@ class BucketGradients(Pass):
                 _meta(sl, div.meta["val"][off:off + numel], raw)
                 _meta(v, raw.meta["val"], raw, **{M.GRAD_OF.name: key})
                 avg.replace_all_uses_with(v)
-                for dead in (avg, old_w, old_ar):
+                for dead in dict.fromkeys((avg, old_w, old_ar)):
                     g.erase_node(dead)
                 off += numel
                 anchor = v

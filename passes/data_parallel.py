@@ -3,7 +3,12 @@
 Each dp rank traces and runs the step on its shard of the global batch (the runtime slices
 the batch, the graph is traced at the shard's shape). With a mean-reduced loss over equal
 shards, the global-batch gradient is the mean of the shards' gradients, so this pass puts one
-``all_reduce(sum)`` and a division by dp behind every gradient. Before / after::
+``all_reduce(sum)`` behind every gradient and divides by dp. The division costs nothing where
+the graph seeds backward with ``ones_like(loss)`` (what capture produces): the seed becomes
+``full_like(loss, 1/dp)``, so backward itself yields gradients already divided by dp, as DDP's
+pre-division does (bitwise equal for dp a power of two; otherwise within rounding). Graphs
+without that seed get an explicit ``div`` after the wait instead. Before / after (the
+explicit form)::
 
     mm_5 = aten.mm(t_7, view_3)                       # grad of fc.weight  (fxpar_grad_of)
     sub_2 = aten.sub(fc_weight, mul_4 ... mm_5 ...)   # optimizer
@@ -14,7 +19,8 @@ shards, the global-batch gradient is the mean of the shards' gradients, so this 
     div = aten.div(wait_tensor, 2)
     sub_2 = aten.sub(fc_weight, mul_4 ... div ...)
 
-``BucketGradients`` then fuses these per-gradient collectives into buckets.
+With the seed scaled, ``div`` is absent and ``wait_tensor`` is the gradient
+(``fxpar_grad_of``). ``BucketGradients`` then fuses these per-gradient collectives into buckets.
 """
 from __future__ import annotations
 
@@ -31,6 +37,37 @@ def grad_nodes(gm) -> list:
     return [n for n in gm.graph.nodes if M.get(n, M.GRAD_OF) is not None]
 
 
+def loss_seed(gm) -> torch.fx.Node | None:
+    """The ``ones_like(loss)`` that seeds backward, when there is exactly one (else None)."""
+    sig = gm.meta.get("fxpar_signature")
+    out = gm.graph.find_nodes(op="output")
+    if sig is None or not out:
+        return None
+    try:
+        (li,) = sig.index("loss", outputs=True)
+    except (ValueError, KeyError, TypeError):
+        return None
+    loss = out[0].args[0][li]
+    seeds = [u for u in getattr(loss, "users", {}) if u.op == "call_function"
+             and u.target is torch.ops.aten.ones_like.default and M.get(u, M.PHASE) == "backward"]
+    return seeds[0] if len(seeds) == 1 else None
+
+
+def _prescale_seed(gm, dp: int) -> bool:
+    """Seed backward with 1/dp instead of 1, so every gradient comes out divided by dp."""
+    seed = loss_seed(gm)
+    if seed is None:
+        return False
+    g = gm.graph
+    with g.inserting_after(seed):
+        new = g.call_function(torch.ops.aten.full_like.default, (seed.args[0], 1.0 / dp), dict(seed.kwargs))
+    new.meta.update(seed.meta)
+    seed.replace_all_uses_with(new)
+    g.erase_node(seed)
+    gm.meta["fxpar_grad_prescale"] = dp
+    return True
+
+
 class DataParallelGradSync(Pass):
     name = "data_parallel"
 
@@ -40,20 +77,26 @@ class DataParallelGradSync(Pass):
             return PassResult(gm, False)
         ranks = ctx.mesh.group(ctx.rank, "dp")
         g = gm.graph
+        grads = grad_nodes(gm)
+        prescaled = bool(grads) and _prescale_seed(gm, dp)
         n_sync = 0
-        for grad in grad_nodes(gm):
+        for grad in grads:
             users = list(grad.users)
             ar, w = insert_all_reduce(g, grad, "dp", ranks)
-            with g.inserting_after(w):
-                avg = g.call_function(torch.ops.aten.div.Tensor, (w, dp))
-            avg.meta.update({"val": grad.meta.get("val"), M.PHASE.name: "backward",
-                             M.MODULE.name: M.get(grad, M.MODULE, "")})
+            if prescaled:
+                avg = w
+            else:
+                with g.inserting_after(w):
+                    avg = g.call_function(torch.ops.aten.div.Tensor, (w, dp))
+                avg.meta.update({"val": grad.meta.get("val"), M.PHASE.name: "backward",
+                                 M.MODULE.name: M.get(grad, M.MODULE, "")})
             M.set_meta(avg, M.GRAD_OF, M.get(grad, M.GRAD_OF))
             del grad.meta[M.GRAD_OF.name]          # the synchronised node is now the gradient
             for u in users:
                 u.replace_input_with(grad, avg)
             n_sync += 1
-        ctx.notes.append(f"data_parallel: {n_sync} gradients averaged over dp={dp} with all_reduce(sum)/dp")
+        how = "backward seeded with 1/dp, then all_reduce(sum)" if prescaled else "all_reduce(sum)/dp"
+        ctx.notes.append(f"data_parallel: {n_sync} gradients averaged over dp={dp} ({how})")
         return PassResult(gm, n_sync > 0, {"gradients": n_sync})
 
 

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar import meta as M
 from fxpar.collectives import C10D, collective_nodes, is_wait
-from fxpar.testing import GPT, BNConvNet, MLP, gpt_loss
+from fxpar.testing import GPT, BNConvNet, MLP, gpt_loss, max_abs_diff, reference_training
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3})
 
@@ -28,7 +28,7 @@ def test_collectives_match_bucket_plan():
     p = _gpt_program()
     gm = p.graphs(0)["step"]
     colls = collective_nodes(gm)
-    ar = [c for c in colls if c.target is C10D.all_reduce.default]
+    ar = [c for c in colls if c.target is C10D.all_reduce_.default]   # in place on the bucket
     plan = p.plan
     assert len(ar) == len(plan.buckets) > 1
     # order: bucket i is issued i-th; size: the bucket's gradient bytes
@@ -37,9 +37,10 @@ def test_collectives_match_bucket_plan():
         assert M.get(node, M.COMM).nbytes == sum(_nbytes(k, p.captured) for k in keys)
         assert M.get(node, M.COMM).ranks == (0, 1)
         assert node.args[1:] == ("sum", "fxpar:dp")
-    # every bucket respects the cap unless it holds one gradient
-    for keys in plan.buckets:
-        assert len(keys) == 1 or sum(_nbytes(k, p.captured) for k in keys) <= plan.bucket_cap_bytes
+    # every bucket respects the cap unless it holds one gradient; the first one DDP's 1 MiB-style first cap
+    for i, keys in enumerate(plan.buckets):
+        cap = min(plan.bucket_cap_bytes, plan.first_bucket_cap_bytes) if i == 0 else plan.bucket_cap_bytes
+        assert len(keys) == 1 or sum(_nbytes(k, p.captured) for k in keys) <= cap
     # each trainable parameter synchronised exactly once
     flat = [k for b in plan.buckets for k in b]
     assert sorted(flat) == sorted(p.captured.param_names)
@@ -50,7 +51,7 @@ def test_buckets_follow_backward_order_and_waits_are_late():
     gm = p.graphs(0)["step"]
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    ar = [c for c in collective_nodes(gm) if c.target is C10D.all_reduce.default]
+    ar = [c for c in collective_nodes(gm) if c.target is C10D.all_reduce_.default]
     # issued in backward: each all_reduce sits before the last backward node
     last_backward = max(i for i, n in enumerate(nodes) if M.get(n, M.PHASE) == "backward" and not is_wait(n)
                         and M.PASS.name not in n.meta)
@@ -77,6 +78,20 @@ def test_zero_cap_means_one_collective_per_gradient():
 def test_ddp_default_bucket_is_one_for_a_small_model():
     p = _gpt_program(cap_mb=25)
     assert len(p.plan.buckets) == 1 and len(p.collectives(0)) == 1
+
+
+def test_first_bucket_is_small_like_ddp():
+    """DDP caps the first bucket backward fills at 1 MiB (its rebuilt buckets), so that all_reduce
+    starts early; fxpar's planner does the same by default, and the cap is a Strategy setting."""
+    x = torch.randint(0, 512, (4, 16))
+    model = GPT(vocab=512, d=128, layers=2, heads=2, max_seq=16)          # ~0.7M params, 2.8 MB of fp32 grads
+    prog = lambda **kw: fxpar.parallelize(model, fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
+                                          strategy=fxpar.Strategy(dp=2, **kw))
+    default, one = prog(), prog(first_bucket_cap_mb=25)
+    sizes = [c.nbytes for c in default.collectives(0)]
+    assert len(sizes) == 2 and sizes[0] <= 2**20 < sizes[1] and sum(sizes) == 4 * sum(p.numel() for p in model.parameters())
+    assert len(one.collectives(0)) == 1
+    assert "the first 1 MiB" in str(default.plan)
 
 
 def test_buffers_broadcast_from_rank0():
@@ -138,3 +153,55 @@ def test_optimizer_runs_in_place_on_its_own_buffers():
 
     a, b = gm(*inputs()), functional(*inputs())
     assert len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
+
+
+def test_gradient_sync_is_one_copy_like_ddp():
+    """Per bucket: one cat (the only pass over the gradients), an in-place all_reduce_, its wait,
+    then views. The 1/dp is folded into backward's seed, so no division runs at all."""
+    p = _gpt_program(dp=4, cap_mb=0.02)
+    gm = p.graphs(0)["step"]
+    added = [n for n in gm.graph.nodes if M.PASS.name in n.meta and M.get(n, M.PASS) in ("data_parallel", "bucket")]
+    targets = [n.target for n in added]
+    n_buckets = len(p.plan.buckets)
+    assert targets.count(torch.ops.aten.cat.default) == n_buckets
+    assert targets.count(C10D.all_reduce_.default) == n_buckets
+    assert targets.count(C10D.all_reduce.default) == 0
+    assert not any(t in (torch.ops.aten.div.Tensor, torch.ops.aten.div_.Tensor) for t in targets)
+    assert not any(n.target in (torch.ops.aten.div.Tensor, torch.ops.aten.div_.Tensor) and
+                   isinstance(n.args[1], int) and n.args[1] == 4 for n in gm.graph.nodes)
+    seeds = [n for n in gm.graph.nodes if n.target is torch.ops.aten.full_like.default and M.get(n, M.PHASE) == "backward"]
+    assert len(seeds) == 1 and seeds[0].args[1] == 0.25
+    assert not any(n.target is torch.ops.aten.ones_like.default for n in gm.graph.nodes)
+    assert gm.meta["fxpar_grad_prescale"] == 4
+
+
+def test_graph_without_a_loss_seed_divides_the_bucket_in_place(clusters):
+    """A graph whose backward is not seeded by ones_like(loss) (here: the seed removed by a user
+    pass before data_parallel) still averages, with one in-place div_ per bucket."""
+    from fxpar.pass_manager import graph_pass
+
+    @graph_pass(name="unseed", before=("data_parallel",))
+    def unseed(gm, ctx):
+        for n in list(gm.graph.nodes):
+            if n.target is torch.ops.aten.ones_like.default:
+                with gm.graph.inserting_after(n):
+                    new = gm.graph.call_function(torch.ops.aten.full_like.default, (n.args[0], 1.0))
+                new.meta.update(n.meta)
+                n.replace_all_uses_with(new)
+                gm.graph.erase_node(n)
+        return True
+
+    torch.manual_seed(0)
+    model = GPT().double()
+    batches = [(torch.randint(0, 64, (4, 16)), torch.randint(0, 64, (4, 16))) for _ in range(2)]
+    p = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
+                          strategy=fxpar.Strategy(dp=2, bucket_cap_mb=0.02, passes=[unseed]))
+    gm = p.graphs(0)["step"]
+    assert [h.pass_name for h in p.history(0)][:3] == ["capture", "unseed", "data_parallel"]
+    divs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.div_.Tensor and M.get(n, M.PASS) == "bucket"]
+    assert len(divs) == len(p.plan.buckets) > 1 and all(d.args[1] == 2 for d in divs)
+    assert "fxpar_grad_prescale" not in gm.meta
+    res = p.run_local(batches, cluster=clusters.get(2))
+    ref_losses, ref_state = reference_training(model, batches, gpt_loss, ADAMW)
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) <= 1e-10
+    assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10

@@ -35,8 +35,11 @@ def test_new_nodes_record_the_pass_that_made_them():
     p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss)
     gm = p.graphs(0)["step"]
     made = {n.meta.get("fxpar_pass") for n in gm.graph.nodes}
-    # data_parallel's per-gradient nodes were all fused away by bucket; reinplace_optimizer made the in-place step
-    assert made == {None, "bucket", "reinplace_optimizer"}
+    # data_parallel's per-gradient nodes were all fused away by bucket (its 1/dp backward seed remains);
+    # reinplace_optimizer made the in-place step
+    assert made == {None, "data_parallel", "bucket", "reinplace_optimizer"}
+    assert [n.target for n in gm.graph.nodes if n.meta.get("fxpar_pass") == "data_parallel"] == \
+        [torch.ops.aten.full_like.default]
     assert all(n.meta.get("fxpar_pass") == "bucket" for n in gm.graph.nodes if "c10d" in str(n.target))
 
 

@@ -26,7 +26,7 @@ class CommCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if func.namespace == "_c10d_functional":
             name = func._schema.name.split("::")[-1]
-            kind = _KINDS.get(name)
+            kind = _KINDS.get(name.rstrip("_"))        # in-place variants (all_reduce_) count alike
             if kind is not None:
                 t = args[0]
                 tensors = t if isinstance(t, (list, tuple)) else [t]

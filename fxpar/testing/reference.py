@@ -91,7 +91,7 @@ def ddp_worker(model, batches, loss_fn, optimizer, bucket_cap_mb: float = 25.0, 
     m = DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
     cls, kw = optimizer
     opt = cls(m.parameters(), **kw)
-    losses, times = [], []
+    local, times = [], []
     for i, b in enumerate(batches):
         t0 = time.perf_counter()
         n = b[0].shape[0] // world
@@ -100,9 +100,13 @@ def ddp_worker(model, batches, loss_fn, optimizer, bucket_cap_mb: float = 25.0, 
         loss = _loss(m, shard, loss_fn)
         loss.backward()
         opt.step()
-        t = torch.tensor([loss.item()], dtype=torch.float64)
+        local.append(loss.item())
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-        dist.all_reduce(t)
-        losses.append(t.item() / world)
+    # The global-batch losses are gathered once at the end, not per step: a per-step all_reduce
+    # outside the timed region would re-align the ranks for free every step, which fxpar's step
+    # (timed the same way, with no extra collective) does not get.
+    t = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(t)
+    losses = (t / world).tolist()
     return {"losses": losses, "step_times": times, "state": m.module.state_dict() if rank == 0 else None}
