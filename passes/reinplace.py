@@ -25,7 +25,7 @@ import torch
 from fxpar import meta as M
 from fxpar.pass_manager import Pass, PassContext, PassResult
 
-__all__ = ["ReinplaceOptimizer"]
+__all__ = ["ReinplaceOptimizer", "reinplace_step_graph"]
 
 _OWNED_ROLES = ("param", "opt_state")
 
@@ -112,3 +112,26 @@ class ReinplaceOptimizer(Pass):
         if rewritten:
             ctx.notes.append(f"reinplace_optimizer: {rewritten} optimizer foreach op(s) run in place on parameter/state buffers")
         return PassResult(gm, rewritten > 0, {"rewritten": rewritten})
+
+
+def reinplace_step_graph(gm: torch.fx.GraphModule, n_params: int, n_state: int) -> torch.fx.GraphModule:
+    """A pipeline stage's optimizer graph ``(params, grads, states, lr, step) -> (new params, new states)``
+    (``fxpar.pipeline.autodiff.trace_step``), rewritten in place: its outputs are then its parameter and
+    state inputs, updated. ``n_state``: state tensors per parameter. Returns a new GraphModule."""
+    import copy
+    from fxpar.pass_manager import PassContext
+    gm = copy.deepcopy(gm)
+    roles = ["param"] * n_params + ["grad"] * n_params + ["opt_state"] * (n_params * n_state) + ["lr", "step"]
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(phs) != len(roles):
+        raise ValueError(f"step graph has {len(phs)} inputs; expected {len(roles)} for {n_params} parameters "
+                         f"with {n_state} state tensors each")
+    for n, role in zip(phs, roles):
+        M.set_meta(n, M.ROLE, role)
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            M.set_meta(n, M.PHASE, "optimizer")
+    ReinplaceOptimizer().run(gm, PassContext(rank=0, plan=None, mesh=None, cluster=None))
+    gm.graph.lint()
+    gm.recompile()
+    return gm

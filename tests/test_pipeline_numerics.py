@@ -129,3 +129,35 @@ def test_rank_runner_the_torchrun_path(clusters):
     for losses, state in out:               # every rank gets the global loss and the whole state
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL
         assert max_abs_diff(state, ref_state) < TOL
+
+
+def test_stage_step_runs_in_place_bitwise():
+    """Synchronous schedules update a stage's weights and moments in place (reinplace_step_graph):
+    the in-place step returns its own input buffers and is bitwise equal to the functional one."""
+    from fxpar.optim import resolve_optimizer
+    from fxpar.pipeline.autodiff import trace_step
+    from passes.reinplace import reinplace_step_graph
+    shapes = [((4, 3), torch.float64), ((3,), torch.float64)]
+    for opt in [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+                (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True})]:
+        spec = resolve_optimizer(opt)
+        k = len(spec.state_names)
+        fn = trace_step(0, spec, shapes)
+        inplace = reinplace_step_graph(fn, len(shapes), k)
+        ops = [n.target._schema.name for n in inplace.graph.nodes if n.op == "call_function" and
+               hasattr(n.target, "_schema") and n.target._schema.name.startswith("aten::_foreach_")]
+        assert ops and any(o.endswith("_") for o in ops)
+
+        def inputs():
+            torch.manual_seed(0)
+            ps = [torch.randn(s, dtype=d) for s, d in shapes]
+            gs = [torch.randn(s, dtype=d) for s, d in shapes]
+            st = [torch.rand(s, dtype=d) for s, d in shapes for _ in range(k)]
+            return ps + gs + st + [torch.tensor(1e-2, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64)]
+
+        a_in = inputs()
+        a, b = inplace(*a_in), fn(*inputs())
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+        n = len(shapes)
+        owned = a_in[:n] + a_in[2 * n:2 * n + n * k]
+        assert [x is y for x, y in zip(a[:n], owned[:n])] == [True] * n      # the new weights *are* the old buffers

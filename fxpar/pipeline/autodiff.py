@@ -42,6 +42,7 @@ class StageProgram:
     output_meta: list            # (shape, dtype) per output
     saved_bytes: int = 0          # activation bytes saved per microbatch (weights excluded)
     param_keys: list = None      # trainable parameters of the stage, in input order
+    step_inplace: torch.fx.GraphModule | None = None   # ``step`` writing into its parameter/state inputs
 
 
 def _meta(n: torch.fx.Node):

@@ -88,7 +88,26 @@ class PipelineExecutor:
         self._times: dict = {}
         self.timelines: list = []        # per window: (kind, stage, microbatch, start, end), perf_counter seconds
         self.record_weights = bool(p.extra.get("record_weights"))
+        self._in_place = self._in_place_steps(p.actions)
         self.weight_log: list = []       # with record_weights: one entry per F and B, see _fingerprint
+
+    @staticmethod
+    def _in_place_steps(actions: list) -> dict:
+        """stage -> True where its STEPs may update weights in place: synchronous STEPs (no version) that
+        come after every F and B of the stage in the action list, so no saved tensor still needs the old
+        weights. Weight-stashing schedules keep the functional update: their stashed versions are the old
+        tensors."""
+        steps = [i for i, a in enumerate(actions) if a.kind == _K.STEP]
+        if any(actions[i].version is not None for i in steps):
+            return {}
+        first_step = {}
+        for i in steps:
+            first_step.setdefault(actions[i].stage, i)
+        last_use = {}
+        for i, a in enumerate(actions):
+            if a.kind in (_K.F, _K.B):
+                last_use[a.stage] = i
+        return {st: last_use.get(st, -1) < i for st, i in first_step.items()}
 
     def _global(self, pipe_rank: int) -> int:
         return pipe_rank * self.p.dp + self.dp_index
@@ -127,7 +146,10 @@ class PipelineExecutor:
         p = self.p
         seed = torch.tensor(p.extra.get("seed", 1.0 / (p.microbatches * p.dp)), dtype=torch.float64)
         fwd_msg, bwd_msg, saved, sends = {}, {}, {}, []
-        grads = {s: {k: torch.zeros_like(v) for k, v in ps.items()} for s, ps in self.params.items()}
+        # gradient accumulators, filled by the backwards: the first microbatch's gradient is kept as is
+        # (no zeros, no add), the second makes a tensor this loop owns, later ones add into it in place
+        grads = {s: {} for s in self.params}
+        owned: set = set()
         per_batch = per_batch or len(micro)
         loss_sums = [0.0] * (len(micro) // per_batch)
         synced = False
@@ -169,7 +191,14 @@ class PipelineExecutor:
                 for j, g in zip(sp.diff_inputs, res):
                     role, key = sp.inputs[j]
                     if role == "param":
-                        grads[s][key] = grads[s][key] + g
+                        cur = grads[s].get(key)
+                        if cur is None:
+                            grads[s][key] = g              # not ours: never written to
+                        elif (s, key) in owned:
+                            cur.add_(g)
+                        else:
+                            grads[s][key] = cur + g
+                            owned.add((s, key))
                     else:
                         act_grads.append(g)
                 if s > 0:
@@ -191,24 +220,29 @@ class PipelineExecutor:
                 self._recv(a, fwd_msg, bwd_msg)
                 self._timed(a, tc)
             elif a.kind == _K.SYNC:
+                self._complete(grads, s)
                 self._all_reduce_stage(grads, s, tuple(self._global(r) for r in p.stage_to_rank[s]))
                 self._timed(a, tc)
             elif a.kind == _K.STEP:
                 if a.version is not None:          # asynchronous: this stage alone, then a fresh accumulator
+                    self._complete(grads, s)
                     if p.dp > 1:
                         self._all_reduce_stage(grads, s, tuple(self.pipe_rank * p.dp + d for d in range(p.dp)))
                     self._step_stage(s, grads[s])
-                    grads[s] = {k: torch.zeros_like(v) for k, v in grads[s].items()}
+                    grads[s] = {}
+                    owned = {o for o in owned if o[0] != s}
                     store.created(s, a.version, self.params[s], idx)
                     self._timed(a, tc)
                     timeline.append((a.kind.value, s, i, tc, time.perf_counter()))
                     continue
                 if not synced:
+                    for st in grads:
+                        self._complete(grads, st)
                     self._sync_before_step(grads)
                     self._timed(("allreduce", -1), tc)      # dp and tied-weight all-reduces, timed apart
                     tc = time.perf_counter()
                     synced = True
-                self._step_stage(s, grads[s])
+                self._step_stage(s, grads[s], in_place=self._in_place.get(s, False))
                 self._timed(a, tc)
             else:
                 raise NotImplementedError(f"action {a} ({a.kind.name}) is not run by this executor")
@@ -221,6 +255,11 @@ class PipelineExecutor:
         self.peak_versions = {s: max(self.peak_versions.get(s, 0), n) for s, n in store.peak.items()}
         self.peak_version_bytes = max(self.peak_version_bytes, store.peak_bytes)
         return loss_sums
+
+    def _complete(self, grads, s) -> None:
+        """Zeros for the parameters of stage s no backward gave a gradient, in the stage's key order."""
+        have = grads[s]
+        grads[s] = {k: have[k] if k in have else torch.zeros_like(v) for k, v in self.params[s].items()}
 
     def _timed(self, a, t0: float) -> None:
         key = a if isinstance(a, tuple) else (a.kind.value, a.stage)
@@ -277,7 +316,7 @@ class PipelineExecutor:
     def _all_reduce_stage(self, grads, s, ranks):
         if len(ranks) < 2:
             return
-        keys = list(grads[s])
+        keys = list(self.params[s])             # one order on every rank
         flat = torch.cat([grads[s][k].reshape(-1) for k in keys])
         dist.all_reduce(flat, group=_group(tuple(sorted(ranks))))
         off = 0
@@ -305,7 +344,7 @@ class PipelineExecutor:
             for s in mine:
                 grads[s][key] = total
 
-    def _step_stage(self, s, g):
+    def _step_stage(self, s, g, in_place: bool = False):
         sp = self.p.stages[s]
         self.step_count[s] += 1
         keys = sp.param_keys
@@ -313,7 +352,10 @@ class PipelineExecutor:
             lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)
             cnt = torch.tensor(float(self.step_count[s]), dtype=torch.float64)
             st = [x for k in keys for x in self.state[s][k]]
-            out = sp.step(*[self.params[s][k] for k in keys], *[g[k] for k in keys], *st, lr, cnt)
+            # in place (the update written into the parameter and moment buffers, as torch.optim does) only
+            # where nothing holds the old weights: synchronous schedules, whose backwards all ran before
+            fn = sp.step_inplace if in_place and sp.step_inplace is not None else sp.step
+            out = fn(*[self.params[s][k] for k in keys], *[g[k] for k in keys], *st, lr, cnt)
             n, ns = len(keys), len(self.spec.state_names)
             self.params[s] = dict(self.params[s])    # a new version: the old dict may be held by the VersionStore
             for j, k in enumerate(keys):

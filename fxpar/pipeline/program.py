@@ -116,6 +116,9 @@ def build_pipeline_program(model, cluster, example_inputs, loss_fn, optimizer_sp
         sp = differentiate_stage(st.index, st.gm, st.inputs, st.outputs)
         tb = time.perf_counter()
         sp.step = trace_step(st.index, optimizer_spec, [(tuple(params[k].shape), params[k].dtype) for k in sp.param_keys])
+        if sp.step is not None and name not in ASYNC:     # synchronous: nothing stashes old weights
+            from passes.reinplace import reinplace_step_graph
+            sp.step_inplace = reinplace_step_graph(sp.step, len(sp.param_keys), len(optimizer_spec.state_names))
         stages.append(sp)
         histories.append(stage_history(ft.gm, st, sp, {"trace_forward": t1 - t0, "split_stages": t_split,
                                                        "differentiate_stage:forward": tb - ta,
