@@ -29,7 +29,7 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
-    ap.add_argument("--rounds", type=int, default=2, help="alternate fxpar/DDP this many times")
+    ap.add_argument("--rounds", type=int, default=4, help="alternate fxpar/DDP this many times")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(1, args.d // 64), max_seq=args.seq)
@@ -43,14 +43,18 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}, {params / 1e6:.1f}M params; global batch "
           f"{args.batch}x{args.seq}; {w} gloo ranks; bucket {args.bucket_mb} MB; {len(program.plan.buckets)} bucket(s)")
-    ours, theirs = [], []
+    ours, theirs, per_round = [], [], []
     with fxpar.LocalCluster(w) as lc:
         for _ in range(args.rounds):
             res = program.run_local(batches, cluster=lc)
-            ours += res.step_times[args.warmup:]
+            mine = res.step_times[args.warmup:]
             out = lc.run(ddp_worker, [(model, batches, gpt_loss, opt, args.bucket_mb, args.warmup)] * w)
-            theirs += [max(o["step_times"][i] for o in out) for i in range(args.steps)]
+            ddp = [max(o["step_times"][i] for o in out) for i in range(args.steps)]
+            ours += mine
+            theirs += ddp
+            per_round.append(statistics.median(mine) / statistics.median(ddp))
     a, b = statistics.median(ours), statistics.median(theirs)
+    print("per-round ratios " + " ".join(f"{r:.3f}" for r in per_round))
     print(f"fxpar dp  median step {a * 1000:.1f} ms")
     print(f"torch DDP median step {b * 1000:.1f} ms")
     print(f"ratio fxpar/DDP {a / b:.3f}")

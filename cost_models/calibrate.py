@@ -12,7 +12,10 @@ run at once, as they will in training, each times:
 - an fp32 ``add`` over 4M elements (12 bytes per element moved) -> ``device.mem_bandwidth``;
 - softmax and layer_norm -> ``efficiency["softmax"]``, ``efficiency["norm"]``: the fraction of
   peak that makes the roofline of :mod:`cost_models.compute` give the measured time;
-- ``all_reduce`` of sizes 4 KiB .. 16 MiB (median of a few runs after a barrier).
+- ``all_reduce`` of sizes 4 KiB .. 16 MiB (after a barrier each time).
+
+Each figure is the median over at least ``reps`` runs and at least 0.25 s of running, so that a
+burst of other load on a shared host moves a few samples rather than the figure.
 
 The all_reduce times are fitted by least squares to ``T(S) = a + b·S`` and read as the ring
 model ``T = 2(N-1)α + 2(N-1)/N · S/B`` (Patarasuk & Yuan 2009), so ``α = a / (2(N-1))`` and
@@ -56,16 +59,36 @@ def fit_alpha_beta(sizes, times, n: int) -> tuple[float, float]:
     return a / steps, steps / n / b if n > 1 else 1.0 / b
 
 
-def _time(fn, reps: int, sync=None) -> float:
+_MIN_SECONDS = 0.25     # time each measurement over at least this long: a short burst of other load
+_MAX_REPS = 400         # on a shared host then moves the median of many samples, not the figure
+
+
+def _time(fn, reps: int, sync=None, min_seconds: float = _MIN_SECONDS) -> float:
+    """Median seconds of ``fn`` over at least ``reps`` runs and ``min_seconds`` of running. With
+    ``sync`` (a barrier), every rank runs the same number of repetitions: rank 0 decides."""
     fn()
-    out = []
-    for _ in range(reps):
+    out, start = [], time.perf_counter()
+    while True:
         if sync is not None:
             sync()
         t = time.perf_counter()
         fn()
         out.append(time.perf_counter() - t)
-    return statistics.median(out)
+        more = len(out) < reps or (time.perf_counter() - start < min_seconds and len(out) < _MAX_REPS)
+        if sync is not None:
+            more = _agree(more)
+        if not more:
+            return statistics.median(out)
+
+
+def _agree(flag: bool) -> bool:
+    """Rank 0's ``flag`` on every rank (so all ranks repeat a collective equally often)."""
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        return flag
+    t = torch.tensor([1 if flag else 0])
+    dist.broadcast(t, 0)
+    return bool(t.item())
 
 
 _TINY_OPS = 200
