@@ -24,3 +24,35 @@ def test_torchrun_two_ranks_match_single_process():
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-10
     checksum = sum(float(v.double().sum()) for v in ref_state.values())
     assert abs(float(lines["checksum"]) - checksum) <= 1e-8
+
+
+FAILING = '''
+import os, sys, torch
+sys.path.insert(0, {root!r})
+import fxpar
+from fxpar.testing import MLP
+import torch.nn.functional as F
+x, y = torch.randn(8, 16), torch.randn(8, 8)
+program = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), (x, y), loss_fn=F.mse_loss,
+                            strategy=fxpar.Strategy(dp=2))
+runner = program.runner()
+runner.step((x, y))
+if runner.rank == 1:
+    raise RuntimeError("boom on rank 1")
+runner.step((x, y))        # rank 0 blocks here on rank 1's all_reduce until torchrun stops it
+'''
+
+
+def test_torchrun_rank_failure_stops_everyone_quickly(tmp_path):
+    """A rank that raises exits at once (no wait at exit for the others), so torchrun reports it
+    and stops the rest, instead of everyone hanging until the gloo timeout."""
+    import time
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING.format(root=str(ROOT)))
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          str(script)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    took = time.monotonic() - t0
+    assert out.returncode != 0
+    assert "boom on rank 1" in out.stderr
+    assert took < 90, f"torchrun took {took:.0f}s to stop after a rank failed"

@@ -47,13 +47,24 @@ def init_from_env(backend: str = "gloo", timeout_s: float = 300.0) -> None:
         atexit.register(shutdown_env_group)
 
 
-def shutdown_env_group() -> None:
-    """Barrier with the other ranks, then destroy the default group (idempotent)."""
+def shutdown_env_group(wait_s: float = 60.0) -> None:
+    """Meet the other ranks (at most ``wait_s`` seconds), then destroy the default group. Idempotent.
+
+    A process leaving because of an unhandled exception does not wait: it must exit at once, so
+    that the launcher sees the failure and stops the other ranks."""
+    import sys
     import torch.distributed as dist
     if not dist.is_initialized():
         return
+    failing = getattr(sys, "last_value", None) is not None or getattr(sys, "last_exc", None) is not None
     try:
-        dist.barrier()
+        if not failing:
+            if dist.get_backend() == "gloo":
+                dist.monitored_barrier(timeout=timedelta(seconds=wait_s))
+            else:
+                dist.barrier()
+    except Exception:  # noqa: BLE001 - a peer that is gone: leave anyway
+        pass
     finally:
         dist.destroy_process_group()
 
