@@ -27,7 +27,8 @@ class Strategy:
         ``bucket_cap_mb``.
     broadcast_buffers: like DDP's flag: after each step every dp rank takes dp-rank 0's buffers
         (BatchNorm running statistics).
-    passes: your own passes (fxpar.Pass), appended after fxpar's, in order.
+    passes: your own passes (fxpar.Pass), appended after fxpar's, in order; a pass whose ``before``
+        names one of fxpar's (e.g. ``before=("data_parallel",)``) is placed just ahead of it.
     schedule: (pp > 1) a schedule name (``"gpipe"``, ``"1f1b"``, ...), or a hand-written schedule: a
         ``fxpar.schedule.Schedule`` or its text (``str(schedule)``'s grid or ``schedule.format_lists()``),
         read with ``Schedule.parse``. A hand-written one is validated and dry-run when the program is built:
