@@ -132,22 +132,29 @@ class Program:
         return f"<fxpar.Program {self.model_name} {self.strategy} on {self.world_size} ranks>"
 
     # ---- running ------------------------------------------------------------------------------
-    def payload(self, rank: int, measure_comm: bool = False) -> RankPayload:
+    def payload(self, rank: int, measure_comm: bool = False, seed: int | None = 0) -> RankPayload:
+        """Rank ``rank``'s part, picklable. ``seed``: see :meth:`run_local`."""
         cap = self.captured
         return RankPayload(rank=rank, gm=self._graphs[rank], signature=self._graphs[rank].meta["fxpar_signature"],
                            mesh_axes=self.plan.mesh_axes, batch_dim=self.plan.batch_dim,
                            params={k: self._params[k] for k in cap.param_names},
                            buffers={k: self._buffers[k] for k in cap.buffer_names},
                            optimizer=cap.optimizer, lr_scheduler=self._lr_scheduler,
-                           extra={"measure_comm": measure_comm})
+                           extra={"measure_comm": measure_comm, "rng_seed": seed})
 
     def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
-                  measure_comm: bool = False) -> RunResult:
+                  measure_comm: bool = False, seed: int | None = 0) -> RunResult:
         """Spawn the ranks here (gloo on 127.0.0.1), train one step per global batch, gather the result.
-        ``measure_comm=True`` records every collective each rank runs (``RunResult.comm_calls``)."""
+        ``measure_comm=True`` records every collective each rank runs (``RunResult.comm_calls``).
+
+        ``seed``: each rank seeds torch's generator with ``seed + rank`` before training, so random
+        ops (dropout) are reproducible and dp ranks draw different masks for their shards -- what
+        torch DDP does when each process calls ``torch.manual_seed(seed + rank)``. ``None`` leaves
+        each process's generator as it is."""
         batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
         if self.world_size == 1:
-            results = [_train(self.payload(0, measure_comm), batches)]
+            with torch.random.fork_rng(devices=[]):      # the caller's generator is left as it was
+                results = [_train(self.payload(0, measure_comm, seed), batches)]
         else:
             self._check_picklable()
             own = cluster is None
@@ -155,7 +162,8 @@ class Program:
             if lc.world_size != self.world_size:
                 raise ValueError(f"LocalCluster has {lc.world_size} ranks but this program needs {self.world_size}")
             try:
-                results = lc.run(_train, [(self.payload(r, measure_comm), batches) for r in range(self.world_size)], timeout_s=timeout_s)
+                results = lc.run(_train, [(self.payload(r, measure_comm, seed), batches) for r in range(self.world_size)],
+                                 timeout_s=timeout_s)
             finally:
                 if own:
                     lc.close()
@@ -184,14 +192,14 @@ class Program:
                          {r: res["comm_calls"] for r, res in enumerate(results)}, state,
                          results[0].get("optimizer_state", {}))
 
-    def runner(self, backend: str | None = None) -> "RankRunner":
-        """Under torchrun: join the env:// group and run this rank's part."""
+    def runner(self, backend: str | None = None, seed: int | None = 0) -> "RankRunner":
+        """Under torchrun: join the env:// group and run this rank's part (``seed`` as in :meth:`run_local`)."""
         init_from_env(backend or self.cluster.backend)
         import torch.distributed as dist
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"torchrun started {dist.get_world_size()} processes but the program needs {self.world_size}: "
                              f"use --nproc-per-node {self.world_size} (or change the Strategy)")
-        return RankRunner(StepExecutor(self.payload(dist.get_rank())), self)
+        return RankRunner(StepExecutor(self.payload(dist.get_rank(), seed=seed)), self)
 
 
 class RankRunner:

@@ -44,6 +44,25 @@ class StageProgram:
     param_keys: list = None      # trainable parameters of the stage, in input order
     step_inplace: torch.fx.GraphModule | None = None   # ``step`` writing into its parameter/state inputs
 
+    _GRAPHS = ("forward", "backward", "step", "step_inplace")
+
+    # graphs travel node by node: GraphModule's own pickling re-traces them (fxpar.runtime.portable)
+    def __getstate__(self):
+        from ..runtime.portable import pack_graph_module
+        state = dict(self.__dict__)
+        for k in self._GRAPHS:
+            if state.get(k) is not None:
+                state[k] = pack_graph_module(state[k])
+        return state
+
+    def __setstate__(self, state):
+        from ..runtime.portable import unpack_graph_module
+        state = dict(state)
+        for k in self._GRAPHS:
+            if state.get(k) is not None:
+                state[k] = unpack_graph_module(state[k])
+        self.__dict__.update(state)
+
 
 def _meta(n: torch.fx.Node):
     v = n.meta["val"]

@@ -65,6 +65,8 @@ class PipelineExecutor:
         self.p = p
         self.rank = p.rank
         self.pipe_rank, self.dp_index = divmod(p.rank, p.dp)
+        if p.extra.get("rng_seed") is not None:     # random ops (dropout): reproducible, distinct per rank
+            torch.manual_seed(int(p.extra["rng_seed"]) + p.rank)
         if dist.is_initialized():
             for ranks in p.groups:            # every rank creates every group, in one order
                 _group(ranks)

@@ -246,12 +246,13 @@ class PipelineProgram:
     def asynchronous(self) -> bool:
         return not isinstance(self.strategy.schedule, Schedule) and self.pipe_schedule.name in ASYNC
 
-    def payload(self, rank: int, n_batches: int = 1, record_weights: bool = False) -> PipelinePayload:
+    def payload(self, rank: int, n_batches: int = 1, record_weights: bool = False,
+                seed: int | None = 0) -> PipelinePayload:
         """Rank ``rank``'s part. Asynchronous schedules cover all ``n_batches`` batches in one window.
         ``record_weights``: log a hash of the weights every F and B computes with (``RunResult.weight_log``)."""
         pr, _ = self._pipe(rank)
         sched = self.pipe_schedule
-        extra = {"n_inputs": self.n_inputs, "record_weights": record_weights}
+        extra = {"n_inputs": self.n_inputs, "record_weights": record_weights, "rng_seed": seed}
         if self.asynchronous:
             sched = schedule_for(sched.name, self.pp, self.plan.microbatches, n_batches)
             m = self.plan.microbatches
@@ -267,8 +268,9 @@ class PipelineProgram:
                                lr_scheduler=self._lr_scheduler, extra=extra)
 
     def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
-                  record_weights: bool = False) -> RunResult:
+                  record_weights: bool = False, seed: int | None = 0) -> RunResult:
         """Spawn (or reuse) ``world_size`` gloo ranks, train one step per global batch, gather the result.
+        ``seed``: each rank seeds torch's generator with ``seed + rank`` (dropout reproducible; None: leave it).
 
         Besides losses and state, the result carries what the ranks measured: ``peak_activations`` /
         ``peak_activation_bytes`` (stage -> most microbatches whose saved tensors were alive at once, and
@@ -286,14 +288,14 @@ class PipelineProgram:
         if lc.world_size != self.world_size:
             raise ValueError(f"LocalCluster has {lc.world_size} ranks but this program needs {self.world_size}")
         try:
-            results = lc.run(train, [(self.payload(r, len(batches), record_weights), batches)
+            results = lc.run(train, [(self.payload(r, len(batches), record_weights, seed), batches)
                                      for r in range(self.world_size)], timeout_s=timeout_s)
         finally:
             if own:
                 lc.close()
         return self._gather(results)
 
-    def runner(self, backend: str | None = None) -> "PipelineRankRunner":
+    def runner(self, backend: str | None = None, seed: int | None = 0) -> "PipelineRankRunner":
         """Under torchrun (or on an initialised group): this rank's part, one ``step(global_batch)`` at a time."""
         init_from_env(backend or self.cluster.backend)
         import torch.distributed as dist
@@ -303,7 +305,7 @@ class PipelineProgram:
         if self.asynchronous:
             raise StrategyError(f"schedule {self.pipe_schedule.name!r} runs all batches in one window; use "
                                 "run_local(batches), or a synchronous schedule with runner()")
-        return PipelineRankRunner(PipelineExecutor(self.payload(dist.get_rank())), self)
+        return PipelineRankRunner(PipelineExecutor(self.payload(dist.get_rank(), seed=seed)), self)
 
     def _gather(self, results: list) -> RunResult:
         n = len(results[0]["loss_sums"])

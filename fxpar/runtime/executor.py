@@ -34,6 +34,19 @@ class RankPayload:
     lr_scheduler: object = None   # (SchedulerClass, kwargs), callable(torch optimizer) -> scheduler, or None
     extra: dict = field(default_factory=dict)
 
+    # the graph travels node by node: GraphModule's own pickling re-traces it (see .portable)
+    def __getstate__(self):
+        from .portable import pack_graph_module
+        state = dict(self.__dict__)
+        state["gm"] = pack_graph_module(self.gm)
+        return state
+
+    def __setstate__(self, state):
+        from .portable import unpack_graph_module
+        state = dict(state)
+        state["gm"] = unpack_graph_module(state["gm"])
+        self.__dict__.update(state)
+
 
 def _group(ranks: tuple):
     ranks = tuple(ranks)
@@ -88,6 +101,8 @@ class StepExecutor:
         from ..mesh import Mesh
         self.p = payload
         self.rank = payload.rank
+        if payload.extra.get("rng_seed") is not None:     # random ops (dropout): reproducible, distinct per rank
+            torch.manual_seed(int(payload.extra["rng_seed"]) + self.rank)
         self.mesh = Mesh(tuple((n, int(s)) for n, s in payload.mesh_axes))
         self.gm = bind_groups(payload.gm, self.mesh, self.rank) if dist.is_initialized() else payload.gm
         sig = payload.signature

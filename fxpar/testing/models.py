@@ -68,12 +68,13 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """GPT-2-style decoder: token + learned position table (sliced by sequence length), pre-LN
     blocks with causal SDPA, final LayerNorm, LM head tied to the token embedding (unless
-    ``tie_weights=False``)."""
+    ``tie_weights=False``); ``dropout > 0`` adds GPT-2's embedding dropout."""
 
-    def __init__(self, vocab=64, d=32, layers=2, heads=4, max_seq=32, qkv_bias=True, tie_weights=True):
+    def __init__(self, vocab=64, d=32, layers=2, heads=4, max_seq=32, qkv_bias=True, tie_weights=True, dropout=0.0):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(max_seq, d)
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.blocks = nn.ModuleList(Block(d, heads, qkv_bias) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
@@ -84,7 +85,7 @@ class GPT(nn.Module):
 
     def forward(self, idx):
         T = idx.shape[1]
-        x = self.wte(idx) + self.wpe.weight[:T]
+        x = self.drop(self.wte(idx) + self.wpe.weight[:T])
         for b in self.blocks:
             x = b(x)
         return self.head(self.ln_f(x))

@@ -75,12 +75,14 @@ def max_abs_diff(a: dict, b: dict) -> float:
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
-def ddp_worker(model, batches, loss_fn, optimizer, bucket_cap_mb: float = 25.0, warmup: int = 0) -> dict:
+def ddp_worker(model, batches, loss_fn, optimizer, bucket_cap_mb: float = 25.0, warmup: int = 0,
+               seed: int | None = None) -> dict:
     """Train with torch's own DistributedDataParallel on the already-initialised default group.
 
     Run it on every rank of a LocalCluster: ``lc.run(ddp_worker, [(model, batches, loss_fn, opt)] * n)``.
     Returns this rank's losses (the global-batch loss, averaged over ranks), step times, and (rank 0)
-    the trained state. The first ``warmup`` batches are trained but not timed.
+    the trained state. The first ``warmup`` batches are trained but not timed. ``seed``: each rank
+    calls ``torch.manual_seed(seed + rank)`` first (as fxpar's ``run_local(seed=...)`` does).
     """
     import time
 
@@ -88,6 +90,8 @@ def ddp_worker(model, batches, loss_fn, optimizer, bucket_cap_mb: float = 25.0, 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     rank, world = dist.get_rank(), dist.get_world_size()
+    if seed is not None:
+        torch.manual_seed(seed + rank)
     m = DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
     cls, kw = optimizer
     opt = cls(m.parameters(), **kw)

@@ -1,0 +1,63 @@
+"""Graphs sent to ranks arrive node for node (fxpar.runtime.portable).
+
+torch.fx's own GraphModule pickling re-traces the code, which runs every call without graph
+inputs once and freezes its result: dropout's mask would be drawn once, at unpickling, and reused
+in every step. These tests pin the fix down.
+"""
+import pickle
+
+import torch
+
+import fxpar
+from fxpar.runtime.portable import pack_graph_module, unpack_graph_module
+from fxpar.testing import GPT, gpt_loss
+
+
+def _dropout_program(**strategy):
+    torch.manual_seed(0)
+    x = torch.randint(0, 64, (4, 16))
+    world = strategy.get("dp", 1) * strategy.get("pp", 1)
+    return fxpar.parallelize(GPT(dropout=0.2), fxpar.ClusterSpec.local(world), (x, x), loss_fn=gpt_loss,
+                             strategy=fxpar.Strategy(**strategy)), x
+
+
+def _random_ops(gm):
+    return [n.name for n in gm.graph.nodes if n.op == "call_function" and "bernoulli" in str(n.target)]
+
+
+def test_torch_fx_pickling_would_freeze_dropout():
+    """The failure this module exists for: plain pickle drops the random op from the graph."""
+    p, _ = _dropout_program(dp=2)
+    gm = p.graphs(0)["step"]
+    assert _random_ops(gm) and not _random_ops(pickle.loads(pickle.dumps(gm)))
+
+
+def test_round_trip_keeps_every_node_and_the_code():
+    p, x = _dropout_program(dp=2)
+    gm = p.graphs(0)["step"]
+    back = unpack_graph_module(pickle.loads(pickle.dumps(pack_graph_module(gm))))
+    assert [(n.op, n.name, str(n.target)) for n in back.graph.nodes] == \
+        [(n.op, n.name, str(n.target)) for n in gm.graph.nodes]
+    assert back.code == gm.code
+    assert back.meta["fxpar_signature"].inputs == gm.meta["fxpar_signature"].inputs
+    comm = [n.meta["fxpar_comm"] for n in back.graph.nodes if "fxpar_comm" in n.meta]
+    assert comm == p.collectives(0) and comm
+
+
+def test_payloads_send_their_graphs_node_by_node():
+    p, _ = _dropout_program(dp=2)
+    payload = pickle.loads(pickle.dumps(p.payload(0)))
+    assert _random_ops(payload.gm) == _random_ops(p.graphs(0)["step"])
+    q, _ = _dropout_program(pp=2, microbatches=2)
+    stage = pickle.loads(pickle.dumps(q.payload(0))).stages[0]
+    assert _random_ops(stage.forward) == _random_ops(q.stages[0].forward) != []
+    assert stage.step_inplace is not None and stage.step_inplace.code == q.stages[0].step_inplace.code
+
+
+def test_dropout_masks_change_every_step_on_spawned_ranks(clusters):
+    """Same batch, same weights (lr 0): with a frozen mask every step's loss would be equal."""
+    x = torch.randint(0, 64, (4, 16))
+    p = fxpar.parallelize(GPT(dropout=0.2), fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
+                          optimizer=(torch.optim.SGD, {"lr": 0.0}), strategy=fxpar.Strategy(dp=2))
+    res = p.run_local([(x, x)] * 3, cluster=clusters.get(2))
+    assert len(set(res.losses)) == 3
