@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..runtime.executor import _group
 from ..schedule import ActionKind
-from .tracking import VersionStore, activation_bytes, digest
+from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
 __all__ = ["PipelinePayload", "PipelineExecutor", "VersionStore"]
 
@@ -157,6 +157,7 @@ class PipelineExecutor:
         synced = False
         store = VersionStore(self.params, actions)
         live = {s: {} for s in p.stages}          # stage -> {microbatch: bytes of its saved activations}
+        wptrs: dict = {}                          # stage -> (the weights dict last used, its storage addresses)
         self._times, timeline = {}, []
         busy = 0.0
         for idx, a in enumerate(actions):
@@ -171,7 +172,10 @@ class PipelineExecutor:
                 res = sp.forward(*args)
                 n_out = len(sp.outputs)
                 saved[(s, i)] = res[n_out:]      # holds the weights the backward needs: weight stashing
-                live[s][i] = activation_bytes(res[n_out:], args, weights)
+                cached = wptrs.get(s)
+                if cached is None or cached[0] is not weights:     # another weight version: look it up once
+                    cached = wptrs[s] = (weights, weight_storages(weights))
+                live[s][i] = activation_bytes(res[n_out:], args, weights, cached[1])
                 self.act_peak[s] = max(self.act_peak[s], len(live[s]))
                 self.act_peak_bytes[s] = max(self.act_peak_bytes[s], sum(live[s].values()))
                 if self.record_weights:

@@ -14,15 +14,23 @@ __all__ = ["VersionStore", "activation_bytes", "digest"]
 _K = ActionKind
 
 
-def activation_bytes(saved, args, weights: dict) -> int:
+def weight_storages(weights: dict) -> set:
+    """The storage addresses of a stage's weights (what :func:`activation_bytes` leaves out)."""
+    return {t.untyped_storage().data_ptr() for t in weights.values()}
+
+
+def activation_bytes(saved, args, weights: dict, wptr: set | None = None) -> int:
     """Bytes the saved tensors of one microbatch keep alive, weights excluded: each storage made by the
     forward counts whole (a view keeps its base alive), an input (a slice of the batch, a received tensor)
-    counts its own elements -- the rule :func:`fxpar.pipeline.autodiff._partition` predicts with."""
-    wptr = {t.untyped_storage().data_ptr() for t in weights.values()}
+    counts its own elements -- the rule :func:`fxpar.pipeline.autodiff._partition` predicts with.
+    ``wptr``: ``weight_storages(weights)``, when the caller keeps it between calls."""
+    wptr = weight_storages(weights) if wptr is None else wptr
     inputs = {}
     for t in args:
         if isinstance(t, torch.Tensor):
-            inputs.setdefault(t.untyped_storage().data_ptr(), t.numel() * t.element_size())
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in wptr:
+                inputs.setdefault(ptr, t.numel() * t.element_size())
     held = {}
     for t in saved:
         if not isinstance(t, torch.Tensor):
