@@ -34,6 +34,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import meta as M
 from .errors import CaptureError
+from ._tracing import ModuleTracker, batch_parts, clean_name, explain_trace_error
 from .optim import OptimizerSpec
 
 __all__ = ["StepSignature", "CapturedStep", "capture_training_step"]
@@ -76,57 +77,10 @@ class CapturedStep:
     param_dtypes: dict = field(default_factory=dict)
 
 
-class _ModuleTracker:
-    """Forward hooks that write the current module path into the node meta make_fx copies."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.names = {mod: name for name, mod in model.named_modules()}
-        self.stack: list = []
-        self.handles: list = []
-
-    def set(self, phase: str, module: str | None = None):
-        mod = module if module is not None else (self.stack[-1] if self.stack else "")
-        fx_traceback.current_meta["custom"] = {M.PHASE.name: phase, M.MODULE.name: mod}
-
-    def __enter__(self):
-        def pre(mod, args):
-            if mod in self.names:
-                self.stack.append(self.names[mod])
-                self.set("forward")
-
-        def post(mod, args, out):
-            if mod in self.names and self.stack:
-                self.stack.pop()
-                self.set("forward")
-
-        self.handles = [torch.nn.modules.module.register_module_forward_pre_hook(pre),
-                        torch.nn.modules.module.register_module_forward_hook(post)]
-        return self
-
-    def __exit__(self, *exc):
-        for h in self.handles:
-            h.remove()
-        fx_traceback.current_meta.pop("custom", None)
-
-
-def _batch_parts(batch, loss_fn):
-    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-    for i, b in enumerate(batch):
-        if not isinstance(b, torch.Tensor):
-            raise CaptureError(f"example_inputs[{i}] is a {type(b).__name__}; fxpar needs a tuple of tensors "
-                               "(inputs..., target), each with the batch on dim 0.")
-    if loss_fn is not None:
-        if len(batch) < 2:
-            raise CaptureError("with loss_fn given, example_inputs must be (inputs..., target); got one tensor. "
-                               "Pass loss_fn=None if the model itself returns the loss.")
-        return batch[:-1], batch[-1:]
-    return batch, ()
-
-
 def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: OptimizerSpec) -> CapturedStep:
     """Trace one training step of ``model`` on ``batch`` (the batch one rank sees)."""
     t0 = time.perf_counter()
-    inputs, target = _batch_parts(batch, loss_fn)
+    inputs, target = batch_parts(batch, loss_fn)
     params = dict(model.named_parameters())               # de-duplicated by identity: tied weights once
     trainable = {k: v for k, v in params.items() if v.requires_grad}
     frozen = {k: v for k, v in params.items() if not v.requires_grad}
@@ -138,7 +92,7 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
         raise CaptureError(f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train.")
     snames = [f"{s}:{p}" for p in pnames for s in optimizer.state_names]
     n_p, n_b, n_s = len(pnames), len(bnames), len(snames)
-    tracker = _ModuleTracker(model)
+    tracker = ModuleTracker(model)
     mod_name = type(model).__name__
 
     def step(*flat):
@@ -187,7 +141,7 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the user's module named
-        raise _explain_trace_error(e, mod_name, tracker) from e
+        raise explain_trace_error(e, mod_name, tracker) from e
 
     sig = StepSignature()
     sig.inputs = ([("param", k) for k in pnames] + [("buffer", k) for k in bnames] + [("opt_state", k) for k in snames]
@@ -204,22 +158,6 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
     gm.meta["fxpar_signature"] = sig
     return CapturedStep(gm, sig, pnames, bnames, aliases, optimizer, mod_name, time.perf_counter() - t0,
                         {k: tuple(v.shape) for k, v in trainable.items()}, {k: v.dtype for k, v in trainable.items()})
-
-
-def _explain_trace_error(e: Exception, mod_name: str, tracker: _ModuleTracker) -> CaptureError:
-    where = tracker.stack[-1] if tracker.stack else "(top level)"
-    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-    name = type(e).__name__
-    if "DataDependent" in name or "data-dependent" in str(e) or "GuardOnDataDependent" in name:
-        return CaptureError(
-            f"cannot capture {mod_name}: module '{where}' has control flow that depends on tensor values "
-            f"({name}: {text}). fxpar compiles one graph for every step, so a Python `if` on a tensor's value "
-            "cannot be kept. Rewrite it with torch.where / torch.cond, or compute the condition from shapes only.")
-    return CaptureError(f"cannot capture {mod_name}: tracing failed in module '{where}' with {name}: {text}")
-
-
-def _clean(name: str) -> str:
-    return "".join(c if c.isalnum() else "_" for c in name)
 
 
 def _backward_module(n: torch.fx.Node, param_module: dict) -> str:
@@ -248,11 +186,11 @@ def _annotate(gm: torch.fx.GraphModule, sig: StepSignature) -> None:
     for node, (role, key) in zip(placeholders, sig.inputs):
         if role == "opt_state":
             s, p = key.split(":", 1)
-            name = f"{s}_{_clean(p)}"
+            name = f"{s}_{clean_name(p)}"
         elif role in ("input", "target"):
             name = f"{prefix[role]}{key}"
         else:
-            name = prefix[role] + _clean(key)
+            name = prefix[role] + clean_name(key)
         node._rename(name)
         node.target = node.name
         M.set_meta(node, M.ROLE, role)

@@ -20,7 +20,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from .. import meta as M
-from ..capture import _batch_parts, _clean, _explain_trace_error, _ModuleTracker
+from .._tracing import ModuleTracker, batch_parts, clean_name, explain_trace_error
 from ..errors import CaptureError, StrategyError
 
 __all__ = ["ForwardTrace", "trace_forward"]
@@ -38,7 +38,7 @@ class ForwardTrace:
 
 def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
     """``loss_fn(model(*inputs), target)`` on one microbatch, as an aten graph of fake tensors."""
-    inputs, target = _batch_parts(batch, loss_fn)
+    inputs, target = batch_parts(batch, loss_fn)
     params = dict(model.named_parameters())
     trainable = {k: v for k, v in params.items() if v.requires_grad}
     buffers = {**{k: v for k, v in params.items() if not v.requires_grad}, **dict(model.named_buffers())}
@@ -48,7 +48,7 @@ def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
     if not pnames:
         raise CaptureError(f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train.")
     n_p, n_b = len(pnames), len(bnames)
-    tracker = _ModuleTracker(model)
+    tracker = ModuleTracker(model)
 
     def fwd(*flat):
         p = dict(zip(pnames, flat[:n_p]))
@@ -75,13 +75,13 @@ def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised naming the user's module
-        raise _explain_trace_error(e, type(model).__name__, tracker) from e
+        raise explain_trace_error(e, type(model).__name__, tracker) from e
 
     roles = [("param", k) for k in pnames] + [("buffer", k) for k in bnames] + \
             [("input", str(i)) for i in range(len(inputs))] + [("target", str(i)) for i in range(len(target))]
     by_name = {}
     for node, (role, key) in zip(gm.graph.find_nodes(op="placeholder"), roles):
-        node._rename({"param": "", "buffer": "buf_"}.get(role, role) + _clean(key))
+        node._rename({"param": "", "buffer": "buf_"}.get(role, role) + clean_name(key))
         node.target = node.name
         by_name[node.name] = (role, key)
     for n in gm.graph.nodes:
