@@ -45,7 +45,8 @@ def plan_buckets(cap: CapturedStep, cap_bytes: int, first_cap_bytes: int | None 
     for key in order:
         nbytes = _numel(cap.param_shapes[key]) * _itemsize(cap.param_dtypes[key])
         limit = cap_bytes if buckets or first_cap_bytes is None else min(cap_bytes, first_cap_bytes)
-        if cur and (limit == 0 or size + nbytes > limit):
+        new_dtype = bool(cur) and cap.param_dtypes[key] != cap.param_dtypes[cur[-1]]   # one dtype per bucket, as DDP
+        if cur and (limit == 0 or size + nbytes > limit or new_dtype):
             buckets.append(cur)
             cur, size = [], 0
         cur.append(key)

@@ -5,9 +5,11 @@ The planner cuts the gradients, in the order backward produces them, into bucket
 one buffer right after the last of them is produced, issues one in-place all_reduce there (so
 it overlaps with the rest of backward), and places the wait as late as possible: just before
 the first use of any of the bucket's gradients. The gradients are then views of the reduced
-buffer. Like DDP, this makes one pass over the gradients (the copy into the bucket): the
-division by dp was folded into backward's seed by ``data_parallel``; a graph without that seed
-gets an in-place ``div_`` of the bucket. Before / after, for a bucket {fc.weight, fc.bias}::
+buffer. Like DDP, this makes one pass over the gradients: each is ``copy_``-ed into its slot of
+a fresh flat buffer (whatever its layout; ``reshape`` + ``cat`` would copy a transposed weight
+gradient twice). The division by dp was folded into backward's seed by ``data_parallel``; a
+graph without that seed gets an in-place ``div_`` of the bucket. Before / after, for a bucket
+{fc.weight, fc.bias}::
 
     mm_5 = aten.mm(...)                              # grad fc.weight
     all_reduce = c10d.all_reduce(mm_5, 'sum', 'fxpar:dp'); wait = c10d.wait_tensor(all_reduce)
@@ -16,13 +18,14 @@ gets an in-place ``div_`` of the bucket. Before / after, for a bucket {fc.weight
 
     mm_5 = aten.mm(...)
     view_2 = aten.view(sum_1, [64])
-    reshape = aten.reshape(mm_5, [-1]); reshape_1 = aten.reshape(view_2, [-1])
-    cat = aten.cat([reshape, reshape_1])
-    all_reduce_ = c10d.all_reduce_(cat, 'sum', 'fxpar:dp')   # bucket 0, issued here, in place
+    empty = aten.empty([4160], dtype=torch.float32)
+    slice_1 = aten.slice(empty, 0, 0, 4096); view_3 = aten.view(slice_1, [64, 64]); copy_ = aten.copy_(view_3, mm_5)
+    slice_2 = aten.slice(empty, 0, 4096, 4160); view_4 = aten.view(slice_2, [64]); copy__1 = aten.copy_(view_4, view_2)
+    all_reduce_ = c10d.all_reduce_(empty, 'sum', 'fxpar:dp')  # bucket 0, issued here, in place
     ...                                                       # rest of backward overlaps
     wait_tensor = c10d.wait_tensor(all_reduce_)               # just before the optimizer needs it
-    slice_1 = aten.slice(wait_tensor, 0, 0, 4096); view_3 = aten.view(slice_1, [64, 64])   # fc.weight
-    slice_2 = aten.slice(wait_tensor, 0, 4096, 4160); view_4 = aten.view(slice_2, [64])     # fc.bias
+    slice_3 = aten.slice(wait_tensor, 0, 0, 4096); view_5 = aten.view(slice_3, [64, 64])   # fc.weight
+    slice_4 = aten.slice(wait_tensor, 0, 4096, 4160); view_6 = aten.view(slice_4, [64])     # fc.bias
 """
 from __future__ import annotations
 
@@ -89,17 +92,36 @@ class BucketGradients(Pass):
             raws = [p[0] for p in parts]
             last = max(raws, key=order.__getitem__)
             first_use = min((u for p in parts for u in p[3].users), key=order.__getitem__)
-            flats, cursor = [], last
-            for r in raws:
+            # one pass over the gradients, as DDP's copy into its bucket: each gradient is copied
+            # into its slot of a fresh flat buffer, whatever its layout (a transposed weight
+            # gradient would otherwise be copied twice: made contiguous, then concatenated)
+            vals = [r.meta["val"] for r in raws]
+            dtypes = {v.dtype for v in vals}
+            if len(dtypes) > 1:
+                raise ValueError(f"bucket {b_idx} holds gradients of several dtypes ({sorted(map(str, dtypes))}: "
+                                 f"{keys}); plan buckets per dtype")
+            total = sum(v.numel() for v in vals)
+            with g.inserting_after(last):
+                buf = g.call_function(aten.empty.memory_format, ([total],),
+                                      {"dtype": vals[0].dtype, "device": vals[0].device})
+            _meta(buf, vals[0].new_empty([total]), last)
+            off, cursor = 0, buf
+            for r, val in zip(raws, vals):
+                n = val.numel()
                 with g.inserting_after(cursor):
-                    cursor = g.call_function(aten.reshape.default, (r, [-1]))
-                _meta(cursor, r.meta["val"].reshape(-1), r)
-                flats.append(cursor)
-            with g.inserting_after(cursor):
-                cat = g.call_function(aten.cat.default, (flats,))
-            _meta(cat, torch.cat([f.meta["val"] for f in flats]), last)
+                    sl = g.call_function(aten.slice.Tensor, (buf, 0, off, off + n))
+                with g.inserting_after(sl):
+                    slot = g.call_function(aten.view.default, (sl, list(val.shape)))
+                with g.inserting_after(slot):
+                    cursor = g.call_function(aten.copy_.default, (slot, r))
+                slot_val = buf.meta["val"][off:off + n].view(val.shape)
+                _meta(sl, buf.meta["val"][off:off + n], r)
+                _meta(slot, slot_val, r)
+                _meta(cursor, slot_val, r)
+                off += n
+            cat = buf
             # the flat buffer is ours alone: reduce it in place (the functional all_reduce would copy it)
-            ar, w = insert_all_reduce(g, cat, "dp", ranks, after=cat, wait_before=first_use, in_place=True)
+            ar, w = insert_all_reduce(g, cat, "dp", ranks, after=cursor, wait_before=first_use, in_place=True)
             M.set_meta(ar, M.BUCKET, b_idx)
             sizes.append(M.get(ar, M.COMM).nbytes)
             if all(p[3] is p[2] for p in parts):       # backward already divided by dp

@@ -156,14 +156,21 @@ def test_optimizer_runs_in_place_on_its_own_buffers():
 
 
 def test_gradient_sync_is_one_copy_like_ddp():
-    """Per bucket: one cat (the only pass over the gradients), an in-place all_reduce_, its wait,
-    then views. The 1/dp is folded into backward's seed, so no division runs at all."""
+    """Per bucket: one flat buffer, one copy_ of each gradient into its slot (the only pass over
+    the gradients, whatever their layout), an in-place all_reduce_, its wait, then views. The 1/dp
+    is folded into backward's seed, so no division runs at all."""
     p = _gpt_program(dp=4, cap_mb=0.02)
     gm = p.graphs(0)["step"]
     added = [n for n in gm.graph.nodes if M.PASS.name in n.meta and M.get(n, M.PASS) in ("data_parallel", "bucket")]
     targets = [n.target for n in added]
     n_buckets = len(p.plan.buckets)
-    assert targets.count(torch.ops.aten.cat.default) == n_buckets
+    assert targets.count(torch.ops.aten.empty.memory_format) == n_buckets
+    assert targets.count(torch.ops.aten.copy_.default) == len(p.captured.param_names)
+    assert not any(t in (torch.ops.aten.cat.default, torch.ops.aten.reshape.default, torch.ops.aten.clone.default)
+                   for t in targets)
+    copies = [n for n in added if n.target is torch.ops.aten.copy_.default]
+    grads = {n for n in gm.graph.nodes if n.op == "call_function"} - set(added)
+    assert all(c.args[1] in grads for c in copies)       # straight from backward's own result
     assert targets.count(C10D.all_reduce_.default) == n_buckets
     assert targets.count(C10D.all_reduce.default) == 0
     assert not any(t in (torch.ops.aten.div.Tensor, torch.ops.aten.div_.Tensor) for t in targets)
@@ -205,3 +212,15 @@ def test_graph_without_a_loss_seed_divides_the_bucket_in_place(clusters):
     ref_losses, ref_state = reference_training(model, batches, gpt_loss, ADAMW)
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) <= 1e-10
     assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
+
+
+def test_buckets_hold_one_dtype():
+    """As DDP, a bucket never mixes dtypes (its gradients share one flat buffer)."""
+    from types import SimpleNamespace
+    from fxpar.planner import plan_buckets
+    cap = SimpleNamespace(gm=torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()),
+                          param_names=["a", "b", "c", "d"],
+                          param_shapes={k: (4,) for k in "abcd"},
+                          param_dtypes={"a": torch.float32, "b": torch.float32, "c": torch.bfloat16, "d": torch.float32})
+    assert plan_buckets(cap, 2**20) == [["a", "b"], ["c"], ["d"]]
+    assert plan_buckets(cap, 2**20, first_cap_bytes=16) == [["a"], ["b"], ["c"], ["d"]]
