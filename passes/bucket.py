@@ -98,8 +98,8 @@ class BucketGradients(Pass):
             vals = [r.meta["val"] for r in raws]
             dtypes = {v.dtype for v in vals}
             if len(dtypes) > 1:
-                raise ValueError(f"bucket {b_idx} holds gradients of several dtypes ({sorted(map(str, dtypes))}: "
-                                 f"{keys}); plan buckets per dtype")
+                raise ValueError(f"Plan.buckets[{b_idx}] mixes gradient dtypes ({sorted(map(str, dtypes))}: {keys}); "
+                                 "a bucket is one flat buffer: split it so that each holds one dtype")
             total = sum(v.numel() for v in vals)
             with g.inserting_after(last):
                 buf = g.call_function(aten.empty.memory_format, ([total],),
@@ -119,9 +119,8 @@ class BucketGradients(Pass):
                 _meta(slot, slot_val, r)
                 _meta(cursor, slot_val, r)
                 off += n
-            cat = buf
             # the flat buffer is ours alone: reduce it in place (the functional all_reduce would copy it)
-            ar, w = insert_all_reduce(g, cat, "dp", ranks, after=cursor, wait_before=first_use, in_place=True)
+            ar, w = insert_all_reduce(g, buf, "dp", ranks, after=cursor, wait_before=first_use, in_place=True)
             M.set_meta(ar, M.BUCKET, b_idx)
             sizes.append(M.get(ar, M.COMM).nbytes)
             if all(p[3] is p[2] for p in parts):       # backward already divided by dp
@@ -129,7 +128,7 @@ class BucketGradients(Pass):
             else:
                 with g.inserting_after(w):
                     div = g.call_function(aten.div_.Tensor, (w, dp))
-                _meta(div, cat.meta["val"], last)
+                _meta(div, buf.meta["val"], last)
             off, anchor = 0, div
             for key, (raw, old_ar, old_w, avg) in zip(keys, parts):
                 shape = list(raw.meta["val"].shape)
