@@ -63,3 +63,18 @@ def test_dropout_masks_change_every_step_on_spawned_ranks(clusters):
                           optimizer=(torch.optim.SGD, {"lr": 0.0}), strategy=fxpar.Strategy(dp=2))
     res = p.run_local([(x, x)] * 3, cluster=clusters.get(2))
     assert len(set(res.losses)) == 3
+
+
+def test_pipeline_dropout_is_seeded_and_redrawn(clusters):
+    """pp=2 with dropout: the same seed gives the same run, another seed another one, and with a
+    zero learning rate every step still draws new masks (the graph kept its random op)."""
+    x = torch.randint(0, 64, (4, 16))
+    torch.manual_seed(0)
+    p = fxpar.parallelize(GPT(dropout=0.2), fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
+                          optimizer=(torch.optim.SGD, {"lr": 0.0}),
+                          strategy=fxpar.Strategy(pp=2, schedule="1f1b", microbatches=2))
+    a = p.run_local([(x, x)] * 3, cluster=clusters.get(2), seed=3)
+    b = p.run_local([(x, x)] * 3, cluster=clusters.get(2), seed=3)
+    c = p.run_local([(x, x)] * 3, cluster=clusters.get(2), seed=4)
+    assert a.losses == b.losses and a.losses != c.losses
+    assert len(set(a.losses)) == 3
