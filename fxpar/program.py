@@ -202,7 +202,23 @@ class Program:
         return RankRunner(StepExecutor(self.payload(dist.get_rank(), seed=seed)), self)
 
 
-class RankRunner:
+class GroupExit:
+    """``close()`` and ``with``: meet the other ranks, then leave the process group (torchrun runners)."""
+
+    def close(self) -> None:
+        """Wait for every rank, then leave the process group. Also runs at interpreter exit."""
+        from .runtime.launch import shutdown_env_group
+        shutdown_env_group()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if exc[0] is None:
+            self.close()
+
+
+class RankRunner(GroupExit):
     """One rank's side of a program under torchrun: ``step(global_batch)`` trains one step."""
 
     def __init__(self, executor: StepExecutor, program: Program):
@@ -225,18 +241,6 @@ class RankRunner:
         for alias, canon in self.program.captured.aliases.items():
             state[alias] = state[canon]
         return state
-
-    def close(self) -> None:
-        """Wait for every rank, then leave the process group. Also runs at interpreter exit."""
-        from .runtime.launch import shutdown_env_group
-        shutdown_env_group()
-
-    def __enter__(self) -> "RankRunner":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if exc[0] is None:
-            self.close()
 
 
 def _numel(shape) -> int:

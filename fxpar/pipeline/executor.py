@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..runtime.executor import _group
+from ..runtime.executor import _group, seed_rank
 from ..schedule import ActionKind
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
@@ -65,8 +65,7 @@ class PipelineExecutor:
         self.p = p
         self.rank = p.rank
         self.pipe_rank, self.dp_index = divmod(p.rank, p.dp)
-        if p.extra.get("rng_seed") is not None:     # random ops (dropout): reproducible, distinct per rank
-            torch.manual_seed(int(p.extra["rng_seed"]) + p.rank)
+        seed_rank(p.extra, p.rank)
         if dist.is_initialized():
             for ranks in p.groups:            # every rank creates every group, in one order
                 _group(ranks)

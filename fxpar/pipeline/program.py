@@ -17,7 +17,7 @@ import torch
 
 from ..errors import StrategyError
 from ..mesh import Mesh
-from ..program import RunResult, _fmt
+from ..program import GroupExit, RunResult, _fmt
 from ..runtime.launch import LocalCluster, init_from_env
 from ..schedule import Schedule, ScheduleError, simulate
 from ..schedule.ir import Action
@@ -343,7 +343,7 @@ class PipelineProgram:
         return res
 
 
-class PipelineRankRunner:
+class PipelineRankRunner(GroupExit):
     """One rank's side of a pipeline program: ``step(batch)`` trains one step, returns the global-batch loss."""
 
     def __init__(self, executor: PipelineExecutor, program: PipelineProgram):

@@ -15,7 +15,7 @@ import torch.fx
 
 from ..collectives import axis_of_tag
 
-__all__ = ["RankPayload", "StepExecutor", "bind_groups", "make_scheduler"]
+__all__ = ["RankPayload", "StepExecutor", "bind_groups", "make_scheduler", "seed_rank"]
 
 _GROUPS: dict = {}   # ranks tuple -> ProcessGroup, per process (reused across programs)
 
@@ -84,6 +84,13 @@ def bind_groups(gm: torch.fx.GraphModule, mesh, rank: int) -> torch.fx.GraphModu
     return gm
 
 
+def seed_rank(extra: dict, rank: int) -> None:
+    """``extra["rng_seed"]`` set: seed torch's generator with it + rank, so random ops (dropout) are
+    reproducible and differ between ranks. None: leave the generator as the process has it."""
+    if extra.get("rng_seed") is not None:
+        torch.manual_seed(int(extra["rng_seed"]) + rank)
+
+
 def make_scheduler(spec, optimizer):
     """``(SchedulerClass, kwargs)`` or ``callable(optimizer) -> scheduler`` or None."""
     if spec is None:
@@ -101,8 +108,7 @@ class StepExecutor:
         from ..mesh import Mesh
         self.p = payload
         self.rank = payload.rank
-        if payload.extra.get("rng_seed") is not None:     # random ops (dropout): reproducible, distinct per rank
-            torch.manual_seed(int(payload.extra["rng_seed"]) + self.rank)
+        seed_rank(payload.extra, self.rank)
         self.mesh = Mesh(tuple((n, int(s)) for n, s in payload.mesh_axes))
         self.gm = bind_groups(payload.gm, self.mesh, self.rank) if dist.is_initialized() else payload.gm
         sig = payload.signature
