@@ -7,7 +7,7 @@
 """
 from . import meta
 from .api import parallelize
-from .capture import CapturedStep, StepSignature, capture_training_step
+from .capture import CapturedStep, StepSignature, capture_training_step, trace_forward
 from .cluster import ClusterSpec, DeviceSpec, LinkSpec
 from .collectives import insert_all_reduce, insert_broadcast
 from .errors import CaptureError, ClusterSpecError, FxparError, PassError, RankFailedError, StrategyError
@@ -21,5 +21,5 @@ from .strategy import Strategy
 __version__ = "0.1.0"
 __all__ = ["parallelize", "ClusterSpec", "DeviceSpec", "LinkSpec", "Strategy", "Plan", "Program", "RunResult",
            "RankRunner", "Mesh", "Pass", "PassResult", "PassContext", "PassManager", "graph_pass", "LocalCluster",
-           "CapturedStep", "StepSignature", "capture_training_step", "insert_all_reduce", "insert_broadcast", "meta",
+           "CapturedStep", "StepSignature", "capture_training_step", "trace_forward", "insert_all_reduce", "insert_broadcast", "meta",
            "FxparError", "CaptureError", "StrategyError", "ClusterSpecError", "PassError", "RankFailedError"]

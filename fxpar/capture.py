@@ -1,26 +1,33 @@
-"""Capture: model + loss + optimizer → one functional training-step graph at aten level.
+"""Capture: a stage's training step as one joint aten graph -- forward, loss (or the incoming
+output gradients), backward and optimizer step. One module, two entry points:
 
-The step is ``make_fx`` (fake tensors: nothing is computed, no memory is used) over
-``functionalize(step)``, where ``step`` runs the model through ``torch.func.functional_call``,
-takes ``torch.func.grad_and_value`` of the loss and, for SGD/Adam/AdamW, the optimizer update
-(:mod:`fxpar.optim`). Parameters, buffers, optimizer state, the learning rate, the step count
-and the batch are all placeholders; the new values are outputs::
+* :func:`trace_forward` -- forward + loss of the whole model on one microbatch, for cutting it into
+  pipeline stages (``passes.split_stages``). Only a pipeline needs it.
+* :func:`capture_training_step` -- the joint step graph of one stage. A program without a pipeline
+  is one stage whose forward is the model itself (run through ``torch.func.functional_call``); a
+  pipeline stage's forward is the stage graph ``split_stages`` cut out of the forward trace.
 
-    def forward(self, wte_weight, ..., buf_bn_running_mean, ..., exp_avg_wte_weight, ..., lr, step, input0, target):
-        embedding = aten.embedding(wte_weight, input0)               # fxpar_phase=forward, fxpar_module=wte
+Both are ``make_fx`` (fake tensors: nothing is computed, no memory is used) over
+``functionalize(fn, remove="mutations")``: the graphs hold no in-place op, so cutting them into
+forward and backward graphs later cannot separate a write from a read. The joint step is
+``torch.func.vjp`` of the stage forward, seeded with ``full_like(loss, 1/m)`` on the last stage
+(m microbatches per step) or with the output gradients received from the next stage, followed by
+the optimizer update of :mod:`fxpar.optim` (SGD/Adam/AdamW; others run eagerly). Placeholders and
+outputs are described by a :class:`StepSignature`::
+
+    def forward(self, wte_weight, ..., buf_bn_running_mean, ..., exp_avg_wte_weight, ..., lr, step,
+                input0, target0):                                   # + act_*, tangent_* on pipeline stages
+        embedding = aten.embedding(wte_weight, input0)             # fxpar_phase=forward, fxpar_module=wte
         ...
-        embedding_dense_backward = ...                               # fxpar_phase=backward
-        add_12 = ...                                                 # fxpar_phase=optimizer
-        return (loss, new params..., new buffers..., new optimizer state..., grads...)
+        full_like = aten.full_like(nll_loss, 0.25)                  # fxpar_phase=backward (the seed, 1/m)
+        embedding_dense_backward = ...                              # fxpar_phase=backward
+        _foreach_sub = ...                                          # fxpar_phase=optimizer
+        return (loss | acts..., new params..., new buffers..., new opt state..., grads..., act grads...)
 
 Tied parameters (an LM head sharing the embedding) are one placeholder: parameters are
-de-duplicated by identity and ``functional_call`` re-ties them. Module paths come from
-forward hooks active while tracing; backward nodes inherit the module of the forward node
-they differentiate (autograd's sequence number).
-
-Why not ``torch.export`` first: fake-mode ``make_fx`` raises the same data-dependent-control-flow
-errors export does (we re-raise them naming the module), captures what export captures
-(``nn.TransformerEncoderLayer``, masks built from ``x.shape``), and is 2–3× faster.
+de-duplicated by identity and ``functional_call`` re-ties them. Module paths come from forward
+hooks (the model) or from the stage graph's own ``fxpar_module`` (a stage); backward nodes take
+the module whose activations or parameters they read.
 """
 from __future__ import annotations
 
@@ -33,20 +40,23 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import meta as M
+from ._tracing import ModuleTracker, batch_parts, capture_context, clean_name, explain_trace_error
 from .errors import CaptureError
-from ._tracing import ModuleTracker, batch_parts, clean_name, explain_trace_error
 from .optim import OptimizerSpec
 
-__all__ = ["StepSignature", "CapturedStep", "capture_training_step"]
+__all__ = ["StepSignature", "CapturedStep", "ForwardTrace", "capture_training_step", "trace_forward"]
 
 
 @dataclass
 class StepSignature:
-    """What each placeholder and each output of a step graph is: ``(role, key)`` pairs.
+    """What each placeholder and each output of a graph is: ``(role, key)`` pairs.
 
-    Roles of inputs: param, buffer, opt_state, lr, step, input, target. Roles of outputs: loss,
-    new_param, new_buffer, new_opt_state, grad. ``key`` is the model's state-dict key (for
-    opt_state: ``"exp_avg:blocks.0.fc.weight"``) or the batch position.
+    Joint-graph input roles: param, buffer, opt_state, lr, step, input, target, act (an activation
+    received from the previous stage), tangent (the gradient of an output, from the next stage).
+    Output roles: loss, act, new_param, new_buffer, new_opt_state, grad, act_grad. ``key`` is the
+    model's state-dict key (opt_state: ``"exp_avg:blocks.0.fc.weight"``), the batch position, or the
+    name of the activation in the whole-model forward trace. The graphs a split cuts out add roles of
+    their own (see ``passes.split_graphs``).
     """
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
@@ -67,7 +77,7 @@ class StepSignature:
 class CapturedStep:
     gm: torch.fx.GraphModule
     signature: StepSignature
-    param_names: list            # unique parameters, placeholder order
+    param_names: list            # unique trainable parameters of the stage, placeholder order
     buffer_names: list
     aliases: dict                # tied alias key -> canonical key (e.g. head.weight -> wte.weight)
     optimizer: OptimizerSpec
@@ -75,89 +85,242 @@ class CapturedStep:
     trace_seconds: float
     param_shapes: dict = field(default_factory=dict)
     param_dtypes: dict = field(default_factory=dict)
+    stage: int = 0
 
 
-def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: OptimizerSpec) -> CapturedStep:
-    """Trace one training step of ``model`` on ``batch`` (the batch one rank sees)."""
-    t0 = time.perf_counter()
-    inputs, target = batch_parts(batch, loss_fn)
-    params = dict(model.named_parameters())               # de-duplicated by identity: tied weights once
+@dataclass
+class ForwardTrace:
+    """Forward + loss of the whole model on one microbatch (for stage cutting)."""
+    gm: torch.fx.GraphModule
+    roles: dict                      # placeholder name -> (role, key): param/buffer/input/target
+    param_names: list                # trainable, de-duplicated
+    buffer_names: list
+    aliases: dict                    # tied alias key -> canonical key
+    module_types: dict = field(default_factory=dict)   # module path -> class name
+
+
+def _model_state(model: torch.nn.Module):
+    """(trainable, buffers incl. frozen params, aliases): parameters de-duplicated by identity."""
+    params = dict(model.named_parameters())
     trainable = {k: v for k, v in params.items() if v.requires_grad}
-    frozen = {k: v for k, v in params.items() if not v.requires_grad}
-    buffers = {**frozen, **dict(model.named_buffers())}
+    buffers = {**{k: v for k, v in params.items() if not v.requires_grad}, **dict(model.named_buffers())}
     ids = {id(v): k for k, v in params.items()}
     aliases = {k: ids[id(v)] for k, v in model.named_parameters(remove_duplicate=False) if k not in params}
-    pnames, bnames = list(trainable), list(buffers)
-    if not pnames:
+    if not trainable:
         raise CaptureError(f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train.")
-    snames = [f"{s}:{p}" for p in pnames for s in optimizer.state_names]
-    n_p, n_b, n_s = len(pnames), len(bnames), len(snames)
-    tracker = ModuleTracker(model)
-    mod_name = type(model).__name__
+    return trainable, buffers, aliases
 
-    def step(*flat):
-        p = dict(zip(pnames, flat[:n_p]))
-        b = {k: v.clone() for k, v in zip(bnames, flat[n_p:n_p + n_b])}   # new buffer values are outputs
-        state = flat[n_p + n_b:n_p + n_b + n_s]
-        lr, step_count = flat[n_p + n_b + n_s], flat[n_p + n_b + n_s + 1]
-        data = flat[n_p + n_b + n_s + 2:]
-        x, y = data[:len(inputs)], data[len(inputs):]
 
-        def loss_of(p, b):
-            tracker.set("forward", "")
-            out = torch.func.functional_call(model, (p, b), tuple(x))
-            loss = loss_fn(out, *y) if loss_fn is not None else out
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-                raise CaptureError(
-                    f"the loss of {mod_name} is not a scalar: got {shape}. "
-                    + ("Make loss_fn reduce to one number (e.g. reduction='mean')." if loss_fn is not None
-                       else "With loss_fn=None the model must return a scalar loss; pass loss_fn= instead."))
-            tracker.set("backward", "")
-            return loss
-
-        grads, loss = torch.func.grad_and_value(loss_of)(p, b)
-        tracker.set("optimizer", "")
-        if not optimizer.traced:
-            return (loss, *b.values(), *(grads[k] for k in pnames))
-        k = len(optimizer.state_names)
-        by_state = [[state[i * k + j] for i in range(n_p)] for j in range(k)]
-        new_p, new_by_state = optimizer.step_all([p[n] for n in pnames], [grads[n] for n in pnames], by_state,
-                                                 lr, step_count)
-        new_s = [new_by_state[j][i] for i in range(n_p) for j in range(k)]
-        return (loss, *new_p, *b.values(), *new_s, *(grads[k_] for k_ in pnames))
-
-    state_vals = [torch.empty_like(trainable[n.split(":", 1)[1]]) for n in snames]
-    flat = [*trainable.values(), *buffers.values(), *state_vals, torch.zeros((), dtype=torch.float64),
-            torch.ones((), dtype=torch.float64), *inputs, *target]
+def _distinct(flat: list) -> list:
+    """make_fx maps one tensor object to one placeholder: keep them distinct."""
     seen = set()
-    for i, t in enumerate(flat):  # make_fx maps one tensor object to one placeholder: keep them distinct
+    for i, t in enumerate(flat):
         if id(t) in seen:
             flat[i] = t.detach().clone()
         seen.add(id(flat[i]))
+    return flat
+
+
+def _scalar_loss(loss, mod_name: str, loss_fn) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise CaptureError(
+            f"the loss of {mod_name} is not a scalar: got {shape}. "
+            + ("Make loss_fn reduce to one number (e.g. reduction='mean')." if loss_fn is not None
+               else "With loss_fn=None the model must return a scalar loss; pass loss_fn= instead."))
+
+
+def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
+    """``loss_fn(model(*inputs), target)`` on one microbatch, as an aten graph of fake tensors. Every
+    ``call_function`` node carries ``fxpar_module``; the one output is the scalar loss."""
+    inputs, target = batch_parts(batch, loss_fn)
+    trainable, buffers, aliases = _model_state(model)
+    pnames, bnames = list(trainable), list(buffers)
+    n_p, n_b = len(pnames), len(bnames)
+    tracker = ModuleTracker(model)
+    mod_name = type(model).__name__
+
+    def fwd(*flat):
+        p, b = dict(zip(pnames, flat[:n_p])), dict(zip(bnames, flat[n_p:n_p + n_b]))
+        x, y = flat[n_p + n_b:n_p + n_b + len(inputs)], flat[n_p + n_b + len(inputs):]
+        tracker.set("forward", "")
+        out = torch.func.functional_call(model, (p, b), tuple(x))
+        loss = loss_fn(out, *y) if loss_fn is not None else out
+        _scalar_loss(loss, mod_name, loss_fn)
+        return loss
+
+    flat = _distinct([*trainable.values(), *buffers.values(), *inputs, *target])
+    gm = _trace(fwd, flat, mod_name, tracker)
+    roles = {}
+    sig = [("param", k) for k in pnames] + [("buffer", k) for k in bnames] + \
+          [("input", str(i)) for i in range(len(inputs))] + [("target", str(i)) for i in range(len(target))]
+    for node, (role, key) in zip(gm.graph.find_nodes(op="placeholder"), sig):
+        node._rename(_placeholder_name(role, key))
+        node.target = node.name
+        roles[node.name] = (role, key)
+    for n in gm.graph.nodes:
+        custom = n.meta.pop("custom", None)
+        if n.op == "call_function":
+            M.set_meta(n, M.MODULE, (custom or {}).get(M.MODULE.name, ""))
+            M.set_meta(n, M.PHASE, "forward")
+    gm.recompile()
+    types = {name: type(mod).__name__ for name, mod in model.named_modules()}
+    return ForwardTrace(gm, roles, pnames, bnames, aliases, types)
+
+
+def _trace(fn, flat, mod_name, tracker):
     try:
-        with fx_traceback.preserve_node_meta(), tracker:
-            gm = make_fx(torch.func.functionalize(step, remove="mutations"), tracing_mode="fake")(*flat)
+        with fx_traceback.preserve_node_meta(), tracker, capture_context():
+            return make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake")(*flat)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the user's module named
         raise explain_trace_error(e, mod_name, tracker) from e
 
-    sig = StepSignature()
-    sig.inputs = ([("param", k) for k in pnames] + [("buffer", k) for k in bnames] + [("opt_state", k) for k in snames]
-                  + [("lr", "lr"), ("step", "step")] + [("input", str(i)) for i in range(len(inputs))]
-                  + [("target", str(i)) for i in range(len(target))])
-    sig.outputs = [("loss", "loss")]
+
+class _StageRunner(torch.fx.Interpreter):
+    """Runs a stage graph while tracing, handing each node's module path to the nodes it becomes."""
+
+    def run_node(self, n):
+        n.meta["custom"] = {M.PHASE.name: "forward", M.MODULE.name: M.get(n, M.MODULE, "")}
+        try:
+            return super().run_node(n)
+        finally:
+            n.meta.pop("custom", None)
+
+
+def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: OptimizerSpec, *,
+                          stage=None, grad_scale: float = 1.0) -> CapturedStep:
+    """Trace one training step of a stage as one joint graph.
+
+    ``stage=None``: the whole model is the stage; ``batch`` is the microbatch one rank sees.
+    ``stage``: a ``passes.split_stages.StageGraph`` of ``model`` (its forward, inputs and outputs);
+    ``batch`` is then the microbatch too (for the input/target shapes).
+    ``grad_scale``: the loss gradient's seed on the last stage (1/m for m microbatches a step).
+    """
+    t0 = time.perf_counter()
+    inputs, target = batch_parts(batch, loss_fn)
+    trainable, buffers, aliases = _model_state(model)
+    mod_name = type(model).__name__
+    tracker = ModuleTracker(model)
+    if stage is None:
+        in_sig = [("param", k) for k in trainable] + [("buffer", k) for k in buffers] + \
+                 [("input", str(i)) for i in range(len(inputs))] + [("target", str(i)) for i in range(len(target))]
+        out_sig, last = [("loss", "loss")], True
+        examples = {**{("param", k): v for k, v in trainable.items()}, **{("buffer", k): v for k, v in buffers.items()},
+                    **{("input", str(i)): t for i, t in enumerate(inputs)},
+                    **{("target", str(i)): t for i, t in enumerate(target)}}
+
+        def forward(vals: dict):
+            p = {k: vals[("param", k)] for k in trainable}
+            b = {k: vals[("buffer", k)].clone() for k in buffers}     # new buffer values are outputs
+            tracker.set("forward", "")
+            out = torch.func.functional_call(model, (p, b), tuple(vals[("input", str(i))] for i in range(len(inputs))))
+            loss = loss_fn(out, *(vals[("target", str(i))] for i in range(len(target)))) if loss_fn is not None else out
+            _scalar_loss(loss, mod_name, loss_fn)
+            return [loss], [b[k] for k in buffers]
+    else:
+        in_sig, out_sig = list(stage.inputs), list(stage.outputs)
+        last = out_sig == [("loss", "loss")]
+        used_buffers = [k for r, k in in_sig if r == "buffer"]
+        phs = stage.gm.graph.find_nodes(op="placeholder")
+        examples = {}
+        for (role, key), ph in zip(in_sig, phs):
+            v = ph.meta.get("val")
+            if role == "param":
+                examples[(role, key)] = trainable[key]
+            elif role == "buffer":
+                examples[(role, key)] = buffers[key]
+            elif role in ("input", "target"):
+                src = inputs[int(key)] if role == "input" else target[int(key)]
+                examples[(role, key)] = torch.empty(src.shape, dtype=src.dtype)
+            else:
+                examples[(role, key)] = torch.empty(v.shape, dtype=v.dtype)
+        runner = _StageRunner(stage.gm)
+
+        def forward(vals: dict):
+            outs = runner.run(*[vals[rk] for rk in in_sig])
+            outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+            return outs, []
+        buffers = {k: buffers[k] for k in used_buffers}
+    pkeys = [k for r, k in in_sig if r == "param"]
+    bkeys = [k for r, k in in_sig if r == "buffer"]
+    diff_in = [i for i, (r, k) in enumerate(in_sig)
+               if r == "param" or (r == "act" and examples[(r, k)].is_floating_point())]
+    snames = [f"{s}:{p}" for p in pkeys for s in optimizer.state_names]
+    full_in = in_sig[:len(pkeys) + len(bkeys)] + [("opt_state", k) for k in snames] + [("lr", "lr"), ("step", "step")] \
+        + in_sig[len(pkeys) + len(bkeys):]
+    if [r for r, _ in in_sig[:len(pkeys) + len(bkeys)]] != ["param"] * len(pkeys) + ["buffer"] * len(bkeys):
+        raise CaptureError(f"stage inputs must list parameters, then buffers: {in_sig}")
+    # the output gradients a non-last stage receives: one per floating-point output
+    out_vals = None if stage is None else [n.meta["val"] for n in stage.gm.graph.find_nodes(op="output")[0].args[0]]
+    diff_out = [0] if last else [j for j, v in enumerate(out_vals) if v.is_floating_point()]
+    tangent_sig = [] if last else [("tangent", out_sig[j][1]) for j in diff_out]
+    full_in += tangent_sig
+    state_examples = [torch.empty_like(trainable[n.split(":", 1)[1]]) for n in snames]
+    flat = _distinct([examples[rk] for rk in full_in[:len(pkeys) + len(bkeys)]] + state_examples +
+                     [torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64)] +
+                     [examples[rk] for rk in in_sig[len(pkeys) + len(bkeys):]] +
+                     ([] if last else [torch.empty(out_vals[j].shape, dtype=out_vals[j].dtype) for j in diff_out]))
+    n_p, n_b, n_s, n_d = len(pkeys), len(bkeys), len(snames), len(in_sig) - len(pkeys) - len(bkeys)
+    k_state = len(optimizer.state_names)
+
+    def step(*flat_args):
+        vals = dict(zip(in_sig[:n_p + n_b], flat_args[:n_p + n_b]))
+        state = flat_args[n_p + n_b:n_p + n_b + n_s]
+        lr, count = flat_args[n_p + n_b + n_s], flat_args[n_p + n_b + n_s + 1]
+        rest = flat_args[n_p + n_b + n_s + 2:]
+        vals.update(zip(in_sig[n_p + n_b:], rest[:n_d]))
+        tangents = rest[n_d:]
+        new_buffers = []
+
+        def f(*diff):
+            v = dict(vals)
+            for i, d in zip(diff_in, diff):
+                v[in_sig[i]] = d
+            outs, nb = forward(v)
+            new_buffers[:] = nb
+            return tuple(outs[j] for j in diff_out), tuple(o for j, o in enumerate(outs) if j not in diff_out)
+
+        douts, vjp_fn, aux = torch.func.vjp(f, *[vals[in_sig[i]] for i in diff_in], has_aux=True)
+        tracker.set("backward", "")
+        seeds = (torch.full_like(douts[0], grad_scale),) if last else tuple(tangents)
+        grads = vjp_fn(seeds)
+        it_d, it_a = iter(douts), iter(aux)
+        outs = [next(it_d) if j in diff_out else next(it_a) for j in range(len(out_sig))]
+        pgrads = [g for i, g in zip(diff_in, grads) if in_sig[i][0] == "param"]
+        agrads = [g for i, g in zip(diff_in, grads) if in_sig[i][0] == "act"]
+        tracker.set("optimizer", "")
+        new_p, new_s = [], []
+        if optimizer.traced:
+            by_state = [[state[i * k_state + j] for i in range(n_p)] for j in range(k_state)]
+            new_p, new_by_state = optimizer.step_all([vals[("param", k)] for k in pkeys], pgrads, by_state, lr, count)
+            new_s = [new_by_state[j][i] for i in range(n_p) for j in range(k_state)]
+        return (*outs, *new_p, *new_buffers, *new_s, *pgrads, *agrads)
+
+    gm = _trace(step, flat, mod_name, tracker)
+    sig = StepSignature(list(full_in), list(out_sig))
     if optimizer.traced:
-        sig.outputs += [("new_param", k) for k in pnames]
-    sig.outputs += [("new_buffer", k) for k in bnames]
+        sig.outputs += [("new_param", k) for k in pkeys]
+    sig.outputs += [("new_buffer", k) for k in (bkeys if stage is None else [])]
     if optimizer.traced:
         sig.outputs += [("new_opt_state", k) for k in snames]
-    sig.outputs += [("grad", k) for k in pnames]
+    sig.outputs += [("grad", k) for k in pkeys]
+    sig.outputs += [("act_grad", in_sig[i][1]) for i in diff_in if in_sig[i][0] == "act"]
     _annotate(gm, sig)
     gm.meta["fxpar_signature"] = sig
-    return CapturedStep(gm, sig, pnames, bnames, aliases, optimizer, mod_name, time.perf_counter() - t0,
-                        {k: tuple(v.shape) for k, v in trainable.items()}, {k: v.dtype for k, v in trainable.items()})
+    return CapturedStep(gm, sig, pkeys, bkeys, aliases, optimizer, mod_name, time.perf_counter() - t0,
+                        {k: tuple(trainable[k].shape) for k in pkeys}, {k: trainable[k].dtype for k in pkeys},
+                        stage=0 if stage is None else stage.index)
+
+
+def _placeholder_name(role: str, key: str) -> str:
+    if role == "opt_state":
+        s, p = key.split(":", 1)
+        return f"{s}_{clean_name(p)}"
+    prefix = {"param": "", "buffer": "buf_", "input": "input", "target": "target", "lr": "", "step": "",
+              "act": "act_", "tangent": "tangent_"}[role]
+    return prefix + (key if role in ("input", "target") else clean_name(key))
 
 
 def _backward_module(n: torch.fx.Node, param_module: dict) -> str:
@@ -182,16 +345,8 @@ def _annotate(gm: torch.fx.GraphModule, sig: StepSignature) -> None:
     """Name placeholders after the model's keys and write fxpar's meta keys."""
     g = gm.graph
     placeholders = [n for n in g.nodes if n.op == "placeholder"]
-    prefix = {"param": "", "buffer": "buf_", "input": "input", "target": "target", "lr": "", "step": ""}
     for node, (role, key) in zip(placeholders, sig.inputs):
-        if role == "opt_state":
-            s, p = key.split(":", 1)
-            name = f"{s}_{clean_name(p)}"
-        elif role in ("input", "target"):
-            name = f"{prefix[role]}{key}"
-        else:
-            name = prefix[role] + clean_name(key)
-        node._rename(name)
+        node._rename(_placeholder_name(role, key))
         node.target = node.name
         M.set_meta(node, M.ROLE, role)
         if role in ("param", "buffer", "opt_state"):

@@ -1,52 +1,74 @@
-"""Lowering: the captured step graph → one graph per rank, by the passes the Plan calls for.
+"""Lowering: each stage's joint step graph → the graphs its schedule calls, by one list of passes.
 
-The pipeline is one list, read top to bottom. Ranks whose graphs can only differ in which
-process group a collective uses (Plan.structural_key) share one lowered graph.
+The pipeline is one list, read top to bottom (:func:`default_passes`); it runs on every stage's
+joint graph (forward, backward, optimizer) *before* the graph is cut, so a pass written for a
+program without a pipeline works unchanged on every stage of a pipeline. The last pass,
+``split_graphs``, cuts the joint graph by the tags the passes wrote into ``F``, ``B`` (or ``I`` and
+``W``), ``REDUCE_GRAD`` and ``STEP`` -- or keeps it whole (``FULL``) for a one-stage,
+one-microbatch program. Ranks holding the same stage share its graphs: collectives name their
+group (``"fxpar:dp"``), and the runtime binds the name to each rank's process group.
 """
 from __future__ import annotations
 
 import copy
 
-from .pass_manager import PassContext, PassManager
+from .pass_manager import HistoryEntry, PassContext, PassManager
 
-__all__ = ["default_passes", "lower"]
+__all__ = ["default_passes", "lower", "graph_kinds"]
 
 
-def default_passes(plan, custom: list) -> list:
-    from passes import BucketGradients, DataParallelGradSync, ReinplaceOptimizer, SyncBuffers  # fxpar reaches passes only here
+def graph_kinds(schedule, stage: int) -> tuple:
+    """The graphs the schedule's actions on ``stage`` call."""
+    kinds = {a.kind.value for acts in schedule.actions.values() for a in acts if a.stage == stage}
+    if "FULL" in kinds:
+        return ("FULL",)
+    out = ["F"] + (["I", "W"] if "I" in kinds else ["B"]) + ["REDUCE_GRAD", "STEP"]
+    return tuple(out)
+
+
+def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
+    from passes import (BucketGradients, DataParallelGradSync, ReinplaceOptimizer,  # fxpar reaches passes only here
+                        SplitGraphs, SyncBuffers)
     pipeline = []
-    if plan.dp > 1:
+    if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
         pipeline += [
-            DataParallelGradSync(),  # gradients of a batch shard are partial: average them over dp
-            BucketGradients(),       # fuse those all_reduces into DDP-style buckets, issued as backward produces them
+            DataParallelGradSync(),  # each gradient summed over the ranks the planner named (dp replicas, tied stages)
+            BucketGradients(),       # fuse those collectives into DDP-style buckets, issued as backward produces them
             SyncBuffers(),           # buffers (BatchNorm stats) follow dp-rank 0, as DDP's broadcast_buffers
         ]
-    if plan.optimizer.get("traced"):
-        pipeline.append(ReinplaceOptimizer())   # write the update into the parameter/state buffers, as torch.optim does
+    if plan.optimizer.get("traced") and synchronous:
+        # write the update into the parameter/state buffers, as torch.optim does (not where weight
+        # stashing keeps old versions alive: asynchronous schedules)
+        pipeline.append(ReinplaceOptimizer())
     # The user's passes see the finished distributed graph, unless one declares ``before=(...)``
     # naming one of ours: then it goes just ahead of the earliest pass it names.
     for p in custom:
         names = [q.name for q in pipeline]
         at = [names.index(b) for b in getattr(p, "before", ()) if b in names]
         pipeline.insert(min(at), p) if at else pipeline.append(p)
+    pipeline.append(SplitGraphs(kinds))   # last: cut the joint graph into the graphs the schedule calls
     return pipeline
 
 
-def lower(captured, plan, cluster, custom_passes: list, ranks=None, keep_history: bool = True):
-    """Returns ``(graphs, histories, notes)``: per rank, the lowered GraphModule, the pass history, and
-    explain() lines."""
-    mesh = plan.mesh
-    ranks = range(mesh.size) if ranks is None else ranks
-    pm = PassManager(default_passes(plan, custom_passes), keep_history=keep_history)
-    by_key, graphs, histories, notes = {}, {}, {}, {}
-    for r in ranks:
-        key = plan.structural_key(r)
-        if key not in by_key:
-            gm = copy.deepcopy(captured.gm) if pm.passes else captured.gm
-            gm.meta["fxpar_signature"] = captured.signature.copy()
-            ctx = PassContext(plan=plan, cluster=cluster, mesh=mesh, rank=r, signature=gm.meta["fxpar_signature"],
-                              captured=captured)
-            gm, hist = pm.run(gm, ctx)
-            by_key[key] = (gm, hist, ctx.notes)
-        graphs[r], histories[r], notes[r] = by_key[key]
-    return graphs, histories, notes
+def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronous: bool = True,
+          keep_history: bool = True):
+    """``stages``: the captured joint step of each stage (``fxpar.capture.CapturedStep``). Returns, per stage,
+    ``(split graphs {kind: SplitGraph}, joint graph after the passes, history, explain() notes)``."""
+    out = []
+    for s, captured in enumerate(stages):
+        kinds = graph_kinds(schedule, s)
+        pm = PassManager(default_passes(plan, custom_passes, kinds, synchronous), keep_history=keep_history)
+        gm = copy.deepcopy(captured.gm)
+        gm.meta["fxpar_signature"] = captured.signature.copy()
+        rank = plan.stage_to_rank[s][0] * plan.dp           # the stage's first holder stands for all its holders
+        ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
+                          signature=gm.meta["fxpar_signature"], captured=captured)
+        gm, hist = pm.run(gm, ctx)
+        parts = ctx.store["split"]
+        for h in hist:
+            h.info = {**h.info, "stage": s}
+        if keep_history and kinds != ("FULL",):
+            hist += [HistoryEntry(f"split_graphs:{k}", True, 0.0, len(p.gm.graph.nodes), p.gm.code,
+                                  {"stage": s, "inputs": p.inputs, "outputs": p.outputs}) for k, p in parts.items()]
+        out.append((parts, gm, hist, ctx.notes))
+    return out

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.fx
 
-__all__ = ["MetaKey", "KEYS", "ROLE", "PHASE", "MODULE", "PARAM", "GRAD_OF", "COMM", "BUCKET",
+__all__ = ["MetaKey", "KEYS", "ROLE", "PHASE", "MODULE", "PARAM", "GRAD_OF", "COMM", "BUCKET", "REDUCE_GRAD",
            "ORIGIN", "PASS", "get", "set_meta", "copy_meta", "CommInfo"]
 
 
@@ -38,18 +38,22 @@ ROLE = MetaKey("fxpar_role", str, "fxpar.capture",
                "placeholders and outputs: 'param', 'buffer', 'opt_state', 'lr', 'step', 'input', "
                "'target'; outputs: 'loss', 'new_param', 'new_buffer', 'new_opt_state', 'grad'")
 PHASE = MetaKey("fxpar_phase", str, "fxpar.capture", "'forward', 'backward' or 'optimizer'")
-MODULE = MetaKey("fxpar_module", str, "fxpar.capture (and fxpar.pipeline.trace, the pipeline's capture)",
+MODULE = MetaKey("fxpar_module", str, "fxpar.capture",
                  "dotted path of the user's module that produced the node ('' for the root)")
 PARAM = MetaKey("fxpar_param", str, "fxpar.capture",
                 "on param/buffer/opt_state placeholders: the model's key (e.g. 'blocks.0.fc.weight')")
-GRAD_OF = MetaKey("fxpar_grad_of", str, "fxpar.capture", "on a gradient node: the parameter's key")
+GRAD_OF = MetaKey("fxpar_grad_of", str, "fxpar.capture (passes.data_parallel and passes.bucket mark the synchronised copy too)",
+                  "on a gradient node: the parameter's key (the raw per-microbatch gradient keeps it)")
 COMM = MetaKey("fxpar_comm", CommInfo, "passes (the pass that inserted the collective)",
                "on a functional-collective node: what it sends")
 BUCKET = MetaKey("fxpar_bucket", int, "passes.bucket", "on a collective of a gradient bucket: bucket index")
+REDUCE_GRAD = MetaKey("fxpar_reduce_grad", str, "passes.data_parallel (and passes.bucket, which replaces its nodes)",
+                      "'issue': gathers gradients and starts their collective (the REDUCE_GRAD graph); "
+                      "'wait': waits for it and reads the result (the STEP graph)")
 ORIGIN = MetaKey("fxpar_origin", str, "fxpar.pass_manager", "name of the node this one replaced, if any")
 PASS = MetaKey("fxpar_pass", str, "fxpar.pass_manager", "name of the pass that created the node")
 
-KEYS = {k.name: k for k in (ROLE, PHASE, MODULE, PARAM, GRAD_OF, COMM, BUCKET, ORIGIN, PASS)}
+KEYS = {k.name: k for k in (ROLE, PHASE, MODULE, PARAM, GRAD_OF, COMM, BUCKET, REDUCE_GRAD, ORIGIN, PASS)}
 
 # Keys that stay true when a node is replaced by an equivalent computation.
 _PORTABLE = ("val", "tensor_meta", PHASE.name, MODULE.name)

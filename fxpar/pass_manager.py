@@ -42,6 +42,7 @@ class PassContext:
     cluster: Any = None
     mesh: Any = None
     rank: int = 0
+    stage: int = 0                     # the pipeline stage whose joint graph is lowered (0 without a pipeline)
     signature: Any = None              # fxpar.capture.StepSignature of the graph being lowered
     captured: Any = None               # fxpar.capture.CapturedStep
     notes: list = field(default_factory=list)    # plain-language lines for explain()

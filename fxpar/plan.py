@@ -1,15 +1,20 @@
 """Plan: the decisions, as pure data. Printable, JSON round-trip, editable by hand.
 
-A Plan is what the planner decided and what the passes carry out. Edit one and hand it back:
+A Plan is what the planner decided and what the passes carry out, for every strategy: a program
+without a pipeline is a one-stage pipeline. Edit one and hand it back::
 
     plan = program.plan
-    plan.buckets = [[...names...], [...]]          # your own bucket split
+    plan.cuts = ["blocks.3"]                       # move the pipeline cut
+    plan.buckets[0] = [[...names...], [...]]       # stage 0's gradient buckets, in issue order
     program = fxpar.parallelize(..., plan=plan)
+
+Fields a later decision depends on are re-derived when an edit invalidates them (new cuts give new
+stage parameters, so buckets that no longer match a stage are planned again; ``explain()`` says so).
 """
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from .mesh import Mesh
 
@@ -18,17 +23,32 @@ __all__ = ["Plan"]
 
 @dataclass
 class Plan:
-    mesh_axes: list = field(default_factory=lambda: [["dp", 1]])   # [[name, size], ...], row-major
-    batch_dim: int = 0                         # dim of every batch tensor that dp splits
+    mesh_axes: list = field(default_factory=lambda: [["pp", 1], ["dp", 1]])   # [[name, size], ...], row-major
+    batch_dim: int = 0                         # dim of every batch tensor that dp and microbatches split
     global_batch: int = 0
+    microbatches: int = 1                      # per pipeline replica and step (all directions, for Chimera)
+    schedule: str = "single"                   # a schedule name, or a hand-written schedule's text
+    cuts: list = field(default_factory=list)   # module path each stage after the first starts at
+    candidates: list = field(default_factory=list)     # every module path a cut may go before
+    stage_to_rank: list = field(default_factory=list)  # per stage: the pipeline ranks holding it
+    stage_params: list = field(default_factory=list)   # per stage: its trainable parameters' keys
+    tied: dict = field(default_factory=dict)           # param key -> stages that use it (when > 1)
+    groups: dict = field(default_factory=dict)         # group name -> [[global ranks], ...] (disjoint)
+    grad_groups: list = field(default_factory=list)    # per stage: {param key: group its gradient is summed over}
+    buckets: list = field(default_factory=list)        # per stage: [[param key, ...], ...] in issue order
     bucket_cap_bytes: int = 25 * 2**20
     first_bucket_cap_bytes: int = 2**20
-    buckets: list = field(default_factory=list)   # [[param key, ...], ...] in issue order
     broadcast_buffers: bool = True
     optimizer: dict = field(default_factory=dict)  # {"name": ..., "traced": bool, "why_not_traced": str}
+    passes: list = field(default_factory=list)     # the passes each stage's joint graph goes through, in order
     custom_passes: list = field(default_factory=list)
-    schedule: str | None = None
-    microbatches: int = 1
+    notes: list = field(default_factory=list)      # what the planner wants the user to know
+    # room for the decisions of later work: per-tensor shardings, ZeRO stage, recompute/offload
+    # policy, communication order. Empty means "not used".
+    shardings: dict = field(default_factory=dict)
+    zero: int = 0
+    recompute: dict = field(default_factory=dict)
+    comm_schedule: dict = field(default_factory=dict)
 
     @property
     def mesh(self) -> Mesh:
@@ -38,29 +58,87 @@ class Plan:
     def dp(self) -> int:
         return self.mesh.axis_size("dp")
 
-    def structural_key(self, rank: int) -> tuple:
-        """Ranks with the same key get the same graph (collectives name mesh axes, not ranks)."""
-        c = self.mesh.coords(rank)
-        return tuple(c[a] for a in self.mesh.names if a not in ("dp",))
+    @property
+    def pp(self) -> int:
+        return self.mesh.axis_size("pp") if "pp" in self.mesh.names else 1
+
+    @property
+    def n_stages(self) -> int:
+        return max(1, len(self.stage_to_rank))
+
+    def coords(self, rank: int) -> tuple:
+        """(pipeline rank, dp index) of a global rank: rank = pipeline rank * dp + dp index."""
+        return divmod(rank, self.dp)
+
+    def rank_stages(self, rank: int) -> list:
+        """Stages whose weights global ``rank`` holds."""
+        pr, _ = self.coords(rank)
+        return [s for s, rs in enumerate(self.stage_to_rank) if pr in rs]
+
+    def group_of(self, name: str, rank: int) -> tuple | None:
+        """The ranks of group ``name`` that ``rank`` belongs to (None if it is in none)."""
+        if name in self.mesh.names:
+            return self.mesh.group(rank, name)
+        for ranks in self.groups.get(name, []):
+            if rank in ranks:
+                return tuple(ranks)
+        return None
+
+    def all_groups(self) -> list:
+        """Every process group the program uses, in one order (every rank creates them in it)."""
+        out = []
+        for axis in self.mesh.names:
+            out += [tuple(g) for g in self.mesh.groups(axis)]
+        for name in sorted(self.groups):
+            out += [tuple(g) for g in self.groups[name]]
+        seen, uniq = set(), []
+        for g in out:
+            if len(g) > 1 and g not in seen:
+                seen.add(g)
+                uniq.append(g)
+        return uniq
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        return cls(**json.loads(text))
+        data = json.loads(text)
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"Plan.from_json: unknown field(s) {unknown}; known: {sorted(known)}")
+        plan = cls(**data)
+        plan.tied = {k: list(v) for k, v in plan.tied.items()}
+        return plan
 
     def __str__(self) -> str:
-        lines = [f"mesh: {self.mesh}", f"batch: {self.global_batch} split on dim {self.batch_dim} over dp={self.dp}"]
+        lines = [f"mesh: {self.mesh} (global rank = pp index * dp + dp index)",
+                 f"batch: {self.global_batch} split on dim {self.batch_dim} over dp={self.dp}, "
+                 f"{self.microbatches} microbatch(es) per step"]
+        if self.n_stages > 1:
+            lines.append(f"stages: {self.n_stages}, starting before {['(start)'] + list(self.cuts)}; "
+                         f"placement (stage: pipeline ranks) {dict(enumerate(self.stage_to_rank))}")
+        sched = self.schedule if "\n" not in self.schedule else "hand-written (" + self.schedule.splitlines()[0] + ")"
+        lines.append(f"schedule: {sched}")
+        if self.tied:
+            lines.append(f"tied parameters (gradients summed over the stages using them): {self.tied}")
+        n_b = sum(len(b) for b in self.buckets)
+        if n_b:
+            lines.append(f"gradient sync: sum over each gradient's group in {n_b} bucket(s) (cap "
+                         f"{self.bucket_cap_bytes / 2**20:.3g} MiB, the first {min(self.first_bucket_cap_bytes, self.bucket_cap_bytes) / 2**20:.3g} MiB), "
+                         "issued in backward order; the mean's 1/dp is folded into backward's seed")
+            for s, gg in enumerate(self.grad_groups):
+                names = sorted({g for g in gg.values() if g})
+                if names:
+                    lines.append(f"  stage {s}: groups {', '.join(f'{n} {self.groups.get(n) or n}' for n in names)}")
         if self.dp > 1:
-            lines.append(f"gradient sync: mean over dp (all_reduce(sum)) in {len(self.buckets)} "
-                         f"bucket(s) (cap {self.bucket_cap_bytes / 2**20:.3g} MiB, the first "
-                         f"{min(self.first_bucket_cap_bytes, self.bucket_cap_bytes) / 2**20:.3g} MiB), issued in backward order")
             lines.append("buffers: " + ("dp-rank 0's broadcast after each step (DDP broadcast_buffers)"
                                         if self.broadcast_buffers else "per-rank (not synchronised)"))
         opt = self.optimizer
         lines.append(f"optimizer: {opt.get('name')} " + ("traced into the graph" if opt.get("traced")
                                                           else f"eager on each rank ({opt.get('why_not_traced')})"))
-        if self.custom_passes:
-            lines.append(f"custom passes: {self.custom_passes}")
+        if self.passes:
+            lines.append(f"passes: {' -> '.join(self.passes)}")
+        lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)

@@ -1,4 +1,5 @@
-"""Program: what ``parallelize`` returns. The plan, the per-rank graphs, their history, and ways to run."""
+"""Program: what ``parallelize`` returns, for every strategy. The plan, the schedule, each stage's
+graphs and their history, the cost models' estimate, and ways to run (``run_local``, ``runner``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -7,154 +8,260 @@ import torch
 
 from . import meta as M
 from .collectives import collective_nodes
-from .runtime.executor import RankPayload, StepExecutor
+from .runtime.executor import Executor, RankPayload, train
 from .runtime.launch import LocalCluster, init_from_env
+from .schedule import Action, ActionKind
 
-__all__ = ["Program", "RunResult", "RankRunner"]
+__all__ = ["Program", "RunResult", "RankRunner", "Stage", "ActionList"]
+
+_K = ActionKind
 
 
 @dataclass
 class RunResult:
-    losses: list                    # one float per step: the global-batch loss
-    step_times: list                # seconds per step (slowest rank)
+    """What ``run_local`` trained and measured. The same fields for every strategy.
+
+    ``losses``: one float per step, the global-batch loss. ``step_times``: seconds per step (slowest
+    rank). ``state_dict()``: trained parameters and buffers under the model's own keys.
+    Measured per rank: ``comm`` (point-to-point sends/receives and bytes), ``comm_calls`` (with
+    ``measure_comm=True``: per step the collectives run, ``(kind, bytes)``), ``peak_activations`` /
+    ``peak_activation_bytes`` (stage -> most microbatches whose saved tensors were alive at once, and their
+    bytes), ``action_times`` (rank -> per step ``{(kind, stage): (seconds, count)}``), ``timelines`` (rank ->
+    per step ``(kind, stage, microbatch, start, end)``), ``bubble`` (per step, the idle share of the ranks'
+    time), ``peak_versions`` / ``peak_version_bytes`` (weight versions held, asynchronous schedules) and with
+    ``record_weights`` the ``weight_log``.
+
+    Each ``run_local`` call starts from the weights the program was built with (the model's, at
+    ``parallelize`` time): it does not continue an earlier call.
+    """
+    losses: list
+    step_times: list
     per_rank_losses: dict = field(default_factory=dict)
-    comm_calls: dict = field(default_factory=dict)   # rank -> per step [(kind, bytes)], with measure_comm=True
+    comm_calls: dict = field(default_factory=dict)
     _state: dict = field(default_factory=dict, repr=False)
     optimizer_state: dict = field(default_factory=dict, repr=False)
+    comm: dict = field(default_factory=dict)
+    peak_versions: dict = field(default_factory=dict)
+    peak_version_bytes: int = 0
+    peak_activations: dict = field(default_factory=dict)
+    peak_activation_bytes: dict = field(default_factory=dict)
+    action_times: dict = field(default_factory=dict, repr=False)
+    timelines: dict = field(default_factory=dict, repr=False)
+    weight_log: dict = field(default_factory=dict, repr=False)
+    bubble: list = field(default_factory=list)
 
     def state_dict(self) -> dict:
         """Trained parameters and buffers, unsharded, under the model's own keys (tied keys included)."""
         return dict(self._state)
 
 
-def _train(payload: RankPayload, batches: list) -> dict:
-    ex = StepExecutor(payload)
-    for b in batches:
-        ex.step(b)
-    out = {"losses": ex.losses, "step_times": ex.step_times, "dp_index": ex.dp_index, "comm_calls": ex.comm_calls}
-    if payload.rank == 0:
-        out["state"] = ex.state_dict()
-        out["optimizer_state"] = ex.optimizer_state()
-    return out
+@dataclass
+class Stage:
+    """One stage of a program: its captured joint step, its graphs after lowering, and what it sends."""
+    index: int
+    captured: object               # fxpar.capture.CapturedStep
+    graphs: dict                   # kind -> passes.split_graphs.SplitGraph
+    joint: torch.fx.GraphModule    # the joint graph after every pass, before the cut
+    history: list
+    notes: list
+    messages: dict                 # "acts_in"/"acts_out"/"grads_in"/"grads_out" -> [(key, shape, dtype)]
+
+    @property
+    def param_keys(self) -> list:
+        return list(self.captured.param_names)
+
+
+class ActionList(list):
+    """One rank's actions; ``str()`` prints them in the schedule IR's text form."""
+
+    def __init__(self, rank: int, actions):
+        super().__init__(actions)
+        self.rank = rank
+
+    def __str__(self) -> str:
+        return f"rank {self.rank}: " + " ".join(a.short() for a in self)
+
+
+def stage_messages(captured) -> dict:
+    """The tensors a stage receives and sends, per direction, in the order both sides use."""
+    gm, sig = captured.gm, captured.signature
+    phs = gm.graph.find_nodes(op="placeholder")
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    meta = lambda n: (tuple(n.meta["val"].shape), n.meta["val"].dtype)   # noqa: E731
+    acts_in = [(k, *meta(n)) for n, (r, k) in zip(phs, sig.inputs) if r == "act"]
+    acts_out = [(k, *meta(n)) for n, (r, k) in zip(outs, sig.outputs) if r == "act"]
+    tangents = {k for r, k in sig.inputs if r == "tangent"}
+    grads_out = {k for r, k in sig.outputs if r == "act_grad"}
+    return {"acts_in": acts_in, "acts_out": acts_out, "grads_in": [m for m in acts_out if m[0] in tangents],
+            "grads_out": [m for m in acts_in if m[0] in grads_out]}
 
 
 class Program:
-    def __init__(self, *, model, captured, plan, strategy, cluster, graphs, histories, notes, lr_scheduler, timings):
+    def __init__(self, *, model, plan, strategy, cluster, schedule, stages, split, trace, optimizer,
+                 lr_scheduler, n_inputs, timings):
         self.model_name = type(model).__name__
-        self.captured = captured
-        self.plan = plan
-        self.strategy = strategy
-        self.cluster = cluster
-        self._graphs = graphs
-        self._histories = histories
-        self._notes = notes
-        self._lr_scheduler = lr_scheduler
-        self.timings = timings
+        self.plan, self.strategy, self.cluster = plan, strategy, cluster
+        self.pipe_schedule = schedule
+        self.stages = stages
+        self.split, self.trace = split, trace
+        self.optimizer, self._lr_scheduler = optimizer, lr_scheduler
+        self.n_inputs, self.timings = n_inputs, timings
+        self.aliases = dict(stages[0].captured.aliases)
         self._params = {k: v.detach() for k, v in model.named_parameters()}
         self._buffers = {**{k: v.detach() for k, v in model.named_parameters() if not v.requires_grad},
                          **{k: v.detach() for k, v in model.named_buffers()}}
         self._model_keys = list(model.state_dict().keys())
+        self._estimate = None
 
     @property
     def world_size(self) -> int:
         return self.plan.mesh.size
 
-    # ---- inspection -----------------------------------------------------------------------
-    def graphs(self, rank: int = 0) -> dict:
-        """name -> GraphModule this rank runs (printable with ``.code`` / ``.graph``, runnable)."""
-        self._check_rank(rank)
-        return {"step": self._graphs[rank]}
+    @property
+    def dp(self) -> int:
+        return self.plan.dp
 
-    def history(self, rank: int = 0) -> list:
-        """One entry per pass (capture first): ``str(entry)`` is the graph's code after that pass."""
-        self._check_rank(rank)
-        return list(self._histories[rank])
+    @property
+    def pp(self) -> int:
+        return self.plan.pp
 
-    def collectives(self, rank: int = 0) -> list:
-        """The collectives of this rank's step in issue order, as ``fxpar.meta.CommInfo``."""
-        return [M.get(n, M.COMM) for n in collective_nodes(self._graphs[rank])]
+    @property
+    def captured(self):
+        """The first stage's captured step (the only one without a pipeline)."""
+        return self.stages[0].captured
 
-    def estimate(self):
-        """Predicted step time, per-rank compute/comm time, bytes on the wire and peak memory, from the
-        cost models (``cost_models.estimate``) over this program's per-rank graphs. Starts no process."""
-        if getattr(self, "_estimate", None) is None:
-            import cost_models     # the cost models read graphs; fxpar reaches them only here and in the planner
-            self._estimate = cost_models.estimate(dict(self._graphs), self.cluster)
-        return self._estimate
+    @property
+    def asynchronous(self) -> bool:
+        return self.plan.schedule in ("pipedream", "2bw")
 
-    def _check_rank(self, rank: int) -> None:
+    def _check_rank(self, rank: int) -> tuple:
         if not 0 <= rank < self.world_size:
             raise IndexError(f"rank {rank} is outside this program's {self.world_size} ranks")
+        return self.plan.coords(rank)
+
+    # ---- inspection -----------------------------------------------------------------------
+    def graphs(self, rank: int = 0) -> dict:
+        """name -> GraphModule this rank runs (printable with ``.code``, runnable): ``"step"`` for a
+        one-stage program's fused step, else ``"stage{s}.F"``, ``.B`` (or ``.I``/``.W``), ``.REDUCE_GRAD``,
+        ``.STEP`` for every stage the rank holds."""
+        self._check_rank(rank)
+        out = {}
+        for s in self.plan.rank_stages(rank):
+            for kind, sg in self.stages[s].graphs.items():
+                out["step" if kind == "FULL" else f"stage{s}.{kind}"] = sg.gm
+        return out
+
+    def history(self, rank: int = 0) -> list:
+        """Per stage this rank holds, the joint graph after capture and after each pass, then each graph the
+        split cut out (``HistoryEntry``: ``.pass_name``, ``.code``, ``.info['stage']``; ``str()`` is the code)."""
+        self._check_rank(rank)
+        return [e for s in self.plan.rank_stages(rank) for e in self.stages[s].history]
+
+    def schedule(self, rank: int = 0) -> ActionList:
+        """This rank's actions, peers as global ranks (``str()`` prints ``rank R: F0.0 SF0.0>1 ...``)."""
+        pr, d = self._check_rank(rank)
+        g = lambda r: None if r is None else r * self.dp + d   # noqa: E731
+        return ActionList(rank, [Action(rank, a.kind, a.stage, a.microbatch, g(a.peer), a.version)
+                                 for a in self.pipe_schedule.actions[pr]])
+
+    def _calls(self, rank: int) -> list:
+        """What the rank runs in one step, in order: ``(label, GraphModule)`` per compute action and a
+        ``CommInfo`` per send/receive."""
+        pr, d = self._check_rank(rank)
+        out = []
+        for a in self.pipe_schedule.actions[pr]:
+            if a.kind in (_K.SEND_F, _K.SEND_B, _K.RECV_F, _K.RECV_B):
+                peer = a.peer * self.dp + d
+                msg = self.stages[a.stage].messages
+                which = {_K.SEND_F: "acts_out", _K.SEND_B: "grads_out", _K.RECV_F: "acts_in", _K.RECV_B: "grads_in"}
+                nbytes = sum(int(torch.Size(sh).numel()) * torch.empty((), dtype=dt).element_size()
+                             for _, sh, dt in msg[which[a.kind]])
+                send = a.kind in (_K.SEND_F, _K.SEND_B)
+                out.append(M.CommInfo("send" if send else "recv", "pp", (rank, peer) if send else (peer, rank), nbytes))
+                continue
+            sg = self.stages[a.stage].graphs.get(a.kind.name)
+            if sg is not None:
+                out.append((a.short(), sg.gm))
+        return out
+
+    def collectives(self, rank: int = 0) -> list:
+        """Everything this rank sends, receives and reduces in one step, in issue order, as
+        ``fxpar.meta.CommInfo`` (send/recv: ``ranks=(src, dst)``, bytes of the whole message)."""
+        out = []
+        for item in self._calls(rank):
+            if isinstance(item, M.CommInfo):
+                out.append(item)
+            else:
+                out += [M.get(n, M.COMM) for n in collective_nodes(item[1])]
+        return out
+
+    def estimate(self):
+        """Predicted step time, per-rank compute/comm time, bytes on the wire, idle fraction and peak memory,
+        from the cost models over exactly what each rank runs. Starts no process."""
+        if self._estimate is None:
+            import cost_models     # the cost models read graphs; fxpar reaches them only here and in the planner
+            calls = {r: self._calls(r) for r in range(self.world_size)}
+            if all(len(c) == 1 and not isinstance(c[0], M.CommInfo) for c in calls.values()):
+                self._estimate = cost_models.estimate({r: c[0][1] for r, c in calls.items()}, self.cluster)
+            else:
+                self._estimate = cost_models.estimate(calls, self.cluster)
+        return self._estimate
 
     def explain(self) -> str:
-        cap, plan = self.captured, self.plan
-        nbytes = {k: _numel(cap.param_shapes[k]) * torch.empty((), dtype=cap.param_dtypes[k]).element_size()
-                  for k in cap.param_names}
-        p_bytes = sum(nbytes.values())
-        s_bytes = p_bytes * len(cap.optimizer.state_names)
-        b_bytes = sum(v.numel() * v.element_size() for v in self._buffers.values())
-        lines = [f"fxpar program for {self.model_name}: {self.strategy} on {self.world_size} rank(s)",
-                 f"cluster: {self.cluster}", "", "plan:"]
-        lines += ["  " + ln for ln in str(plan).splitlines()]
-        lines += ["", "per rank (every rank holds a full replica under data parallelism):",
-                  f"  parameters      {_fmt(p_bytes)} ({sum(_numel(s) for s in cap.param_shapes.values()):,} values in {len(cap.param_names)} tensors)",
-                  f"  gradients       {_fmt(p_bytes)}",
-                  f"  optimizer state {_fmt(s_bytes)} ({', '.join(cap.optimizer.state_names) or 'none'})",
-                  f"  buffers         {_fmt(b_bytes)}"]
-        if cap.aliases:
-            lines.append(f"  tied parameters (one tensor, one gradient): {cap.aliases}")
-        comms = self.collectives(0)
-        lines += ["", f"collectives per step on rank 0: {len(comms)}, {_fmt(sum(c.nbytes for c in comms))} handed to them"]
-        for i, c in enumerate(comms):
-            lines.append(f"  {i:3d}. {c.kind:<10} over {c.axis} {list(c.ranks)}: {_fmt(c.nbytes)}")
-        lines += ["", "passes run (rank 0): " + " -> ".join(f"{h.pass_name}({h.nodes})" for h in self._histories[0])]
-        lines += ["  " + n for n in self._notes[0]]
-        if not cap.optimizer.traced:
-            lines += ["", f"optimizer {cap.optimizer.name} runs eagerly on each rank ({cap.optimizer.why_not_traced}):",
-                      "  its update is not in the graph, so passes that rewrite the optimizer step do not apply."]
-        lines += ["", "estimate (cost models; " + ("calibrated cluster" if self.cluster.device.efficiency
-                                                  else "vendor/default figures: ClusterSpec.calibrate() for this machine's") + "):"]
-        est = self.estimate()
-        lines += ["  " + ln for ln in str(est).splitlines()]
-        mem = self.cluster.device.memory_bytes
-        over = [r.rank for r in est.ranks if r.peak_memory_bytes > mem]
-        if over:
-            lines.append(f"  WARNING: predicted peak memory {_fmt(max(r.peak_memory_bytes for r in est.ranks))} exceeds the "
-                         f"{_fmt(mem)} of a {self.cluster.device.name} on {len(over)} rank(s): shard state (ZeRO), "
-                         "or split the model (tp/pp), or use a smaller batch.")
-        if est.defaulted:
-            lines.append("  ops costed by the default rule (no entry in cost_models.compute.FLOP_RULES): "
-                         + ", ".join(f"{k} x{v}" for k, v in est.defaulted.most_common()))
-        lines += ["", f"time: capture {self.timings['capture']:.2f}s, plan+lower {self.timings['lower']:.2f}s"]
-        return "\n".join(lines)
+        from .explain import explain_program
+        return explain_program(self)
 
     def __repr__(self) -> str:
         return f"<fxpar.Program {self.model_name} {self.strategy} on {self.world_size} ranks>"
 
     # ---- running ------------------------------------------------------------------------------
-    def payload(self, rank: int, measure_comm: bool = False, seed: int | None = 0) -> RankPayload:
-        """Rank ``rank``'s part, picklable. ``seed``: see :meth:`run_local`."""
-        cap = self.captured
-        return RankPayload(rank=rank, gm=self._graphs[rank], signature=self._graphs[rank].meta["fxpar_signature"],
-                           mesh_axes=self.plan.mesh_axes, batch_dim=self.plan.batch_dim,
-                           params={k: self._params[k] for k in cap.param_names},
-                           buffers={k: self._buffers[k] for k in cap.buffer_names},
-                           optimizer=cap.optimizer, lr_scheduler=self._lr_scheduler,
-                           extra={"measure_comm": measure_comm, "rng_seed": seed})
+    def payload(self, rank: int, n_batches: int = 1, measure_comm: bool = False, record_weights: bool = False,
+                seed: int | None = 0) -> RankPayload:
+        """Rank ``rank``'s part, picklable. Asynchronous schedules cover all ``n_batches`` batches in one window."""
+        pr, _ = self._check_rank(rank)
+        sched = self.pipe_schedule
+        extra = {"n_inputs": self.n_inputs, "record_weights": record_weights, "rng_seed": seed,
+                 "measure_comm": measure_comm}
+        if self.asynchronous:
+            from .planner import build_schedule
+            sched = build_schedule(self.plan, n_batches)
+            extra["asynchronous"] = True
+        held = self.plan.rank_stages(rank)
+        keys = {k for s in held for k in self.stages[s].param_keys}
+        bindings = {}
+        for name in list(self.plan.mesh.names) + sorted(self.plan.groups):
+            ranks = self.plan.group_of(name, rank)
+            if ranks is not None:
+                bindings[name] = tuple(ranks)
+        return RankPayload(rank=rank, dp=self.dp, actions=list(sched.actions[pr]),
+                           stage_to_rank=[tuple(r) for r in self.plan.stage_to_rank],
+                           microbatches=self.plan.microbatches,
+                           graphs={s: self.stages[s].graphs for s in held},
+                           messages={s: self.stages[s].messages for s in held},
+                           stage_params={s: self.stages[s].param_keys for s in held},
+                           params={k: self._params[k] for k in keys}, buffers=dict(self._buffers),
+                           optimizer=self.optimizer, groups=self.plan.all_groups(), bindings=bindings,
+                           lr_scheduler=self._lr_scheduler, extra=extra)
 
     def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
-                  measure_comm: bool = False, seed: int | None = 0) -> RunResult:
-        """Spawn the ranks here (gloo on 127.0.0.1), train one step per global batch, gather the result.
-        ``measure_comm=True`` records every collective each rank runs (``RunResult.comm_calls``).
+                  measure_comm: bool = False, record_weights: bool = False, seed: int | None = 0) -> RunResult:
+        """Spawn (or reuse) ``world_size`` gloo ranks here, train one step per global batch, gather the result
+        (:class:`RunResult`). ``measure_comm=True`` records every collective each rank runs;
+        ``record_weights=True`` logs which weights every F and B computed with.
 
-        ``seed``: each rank seeds torch's generator with ``seed + rank`` before training, so random
-        ops (dropout) are reproducible and dp ranks draw different masks for their shards -- what
-        torch DDP does when each process calls ``torch.manual_seed(seed + rank)``. ``None`` leaves
-        each process's generator as it is."""
+        ``seed``: each rank seeds torch's generator with ``seed + rank`` before training, so random ops
+        (dropout) are reproducible and dp ranks draw different masks for their shards -- what torch DDP
+        does when each process calls ``torch.manual_seed(seed + rank)``. ``None`` leaves each process's
+        generator as it is. Every call starts from the weights the program was built with."""
+        from .planner import check_batch
         batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
+        for b in batches:
+            check_batch(b, self.dp, self.plan.microbatches)
+        args = [(self.payload(r, len(batches), measure_comm, record_weights, seed), batches)
+                for r in range(self.world_size)]
         if self.world_size == 1:
             with torch.random.fork_rng(devices=[]):      # the caller's generator is left as it was
-                results = [_train(self.payload(0, measure_comm, seed), batches)]
+                results = [train(*args[0])]
         else:
             self._check_picklable()
             own = cluster is None
@@ -162,8 +269,7 @@ class Program:
             if lc.world_size != self.world_size:
                 raise ValueError(f"LocalCluster has {lc.world_size} ranks but this program needs {self.world_size}")
             try:
-                results = lc.run(_train, [(self.payload(r, measure_comm, seed), batches) for r in range(self.world_size)],
-                                 timeout_s=timeout_s)
+                results = lc.run(train, args, timeout_s=timeout_s)
             finally:
                 if own:
                     lc.close()
@@ -179,27 +285,55 @@ class Program:
                 "(torch.optim.lr_scheduler.StepLR, {'step_size': 1}) or a module-level function instead of a "
                 "lambda or a local function.") from None
 
-    def _gather(self, results: list) -> RunResult:
-        dp_ranks = [r for r in range(self.world_size)]
-        n = len(results[0]["losses"])
-        losses = [sum(results[r]["losses"][i] for r in dp_ranks) / len(dp_ranks) for i in range(n)]
-        times = [max(res["step_times"][i] for res in results) for i in range(n)]
-        state = dict(results[0]["state"])
-        for alias, canon in self.captured.aliases.items():
+    def _full_state(self, parts: list) -> dict:
+        state = {}
+        for part in parts:
+            state.update(part)
+        for k, v in self._buffers.items():
+            state.setdefault(k, v)
+        for alias, canon in self.aliases.items():
             state[alias] = state[canon]
-        state = {k: state[k] for k in self._model_keys if k in state}
-        return RunResult(losses, times, {r: res["losses"] for r, res in enumerate(results)},
-                         {r: res["comm_calls"] for r, res in enumerate(results)}, state,
-                         results[0].get("optimizer_state", {}))
+        return {k: state[k] for k in self._model_keys if k in state}
+
+    def _gather(self, results: list) -> RunResult:
+        n = len(results[0]["loss_sums"])
+        total_mb = self.plan.microbatches * self.dp
+        losses = [sum(r["loss_sums"][i] for r in results) / total_mb for i in range(n)]
+        times = [max(r["step_times"][i] for r in results) for i in range(n)]
+        res = RunResult(losses=losses, step_times=times,
+                        per_rank_losses={i: r["loss_sums"] for i, r in enumerate(results)},
+                        comm_calls={i: r["comm_calls"] for i, r in enumerate(results)},
+                        _state=self._full_state([r.get("state", {}) for r in results]),
+                        optimizer_state=results[0].get("optimizer_state", {}))
+        res.comm = {i: r["comm"] for i, r in enumerate(results)}
+        for r in results:
+            for s, held in r["peak_versions"].items():
+                res.peak_versions[s] = max(res.peak_versions.get(s, 0), held)
+            for s, held in r["act_peak"].items():
+                res.peak_activations[s] = max(res.peak_activations.get(s, 0), held)
+                res.peak_activation_bytes[s] = max(res.peak_activation_bytes.get(s, 0), r["act_peak_bytes"][s])
+        res.peak_version_bytes = max(r["peak_version_bytes"] for r in results)
+        res.action_times = {i: [{k: tuple(v) for k, v in w.items()} for w in r["action_times"]]
+                            for i, r in enumerate(results)}
+        res.weight_log = {i: r["weight_log"] for i, r in enumerate(results)}
+        res.timelines = {i: r["timelines"] for i, r in enumerate(results)}
+        if not self.asynchronous:      # the idle share of the ranks' time, 1 - sum(compute) / (ranks * step time)
+            res.bubble = [1 - sum(r["busy"][i] for r in results) / (len(results) * times[i]) for i in range(n)]
+        return res
 
     def runner(self, backend: str | None = None, seed: int | None = 0) -> "RankRunner":
-        """Under torchrun: join the env:// group and run this rank's part (``seed`` as in :meth:`run_local`)."""
+        """Under torchrun (or on an initialised group): join the env:// group and run this rank's part,
+        one ``step(global_batch)`` at a time (``seed`` as in :meth:`run_local`)."""
         init_from_env(backend or self.cluster.backend)
         import torch.distributed as dist
         if dist.get_world_size() != self.world_size:
             raise ValueError(f"torchrun started {dist.get_world_size()} processes but the program needs {self.world_size}: "
                              f"use --nproc-per-node {self.world_size} (or change the Strategy)")
-        return RankRunner(StepExecutor(self.payload(dist.get_rank(), seed=seed)), self)
+        if self.asynchronous:
+            from .errors import StrategyError
+            raise StrategyError(f"schedule {self.plan.schedule!r} runs all batches in one window; use "
+                                "run_local(batches), or a synchronous schedule with runner()")
+        return RankRunner(Executor(self.payload(dist.get_rank(), seed=seed)), self)
 
 
 class GroupExit:
@@ -221,7 +355,7 @@ class GroupExit:
 class RankRunner(GroupExit):
     """One rank's side of a program under torchrun: ``step(global_batch)`` trains one step."""
 
-    def __init__(self, executor: StepExecutor, program: Program):
+    def __init__(self, executor: Executor, program: Program):
         self.executor, self.program = executor, program
 
     @property
@@ -229,30 +363,15 @@ class RankRunner(GroupExit):
         return self.executor.rank
 
     def step(self, batch) -> float:
-        """Train one step on this rank's shard of ``batch``; returns the global-batch loss (mean over dp)."""
+        """Train one step on this rank's part of ``batch``; returns the global-batch loss (every rank)."""
         import torch.distributed as dist
-        local = self.executor.step(batch)
-        t = torch.tensor([local], dtype=torch.float64)
+        t = torch.tensor([self.executor.step(batch)], dtype=torch.float64)   # loss sums live on last stages
         dist.all_reduce(t)
-        return float(t) / dist.get_world_size()
+        return float(t) / (self.program.plan.microbatches * self.program.dp)
 
     def state_dict(self) -> dict:
-        state = self.executor.state_dict()
-        for alias, canon in self.program.captured.aliases.items():
-            state[alias] = state[canon]
-        return state
-
-
-def _numel(shape) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
-
-
-def _fmt(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return str(n)
+        """The whole model's trained state under its own keys. Collective: every rank must call it."""
+        import torch.distributed as dist
+        parts = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, self.executor.state_dict() if self.executor.dp_index == 0 else {})
+        return self.program._full_state(parts)

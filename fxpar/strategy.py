@@ -11,7 +11,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Strategy"]
 
-_SCHEDULES = ("gpipe", "1f1b", "interleaved", "pipedream", "2bw", "chimera")
+_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "pipedream", "2bw", "chimera", "single")
 
 
 @dataclass

@@ -2,5 +2,7 @@
 from .bucket import BucketGradients
 from .data_parallel import DataParallelGradSync, SyncBuffers
 from .reinplace import ReinplaceOptimizer
+from .split_graphs import SplitGraph, SplitGraphs, split_graphs
 
-__all__ = ["DataParallelGradSync", "BucketGradients", "SyncBuffers", "ReinplaceOptimizer"]
+__all__ = ["DataParallelGradSync", "BucketGradients", "SyncBuffers", "ReinplaceOptimizer", "SplitGraphs",
+           "SplitGraph", "split_graphs"]

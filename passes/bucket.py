@@ -74,9 +74,10 @@ class BucketGradients(Pass):
     requires = ("data_parallel",)
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        buckets = ctx.plan.buckets
+        buckets = ctx.plan.buckets[ctx.stage] if ctx.plan.buckets else []
+        groups = ctx.plan.grad_groups[ctx.stage] if ctx.plan.grad_groups else {}
         dp = ctx.mesh.axis_size("dp")
-        if dp == 1 or not buckets:
+        if not buckets:
             return PassResult(gm, False)
         g = gm.graph
         chains = _chains(gm)
@@ -85,9 +86,14 @@ class BucketGradients(Pass):
             raise ValueError(f"Plan.buckets names {missing}, which have no synchronised gradient in this graph; "
                              f"bucket only trainable parameters ({sorted(chains)[:5]}...)")
         order = {n: i for i, n in enumerate(g.nodes)}
-        ranks = ctx.mesh.group(ctx.rank, "dp")
         sizes = []
         for b_idx, keys in enumerate(buckets):
+            names = {groups.get(k) for k in keys}
+            if len(names) != 1 or None in names:
+                raise ValueError(f"Plan.buckets[{ctx.stage}][{b_idx}] = {keys} mixes gradient groups "
+                                 f"{sorted(map(str, names))}: a bucket is one collective over one group; split it")
+            axis = names.pop()
+            ranks = ctx.plan.group_of(axis, ctx.rank)
             parts = [chains[k] for k in keys]
             raws = [p[0] for p in parts]
             last = max(raws, key=order.__getitem__)
@@ -104,7 +110,7 @@ class BucketGradients(Pass):
             with g.inserting_after(last):
                 buf = g.call_function(aten.empty.memory_format, ([total],),
                                       {"dtype": vals[0].dtype, "device": vals[0].device})
-            _meta(buf, vals[0].new_empty([total]), last)
+            _meta(buf, vals[0].new_empty([total]), last, **{M.REDUCE_GRAD.name: "issue"})
             off, cursor = 0, buf
             for r, val in zip(raws, vals):
                 n = val.numel()
@@ -115,20 +121,23 @@ class BucketGradients(Pass):
                 with g.inserting_after(slot):
                     cursor = g.call_function(aten.copy_.default, (slot, r))
                 slot_val = buf.meta["val"][off:off + n].view(val.shape)
-                _meta(sl, buf.meta["val"][off:off + n], r)
-                _meta(slot, slot_val, r)
-                _meta(cursor, slot_val, r)
+                issue = {M.REDUCE_GRAD.name: "issue"}
+                _meta(sl, buf.meta["val"][off:off + n], r, **issue)
+                _meta(slot, slot_val, r, **issue)
+                _meta(cursor, slot_val, r, **issue)
                 off += n
             # the flat buffer is ours alone: reduce it in place (the functional all_reduce would copy it)
-            ar, w = insert_all_reduce(g, buf, "dp", ranks, after=cursor, wait_before=first_use, in_place=True)
+            ar, w = insert_all_reduce(g, buf, axis, ranks, after=cursor, wait_before=first_use, in_place=True)
             M.set_meta(ar, M.BUCKET, b_idx)
+            M.set_meta(ar, M.REDUCE_GRAD, "issue")
+            M.set_meta(w, M.REDUCE_GRAD, "wait")
             sizes.append(M.get(ar, M.COMM).nbytes)
             if all(p[3] is p[2] for p in parts):       # backward already divided by dp
                 div = w
             else:
                 with g.inserting_after(w):
                     div = g.call_function(aten.div_.Tensor, (w, dp))
-                _meta(div, buf.meta["val"], last)
+                _meta(div, buf.meta["val"], last, **{M.REDUCE_GRAD.name: "wait"})
             off, anchor = 0, div
             for key, (raw, old_ar, old_w, avg) in zip(keys, parts):
                 shape = list(raw.meta["val"].shape)
@@ -137,8 +146,8 @@ class BucketGradients(Pass):
                     sl = g.call_function(aten.slice.Tensor, (div, 0, off, off + numel))
                 with g.inserting_after(sl):
                     v = g.call_function(aten.view.default, (sl, shape))
-                _meta(sl, div.meta["val"][off:off + numel], raw)
-                _meta(v, raw.meta["val"], raw, **{M.GRAD_OF.name: key})
+                _meta(sl, div.meta["val"][off:off + numel], raw, **{M.REDUCE_GRAD.name: "wait"})
+                _meta(v, raw.meta["val"], raw, **{M.GRAD_OF.name: key, M.REDUCE_GRAD.name: "wait"})
                 avg.replace_all_uses_with(v)
                 for dead in dict.fromkeys((avg, old_w, old_ar)):
                     g.erase_node(dead)

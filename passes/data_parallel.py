@@ -34,11 +34,18 @@ __all__ = ["DataParallelGradSync", "SyncBuffers"]
 
 
 def grad_nodes(gm) -> list:
+    """The raw gradient nodes capture marked (one per parameter), in graph order."""
+    sig = gm.meta.get("fxpar_signature")
+    out = gm.graph.find_nodes(op="output")
+    if sig is not None and out:
+        nodes = [n for n, (r, _) in zip(out[0].args[0], sig.outputs) if r == "grad" and isinstance(n, torch.fx.Node)]
+        order = {n: i for i, n in enumerate(gm.graph.nodes)}
+        return sorted(dict.fromkeys(n for n in nodes if M.get(n, M.GRAD_OF) is not None), key=order.get)
     return [n for n in gm.graph.nodes if M.get(n, M.GRAD_OF) is not None]
 
 
 def loss_seed(gm) -> torch.fx.Node | None:
-    """The ``ones_like(loss)`` that seeds backward, when there is exactly one (else None)."""
+    """The ``ones_like(loss)`` / ``full_like(loss, c)`` that seeds backward, when there is exactly one."""
     sig = gm.meta.get("fxpar_signature")
     out = gm.graph.find_nodes(op="output")
     if sig is None or not out:
@@ -49,18 +56,22 @@ def loss_seed(gm) -> torch.fx.Node | None:
         return None
     loss = out[0].args[0][li]
     seeds = [u for u in getattr(loss, "users", {}) if u.op == "call_function"
-             and u.target is torch.ops.aten.ones_like.default and M.get(u, M.PHASE) == "backward"]
+             and u.target in (torch.ops.aten.ones_like.default, torch.ops.aten.full_like.default)
+             and M.get(u, M.PHASE) == "backward"]
     return seeds[0] if len(seeds) == 1 else None
 
 
 def _prescale_seed(gm, dp: int) -> bool:
-    """Seed backward with 1/dp instead of 1, so every gradient comes out divided by dp."""
+    """Seed backward with c/dp instead of c, so every gradient comes out divided by dp. A stage that
+    receives its output gradients (not the last) gets them already scaled by the stage after it."""
     seed = loss_seed(gm)
+    sig = gm.meta.get("fxpar_signature")
     if seed is None:
-        return False
+        return sig is not None and bool(sig.index("tangent"))
     g = gm.graph
+    value = 1.0 if seed.target is torch.ops.aten.ones_like.default else float(seed.args[1])
     with g.inserting_after(seed):
-        new = g.call_function(torch.ops.aten.full_like.default, (seed.args[0], 1.0 / dp), dict(seed.kwargs))
+        new = g.call_function(torch.ops.aten.full_like.default, (seed.args[0], value / dp), dict(seed.kwargs))
     new.meta.update(seed.meta)
     seed.replace_all_uses_with(new)
     g.erase_node(seed)
@@ -68,21 +79,36 @@ def _prescale_seed(gm, dp: int) -> bool:
     return True
 
 
+def stage_groups(ctx: PassContext) -> dict:
+    """param key -> group name its gradient is summed over on this stage (planner's decision)."""
+    plan = ctx.plan
+    if plan is None or not getattr(plan, "grad_groups", None):
+        return {}
+    return {k: g for k, g in plan.grad_groups[ctx.stage].items() if g}
+
+
 class DataParallelGradSync(Pass):
+    """Sum each gradient over the ranks the planner assigned it to (``Plan.grad_groups``): the stage's dp
+    replicas (and Chimera's second pipeline), or, for a parameter several stages share, every rank
+    holding one of them. The mean over dp comes from backward's seed, scaled by 1/dp."""
     name = "data_parallel"
 
     def run(self, gm, ctx: PassContext) -> PassResult:
+        groups = stage_groups(ctx)
         dp = ctx.mesh.axis_size("dp")
-        if dp == 1:
-            return PassResult(gm, False)
-        ranks = ctx.mesh.group(ctx.rank, "dp")
         g = gm.graph
-        grads = grad_nodes(gm)
-        prescaled = bool(grads) and _prescale_seed(gm, dp)
+        grads = [n for n in grad_nodes(gm) if M.get(n, M.GRAD_OF) in groups]
+        prescaled = _prescale_seed(gm, dp) if dp > 1 else True
+        if not grads:
+            return PassResult(gm, dp > 1 and prescaled)
         n_sync = 0
         for grad in grads:
+            key = M.get(grad, M.GRAD_OF)
             users = list(grad.users)
-            ar, w = insert_all_reduce(g, grad, "dp", ranks)
+            ranks = ctx.plan.group_of(groups[key], ctx.rank)
+            ar, w = insert_all_reduce(g, grad, groups[key], ranks)
+            M.set_meta(ar, M.REDUCE_GRAD, "issue")
+            M.set_meta(w, M.REDUCE_GRAD, "wait")
             if prescaled:
                 avg = w
             else:
@@ -90,13 +116,14 @@ class DataParallelGradSync(Pass):
                     avg = g.call_function(torch.ops.aten.div.Tensor, (w, dp))
                 avg.meta.update({"val": grad.meta.get("val"), M.PHASE.name: "backward",
                                  M.MODULE.name: M.get(grad, M.MODULE, "")})
-            M.set_meta(avg, M.GRAD_OF, M.get(grad, M.GRAD_OF))
-            del grad.meta[M.GRAD_OF.name]          # the synchronised node is now the gradient
+                M.set_meta(avg, M.REDUCE_GRAD, "wait")
+            M.set_meta(avg, M.GRAD_OF, key)      # the synchronised node is the gradient; the raw one keeps its key
             for u in users:
                 u.replace_input_with(grad, avg)
             n_sync += 1
         how = "backward seeded with 1/dp, then all_reduce(sum)" if prescaled else "all_reduce(sum)/dp"
-        ctx.notes.append(f"data_parallel: {n_sync} gradients averaged over dp={dp} ({how})")
+        names = sorted(set(groups[M.get(n, M.GRAD_OF)] for n in grads))
+        ctx.notes.append(f"data_parallel: {n_sync} gradients summed over {', '.join(names)} ({how})")
         return PassResult(gm, n_sync > 0, {"gradients": n_sync})
 
 
@@ -106,7 +133,7 @@ class SyncBuffers(Pass):
 
     def run(self, gm, ctx: PassContext) -> PassResult:
         dp = ctx.mesh.axis_size("dp")
-        if dp == 1 or not ctx.plan.broadcast_buffers:
+        if dp == 1 or not ctx.plan.broadcast_buffers or ctx.plan.n_stages > 1:
             return PassResult(gm, False)
         sig = gm.meta["fxpar_signature"]
         out = gm.graph.find_nodes(op="output")[0]

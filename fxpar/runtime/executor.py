@@ -1,8 +1,26 @@
-"""The per-rank executor: holds a rank's state and runs its step graph on its batch shard.
+"""The one executor: a rank runs its list of schedule actions, each by a handler looked up in a table.
 
-The graph names process groups by mesh axis (``"fxpar:dp"``); :func:`bind_groups` creates every
-group of every axis (all ranks create them in the same order, as torch.distributed requires)
-and rewrites the names to this rank's groups.
+Every program is a schedule of stages (a program without a pipeline is one stage), so one
+executor runs them all. A compute action calls one graph the split pass made (``F``, ``B``,
+``I``, ``W``, ``REDUCE_GRAD``, ``STEP``, or the fused one-stage ``FULL``); each graph comes with
+the role of each input and output (:class:`passes.split_graphs.SplitGraph`), which is all the
+runtime reads: it never looks at ``node.meta``.
+
+Semantics (those of :func:`fxpar.schedule.simulate`): actions run strictly in list order; a SEND
+posts ``isend`` and goes on (outstanding sends are waited for at the end of the step); a RECV
+blocks until the tensors are there. A message is several tensors sent back to back on one tag per
+(direction, consuming stage), so the n-th send of a channel meets the n-th receive.
+
+State a rank keeps: per held stage its parameters (one dict per weight version for asynchronous
+schedules, :class:`~fxpar.runtime.tracking.VersionStore`), optimizer state and step count; the
+buffers; per microbatch the values ``F`` saved for the backward; per parameter key one gradient
+accumulator (the sum over the step's microbatches and over the rank's stages that share the
+parameter); the collectives ``REDUCE_GRAD`` started, until ``STEP`` waits on them.
+
+Besides the math each rank measures, per window: per stage the most microbatches whose saved
+tensors were alive at once and their bytes (``act_peak``, ``act_peak_bytes``), the seconds of every
+action (``action_times``, ``timelines``), and with ``extra['record_weights']`` a fingerprint of the
+weights every F and B computes with (``weight_log``).
 """
 from __future__ import annotations
 
@@ -11,12 +29,14 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
-import torch.fx
 
 from ..collectives import axis_of_tag
+from ..schedule import ActionKind
+from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
-__all__ = ["RankPayload", "StepExecutor", "bind_groups", "make_scheduler", "seed_rank"]
+__all__ = ["RankPayload", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group"]
 
+_K = ActionKind
 _GROUPS: dict = {}   # ranks tuple -> ProcessGroup, per process (reused across programs)
 
 
@@ -24,31 +44,24 @@ _GROUPS: dict = {}   # ranks tuple -> ProcessGroup, per process (reused across p
 class RankPayload:
     """Everything one rank needs, picklable: sent to spawned workers or built in place under torchrun."""
     rank: int
-    gm: torch.fx.GraphModule
-    signature: object
-    mesh_axes: list
-    batch_dim: int
-    params: dict                  # key -> tensor (this rank's initial values)
+    dp: int
+    actions: list                  # this rank's Actions (peers are pipeline ranks)
+    stage_to_rank: list            # per stage: the pipeline ranks holding it
+    microbatches: int
+    graphs: dict                   # held stage -> {kind: SplitGraph}
+    messages: dict                 # held stage -> {"acts_in", "acts_out", "grads_in", "grads_out": [(key, shape, dtype)]}
+    stage_params: dict             # held stage -> its trainable parameter keys
+    params: dict                   # key -> initial tensor (the held stages' parameters)
     buffers: dict
-    optimizer: object             # fxpar.optim.OptimizerSpec
-    lr_scheduler: object = None   # (SchedulerClass, kwargs), callable(torch optimizer) -> scheduler, or None
+    optimizer: object              # fxpar.optim.OptimizerSpec
+    groups: list                   # every process group of the program (rank tuples), in creation order
+    bindings: dict                 # group name -> this rank's ranks in it
+    lr_scheduler: object = None    # (SchedulerClass, kwargs), callable(torch optimizer) -> scheduler, or None
     extra: dict = field(default_factory=dict)
 
-    # the graph travels node by node: GraphModule's own pickling re-traces it (see .portable)
-    def __getstate__(self):
-        from .portable import pack_graph_module
-        state = dict(self.__dict__)
-        state["gm"] = pack_graph_module(self.gm)
-        return state
 
-    def __setstate__(self, state):
-        from .portable import unpack_graph_module
-        state = dict(state)
-        state["gm"] = unpack_graph_module(state["gm"])
-        self.__dict__.update(state)
-
-
-def _group(ranks: tuple):
+def group(ranks: tuple):
+    """The process group of ``ranks`` (created once per process; the world group for all ranks)."""
     ranks = tuple(ranks)
     if ranks not in _GROUPS:
         if len(ranks) == dist.get_world_size() and ranks == tuple(range(dist.get_world_size())):
@@ -58,14 +71,8 @@ def _group(ranks: tuple):
     return _GROUPS[ranks]
 
 
-def bind_groups(gm: torch.fx.GraphModule, mesh, rank: int) -> torch.fx.GraphModule:
-    """Create the mesh's process groups and point each collective at this rank's group."""
-    names = {}
-    for axis in mesh.names:
-        for ranks in mesh.groups(axis):       # every rank creates every group, in one order
-            pg = _group(ranks)
-            if rank in ranks:
-                names[axis] = pg.group_name
+def bind_groups(gm: torch.fx.GraphModule, names: dict) -> torch.fx.GraphModule:
+    """Point each collective's group tag (``"fxpar:dp"``) at this rank's process group ``names[tag]``."""
     changed = False
     for n in gm.graph.nodes:
         if n.op != "call_function":
@@ -75,7 +82,8 @@ def bind_groups(gm: torch.fx.GraphModule, mesh, rank: int) -> torch.fx.GraphModu
             axis = axis_of_tag(a)
             if axis is not None:
                 if axis not in names:
-                    raise RuntimeError(f"node {n.name} names mesh axis '{axis}', which the mesh {mesh} does not have")
+                    raise RuntimeError(f"node {n.name} names group '{axis}', which this rank is not in "
+                                       f"(its groups: {sorted(names)})")
                 args[i] = names[axis]
                 changed = True
         n.args = tuple(args)
@@ -101,101 +109,409 @@ def make_scheduler(spec, optimizer):
     return spec(optimizer)
 
 
-class StepExecutor:
-    """Runs one rank's training steps. ``step(global_batch)`` returns this rank's loss."""
+def _tag(channel: str, consumer_stage: int) -> int:
+    return 2 * consumer_stage + (0 if channel == "F" else 1)
 
-    def __init__(self, payload: RankPayload):
-        from ..mesh import Mesh
-        self.p = payload
-        self.rank = payload.rank
-        seed_rank(payload.extra, self.rank)
-        self.mesh = Mesh(tuple((n, int(s)) for n, s in payload.mesh_axes))
-        self.gm = bind_groups(payload.gm, self.mesh, self.rank) if dist.is_initialized() else payload.gm
-        sig = payload.signature
-        self.sig = sig
-        self.params = {k: payload.params[k].detach().clone() for k in sig.keys("param")}
-        self.buffers = {k: payload.buffers[k].detach().clone() for k in sig.keys("buffer")}
-        spec = payload.optimizer
+
+class _Window:
+    """What lives for one run of the action list: messages, saved values, gradient sums, timings."""
+
+    def __init__(self, micro, n_groups: int, store):
+        self.micro = micro
+        self.fwd, self.bwd, self.saved, self.sends = {}, {}, {}, []
+        self.acc, self.owned, self.synced, self.pending = {}, set(), {}, {}
+        self.loss_sums = [0.0] * n_groups
+        self.store = store
+        self.live: dict = {}
+        self.wptrs: dict = {}
+        self.times: dict = {}
+        self.timeline: list = []
+        self.busy = 0.0
+
+
+class Executor:
+    """Runs one rank's part of a program: ``step(global_batch)`` trains one step, ``run_async(batches)``
+    runs an asynchronous schedule's one window over all batches."""
+
+    def __init__(self, p: RankPayload):
+        self.p = p
+        self.rank = p.rank
+        self.pipe_rank, self.dp_index = divmod(p.rank, p.dp)
+        seed_rank(p.extra, p.rank)
+        if dist.is_initialized():
+            for ranks in p.groups:            # every rank creates every group, in one order
+                group(ranks)
+            names = {name: group(ranks).group_name for name, ranks in p.bindings.items() if len(ranks) > 1}
+            for parts in p.graphs.values():
+                for sg in parts.values():
+                    bind_groups(sg.gm, names)
+        self.params = {s: {k: p.params[k].detach().clone() for k in keys} for s, keys in p.stage_params.items()}
+        self.buffers = {k: v.detach().clone() for k, v in p.buffers.items()}
+        spec = p.optimizer
         self.spec = spec
-        self._leaves = {k: torch.nn.Parameter(v, requires_grad=True) for k, v in self.params.items()}
+        self.state = {s: {f"{n}:{k}": torch.zeros_like(v) for k, v in ps.items() for n in spec.state_names}
+                      for s, ps in self.params.items()}
+        self._leaves = {(s, k): torch.nn.Parameter(v.clone()) for s, ps in self.params.items() for k, v in ps.items()}
         self.torch_opt = spec.make_torch_optimizer(list(self._leaves.values()))
-        self.scheduler = make_scheduler(payload.lr_scheduler, self.torch_opt)
-        self.state = {k: torch.zeros_like(self.params[k.split(":", 1)[1]]) for k in sig.keys("opt_state")}
-        self.step_count = 0
-        coords = self.mesh.coords(self.rank)
-        self.dp_index, self.dp = coords.get("dp", 0), self.mesh.axis_size("dp")
-        self.losses, self.step_times = [], []
-        self.measure_comm = bool(payload.extra.get("measure_comm"))
-        self.comm_calls: list = []          # per step: [(kind, bytes handed to the collective), ...]
+        self.scheduler = make_scheduler(p.lr_scheduler, self.torch_opt)
+        self.step_count = {s: 0 for s in p.stage_params}
+        self.last_stage = len(p.stage_to_rank) - 1
+        self.n_inputs = p.extra.get("n_inputs", 0)
+        self.loss_sums, self.step_times = [], []
+        self.comm = {"sent_bytes": 0, "sends": 0, "recvs": 0}
+        self.comm_calls: list = []
+        self.measure_comm = bool(p.extra.get("measure_comm"))
+        self.peak_versions: dict = {}
+        self.peak_version_bytes = 0
+        self.busy: list = []
+        self.act_peak = {s: 0 for s in p.stage_params}
+        self.act_peak_bytes = {s: 0 for s in p.stage_params}
+        self.action_times: list = []
+        self.timelines: list = []
+        self.record_weights = bool(p.extra.get("record_weights"))
+        self.weight_log: list = []
+        self.handlers = {_K.F: self._forward, _K.B: self._backward, _K.I: self._backward, _K.W: self._backward,
+                         _K.SEND_F: self._send, _K.SEND_B: self._send, _K.RECV_F: self._recv, _K.RECV_B: self._recv,
+                         _K.REDUCE_GRAD: self._reduce_grad, _K.STEP: self._step, _K.FULL: self._full}
 
-    def shard(self, batch) -> list:
-        batch = batch if isinstance(batch, (tuple, list)) else (batch,)
+    # ---- running ---------------------------------------------------------------------------------
+    def microbatches(self, batch) -> list:
+        """This rank's dp shard of a global batch, cut into the schedule's microbatches (dim 0)."""
+        batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
+        m, dp = self.p.microbatches, self.p.dp
         out = []
         for t in batch:
-            n = t.shape[self.p.batch_dim] // self.dp
-            out.append(t.narrow(self.p.batch_dim, self.dp_index * n, n))
-        return out
+            n = t.shape[0] // dp
+            out.append(t.narrow(0, self.dp_index * n, n).chunk(m))
+        return [tuple(parts[i] for parts in out) for i in range(m)]
 
     def step(self, batch) -> float:
+        """One synchronous training step on one global batch; returns this rank's sum of microbatch losses."""
         t0 = time.perf_counter()
-        self.step_count += 1
+        loss = self._measured(self.microbatches(batch), None)[0]
+        if self.scheduler is not None:
+            self.scheduler.step()
+        self.loss_sums.append(loss)
+        self.step_times.append(time.perf_counter() - t0)
+        return loss
+
+    def run_async(self, batches: list) -> None:
+        """An asynchronous schedule: one window over every microbatch of every batch, no flush between."""
+        t0 = time.perf_counter()
+        micro = [mb for b in batches for mb in self.microbatches(b)]
+        self.loss_sums += self._measured(micro, self.p.microbatches)
+        self.step_times += [(time.perf_counter() - t0) / len(batches)] * len(batches)
+
+    def _measured(self, micro, per_batch):
+        if not self.measure_comm:
+            return self.run_window(micro, per_batch)
+        from .measure import CommCounter
+        with CommCounter() as counter:
+            out = self.run_window(micro, per_batch)
+        self.comm_calls.append(counter.calls)
+        return out
+
+    def run_window(self, micro: list, per_batch: int | None = None) -> list:
+        """Run this rank's actions over ``micro``; loss sums per group of ``per_batch`` microbatches."""
+        per_batch = per_batch or len(micro)
+        actions = self.p.actions
+        w = _Window(micro, len(micro) // per_batch, VersionStore(self.params, actions))
+        w.per_batch = per_batch
+        for idx, a in enumerate(actions):
+            tc = time.perf_counter()
+            self.handlers[a.kind](a, w, idx)
+            end = time.perf_counter()
+            if a.is_compute:
+                w.busy += end - tc
+            key = (a.kind.value, a.stage)
+            rec = w.times.setdefault(key, [0.0, 0])
+            rec[0] += end - tc
+            rec[1] += 1
+            w.timeline.append((a.kind.value, a.stage, a.microbatch, tc, end))
+        for work, _ in w.sends:
+            work.wait()
+        self.busy.append(w.busy)
+        self.action_times.append(w.times)
+        self.timelines.append(w.timeline)
+        self.peak_versions = {s: max(self.peak_versions.get(s, 0), n) for s, n in w.store.peak.items()}
+        self.peak_version_bytes = max(self.peak_version_bytes, w.store.peak_bytes)
+        return w.loss_sums
+
+    # ---- handlers ------------------------------------------------------------------------------
+    def _forward(self, a, w, idx):
+        s, i = a.stage, a.microbatch
+        sg = self.p.graphs[s]["F"]
+        mb = w.micro[i]
+        weights = self.params[s] if a.version is None else w.store.get(s, a.version)
+        acts = w.fwd.pop((s, i), {})
+        args = [self._input(role, key, s, weights, mb, acts) for role, key in sg.inputs]
+        res = sg.gm(*args)
+        saved, out = {}, {}
+        for (role, key), v in zip(sg.outputs, res):
+            if role == "loss":
+                w.loss_sums[i // w.per_batch] += float(v)
+            elif role == "act":
+                out[key] = v
+            elif role == "saved":
+                saved[key] = v
+            elif role == "new_buffer":
+                self.buffers[key] = v
+        w.saved[(s, i)] = saved
+        if s < self.last_stage:
+            w.fwd[(s + 1, i)] = out
+        cached = w.wptrs.get(s)
+        if cached is None or cached[0] is not weights:       # another weight version: look it up once
+            cached = w.wptrs[s] = (weights, weight_storages(weights))
+        live = w.live.setdefault(s, {})
+        live[i] = activation_bytes(list(saved.values()), args, weights, cached[1])
+        self.act_peak[s] = max(self.act_peak[s], len(live))
+        self.act_peak_bytes[s] = max(self.act_peak_bytes[s], sum(live.values()))
+        if self.record_weights:
+            self._fingerprint("F", s, i, a.version, list(saved.values()), weights)
+
+    def _backward(self, a, w, idx):
+        """B (whole backward), I (input gradients; keeps what W needs) or W (weight gradients)."""
+        s, i = a.stage, a.microbatch
+        kind = a.kind.value
+        sg = self.p.graphs[s][kind]
+        saved = w.saved[(s, i)]
+        tangents = w.bwd.get((s, i), {})
+        if self.record_weights and kind in ("B", "I"):
+            weights = w.store.get(s, a.version) if a.version is not None else self.params[s]
+            self._fingerprint("B", s, i, a.version, list(saved.values()), weights,
+                              versions_held=len(w.store.versions.get(s, {})))
+        args = [saved[key] if role == "saved" else tangents[key] for role, key in sg.inputs]
+        res = sg.gm(*args)
+        out = {}
+        for (role, key), v in zip(sg.outputs, res):
+            if role == "grad":
+                self._accumulate(w, key, v)
+            elif role == "act_grad":
+                out[key] = v
+            elif role == "saved":
+                saved[key] = v
+        if kind in ("B", "I") and s > 0:
+            w.bwd[(s - 1, i)] = out
+        if kind in ("B", "W"):                   # the microbatch is done on this stage
+            del w.saved[(s, i)]
+            w.bwd.pop((s, i), None)
+            w.live.get(s, {}).pop(i, None)
+
+    def _accumulate(self, w, key, g):
+        """Sum a gradient over microbatches (and the rank's stages sharing the parameter): the first is kept
+        as is (no zeros, no add), the second makes a tensor this window owns, later ones add in place."""
+        cur = w.acc.get(key)
+        if cur is None:
+            w.acc[key] = g
+        elif key in w.owned:
+            cur.add_(g)
+        else:
+            w.acc[key] = cur + g
+            w.owned.add(key)
+
+    def _grad(self, w, s, key):
+        if key in w.synced:
+            return w.synced[key]
+        if key not in w.acc:              # no backward produced it (an unused parameter): zeros
+            w.acc[key] = torch.zeros_like(self.params[s][key])
+        return w.acc[key]
+
+    def _reduce_grad(self, a, w, idx):
+        s = a.stage
+        sg = self.p.graphs[s].get("REDUCE_GRAD")
+        if sg is None:
+            return
+        res = sg.gm(*[self._grad(w, s, key) for _, key in sg.inputs])
+        pend = w.pending.setdefault(s, {})
+        for (role, key), v in zip(sg.outputs, res):
+            if role == "pending":
+                pend[key] = v
+            elif role == "grad":
+                w.synced[key] = v
+
+    def _step(self, a, w, idx):
+        s = a.stage
+        sg = self.p.graphs[s]["STEP"]
+        self.step_count[s] += 1
         lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)
-        step_t = torch.tensor(float(self.step_count), dtype=torch.float64)
+        cnt = torch.tensor(float(self.step_count[s]), dtype=torch.float64)
+        pend = w.pending.pop(s, {})
         args = []
-        for role, key in self.sig.inputs:
+        for role, key in sg.inputs:
             if role == "param":
-                args.append(self.params[key])
+                args.append(self.params[s][key])
+            elif role == "opt_state":
+                args.append(self.state[s][key])
             elif role == "buffer":
                 args.append(self.buffers[key])
-            elif role == "opt_state":
-                args.append(self.state[key])
             elif role == "lr":
                 args.append(lr)
             elif role == "step":
-                args.append(step_t)
-        args += self.shard(batch)
-        if self.measure_comm:
-            from .measure import CommCounter
-            with CommCounter() as counter:
-                outs = self.gm(*args)
-            self.comm_calls.append(counter.calls)
-        else:
-            outs = self.gm(*args)
-        loss, grads = None, {}
-        for (role, key), v in zip(self.sig.outputs, outs):
+                args.append(cnt)
+            elif role == "grad":
+                args.append(self._grad(w, s, key))
+            else:
+                args.append(pend[key])
+        res = sg.gm(*args)
+        new = dict(self.params[s])             # a new version: the old dict may be held by the VersionStore
+        for (role, key), v in zip(sg.outputs, res):
+            if role == "new_param":
+                new[key] = v
+            elif role == "new_opt_state":
+                self.state[s][key] = v
+            elif role == "grad":
+                w.synced[key] = v
+            elif role == "new_buffer":
+                self.buffers[key] = v
+        self.params[s] = new
+        if not self.spec.traced:
+            self._eager_step(s, {k: self._grad(w, s, k) for k in self.p.stage_params[s]})
+        if a.version is not None:              # asynchronous: this stage alone, then fresh accumulators
+            for k in self.p.stage_params[s]:
+                w.acc.pop(k, None)
+                w.synced.pop(k, None)
+                w.owned.discard(k)
+            w.store.created(s, a.version, self.params[s], idx)
+
+    def _full(self, a, w, idx):
+        """The fused one-stage step: forward, backward, gradient collectives and update in one graph."""
+        s, i = a.stage, a.microbatch
+        sg = self.p.graphs[s]["FULL"]
+        self.step_count[s] += 1
+        lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)
+        cnt = torch.tensor(float(self.step_count[s]), dtype=torch.float64)
+        mb = w.micro[i]
+        args = []
+        for role, key in sg.inputs:
+            if role == "opt_state":
+                args.append(self.state[s][key])
+            elif role == "lr":
+                args.append(lr)
+            elif role == "step":
+                args.append(cnt)
+            else:
+                args.append(self._input(role, key, s, self.params[s], mb, {}))
+        res = sg.gm(*args)
+        grads = {}
+        for (role, key), v in zip(sg.outputs, res):
             if role == "loss":
-                loss = v
+                w.loss_sums[i // w.per_batch] += float(v)
             elif role == "new_param":
-                self.params[key] = v
+                self.params[s][key] = v
             elif role == "new_buffer":
                 self.buffers[key] = v
             elif role == "new_opt_state":
-                self.state[key] = v
+                self.state[s][key] = v
             elif role == "grad":
                 grads[key] = v
         if not self.spec.traced:
-            self._eager_step(grads)
-        if self.scheduler is not None:
-            self.scheduler.step()
-        loss_f = float(loss)
-        self.losses.append(loss_f)
-        self.step_times.append(time.perf_counter() - t0)
-        return loss_f
+            self._eager_step(s, grads)
 
-    def _eager_step(self, grads: dict) -> None:
-        """An optimizer fxpar does not trace: run torch's own on this rank's (synchronised) grads."""
-        for k, leaf in self._leaves.items():
+    def _input(self, role, key, s, weights, mb, acts):
+        if role == "param":
+            return weights[key]
+        if role == "buffer":
+            return self.buffers[key]
+        if role == "input":
+            return mb[int(key)]
+        if role == "target":
+            return mb[self.n_inputs + int(key)]
+        if role == "act":
+            return acts[key]
+        raise RuntimeError(f"stage {s}: no value for graph input ({role}, {key})")
+
+    def _send(self, a, w, idx):
+        s, i = a.stage, a.microbatch
+        if a.kind == _K.SEND_F:
+            box, order, tag = w.fwd.pop((s + 1, i)), self.p.messages[s]["acts_out"], _tag("F", s + 1)
+        else:
+            box, order, tag = w.bwd.pop((s - 1, i)), self.p.messages[s]["grads_out"], _tag("B", s - 1)
+        peer = a.peer * self.p.dp + self.dp_index
+        for key, _, _ in order:
+            t = box[key].contiguous()
+            w.sends.append((dist.isend(t, peer, tag=tag), t))
+            self.comm["sent_bytes"] += t.numel() * t.element_size()
+        self.comm["sends"] += 1
+
+    def _recv(self, a, w, idx):
+        s, i = a.stage, a.microbatch
+        fwd = a.kind == _K.RECV_F
+        metas = self.p.messages[s]["acts_in" if fwd else "grads_in"]
+        bufs = {key: torch.empty(shape, dtype=dt) for key, shape, dt in metas}
+        peer = a.peer * self.p.dp + self.dp_index
+        works = [dist.irecv(bufs[key], peer, tag=_tag("F" if fwd else "B", s)) for key, _, _ in metas]
+        for work in works:
+            work.wait()
+        self.comm["recvs"] += 1
+        (w.fwd if fwd else w.bwd)[(s, i)] = bufs
+
+    # ---- an optimizer fxpar does not trace: torch's own, eagerly -------------------------------
+    def _eager_step(self, s, grads: dict) -> None:
+        keys = self.p.stage_params[s]
+        for k in keys:
+            leaf = self._leaves[(s, k)]
             with torch.no_grad():
-                leaf.copy_(self.params[k])
+                leaf.copy_(self.params[s][k])
             leaf.grad = grads[k].detach().clone()
+        for key, leaf in self._leaves.items():
+            if key[0] != s:
+                leaf.grad = None                  # torch skips parameters without a gradient
         self.torch_opt.step()
-        for k, leaf in self._leaves.items():
-            self.params[k] = leaf.detach().clone()
+        self.params[s] = dict(self.params[s])
+        for k in keys:
+            self.params[s][k] = self._leaves[(s, k)].detach().clone()
 
+    # ---- what the rank holds ---------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {**self.params, **self.buffers}
+        """Parameters of the stages this rank is the first holder of, and the buffers."""
+        out = {}
+        for s in sorted(self.params):
+            if self.p.stage_to_rank[s][0] != self.pipe_rank:
+                continue
+            for k, v in self.params[s].items():
+                out.setdefault(k, v)
+        out.update(self.buffers)
+        return out
 
     def optimizer_state(self) -> dict:
         if self.spec.traced:
-            return dict(self.state)
+            return {k: v for st in self.state.values() for k, v in st.items()}
         return self.torch_opt.state_dict()
+
+    def _fingerprint(self, kind: str, s: int, i: int, version, saved, weights: dict, versions_held=None):
+        """Log which weights an F or B of stage s, microbatch i computes with. ``saved``: the forward's saved
+        tensors (what the backward reads); ``weights``: the version the action names (the store's tensors).
+
+        ``saved_digest`` hashes the bytes of the saved tensors that are weights or views of them (found by
+        storage); ``digest`` hashes those weights' whole tensors in ``weights``, ``newest`` the stage's newest
+        weights under the same keys; ``same_storage`` says the saved views sit on ``weights``' storages."""
+        by_ptr = {t.untyped_storage().data_ptr(): k for k, t in weights.items()}
+        views = {j: by_ptr[t.untyped_storage().data_ptr()] for j, t in enumerate(saved)
+                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in by_ptr}
+        keys = sorted(set(views.values()))
+        self.weight_log.append({
+            "kind": kind, "stage": s, "mb": i, "version": version, "keys": keys,
+            "saved_digest": digest({f"{j}:{k}": saved[j] for j, k in views.items()}),
+            "digest": digest({k: weights[k] for k in keys}),
+            "newest": digest({k: self.params[s][k] for k in keys}),
+            "same_storage": bool(views), "steps": self.step_count[s], "versions_held": versions_held})
+
+
+def train(payload: RankPayload, batches: list) -> dict:
+    """Worker entry: run every step; return loss sums, times, measurements and (dp index 0) the state."""
+    ex = Executor(payload)
+    if payload.extra.get("asynchronous"):
+        ex.run_async(batches)
+    else:
+        for b in batches:
+            ex.step(b)
+    out = {"loss_sums": ex.loss_sums, "step_times": ex.step_times, "comm": ex.comm, "busy": ex.busy,
+           "comm_calls": ex.comm_calls, "peak_versions": ex.peak_versions,
+           "peak_version_bytes": ex.peak_version_bytes, "act_peak": ex.act_peak,
+           "act_peak_bytes": ex.act_peak_bytes, "action_times": ex.action_times,
+           "weight_log": ex.weight_log, "timelines": ex.timelines}
+    if ex.dp_index == 0:
+        out["state"] = ex.state_dict()
+    if payload.rank == 0:
+        out["optimizer_state"] = ex.optimizer_state()
+    return out

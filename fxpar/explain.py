@@ -1,0 +1,110 @@
+"""``Program.explain()``: the plan, the stages, the schedule, the collectives, the passes and the cost
+models' estimate, in plain language -- one text for every strategy."""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["explain_program", "fmt_bytes"]
+
+
+def fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def _stage_lines(prog) -> list:
+    lines = ["", "stages:"]
+    split = prog.split
+    for st in prog.stages:
+        cap = st.captured
+        pbytes = sum(_nbytes(cap.param_shapes[k], cap.param_dtypes[k]) for k in cap.param_names)
+        sends = sum(_nbytes(sh, dt) for _, sh, dt in st.messages["acts_out"])
+        saved = st.graphs.get("F")
+        saved_n = sum(1 for r, _ in saved.outputs if r == "saved") if saved is not None else 0
+        where = f"pipeline rank(s) {prog.plan.stage_to_rank[st.index]}"
+        head = f"  stage {st.index} on {where}"
+        if split is not None:
+            sg = split.stages[st.index]
+            head += (f": {len(sg.nodes)} nodes ({sg.flops / 1e6:.2f} MFLOP fwd per microbatch), modules "
+                     f"{sg.modules[:3]}{'...' if len(sg.modules) > 3 else ''}")
+        lines.append(head)
+        lines.append(f"    params {fmt_bytes(pbytes)} in {len(cap.param_names)} tensors; graphs "
+                     + ", ".join(f"{k} ({len(g.gm.graph.nodes)} nodes)" for k, g in st.graphs.items())
+                     + (f"; F saves {saved_n} tensors per microbatch; sends {fmt_bytes(sends)} forward per microbatch"
+                        if saved is not None else ""))
+    if split is not None and len(split.stages) > 1:
+        flops = [s.flops for s in split.stages]
+        if min(flops) > 0 and max(flops) / min(flops) > 1.2:
+            lines.append(f"  WARNING: predicted stage FLOPs differ by {max(flops) / min(flops) - 1:.0%} "
+                         f"({[round(f / 1e6, 2) for f in flops]} MFLOP): the slowest stage sets the pace. Move the "
+                         f"cuts (Strategy(split_points=...), candidates: {split.candidates[:8]}...) or use more "
+                         "microbatches.")
+    return lines
+
+
+def explain_program(prog) -> str:
+    plan, cap = prog.plan, prog.captured
+    lines = [f"fxpar program for {prog.model_name}: {prog.strategy} on {prog.world_size} rank(s)",
+             f"cluster: {prog.cluster}", "", "plan:"]
+    lines += ["  " + ln for ln in str(plan).splitlines()]
+    if len(prog.stages) == 1:
+        p_bytes = sum(_nbytes(cap.param_shapes[k], cap.param_dtypes[k]) for k in cap.param_names)
+        n_vals = sum(int(torch.Size(s).numel()) for s in cap.param_shapes.values())
+        b_bytes = sum(v.numel() * v.element_size() for v in prog._buffers.values())
+        lines += ["", "per rank (every rank holds a full replica under data parallelism):",
+                  f"  parameters      {fmt_bytes(p_bytes)} ({n_vals:,} values in {len(cap.param_names)} tensors)",
+                  f"  gradients       {fmt_bytes(p_bytes)}",
+                  f"  optimizer state {fmt_bytes(p_bytes * len(cap.optimizer.state_names))} "
+                  f"({', '.join(cap.optimizer.state_names) or 'none'})",
+                  f"  buffers         {fmt_bytes(b_bytes)}"]
+    else:
+        lines += _stage_lines(prog)
+    if prog.aliases:
+        lines.append(f"  tied parameters (one tensor, one gradient): {prog.aliases}")
+    if len(prog.stages) > 1 or plan.microbatches > 1:
+        from .schedule import simulate
+        sim = simulate(prog.pipe_schedule)
+        lines += ["", f"schedule {prog.pipe_schedule.name} (dry run with F=1, B=2 units): bubble "
+                      f"{sim.bubble_fraction:.3f}; microbatches in flight per rank {sim.peak_activations_per_rank}"]
+        lines += ["  " + ln for ln in prog.pipe_schedule.format_lists().splitlines()]
+        if prog.asynchronous:
+            lines += ["", "asynchronous: the schedule above covers 2 batches; a run covers all its batches in one "
+                          f"window with no flush. Weight versions held at once per stage (dry run): {sim.peak_versions}; "
+                          "each forward's saved tensors keep the version its backward needs."]
+    comms = prog.collectives(0)
+    lines += ["", f"communication per step on rank 0: {len(comms)} operation(s), "
+                  f"{fmt_bytes(sum(c.nbytes for c in comms))} handed to them"]
+    for i, c in enumerate(comms[:40]):
+        lines.append(f"  {i:3d}. {c.kind:<10} over {c.axis} {list(c.ranks)}: {fmt_bytes(c.nbytes)}")
+    if len(comms) > 40:
+        lines.append(f"  ... {len(comms) - 40} more")
+    hist = prog.history(0)
+    lines += ["", "passes run (rank 0): " + " -> ".join(f"{h.pass_name}({h.nodes})" for h in hist
+                                                       if not h.pass_name.startswith("split_graphs:"))]
+    for s in plan.rank_stages(0):
+        lines += ["  " + n for n in prog.stages[s].notes]
+    if not cap.optimizer.traced:
+        lines += ["", f"optimizer {cap.optimizer.name} runs eagerly on each rank ({cap.optimizer.why_not_traced}):",
+                  "  its update is not in the graph, so passes that rewrite the optimizer step do not apply."]
+    lines += ["", "estimate (cost models; " + ("calibrated cluster" if prog.cluster.device.efficiency
+                                               else "vendor/default figures: ClusterSpec.calibrate() for this machine's") + "):"]
+    est = prog.estimate()
+    lines += ["  " + ln for ln in str(est).splitlines()]
+    mem = prog.cluster.device.memory_bytes
+    over = [r.rank for r in est.ranks if r.peak_memory_bytes > mem]
+    if over:
+        lines.append(f"  WARNING: predicted peak memory {fmt_bytes(max(r.peak_memory_bytes for r in est.ranks))} exceeds "
+                     f"the {fmt_bytes(mem)} of a {prog.cluster.device.name} on {len(over)} rank(s): shard state (ZeRO), "
+                     "or split the model (tp/pp), or use a smaller batch.")
+    if est.defaulted:
+        lines.append("  ops costed by the default rule (no entry in cost_models.compute.FLOP_RULES): "
+                     + ", ".join(f"{k} x{v}" for k, v in est.defaulted.most_common()))
+    lines += ["", f"time: capture {prog.timings['capture']:.2f}s, plan+lower {prog.timings['lower']:.2f}s"]
+    return "\n".join(lines)

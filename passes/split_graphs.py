@@ -1,0 +1,248 @@
+"""split_graphs: cut a stage's joint training-step graph into the graphs a schedule calls.
+
+Every pass runs on the joint graph (forward, backward, gradient collectives, optimizer) first;
+this pass then cuts it by the tags those passes left in ``node.meta``:
+
+==============  ==========================================  ==========================================
+graph           nodes                                       called
+==============  ==========================================  ==========================================
+``F``           ``fxpar_phase == "forward"``                once per microbatch (action ``F``)
+``B``           ``fxpar_phase == "backward"``               once per microbatch (action ``B``)
+``I`` / ``W``   backward, split: ``I`` makes the input      zero-bubble schedules (``I``, ``W``)
+                gradients the previous stage needs, ``W``
+                the rest (the weight gradients)
+``REDUCE_GRAD`` ``fxpar_reduce_grad == "issue"``: the       once per step, after the stage's last
+                bucket copies and the collectives' start    backward (action ``RG``)
+``STEP``        ``fxpar_phase == "optimizer"`` and          once per step (action ``STEP``)
+                ``fxpar_reduce_grad == "wait"``
+==============  ==========================================  ==========================================
+
+A node without a tag goes with the latest graph among its inputs. What crosses a cut becomes an
+output of one graph and an input of the other, named by role (:class:`SplitGraph`):
+
+* ``("saved", name)``: a value ``F`` (or ``I``) makes and a later per-microbatch graph reads,
+  kept per microbatch. A backward graph reads parameters, the batch and received activations only
+  through ``F``'s saved values, so a backward always differentiates through the weights its
+  forward used (PipeDream's weight stashing needs exactly that).
+* ``("grad", key)``: a parameter's gradient made per microbatch and read per step: the runtime
+  sums it over the step's microbatches (and over the stages of a rank that share the parameter),
+  then hands the sum to ``REDUCE_GRAD`` or ``STEP``. Anything else crossing from a per-microbatch
+  graph into a per-step graph is refused, naming the node.
+* ``("pending", name)``: a collective ``REDUCE_GRAD`` started and ``STEP`` waits on, so the
+  reduction overlaps whatever the rank does in between.
+
+Before (a one-Linear stage, dp=2, bucketed), after ``split_graphs(kinds=("F", "B", "REDUCE_GRAD", "STEP"))``::
+
+    t = t(w); mm = mm(x, t); loss = ...                    # forward
+    full_like = full_like(loss, 0.5); mm_1 = mm(...)       # backward: grad of w
+    empty = empty([n]); copy_ = copy_(slot, mm_1); all_reduce_ = all_reduce_(empty, ...)   # issue
+    wait = wait_tensor(all_reduce_); view = view(slice(wait)); _foreach_sub = ...          # step
+
+    F(w, x, target) -> (loss, saved_x, saved_w)
+    B(saved_x, saved_w) -> (grad w,)
+    REDUCE_GRAD(grad w) -> (pending empty,)
+    STEP(w, lr, step, pending empty) -> (new w, grad w)
+
+``kinds=("FULL",)`` keeps the joint graph whole: a one-stage, one-microbatch program runs it as
+one graph, its collectives overlapping its backward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from fxpar import meta as M
+from fxpar.errors import PassError
+from fxpar.pass_manager import Pass, PassContext, PassResult
+
+__all__ = ["SplitGraph", "split_graphs", "SplitGraphs"]
+
+_ORDER = {"F": 0, "B": 1, "I": 1, "W": 2, "REDUCE_GRAD": 3, "STEP": 4}
+_PER_MB = ("F", "B", "I", "W")
+_DIRECT = {"F": ("param", "buffer", "input", "target", "act"), "B": ("tangent",), "I": ("tangent",),
+           "W": ("tangent",), "REDUCE_GRAD": (), "STEP": ("param", "buffer", "opt_state", "lr", "step")}
+
+
+@dataclass
+class SplitGraph:
+    """One graph a schedule action calls, with what each input and output is (``(role, key)``)."""
+    kind: str
+    gm: torch.fx.GraphModule
+    inputs: list = field(default_factory=list)
+    outputs: list = field(default_factory=list)
+
+    def __getstate__(self):   # graphs travel node by node (fxpar.runtime.portable)
+        from fxpar.runtime.portable import pack_graph_module
+        return {**self.__dict__, "gm": pack_graph_module(self.gm)}
+
+    def __setstate__(self, state):
+        from fxpar.runtime.portable import unpack_graph_module
+        self.__dict__.update({**state, "gm": unpack_graph_module(state["gm"])})
+
+
+def _kind_of(n: torch.fx.Node, assigned: dict) -> str:
+    tag = M.get(n, M.REDUCE_GRAD)
+    if tag == "issue":
+        return "REDUCE_GRAD"
+    if tag == "wait":
+        return "STEP"
+    phase = M.get(n, M.PHASE)
+    if phase == "forward":
+        return "F"
+    if phase == "backward":
+        return "B"
+    if phase == "optimizer":
+        return "STEP"
+    ins = [assigned[a] for a in n.all_input_nodes if a in assigned]
+    return max(ins, key=_ORDER.get) if ins else "F"
+
+
+def _classify(gm, signature, split_backward: bool) -> dict:
+    assigned = {}
+    for n in gm.graph.nodes:
+        if n.op == "call_function":
+            assigned[n] = _kind_of(n, assigned)
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    if split_backward:      # I: what the previous stage's gradients need; W: the rest of backward
+        need, stack = set(), [o for o, (r, _) in zip(outs, signature.outputs)
+                              if r == "act_grad" and isinstance(o, torch.fx.Node)]
+        while stack:
+            x = stack.pop()
+            if x in need or assigned.get(x) != "B":
+                continue
+            need.add(x)
+            stack.extend(x.all_input_nodes)
+        for n, k in assigned.items():
+            if k == "B":
+                assigned[n] = "I" if n in need else "W"
+    for n, k in assigned.items():
+        for a in n.all_input_nodes:
+            ka = assigned.get(a)
+            if ka is not None and _ORDER[ka] > _ORDER[k]:
+                raise PassError(f"split_graphs: node {n.name} ({k}) reads {a.name}, which belongs to the later graph "
+                                f"{ka}; a pass placed it out of order (made by pass {M.get(n, M.PASS, 'capture')!r})")
+    return assigned
+
+
+def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
+    """Cut ``gm`` (a joint stage graph with ``gm.meta['fxpar_signature']``) into ``{kind: SplitGraph}``."""
+    sig = gm.meta["fxpar_signature"]
+    if tuple(kinds) == ("FULL",):
+        return {"FULL": SplitGraph("FULL", gm, list(sig.inputs), list(sig.outputs))}
+    split_bw = "I" in kinds
+    assigned = _classify(gm, sig, split_bw)
+    phs = gm.graph.find_nodes(op="placeholder")
+    role_of = dict(zip(phs, sig.inputs))
+    out_node = gm.graph.find_nodes(op="output")[0]
+    graph_kinds = [k for k in ("F", "I", "W", "REDUCE_GRAD", "STEP") if k in kinds or (k in ("I", "W") and split_bw)]
+    if not split_bw:
+        graph_kinds.insert(1, "B")
+    where = lambda n: assigned.get(n, "placeholder")  # noqa: E731
+
+    # what each graph reads from outside itself, and the role it gets there
+    reads = {k: {} for k in graph_kinds}          # kind -> {node: (role, key)}
+    exports = {k: {} for k in graph_kinds}        # kind -> {node: (role, key)} outputs for later graphs
+    consts = {k: [] for k in graph_kinds}         # kind -> get_attr nodes it reads (each graph makes its own)
+    for n, k in assigned.items():
+        for a in n.all_input_nodes:
+            if a.op == "get_attr":
+                if a not in consts[k]:
+                    consts[k].append(a)
+                continue
+            ka = where(a)
+            if ka == k:
+                continue
+            reads[k].setdefault(a, _crossing(a, ka, k, role_of, exports))
+    # joint outputs: each from the graph that makes it (or, for an input passed through, the graph it feeds)
+    joint_out = {k: [] for k in graph_kinds}
+    for node, (role, key) in zip(out_node.args[0], sig.outputs):
+        if not isinstance(node, torch.fx.Node):
+            continue
+        k = where(node)
+        if k == "placeholder":
+            k = "STEP" if role in ("new_param", "new_opt_state") else "F"
+            reads[k].setdefault(node, role_of[node])
+        elif role == "grad" and k in _PER_MB:
+            continue                        # unsynchronised: the runtime's sum is the gradient
+        joint_out[k].append((node, (role, key)))
+    out = {}
+    for k in graph_kinds:
+        body = [n for n in gm.graph.nodes if assigned.get(n) == k]
+        ins = sorted(reads[k].items(), key=lambda kv: _input_rank(kv[1]))
+        outs = list(exports[k].items()) + [(n, rk) for n, rk in joint_out[k]]
+        out[k] = SplitGraph(k, _build(gm, k, ins, consts[k], body, outs), [rk for _, rk in ins], [rk for _, rk in outs])
+    return out
+
+
+_ROLE_RANK = {"param": 0, "buffer": 1, "opt_state": 2, "lr": 3, "step": 4, "input": 5, "target": 6, "act": 7,
+              "tangent": 8, "saved": 9, "grad": 10, "pending": 11}
+
+
+def _input_rank(rk):
+    return _ROLE_RANK.get(rk[0], 99)
+
+
+def _crossing(a, ka, k, role_of, exports) -> tuple:
+    """The role under which graph ``k`` reads node ``a`` (made in ``ka`` or a placeholder)."""
+    if ka == "placeholder":
+        role = role_of[a]
+        if role[0] in _DIRECT[k]:
+            return role
+        if k in _PER_MB and role[0] in _DIRECT["F"]:       # the backward reads the batch or weights: F saves them
+            exports["F"][a] = ("saved", a.name)
+            return ("saved", a.name)
+        raise PassError(f"split_graphs: the {k} graph reads input {a.name} ({role[0]} {role[1]!r}), which that "
+                        f"graph is not given; a pass made {k} depend on it")
+    if ka in _PER_MB and k in _PER_MB:
+        exports[ka][a] = ("saved", a.name)
+        return ("saved", a.name)
+    if ka in ("B", "I", "W") and k in ("REDUCE_GRAD", "STEP"):
+        key = M.get(a, M.GRAD_OF)
+        if key is None:
+            raise PassError(f"split_graphs: the per-step {k} graph reads {a.name}, made per microbatch in {ka}, and it "
+                            "is not a parameter gradient (no fxpar_grad_of): only gradients can be summed over "
+                            "microbatches. Move that node into the backward or the optimizer phase.")
+        exports[ka][a] = ("grad", key)
+        return ("grad", key)
+    if ka == "REDUCE_GRAD" and k == "STEP":
+        exports[ka][a] = ("pending", a.name)
+        return ("pending", a.name)
+    raise PassError(f"split_graphs: the {k} graph reads {a.name} from the {ka} graph; values cross only from "
+                    "forward to backward, from backward to REDUCE_GRAD/STEP (gradients) and from REDUCE_GRAD to STEP")
+
+
+def _build(gm, kind, ins, consts, body, outs) -> torch.fx.GraphModule:
+    g = torch.fx.Graph()
+    env = {}
+    for c in consts:
+        env[c] = g.get_attr(c.target)
+        env[c].meta = dict(c.meta)
+    for node, (role, key) in ins:
+        ph = g.placeholder(node.name if role != "grad" else f"grad_{node.name}")
+        ph.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", M.PARAM.name)}
+        ph.meta[M.ROLE.name] = role
+        env[node] = ph
+    for n in body:
+        env[n] = g.node_copy(n, lambda a: env[a])
+    g.output(tuple(env[n] for n, _ in outs))
+    new = torch.fx.GraphModule(gm, g, f"{kind}Graph")
+    new.meta["fxpar_kind"] = kind
+    return new
+
+
+class SplitGraphs(Pass):
+    """The pass form, last in the pipeline: ``ctx.store['split']`` gets ``{kind: SplitGraph}``; the joint
+    graph itself is returned unchanged (history shows each cut graph as its own entry)."""
+    name = "split_graphs"
+
+    def __init__(self, kinds: tuple):
+        self.kinds = tuple(kinds)
+
+    def run(self, gm, ctx: PassContext) -> PassResult:
+        parts = split_graphs(gm, self.kinds)
+        ctx.store["split"] = parts
+        if tuple(self.kinds) != ("FULL",):
+            ctx.notes.append("split_graphs: " + ", ".join(f"{k} {len(p.gm.graph.nodes)} nodes" for k, p in parts.items()))
+        return PassResult(gm, False, {"graphs": {k: p.gm.code for k, p in parts.items()}})
