@@ -70,6 +70,8 @@ _UNTRACED_OPTIONS = ("amsgrad", "maximize", "differentiable", "capturable", "fus
 
 def resolve_optimizer(optimizer) -> OptimizerSpec:
     """Accept ``(cls, kwargs)``, ``cls`` or ``None`` (plain SGD, lr=0.01)."""
+    if isinstance(optimizer, OptimizerSpec):
+        return optimizer
     if optimizer is None:
         optimizer = (torch.optim.SGD, {"lr": 0.01})
     if isinstance(optimizer, type):

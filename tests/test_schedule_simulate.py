@@ -53,11 +53,11 @@ def test_chimera_activations_are_balanced():
     assert max(per_rank.values()) - min(per_rank.values()) < max(one.values()) - min(one.values())
 
 
-def test_sync_is_a_collective_at_the_end():
+def test_reduce_grad_is_a_collective_over_the_holders():
     base = simulate(get_schedule("chimera", 4, 4), F=1, B=1)
-    slow = simulate(get_schedule("chimera", 4, 4), F=1, B=1, sync=1.5)
-    assert slow.makespan == base.makespan + 3.0          # two SYNCs per rank after its last backward
-    ends = {r: [e for b, e, a in tl if a.kind.value == "SYNC"] for r, tl in slow.timelines.items()}
+    slow = simulate(get_schedule("chimera", 4, 4), F=1, B=1, reduce=1.5)
+    assert slow.makespan == base.makespan + 3.0          # two RGs per rank after its last backward
+    ends = {r: [e for b, e, a in tl if a.kind.value == "RG"] for r, tl in slow.timelines.items()}
     assert ends[0] == ends[3] and ends[1] == ends[2]     # replicas (s, p-1-s) leave each all-reduce together
     last_b = {r: max(e for b, e, a in tl if a.is_compute) for r, tl in slow.timelines.items()}
     assert ends[0][-1] == max(last_b[0], last_b[3]) + 3.0
@@ -123,10 +123,11 @@ def test_deadlock_on_a_message_never_sent():
         simulate(Schedule.parse(text))
 
 
-def test_deadlock_on_a_sync_the_other_replica_skips():
+def test_deadlock_on_a_reduce_grad_the_other_replica_skips():
     s = get_schedule("chimera", 2, 2)
-    s.actions[1] = [a for a in s.actions[1] if a.short() != "SYNC1"]
-    with pytest.raises(ScheduleDeadlockError, match="rank 0 waits at step 9 on SYNC1 for the other replicas"):
+    s.actions[1] = [a for a in s.actions[1] if a.short() != "RG1"]
+    with pytest.raises(ScheduleDeadlockError, match="rank 0 waits at step 9 on RG1 for the other holders of stage 1: "
+                                                    "rank 1 has finished"):
         simulate(s)
 
 

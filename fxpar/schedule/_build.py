@@ -1,18 +1,22 @@
 """Shared helpers for the schedule generators: place compute, then derive the SEND/RECV pairs.
 
-A generator decides only the order of compute (F/B) and of SYNC/STEP on each rank. ``add_comms``
-then puts, for every stage boundary that crosses ranks, a SEND right after the producing compute
-and the matching RECV right before the consuming compute. Under the communication semantics of
-:mod:`fxpar.schedule.simulate` (sends never block, receives block) that placement cannot deadlock
+A generator decides only the order of compute (F/B, or F/I/W) and, for asynchronous schedules, of
+STEP on each rank. ``add_comms`` then puts, for every stage boundary that crosses ranks, a SEND right
+after the producing compute and the matching RECV right before the consuming compute (the input
+gradient is made by B or by I, and consumed by B or by I). Under the communication semantics of
+:mod:`fxpar.schedule.dryrun` (sends never block, receives block) that placement cannot deadlock
 as long as the compute order is consistent with the data dependencies, which the simulator checks.
+``finish`` adds the REDUCE_GRADs (:func:`fxpar.schedule.reduce_grad.place_reduce_grad`) and STEPs.
 """
 from __future__ import annotations
 
 from fxpar.schedule.ir import Action, ActionKind, Schedule
+from fxpar.schedule.reduce_grad import place_reduce_grad
 
 __all__ = ["compute", "add_comms", "finish", "greedy_order"]
 
 _K = ActionKind
+_DX = (_K.B, _K.I)          # the computes that make a stage's input gradient
 
 
 def compute(rank: int, kind: str, stage: int, mb: int, version: int | None = None) -> Action:
@@ -21,39 +25,36 @@ def compute(rank: int, kind: str, stage: int, mb: int, version: int | None = Non
 
 def add_comms(lists: dict[int, list[Action]], n_stages: int) -> dict[int, list[Action]]:
     """Insert SEND_F/RECV_F/SEND_B/RECV_B around every compute whose neighbour stage runs elsewhere."""
-    where = {(a.kind, a.stage, a.microbatch): r for r, acts in lists.items() for a in acts if a.is_compute}
+    fwd = {(a.stage, a.microbatch): r for r, acts in lists.items() for a in acts if a.kind == _K.F}
+    bwd = {(a.stage, a.microbatch): r for r, acts in lists.items() for a in acts if a.kind in _DX}
     out: dict[int, list[Action]] = {}
     for r, acts in lists.items():
         seq: list[Action] = []
         for a in acts:
             s, i = a.stage, a.microbatch
-            if a.kind == _K.F and s > 0 and where.get((_K.F, s - 1, i), r) != r:
-                seq.append(Action(r, _K.RECV_F, s, i, where[(_K.F, s - 1, i)]))
-            if a.kind == _K.B and s < n_stages - 1 and where.get((_K.B, s + 1, i), r) != r:
-                seq.append(Action(r, _K.RECV_B, s, i, where[(_K.B, s + 1, i)]))
+            if a.kind == _K.F and s > 0 and fwd.get((s - 1, i), r) != r:
+                seq.append(Action(r, _K.RECV_F, s, i, fwd[(s - 1, i)]))
+            if a.kind in _DX and s < n_stages - 1 and bwd.get((s + 1, i), r) != r:
+                seq.append(Action(r, _K.RECV_B, s, i, bwd[(s + 1, i)]))
             seq.append(a)
-            if a.kind == _K.F and s < n_stages - 1 and where.get((_K.F, s + 1, i), r) != r:
-                seq.append(Action(r, _K.SEND_F, s, i, where[(_K.F, s + 1, i)]))
-            if a.kind == _K.B and s > 0 and where.get((_K.B, s - 1, i), r) != r:
-                seq.append(Action(r, _K.SEND_B, s, i, where[(_K.B, s - 1, i)]))
+            if a.kind == _K.F and s < n_stages - 1 and fwd.get((s + 1, i), r) != r:
+                seq.append(Action(r, _K.SEND_F, s, i, fwd[(s + 1, i)]))
+            if a.kind in _DX and s > 0 and bwd.get((s - 1, i), r) != r:
+                seq.append(Action(r, _K.SEND_B, s, i, bwd[(s - 1, i)]))
         out[r] = seq
     return out
 
 
 def finish(lists: dict[int, list[Action]], n_stages: int, n_mb: int, stage_to_rank: dict[int, tuple[int, ...]],
-           name: str, sync: bool = False, step: bool = True, **meta) -> Schedule:
-    """Add comms, then (optionally) ``SYNC`` of replicated stages and ``STEP`` of every held stage.
-
-    SYNCs come first on every rank, in increasing stage order, so replicas meet in the same order;
-    then one STEP per held stage. Asynchronous generators pass ``step=False`` and place STEPs themselves.
-    """
+           name: str, synchronous: bool = True, **meta) -> Schedule:
+    """Add comms; for a synchronous schedule also one ``RG s`` per held stage (after its last backward
+    there) and, after all of them, one ``STEP s`` per held stage. Asynchronous generators pass
+    ``synchronous=False`` and place their ``RG s`` + ``STEP s@v`` pairs themselves."""
     full = add_comms(lists, n_stages)
     for r in full:
-        held = [s for s, rs in sorted(stage_to_rank.items()) if r in rs]
-        if sync:
-            full[r] += [Action(r, _K.SYNC, s) for s in held if len(stage_to_rank[s]) > 1]
-        if step:
-            full[r] += [Action(r, _K.STEP, s) for s in held]
+        if synchronous:
+            full[r] = place_reduce_grad(full[r], r, stage_to_rank)
+            full[r] += [Action(r, _K.STEP, s) for s, rs in sorted(stage_to_rank.items()) if r in rs]
     return Schedule(full, n_stages, n_mb, dict(stage_to_rank), name, {k: str(v) for k, v in meta.items()})
 
 

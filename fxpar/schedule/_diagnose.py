@@ -46,29 +46,37 @@ def _reason(schedule: Schedule, ptr: dict[int, int], r: int, a: Action, blocking
         if j is None:
             return f"(a blocking send) but rank {d} never receives it ({recv} is not in its list)"
         return f"(a blocking send) until rank {d} posts {recv} at its step {j}, but {_where(schedule, ptr, d)}"
-    if a.kind == _K.SYNC:
+    if a.kind == _K.REDUCE_GRAD:
         members = schedule.stage_to_rank.get(s, (r,))
         others = [q for q in members if q != r and not (ptr.get(q, 0) < len(schedule.actions.get(q, []))
-                                                         and schedule.actions[q][ptr[q]] == Action(q, _K.SYNC, s))]
-        return "for the other replicas of stage %d: %s" % (s, "; ".join(_where(schedule, ptr, q) for q in others))
+                                                         and schedule.actions[q][ptr[q]] == Action(q, a.kind, s))]
+        return "for the other holders of stage %d: %s" % (s, "; ".join(_where(schedule, ptr, q) for q in others))
     # compute or a send waiting on local data
+    mine = schedule.actions[r]
     if a.kind == _K.F:
         need, what = Action(r, _K.F, s - 1, i), f"the activations of stage {s - 1} microbatch {i}"
         recv = Action(r, _K.RECV_F, s, i, 0).short()[:-1] + "<SRC"
-    elif a.kind == _K.B and not any(b.kind == _K.F and b.stage == s and b.microbatch == i
-                                    for b in schedule.actions[r][:here]):
-        j = _find(schedule, r, lambda b: b.kind == _K.F and b.stage == s and b.microbatch == i)
-        return (f"but its forward F{s}.{i} is never run on rank {r}" if j is None else
-                f"but its forward F{s}.{i} comes later, at step {j} of rank {r}")
-    elif a.kind == _K.B:
+    elif a.kind in (_K.B, _K.I, _K.W):
+        pre = _K.I if a.kind == _K.W else _K.F
+        if not any(b.kind == pre and b.stage == s and b.microbatch == i for b in mine[:here]):
+            j = _find(schedule, r, lambda b: b.kind == pre and b.stage == s and b.microbatch == i)
+            role = "input-gradient half" if pre == _K.I else "forward"
+            return (f"but its {role} {pre.value}{s}.{i} is never run on rank {r}" if j is None else
+                    f"but its {role} {pre.value}{s}.{i} comes later, at step {j} of rank {r}")
+        if a.kind == _K.W:
+            return f"after I{s}.{i}, which ran: this should not block (report it as a simulator bug)"
         need, what = Action(r, _K.B, s + 1, i), f"the gradients from stage {s + 1} microbatch {i}"
         recv = Action(r, _K.RECV_B, s, i, 0).short()[:-1] + "<SRC"
+        j = _find(schedule, r, lambda b: b.kind in (_K.B, _K.I) and b.stage == s + 1 and b.microbatch == i)
+        if j is not None:
+            return f"for {what}, but rank {r} computes {mine[j].short()} only later, at step {j}"
+        return f"for {what}, which rank {r} neither computes nor receives (no {recv} before it)"
     else:
-        base = _K.F if a.kind == _K.SEND_F else _K.B
-        need = Action(r, base, s, i)
-        j = _find(schedule, r, lambda b: b == need or (b.kind == base and b.stage == s and b.microbatch == i))
+        bases = (_K.F,) if a.kind == _K.SEND_F else (_K.B, _K.I)
+        j = _find(schedule, r, lambda b: b.kind in bases and b.stage == s and b.microbatch == i)
+        need = Action(r, bases[0], s, i)
         return (f"but rank {r} never computes {need.short()}" if j is None else
-                f"but rank {r} computes {need.short()} only later, at step {j}")
+                f"but rank {r} computes {mine[j].short()} only later, at step {j}")
     j = _find(schedule, r, lambda b: b.kind == need.kind and b.stage == need.stage and b.microbatch == i)
     if j is not None:
         return f"for {what}, but rank {r} computes {need.short()} only later, at step {j}"

@@ -7,18 +7,21 @@ its weights after v STEPs of stage s (0 = initial). A B always uses the version 
 runtime must keep ("stash") that version until the B has run.
 
 PipeDream (Harlap, Narayanan et al., "PipeDream: Generalized Pipeline Parallelism for DNN Training",
-SOSP'19): a STEP after every B (per-microbatch updates); each F uses the newest version. Stage s
-holds at most ``p-s`` versions at once (its in-flight microbatches' stashed versions plus the newest).
+SOSP'19): an ``RG s`` and a STEP after every B (per-microbatch updates); each F uses the newest
+version. Stage s holds at most ``p-s`` versions at once (its in-flight microbatches' stashed versions
+plus the newest).
 
 PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML'21): the
 m microbatches of batch b accumulate one gradient, computed on every stage with version ``max(b-1, 0)``;
-after the last B of batch b, ``STEP@(b+1)`` makes W(b+1) = W(b) - lr * grad(W(b-1)) -- the paper's
-W(t+1) = W(t) - nu * grad f(W(t-1)) with W(-1) = W(0). Two versions at most per stage; the
+after the last B of batch b, ``RG s`` then ``STEP@(b+1)`` makes W(b+1) = W(b) - lr * grad(W(b-1)) --
+the paper's W(t+1) = W(t) - nu * grad f(W(t-1)) with W(-1) = W(0). Two versions at most per stage; the
 generator needs m >= p-1 so that version b-1 exists on stage 0 when batch b starts.
 
 Example, ``pipedream(2, 3)``::
 
-    rank 0: F0.0@0 SF0.0>1 F0.1@0 SF0.1>1 RB0.0<1 B0.0@0 STEP0@1 F0.2@1 SF0.2>1 RB0.1<1 B0.1@0 STEP0@2 ...
+    rank 0: F0.0@0 SF0.0>1 F0.1@0 SF0.1>1 RB0.0<1 B0.0@0 RG0 STEP0@1 F0.2@1 SF0.2>1 RB0.1<1 B0.1@0 RG0 STEP0@2 ...
+
+Every ``STEP s@v`` has an ``RG s`` right before it: the reduction of the gradient that step applies.
 """
 from __future__ import annotations
 
@@ -30,11 +33,16 @@ from fxpar.schedule.synchronous import _one_f_one_b_lists
 __all__ = ["pipedream", "pipedream_2bw"]
 
 
+def _reduce_and_step(stage: int, version: int) -> list[Action]:
+    """``RG s`` (this stage's gradient collectives, e.g. over dp replicas) then ``STEP s@version``."""
+    return [Action(stage, ActionKind.REDUCE_GRAD, stage), Action(stage, ActionKind.STEP, stage, version=version)]
+
+
 def pipedream(p: int, m: int) -> Schedule:
     """PipeDream's asynchronous 1F1B with weight stashing over m microbatches, one STEP per B.
 
     F of microbatch i on stage s uses the newest version, which is the number of B's stage s ran
-    before it: ``max(0, i - (p-s-1))``. Its B uses the same version; ``STEP@(k+1)`` follows ``B k``.
+    before it: ``max(0, i - (p-s-1))``. Its B uses the same version; ``RG s STEP s@(k+1)`` follow ``B k``.
     The schedule covers m microbatches from an empty pipeline to an empty pipeline; in a long run the
     next window continues with version m (steady state is never flushed in PipeDream).
     """
@@ -44,15 +52,15 @@ def pipedream(p: int, m: int) -> Schedule:
     def version(s: int, i: int) -> int:
         return max(0, i - (p - s - 1))
 
-    lists = _one_f_one_b_lists(p, m, version, lambda s, k: Action(s, ActionKind.STEP, s, version=k + 1))
-    return finish(lists, p, m, {s: (s,) for s in range(p)}, "pipedream", step=False)
+    lists = _one_f_one_b_lists(p, m, version, lambda s, k: _reduce_and_step(s, k + 1))
+    return finish(lists, p, m, {s: (s,) for s in range(p)}, "pipedream", synchronous=False)
 
 
 def pipedream_2bw(p: int, m: int, n_batches: int = 2) -> Schedule:
     """PipeDream-2BW: 1F1B over ``n_batches`` batches of m microbatches without a flush between them.
 
     Microbatch j belongs to batch ``b = j // m`` and uses version ``max(b-1, 0)`` on every stage, for F
-    and B alike; ``STEP@(b+1)`` follows the B of batch b's last microbatch on each stage. The schedule
+    and B alike; ``RG s STEP s@(b+1)`` follow the B of batch b's last microbatch on each stage. The schedule
     has ``n_batches * m`` microbatches (``n_microbatches`` counts them all). Needs m >= p-1: stage 0
     runs batch b's first F after the B of microbatch ``b*m - p``, which must end batch b-2 or later.
     """
@@ -70,8 +78,8 @@ def pipedream_2bw(p: int, m: int, n_batches: int = 2) -> Schedule:
         return max(j // m - 1, 0)
 
     def step_after(s: int, k: int):
-        return Action(s, ActionKind.STEP, s, version=k // m + 1) if k % m == m - 1 else None
+        return _reduce_and_step(s, k // m + 1) if k % m == m - 1 else None
 
     lists = _one_f_one_b_lists(p, total, version, step_after)
-    return finish(lists, p, total, {s: (s,) for s in range(p)}, "2bw", step=False,
+    return finish(lists, p, total, {s: (s,) for s in range(p)}, "2bw", synchronous=False,
                   batch=m, n_batches=n_batches)

@@ -6,9 +6,10 @@ pipeline puts stage s on rank s, the *up* pipeline puts stage s on rank p-1-s, s
 stage s and stage p-1-s (two replicas of every stage in the system: ``stage_to_rank[s] == (s, p-1-s)``).
 The first m/2 microbatches go down, the other m/2 go up. Each worker runs the earliest ready work,
 backwards first (the order is found by list scheduling with equal F and B slots, as the paper's
-figures and bubble counts assume), so the two pipelines fill each other's bubbles. At the end every
-rank all-reduces (``SYNC``) the gradients of both its stages with the other replica, in increasing
-stage order on every rank, then steps both (``STEP``). Everything is synchronous: one weight version.
+figures and bubble counts assume), so the two pipelines fill each other's bubbles. Each rank reduces
+(``RG s``, a collective with the other replica of s) each of its two stages after its last backward
+of that stage, the two in increasing stage order on every rank so replicas meet in the same order,
+then steps both (``STEP``). Everything is synchronous: one weight version.
 
 The paper gives the bubble ratio (D-2)/(2N+D-2) for D stages and N microbatches, i.e.
 (p-2)/(2m+p-2), against (p-1)/(m+p-1) for GPipe and 1F1B. It counts bubbles in slots where F and B
@@ -20,8 +21,8 @@ between p/2 and p, more balanced than 1F1B's p on rank 0 and 1 on rank p-1.
 
 Example, ``chimera(2, 2)``::
 
-    rank 0: F0.0 SF0.0>1 RF1.1<1 F1.1 B1.1 SB1.1>1 RB0.0<1 B0.0 SYNC0 SYNC1 STEP0 STEP1
-    rank 1: F0.1 SF0.1>0 RF1.0<0 F1.0 B1.0 SB1.0>0 RB0.1<0 B0.1 SYNC0 SYNC1 STEP0 STEP1
+    rank 0: F0.0 SF0.0>1 RF1.1<1 F1.1 B1.1 SB1.1>1 RB0.0<1 B0.0 RG0 RG1 STEP0 STEP1
+    rank 1: F0.1 SF0.1>0 RF1.0<0 F1.0 B1.0 SB1.0>0 RB0.1<0 B0.1 RG0 RG1 STEP0 STEP1
 """
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ __all__ = ["chimera"]
 
 
 def chimera(p: int, m: int | None = None) -> Schedule:
-    """Chimera over p ranks and m microbatches (default m = p): m/2 down, m/2 up, then SYNC and STEP."""
+    """Chimera over p ranks and m microbatches (default m = p): m/2 down, m/2 up, then RG and STEP."""
     m = p if m is None else m
     if p < 2 or p % 2:
         raise ScheduleError(f"chimera(p={p}) needs an even number of ranks >= 2: each rank pairs stage s of the "
@@ -64,4 +65,4 @@ def chimera(p: int, m: int | None = None) -> Schedule:
     order = greedy_order(tasks, deps, priority, dur=lambda t: 1)   # the paper's unit slots: F = B
     lists = {r: [compute(r, k, s, mb) for k, s, mb in order[r]] for r in range(p)}
     placement = {s: tuple(sorted({s, p - 1 - s})) for s in range(p)}
-    return finish(lists, p, m, placement, "chimera", sync=True)
+    return finish(lists, p, m, placement, "chimera")

@@ -3,33 +3,48 @@
 Text grammar of one action (``str(action)`` prints it, :func:`parse_action` reads it back)::
 
     action   := [RANK ":"] body
-    body     := ("F" | "B" | "W") STAGE "." MB [ "@" VERSION ]      compute
+    body     := ("F" | "B" | "I" | "W") STAGE "." MB [ "@" VERSION ]  compute (versioned)
+              | "FULL" STAGE "." MB                                   fused F+B+REDUCE_GRAD+STEP
               | ("SF" | "SB") STAGE "." MB ">" PEER                  send (activations | gradients)
               | ("RF" | "RB") STAGE "." MB "<" PEER                  receive (activations | gradients)
-              | "SYNC" STAGE                                          all-reduce of a stage's gradients
+              | ("RG" | "UNSHARD" | "RESHARD") STAGE                  whole-stage, no microbatch
               | "STEP" STAGE [ "@" VERSION ]                          optimizer step of a stage
 
     F0.3      forward of stage 0, microbatch 3 (F of the last stage also computes the loss)
-    B1.2@4    backward of stage 1, microbatch 2, with weight version 4 of stage 1
+    B1.2@4    backward of stage 1, microbatch 2 (input and weight gradients), with weight version 4
+    I1.2      input-gradient half of that backward (zero bubble): makes what SB1.2 sends
+    W1.2      weight-gradient half; comes after I1.2 on the same rank
+    FULL0.0   forward, backward, REDUCE_GRAD and STEP of stage 0 for microbatch 0 as one graph
+              (the one-stage, one-microbatch program: plain data parallelism)
     SF0.3>1   send the output activations of stage 0, microbatch 3, to rank 1
     RF1.3<0   receive the input activations of stage 1, microbatch 3, from rank 0
     SB1.2>0   send the input gradients of stage 1, microbatch 2, to rank 0
     RB0.2<1   receive the output gradients of stage 0, microbatch 2, from rank 1
-    SYNC0     all-reduce (sum) stage 0's gradients over every rank holding a replica of stage 0
+    RG0       REDUCE_GRAD: stage 0's gradient collectives over every rank holding stage 0 (its
+              replicas: dp, Chimera's two pipelines, tied weights)
+    UNSHARD0  gather stage 0's sharded parameters (ZeRO-3; reserved)
+    RESHARD0  free stage 0's gathered parameters again (ZeRO-3; reserved)
     STEP0@3   optimizer step of stage 0 that creates weight version 3 of stage 0
     2:F0.3    the same forward, on rank 2 (the full form; inside a rank's list the prefix is left out)
+
+Per (stage, microbatch) the backward is either one ``B``, or one ``I`` followed later by one ``W``
+on the same rank (``validate`` refuses mixtures); a one-stage program may instead run ``FULL``.
 
 A send names the stage that produced the tensor, a receive the stage that consumes it: ``SF0.3>1``
 on rank 0 matches ``RF1.3<0`` on rank 1, and ``SB1.2>0`` on rank 1 matches ``RB0.2<1`` on rank 0.
 
 Versions (asynchronous schedules only; ``None`` in synchronous ones, printed as nothing): version
 ``v`` of a stage is its weights after ``v`` optimizer steps of that stage, version 0 the initial
-weights. ``F``/``B``/``W`` carry the version they compute with; a ``B`` uses the version its ``F``
-used (PipeDream's weight stashing, Harlap/Narayanan et al. SOSP'19). ``STEP@v`` creates version v.
+weights. ``F``/``B``/``I``/``W`` carry the version they compute with; a backward uses the version
+its ``F`` used (PipeDream's weight stashing, Harlap/Narayanan et al. SOSP'19). ``STEP@v`` creates
+version v; ``FULL`` carries no version but, like a STEP, creates the next one.
 
 A :class:`Schedule` prints as a step x rank grid (like ``_format_pipeline_order`` in
 ``torch.distributed.pipelining``) under a one-line header, and :meth:`Schedule.parse` reads that grid,
-or the plainer ``rank R: A A A`` lines of :meth:`Schedule.format_lists`, back.
+or the plainer ``rank R: A A A`` lines of :meth:`Schedule.format_lists`, back::
+
+    # schedule name=single ranks=1 stages=1 microbatches=2 placement=0:0
+    rank 0: F0.0 B0.0 F0.1 B0.1 RG0 STEP0
 """
 from __future__ import annotations
 
@@ -39,28 +54,36 @@ from enum import Enum
 
 from fxpar.schedule.errors import ScheduleParseError
 
-__all__ = ["ActionKind", "Action", "Schedule", "parse_action", "COMPUTE", "SENDS", "RECVS"]
+__all__ = ["ActionKind", "Action", "Schedule", "parse_action", "COMPUTE", "BACKWARD", "SENDS", "RECVS",
+           "WHOLE_STAGE"]
 
 
 class ActionKind(str, Enum):
     F = "F"            # forward of one stage, one microbatch
-    B = "B"            # backward: input and weight gradients (input gradients only if a W follows)
-    W = "W"            # weight gradients only (optional split of B)
+    B = "B"            # whole backward: input and weight gradients
+    I = "I"            # noqa: E741 - input-gradient half of a backward (zero-bubble split); a W follows
+    W = "W"            # weight-gradient half of a backward, after its I
+    FULL = "FULL"      # forward + backward + REDUCE_GRAD + STEP of a one-stage program, one graph
     SEND_F = "SF"      # send output activations to the rank running the next stage
     RECV_F = "RF"      # receive input activations from the rank running the previous stage
     SEND_B = "SB"      # send input gradients to the rank running the previous stage
     RECV_B = "RB"      # receive output gradients from the rank running the next stage
-    SYNC = "SYNC"      # all-reduce (sum) of a stage's gradients over its replicas
+    REDUCE_GRAD = "RG"  # a stage's gradient collectives over every rank holding it
+    UNSHARD = "UNSHARD"  # ZeRO-3: gather a stage's parameters (reserved)
+    RESHARD = "RESHARD"  # ZeRO-3: free them again (reserved)
     STEP = "STEP"      # optimizer step of a stage
 
 
-COMPUTE = frozenset({ActionKind.F, ActionKind.B, ActionKind.W})
+COMPUTE = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.FULL})
+BACKWARD = frozenset({ActionKind.B, ActionKind.I, ActionKind.W})
 SENDS = frozenset({ActionKind.SEND_F, ActionKind.SEND_B})
 RECVS = frozenset({ActionKind.RECV_F, ActionKind.RECV_B})
-_VERSIONED = COMPUTE | {ActionKind.STEP}
-_NO_MB = frozenset({ActionKind.SYNC, ActionKind.STEP})
+WHOLE_STAGE = frozenset({ActionKind.REDUCE_GRAD, ActionKind.UNSHARD, ActionKind.RESHARD, ActionKind.STEP})
+_VERSIONED = frozenset({ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.STEP})
+_NO_MB = WHOLE_STAGE
 
-_ACTION_RE = re.compile(r"^(?:(\d+):)?(SYNC|STEP|SF|SB|RF|RB|F|B|W)(\d+)(?:\.(\d+))?(?:([<>])(\d+))?(?:@(\d+))?$")
+_ACTION_RE = re.compile(r"^(?:(\d+):)?(UNSHARD|RESHARD|FULL|STEP|RG|SF|SB|RF|RB|F|B|I|W)(\d+)(?:\.(\d+))?"
+                        r"(?:([<>])(\d+))?(?:@(\d+))?$")
 
 
 @dataclass(frozen=True)
@@ -84,7 +107,7 @@ class Action:
         if (k in SENDS or k in RECVS) != (self.peer is not None):
             raise ValueError(f"{k.name}: a peer rank is required for SEND/RECV and only for them")
         if self.version is not None and k not in _VERSIONED:
-            raise ValueError(f"{k.name} carries no weight version (only F, B, W and STEP do)")
+            raise ValueError(f"{k.name} carries no weight version (only F, B, I, W and STEP do)")
         if min(self.rank, self.stage, self.microbatch or 0, self.peer or 0, self.version or 0) < 0:
             raise ValueError(f"negative rank, stage, microbatch, peer or version in {self!r}")
 
@@ -113,8 +136,9 @@ def parse_action(text: str, rank: int | None = None) -> Action:
     """Read one action. ``"1:F0.3"`` carries its rank; ``"F0.3"`` takes it from ``rank``."""
     m = _ACTION_RE.match(text.strip())
     if m is None:
-        raise ScheduleParseError(f"cannot read action {text!r}: expected e.g. F0.3, B1.2@4, SF0.3>1, RF1.3<0, "
-                                 f"SYNC0, STEP0@1, optionally prefixed by 'RANK:'")
+        raise ScheduleParseError(f"cannot read action {text!r}: expected e.g. F0.3, B1.2@4, I1.2, W1.2, FULL0.0, "
+                                 f"SF0.3>1, RF1.3<0, RG0, UNSHARD0, RESHARD0, STEP0@1, optionally prefixed by "
+                                 f"'RANK:'")
     r, kind, stage, mb, arrow, peer, ver = m.groups()
     if r is None and rank is None:
         raise ScheduleParseError(f"action {text!r} names no rank: write '{rank or 0}:{text}' or pass rank=")

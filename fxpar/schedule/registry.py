@@ -3,12 +3,14 @@
 =============  =====================================  ==========================================
 name           generator                              paper
 =============  =====================================  ==========================================
+single         :func:`~.synchronous.single`           (no pipeline: the one-stage program)
 gpipe          :func:`~.synchronous.gpipe`            Huang et al., NeurIPS'19
 1f1b           :func:`~.synchronous.one_f_one_b`      Narayanan et al., ICML'21 (PipeDream-Flush)
 interleaved    :func:`~.synchronous.interleaved`      Narayanan et al., SC'21 (Megatron-LM)
 pipedream      :func:`~.asynchronous.pipedream`       Harlap, Narayanan et al., SOSP'19
 2bw            :func:`~.asynchronous.pipedream_2bw`   Narayanan et al., ICML'21 (PipeDream-2BW)
 chimera        :func:`~.chimera.chimera`              Li & Hoefler, SC'21
+zb1p           :func:`~.zero_bubble.zb1p`             Qi et al., ICLR'24 (ZB-H1)
 =============  =====================================  ==========================================
 """
 from __future__ import annotations
@@ -21,17 +23,20 @@ from fxpar.schedule.asynchronous import pipedream, pipedream_2bw
 from fxpar.schedule.chimera import chimera
 from fxpar.schedule.errors import ScheduleError
 from fxpar.schedule.ir import Schedule
-from fxpar.schedule.synchronous import gpipe, interleaved, one_f_one_b
+from fxpar.schedule.synchronous import gpipe, interleaved, one_f_one_b, single
+from fxpar.schedule.zero_bubble import zb1p
 
 __all__ = ["SCHEDULES", "get_schedule"]
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
+    "single": single,
     "gpipe": gpipe,
     "1f1b": one_f_one_b,
     "interleaved": interleaved,
     "pipedream": pipedream,
     "2bw": pipedream_2bw,
     "chimera": chimera,
+    "zb1p": zb1p,
 }
 
 
@@ -39,7 +44,7 @@ def get_schedule(name: str, p: int, m: int, **kw) -> Schedule:
     """Build the schedule ``name`` for p pipeline ranks and m microbatches; ``kw`` goes to the generator
     (``v`` for interleaved, ``n_batches`` for 2bw)."""
     key = name.lower().replace("_", "").replace("-", "")
-    key = {"onefoneb": "1f1b", "pipedreamflush": "1f1b", "pipedream2bw": "2bw"}.get(key, key)
+    key = {"onefoneb": "1f1b", "pipedreamflush": "1f1b", "pipedream2bw": "2bw", "zbh1": "zb1p"}.get(key, key)
     if key not in SCHEDULES:
         near = difflib.get_close_matches(name, list(SCHEDULES), n=1)
         hint = f" Did you mean {near[0]!r}?" if near else ""

@@ -1,15 +1,19 @@
-"""Synchronous pipeline schedules with a flush: GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B.
+"""Synchronous schedules with a flush: the one-stage program, GPipe, 1F1B (PipeDream-Flush), interleaved 1F1B.
 
-All three compute the gradient of the whole batch with one weight version (no ``@v`` on actions)
-and end each rank's list with one ``STEP`` per stage it holds. With uniform per-stage times
+All compute the gradient of the whole batch with one weight version (no ``@v`` on actions), reduce
+each held stage's gradients with one ``RG s`` right after the rank's last backward of s, and end each
+rank's list with one ``STEP`` per stage it holds. With uniform per-stage times
 (every stage's F takes t_f, every B takes t_b, communication free) GPipe and 1F1B both idle
 (p-1)(t_f+t_b) per rank, so the bubble fraction idle/(idle+busy) is (p-1)/(m+p-1) whatever the
 ratio t_b/t_f (Huang et al. NeurIPS'19; Narayanan et al. SC'21 Sec. 2.2).
 
 Example, ``one_f_one_b(2, 4)`` (``print(schedule.format_lists())``)::
 
-    rank 0: F0.0 SF0.0>1 F0.1 SF0.1>1 RB0.0<1 B0.0 F0.2 SF0.2>1 RB0.1<1 B0.1 ... STEP0
-    rank 1: RF1.0<0 F1.0 B1.0 SB1.0>0 RF1.1<0 F1.1 B1.1 SB1.1>0 ... STEP1
+    rank 0: F0.0 SF0.0>1 F0.1 SF0.1>1 RB0.0<1 B0.0 F0.2 SF0.2>1 RB0.1<1 B0.1 ... RB0.3<1 B0.3 RG0 STEP0
+    rank 1: RF1.0<0 F1.0 B1.0 SB1.0>0 RF1.1<0 F1.1 B1.1 SB1.1>0 ... B1.3 SB1.3>0 RG1 STEP1
+
+``single(1, 1)`` is ``rank 0: FULL0.0``; ``single(1, 3)`` is
+``rank 0: F0.0 B0.0 F0.1 B0.1 F0.2 B0.2 RG0 STEP0``.
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from fxpar.schedule._build import compute, finish
 from fxpar.schedule.errors import ScheduleError
 from fxpar.schedule.ir import Schedule
 
-__all__ = ["gpipe", "one_f_one_b", "interleaved"]
+__all__ = ["single", "gpipe", "one_f_one_b", "interleaved"]
 
 
 def _check_pm(name: str, p: int, m: int) -> None:
@@ -33,6 +37,24 @@ def _too_few_microbatches(name: str, p: int, m: int, v: int = 1) -> ScheduleErro
         f"(bubble (p-1)/(v*m+p-1)), exactly as GPipe would. "
         f"Use m >= {p} microbatches (several times p keeps the bubble small: m={4 * p} gives "
         f"{(p - 1) / (v * 4 * p + p - 1):.0%}), or fewer pipeline stages, or schedule='gpipe' if m must stay {m}.")
+
+
+def single(p: int = 1, m: int = 1) -> Schedule:
+    """The one-stage schedule: a program without a pipeline (plain data parallelism, dp replicas
+    being copies of this one rank).
+
+    m == 1: ``FULL0.0``, forward + backward + REDUCE_GRAD + STEP as one graph (the fused step).
+    m > 1: gradient accumulation, ``F0.0 B0.0 F0.1 B0.1 ... RG0 STEP0``.
+    """
+    if p != 1:
+        raise ScheduleError(f"single(p={p}, m={m}) is the one-stage schedule and needs p=1; for {p} pipeline "
+                            f"stages pick a pipeline schedule such as '1f1b' or 'gpipe'.")
+    if m < 1:
+        raise ScheduleError(f"single: need m >= 1 microbatches, got m={m}")
+    if m == 1:
+        return Schedule({0: [compute(0, "FULL", 0, 0)]}, 1, 1, {0: (0,)}, "single")
+    lists = {0: [compute(0, k, 0, i) for i in range(m) for k in ("F", "B")]}
+    return finish(lists, 1, m, {0: (0,)}, "single")
 
 
 def gpipe(p: int, m: int) -> Schedule:
@@ -61,7 +83,8 @@ def one_f_one_b(p: int, m: int) -> Schedule:
 
 
 def _one_f_one_b_lists(p: int, m: int, version=None, step_after=None) -> dict:
-    """The 1F1B compute order; ``version(s, i)`` labels F/B, ``step_after(s, i)`` returns a STEP or None."""
+    """The 1F1B compute order; ``version(s, i)`` labels F/B, ``step_after(s, i)`` returns the actions
+    to put after ``B s.i`` (a list: ``[RG s, STEP s@v]``) or None."""
     lists = {}
     for s in range(p):
         w = min(p - s - 1, m)
@@ -72,7 +95,7 @@ def _one_f_one_b_lists(p: int, m: int, version=None, step_after=None) -> dict:
                 seq.append(fwd[w + k])
             seq.append(compute(s, "B", s, k, version(s, k) if version else None))
             if step_after and (st := step_after(s, k)) is not None:
-                seq.append(st)
+                seq += st
         lists[s] = seq
     return lists
 
