@@ -1,20 +1,26 @@
 """``estimate(graphs, cluster) -> Estimate``: step time, per-rank time/bytes/memory, a timeline.
 
-    >>> est = estimate({0: gm0, 1: gm1}, ClusterSpec.local(2))
+    >>> est = estimate({0: gm0, 1: gm1}, ClusterSpec.local(2))          # one graph per rank
+    >>> est = estimate({0: [("F0.0", f0), send, ...], 1: [...]}, cl)    # a sequence per rank
     >>> est.step_time_s, est.ranks[0].comm_bytes, est.ranks[1].peak_memory_bytes
+    >>> est.idle_fraction, est.ranks[1].idle_fraction                   # the pipeline bubble
     >>> est.timeline("step.json")       # open in chrome://tracing or https://ui.perfetto.dev
     >>> print(est)                      # the text explain() shows
 
-Ranks with the same program are costed once; when every communication group contains only
-ranks of one program class, one rank per class is simulated (see :mod:`cost_models.simulate`).
+A rank's value is a GraphModule (its whole step) or a list of items run in order: graphs, send/
+recv messages, waits (see :mod:`cost_models.sequence`). Ranks with the same program are costed
+once; when every communication group contains only ranks of one program class, one rank per
+class is simulated (see :mod:`cost_models.simulate`).
 """
 from __future__ import annotations
 
 import json
+from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 
 from .comm import comm_info_cost
+from .sequence import SequenceProgram, compile_sequence
 from .simulate import compile_program, simulate
 
 __all__ = ["RankEstimate", "Estimate", "estimate"]
@@ -31,6 +37,7 @@ class RankEstimate:
     end_time_s: float
     overlap_s: float                  # comm time hidden under compute
     memory_breakdown: dict = field(default_factory=dict)
+    idle_fraction: float = 0.0        # 1 - compute_time_s / the step time of all ranks
 
     @property
     def exposed_comm_s(self) -> float:
@@ -51,13 +58,53 @@ class Estimate:
     def __init__(self, ranks: list, sims: dict, programs: dict, cluster, symmetric: bool, classes: int):
         self.ranks = ranks
         self.step_time_s = max((r.end_time_s for r in ranks), default=0.0)
+        for r in ranks:
+            r.idle_fraction = 1 - r.compute_time_s / self.step_time_s if self.step_time_s > 0 else 0.0
         self._sims, self._programs = sims, programs
         self.cluster = cluster
         self.symmetric = symmetric
         self.program_classes = classes
+        self.items_per_rank = max((len(p.items) if isinstance(p, SequenceProgram) else 1
+                                   for p in programs.values()), default=0)
         self.defaulted: Counter = Counter()
-        for p in {id(p): p for p in programs.values()}.values():
-            self.defaulted.update(p.compute.defaulted)
+        graphs: dict = {}
+        for p in programs.values():
+            for g in (p.programs if isinstance(p, SequenceProgram) else (p,)):
+                graphs[id(g.compute)] = g
+        for g in graphs.values():
+            self.defaulted.update(g.compute.defaulted)
+
+    @property
+    def idle_fraction(self) -> float:
+        """``1 - sum(compute time) / (ranks x step time)``: the pipeline bubble, over all ranks."""
+        if not self.ranks or self.step_time_s <= 0:
+            return 0.0
+        return 1 - sum(r.compute_time_s for r in self.ranks) / (len(self.ranks) * self.step_time_s)
+
+    def actions(self, rank: int) -> list:
+        """``(label, start_s, end_s)`` of each item of ``rank``'s sequence that ran something.
+
+        A graph spans its first to its last compute segment (a graph with no compute is left
+        out); a message, its transfer. A rank given as one GraphModule is one item, ``#0``.
+        """
+        p = self._programs[rank]
+        if not isinstance(p, SequenceProgram):
+            spans = [(s, s + d) for s, d, _ in self._sims[rank].compute]
+            return [("#0", spans[0][0], spans[-1][1])] if spans else []
+        return [(p.label(i), lo, hi) for i, lo, hi in self._spans(rank)]
+
+    def _spans(self, rank: int) -> list:
+        p, sim = self._programs[rank], self._sims[rank]
+        span: dict = {}
+        for start, dur, seg in sim.compute:
+            i = p.seg_item[seg]
+            lo, hi = span.get(i, (start, start + dur))
+            span[i] = (min(lo, start), max(hi, start + dur))
+        for start, dur, k in sim.comm:
+            i = p.comm_item[k]
+            if p.parts[i] is None:
+                span[i] = (start, start + dur)
+        return [(i, *span[i]) for i in sorted(span)]
 
     def timeline(self, path: str, ranks=None) -> str:
         """Write a Chrome trace (``traceEvents``): per rank a compute lane (tid 0) and a comm lane (tid 1)."""
@@ -68,6 +115,12 @@ class Estimate:
             events.append({"name": "process_name", "ph": "M", "pid": r, "args": {"name": f"rank {r}"}})
             for tid, lane in ((0, "compute"), (1, "comm")):
                 events.append({"name": "thread_name", "ph": "M", "pid": r, "tid": tid, "args": {"name": lane}})
+            seq = isinstance(p, SequenceProgram)
+            if seq:                   # one enclosing span per graph, named by its label
+                for i, lo, hi in self._spans(r):
+                    if p.parts[i] is not None:
+                        events.append({"name": p.label(i), "ph": "X", "pid": r, "tid": 0, "ts": lo * 1e6,
+                                       "dur": (hi - lo) * 1e6, "cat": "action"})
             for start, _, seg in sim.compute:
                 t = start
                 for name, dur in p.segments[seg]:
@@ -76,7 +129,7 @@ class Estimate:
                     t += dur
             for start, dur, k in sim.comm:
                 info = p.infos[k]
-                events.append({"name": f"{info.kind}[{info.axis}] {p.comm_nodes[k].name}", "ph": "X", "pid": r,
+                events.append({"name": f"{info.kind}[{info.axis}] {p.comm_names[k]}", "ph": "X", "pid": r,
                                "tid": 1, "ts": start * 1e6, "dur": dur * 1e6, "cat": "comm",
                                "args": {"bytes": info.nbytes, "group": list(info.ranks)[:16]}})
         with open(path, "w") as f:
@@ -87,6 +140,10 @@ class Estimate:
         ms = 1e3
         lines = [f"estimated step time {self.step_time_s * ms:.3f} ms on {len(self.ranks)} rank(s) "
                  f"({self.program_classes} distinct program(s){', symmetric' if self.symmetric else ''})"]
+        seq = self.items_per_rank > 1
+        if seq:
+            lines[0] += (f", up to {self.items_per_rank} actions per rank; idle fraction (pipeline bubble) "
+                         f"{100 * self.idle_fraction:.1f}%")
         seen = set()
         for r in self.ranks:
             key = (round(r.compute_time_s, 12), round(r.comm_time_s, 12), r.peak_memory_bytes)
@@ -98,7 +155,8 @@ class Estimate:
             lines.append(f"  rank {r.rank}{f' (+{same - 1} alike)' if same > 1 else ''}: compute "
                          f"{r.compute_time_s * ms:.3f} ms, comm {r.comm_time_s * ms:.3f} ms "
                          f"({r.comm_bytes / 2**20:.2f} MiB sent, {100 * r.overlap_fraction:.0f}% overlapped), "
-                         f"idle {r.idle_s * ms:.3f} ms, peak memory {r.peak_memory_bytes / 2**20:.1f} MiB")
+                         f"idle {r.idle_s * ms:.3f} ms{f' ({100 * r.idle_fraction:.1f}% of the step)' if seq else ''}, "
+                         f"peak memory {r.peak_memory_bytes / 2**20:.1f} MiB")
             mem = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r.memory_breakdown.items() if v)
             if mem:
                 lines.append(f"    at peak (MiB): {mem}")
@@ -109,20 +167,24 @@ class Estimate:
 
 
 def _overlap(compute: list, comm: list) -> float:
-    """Length of the intersection of two sets of (start, dur, _) intervals."""
+    """Sum over comm intervals of the time each spends under compute (``(start, dur, _)`` lists).
+
+    Compute intervals never overlap each other (one compute lane); comm intervals may (a p2p
+    channel beside the collective lane), and each counts its own hidden time.
+    """
     a = sorted((s, s + d) for s, d, _ in compute if d > 0)
-    b = sorted((s, s + d) for s, d, _ in comm if d > 0)
-    i = j = 0
-    total = 0.0
-    while i < len(a) and j < len(b):
-        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
-        if hi > lo:
-            total += hi - lo
-        if a[i][1] < b[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
+    starts = [lo for lo, _ in a]
+    before = [0.0]                              # before[i]: compute time of a[:i]
+    for lo, hi in a:
+        before.append(before[-1] + hi - lo)
+
+    def covered(t):                             # compute time in [0, t]
+        i = bisect_left(starts, t)
+        if i and a[i - 1][1] > t:
+            return before[i - 1] + t - a[i - 1][0]
+        return before[i]
+
+    return sum(covered(s + d) - covered(s) for s, d, _ in comm if d > 0)
 
 
 def _symmetry_classes(programs: dict):
@@ -154,7 +216,7 @@ def _symmetry_classes(programs: dict):
                     gid_of_obj[id(info.ranks)] = g
                 out.append(g)
             sig = sig_cache[id(p)] = tuple(out)
-        key = (id(p.compute), sig)
+        key = (p.class_key, sig)
         cls_of[r] = key
         members.setdefault(key, set()).add(r)
     positions: dict = {}
@@ -178,9 +240,15 @@ def _symmetry_classes(programs: dict):
 
 
 def estimate(graphs: dict, cluster, algorithm: str = "auto") -> Estimate:
-    """Cost and simulate one training step of the per-rank ``graphs`` (rank -> GraphModule)."""
+    """Cost and simulate one training step of the per-rank ``graphs``.
+
+    ``graphs[rank]`` is a GraphModule (the rank's whole step) or a list of items the rank runs in
+    order (graphs, ``(label, graph)``, :class:`~cost_models.sequence.Item`, send/recv
+    ``CommInfo``, ``("wait", label)``; see :mod:`cost_models.sequence`).
+    """
     cache: dict = {}
-    programs = {r: compile_program(gm, cluster, cache) for r, gm in graphs.items()}
+    programs = {r: compile_sequence(g, cluster, cache, r) if isinstance(g, (list, tuple))
+                else compile_program(g, cluster, cache) for r, g in graphs.items()}
     comm_cache: dict = {}
     durations, wire = {}, {}
     for r, p in programs.items():
@@ -208,11 +276,14 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto") -> Estimate:
     ranks, done = [], {}
     for r in sorted(programs):
         p, sim = programs[r], sims[r]
-        key = (id(sim), id(p.compute), id(durations[r]))
+        key = (id(sim), p.class_key, id(durations[r]))
         if key not in done:
             done[key] = (sum(d for _, d, _ in sim.comm), _overlap(sim.compute, sim.comm))
         comm_t, ov = done[key]
-        ranks.append(RankEstimate(r, p.compute_time_s, comm_t, wire[r], p.liveness.peak_bytes, sim.end, ov,
-                                  dict(p.liveness.peak_breakdown)))
-    classes = len({id(p.compute) for p in programs.values()})
+        if isinstance(p, SequenceProgram):
+            peak, breakdown = p.peak_bytes, dict(p.memory_breakdown)
+        else:
+            peak, breakdown = p.liveness.peak_bytes, dict(p.liveness.peak_breakdown)
+        ranks.append(RankEstimate(r, p.compute_time_s, comm_t, wire[r], peak, sim.end, ov, breakdown))
+    classes = len({p.class_key for p in programs.values()})
     return Estimate(ranks, sims, programs, cluster, symmetric, classes)

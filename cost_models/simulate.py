@@ -7,13 +7,22 @@ list of steps::
     ("issue", k)                       the k-th comm node is handed to the comm lane
     ("wait", k)                        wait_tensor: compute blocks until comm k has finished
 
+A collective the graph returns without waiting on it is *deferred* (``Program.deferred``): on its
+own the graph still blocks on it at once, but in a sequence of graphs
+(:mod:`cost_models.sequence`) a later graph's ``wait_tensor`` on a placeholder waits on it
+(``Program.placeholder_waits``).
+
 Rules (those of NCCL/gloo communicators, and of PyTorch's pipelining dry-run
-``_simulate_comms_compute``): a rank's comm lane runs its comm ops one at a time in issue
+``_simulate_comms_compute``): a rank's comm lane runs its collectives one at a time in issue
 order; a collective starts when every rank of its group has issued it and every such lane is
 free, and takes :func:`cost_models.comm.comm_info_cost` seconds on all of them; the i-th
-collective a rank issues over a group matches the i-th one every other member issues over it
-(send/recv match per ``(src, dst)`` pair). A comm node that no ``wait_tensor`` reads blocks at
-once. When no rank can move, the programs deadlock and the error names who waits on whom.
+collective a rank issues over a group matches the i-th one every other member issues over it.
+Point-to-point messages (``send``/``recv``) do not queue behind collectives: each ordered pair
+``(src, dst)`` is its own channel (isend/irecv, MPI's non-overtaking order per pair), where the
+n-th send src->dst matches the n-th recv at dst from src and starts once both are issued and
+the channel is free. Lanes and channels share no bandwidth in this model. A comm node that no
+``wait_tensor`` reads blocks at once. When no rank can move, or a comm is never matched, the
+programs deadlock and the error names who waits on whom.
 
 Speed: ranks whose programs are the same graph object (or the same code on the same input
 shapes) are costed once; when every group's members share a program, one representative per
@@ -31,6 +40,7 @@ from .memory import liveness
 __all__ = ["Program", "compile_program", "simulate", "SimResult", "DeadlockError"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
+_P2P = ("send", "recv")
 
 
 class DeadlockError(RuntimeError):
@@ -38,7 +48,12 @@ class DeadlockError(RuntimeError):
 
 
 class Program:
-    """One rank's graph, compiled: steps, per-segment node times, comm nodes, memory."""
+    """One rank's graph, compiled: steps, per-segment node times, comm nodes, memory.
+
+    ``deferred``: comm index -> names under which the graph returns that collective unwaited.
+    ``placeholder_waits``: ``(i, name)``: before ``steps[i]`` a ``wait_tensor`` reads placeholder
+    ``name`` (a collective an earlier graph of a sequence issued; ignored on a graph's own).
+    """
 
     def __init__(self, gm, cluster):
         self.gm = gm
@@ -47,9 +62,12 @@ class Program:
         self.comm_nodes: list = []
         self.segments: list = []          # list of [(node name, seconds)]
         self.steps: list = []
+        self.deferred: dict = {}
+        self.placeholder_waits: list = []
         comm_index: dict = {}
         waited: set = set()
         seg: list = []
+        returned = _returned_nodes(gm)
 
         def flush():
             if seg:
@@ -60,12 +78,16 @@ class Program:
         for n in gm.graph.nodes:
             if "fxpar_comm" in n.meta:
                 flush()
-                comm_index[n] = len(self.comm_nodes)
+                k = comm_index[n] = len(self.comm_nodes)
                 self.comm_nodes.append(n)
-                self.steps.append(("issue", comm_index[n]))
+                self.steps.append(("issue", k))
                 if not any(u.target is _WAIT for u in n.users) and not _waited_via_getitem(n):
-                    self.steps.append(("wait", comm_index[n]))   # blocking comm op
-                    waited.add(comm_index[n])
+                    self.steps.append(("wait", k))   # blocking comm op
+                    waited.add(k)
+                    names = [a.name for a in (n, *n.users) if a in returned and
+                             (a is n or a.target is operator.getitem)]
+                    if names:
+                        self.deferred[k] = tuple(names)
             elif n.op == "call_function" and n.target is _WAIT:
                 src = n.args[0]
                 while src not in comm_index and isinstance(src, torch.fx.Node) and src.target is operator.getitem:
@@ -74,6 +96,10 @@ class Program:
                     flush()
                     self.steps.append(("wait", comm_index[src]))
                     waited.add(comm_index[src])
+                elif isinstance(src, torch.fx.Node) and src.op == "placeholder" and src not in waited:
+                    flush()
+                    self.placeholder_waits.append((len(self.steps), src.name))
+                    waited.add(src)
             else:
                 t = gc.times.get(n, 0.0)
                 if t > 0:
@@ -82,6 +108,20 @@ class Program:
         self.compute_time_s = gc.time_s
         self.liveness = liveness(gm)
         self.infos = [n.meta["fxpar_comm"] for n in self.comm_nodes]
+        self.comm_names = [n.name for n in self.comm_nodes]
+
+    @property
+    def class_key(self):
+        """Equal for programs that run the same steps (the same code on the same shapes)."""
+        return id(self.compute)
+
+
+def _returned_nodes(gm) -> set:
+    out = [n for n in gm.graph.nodes if n.op == "output"]
+    found: set = set()
+    if out:
+        torch.fx.node.map_arg(out[0].args, found.add)
+    return found
 
 
 def _waited_via_getitem(n) -> bool:
@@ -103,6 +143,7 @@ def compile_program(gm, cluster, cache: dict) -> Program:
         p.gm = gm
         p.comm_nodes = [n for n in gm.graph.nodes if "fxpar_comm" in n.meta]
         p.infos = [n.meta["fxpar_comm"] for n in p.comm_nodes]
+        p.comm_names = [n.name for n in p.comm_nodes]
     else:
         p = Program(gm, cluster)
         cache[skey] = p
@@ -120,7 +161,7 @@ class SimResult:
 
 
 def _group_key(info):
-    if info.kind in ("send", "recv"):
+    if info.kind in _P2P:
         return ("p2p", info.ranks[0], info.ranks[-1])
     return tuple(sorted(info.ranks))
 
@@ -128,16 +169,19 @@ def _group_key(info):
 def simulate(programs: dict, durations: dict, symmetric: bool = False) -> dict:
     """Run ``programs`` (rank -> Program); ``durations[rank][k]`` is comm k's seconds.
 
-    With ``symmetric=True`` each rank is simulated alone: its collectives start when its own
-    lane is free, which is exact when every member of each group runs the same program.
+    A program is anything with ``steps``, ``infos`` and ``comm_names`` (a :class:`Program`, or a
+    :class:`cost_models.sequence.SequenceProgram`). With ``symmetric=True`` each rank is simulated
+    alone: its collectives start when its own lane is free, which is exact when every member of
+    each group runs the same program.
     """
     ranks = sorted(programs)
     res = {r: SimResult() for r in ranks}
     pc = dict.fromkeys(ranks, 0)
     t_c = dict.fromkeys(ranks, 0.0)
-    lane = dict.fromkeys(ranks, 0.0)
-    queue = {r: [] for r in ranks}          # unresolved comm ids in issue order
-    qhead = dict.fromkeys(ranks, 0)
+    # a lane is a rank's collective lane (key: the rank) or one p2p channel end (key: (rank, group))
+    lane: dict = dict.fromkeys(ranks, 0.0)
+    queue: dict = {r: [] for r in ranks}     # lane -> comm ids in issue order
+    qhead: dict = dict.fromkeys(ranks, 0)
     seq: dict = {}                           # (rank, group key) -> count issued
     issued: dict = {}                        # comm id -> {rank: (issue time, k)}
     end_of: dict = {}                        # (rank, k) -> end time
@@ -145,35 +189,48 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False) -> dict:
     gid_of: dict = {}                        # id(CommInfo.ranks) -> small int naming the group
     gid_key: dict = {}                       # group key -> small int
     gmembers: list = []                      # small int -> member ranks
+    gp2p: list = []                          # small int -> is a p2p channel
 
     def group_id(info):
-        g = gid_of.get((id(info.ranks), info.kind in ("send", "recv")))
+        p2p = info.kind in _P2P
+        g = gid_of.get((id(info.ranks), p2p))
         if g is None:
             key = _group_key(info)
             g = gid_key.setdefault(key, len(gid_key))
             if g == len(gmembers):
-                gmembers.append(key[1:] if key[0] == "p2p" else key)
-            gid_of[(id(info.ranks), info.kind in ("send", "recv"))] = g
+                gmembers.append(key[1:] if p2p else key)
+                gp2p.append(p2p)
+            gid_of[(id(info.ranks), p2p)] = g
         return g
 
     def members(cid):
         return (cid[2],) if symmetric else gmembers[cid[0]]
+
+    def lane_of(m, g):
+        if gp2p[g]:
+            lk = (m, g)
+            if lk not in queue:
+                lane[lk], queue[lk], qhead[lk] = 0.0, [], 0
+            return lk
+        return m
 
     at_head: dict = {}                       # comm id -> members that issued it and have it next in line
 
     def resolve(cid, work):
         mem = members(cid)
         got = issued[cid]
-        start = max(max(got[m][0], lane[m]) for m in mem)
-        for m in mem:
+        g = cid[0]
+        lanes = [lane_of(m, g) for m in mem] if gp2p[g] else mem
+        start = max(max(got[m][0], lane[lk]) for m, lk in zip(mem, lanes))
+        for m, lk in zip(mem, lanes):
             k = got[m][1]
             dur = durations[m][k]
-            lane[m] = start + dur
+            lane[lk] = start + dur
             end_of[(m, k)] = start + dur
             res[m].comm.append((start, dur, k))
-            qhead[m] += 1
-            if qhead[m] < len(queue[m]):
-                nxt = queue[m][qhead[m]]
+            qhead[lk] += 1
+            if qhead[lk] < len(queue[lk]):
+                nxt = queue[lk][qhead[lk]]
                 at_head[nxt] = at_head.get(nxt, 0) + 1
                 if at_head[nxt] == len(members(nxt)):
                     work.append(nxt)
@@ -196,8 +253,9 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False) -> dict:
                     seq[(r, g)] = n + 1
                     cid = (g, n, r) if symmetric else (g, n)
                     issued.setdefault(cid, {})[r] = (t, k)
-                    queue[r].append(cid)
-                    if qhead[r] == len(queue[r]) - 1:          # nothing ahead of it on this lane
+                    lk = lane_of(r, g) if gp2p[g] else r
+                    queue[lk].append(cid)
+                    if qhead[lk] == len(queue[lk]) - 1:          # nothing ahead of it on this lane
                         at_head[cid] = at_head.get(cid, 0) + 1
                         if at_head[cid] == len(members(cid)):
                             work = [cid]
@@ -213,19 +271,50 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False) -> dict:
                 moved = True
             pc[r], t_c[r] = i, t
     stuck = [r for r in ranks if pc[r] < len(programs[r].steps)]
-    if stuck:
-        lines = []
-        for r in stuck[:8]:
-            k = programs[r].steps[pc[r]][1]
-            info = programs[r].infos[k]
-            cid = queue[r][qhead[r]] if qhead[r] < len(queue[r]) else None
-            missing = [m for m in members(cid) if m not in issued.get(cid, {})] if cid else []
-            lines.append(f"rank {r} waits on {info.kind} #{k} ({programs[r].comm_nodes[k].name}, axis "
-                         f"{info.axis!r}, group {info.ranks}); ranks not yet issued: {missing}")
-        raise DeadlockError("the per-rank programs deadlock:\n  " + "\n  ".join(lines) +
-                            "\nEvery member of a group must issue its collectives in the same order; "
-                            "check the comm order the passes produced for these ranks.")
+    unmatched = [lk for lk in queue if qhead[lk] < len(queue[lk])]
+    if stuck or unmatched:
+        raise DeadlockError(_deadlock_message(programs, stuck, unmatched, queue, qhead, issued, pc, members, lane_of))
     for r in ranks:
         comm_end = max((s + d for s, d, _ in res[r].comm), default=0.0)
         res[r].end = max(t_c[r], comm_end)
     return res
+
+
+def _describe(programs, r, k) -> str:
+    info = programs[r].infos[k]
+    return (f"{info.kind} #{k} ({programs[r].comm_names[k]}, axis {info.axis!r}, group {tuple(info.ranks)})")
+
+
+def _deadlock_message(programs, stuck, unmatched, queue, qhead, issued, pc, members, lane_of) -> str:
+    lines = []
+    cid_of = {(r, k): cid for cid, got in issued.items() for r, (_, k) in got.items()}
+
+    def why(r, cid):
+        missing = [m for m in members(cid) if m not in issued.get(cid, {})]
+        text = f"ranks not yet issued: {missing}"
+        if not missing:                      # all issued: something older holds a member's lane
+            for m in members(cid):
+                lk = lane_of(m, cid[0])
+                head = queue[lk][qhead[lk]]
+                if head != cid:
+                    text += (f"; rank {m}'s lane is held by {_describe(programs, m, issued[head][m][1])}, "
+                             f"which ranks {[x for x in members(head) if x not in issued[head]]} never issue")
+                    break
+        return text
+
+    for r in stuck[:8]:
+        k = programs[r].steps[pc[r]][1]
+        lines.append(f"rank {r} waits on {_describe(programs, r, k)}; {why(r, cid_of[(r, k)])}")
+    seen = set()
+    for lk in unmatched:
+        cid = queue[lk][qhead[lk]]
+        r = lk[0] if isinstance(lk, tuple) else lk
+        if cid in seen or r in stuck or len(lines) >= 8:
+            continue
+        seen.add(cid)
+        k = issued[cid][r][1]
+        lines.append(f"rank {r}'s {_describe(programs, r, k)} never completes; {why(r, cid)}")
+    return ("the per-rank programs deadlock:\n  " + "\n  ".join(lines) +
+            "\nEvery member of a group must issue its collectives in the same order, and the n-th send "
+            "from a rank to another must meet the n-th recv there; check the comm order the passes "
+            "(or the schedule) produced for these ranks.")

@@ -41,8 +41,9 @@ def check_batch(batch, dp: int, microbatches: int = 1, batch_dim: int = 0) -> in
     return sizes.pop()
 
 
-def build_schedule(plan: Plan, n_batches: int = 2) -> Schedule:
-    """The plan's schedule as IR. Asynchronous schedules cover ``n_batches`` batches in one window."""
+def build_schedule(plan: Plan, n_batches: int = 2, resumed: bool = False) -> Schedule:
+    """The plan's schedule as IR. Asynchronous schedules cover ``n_batches`` batches in one window
+    (``resumed``: a window that continues a checkpointed run, for 2BW's stashed version)."""
     from .schedule import ensure_reduce_grad
     if "\n" in plan.schedule:
         return ensure_reduce_grad(Schedule.parse(plan.schedule))
@@ -50,7 +51,7 @@ def build_schedule(plan: Plan, n_batches: int = 2) -> Schedule:
     if name == "pipedream":
         return get_schedule(name, p, m * n_batches)      # one update per microbatch, never flushed
     if name == "2bw":
-        return get_schedule(name, p, m, n_batches=n_batches)
+        return get_schedule(name, p, m, n_batches=n_batches, resumed=resumed)
     return get_schedule(name, p, m)
 
 

@@ -216,16 +216,19 @@ class Program:
 
     # ---- running ------------------------------------------------------------------------------
     def payload(self, rank: int, n_batches: int = 1, measure_comm: bool = False, record_weights: bool = False,
-                seed: int | None = 0) -> RankPayload:
+                seed: int | None = 0, save_to=None, resume_from=None) -> RankPayload:
         """Rank ``rank``'s part, picklable. Asynchronous schedules cover all ``n_batches`` batches in one window."""
         pr, _ = self._check_rank(rank)
         sched = self.pipe_schedule
         extra = {"n_inputs": self.n_inputs, "record_weights": record_weights, "rng_seed": seed,
-                 "measure_comm": measure_comm}
+                 "measure_comm": measure_comm, "aliases": dict(self.aliases),
+                 "save_to": None if save_to is None else str(save_to),
+                 "resume_from": None if resume_from is None else str(resume_from)}
         if self.asynchronous:
             from .planner import build_schedule
-            sched = build_schedule(self.plan, n_batches)
-            extra["asynchronous"] = True
+            resumed = resume_from is not None and self.plan.schedule == "2bw"
+            sched = build_schedule(self.plan, n_batches, resumed=resumed)
+            extra.update(asynchronous=True, resumed=resumed)
         held = self.plan.rank_stages(rank)
         keys = {k for s in held for k in self.stages[s].param_keys}
         bindings = {}
@@ -244,7 +247,8 @@ class Program:
                            lr_scheduler=self._lr_scheduler, extra=extra)
 
     def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
-                  measure_comm: bool = False, record_weights: bool = False, seed: int | None = 0) -> RunResult:
+                  measure_comm: bool = False, record_weights: bool = False, seed: int | None = 0,
+                  save_to=None, resume_from=None) -> RunResult:
         """Spawn (or reuse) ``world_size`` gloo ranks here, train one step per global batch, gather the result
         (:class:`RunResult`). ``measure_comm=True`` records every collective each rank runs;
         ``record_weights=True`` logs which weights every F and B computed with.
@@ -252,12 +256,22 @@ class Program:
         ``seed``: each rank seeds torch's generator with ``seed + rank`` before training, so random ops
         (dropout) are reproducible and dp ranks draw different masks for their shards -- what torch DDP
         does when each process calls ``torch.manual_seed(seed + rank)``. ``None`` leaves each process's
-        generator as it is. Every call starts from the weights the program was built with."""
+        generator as it is.
+
+        Every call starts from the weights the program was built with, unless ``resume_from`` names a
+        checkpoint directory: then parameters, optimizer state, step count, LR scheduler and RNG continue
+        from it (saved under any strategy, see :mod:`fxpar.runtime.checkpoint`). ``save_to``: after the
+        last step, write the whole training state there (model keys; write, then rename: a killed save
+        leaves the previous checkpoint intact)."""
         from .planner import check_batch
         batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
         for b in batches:
             check_batch(b, self.dp, self.plan.microbatches)
-        args = [(self.payload(r, len(batches), measure_comm, record_weights, seed), batches)
+        if resume_from is not None:
+            from .runtime.checkpoint import CheckpointError, incomplete_message, is_complete
+            if not is_complete(resume_from):
+                raise CheckpointError(incomplete_message(resume_from))
+        args = [(self.payload(r, len(batches), measure_comm, record_weights, seed, save_to, resume_from), batches)
                 for r in range(self.world_size)]
         if self.world_size == 1:
             with torch.random.fork_rng(devices=[]):      # the caller's generator is left as it was
@@ -368,6 +382,14 @@ class RankRunner(GroupExit):
         t = torch.tensor([self.executor.step(batch)], dtype=torch.float64)   # loss sums live on last stages
         dist.all_reduce(t)
         return float(t) / (self.program.plan.microbatches * self.program.dp)
+
+    def save(self, path) -> None:
+        """Collective (every rank calls it): write the training state to the checkpoint directory ``path``."""
+        self.executor.save(path)
+
+    def load(self, path) -> None:
+        """Collective: continue from the checkpoint ``path`` (saved under this or any other strategy)."""
+        self.executor.load(path)
 
     def state_dict(self) -> dict:
         """The whole model's trained state under its own keys. Collective: every rank must call it."""

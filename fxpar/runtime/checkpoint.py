@@ -67,7 +67,7 @@ import torch.distributed.checkpoint as dcp
 
 from ..errors import FxparError
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "is_complete", "read_manifest",
+__all__ = ["CheckpointError", "incomplete_message", "save_checkpoint", "load_checkpoint", "is_complete", "read_manifest",
            "optim_key", "split_optim_key", "torch_optimizer_tensors", "torch_optimizer_state_dict",
            "rng_state", "set_rng_state", "MANIFEST", "FORMAT_VERSION"]
 
@@ -183,7 +183,7 @@ def is_complete(path) -> bool:
     return read_manifest(path) is not None and (Path(path) / ".metadata").is_file()
 
 
-def _incomplete_error(path) -> str:
+def incomplete_message(path) -> str:
     p = Path(os.fspath(path)).absolute()
     if p.name.endswith(_PARTIAL):
         p = p.with_name(p.name[: -len(_PARTIAL)])
@@ -373,7 +373,7 @@ def load_checkpoint(path, templates: dict, *, rank: int, world_size: int, proces
     g = _Group(rank, world_size, process_group)
     manifest, error = None, None
     if not is_complete(path):
-        error = _incomplete_error(path)
+        error = incomplete_message(path)
     else:
         manifest = read_manifest(path)
         error = _check_templates(path, templates, manifest)

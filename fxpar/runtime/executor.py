@@ -170,6 +170,7 @@ class Executor:
         self.timelines: list = []
         self.record_weights = bool(p.extra.get("record_weights"))
         self.weight_log: list = []
+        self.prev_params: dict = {}          # 2BW: per stage the weights before the newest (saved with a checkpoint)
         self.handlers = {_K.F: self._forward, _K.B: self._backward, _K.I: self._backward, _K.W: self._backward,
                          _K.SEND_F: self._send, _K.SEND_B: self._send, _K.RECV_F: self._recv, _K.RECV_B: self._recv,
                          _K.REDUCE_GRAD: self._reduce_grad, _K.STEP: self._step, _K.FULL: self._full}
@@ -215,7 +216,8 @@ class Executor:
         """Run this rank's actions over ``micro``; loss sums per group of ``per_batch`` microbatches."""
         per_batch = per_batch or len(micro)
         actions = self.p.actions
-        w = _Window(micro, len(micro) // per_batch, VersionStore(self.params, actions))
+        previous = self.prev_params if self.p.extra.get("resumed") else None
+        w = _Window(micro, len(micro) // per_batch, VersionStore(self.params, actions, previous))
         w.per_batch = per_batch
         for idx, a in enumerate(actions):
             tc = time.perf_counter()
@@ -363,6 +365,8 @@ class Executor:
                 w.synced[key] = v
             elif role == "new_buffer":
                 self.buffers[key] = v
+        if a.version is not None:
+            self.prev_params[s] = self.params[s]
         self.params[s] = new
         if not self.spec.traced:
             self._eager_step(s, {k: self._grad(w, s, k) for k in self.p.stage_params[s]})
@@ -462,6 +466,16 @@ class Executor:
             self.params[s][k] = self._leaves[(s, k)].detach().clone()
 
     # ---- what the rank holds ---------------------------------------------------------------------
+    def save(self, path) -> None:
+        """Collective: write this rank's part of the training state to the checkpoint ``path`` (DCP)."""
+        from .state import save_rank_state
+        save_rank_state(self, path, self.p.extra.get("aliases", {}))
+
+    def load(self, path) -> None:
+        """Collective: restore the training state from the checkpoint ``path``, saved under any strategy."""
+        from .state import load_rank_state
+        load_rank_state(self, path, self.p.extra.get("aliases", {}), need_stash=bool(self.p.extra.get("resumed")))
+
     def state_dict(self) -> dict:
         """Parameters of the stages this rank is the first holder of, and the buffers."""
         out = {}
@@ -500,6 +514,8 @@ class Executor:
 def train(payload: RankPayload, batches: list) -> dict:
     """Worker entry: run every step; return loss sums, times, measurements and (dp index 0) the state."""
     ex = Executor(payload)
+    if payload.extra.get("resume_from"):
+        ex.load(payload.extra["resume_from"])
     if payload.extra.get("asynchronous"):
         ex.run_async(batches)
     else:
@@ -510,6 +526,8 @@ def train(payload: RankPayload, batches: list) -> dict:
            "peak_version_bytes": ex.peak_version_bytes, "act_peak": ex.act_peak,
            "act_peak_bytes": ex.act_peak_bytes, "action_times": ex.action_times,
            "weight_log": ex.weight_log, "timelines": ex.timelines}
+    if payload.extra.get("save_to"):
+        ex.save(payload.extra["save_to"])
     if ex.dp_index == 0:
         out["state"] = ex.state_dict()
     if payload.rank == 0:

@@ -59,8 +59,10 @@ class VersionStore:
     ``peak`` counts the versions held at once per stage, ``peak_bytes`` their bytes on this rank.
     """
 
-    def __init__(self, params: dict, actions: list):
-        self.versions = {s: {0: ps} for s, ps in params.items()}
+    def __init__(self, params: dict, actions: list, previous: dict | None = None):
+        """``previous``: stage -> the weights before the newest (a resumed 2BW window starts holding
+        version 0 = those and version 1 = ``params``)."""
+        self.versions = {s: ({0: previous[s], 1: ps} if previous else {0: ps}) for s, ps in params.items()}
         self.last_use: dict = {}
         for idx, a in enumerate(actions):
             if a.kind in (_K.F, _K.B) and a.version is not None:

@@ -56,13 +56,18 @@ def pipedream(p: int, m: int) -> Schedule:
     return finish(lists, p, m, {s: (s,) for s in range(p)}, "pipedream", synchronous=False)
 
 
-def pipedream_2bw(p: int, m: int, n_batches: int = 2) -> Schedule:
+def pipedream_2bw(p: int, m: int, n_batches: int = 2, resumed: bool = False) -> Schedule:
     """PipeDream-2BW: 1F1B over ``n_batches`` batches of m microbatches without a flush between them.
 
     Microbatch j belongs to batch ``b = j // m`` and uses version ``max(b-1, 0)`` on every stage, for F
     and B alike; ``RG s STEP s@(b+1)`` follow the B of batch b's last microbatch on each stage. The schedule
     has ``n_batches * m`` microbatches (``n_microbatches`` counts them all). Needs m >= p-1: stage 0
     runs batch b's first F after the B of microbatch ``b*m - p``, which must end batch b-2 or later.
+
+    ``resumed=True``: the window continues a run (a resumed checkpoint) instead of starting one: it
+    begins holding two versions, 0 = W(t-1) (the stashed previous weights) and 1 = W(t), so batch b
+    computes with version b (= W(t+b-1)) and ``STEP@(b+2)`` makes W(t+b+1), exactly as if the run had
+    never stopped.
     """
     if p < 1 or m < 1 or n_batches < 1:
         raise ScheduleError(f"2bw: need p, m, n_batches >= 1, got p={p}, m={m}, n_batches={n_batches}")
@@ -74,12 +79,14 @@ def pipedream_2bw(p: int, m: int, n_batches: int = 2) -> Schedule:
             f"m >= p-1. Use m >= {p - 1}, or 'pipedream' for per-microbatch updates.")
     total = m * n_batches
 
+    shift = 1 if resumed else 0
+
     def version(s: int, j: int) -> int:
-        return max(j // m - 1, 0)
+        return max(j // m - 1 + shift, 0)
 
     def step_after(s: int, k: int):
-        return _reduce_and_step(s, k // m + 1) if k % m == m - 1 else None
+        return _reduce_and_step(s, k // m + 1 + shift) if k % m == m - 1 else None
 
     lists = _one_f_one_b_lists(p, total, version, step_after)
     return finish(lists, p, total, {s: (s,) for s in range(p)}, "2bw", synchronous=False,
-                  batch=m, n_batches=n_batches)
+                  batch=m, n_batches=n_batches, **({"resumed": 1} if resumed else {}))

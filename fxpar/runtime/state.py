@@ -1,0 +1,103 @@
+"""What a rank saves and restores: its part of the training state, under the model's own keys.
+
+``save_rank_state(executor, path, aliases)`` / ``load_rank_state(executor, path, aliases)`` turn an
+:class:`~fxpar.runtime.executor.Executor`'s state into the global-key tensors of
+:mod:`fxpar.runtime.checkpoint` and back, so a checkpoint written under one strategy loads under any
+other (the keys never name a rank, a stage or a shard):
+
+* parameters (every alias of a tied parameter too, so plain ``dcp.load(model.state_dict())`` finds
+  each key) and buffers, under the model's keys;
+* optimizer state as ``optim.<state>.<key>`` (traced SGD/Adam/AdamW and eager torch.optim alike);
+* 2BW's stashed previous weights as ``stash.<key>`` (its next batch computes with them);
+* per rank in ``extra``: the RNG state, the step count, the LR scheduler's and the optimizer's
+  hyper-parameters (learning rate included: a scheduler's state alone does not restore it).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .checkpoint import (load_checkpoint, optim_key, read_manifest, rng_state, save_checkpoint, set_rng_state,
+                         split_optim_key, torch_optimizer_state_dict, torch_optimizer_tensors)
+
+__all__ = ["save_rank_state", "load_rank_state"]
+
+_STASH = "stash."
+
+
+def _world() -> tuple:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def save_rank_state(ex, path, aliases: dict) -> None:
+    """Collective: every rank of the program calls it with the same ``path``."""
+    tensors = {}
+    by_canon: dict = {}
+    for alias, canon in aliases.items():
+        by_canon.setdefault(canon, []).append(alias)
+    for s, ps in ex.params.items():
+        for k, v in ps.items():
+            tensors[k] = v
+            for alias in by_canon.get(k, ()):
+                tensors[alias] = v
+    tensors.update(ex.buffers)
+    rest = None
+    if ex.spec.traced:
+        for st in ex.state.values():
+            for sk, v in st.items():
+                name, key = sk.split(":", 1)
+                tensors[optim_key(name, key)] = v
+    else:
+        opt_tensors, rest = torch_optimizer_tensors(ex.torch_opt.state_dict(), [k for _, k in ex._leaves])
+        tensors.update(opt_tensors)
+    for s, ps in ex.prev_params.items():
+        for k, v in ps.items():
+            tensors[_STASH + k] = v
+    extra = {"rng": rng_state(), "step": max(ex.step_count.values(), default=0),
+             "lr": [g["lr"] for g in ex.torch_opt.param_groups], "optim": rest,
+             "scheduler": ex.scheduler.state_dict() if ex.scheduler is not None else None}
+    rank, world = _world()
+    save_checkpoint(path, tensors, extra, rank=rank, world_size=world)
+
+
+def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
+    """Collective, like :func:`save_rank_state`. Fills the executor's parameters, buffers, optimizer state,
+    step count, LR, scheduler and RNG from ``path`` (saved under any strategy)."""
+    manifest = read_manifest(path) or {"tensors": {}}
+    saved = manifest["tensors"]
+    held = {k for ps in ex.params.values() for k in ps}
+    templates = {k: v for ps in ex.params.values() for k, v in ps.items()}
+    templates.update({k: v for k, v in ex.buffers.items()})
+    for k, meta in saved.items():
+        parts = split_optim_key(k)
+        if parts is not None and parts[1] in held:
+            templates[k] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
+        elif need_stash and k.startswith(_STASH) and k[len(_STASH):] in held:
+            templates[k] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
+    rank, world = _world()
+    got, extra = load_checkpoint(path, templates, rank=rank, world_size=world)
+    for s, ps in ex.params.items():
+        ex.params[s] = {k: got[k].clone() for k in ps}
+    ex.buffers = {k: got[k] for k in ex.buffers}
+    if ex.spec.traced:
+        for s, st in ex.state.items():
+            for sk in list(st):
+                name, key = sk.split(":", 1)
+                st[sk] = got[optim_key(name, key)].clone()
+    else:
+        keys = [k for _, k in ex._leaves]
+        ex.torch_opt.load_state_dict(torch_optimizer_state_dict(ex.torch_opt, keys, got, extra["optim"]))
+    if need_stash:
+        missing = [k for k in held if _STASH + k not in got]
+        if missing:
+            raise RuntimeError(f"checkpoint {path} has no stashed previous weights for {missing[:3]}...: a 2BW run "
+                               "resumes only from a checkpoint that a 2BW run saved")
+        ex.prev_params = {s: {k: got[_STASH + k].clone() for k in ps} for s, ps in ex.params.items()}
+    ex.step_count = {s: int(extra["step"]) for s in ex.step_count}
+    for g, lr in zip(ex.torch_opt.param_groups, extra["lr"]):
+        g["lr"] = lr
+    if ex.scheduler is not None and extra.get("scheduler") is not None:
+        ex.scheduler.load_state_dict(extra["scheduler"])
+    set_rng_state(extra["rng"])
