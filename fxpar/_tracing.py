@@ -1,7 +1,14 @@
-"""Tracing helpers shared by the two capture front-ends: the whole training step
-(:mod:`fxpar.capture`) and the forward + loss a pipeline cuts into stages
-(:mod:`fxpar.pipeline.trace`). Internal to fxpar."""
+"""Tracing helpers shared by fxpar's traces (the training step and the forward + loss a pipeline
+cuts into stages): module paths for node meta, the batch split, errors that name the user's
+module and say what to change, and the context every trace runs in. Internal to fxpar."""
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+import sysconfig
+import traceback
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -9,7 +16,80 @@ import torch.fx.traceback as fx_traceback
 from . import meta as M
 from .errors import CaptureError
 
-__all__ = ["ModuleTracker", "batch_parts", "explain_trace_error", "clean_name"]
+__all__ = ["ModuleTracker", "batch_parts", "explain_trace_error", "clean_name", "capture_context",
+           "TRACING_PREDICATES"]
+
+# Library predicates that ask "is a graph being traced right now?" and answer wrongly under
+# fxpar's capture: (module that defines it, function name). Every module of the same top-level
+# package that bound the function by name (``from .utils import is_tracing``) is patched too.
+TRACING_PREDICATES = (
+    ("transformers.utils.import_utils", "is_tracing"),
+)
+
+
+def _traced_true(orig):
+    @functools.wraps(orig)
+    def predicate(*args, **kwargs):
+        return True
+    return predicate
+
+
+def _bindings(package: str, fn) -> list:
+    """``(module, name)`` for every loaded module of ``package`` whose global ``name`` is ``fn``.
+    Reads ``vars(module)`` so lazy modules (transformers' ``_LazyModule``) import nothing."""
+    out = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == package or mod_name.startswith(package + ".")):
+            continue
+        for name, value in list(getattr(mod, "__dict__", {}).items()):
+            if value is fn:
+                out.append((mod, name))
+    return out
+
+
+@contextlib.contextmanager
+def capture_context():
+    """Enter around every ``make_fx`` trace of a capture, so that libraries see a trace in progress.
+
+    Why: fxpar traces ``make_fx(functionalize(step), tracing_mode="fake")``. The model then sees
+    functional wrappers (``FunctionalTensorWrapper``) around fake tensors, not ``FakeTensor``s,
+    and no dynamo, jit or fx-proxy state is set. Hugging Face ``transformers`` (5.x) asks
+    ``is_tracing(tensor)`` (``transformers.utils.import_utils``: dynamo, jit, fx ``Proxy`` or
+    ``FakeTensor``) before value-dependent shortcuts, e.g. in ``masking_utils``::
+
+        if not is_tracing(packed_sequence_mask) and (packed_sequence_mask[:, -1] == 0).all():
+            return None
+
+    It answers False, the shortcut reads a fake tensor's value and the capture fails with a
+    data-dependent guard error in the model's mask code. Inside this context such predicates
+    return True, so the library takes the path it takes under ``torch.compile``/``torch.export``:
+    the general computation, correct for every batch, kept in the graph.
+
+    Only predicates listed in :data:`TRACING_PREDICATES` are patched, only if their package is
+    already imported (a model built from it has imported it), in every loaded module of that
+    package that bound them by name; all are restored on exit, including bindings made by
+    modules imported during the trace. Outside the context nothing is changed. Nests.
+    """
+    patched = []          # (module, name, original)
+    replaced = []         # (package, replacement, original)
+    for home_name, fn_name in TRACING_PREDICATES:
+        home = sys.modules.get(home_name)
+        orig = vars(home).get(fn_name) if home is not None else None
+        if orig is None:
+            continue
+        package, repl = home_name.split(".", 1)[0], _traced_true(orig)
+        replaced.append((package, repl, orig))
+        for mod, name in _bindings(package, orig):
+            setattr(mod, name, repl)
+            patched.append((mod, name, orig))
+    try:
+        yield
+    finally:
+        for mod, name, orig in reversed(patched):
+            setattr(mod, name, orig)
+        for package, repl, orig in replaced:      # modules first imported while tracing bound repl
+            for mod, name in _bindings(package, repl):
+                setattr(mod, name, orig)
 
 
 class ModuleTracker:
@@ -59,16 +139,86 @@ def batch_parts(batch, loss_fn):
     return batch, ()
 
 
+# Torch's own tracing machinery, relative to torch's directory: the frames between the line that
+# asked for a tensor's value and the guard that refused. Skipped to find that line.
+_TORCH_MACHINERY = ("fx/", "_subclasses/", "_ops.py", "utils/", "_functorch/", "_prims", "_refs/", "_decomp/",
+                    "_meta_registrations.py", "_higher_order_ops/", "_library/", "overrides.py", "_tensor.py",
+                    "_dynamo/", "_guards.py", "_logging/", "func/", "__init__.py")
+
+# What a user can do when the value-dependent decision is in library code they cannot edit,
+# keyed by (file suffix, function) of the line that decided.
+_LIBRARY_ADVICE = {
+    ("torch/nn/modules/transformer.py", "_detect_is_causal_mask"):
+        "torch compares the attention mask you passed with a causal mask, value by value, to decide whether it is "
+        "causal. Tell it instead and the comparison is skipped: pass tgt_is_causal=True with tgt_mask "
+        "(nn.Transformer, nn.TransformerDecoder), src_is_causal=True with src_mask (nn.Transformer) or "
+        "is_causal=True with mask (nn.TransformerEncoder); pass False where the mask is not causal.",
+}
+_GENERIC_LIBRARY_ADVICE = (
+    "You cannot rewrite library code, but you can often keep it off that path: pass the argument that answers "
+    "the question for it (a flag such as is_causal=...), or leave out an optional argument the library checks "
+    "(for example an all-ones attention mask). If the check only asks whether a trace is running, report it "
+    "to fxpar's issue tracker with this message: fxpar answers such checks while capturing "
+    "(fxpar._tracing.TRACING_PREDICATES).")
+
+
+def _torch_dir() -> str:
+    return os.path.dirname(torch.__file__) + os.sep
+
+
+def _is_library(path: str) -> bool:
+    """Installed code the user did not write: torch, site-packages, the standard library, fxpar itself."""
+    path = os.path.abspath(path)
+    roots = [_torch_dir(), os.path.dirname(os.path.abspath(__file__)) + os.sep,
+             sysconfig.get_paths()["stdlib"] + os.sep]
+    return (any(path.startswith(r) for r in roots) or f"{os.sep}site-packages{os.sep}" in path
+            or f"{os.sep}dist-packages{os.sep}" in path)
+
+
+def _short(path: str) -> str:
+    for marker in (f"{os.sep}site-packages{os.sep}", f"{os.sep}dist-packages{os.sep}"):
+        if marker in path:
+            return path.rsplit(marker, 1)[1]
+    return path
+
+
+def _deciding_frames(e: BaseException):
+    """(the frame whose line read a tensor's value, the user's frame that led there or None)."""
+    frames = traceback.extract_tb(e.__traceback__)
+    torch_dir = _torch_dir()
+    i = len(frames) - 1
+    while i >= 0 and frames[i].filename.startswith(torch_dir) and \
+            frames[i].filename[len(torch_dir):].startswith(_TORCH_MACHINERY):
+        i -= 1
+    if i < 0:
+        return None, None
+    site = next((f for f in reversed(frames[:i]) if not _is_library(f.filename)), None)
+    return frames[i], site
+
+
 def explain_trace_error(e: Exception, mod_name: str, tracker: ModuleTracker) -> CaptureError:
+    """A CaptureError naming the module being traced and, for a decision on a tensor's value, the line
+    that made it and what the user can change: their own code, or the arguments they give library code."""
     where = tracker.stack[-1] if tracker.stack else "(top level)"
     text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
     name = type(e).__name__
-    if "DataDependent" in name or "data-dependent" in str(e) or "GuardOnDataDependent" in name:
-        return CaptureError(
-            f"cannot capture {mod_name}: module '{where}' has control flow that depends on tensor values "
+    if not ("DataDependent" in name or "data-dependent" in str(e) or "GuardOnDataDependent" in name):
+        return CaptureError(f"cannot capture {mod_name}: tracing failed in module '{where}' with {name}: {text}")
+    head = (f"cannot capture {mod_name}: module '{where}' has control flow that depends on tensor values "
             f"({name}: {text}). fxpar compiles one graph for every step, so a Python `if` on a tensor's value "
-            "cannot be kept. Rewrite it with torch.where / torch.cond, or compute the condition from shapes only.")
-    return CaptureError(f"cannot capture {mod_name}: tracing failed in module '{where}' with {name}: {text}")
+            "cannot be kept.")
+    frame, site = _deciding_frames(e)
+    if frame is None or not _is_library(frame.filename):
+        at = f" The decision is at {frame.filename}:{frame.lineno}: `{frame.line}`." if frame else ""
+        return CaptureError(f"{head}{at} Rewrite it with torch.where / torch.cond, or compute the condition "
+                            "from shapes only.")
+    path = _short(frame.filename)
+    advice = next((a for (suffix, fn), a in _LIBRARY_ADVICE.items()
+                   if frame.filename.replace(os.sep, "/").endswith(suffix) and frame.name == fn),
+                  _GENERIC_LIBRARY_ADVICE)
+    called = f", reached from your code at {site.filename}:{site.lineno}: `{site.line}`" if site else ""
+    return CaptureError(f"{head} The decision is in library code, {path}:{frame.lineno} in {frame.name}(): "
+                        f"`{frame.line}`{called}. {advice}")
 
 
 def clean_name(name: str) -> str:

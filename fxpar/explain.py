@@ -40,12 +40,10 @@ def _stage_lines(prog) -> list:
                      + (f"; F saves {saved_n} tensors per microbatch; sends {fmt_bytes(sends)} forward per microbatch"
                         if saved is not None else ""))
     if split is not None and len(split.stages) > 1:
-        flops = [s.flops for s in split.stages]
-        if min(flops) > 0 and max(flops) / min(flops) > 1.2:
-            lines.append(f"  WARNING: predicted stage FLOPs differ by {max(flops) / min(flops) - 1:.0%} "
-                         f"({[round(f / 1e6, 2) for f in flops]} MFLOP): the slowest stage sets the pace. Move the "
-                         f"cuts (Strategy(split_points=...), candidates: {split.candidates[:8]}...) or use more "
-                         "microbatches.")
+        from passes.split_stages import imbalance_warning     # the 20% rule lives with the cut search
+        warn = imbalance_warning(split)
+        if warn:
+            lines.append("  " + warn)
     return lines
 
 

@@ -165,23 +165,34 @@ class Program:
                                  for a in self.pipe_schedule.actions[pr]])
 
     def _calls(self, rank: int) -> list:
-        """What the rank runs in one step, in order: ``(label, GraphModule)`` per compute action and a
-        ``CommInfo`` per send/receive."""
+        """What the rank runs in one step, in order: ``cost_models.Item(graph, label, keep)`` per compute
+        action (``keep``: F's saved tensors live until the microbatch's last backward) and a ``CommInfo`` per
+        send/receive."""
+        from cost_models import Item      # noqa: PLC0415 - fxpar reaches the cost models only here
         pr, d = self._check_rank(rank)
+        acts = self.pipe_schedule.actions[pr]
+        last_bw = {}
+        for a in acts:
+            if a.kind in (_K.B, _K.W):
+                last_bw[(a.stage, a.microbatch)] = a.short()
         out = []
-        for a in self.pipe_schedule.actions[pr]:
-            if a.kind in (_K.SEND_F, _K.SEND_B, _K.RECV_F, _K.RECV_B):
+        which = {_K.SEND_F: "acts_out", _K.SEND_B: "grads_out", _K.RECV_F: "acts_in", _K.RECV_B: "grads_in"}
+        for a in acts:
+            if a.kind in which:
                 peer = a.peer * self.dp + d
-                msg = self.stages[a.stage].messages
-                which = {_K.SEND_F: "acts_out", _K.SEND_B: "grads_out", _K.RECV_F: "acts_in", _K.RECV_B: "grads_in"}
                 nbytes = sum(int(torch.Size(sh).numel()) * torch.empty((), dtype=dt).element_size()
-                             for _, sh, dt in msg[which[a.kind]])
+                             for _, sh, dt in self.stages[a.stage].messages[which[a.kind]])
                 send = a.kind in (_K.SEND_F, _K.SEND_B)
                 out.append(M.CommInfo("send" if send else "recv", "pp", (rank, peer) if send else (peer, rank), nbytes))
                 continue
             sg = self.stages[a.stage].graphs.get(a.kind.name)
-            if sg is not None:
-                out.append((a.short(), sg.gm))
+            if sg is None:
+                continue
+            keep = None
+            if a.kind == _K.F and (a.stage, a.microbatch) in last_bw:
+                until = last_bw[(a.stage, a.microbatch)]
+                keep = {j: until for j, (role, _) in enumerate(sg.outputs) if role == "saved"}
+            out.append(Item(sg.gm, a.short(), keep))
         return out
 
     def collectives(self, rank: int = 0) -> list:
@@ -192,7 +203,7 @@ class Program:
             if isinstance(item, M.CommInfo):
                 out.append(item)
             else:
-                out += [M.get(n, M.COMM) for n in collective_nodes(item[1])]
+                out += [M.get(n, M.COMM) for n in collective_nodes(item.gm)]
         return out
 
     def estimate(self):
@@ -202,7 +213,7 @@ class Program:
             import cost_models     # the cost models read graphs; fxpar reaches them only here and in the planner
             calls = {r: self._calls(r) for r in range(self.world_size)}
             if all(len(c) == 1 and not isinstance(c[0], M.CommInfo) for c in calls.values()):
-                self._estimate = cost_models.estimate({r: c[0][1] for r, c in calls.items()}, self.cluster)
+                self._estimate = cost_models.estimate({r: c[0].gm for r, c in calls.items()}, self.cluster)
             else:
                 self._estimate = cost_models.estimate(calls, self.cluster)
         return self._estimate

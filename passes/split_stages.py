@@ -21,9 +21,12 @@ neighbour stages. Before, cut before ``fc2``::
 After: stage 0 ``(x, w1) -> (h, r)``; stage 1 ``(w2, h, r) -> loss`` with ``t_1`` recomputed there.
 
 Where no split points are given, cuts go where a PipeDream-style partition (Narayanan et al.
-SOSP'19) puts them: candidate cuts are the starts of the children of the root and of every
-``ModuleList``/``Sequential``; a dynamic program over them minimises the largest stage cost,
-FLOPs (``cost_models.compute``) plus the bytes the stage receives times ``flops_per_byte``.
+SOSP'19) puts them: candidate cuts (:func:`cut_candidates`) are the starts of every element of
+every repeated block list at any depth (``blocks.3``, Hugging Face's ``transformer.h.3`` and
+``model.layers.3``) and of the modules around those lists (``wte``, ``ln_f``, ``lm_head``); a
+dynamic program over them minimises the largest stage cost, FLOPs (``cost_models.compute``)
+plus the bytes the stage receives times ``flops_per_byte``. :func:`stage_imbalance` says how
+uneven the result is.
 """
 from __future__ import annotations
 
@@ -36,7 +39,8 @@ from fxpar import meta as M
 from fxpar.errors import StrategyError
 from fxpar.pass_manager import Pass, PassResult
 
-__all__ = ["StageGraph", "StageSplit", "split_stages", "cut_candidates", "balanced_cuts", "SplitStages"]
+__all__ = ["StageGraph", "StageSplit", "split_stages", "cut_candidates", "balanced_cuts", "stage_imbalance",
+           "imbalance_warning", "IMBALANCE_WARN", "SplitStages"]
 
 _CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
 
@@ -103,6 +107,8 @@ def _classify(gm: torch.fx.GraphModule, roles: dict) -> set:
         if n.op == "placeholder":
             role = roles[n.name][0]
             dep[n] = (role == "param", role in ("input", "target"))
+        elif n.op == "get_attr":          # a constant the trace made (torch.tensor(...) in a forward)
+            dep[n] = (False, False)
         elif n.op == "call_function":
             ins = [dep[a] for a in n.all_input_nodes]
             dep[n] = (any(p for p, _ in ins), any(b for _, b in ins))
@@ -122,20 +128,92 @@ def _first_positions(gm: torch.fx.GraphModule) -> dict:
     return first
 
 
+def _parent(path: str) -> str:
+    return path.rsplit(".", 1)[0] if "." in path else ""
+
+
+def _within(path: str, members: set, proper: bool = False) -> bool:
+    """Whether ``path`` (or, with ``proper``, one of its ancestors only) is in ``members``."""
+    parts = path.split(".")
+    return any(".".join(parts[:j]) in members for j in range(1, len(parts) + (not proper)))
+
+
+def _list_elements(paths: list, module_types: dict) -> set:
+    """Paths that are one element of a repeated block list, at any depth:
+
+    * a child of a ``ModuleList``/``Sequential``/``ModuleDict`` that is not itself inside an element
+      (``blocks.3``, ``model.transformer.h.3``; an unknown type whose children are named 0, 1, …
+      counts as a container);
+    * a child of a container inside an element when all its children are of one class, two or more
+      (T5's ``encoder.block.3`` inside ``encoder``; not ``block.3.layer.0``, where self-attention and
+      feed-forward differ, nor a ``Sequential(Linear, Tanh)`` inside a block);
+    * one of two or more siblings of one class that have submodules of their own, not inside an
+      element (``encoder`` and ``decoder`` of one stack class, ``block1``, ``block2`` held as plain
+      attributes; not a decoder layer's ``self_attn`` and ``multihead_attn``).
+    """
+    children: dict = {}
+    for p in paths:
+        if p:
+            children.setdefault(_parent(p), []).append(p)
+    composite = {_parent(p) for p in paths if p}
+    elements: set = set()
+    for parent in sorted(children, key=lambda q: q.count(".") if q else -1):     # outer lists first
+        kids = children[parent]
+        kind = module_types.get(parent, "")
+        inside = bool(parent) and _within(parent, elements)
+        if kind in _CONTAINERS or (not kind and parent and all(k.rsplit(".", 1)[-1].isdigit() for k in kids)):
+            classes = {module_types.get(k, "") for k in kids}
+            if not inside or (len(kids) > 1 and len(classes) == 1 and "" not in classes):
+                elements.update(kids)
+            continue
+        if inside:
+            continue
+        by_class: dict = {}
+        for k in kids:
+            if k in composite and module_types.get(k):
+                by_class.setdefault(module_types[k], []).append(k)
+        elements.update(k for ks in by_class.values() if len(ks) > 1 for k in ks)
+    return elements
+
+
+def _structural(paths: list, elements: set) -> set:
+    """The root and every module on the way from it to an outermost block list (not inside a block):
+    their children are the coarse places to cut (``transformer.wte``, ``transformer.ln_f``, ``lm_head``)."""
+    spine = {""}
+    for e in elements:
+        if not _within(e, elements, proper=True):         # an outermost element: its ancestors lead to it
+            parts = e.split(".")
+            spine.update(".".join(parts[:j]) for j in range(1, len(parts)))
+    return spine
+
+
 def cut_candidates(gm: torch.fx.GraphModule, roles: dict, module_types: dict) -> list:
-    """Module paths a stage may start at, in execution order: children of the root or of a container."""
+    """Module paths a stage may start at, in execution order.
+
+    A path is a candidate if it is an element of a repeated block list at any depth (see
+    :func:`_list_elements`: ``blocks.3``, ``model.transformer.h.3``, ``model.layers.3``,
+    T5's ``encoder.block.1``) or a child of the root or of a module on the way from the root to an
+    outermost block list (``wte``, ``model.transformer.ln_f``, ``lm_head``). A path is kept only if
+    the first node it runs comes after the first activation (a cut before it leaves stage 0 work);
+    of two starting at the same node, the deeper (``blocks.0``, not ``blocks``). For models whose
+    block lists sit at the top (``blocks.N``) this is the children of the root and of top-level
+    containers, as before.
+    """
     acts = _classify(gm, roles)
     pos = {n.name: i for i, n in enumerate(gm.graph.nodes)}
     first_act = min((pos[a] for a in acts), default=0)
+    first = _first_positions(gm)
+    paths = sorted(set(module_types) | set(first))
+    elements = _list_elements(paths, module_types)
+    spine = _structural(paths, elements)
+
     by_pos: dict = {}
-    for path, i in _first_positions(gm).items():
-        parent = path.rsplit(".", 1)[0] if "." in path else ""
-        grand = parent.rsplit(".", 1)[0] if "." in parent else ""
-        top = parent == "" or (module_types.get(parent, "") in _CONTAINERS and grand == "")
-        if top and i > first_act and path.count(".") >= by_pos.get(i, "").count("."):
+    for path, i in first.items():
+        if not (path in elements or _parent(path) in spine) or i <= first_act:
+            continue
+        if path.count(".") >= by_pos.get(i, "").count("."):
             by_pos[i] = path          # two paths starting at one node: keep the deeper (blocks.0, not blocks)
-    out = sorted(((p, i) for i, p in by_pos.items()), key=lambda x: x[1])
-    return [p for p, _ in out]
+    return [by_pos[i] for i in sorted(by_pos)]
 
 
 def balanced_cuts(gm: torch.fx.GraphModule, roles: dict, candidates: list, n_stages: int,
@@ -178,6 +256,35 @@ def balanced_cuts(gm: torch.fx.GraphModule, roles: dict, candidates: list, n_sta
     return list(reversed(cuts))
 
 
+IMBALANCE_WARN = 0.2    # explain() warns above this stage_imbalance
+
+
+def stage_imbalance(split: StageSplit) -> float:
+    """How uneven the stages are: ``max(stage FLOPs) / min(stage FLOPs) - 1``, from each stage's forward
+    FLOPs (``StageGraph.flops``; backward is about twice forward per op, so the ratio holds for the
+    step). 0.0 is perfectly even, 0.25 means the slowest stage does 25% more work than the fastest
+    (the pipeline runs at the slowest stage's pace); ``inf`` if a stage does no counted work.
+    One stage: 0.0."""
+    flops = [st.flops for st in split.stages]
+    if len(flops) < 2:
+        return 0.0
+    lo, hi = min(flops), max(flops)
+    return float("inf") if lo <= 0 else hi / lo - 1.0
+
+
+def imbalance_warning(split: StageSplit, threshold: float = IMBALANCE_WARN) -> str:
+    """A line for ``explain()`` when :func:`stage_imbalance` exceeds ``threshold``, else ``""``."""
+    r = stage_imbalance(split)
+    if r <= threshold:
+        return ""
+    flops = [st.flops for st in split.stages]
+    hi, lo = flops.index(max(flops)), flops.index(min(flops))
+    return (f"warning: pipeline stages are unbalanced: stage {hi} does {max(flops) / 1e6:.2f} MFLOP forward, stage "
+            f"{lo} {min(flops) / 1e6:.2f} ({'inf' if r == float('inf') else f'{r:.0%}'} more; the pipeline runs at "
+            f"the slowest stage's pace). Cuts {split.cuts}; places to cut: {split.candidates}. Choose other "
+            "Strategy(split_points=[...]) or a number of stages that divides the repeated blocks evenly.")
+
+
 def split_stages(gm: torch.fx.GraphModule, roles: dict, n_stages: int, split_points=None,
                  module_types: dict | None = None, flops_per_byte: float = 0.0) -> StageSplit:
     """Cut ``gm`` (forward + loss, placeholders described by ``roles``) into ``n_stages`` stage graphs."""
@@ -200,8 +307,9 @@ def split_stages(gm: torch.fx.GraphModule, roles: dict, n_stages: int, split_poi
         if n_stages - 1 > len(candidates):
             raise StrategyError(
                 f"cannot cut the model into {n_stages} pipeline stages: it has only {len(candidates)} place(s) to "
-                f"cut, before {candidates} (children of the root and of ModuleList/Sequential containers). Use at "
-                f"most {len(candidates) + 1} stages, or pass Strategy(split_points=[...]) with deeper module paths.")
+                f"cut, before {candidates} (the elements of its repeated block lists and the modules around them). "
+                f"Use at most {len(candidates) + 1} stages, or pass Strategy(split_points=[...]) with deeper module "
+                "paths.")
         cuts = balanced_cuts(gm, roles, candidates, n_stages, flops_per_byte) if n_stages > 1 else []
     return _build(gm, roles, [first[c] for c in cuts], cuts, candidates, n_stages)
 
