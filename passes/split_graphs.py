@@ -165,7 +165,8 @@ def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
             k = "STEP" if role in ("new_param", "new_opt_state") else "F"
             reads[k].setdefault(node, role_of[node])
         elif role == "grad" and k in _PER_MB:
-            continue                        # unsynchronised: the runtime's sum is the gradient
+            exports[k].setdefault(node, ("grad", key))   # unsynchronised: the runtime's sum is the gradient
+            continue
         joint_out[k].append((node, (role, key)))
     out = {}
     for k in graph_kinds:

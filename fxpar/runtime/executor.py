@@ -154,6 +154,8 @@ class Executor:
         self._leaves = {(s, k): torch.nn.Parameter(v.clone()) for s, ps in self.params.items() for k, v in ps.items()}
         self.torch_opt = spec.make_torch_optimizer(list(self._leaves.values()))
         self.scheduler = make_scheduler(p.lr_scheduler, self.torch_opt)
+        if spec.traced:           # the traced graph steps; torch's optimizer only holds the LR for the scheduler
+            self.torch_opt._opt_called = True
         self.step_count = {s: 0 for s in p.stage_params}
         self.last_stage = len(p.stage_to_rank) - 1
         self.n_inputs = p.extra.get("n_inputs", 0)
