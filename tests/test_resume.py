@@ -1,0 +1,117 @@
+"""Checkpoint and resume (issue 7): training 6 steps equals training 3, saving, resuming and training 3
+more, bitwise; a checkpoint taken under one strategy loads under another and in plain PyTorch; a
+half-written checkpoint is refused and the previous one stays intact."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import fxpar
+from fxpar.runtime.checkpoint import CheckpointError
+from fxpar.testing.models import GPT, SkipMLP, gpt_loss
+from fxpar.testing.reference import max_abs_diff, reference_training
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+CE = torch.nn.functional.cross_entropy
+
+
+def _gpt_batches(n, batch=8):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        idx = torch.randint(0, 32, (batch, 9), generator=g)
+        out.append((idx[:, :-1], idx[:, 1:]))
+    return out
+
+
+def _skip_batches(n, batch=8):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(batch, 16, generator=g, dtype=torch.float64), torch.randint(0, 4, (batch,), generator=g))
+            for _ in range(n)]
+
+
+def _gpt(dropout=0.0):
+    torch.manual_seed(0)
+    return GPT(vocab=32, d=16, layers=2, heads=2, dropout=dropout).double()
+
+
+CASES = {
+    "dp": (lambda: _gpt(dropout=0.1), _gpt_batches, gpt_loss, dict(dp=2)),     # dropout: the RNG resumes too
+    "1f1b": (_gpt, _gpt_batches, gpt_loss, dict(pp=2, microbatches=4)),
+    "zb1p": (_gpt, _gpt_batches, gpt_loss, dict(pp=2, schedule="zb1p", microbatches=4)),
+    "2bw": (lambda: SkipMLP().double(), _skip_batches, CE, dict(pp=2, schedule="2bw", microbatches=4)),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_is_bitwise(clusters, tmp_path, case):
+    make, batches_of, loss_fn, strategy = CASES[case]
+    torch.manual_seed(0)
+    model, batches = make(), batches_of(6)
+    st = fxpar.Strategy(**strategy)
+    lc = clusters.get(st.size)
+    prog = fxpar.parallelize(model, st.size, batches[0], loss_fn, ADAMW, strategy=st,
+                             lr_scheduler=None if case == "2bw" else (torch.optim.lr_scheduler.StepLR,
+                                                                      {"step_size": 2, "gamma": 0.5}))
+    whole = prog.run_local(batches, cluster=lc)
+    ck = tmp_path / "ck"
+    first = prog.run_local(batches[:3], cluster=lc, save_to=ck)
+    second = prog.run_local(batches[3:], cluster=lc, resume_from=ck)
+    assert first.losses + second.losses == whole.losses
+    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0
+    # without resume_from a call starts over from the program's initial weights
+    assert prog.run_local(batches[:3], cluster=lc).losses == first.losses
+
+
+def test_checkpoint_moves_between_strategies_and_into_plain_pytorch(clusters, tmp_path):
+    model, batches = SkipMLP().double(), _skip_batches(6)
+    ref_losses, ref_state = reference_training(model, batches, CE, ADAMW)
+    dp = fxpar.parallelize(model, 2, batches[0], CE, ADAMW, strategy=fxpar.Strategy(dp=2))
+    dp.run_local(batches[:3], cluster=clusters.get(2), save_to=tmp_path / "ck")
+    pp = fxpar.parallelize(model, 2, batches[0], CE, ADAMW, strategy=fxpar.Strategy(pp=2, microbatches=2))
+    res = pp.run_local(batches[3:], cluster=clusters.get(2), resume_from=tmp_path / "ck")
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses[3:])) < 1e-10
+    assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
+    # plain PyTorch, no process group: the model's own keys
+    fresh = SkipMLP().double()
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))
+    fresh.load_state_dict(sd)
+    three = reference_training(model, batches[:3], CE, ADAMW)[1]
+    assert max_abs_diff(fresh.state_dict(), three) < 1e-10
+
+
+def test_tied_weights_load_in_plain_pytorch(clusters, tmp_path):
+    model, batches = _gpt(), _gpt_batches(2)
+    prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=fxpar.Strategy(pp=2, microbatches=2))
+    res = prog.run_local(batches, cluster=clusters.get(2), save_to=tmp_path / "ck")
+    fresh = _gpt()
+    sd = fresh.state_dict()
+    dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))           # every key, the tied alias included
+    assert max_abs_diff(sd, res.state_dict()) == 0
+
+
+def test_half_written_checkpoint_is_refused_and_the_previous_one_stays(clusters, tmp_path, monkeypatch):
+    model, batches = SkipMLP().double(), _skip_batches(4)
+    prog = fxpar.parallelize(model, 1, batches[0], CE, ADAMW, strategy=fxpar.Strategy())
+    good = prog.run_local(batches[:2], save_to=tmp_path / "ck")
+    import fxpar.runtime.checkpoint as ckpt
+
+    def killed(*a, **k):
+        raise KeyboardInterrupt("killed between the data and the manifest")
+    monkeypatch.setattr(ckpt, "_write_manifest", killed)
+    with pytest.raises(BaseException, match="killed"):
+        prog.run_local(batches[2:], save_to=tmp_path / "ck")
+    monkeypatch.undo()
+    partial = str(tmp_path / "ck") + ".fxpar-partial"
+    assert os.path.isdir(partial)
+    with pytest.raises(CheckpointError, match=r"fxpar-partial.*(incomplete|half|not complete)"):
+        prog.run_local(batches[2:], resume_from=partial)
+    again = prog.run_local(batches[2:], resume_from=tmp_path / "ck")     # the previous checkpoint still loads
+    whole = prog.run_local(batches)
+    assert good.losses + again.losses == whole.losses
+    with pytest.raises(CheckpointError, match="no_such_dir"):
+        prog.run_local(batches, resume_from=tmp_path / "no_such_dir")
