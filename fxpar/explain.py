@@ -39,11 +39,6 @@ def _stage_lines(prog) -> list:
                      + ", ".join(f"{k} ({len(g.gm.graph.nodes)} nodes)" for k, g in st.graphs.items())
                      + (f"; F saves {saved_n} tensors per microbatch; sends {fmt_bytes(sends)} forward per microbatch"
                         if saved is not None else ""))
-    if split is not None and len(split.stages) > 1:
-        from passes.split_stages import imbalance_warning     # the 20% rule lives with the cut search
-        warn = imbalance_warning(split)
-        if warn:
-            lines.append("  " + warn)
     return lines
 
 

@@ -155,13 +155,16 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     mb = plan.global_batch // (dp * plan.microbatches)
     if sched.n_stages > 1:
         from .capture import trace_forward
-        from passes.split_stages import split_stages     # fxpar reaches passes only through the planner/lowering
+        from passes.split_stages import imbalance_warning, split_stages   # fxpar reaches passes only here and in lower
         micro = tuple(t.narrow(0, 0, mb) for t in batch)
         trace = trace_forward(model, micro, loss_fn)
         fpb = cluster.device.peak_flops / cluster.intra_node.bandwidth if cluster is not None else 0.0
         cuts = base.cuts if base is not None and base.cuts else strategy.split_points
         split = split_stages(trace.gm, trace.roles, sched.n_stages, cuts, trace.module_types, fpb)
         plan.cuts, plan.candidates = list(split.cuts), list(split.candidates)
+        warn = imbalance_warning(split)
+        if warn:
+            plan.notes.append(warn)
         plan.stage_params = [list(st.params) for st in split.stages]
         plan.tied = {k: list(v) for k, v in split.shared_params.items()}
         if plan.schedule in ASYNC and plan.tied:
