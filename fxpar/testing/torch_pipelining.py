@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from .models import GPT, gpt_loss
 
-__all__ = ["UntiedGPT", "split_untied_gpt", "pipelining_worker"]
+__all__ = ["UntiedGPT", "split_untied_gpt", "pipelining_worker", "stages_of_rank"]
 
 
 def UntiedGPT(vocab=2048, d=128, layers=8, heads=4, max_seq=64) -> GPT:
@@ -69,37 +69,57 @@ def split_untied_gpt(model: GPT, cuts: list[int], stage: int) -> nn.Module:
     return _Middle(blocks)
 
 
+_MULTI = {"interleaved_zb": "ScheduleInterleavedZeroBubble", "zbv": "ScheduleZBVZeroBubble",
+          "interleaved": "ScheduleInterleaved1F1B"}
+
+
+def stages_of_rank(schedule: str, rank: int, world: int) -> list[int]:
+    """The stages a rank holds: one (stage = rank) for gpipe/1f1b; two for the multi-stage schedules:
+    looped (``rank``, ``rank + world``) for the interleaved ones, V-shaped (``rank``, ``2*world-1-rank``)
+    for ZBV (torch.distributed.pipelining's placements)."""
+    if schedule not in _MULTI:
+        return [rank]
+    if schedule == "zbv":
+        return [rank, 2 * world - 1 - rank]
+    return [rank, rank + world]
+
+
 def pipelining_worker(model, batches, cuts, optimizer, schedule: str = "gpipe", microbatches: int = 8,
                       warmup: int = 1, loss_fn=gpt_loss) -> dict:
-    """Train with ``torch.distributed.pipelining`` (one stage per rank) on the default group.
+    """Train with ``torch.distributed.pipelining`` on the default group: one stage per rank for
+    ``gpipe``/``1f1b``, two per rank for ``interleaved``, ``interleaved_zb`` (ScheduleInterleavedZeroBubble)
+    and ``zbv`` (ScheduleZBVZeroBubble); ``cuts`` must then give ``2 * world`` stages.
 
-    Returns this rank's step times (after ``warmup`` untimed steps) and, on the last rank, the
-    global-batch loss per step (mean of the microbatch losses, as fxpar reports it).
+    Returns this rank's step times (after ``warmup`` untimed steps) and, on the rank holding the last
+    stage, the global-batch loss per step (mean of the microbatch losses, as fxpar reports it).
     """
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    import torch.distributed.pipelining as pipelining
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    if world != len(cuts) + 1:
-        raise ValueError(f"{world} ranks but {len(cuts) + 1} stages")
-    module = split_untied_gpt(copy.deepcopy(model), cuts, rank)
-    stage = PipelineStage(module, rank, world, device=torch.device("cpu"))
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = cls(stage, n_microbatches=microbatches, loss_fn=loss_fn)
+    held = stages_of_rank(schedule, rank, world)
+    n_stages = len(cuts) + 1
+    if n_stages != world * len(held):
+        raise ValueError(f"{schedule}: {world} ranks x {len(held)} stages each, but cuts give {n_stages} stages")
+    model = copy.deepcopy(model)
+    modules = [split_untied_gpt(model, cuts, s) for s in held]
+    stages = [pipelining.PipelineStage(m, s, n_stages, device=torch.device("cpu")) for m, s in zip(modules, held)]
+    if schedule in _MULTI:
+        sched = getattr(pipelining, _MULTI[schedule])(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+    else:
+        cls = {"gpipe": pipelining.ScheduleGPipe, "1f1b": pipelining.Schedule1F1B}[schedule]
+        sched = cls(stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
     ocls, kw = optimizer
-    opt = ocls(module.parameters(), **kw)
-    last = rank == world - 1
+    opt = ocls([p for m in modules for p in m.parameters()], **kw)
+    first, last = 0 in held, n_stages - 1 in held
     losses, times = [], []
     for i, (x, y) in enumerate(batches):
         t0 = time.perf_counter()
         opt.zero_grad()
         mb_losses = []
-        if rank == 0:
-            sched.step(x)
-        elif last:
-            sched.step(target=y, losses=mb_losses, return_outputs=False)
-        else:
-            sched.step()
+        args = (x,) if first else ()
+        kwargs = {"target": y, "losses": mb_losses, "return_outputs": False} if last else {}
+        sched.step(*args, **kwargs)
         opt.step()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
