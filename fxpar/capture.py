@@ -32,6 +32,7 @@ the module whose activations or parameters they read.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -40,8 +41,8 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import meta as M
-from ._tracing import ModuleTracker, batch_parts, capture_context, clean_name, explain_trace_error
-from .errors import CaptureError
+from ._tracing import ModuleTracker, call_model, capture_context, clean_name, explain_trace_error, split_batch
+from .errors import CaptureError, StrategyError
 from .optim import OptimizerSpec
 
 __all__ = ["StepSignature", "CapturedStep", "ForwardTrace", "capture_training_step", "trace_forward"]
@@ -121,6 +122,20 @@ def _distinct(flat: list) -> list:
     return flat
 
 
+def _model_loss(out, mod_name: str):
+    """With ``loss_fn=None`` the model returns its loss: a tensor, or an output with a ``loss`` field (Hugging
+    Face's ``ModelOutput`` when ``labels=`` is given)."""
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if loss is None:
+        keys = f" with keys {list(out.keys())}" if isinstance(out, Mapping) else ""
+        raise CaptureError(f"with loss_fn=None, {mod_name} must return its loss, but it returned a {type(out).__name__}"
+                           f"{keys} and no 'loss'. Pass the labels the model computes its loss from (Hugging Face: "
+                           "labels= in example_inputs), or pass loss_fn=.")
+    return loss
+
+
 def _scalar_loss(loss, mod_name: str, loss_fn) -> None:
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
@@ -133,7 +148,7 @@ def _scalar_loss(loss, mod_name: str, loss_fn) -> None:
 def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
     """``loss_fn(model(*inputs), target)`` on one microbatch, as an aten graph of fake tensors. Every
     ``call_function`` node carries ``fxpar_module``; the one output is the scalar loss."""
-    inputs, target = batch_parts(batch, loss_fn)
+    inputs, target, kw_names = split_batch(batch, loss_fn)
     trainable, buffers, aliases = _model_state(model)
     pnames, bnames = list(trainable), list(buffers)
     n_p, n_b = len(pnames), len(bnames)
@@ -144,8 +159,8 @@ def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
         p, b = dict(zip(pnames, flat[:n_p])), dict(zip(bnames, flat[n_p:n_p + n_b]))
         x, y = flat[n_p + n_b:n_p + n_b + len(inputs)], flat[n_p + n_b + len(inputs):]
         tracker.set("forward", "")
-        out = torch.func.functional_call(model, (p, b), tuple(x))
-        loss = loss_fn(out, *y) if loss_fn is not None else out
+        out = call_model(model, (p, b), tuple(x), kw_names)
+        loss = loss_fn(out, *y) if loss_fn is not None else _model_loss(out, mod_name)
         _scalar_loss(loss, mod_name, loss_fn)
         return loss
 
@@ -163,6 +178,13 @@ def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
         if n.op == "call_function":
             M.set_meta(n, M.MODULE, (custom or {}).get(M.MODULE.name, ""))
             M.set_meta(n, M.PHASE, "forward")
+            if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
+                key = roles[n.args[0].name][1]
+                raise StrategyError(
+                    f"{mod_name} writes to buffer {key!r} during forward (module "
+                    f"'{key.rsplit('.', 1)[0] if '.' in key else '(top level)'}', e.g. BatchNorm running statistics); pipeline stages "
+                    "do not carry buffer updates yet. Use a norm without running statistics (LayerNorm, "
+                    "GroupNorm), put those modules in eval mode, or train without a pipeline (pp=1).")
     gm.recompile()
     types = {name: type(mod).__name__ for name, mod in model.named_modules()}
     return ForwardTrace(gm, roles, pnames, bnames, aliases, types)
@@ -190,17 +212,24 @@ class _StageRunner(torch.fx.Interpreter):
 
 
 def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: OptimizerSpec, *,
-                          stage=None, grad_scale: float = 1.0) -> CapturedStep:
+                          stage=None, grad_scale: float = 1.0, frozen=None) -> CapturedStep:
     """Trace one training step of a stage as one joint graph.
 
     ``stage=None``: the whole model is the stage; ``batch`` is the microbatch one rank sees.
     ``stage``: a ``passes.split_stages.StageGraph`` of ``model`` (its forward, inputs and outputs);
     ``batch`` is then the microbatch too (for the input/target shapes).
     ``grad_scale``: the loss gradient's seed on the last stage (1/m for m microbatches a step).
+    ``frozen``: trainable parameter keys held fixed, like buffers (no gradient, no update, no optimizer
+    state). ``None``: capture once, find the parameters the loss does not reach (a module the forward never
+    calls, a weight used only through ``.detach()``), and capture again with them frozen -- torch.optim
+    skips a parameter whose ``.grad`` is None, and so does fxpar.
     """
     t0 = time.perf_counter()
-    inputs, target = batch_parts(batch, loss_fn)
+    inputs, target, kw_names = split_batch(batch, loss_fn)
     trainable, buffers, aliases = _model_state(model)
+    frozen_keys = [k for k in trainable if k in set(frozen or ())]
+    if frozen_keys:                      # held like buffers: read by the forward, never updated
+        buffers = {**{k: trainable.pop(k).detach() for k in frozen_keys}, **buffers}
     mod_name = type(model).__name__
     tracker = ModuleTracker(model)
     if stage is None:
@@ -215,17 +244,23 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
             p = {k: vals[("param", k)] for k in trainable}
             b = {k: vals[("buffer", k)].clone() for k in buffers}     # new buffer values are outputs
             tracker.set("forward", "")
-            out = torch.func.functional_call(model, (p, b), tuple(vals[("input", str(i))] for i in range(len(inputs))))
-            loss = loss_fn(out, *(vals[("target", str(i))] for i in range(len(target)))) if loss_fn is not None else out
+            out = call_model(model, (p, b), tuple(vals[("input", str(i))] for i in range(len(inputs))), kw_names)
+            loss = loss_fn(out, *(vals[("target", str(i))] for i in range(len(target)))) if loss_fn is not None \
+                else _model_loss(out, mod_name)
             _scalar_loss(loss, mod_name, loss_fn)
             return [loss], [b[k] for k in buffers]
     else:
-        in_sig, out_sig = list(stage.inputs), list(stage.outputs)
+        stage_sig, out_sig = list(stage.inputs), list(stage.outputs)
+        as_buffer = {("param", k): ("buffer", k) for k in frozen_keys}
+        in_sig = [rk for rk in stage_sig if rk[0] == "param" and rk not in as_buffer] + \
+            [as_buffer[rk] for rk in stage_sig if rk in as_buffer] + [rk for rk in stage_sig if rk[0] == "buffer"] + \
+            [rk for rk in stage_sig if rk[0] not in ("param", "buffer")]
         last = out_sig == [("loss", "loss")]
         used_buffers = [k for r, k in in_sig if r == "buffer"]
         phs = stage.gm.graph.find_nodes(op="placeholder")
         examples = {}
-        for (role, key), ph in zip(in_sig, phs):
+        for rk, ph in zip(stage_sig, phs):
+            role, key = as_buffer.get(rk, rk)
             v = ph.meta.get("val")
             if role == "param":
                 examples[(role, key)] = trainable[key]
@@ -239,7 +274,7 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
         runner = _StageRunner(stage.gm)
 
         def forward(vals: dict):
-            outs = runner.run(*[vals[rk] for rk in in_sig])
+            outs = runner.run(*[vals[as_buffer.get(rk, rk)] for rk in stage_sig])
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             return outs, []
         buffers = {k: buffers[k] for k in used_buffers}
@@ -272,17 +307,18 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
         rest = flat_args[n_p + n_b + n_s + 2:]
         vals.update(zip(in_sig[n_p + n_b:], rest[:n_d]))
         tangents = rest[n_d:]
-        new_buffers = []
 
         def f(*diff):
             v = dict(vals)
             for i, d in zip(diff_in, diff):
                 v[in_sig[i]] = d
             outs, nb = forward(v)
-            new_buffers[:] = nb
-            return tuple(outs[j] for j in diff_out), tuple(o for j, o in enumerate(outs) if j not in diff_out)
+            # new buffer values leave through vjp's aux, which unwraps them (a tensor made inside f and
+            # carried out another way stays wrapped and would be baked into the graph as a constant)
+            return tuple(outs[j] for j in diff_out), (tuple(o for j, o in enumerate(outs) if j not in diff_out),
+                                                      tuple(nb))
 
-        douts, vjp_fn, aux = torch.func.vjp(f, *[vals[in_sig[i]] for i in diff_in], has_aux=True)
+        douts, vjp_fn, (aux, new_buffers) = torch.func.vjp(f, *[vals[in_sig[i]] for i in diff_in], has_aux=True)
         tracker.set("backward", "")
         seeds = (torch.full_like(douts[0], grad_scale),) if last else tuple(tangents)
         grads = vjp_fn(seeds)
@@ -292,7 +328,7 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
         agrads = [g for i, g in zip(diff_in, grads) if in_sig[i][0] == "act"]
         tracker.set("optimizer", "")
         new_p, new_s = [], []
-        if optimizer.traced:
+        if optimizer.traced and n_p:
             by_state = [[state[i * k_state + j] for i in range(n_p)] for j in range(k_state)]
             new_p, new_by_state = optimizer.step_all([vals[("param", k)] for k in pkeys], pgrads, by_state, lr, count)
             new_s = [new_by_state[j][i] for i in range(n_p) for j in range(k_state)]
@@ -307,11 +343,39 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
         sig.outputs += [("new_opt_state", k) for k in snames]
     sig.outputs += [("grad", k) for k in pkeys]
     sig.outputs += [("act_grad", in_sig[i][1]) for i in diff_in if in_sig[i][0] == "act"]
+    if frozen is None:
+        unused = _params_without_gradient(gm, sig, pkeys, last)
+        if unused and len(unused) == len(pkeys) and stage is None:
+            raise CaptureError(f"the loss of {mod_name} does not depend on any of its trainable parameters "
+                               f"({', '.join(pkeys[:4])}{', ...' if len(pkeys) > 4 else ''}): nothing would train. Check "
+                               "that forward uses its parameters and that the loss is computed from the model's output.")
+        if unused:
+            return capture_training_step(model, batch, loss_fn, optimizer, stage=stage, grad_scale=grad_scale,
+                                         frozen=unused)
     _annotate(gm, sig)
     gm.meta["fxpar_signature"] = sig
     return CapturedStep(gm, sig, pkeys, bkeys, aliases, optimizer, mod_name, time.perf_counter() - t0,
                         {k: tuple(trainable[k].shape) for k in pkeys}, {k: trainable[k].dtype for k in pkeys},
                         stage=0 if stage is None else stage.index)
+
+
+def _params_without_gradient(gm: torch.fx.GraphModule, sig: StepSignature, pkeys: list, last: bool) -> list:
+    """Parameters whose gradient does not depend on the loss (last stage) or on the received output
+    gradients: the vjp returned zeros for them, where torch's autograd leaves ``.grad`` None."""
+    phs = gm.graph.find_nodes(op="placeholder")
+    outs = gm.graph.find_nodes(op="output")[0].args[0]
+    if last:
+        seeds = [outs[i] for i in sig.index("loss", outputs=True)]
+    else:
+        seeds = [ph for ph, (r, _) in zip(phs, sig.inputs) if r == "tangent"]
+    reached, stack = set(), [n for n in seeds if isinstance(n, torch.fx.Node)]
+    while stack:
+        n = stack.pop()
+        if n not in reached:
+            reached.add(n)
+            stack.extend(n.users)
+    grads = {k: outs[i] for i, (r, k) in enumerate(sig.outputs) if r == "grad"}
+    return [k for k in pkeys if not isinstance(grads.get(k), torch.fx.Node) or grads[k] not in reached]
 
 
 def _placeholder_name(role: str, key: str) -> str:
