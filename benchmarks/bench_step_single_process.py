@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fxpar  # noqa: E402
-from fxpar.runtime.executor import StepExecutor  # noqa: E402
+from fxpar.runtime.executor import Executor  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
 
 
@@ -29,7 +29,7 @@ def main():
     model = GPT(vocab=2048, d=256, layers=4, heads=4, max_seq=64)
     x, y = torch.randint(0, 2048, (8, 64)), torch.randint(0, 2048, (8, 64))
     program = fxpar.parallelize(model, 1, (x, y), loss_fn=gpt_loss, optimizer=(torch.optim.AdamW, {"lr": 1e-3}))
-    ex = StepExecutor(program.payload(0))
+    ex = Executor(program.payload(0))      # the one executor; a one-stage program runs its fused FULL graph
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
 

@@ -1,9 +1,9 @@
 """fxpar pipeline parallelism: a small GPT (LM head tied to the embedding) cut into 2 stages.
 
     python examples/pipeline.py                      # 1F1B, pp=2, 4 microbatches
-    python examples/pipeline.py --schedule gpipe     # or interleaved, chimera, pipedream, 2bw
+    python examples/pipeline.py --schedule gpipe     # or interleaved, zb1p, chimera, pipedream, 2bw
     python examples/pipeline.py --pp 2 --dp 2        # 4 ranks: 2 pipeline replicas
-    python examples/pipeline.py --show-graphs        # print stage 0's forward and backward
+    python examples/pipeline.py --show-graphs        # print stage 0's forward (F) and backward (B) graphs
 
 Prints the plan (stage cuts, what each stage holds and sends, the schedule and its bubble), then
 trains, prints the loss per step and compares with single-process PyTorch (synchronous schedules
@@ -18,8 +18,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))   # run from a checkout without installing
 
 import fxpar  # noqa: E402
-from fxpar.optim import resolve_optimizer  # noqa: E402
-from fxpar.pipeline import build_pipeline_program  # noqa: E402
 from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training  # noqa: E402
 
 
@@ -43,17 +41,17 @@ def main():
     strategy = fxpar.Strategy(pp=args.pp, dp=args.dp, schedule=args.schedule, microbatches=args.microbatches,
                               split_points=args.split)
     cluster = fxpar.ClusterSpec.local(strategy.size)
-    program = build_pipeline_program(model, cluster, batches[0], gpt_loss, resolve_optimizer(optimizer), strategy)
+    program = fxpar.parallelize(model, cluster, batches[0], loss_fn=gpt_loss, optimizer=optimizer, strategy=strategy)
     print(program.explain())
     if args.show_graphs:
         for name, gm in program.graphs(0).items():
-            if name.startswith("stage0.") and not name.endswith("step"):
+            if name in ("stage0.F", "stage0.B", "stage0.I", "stage0.W"):
                 print(f"\n# ---- {name} (rank 0) ----\n{gm.code}")
     result = program.run_local(batches)
     for i, (loss, t) in enumerate(zip(result.losses, result.step_times)):
         print(f"step {i}: loss {loss:.6f}  ({t * 1e3:.1f} ms)")
     if program.asynchronous:
-        print("asynchronous schedule: compare with fxpar.pipeline.reference for its paper's math")
+        print("asynchronous schedule: compare with fxpar.testing.async_reference for its paper's math")
         return
     ref_losses, ref_state = reference_training(model, batches, gpt_loss, optimizer)
     print(f"max |loss - single-process| = {max(abs(a - b) for a, b in zip(result.losses, ref_losses)):.2e}, "

@@ -31,8 +31,8 @@ def main():
                                 optimizer=(torch.optim.AdamW, {"lr": 1e-2}), strategy=fxpar.Strategy(dp=world))
     with program.runner() as runner:       # leaving the block waits for every rank, then leaves the group
         losses = [runner.step(b) for b in batches]
+        state = runner.state_dict()        # collective: every rank calls it (each holds part of the state)
         if runner.rank == 0:
-            state = runner.state_dict()
             print("losses", " ".join(f"{x:.15e}" for x in losses))
             print("checksum", f"{sum(float(v.double().sum()) for v in state.values()):.15e}")
 

@@ -108,7 +108,9 @@ def _model_state(model: torch.nn.Module):
     ids = {id(v): k for k, v in params.items()}
     aliases = {k: ids[id(v)] for k, v in model.named_parameters(remove_duplicate=False) if k not in params}
     if not trainable:
-        raise CaptureError(f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train.")
+        raise CaptureError(f"{type(model).__name__} has no parameter with requires_grad=True: nothing to train. Set "
+                           "requires_grad=True on the parameters to train (e.g. p.requires_grad_() for a frozen "
+                           "backbone's head), or check that the model registers them as nn.Parameter.")
     return trainable, buffers, aliases
 
 
@@ -201,7 +203,16 @@ def _trace(fn, flat, mod_name, tracker):
 
 
 class _StageRunner(torch.fx.Interpreter):
-    """Runs a stage graph while tracing, handing each node's module path to the nodes it becomes."""
+    """Runs a stage graph while tracing, handing each node's module path to the nodes it becomes.
+
+    A stage receives its activations contiguous (that is how they travel), whatever strides they had
+    in the whole-model trace, so a ``view`` traced on another layout may not apply: it runs as
+    ``reshape``, which is a view wherever one exists."""
+
+    def call_function(self, target, args, kwargs):
+        if target is torch.ops.aten.view.default:
+            target = torch.ops.aten.reshape.default
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n):
         n.meta["custom"] = {M.PHASE.name: "forward", M.MODULE.name: M.get(n, M.MODULE, "")}

@@ -9,12 +9,37 @@ import torch
 from . import meta as M
 from .collectives import collective_nodes
 from .runtime.executor import Executor, RankPayload, train
-from .runtime.launch import LocalCluster, init_from_env
+from .errors import InputError
+from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard, init_from_env
 from .schedule import Action, ActionKind
 
 __all__ = ["Program", "RunResult", "RankRunner", "Stage", "ActionList"]
 
 _K = ActionKind
+_NONFINITE = ("warn", "raise", "ignore")
+
+
+def _check_tensor(t: torch.Tensor, shape: tuple, dtype, name: str, dp: int, m: int) -> None:
+    """One tensor of a global batch against its example: the step is compiled for that shape and dtype."""
+    if t.dtype != dtype:
+        want = str(dtype).replace("torch.", "")
+        raise InputError(f"{name} is {str(t.dtype).replace('torch.', '')}, but example_inputs had {want} there: the "
+                         f"step is compiled for {want}; convert it with .to(torch.{want}).")
+    if t.device.type == "meta":
+        raise InputError(f"{name} is on the meta device (no values): pass real tensors to run_local.")
+    if tuple(t.shape) == shape:
+        return
+    if t.dim() == len(shape) and tuple(t.shape[1:]) == shape[1:]:
+        split = f" (it must also split evenly over dp={dp} x microbatches={m})" if t.shape[0] % (dp * m) else ""
+        raise InputError(f"{name} has {t.shape[0]} rows (shape {tuple(t.shape)}), but the program was compiled for "
+                         f"global batches of {shape[0]} rows (example_inputs){split}. Pass batches of {shape[0]} "
+                         f"rows (drop or pad a short last batch), or build a program from an example of "
+                         f"{t.shape[0]} rows.")
+    dims = [d for d in range(min(t.dim(), len(shape))) if t.shape[d] != shape[d]]
+    where = f" (dim {dims[0]} differs)" if t.dim() == len(shape) and dims else ""
+    raise InputError(f"{name} has shape {tuple(t.shape)}, but example_inputs had {shape}{where}: the step is "
+                     "compiled for one shape; give every batch the shapes of example_inputs (pad sequences to one "
+                     "length), or build a program from an example of this shape.")
 
 
 @dataclass
@@ -32,7 +57,11 @@ class RunResult:
     ``record_weights`` the ``weight_log``.
 
     Each ``run_local`` call starts from the weights the program was built with (the model's, at
-    ``parallelize`` time): it does not continue an earlier call.
+    ``parallelize`` time): it does not continue an earlier call. To continue one, save and resume:
+    ``run_local(b1, save_to=d)``, then ``run_local(b2, resume_from=d)`` (docs/semantics.md).
+
+    ``losses`` follow the program's loss semantics (``Strategy(loss_average=...)``): by default, for a
+    cross-entropy fxpar sees, the global batch's loss exactly as one process computes it.
     """
     losses: list
     step_times: list
@@ -70,6 +99,24 @@ class Stage:
     def param_keys(self) -> list:
         return list(self.captured.param_names)
 
+    # graphs travel node by node (torch.fx's own pickling re-traces them, running their collectives)
+    def __getstate__(self):
+        import copy as _copy
+        from .runtime.portable import pack_graph_module
+        state = dict(self.__dict__)
+        state["joint"] = pack_graph_module(self.joint)
+        cap = _copy.copy(self.captured)
+        cap.gm = pack_graph_module(cap.gm)
+        state["captured"] = cap
+        return state
+
+    def __setstate__(self, state):
+        from .runtime.portable import unpack_graph_module
+        state = dict(state)
+        state["joint"] = unpack_graph_module(state["joint"])
+        state["captured"].gm = unpack_graph_module(state["captured"].gm)
+        self.__dict__.update(state)
+
 
 class ActionList(list):
     """One rank's actions; ``str()`` prints them in the schedule IR's text form."""
@@ -98,7 +145,7 @@ def stage_messages(captured) -> dict:
 
 class Program:
     def __init__(self, *, model, plan, strategy, cluster, schedule, stages, split, trace, optimizer,
-                 lr_scheduler, n_inputs, timings):
+                 lr_scheduler, n_inputs, timings, layout=None, loss=None, example=None):
         self.model_name = type(model).__name__
         self.plan, self.strategy, self.cluster = plan, strategy, cluster
         self.pipe_schedule = schedule
@@ -112,6 +159,14 @@ class Program:
                          **{k: v.detach() for k, v in model.named_buffers()}}
         self._model_keys = list(model.state_dict().keys())
         self._estimate = None
+        # parameters no stage trains (the loss never reaches them): every rank holds them like buffers, so
+        # they stay in state_dict() and checkpoints, unchanged (torch.optim skips a parameter without .grad)
+        held = {k for st in stages for k in st.param_keys}
+        for k, v in self._params.items():
+            if k not in held:
+                self._buffers.setdefault(k, v)
+        self.layout, self.loss = layout, loss          # fxpar._tracing.BatchLayout, fxpar.losses.LossChoice
+        self._example = None if example is None else [(tuple(t.shape), t.dtype) for t in example]
 
     @property
     def world_size(self) -> int:
@@ -259,29 +314,53 @@ class Program:
 
     def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
                   measure_comm: bool = False, record_weights: bool = False, seed: int | None = 0,
-                  save_to=None, resume_from=None) -> RunResult:
+                  save_to=None, resume_from=None, on_nonfinite: str = "warn") -> RunResult:
         """Spawn (or reuse) ``world_size`` gloo ranks here, train one step per global batch, gather the result
         (:class:`RunResult`). ``measure_comm=True`` records every collective each rank runs;
         ``record_weights=True`` logs which weights every F and B computed with.
+
+        ``batches``: a list of global batches, each with the structure, shapes and dtypes of
+        ``example_inputs`` (the step is compiled for them); every batch is checked before any rank starts.
 
         ``seed``: each rank seeds torch's generator with ``seed + rank`` before training, so random ops
         (dropout) are reproducible and dp ranks draw different masks for their shards -- what torch DDP
         does when each process calls ``torch.manual_seed(seed + rank)``. ``None`` leaves each process's
         generator as it is.
 
-        Every call starts from the weights the program was built with, unless ``resume_from`` names a
-        checkpoint directory: then parameters, optimizer state, step count, LR scheduler and RNG continue
-        from it (saved under any strategy, see :mod:`fxpar.runtime.checkpoint`). ``save_to``: after the
-        last step, write the whole training state there (model keys; write, then rename: a killed save
-        leaves the previous checkpoint intact)."""
-        from .planner import check_batch
-        batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
-        for b in batches:
-            check_batch(b, self.dp, self.plan.microbatches)
+        Every call starts from the weights the program was built with (a second call does not continue
+        the first), unless ``resume_from`` names a checkpoint directory: then parameters, optimizer state,
+        step count, LR scheduler and RNG continue from it (saved under any strategy, see
+        :mod:`fxpar.runtime.checkpoint`). ``save_to``: after the last step, write the whole training state
+        there (model keys; write, then rename: a killed save leaves the previous checkpoint intact). To
+        continue a run: ``run_local(b1, save_to=d)``, then ``run_local(b2, resume_from=d)``.
+
+        ``on_nonfinite``: a step whose loss is NaN or infinite is reported naming the step and the ranks:
+        ``"warn"`` (default, a RuntimeWarning), ``"raise"`` (:class:`fxpar.errors.NonFiniteLossError`, after the
+        run) or ``"ignore"``."""
+        if on_nonfinite not in _NONFINITE:
+            raise InputError(f"run_local(on_nonfinite={on_nonfinite!r}): choose one of {_NONFINITE} ('warn' reports "
+                             "a NaN/inf loss and goes on, 'raise' stops with an error, 'ignore' says nothing)")
+        batches = self._batch_list(batches)
+        self._check_materialized("run_local")
+        if self.layout is None:                        # a Program built without a layout: tuples of tensors
+            from .planner import check_batch
+            batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
+            for b in batches:
+                check_batch(b, self.dp, self.plan.microbatches)
+        else:
+            batches = [self._prepare(b, f"batches[{i}]") for i, b in enumerate(batches)]
         if resume_from is not None:
             from .runtime.checkpoint import CheckpointError, incomplete_message, is_complete
             if not is_complete(resume_from):
                 raise CheckpointError(incomplete_message(resume_from))
+        if self.world_size > 1 and cluster is None:
+            what = f"program.run_local (world_size={self.world_size})"
+            check_main_guard(what)
+            check_local_capacity(self.world_size, self._rank_state_bytes(), what)
+        if cluster is not None and cluster.world_size != self.world_size:
+            raise InputError(f"run_local(cluster=LocalCluster({cluster.world_size})): this program needs "
+                             f"{self.world_size} ranks ({self.strategy}); pass a LocalCluster({self.world_size}) "
+                             "or none (run_local then starts its own).")
         args = [(self.payload(r, len(batches), measure_comm, record_weights, seed, save_to, resume_from), batches)
                 for r in range(self.world_size)]
         if self.world_size == 1:
@@ -291,14 +370,88 @@ class Program:
             self._check_picklable()
             own = cluster is None
             lc = cluster or LocalCluster(self.world_size, backend=self.cluster.backend)
-            if lc.world_size != self.world_size:
-                raise ValueError(f"LocalCluster has {lc.world_size} ranks but this program needs {self.world_size}")
             try:
                 results = lc.run(train, args, timeout_s=timeout_s)
             finally:
                 if own:
                     lc.close()
-        return self._gather(results)
+        res = self._gather(results)
+        self._check_nonfinite(res, on_nonfinite)
+        return res
+
+    # ---- checks before a run --------------------------------------------------------------------
+    def _batch_list(self, batches) -> list:
+        if isinstance(batches, (torch.Tensor, dict)) or (
+                isinstance(batches, (tuple, list)) and batches and all(isinstance(b, torch.Tensor) for b in batches)
+                and self.layout is not None and self.layout.form != "tensor"):
+            raise InputError(f"run_local(batches) takes a list of global batches, and got one batch ("
+                             f"{type(batches).__name__} of {len(batches)} tensor(s)): pass run_local([batch]), or "
+                             "a list with one batch per step.")
+        try:
+            batches = list(batches)
+        except TypeError:
+            raise InputError(f"run_local(batches={type(batches).__name__}): pass a list of global batches, each like "
+                             "example_inputs.") from None
+        if not batches:
+            raise InputError("run_local(batches=[]): there is no batch to train on. Pass a list of global batches, "
+                             "one per step, each shaped like example_inputs (e.g. [(x, y), (x2, y2)]).")
+        return batches
+
+    def _check_materialized(self, what: str) -> None:
+        """Refuse a model without values (built on the ``meta`` device): it plans and explains, it cannot train."""
+        for kind, tensors in (("parameter", self._params), ("buffer", self._buffers)):
+            for k, v in tensors.items():
+                if v.device.type == "meta":
+                    raise InputError(
+                        f"{what}: {self.model_name}'s {kind} '{k}' is on the meta device (a shape, no values): a meta "
+                        "model can be planned, explained and estimated, not trained. Materialize it first -- "
+                        "model.to_empty(device='cpu'), then initialise it or load_state_dict(...) -- and call "
+                        "fxpar.parallelize again with it.")
+
+    def _prepare(self, batch, where: str) -> tuple:
+        """A global batch as the flat tuple the ranks take, checked against example_inputs; with the loss's
+        extra columns (the global count of counted targets, docs/semantics.md)."""
+        flat = self.layout.flatten(batch, where)
+        if self._example is not None:
+            if len(flat) != len(self._example):
+                raise InputError(f"{where} has {len(flat)} tensors, but example_inputs had {len(self._example)}: give "
+                                 "every batch the structure of example_inputs.")
+            for j, (t, (shape, dtype)) in enumerate(zip(flat, self._example)):
+                _check_tensor(t, shape, dtype, self.layout.describe(j, where), self.dp, self.plan.microbatches)
+        extra = () if self.loss is None else \
+            self.loss.extra_columns(flat, self.n_inputs, self.layout.describe(self.n_inputs, where))
+        return flat + extra
+
+    def _rank_state_bytes(self) -> int:
+        """Largest per-rank model state: held parameters with their gradient, update and optimizer state, buffers."""
+        size = lambda t: t.numel() * t.element_size()    # noqa: E731
+        copies = 3 + len(self.optimizer.state_names)
+        buffers = sum(size(v) for v in self._buffers.values())
+        best = 0
+        for r in range(self.world_size):
+            keys = {k for s in self.plan.rank_stages(r) for k in self.stages[s].param_keys}
+            best = max(best, copies * sum(size(self._params[k]) for k in keys))
+        return best + buffers
+
+    def _check_nonfinite(self, res: "RunResult", mode: str) -> None:
+        if mode == "ignore":
+            return
+        import math
+        bad = [i for i, v in enumerate(res.losses) if not math.isfinite(v)]
+        if not bad:
+            return
+        i = bad[0]
+        ranks = [r for r, sums in res.per_rank_losses.items() if i < len(sums) and not math.isfinite(sums[i])]
+        more = f" (and {len(bad) - 1} later step(s): {bad[1:6]}{'...' if len(bad) > 6 else ''})" if len(bad) > 1 else ""
+        text = (f"step {i} (batches[{i}]): the loss is {res.losses[i]} on rank(s) {ranks or 'every last-stage rank'}"
+                f"{more}. Later steps train from the weights that step wrote. Check batches[{i}] for NaN/inf, lower "
+                "the learning rate, or clip gradients; run_local(on_nonfinite='raise') stops with an error, 'ignore' "
+                "says nothing.")
+        if mode == "raise":
+            from .errors import NonFiniteLossError
+            raise NonFiniteLossError("run_local(on_nonfinite='raise'): " + text, i, ranks)
+        import warnings
+        warnings.warn(text, RuntimeWarning, stacklevel=3)
 
     def _check_picklable(self) -> None:
         import pickle
@@ -349,6 +502,7 @@ class Program:
     def runner(self, backend: str | None = None, seed: int | None = 0) -> "RankRunner":
         """Under torchrun (or on an initialised group): join the env:// group and run this rank's part,
         one ``step(global_batch)`` at a time (``seed`` as in :meth:`run_local`)."""
+        self._check_materialized("runner")
         init_from_env(backend or self.cluster.backend)
         import torch.distributed as dist
         if dist.get_world_size() != self.world_size:
@@ -390,6 +544,8 @@ class RankRunner(GroupExit):
     def step(self, batch) -> float:
         """Train one step on this rank's part of ``batch``; returns the global-batch loss (every rank)."""
         import torch.distributed as dist
+        if self.program.layout is not None:        # checked against example_inputs; the loss's extra columns added
+            batch = self.program._prepare(batch, f"runner.step(batch) (step {len(self.executor.loss_sums)})")
         t = torch.tensor([self.executor.step(batch)], dtype=torch.float64)   # loss sums live on last stages
         dist.all_reduce(t)
         return float(t) / (self.program.plan.microbatches * self.program.dp)

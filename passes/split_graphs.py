@@ -161,8 +161,9 @@ def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
         if not isinstance(node, torch.fx.Node):
             continue
         k = where(node)
-        if k == "placeholder":
-            k = "STEP" if role in ("new_param", "new_opt_state") else "F"
+        if k == "placeholder":          # an input handed straight out (a pass-through activation or its gradient)
+            k = ("STEP" if role in ("new_param", "new_opt_state") else
+                 ("I" if split_bw else "B") if role == "act_grad" else "F")
             reads[k].setdefault(node, role_of[node])
         elif role == "grad" and k in _PER_MB:
             exports[k].setdefault(node, ("grad", key))   # unsynchronised: the runtime's sum is the gradient
@@ -174,7 +175,148 @@ def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
         ins = sorted(reads[k].items(), key=lambda kv: _input_rank(kv[1]))
         outs = list(exports[k].items()) + [(n, rk) for n, rk in joint_out[k]]
         out[k] = SplitGraph(k, _build(gm, k, ins, consts[k], body, outs), [rk for _, rk in ins], [rk for _, rk in outs])
+    check_no_read_after_inplace_write(out)
     return out
+
+
+def check_no_read_after_inplace_write(parts: dict) -> None:
+    """Refuse a split in which a graph could read a tensor that an in-place op in a graph changed under it.
+
+    The joint graph runs top to bottom, so each read sees exactly the in-place writes above it. Once cut,
+    the graphs run in the order ``F < B | I < W < REDUCE_GRAD < STEP`` for one microbatch: ``F``, ``B``,
+    ``I`` and ``W`` once per microbatch, interleaved with other microbatches' graphs (1F1B, zero bubble,
+    Chimera run ``F`` of one microbatch between ``F`` and ``B`` of another), ``REDUCE_GRAD`` and ``STEP``
+    once per step after the stage's last backward; and what crosses a cut (a placeholder, a ``saved`` /
+    ``grad`` / ``pending`` export) is the tensor itself, not a copy. A *write* is an argument whose schema
+    says ``Tensor(a!)`` (``sigmoid_``, ``add_``, ``copy_``, ``_foreach_add_``, ``all_reduce_``); it changes
+    a *storage*: the written node's base and every node of that graph aliasing it (views, ``getitem``,
+    an in-place op's own result, ``wait_tensor``). Refused with a ``PassError`` naming the node, the
+    tensor and both graphs:
+
+    1. In a per-microbatch graph (F, B, I, W), a write to a storage that leaves the graph: one of its
+       placeholders (parameters, the batch, received activations, tangents, another graph's saved values:
+       tensors the other graphs and the other microbatches also read) or one of its outputs (a saved value,
+       gradient, activation or loss a later graph, the next stage or the runtime reads). The reader sees
+       whatever the last-run write left, which depends on the schedule. This is the old road's GRU bug:
+       ``F`` saved ``x`` for ``B`` and then ran ``x.sigmoid_()``. A per-microbatch graph may write in place
+       only into tensors it made itself and hands to no one.
+    2. In a per-step graph, a write to one of its inputs that a graph running later in the step takes too,
+       under the same ``(role, key)`` (``REDUCE_GRAD`` reducing its ``("grad", w)`` in place while ``STEP``
+       also reads ``("grad", w)``): the later graph asks for the value from before the write, gets the one
+       after.
+    3. In a per-step graph, a write to a storage it exports to a later graph, made after the exported node:
+       the export names the value before that write, the later graph reads the one after.
+    4. A write to a constant (``get_attr``) in any graph: the constant is shared by every call of every
+       graph, so each later call starts from what the last one left.
+
+    Allowed: a write into a tensor the graph made and nobody else reads (the bucket pass's ``copy_`` of
+    gradients into a fresh bucket in ``REDUCE_GRAD``); a per-step graph's export made by or after its last
+    write to that storage (``REDUCE_GRAD``'s ``all_reduce_(bucket)`` result, which ``STEP`` waits on: the
+    write happens before the read, and the read is there to see it); a per-step write to an input that only
+    earlier graphs read (``STEP`` updating parameters and optimizer state in place, ``passes.reinplace``:
+    every forward and backward of the step has read them already). A whole graph (``FULL``) keeps the
+    joint order and needs no check.
+
+    Example: a stage whose forward saves ``x = mm(input0, w)`` for its backward, then changes it::
+
+        F:  x = mm(input0, w); sig = sigmoid_(x); loss = sum(sig)     -> (loss, saved x, saved input0)
+        B:  (saved x, saved input0) -> t = t(input0); grad_w = mm(t, x)
+
+        PassError: split_graphs: node sig (aten.sigmoid_.default) in the F graph writes in place into x, which
+        F returns as ('saved', 'x') and the B graph reads: a tensor handed to another graph must not change
+        once made, ...
+    """
+    import operator
+
+    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
+    exported_roles = ("saved", "grad", "pending")
+    takes: dict = {}                                  # (role, key) -> graph kinds that take it as an input
+    for k, sg in parts.items():
+        for rk in sg.inputs:
+            takes.setdefault(tuple(rk), []).append(k)
+
+    def arg_nodes(n, pred) -> list:
+        """The nodes passed to ``n``'s schema arguments for which ``pred(arg)`` holds."""
+        schema = getattr(n.target, "_schema", None)
+        if schema is None:
+            return []
+        out, positional = [], [a for a in schema.arguments if not a.kwarg_only]
+        for i, a in enumerate(schema.arguments):
+            if not pred(a):
+                continue
+            v = n.args[i] if (not a.kwarg_only and i < len(n.args) and i < len(positional)) else n.kwargs.get(a.name)
+            out += [x for x in (v if isinstance(v, (list, tuple)) else [v]) if isinstance(x, torch.fx.Node)]
+        return out
+
+    def alias_base(n):
+        """The input ``n`` is a view of (shares storage with), or None for a fresh tensor."""
+        if n.op != "call_function":
+            return None
+        if n.target is operator.getitem or n.target is wait_tensor:
+            return n.args[0] if isinstance(n.args[0], torch.fx.Node) else None
+        schema = getattr(n.target, "_schema", None)
+        if schema is None or not any(r.alias_info is not None for r in schema.returns):
+            return None
+        aliased = arg_nodes(n, lambda a: a.alias_info is not None)
+        return aliased[0] if aliased else None
+
+    def readers(rk, k, later_only) -> list:
+        return [j for j in takes.get(rk, []) if j != k and (not later_only or _ORDER[j] > _ORDER[k])]
+
+    for k, sg in parts.items():
+        nodes = list(sg.gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        root = {}
+        for n in nodes:
+            base = alias_base(n)
+            root[n] = root.get(base, n) if base is not None else n
+        role_in = {ph: tuple(rk) for ph, rk in zip(sg.gm.graph.find_nodes(op="placeholder"), sg.inputs)}
+        out_args = sg.gm.graph.find_nodes(op="output")[0].args[0]
+        outs = [(o, tuple(rk)) for o, rk in zip(out_args, sg.outputs) if isinstance(o, torch.fx.Node)]
+        for w in nodes:
+            if w.op != "call_function":
+                continue
+            for a in arg_nodes(w, lambda arg: arg.alias_info is not None and arg.alias_info.is_write):
+                r = root[a]
+                tensor = a.name if a is r else f"{a.name} (a view of {r.name})"
+                head = (f"split_graphs: node {w.name} ({w.target}) in the {k} graph writes in place into {tensor}, "
+                        f"which ")
+                tail = (f" (node made by pass {M.get(w, M.PASS, 'capture')!r}). Make the op out of place, or write "
+                        "into a fresh tensor (clone first) that no other graph reads.")
+                why = None
+                if r.op == "get_attr":
+                    why = (f"is the constant {r.target!r}, shared by every call of every graph: each later call "
+                           "would start from what this one left")
+                elif k in _PER_MB:
+                    if r in role_in:
+                        others = readers(role_in[r], k, later_only=False)
+                        why = (f"is its input {role_in[r]}, also read by "
+                               + (f"the {', '.join(others)} graph(s) and " if others else "")
+                               + f"the {k} graph of every other microbatch: a per-microbatch graph may write in "
+                               "place only into tensors it made and hands to no one")
+                    leaving = [(o, rk) for o, rk in outs if root[o] is r]
+                    if why is None and leaving:
+                        to = sorted({j for _, rk in leaving if rk[0] in exported_roles
+                                     for j in readers(rk, k, later_only=True)}, key=_ORDER.get)
+                        why = (f"{k} returns as {', '.join(str(rk) for _, rk in leaving)}"
+                               + (f" and the {', '.join(to)} graph reads" if to else " to the runtime (or the next "
+                                                                                    "stage)")
+                               + ": a tensor handed to another graph must not change once made, or what the "
+                               "reader sees depends on the schedule (in-place ops across a graph split gave the "
+                               "old road's GRU wrong gradients)")
+                else:
+                    later = readers(role_in[r], k, later_only=True) if r in role_in else []
+                    if later:
+                        why = (f"is its input {role_in[r]}; the {', '.join(later)} graph, run later in the step, "
+                               "reads that input too and would see the value after this write, not the one it "
+                               "asked for")
+                    for o, rk in outs:
+                        to = readers(rk, k, later_only=True) if rk[0] in exported_roles else []
+                        if why is None and to and root[o] is r and pos[o] < pos[w]:
+                            why = (f"{k} exports as {rk} ({o.name}, made before this write) and the "
+                                   f"{', '.join(to)} graph reads: it would see the value after the write")
+                if why is not None:
+                    raise PassError(head + why + tail)
 
 
 _ROLE_RANK = {"param": 0, "buffer": 1, "opt_state": 2, "lr": 3, "step": 4, "input": 5, "target": 6, "act": 7,

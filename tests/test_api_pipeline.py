@@ -1,4 +1,4 @@
-"""fxpar.parallelize with pp > 1 returns a pipeline program (the issue's contract)."""
+"""fxpar.parallelize with pp > 1 returns a program of pipeline stages (the issue's contract)."""
 import pytest
 import torch
 
@@ -17,19 +17,26 @@ def test_parallelize_pipeline_matches_single_process(clusters, dp, schedule):
                                 optimizer=SGD_M, strategy=strategy)
     text = str(program.schedule(0))
     assert "F0.0" in text and "STEP0" in text
-    assert set(program.graphs(0)) >= {"stage0.forward", "stage0.backward"}
+    assert set(program.graphs(0)) >= {"stage0.F", "stage0.B"}      # were stage0.forward / stage0.backward
     res = program.run_local(batches, cluster=clusters.get(2 * dp))
     ref_losses, ref_state = reference_training(model, batches, gpt_loss, SGD_M)
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) <= 1e-10
     assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
 
 
-def test_user_split_points_and_plan_refused():
+def test_user_split_points_and_plan():
+    """Split points reach the plan and explain(). A Plan is now accepted for pipelines as for every strategy
+    (issue 7; before the one road ``plan=`` was refused with pp > 1): a round-tripped plan gives the same cut
+    and stages, and a plan that does not fit the strategy (a blank one-stage Plan for pp=2) is refused."""
     model = GPT(layers=4)
     x = torch.randint(0, 64, (8, 16))
     p = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
                           strategy=fxpar.Strategy(pp=2, microbatches=4, split_points=["blocks.1"]))
     assert "blocks.1" in p.explain()
-    with pytest.raises(fxpar.StrategyError, match="split_points"):
+    assert p.plan.cuts == ["blocks.1"]
+    q = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
+                          strategy=fxpar.Strategy(pp=2, microbatches=4), plan=fxpar.Plan.from_json(p.plan.to_json()))
+    assert q.plan.cuts == ["blocks.1"] and q.plan.stage_params == p.plan.stage_params
+    with pytest.raises(fxpar.StrategyError, match="one-stage schedule and needs p=1"):
         fxpar.parallelize(model, fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
                           strategy=fxpar.Strategy(pp=2, microbatches=4), plan=fxpar.Plan())

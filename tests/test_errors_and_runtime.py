@@ -45,10 +45,10 @@ class Explode(nn.Module):
 
 def _explode_on_rank1(payload, batches):
     import torch.distributed as dist
-    from fxpar.program import _train
+    from fxpar.runtime.executor import train     # the one executor's worker entry (was fxpar.program._train)
     if dist.get_rank() == 1:
         raise RuntimeError("rank one blew up in the user's code")
-    return _train(payload, batches)   # rank 0 would block forever in the all_reduce
+    return train(payload, batches)    # rank 0 would block forever in the all_reduce
 
 
 def test_failing_rank_stops_all_ranks_and_shows_its_traceback():

@@ -35,7 +35,7 @@ def test_predicted_peak_memory_matches_a_tracked_run():
     p = fxpar.parallelize(GPT(), fxpar.ClusterSpec.local(1), (x, x), loss_fn=gpt_loss, optimizer=ADAMW)
     gm = p.graphs(0)["step"]
     payload = p.payload(0)
-    sig = payload.signature
+    sig = p.stages[0].graphs["FULL"]         # the one-stage program's fused graph: (role, key) of each input
     args = []
     for role, key in sig.inputs:
         if role == "param":

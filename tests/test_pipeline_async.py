@@ -1,5 +1,5 @@
 """Asynchronous pipelines compute the math their papers define (DESIGN §5), checked against the
-small references in :mod:`fxpar.pipeline.reference`, float64 to 1e-10; and the weight versions the
+small references in :mod:`fxpar.testing.async_reference`, float64 to 1e-10; and the weight versions the
 runtime held match the simulator and the papers' counts."""
 from __future__ import annotations
 
@@ -7,11 +7,9 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.optim import resolve_optimizer
-from fxpar.pipeline import build_pipeline_program
-from fxpar.pipeline.reference import pipedream_2bw_reference, pipedream_reference
 from fxpar.schedule import simulate
 from fxpar.schedule.registry import get_schedule
+from fxpar.testing.async_reference import pipedream_2bw_reference, pipedream_reference
 from fxpar.testing.reference import max_abs_diff, reference_training
 from test_pipeline_models import SkipNet, TinyGPT, gpt_batches, gpt_loss, skip_batches
 
@@ -22,8 +20,7 @@ ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 
 def _program(model, batch, optimizer, **strategy):
     strategy = fxpar.Strategy(**strategy)
-    return build_pipeline_program(model, fxpar.ClusterSpec.local(strategy.size), batch, CE,
-                                  resolve_optimizer(optimizer), strategy)
+    return fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy.size), batch, CE, optimizer, strategy=strategy)
 
 
 @pytest.mark.parametrize("pp,optimizer", [(2, SGD_M), (4, ADAMW)])
@@ -62,8 +59,8 @@ def test_pipedream_2bw_math(clusters, pp):
 
 def test_async_schedule_refuses_tied_parameters():
     with pytest.raises(fxpar.StrategyError, match=r"wte.weight.*Untie it"):
-        build_pipeline_program(TinyGPT().double(), fxpar.ClusterSpec.local(2), gpt_batches(1)[0], gpt_loss,
-                               resolve_optimizer(SGD_M), fxpar.Strategy(pp=2, schedule="pipedream", microbatches=4))
+        fxpar.parallelize(TinyGPT().double(), fxpar.ClusterSpec.local(2), gpt_batches(1)[0], gpt_loss, SGD_M,
+                          strategy=fxpar.Strategy(pp=2, schedule="pipedream", microbatches=4))
 
 
 def test_pipedream_with_data_parallel_replicas(clusters):

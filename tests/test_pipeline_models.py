@@ -93,9 +93,7 @@ def reference_train(model: nn.Module, loss_fn, batches, optimizer) -> tuple:
 import pytest  # noqa: E402
 
 import fxpar  # noqa: E402
-from fxpar.optim import resolve_optimizer  # noqa: E402
-from fxpar.pipeline import build_pipeline_program  # noqa: E402
-from fxpar.pipeline.trace import trace_forward  # noqa: E402
+from fxpar.capture import trace_forward  # noqa: E402
 from passes.split_stages import cut_candidates, split_stages  # noqa: E402
 
 SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -160,8 +158,7 @@ def test_too_many_stages_names_the_candidates():
 
 def _build(model, batch, loss_fn, **strategy):
     strategy = fxpar.Strategy(**strategy)
-    return build_pipeline_program(model, fxpar.ClusterSpec.local(strategy.size), batch, loss_fn,
-                                  resolve_optimizer(SGD), strategy)
+    return fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy.size), batch, loss_fn, SGD, strategy=strategy)
 
 
 def test_1f1b_with_fewer_microbatches_than_stages_states_the_bubble():
@@ -173,7 +170,9 @@ def test_1f1b_with_fewer_microbatches_than_stages_states_the_bubble():
 
 def test_batch_not_divisible_by_microbatches_times_dp():
     torch.manual_seed(0)
-    with pytest.raises(fxpar.StrategyError, match=r"dp=2 x microbatches=3 = 6 equal microbatches"):
+    # one batch check for every strategy now (fxpar.planner.check_batch), which names the tensor and its shape
+    with pytest.raises(fxpar.StrategyError, match=r"example_inputs\[0\] has batch 8.*which dp=2 x microbatches=3 = 6 "
+                                                  r"does not divide"):
         _build(SkipNet().double(), skip_batches(1, batch=8)[0], torch.nn.functional.cross_entropy,
                pp=2, dp=2, schedule="gpipe", microbatches=3)
 
@@ -182,52 +181,80 @@ def test_program_graphs_schedule_and_sends():
     torch.manual_seed(0)
     prog = _build(TinyGPT().double(), gpt_batches(1)[0], gpt_loss, pp=2, dp=2, schedule="1f1b", microbatches=4)
     assert prog.world_size == 4
-    assert set(prog.graphs(0)) == {"stage0.forward", "stage0.backward", "stage0.step"}
-    assert set(prog.graphs(3)) == {"stage1.forward", "stage1.backward", "stage1.step"}
+    # the graphs split_graphs cut out of each stage's joint graph (were stage{s}.forward/.backward/.step)
+    assert set(prog.graphs(0)) == {"stage0.F", "stage0.B", "stage0.REDUCE_GRAD", "stage0.STEP"}
+    assert set(prog.graphs(3)) == {"stage1.F", "stage1.B", "stage1.REDUCE_GRAD", "stage1.STEP"}
     # rank 1 is pipeline rank 0 of the second replica: its peer is global rank 3
     assert str(prog.schedule(1)).startswith("rank 1: F0.0 SF0.0>3 F0.1 SF0.1>3 RB0.0<3 B0.0")
     kinds = [a.kind.value for a in prog.schedule(0)]
     assert kinds.count("SF") == 4 and kinds.count("RB") == 4 and kinds.count("STEP") == 1
+    assert kinds[-2:] == ["RG", "STEP"]          # the stage's gradient collectives (REDUCE_GRAD), then its step
     text = prog.explain()
     assert "bubble 0.200" in text and "wte.weight" in text
 
 
+def saved_bytes(stage) -> int:
+    """Activation bytes one microbatch's ``F`` keeps for its backward, weights excluded: the ``("saved", name)``
+    outputs of the stage's F graph, minus the weights and what is made from the weights alone, each storage
+    counted once (a view keeps its base alive). The rule the deleted ``fxpar.pipeline.autodiff`` predicted
+    ``StageProgram.saved_bytes`` with, applied to the F graph ``split_graphs`` cut out of the joint graph."""
+    sg = stage.graphs["F"]
+    g = sg.gm.graph
+    weight_made = {ph for ph, (r, _) in zip(g.find_nodes(op="placeholder"), sg.inputs) if r == "param"}
+    for n in g.nodes:
+        if n.op == "call_function" and n.all_input_nodes and all(a in weight_made for a in n.all_input_nodes):
+            weight_made.add(n)
+    storages = {}
+    for n, (role, _) in zip(g.find_nodes(op="output")[0].args[0], sg.outputs):
+        v = n.meta.get("val")
+        if role == "saved" and n not in weight_made and isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            storages[st._cdata] = int(st.nbytes())
+    return sum(storages.values())
+
+
 def test_stage_graphs_compose_to_autograd_gradients():
-    """Run stage forwards then backwards in one process: the gradients equal torch.autograd's."""
+    """Run stage forwards then backwards in one process: the gradients equal torch.autograd's.
+
+    The graphs are the F and B graphs split_graphs cut from each stage's joint graph; each input and output
+    carries its (role, key), which is all that wires them together (as in the runtime)."""
     torch.manual_seed(0)
     model = TinyGPT().double()
     x, y = gpt_batches(1, batch=2)[0]
     prog = _build(model, (x, y), gpt_loss, pp=2, schedule="gpipe", microbatches=1)
     params = dict(model.named_parameters())
-    acts, saved, measured = [], [], []
-    for sp in prog.stages:
-        args = [params[k] if r == "param" else x if r == "input" else y if r == "target" else acts.pop(0)
-                for r, k in sp.inputs]
-        res = sp.forward(*[a.detach() for a in args])
-        saved.append(res[len(sp.outputs):])
-        # the activation bytes explain() reports are the saved tensors that are not weights (or views of them)
-        weight_storages = {params[k].untyped_storage().data_ptr() for k in sp.param_keys}
-        act = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in saved[-1]
+    batch = {"input": [x], "target": [y]}
+    acts, saved, measured, loss = {}, [], [], None
+    for st in prog.stages:
+        f = st.graphs["F"]
+        args = [params[k] if r == "param" else batch[r][int(k)] if r in batch else acts[k] for r, k in f.inputs]
+        res = f.gm(*[a.detach() for a in args])
+        sv = {k: v for (r, k), v in zip(f.outputs, res) if r == "saved"}
+        saved.append(sv)
+        # the activation bytes of one microbatch are the saved tensors that are not weights (or views of them)
+        weight_storages = {params[k].untyped_storage().data_ptr() for k in st.param_keys}
+        act = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in sv.values()
                if t.untyped_storage().data_ptr() not in weight_storages}
         measured.append(sum(act.values()))
-        acts = list(res[:len(sp.outputs)])
-    loss = acts[0]
-    grads, tangents = {}, [torch.tensor(1.0, dtype=torch.float64)]
-    for sp, sv in reversed(list(zip(prog.stages, saved))):
-        res = sp.backward(*sv, *tangents)
-        tangents = []
-        for j, g in zip(sp.diff_inputs, res):
-            r, k = sp.inputs[j]
-            if r == "param":
+        acts = {k: v for (r, k), v in zip(f.outputs, res) if r == "act"}
+        loss = next((v for (r, _), v in zip(f.outputs, res) if r == "loss"), loss)
+    grads, tangents = {}, {}
+    for st, sv in reversed(list(zip(prog.stages, saved))):
+        b = st.graphs["B"]
+        res = b.gm(*[sv[k] if r == "saved" else tangents[k] for r, k in b.inputs])
+        tangents = {}
+        for (r, k), g in zip(b.outputs, res):
+            if r == "grad":                     # the tied wte.weight gets one from each stage: summed
                 grads[k] = grads.get(k, 0) + g
-            else:
-                tangents.append(g)
+            elif r == "act_grad":
+                tangents[k] = g
     ref = gpt_loss(model(x), y)
     ref.backward()
-    assert measured == [sp.saved_bytes for sp in prog.stages]
+    assert measured == [saved_bytes(st) for st in prog.stages]
     assert abs(float(loss) - float(ref.detach())) < 1e-12
-    for k, p in params.items():
-        torch.testing.assert_close(grads[k], p.grad, rtol=0, atol=1e-12)
+    assert set(grads) == set(params) - {"head.weight"}     # the alias of wte.weight: one parameter
+    for k, g in grads.items():
+        torch.testing.assert_close(g, params[k].grad, rtol=0, atol=1e-12)
 
 
 def test_buffers_written_in_forward_are_refused():
@@ -238,22 +265,37 @@ def test_buffers_written_in_forward_are_refused():
 
 
 def test_history_and_collectives_of_a_pipeline_rank():
-    """history(rank): each lowering step's graph per held stage, ending in the graphs the rank runs;
-    collectives(rank): its sends/recvs in schedule order, then the dp and tied-weight all-reduces."""
+    """history(rank): each pass's graph per held stage, ending in the graphs the rank runs;
+    collectives(rank): its sends/recvs in schedule order, then the dp and tied-weight all-reduces of REDUCE_GRAD."""
     torch.manual_seed(0)
     prog = _build(TinyGPT().double(), gpt_batches(1, batch=16)[0], gpt_loss, pp=2, dp=2, schedule="1f1b",
                   microbatches=4)
     hist = prog.history(0)
-    assert [h.pass_name for h in hist] == ["trace_forward", "split_stages", "differentiate_stage:forward",
-                                           "differentiate_stage:backward", "trace_step"]
-    assert all(h.info.get("stage", 0) == 0 for h in hist)
-    assert hist[2].code == prog.graphs(0)["stage0.forward"].code and hist[3].code == prog.graphs(0)["stage0.backward"].code
-    assert {h.info["stage"] for h in prog.history(3)[1:]} == {1}
+    # one pass list on each stage's joint graph (as for dp), then one entry per graph split_graphs cut out
+    # (was: trace_forward, split_stages, differentiate_stage:forward/:backward, trace_step)
+    assert [h.pass_name for h in hist] == ["capture", "data_parallel", "bucket", "sync_buffers", "reinplace_optimizer",
+                                           "split_graphs", "split_graphs:F", "split_graphs:B",
+                                           "split_graphs:REDUCE_GRAD", "split_graphs:STEP"]
+    assert all(h.info["stage"] == 0 for h in hist)
+    by_name = {h.pass_name: h for h in hist}
+    for kind in ("F", "B", "REDUCE_GRAD", "STEP"):
+        assert by_name[f"split_graphs:{kind}"].code == prog.graphs(0)[f"stage0.{kind}"].code
+    assert {h.info["stage"] for h in prog.history(3)} == {1}
     comms = prog.collectives(1)                  # pipeline rank 0 of the second replica; its peer is rank 3
     act = 2 * 8 * 16 * 8                          # a microbatch of 2 x 8 tokens x d=16, float64
     assert [(c.kind, c.ranks, c.nbytes) for c in comms[:4]] == \
         [("send", (1, 3), act), ("send", (1, 3), act), ("recv", (3, 1), act), ("send", (1, 3), act)]
     assert sum(c.kind == "send" for c in comms) == 4 and sum(c.kind == "recv" for c in comms) == 4
-    stage0 = sum(prog._params[k].numel() * 8 for k in prog.stages[0].param_keys)
-    assert [(c.kind, c.axis, c.ranks, c.nbytes) for c in comms[8:]] == \
-        [("all_reduce", "dp", (0, 1), stage0), ("all_reduce", "pp", (1, 3), 32 * 16 * 8)]   # dp, then tied wte
+    # Gradient sync is now the bucket pass's collectives in REDUCE_GRAD, one per bucket of stage 0, in the plan's
+    # order. Before the one road it was an eager dp all_reduce of all of stage 0 (wte included) over (0, 1), then
+    # one of wte over the pipeline ranks holding it, (1, 3). Now the tied wte gradient is summed once, over every
+    # rank holding a stage that uses it (both stages x both replicas), and the dp buckets leave it out.
+    nbytes = lambda k: prog._params[k].numel() * 8   # noqa: E731
+    stage0 = sum(nbytes(k) for k in prog.stages[0].param_keys)
+    wte = 32 * 16 * 8
+    assert all(c.kind == "all_reduce" for c in comms[8:])
+    assert [c.nbytes for c in comms[8:]] == [sum(nbytes(k) for k in b) for b in prog.plan.buckets[0]]
+    assert [(c.axis, c.ranks) for c in comms[8:] if c.axis != "dp"] == [("tied.wte.weight", (0, 1, 2, 3))]
+    assert sum(c.nbytes for c in comms[8:] if c.axis == "tied.wte.weight") == wte
+    assert {c.ranks for c in comms[8:] if c.axis == "dp"} == {(0, 1)}
+    assert sum(c.nbytes for c in comms[8:] if c.axis == "dp") == stage0 - wte

@@ -8,8 +8,6 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.optim import resolve_optimizer
-from fxpar.pipeline import build_pipeline_program
 from fxpar.testing.models import GPT, SkipMLP
 from fxpar.testing.models import gpt_loss as lead_gpt_loss
 from fxpar.testing.reference import max_abs_diff, reference_training
@@ -24,8 +22,8 @@ TOL = 1e-10
 def _check(clusters, model, batches, loss_fn, optimizer, lr_scheduler=None, **strategy):
     strategy = fxpar.Strategy(**strategy)
     ref_losses, ref_state = reference_training(model, batches, loss_fn, optimizer, lr_scheduler)
-    prog = build_pipeline_program(model, fxpar.ClusterSpec.local(strategy.size), batches[0], loss_fn,
-                                  resolve_optimizer(optimizer), strategy, lr_scheduler)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy.size), batches[0], loss_fn, optimizer,
+                             strategy=strategy, lr_scheduler=lr_scheduler)
     res = prog.run_local(batches, cluster=clusters.get(strategy.size))
     state = res.state_dict()
     assert set(state) == set(ref_state)            # the model's own keys, tied alias included
@@ -34,7 +32,7 @@ def _check(clusters, model, batches, loss_fn, optimizer, lr_scheduler=None, **st
     return prog, res
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "chimera"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb1p", "chimera"])
 def test_tied_gpt_pp2_matches_single_process(clusters, schedule):
     _, res = _check(clusters, TinyGPT().double(), gpt_batches(3), gpt_loss, SGD_M,
                     pp=2, schedule=schedule, microbatches=4)
@@ -98,6 +96,7 @@ def test_chimera_pp2_dp2_replicated_stages_and_tied_weights(clusters):
     prog, _ = _check(clusters, TinyGPT().double(), gpt_batches(2, batch=16), gpt_loss, ADAMW,
                      pp=2, dp=2, schedule="chimera", microbatches=4)
     assert prog.pipe_schedule.stage_to_rank == {0: (0, 1), 1: (0, 1)}
+    assert prog.plan.stage_to_rank == [[0, 1], [0, 1]]
 
 
 def test_model_returning_its_own_loss(clusters):
@@ -123,8 +122,7 @@ def test_rank_runner_the_torchrun_path(clusters):
     model, batches = TinyGPT().double(), gpt_batches(2)
     ref_losses, ref_state = reference_training(model, batches, gpt_loss, SGD_M)
     strategy = fxpar.Strategy(pp=2, schedule="1f1b", microbatches=4)
-    prog = build_pipeline_program(model, fxpar.ClusterSpec.local(2), batches[0], gpt_loss, resolve_optimizer(SGD_M),
-                                  strategy)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], gpt_loss, SGD_M, strategy=strategy)
     out = clusters.get(2).run(_runner_job, [(prog, batches)] * 2)
     for losses, state in out:               # every rank gets the global loss and the whole state
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL
@@ -132,32 +130,55 @@ def test_rank_runner_the_torchrun_path(clusters):
 
 
 def test_stage_step_runs_in_place_bitwise():
-    """Synchronous schedules update a stage's weights and moments in place (reinplace_step_graph):
-    the in-place step returns its own input buffers and is bitwise equal to the functional one."""
+    """Synchronous schedules update a stage's weights and moments in place: the STEP graph, cut out of the
+    stage's joint graph after reinplace_optimizer, writes into its own parameter and state inputs (the new
+    weights *are* the old buffers) and is bitwise equal to the functional update (the optimizer's traced
+    foreach step, ``OptimizerSpec.step_all``, run eagerly on the same values).
+
+    (Before the one road this checked ``passes.reinplace.reinplace_step_graph`` on the separate step graph
+    of ``fxpar.pipeline.autodiff.trace_step``; both are gone: the step is part of each stage's joint graph.)"""
     from fxpar.optim import resolve_optimizer
-    from fxpar.pipeline.autodiff import trace_step
-    from passes.reinplace import reinplace_step_graph
-    shapes = [((4, 3), torch.float64), ((3,), torch.float64)]
     for opt in [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
                 (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True})]:
         spec = resolve_optimizer(opt)
-        k = len(spec.state_names)
-        fn = trace_step(0, spec, shapes)
-        inplace = reinplace_step_graph(fn, len(shapes), k)
-        ops = [n.target._schema.name for n in inplace.graph.nodes if n.op == "call_function" and
-               hasattr(n.target, "_schema") and n.target._schema.name.startswith("aten::_foreach_")]
-        assert ops and any(o.endswith("_") for o in ops)
+        torch.manual_seed(0)
+        prog = fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), skip_batches(1)[0], CE, opt,
+                                 strategy=fxpar.Strategy(pp=2, schedule="1f1b", microbatches=2))
+        for st in prog.stages:
+            sg = st.graphs["STEP"]
+            ops = [n.target._schema.name for n in sg.gm.graph.nodes if n.op == "call_function" and
+                   hasattr(n.target, "_schema") and n.target._schema.name.startswith("aten::_foreach_")]
+            assert ops and any(o.endswith("_") for o in ops)
+            shapes, keys = st.captured.param_shapes, st.param_keys
 
-        def inputs():
-            torch.manual_seed(0)
-            ps = [torch.randn(s, dtype=d) for s, d in shapes]
-            gs = [torch.randn(s, dtype=d) for s, d in shapes]
-            st = [torch.rand(s, dtype=d) for s, d in shapes for _ in range(k)]
-            return ps + gs + st + [torch.tensor(1e-2, dtype=torch.float64), torch.tensor(3.0, dtype=torch.float64)]
+            def inputs():
+                torch.manual_seed(1)
+                args = []
+                for role, key in sg.inputs:
+                    if role in ("param", "grad"):
+                        args.append(torch.randn(shapes[key], dtype=torch.float64))
+                    elif role == "opt_state":
+                        args.append(torch.rand(shapes[key.split(":", 1)[1]], dtype=torch.float64))
+                    elif role == "lr":
+                        args.append(torch.tensor(1e-2, dtype=torch.float64))
+                    elif role == "step":
+                        args.append(torch.tensor(3.0, dtype=torch.float64))
+                    else:
+                        raise AssertionError(f"unexpected STEP input {role} {key}")
+                return args
 
-        a_in = inputs()
-        a, b = inplace(*a_in), fn(*inputs())
-        assert all(torch.equal(u, v) for u, v in zip(a, b))
-        n = len(shapes)
-        owned = a_in[:n] + a_in[2 * n:2 * n + n * k]
-        assert [x is y for x, y in zip(a[:n], owned[:n])] == [True] * n      # the new weights *are* the old buffers
+            a_in = inputs()
+            a = dict(zip(sg.outputs, sg.gm(*a_in)))
+            b = dict(zip(sg.inputs, inputs()))
+            states = [[b[("opt_state", f"{name}:{k}")] for k in keys] for name in spec.state_names]
+            new_p, new_s = spec.step_all([b[("param", k)] for k in keys], [b[("grad", k)] for k in keys], states,
+                                         b[("lr", "lr")], b[("step", "step")])
+            for i, k in enumerate(keys):
+                assert torch.equal(a[("new_param", k)], new_p[i]), k
+                for j, name in enumerate(spec.state_names):
+                    assert torch.equal(a[("new_opt_state", f"{name}:{k}")], new_s[j][i]), (name, k)
+            given = dict(zip(sg.inputs, a_in))
+            # the new weights and moments *are* the old buffers
+            assert [a[("new_param", k)] is given[("param", k)] for k in keys] == [True] * len(keys)
+            assert all(a[("new_opt_state", f"{name}:{k}")] is given[("opt_state", f"{name}:{k}")]
+                       for k in keys for name in spec.state_names)

@@ -49,11 +49,17 @@ def test_round_trip_keeps_every_node_and_the_code():
 def test_payloads_send_their_graphs_node_by_node():
     p, _ = _dropout_program(dp=2)
     payload = pickle.loads(pickle.dumps(p.payload(0)))
-    assert _random_ops(payload.gm) == _random_ops(p.graphs(0)["step"])
+    # one executor: a payload carries per held stage {kind: SplitGraph}; a dp program runs the fused FULL graph
+    assert _random_ops(payload.graphs[0]["FULL"].gm) == _random_ops(p.graphs(0)["step"])
     q, _ = _dropout_program(pp=2, microbatches=2)
-    stage = pickle.loads(pickle.dumps(q.payload(0))).stages[0]
-    assert _random_ops(stage.forward) == _random_ops(q.stages[0].forward) != []
-    assert stage.step_inplace is not None and stage.step_inplace.code == q.stages[0].step_inplace.code
+    stage = pickle.loads(pickle.dumps(q.payload(0))).graphs[0]
+    assert _random_ops(stage["F"].gm) == _random_ops(q.stages[0].graphs["F"].gm) != []
+    # the in-place optimizer step (was StageProgram.step_inplace; now the STEP graph cut from the joint graph
+    # after reinplace_optimizer) arrives node for node, still in place
+    step = stage["STEP"].gm
+    assert step.code == q.stages[0].graphs["STEP"].gm.code
+    assert any(n.op == "call_function" and str(n.target).startswith("aten._foreach_") and
+               str(n.target).split(".")[1].endswith("_") for n in step.graph.nodes)
 
 
 def test_dropout_masks_change_every_step_on_spawned_ranks(clusters):

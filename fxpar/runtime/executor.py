@@ -247,7 +247,7 @@ class Executor:
         sg = self.p.graphs[s]["F"]
         mb = w.micro[i]
         weights = self.params[s] if a.version is None else w.store.get(s, a.version)
-        acts = w.fwd.pop((s, i), {})
+        acts = {k: v.contiguous() for k, v in w.fwd.pop((s, i), {}).items()}   # as traced (and as received)
         args = [self._input(role, key, s, weights, mb, acts) for role, key in sg.inputs]
         res = sg.gm(*args)
         saved, out = {}, {}
@@ -280,6 +280,8 @@ class Executor:
         sg = self.p.graphs[s][kind]
         saved = w.saved[(s, i)]
         tangents = w.bwd.get((s, i), {})
+        if (s, i) in w.bwd and kind in ("B", "I"):          # as traced (and as received): contiguous
+            tangents = w.bwd[(s, i)] = {k: v.contiguous() for k, v in tangents.items()}
         if self.record_weights and kind in ("B", "I"):
             weights = w.store.get(s, a.version) if a.version is not None else self.params[s]
             self._fingerprint("B", s, i, a.version, list(saved.values()), weights,

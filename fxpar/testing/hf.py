@@ -6,6 +6,7 @@ the model's own loss), so that ``example_inputs`` is a plain tuple::
 
     model, batch, loss_fn = hf_example("llama", n_layers=4)
     loss = loss_fn(model(*batch[:-1]), batch[-1])        # loss_fn is None for T5: model(*batch) is the loss
+    batches = hf_batches("llama", n=3, batch=4)            # a short run of fresh batches of the same kind
 
 Dropout is off in every config, so a captured step can be compared with eager training exactly.
 ``transformers`` is imported only when a model is built.
@@ -17,7 +18,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 __all__ = ["CausalLM", "MaskedLM", "Seq2SeqLM", "lm_loss", "masked_lm_loss", "tiny_gpt2", "tiny_llama",
-           "tiny_bert", "tiny_t5", "hf_example", "HF_MODELS", "VOCAB"]
+           "tiny_bert", "tiny_t5", "hf_example", "hf_batch", "hf_batches",
+           "HF_MODELS", "VOCAB"]
 
 VOCAB = 64
 _SPECIAL = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
@@ -103,20 +105,42 @@ def hf_example(name: str, n_layers: int = 2, batch: int = 2, seq: int = 8, dtype
     """``(model, example_batch, loss_fn)`` for ``name`` in :data:`HF_MODELS`; ``loss_fn`` is None when the
     model returns its loss. The batch has padding (``attention_mask`` zeros) where the model takes a mask."""
     g = generator or torch.Generator().manual_seed(0)
+    builders = {"gpt2": tiny_gpt2, "llama": tiny_llama, "bert": tiny_bert, "t5": tiny_t5}
+    if name not in builders:
+        raise ValueError(f"unknown Hugging Face example {name!r}; choose from {HF_MODELS}")
+    example = hf_batch(name, batch, seq, g)
+    loss_fn = {"gpt2": lm_loss, "llama": lm_loss, "bert": masked_lm_loss, "t5": None}[name]
+    return builders[name](n_layers).to(dtype), example, loss_fn
+
+
+def hf_batch(name: str, batch: int = 2, seq: int = 8, generator: torch.Generator | None = None) -> tuple:
+    """One batch for the :func:`hf_example` model ``name``, in the order its wrapper takes it:
+    ``(input_ids, targets)`` (GPT-2, Llama), ``(input_ids, attention_mask, labels)`` (BERT: labels on
+    every third position, -100 elsewhere; T5: decoder labels of length ``seq // 2``).
+
+    Where the model takes a mask, the first row is padded (mask 0 on its last two positions). Every row
+    counts the same number of label positions (BERT: every third; the others: all), so a shard or
+    microbatch of whole rows weighs as much in the mean loss as any other: the mean of per-shard means
+    is the global-batch mean, and dp or microbatching reproduces single-process training exactly."""
+    if name not in HF_MODELS:
+        raise ValueError(f"unknown Hugging Face example {name!r}; choose from {HF_MODELS}")
+    g = generator or torch.Generator().manual_seed(0)
     ids = torch.randint(3, VOCAB, (batch, seq), generator=g)
     if name in ("gpt2", "llama"):
-        model = (tiny_gpt2 if name == "gpt2" else tiny_llama)(n_layers)
-        return model.to(dtype), (ids, torch.randint(0, VOCAB, (batch, seq), generator=g)), lm_loss
+        return ids, torch.randint(0, VOCAB, (batch, seq), generator=g)
     mask = torch.ones(batch, seq, dtype=torch.long)
     mask[0, seq - 2:] = 0                                   # the first sequence is padded
     if name == "bert":
         labels = torch.full((batch, seq), -100)
         labels[:, 1::3] = ids[:, 1::3]                      # predict every third token
-        return tiny_bert(n_layers).to(dtype), (ids, mask, labels), masked_lm_loss
-    if name == "t5":
-        labels = torch.randint(3, VOCAB, (batch, seq // 2), generator=g)
-        return tiny_t5(n_layers).to(dtype), (ids, mask, labels), None
-    raise ValueError(f"unknown Hugging Face example {name!r}; choose from {HF_MODELS}")
+        return ids, mask, labels
+    return ids, mask, torch.randint(3, VOCAB, (batch, seq // 2), generator=g)
+
+
+def hf_batches(name: str, n: int, batch: int = 4, seq: int = 8, seed: int = 1) -> list:
+    """``n`` batches of :func:`hf_batch` drawn from one seeded generator (a short training run)."""
+    g = torch.Generator().manual_seed(seed)
+    return [hf_batch(name, batch, seq, g) for _ in range(n)]
 
 
 HF_MODELS = ("gpt2", "llama", "bert", "t5")
