@@ -380,7 +380,8 @@ def _stage_graph(gm, roles, s, own, acts_in, outs, acts, is_last) -> StageGraph:
         env[n] = g.placeholder(n.name)
         env[n].meta = dict(n.meta)
         inputs.append(("act", n.name))
-    for n in sorted(needed_rep, key=order.get) + sorted(own, key=order.get):
+    for n in sorted(needed_rep + list(own), key=order.get):   # the whole-model order: a weight's transpose
+        # stays next to its use, so backward produces that weight's gradient there too (bucket overlap)
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[n] for n in outs))
     sgm = torch.fx.GraphModule(gm, g)
