@@ -10,7 +10,8 @@ from .api import parallelize
 from .capture import CapturedStep, StepSignature, capture_training_step, trace_forward
 from .cluster import ClusterSpec, DeviceSpec, LinkSpec
 from .collectives import insert_all_reduce, insert_broadcast
-from .errors import CaptureError, ClusterSpecError, FxparError, PassError, RankFailedError, StrategyError
+from .errors import (CaptureError, ClusterSpecError, FxparError, InputError, NonFiniteLossError, PassError,
+                     RankFailedError, StrategyError)
 from .mesh import Mesh
 from .pass_manager import Pass, PassContext, PassManager, PassResult, graph_pass
 from .plan import Plan
@@ -22,4 +23,5 @@ __version__ = "0.1.0"
 __all__ = ["parallelize", "ClusterSpec", "DeviceSpec", "LinkSpec", "Strategy", "Plan", "Program", "RunResult",
            "RankRunner", "Mesh", "Pass", "PassResult", "PassContext", "PassManager", "graph_pass", "LocalCluster",
            "CapturedStep", "StepSignature", "capture_training_step", "trace_forward", "insert_all_reduce", "insert_broadcast", "meta",
-           "FxparError", "CaptureError", "StrategyError", "ClusterSpecError", "PassError", "RankFailedError"]
+           "FxparError", "CaptureError", "StrategyError", "ClusterSpecError", "PassError", "RankFailedError",
+           "InputError", "NonFiniteLossError"]

@@ -9,6 +9,8 @@ import os
 import sys
 import sysconfig
 import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -16,8 +18,8 @@ import torch.fx.traceback as fx_traceback
 from . import meta as M
 from .errors import CaptureError
 
-__all__ = ["ModuleTracker", "batch_parts", "explain_trace_error", "clean_name", "capture_context",
-           "TRACING_PREDICATES"]
+__all__ = ["ModuleTracker", "batch_parts", "split_batch", "call_model", "BatchLayout", "explain_trace_error",
+           "clean_name", "capture_context", "TRACING_PREDICATES"]
 
 # Library predicates that ask "is a graph being traced right now?" and answer wrongly under
 # fxpar's capture: (module that defines it, function name). Every module of the same top-level
@@ -125,18 +127,172 @@ class ModuleTracker:
         fx_traceback.current_meta.pop("custom", None)
 
 
-def batch_parts(batch, loss_fn):
-    batch = tuple(batch) if isinstance(batch, (tuple, list)) else (batch,)
-    for i, b in enumerate(batch):
+def _structure(batch):
+    """(positional elements, keyword dict, form) of a batch as the user wrote it. Forms: ``"tensor"``,
+    ``"tuple"`` ``(x, y)``, ``"dict"`` ``{"input_ids": ...}``, ``"nested"`` ``((x, y), {...})`` and
+    ``"trailing"`` ``(x, y, {...})``."""
+    if isinstance(batch, Mapping):
+        return (), dict(batch), "dict"
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2 and isinstance(batch[0], (tuple, list)) and isinstance(batch[1], Mapping):
+            return tuple(batch[0]), dict(batch[1]), "nested"
+        if batch and isinstance(batch[-1], Mapping):
+            return tuple(batch[:-1]), dict(batch[-1]), "trailing"
+        return tuple(batch), {}, "tuple"
+    return (batch,), {}, "tensor"
+
+
+def _n_targets(loss_fn) -> int:
+    return 0 if loss_fn is None else int(getattr(loss_fn, "fxpar_n_targets", 1))
+
+
+def split_batch(batch, loss_fn):
+    """``(inputs, targets, keyword names)``: inputs are the positional model inputs then the keyword ones
+    (the last ``len(keyword names)`` of them), targets the last positional elements ``loss_fn`` takes."""
+    pos, kw, _ = _structure(batch)
+    n_t = _n_targets(loss_fn)
+    for i, b in enumerate(pos):
         if not isinstance(b, torch.Tensor):
             raise CaptureError(f"example_inputs[{i}] is a {type(b).__name__}; fxpar needs a tuple of tensors "
                                "(inputs..., target), each with the batch on dim 0.")
-    if loss_fn is not None:
-        if len(batch) < 2:
-            raise CaptureError("with loss_fn given, example_inputs must be (inputs..., target); got one tensor. "
-                               "Pass loss_fn=None if the model itself returns the loss.")
-        return batch[:-1], batch[-1:]
-    return batch, ()
+    for k, b in kw.items():
+        if not isinstance(b, torch.Tensor):
+            raise CaptureError(f"example_inputs[{k!r}] is a {type(b).__name__}; fxpar needs tensors with the batch "
+                               "on dim 0 (pass other settings to the model's constructor).")
+    if len(pos) < n_t:
+        raise CaptureError("with loss_fn given, example_inputs must be (inputs..., target); got "
+                           + ("one tensor" if len(pos) == 1 else f"{len(pos)} positional tensor(s)")
+                           + ". Pass loss_fn=None if the model itself returns the loss.")
+    inputs = pos[:len(pos) - n_t] + tuple(kw.values())
+    return inputs, pos[len(pos) - n_t:], tuple(kw)
+
+
+def batch_parts(batch, loss_fn):
+    """``(inputs, targets)`` of a batch (keyword inputs last among the inputs); see :func:`split_batch`."""
+    inputs, targets, _ = split_batch(batch, loss_fn)
+    return inputs, targets
+
+
+def call_model(model, state: tuple, inputs: tuple, kw_names: tuple):
+    """``model(*positional, **keywords)`` through ``torch.func.functional_call`` with ``state`` (params, buffers)."""
+    n_pos = len(inputs) - len(kw_names)
+    return torch.func.functional_call(model, state, tuple(inputs[:n_pos]), dict(zip(kw_names, inputs[n_pos:])))
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """Where each tensor of a user's batch goes in the flat tuple fxpar's graphs and runtime use.
+
+    A batch is ``(inputs..., target)`` (or the inputs alone when the model returns its loss), a dict
+    of keyword inputs (Hugging Face style ``{"input_ids": ..., "attention_mask": ..., "labels": ...}``),
+    or both: ``((inputs..., target), {...})`` or ``(inputs..., target, {...})``. Flat order: the
+    positional model inputs, the keyword inputs in the dict's order, then the targets. ``paths`` names
+    each flat tensor as the user would index it (``[1]``, ``['attention_mask']``, ``[0][1]``).
+    """
+    form: str
+    n_args: int
+    kwargs: tuple
+    n_targets: int
+    paths: tuple
+
+    @classmethod
+    def of(cls, batch, loss_fn, what: str = "example_inputs") -> "BatchLayout":
+        from .errors import InputError
+        pos, kw, form = _structure(batch)
+        n_t = _n_targets(loss_fn)
+        for k in kw:
+            if not isinstance(k, str):
+                raise InputError(f"{what} has the dict key {k!r}; keyword inputs are named by strings (the model's "
+                                 "forward argument names, e.g. 'input_ids').")
+        if len(pos) < n_t or (n_t and len(pos) == n_t and not kw):      # no model input besides the target
+            have = f"only the keyword inputs {sorted(kw)}" if kw and not pos else f"{len(pos)} tensor(s)"
+            raise InputError(f"{what} has {have}, but loss_fn={_fn_name(loss_fn)} needs the target as the last "
+                             "positional element: pass (inputs..., target), (target, {keywords}) or "
+                             "((inputs..., target), {keywords}); or loss_fn=None if the model computes its own loss "
+                             "(Hugging Face models do, from labels=).")
+        if not pos and not kw:
+            raise InputError(f"{what} is empty; pass one global batch: (inputs..., target) or a dict of keyword inputs.")
+        pre = {"tensor": "", "tuple": "", "dict": "", "nested": "[0]", "trailing": ""}[form]
+        kw_pre = {"nested": "[1]", "trailing": f"[{len(pos)}]"}.get(form, "")
+        n_args = len(pos) - n_t
+        paths = [f"{pre}[{i}]" for i in range(n_args)] + [f"{kw_pre}[{k!r}]" for k in kw] + \
+                [f"{pre}[{i}]" for i in range(n_args, len(pos))]
+        if form == "tensor":
+            paths = [""]
+        layout = cls(form, n_args, tuple(kw), n_t, tuple(paths))
+        layout.flatten(batch, what)        # every element a tensor
+        return layout
+
+    @property
+    def n_inputs(self) -> int:
+        return self.n_args + len(self.kwargs)
+
+    def describe(self, i: int, what: str) -> str:
+        """``batches[3]['attention_mask']``, ``example_inputs[1] (the target)``."""
+        if i >= len(self.paths):
+            return f"{what} (column {i}, added by fxpar)"
+        role = " (the target)" if self.n_targets and i >= self.n_inputs else ""
+        return f"{what}{self.paths[i]}{role}"
+
+    def shape_text(self) -> str:
+        if self.form == "dict":
+            return f"a dict with keys {list(self.kwargs)}"
+        n = self.n_args + self.n_targets
+        pos = f"{n} tensor(s)" + (" (inputs..., target)" if self.n_targets else "")
+        if self.form == "tensor":
+            return "one tensor"
+        if self.form == "tuple":
+            return f"a tuple of {pos}"
+        if self.form == "nested":
+            return f"(a tuple of {pos}, a dict with keys {list(self.kwargs)})"
+        return f"a tuple of {pos} followed by a dict with keys {list(self.kwargs)}"
+
+    def flatten(self, batch, what: str = "batch") -> tuple:
+        """The batch's tensors in flat order; raises :class:`InputError` naming the element that does not fit."""
+        from .errors import InputError
+        pos, kw, form = _structure(batch)
+        same_form = form == self.form or {form, self.form} <= {"tensor", "tuple"}
+        if not same_form or len(pos) != self.n_args + self.n_targets or sorted(kw) != sorted(self.kwargs):
+            detail = ""
+            if form in ("dict", "nested", "trailing") and self.kwargs:
+                missing, extra = sorted(set(self.kwargs) - set(kw)), sorted(set(kw) - set(self.kwargs))
+                detail = (f" (missing keys {missing})" if missing else "") + (f" (unexpected keys {extra})" if extra else "")
+            raise InputError(f"{what} is {_structure_text(pos, kw, form)}{detail}, but example_inputs was "
+                             f"{self.shape_text()}: give every batch the structure of example_inputs (or build the "
+                             "program from an example of the new structure).")
+        kw = {k: kw[k] for k in self.kwargs}          # the same keys, in example_inputs' order
+        n_t = self.n_targets
+        flat = pos[:len(pos) - n_t] + tuple(kw.values()) + pos[len(pos) - n_t:]
+        for i, t in enumerate(flat):
+            if not isinstance(t, torch.Tensor):
+                raise InputError(f"{self.describe(i, what)} is a {type(t).__name__}, not a tensor: fxpar trains on "
+                                 "tensors with the batch on dim 0; convert it with torch.as_tensor(...).")
+        return flat
+
+    def unflatten(self, flat):
+        """The structured batch of a flat tuple (targets, and anything fxpar appended after them, positional)."""
+        n_in = self.n_inputs
+        pos = tuple(flat[:self.n_args]) + tuple(flat[n_in:])
+        if not self.kwargs:
+            return pos
+        return pos, dict(zip(self.kwargs, flat[self.n_args:n_in]))
+
+
+def _structure_text(pos, kw, form) -> str:
+    if form == "dict":
+        return f"a dict with keys {list(kw)}"
+    if form == "tensor":
+        return "one tensor" if isinstance(pos[0], torch.Tensor) else f"a {type(pos[0]).__name__}"
+    text = f"a tuple of {len(pos)} element(s)"
+    return text + (f" and a dict with keys {list(kw)}" if kw else "")
+
+
+def _fn_name(fn) -> str:
+    if fn is None:
+        return "None"
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    mod = getattr(fn, "__module__", "") or ""
+    return f"{mod}.{name}" if mod.startswith("torch") else name
 
 
 # Torch's own tracing machinery, relative to torch's directory: the frames between the line that

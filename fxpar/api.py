@@ -9,17 +9,21 @@ backward, gradient collectives and update as one graph), or, with ``microbatches
 """
 from __future__ import annotations
 
+import difflib
+import inspect
 import time
 
 import torch
 
 from .capture import capture_training_step
 from .cluster import ClusterSpec
-from .errors import StrategyError
+from ._tracing import BatchLayout
+from .errors import InputError, StrategyError
+from .losses import choose_loss
 from .lower import lower
 from .optim import resolve_optimizer
 from .plan import Plan
-from .planner import ASYNC, make_plan, plan_buckets
+from .planner import ASYNC, check_batch, grad_groups, make_plan, plan_buckets, schedule_name
 from .program import Program, Stage, stage_messages
 from .strategy import Strategy
 
@@ -32,8 +36,13 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
 
     model: an ``nn.Module`` that trains on one device.
     cluster: a :class:`ClusterSpec` (or an int: ``ClusterSpec.local(n)``).
-    example_inputs: one *global* batch ``(inputs..., target)``, the batch on dim 0.
-    loss_fn: ``loss_fn(model(*inputs), target)``; None if ``model(*example_inputs)`` returns the loss.
+    example_inputs: one *global* batch, the batch on dim 0 of every tensor: ``(inputs..., target)``; a dict of
+        keyword inputs (Hugging Face style ``{"input_ids": ..., "attention_mask": ..., "labels": ...}``); or both,
+        ``((inputs..., target), {...})`` / ``(inputs..., target, {...})``. ``run_local``'s batches take the same
+        structure, shapes and dtypes (checked before any rank starts).
+    loss_fn: ``loss_fn(model(*inputs, **keywords), target)``; None if the model returns its loss (a tensor, or an
+        output with a ``loss`` field). Cross-entropy / NLL are seen into: by default the loss is the global
+        batch's across shards and microbatches (``Strategy(loss_average=...)``, docs/semantics.md).
     optimizer: ``(torch.optim.X, kwargs)``; SGD, Adam and AdamW are traced into the graph.
     strategy: a :class:`Strategy`, ``"auto"`` (data parallel over every rank) or a list of passes.
     lr_scheduler: ``(torch.optim.lr_scheduler.X, kwargs)`` or a picklable ``callable(torch_optimizer)``;
@@ -46,7 +55,8 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     if not isinstance(cluster, ClusterSpec):
         raise TypeError(f"cluster={cluster!r}: pass fxpar.ClusterSpec.local(world_size) or another ClusterSpec")
     if not isinstance(model, torch.nn.Module):
-        raise TypeError(f"model is a {type(model).__name__}; fxpar parallelises a torch.nn.Module")
+        raise TypeError(f"model is a {type(model).__name__}; fxpar parallelises a torch.nn.Module: pass the module "
+                        "(wrap a plain function in an nn.Module whose forward calls it).")
     strategy = Strategy.coerce(strategy, cluster.world_size)
     if strategy.size != cluster.world_size:
         raise StrategyError(
@@ -59,23 +69,35 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan={plan!r}: pass a fxpar.Plan (e.g. program.plan, or Plan.from_json(text))")
     spec = resolve_optimizer(optimizer)
-    batch = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    layout = BatchLayout.of(example_inputs, loss_fn)
+    _check_call(model, layout)
+    example = layout.flatten(example_inputs, "example_inputs")
+    m = plan.microbatches if plan is not None else strategy.microbatches
+    check_batch(example, strategy.dp, m, names=[layout.describe(i, "example_inputs") for i in range(len(example))])
+    loss = choose_loss(strategy.loss_average, loss_fn, asynchronous=schedule_name(strategy, plan) in ASYNC,
+                       k=strategy.dp * m)
+    batch = example + loss.extra_columns(example, layout.n_inputs, layout.describe(layout.n_inputs, "example_inputs"))
+    if any(p.device.type == "meta" for p in model.parameters()):     # a meta model is planned on meta inputs
+        batch = tuple(t.to("meta") for t in batch)
     t0 = time.perf_counter()
-    plan, sched, trace, split = make_plan(strategy, batch, model=model, loss_fn=loss_fn, cluster=cluster,
-                                          base=plan, optimizer=spec)
+    plan, sched, trace, split = make_plan(strategy, batch, model=model, loss_fn=loss.fn, cluster=cluster,
+                                          base=plan, optimizer=spec, layout=layout)
+    if loss.note:
+        plan.notes.append(loss.note)
     if plan.schedule in ASYNC and lr_scheduler is not None:
         raise StrategyError(f"schedule {plan.schedule!r} updates weights inside a window of microbatches; an "
                             "lr_scheduler stepped once per batch is not defined for it. Drop lr_scheduler or use a "
                             "synchronous schedule ('gpipe', '1f1b', 'interleaved', 'zb1p', 'chimera').")
     m = plan.microbatches
-    micro = tuple(t.narrow(0, 0, plan.global_batch // (plan.dp * m)) for t in batch)
+    micro = layout.unflatten(tuple(t.narrow(0, 0, plan.global_batch // (plan.dp * m)) for t in batch))
     scale = 1.0 if plan.schedule == "pipedream" else 1.0 / m      # PipeDream: one update per microbatch
     if split is None:
-        captured = [capture_training_step(model, micro, loss_fn, spec, grad_scale=scale)]
+        captured = [capture_training_step(model, micro, loss.fn, spec, grad_scale=scale)]
     else:
-        captured = [capture_training_step(model, micro, loss_fn, spec, stage=st, grad_scale=scale)
+        captured = [capture_training_step(model, micro, loss.fn, spec, stage=st, grad_scale=scale)
                     for st in split.stages]
     t1 = time.perf_counter()
+    _without_gradient(plan, captured, model)
     _check_parameters_fit(captured, cluster, model)
     _plan_buckets(plan, captured)
     lowered = lower(captured, plan, sched, cluster, strategy.passes, synchronous=plan.schedule not in ASYNC)
@@ -83,10 +105,57 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     stages = [Stage(s, cap, parts, gm, hist, notes, stage_messages(cap))
               for s, (cap, (parts, gm, hist, notes)) in enumerate(zip(captured, lowered))]
     t2 = time.perf_counter()
-    n_inputs = len(batch) - (1 if loss_fn is not None else 0)
     return Program(model=model, plan=plan, strategy=strategy, cluster=cluster, schedule=sched, stages=stages,
-                   split=split, trace=trace, optimizer=spec, lr_scheduler=lr_scheduler, n_inputs=n_inputs,
-                   timings={"capture": t1 - t0, "lower": t2 - t1})
+                   split=split, trace=trace, optimizer=spec, lr_scheduler=lr_scheduler, n_inputs=layout.n_inputs,
+                   timings={"capture": t1 - t0, "lower": t2 - t1}, layout=layout, loss=loss, example=example)
+
+
+def _check_call(model: torch.nn.Module, layout: BatchLayout) -> None:
+    """The model's forward takes the batch's inputs: keyword names it knows, no more positional inputs than it
+    has parameters, every required one given."""
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        return
+    P = inspect.Parameter
+    name = f"{type(model).__name__}.forward"
+    known = [p.name for p in params if p.kind in (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)]
+    if not any(p.kind == P.VAR_KEYWORD for p in params):
+        for k in layout.kwargs:
+            if k not in known:
+                near = difflib.get_close_matches(k, known, n=1)
+                raise InputError(f"example_inputs[{k!r}]: {name} has no argument {k!r} (its arguments: "
+                                 f"{', '.join(known)}); rename the key" + (f" (did you mean {near[0]!r}?)" if near else "")
+                                 + " or pass the tensor by position.")
+    positional = [p for p in params if p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)]
+    if not any(p.kind == P.VAR_POSITIONAL for p in params) and layout.n_args > len(positional):
+        target = " before the target (the last element, which goes to loss_fn)" if layout.n_targets else ""
+        raise InputError(f"example_inputs has {layout.n_args} model input(s){target}, but {name} takes "
+                         f"{len(positional)} ({', '.join(p.name for p in positional) or 'none'}): drop the extra "
+                         "tensor(s), or pass loss_fn=None if the model takes the labels and returns the loss itself.")
+    given = {p.name for p in positional[:layout.n_args]} | set(layout.kwargs)
+    missing = [p.name for p in params if p.default is P.empty and p.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD,
+                                                                            P.KEYWORD_ONLY) and p.name not in given]
+    if missing:
+        raise InputError(f"{name} needs {', '.join(repr(k) for k in missing)}, which example_inputs does not give "
+                         f"(it is {layout.shape_text()}): add the tensor(s) to example_inputs"
+                         + (" before the target." if layout.n_targets else "."))
+
+
+def _without_gradient(plan: Plan, captured: list, model: torch.nn.Module) -> None:
+    """Parameters the loss never reaches (capture froze them, or no pipeline stage uses them): torch.optim
+    skips a parameter whose ``.grad`` is None, so they are never updated; the Plan says so."""
+    frozen = [k for s, cap in enumerate(captured) for k in plan.stage_params[s] if k not in cap.param_names]
+    if frozen:
+        plan.stage_params = [list(cap.param_names) for cap in captured]
+        tied = {k: [s for s in v if k in plan.stage_params[s]] for k, v in plan.tied.items()}
+        plan.tied = {k: v for k, v in tied.items() if len(v) > 1}
+        plan.groups, plan.grad_groups = grad_groups(plan)
+    placed = {k for keys in plan.stage_params for k in keys}
+    never = [k for k, v in model.named_parameters() if v.requires_grad and k not in placed]
+    if never:
+        plan.notes.append(f"parameters {never} get no gradient from the loss: like torch.optim with .grad None, "
+                          "they are never updated and have no optimizer state; state_dict() keeps them as they were")
 
 
 def _plan_buckets(plan: Plan, captured: list) -> None:

@@ -119,6 +119,21 @@ class ClusterSpec:
     def validate(self) -> None:
         d = self.device
         problems = []
+        for name in ("nodes", "devices_per_node"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise ClusterSpecError(f"ClusterSpec({name}={v!r}): {name} must be a positive int.")
+        for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s"):
+            v = getattr(d, name)
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise ClusterSpecError(f"DeviceSpec({name}={v!r}): {name} must be a number.")
+        for lname in ("intra_node", "inter_node"):
+            link = getattr(self, lname)
+            for name in ("bandwidth", "latency"):
+                v = getattr(link, name, None)
+                if not isinstance(v, (int, float)) or isinstance(v, bool):
+                    raise ClusterSpecError(f"ClusterSpec({lname}=LinkSpec({name}={v!r})): {name} must be a number "
+                                           "(bandwidth in bytes/s, latency in seconds).")
         if self.nodes < 1 or self.devices_per_node < 1:
             problems.append(f"nodes={self.nodes}, devices_per_node={self.devices_per_node}: both must be >= 1")
         if d.memory_bytes <= 0:
@@ -160,21 +175,43 @@ class ClusterSpec:
         return text
 
     @classmethod
-    def from_dict(cls, d: dict) -> "ClusterSpec":
-        try:
-            return cls(device=DeviceSpec(**d["device"]), nodes=d["nodes"], devices_per_node=d["devices_per_node"],
-                       intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
-                       backend=d.get("backend", "gloo"))
-        except (KeyError, TypeError) as e:
-            raise ClusterSpecError(f"ClusterSpec JSON is missing or has a wrong field: {e}") from None
+    def from_dict(cls, d: dict, source: str = "the ClusterSpec dict") -> "ClusterSpec":
+        """Inverse of :meth:`to_dict`; every field is checked for presence and type, naming it and ``source``."""
+        _check_fields(d, _TOP_FIELDS, "", source, required=("device", "nodes", "devices_per_node", "intra_node",
+                                                            "inter_node"))
+        _check_fields(d["device"], _DEVICE_FIELDS, "device.", source, required=())
+        for link in ("intra_node", "inter_node"):
+            _check_fields(d[link], _LINK_FIELDS, f"{link}.", source, required=("bandwidth", "latency"))
+        return cls(device=DeviceSpec(**d["device"]), nodes=d["nodes"], devices_per_node=d["devices_per_node"],
+                   intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
+                   backend=d.get("backend", "gloo"))
 
     @classmethod
-    def from_json(cls, text_or_path: str) -> "ClusterSpec":
-        text = text_or_path
-        if not text_or_path.lstrip().startswith("{") and os.path.exists(text_or_path):
-            with open(text_or_path) as f:
-                text = f.read()
-        return cls.from_dict(json.loads(text))
+    def from_json(cls, text_or_path) -> "ClusterSpec":
+        """A ClusterSpec from JSON text or the path of a file :meth:`to_json` wrote."""
+        if isinstance(text_or_path, os.PathLike):
+            text_or_path = os.fspath(text_or_path)
+        if not isinstance(text_or_path, str):
+            raise ClusterSpecError(f"ClusterSpec.from_json({text_or_path!r}): pass JSON text or the path of a file "
+                                   "ClusterSpec.to_json(path) wrote.")
+        text, source = text_or_path, "the JSON text"
+        if not text_or_path.lstrip().startswith(("{", "[")):
+            path = text_or_path
+            if not os.path.isfile(path):
+                where = "" if os.path.isabs(path) else f" (relative to {os.getcwd()})"
+                raise ClusterSpecError(f"ClusterSpec.from_json({path!r}): there is no such file{where}. Pass the path of "
+                                       "a file ClusterSpec.to_json(path) wrote, or the JSON text itself; "
+                                       "ClusterSpec.local(n) or ClusterSpec.preset(...) make one from scratch.")
+            with open(path) as f:
+                text, source = f.read(), f"file {path!r}"
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            bad = text.splitlines()[e.lineno - 1].strip() if 0 < e.lineno <= len(text.splitlines()) else ""
+            raise ClusterSpecError(f"ClusterSpec.from_json: {source} is not valid JSON: {e.msg} at line {e.lineno}, "
+                                   f"column {e.colno} (`{bad}`). Fix it there, or write a fresh one with "
+                                   "ClusterSpec.local(n).to_json(path).") from None
+        return cls.from_dict(data, source)
 
     def __str__(self) -> str:
         d = self.device
@@ -188,3 +225,40 @@ def _host_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 16 * 2**30
+
+
+_NUMBER = "a number"
+_TOP_FIELDS = {"device": (dict, "an object {...} of DeviceSpec fields"), "nodes": (int, "a positive integer"),
+               "devices_per_node": (int, "a positive integer"), "intra_node": (dict, "an object {bandwidth, latency}"),
+               "inter_node": (dict, "an object {bandwidth, latency}"), "backend": (str, "'gloo', 'nccl' or 'fake'")}
+_DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "memory_bytes": (int, "an integer (bytes)"),
+                  "peak_flops": (float, _NUMBER + " (FLOP/s)"), "mem_bandwidth": (float, _NUMBER + " (bytes/s)"),
+                  "efficiency": (dict, "an object {op class: fraction}"), "op_overhead_s": (float, _NUMBER + " (seconds)")}
+_LINK_FIELDS = {"bandwidth": (float, _NUMBER + " (bytes/s)"), "latency": (float, _NUMBER + " (seconds)")}
+
+
+def _check_fields(d, schema: dict, prefix: str, source: str, required: tuple) -> None:
+    """Every key of ``d`` known, every required one present, each value of its type (ints where floats go)."""
+    if not isinstance(d, dict):
+        raise ClusterSpecError(f"ClusterSpec JSON ({source}): {prefix.rstrip('.') or 'the top level'} is "
+                               f"{d!r}; it must be an object {{...}} with fields {sorted(schema)} "
+                               "(ClusterSpec.to_json() writes them all).")
+    unknown = sorted(set(d) - set(schema))
+    if unknown:
+        raise ClusterSpecError(f"ClusterSpec JSON ({source}): unknown field(s) {[prefix + k for k in unknown]}; the "
+                               f"fields are {[prefix + k for k in schema]}. Fix the name or remove it.")
+    missing = [prefix + k for k in required if k not in d]
+    if missing:
+        raise ClusterSpecError(f"ClusterSpec JSON ({source}) has no {', '.join(missing)}: add it (ClusterSpec.to_json() "
+                               "writes every field; ClusterSpec.local(n).to_dict() shows the defaults).")
+    for k, v in d.items():
+        want, text = schema[k]
+        if want is float:
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool)
+        elif want is int:
+            ok = (isinstance(v, int) and not isinstance(v, bool)) or (isinstance(v, float) and v.is_integer())
+        else:
+            ok = isinstance(v, want)
+        if not ok:
+            raise ClusterSpecError(f"ClusterSpec JSON ({source}): {prefix}{k} is {v!r} (a {type(v).__name__}); it must "
+                                   f"be {text}. Fix that field.")

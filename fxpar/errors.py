@@ -1,6 +1,7 @@
 """Errors fxpar raises. Each names the user's module, node, shape or setting and says what to do."""
 
-__all__ = ["FxparError", "CaptureError", "StrategyError", "ClusterSpecError", "PassError", "RankFailedError"]
+__all__ = ["FxparError", "CaptureError", "StrategyError", "ClusterSpecError", "PassError", "RankFailedError",
+           "InputError", "NonFiniteLossError"]
 
 
 class FxparError(Exception):
@@ -19,6 +20,12 @@ class ClusterSpecError(FxparError, ValueError):
     """A ClusterSpec holds impossible or inconsistent numbers."""
 
 
+class InputError(FxparError, ValueError, TypeError):
+    """An argument the user passed (a batch, example_inputs, the optimizer, an option) is malformed or does
+    not match what the program was built for. Raised before any rank starts. A ValueError and a TypeError,
+    so code that caught torch's or Python's own errors for these keeps working."""
+
+
 class PassError(FxparError):
     """A pass failed, or left a graph that does not pass the checks."""
 
@@ -30,3 +37,11 @@ class RankFailedError(FxparError, RuntimeError):
         self.rank = rank
         self.traceback_text = traceback_text
         super().__init__(f"rank {rank} failed; every other rank was stopped. Its traceback:\n{traceback_text}")
+
+
+class NonFiniteLossError(FxparError, FloatingPointError):
+    """``run_local(on_nonfinite="raise")``: a step's loss was NaN or infinite; names the step and the ranks."""
+
+    def __init__(self, message: str, step: int, ranks: list):
+        self.step, self.ranks = step, list(ranks)
+        super().__init__(message)

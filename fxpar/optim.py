@@ -69,18 +69,17 @@ _UNTRACED_OPTIONS = ("amsgrad", "maximize", "differentiable", "capturable", "fus
 
 
 def resolve_optimizer(optimizer) -> OptimizerSpec:
-    """Accept ``(cls, kwargs)``, ``cls`` or ``None`` (plain SGD, lr=0.01)."""
+    """Accept ``(cls, kwargs)``, ``cls`` or ``None`` (plain SGD, lr=0.01). Checks the class and its settings
+    here, by building it over one dummy parameter, so a mistake is named before any rank starts."""
     if isinstance(optimizer, OptimizerSpec):
         return optimizer
     if optimizer is None:
         optimizer = (torch.optim.SGD, {"lr": 0.01})
     if isinstance(optimizer, type):
         optimizer = (optimizer, {})
-    if not (isinstance(optimizer, tuple) and len(optimizer) == 2 and isinstance(optimizer[0], type)
-            and issubclass(optimizer[0], torch.optim.Optimizer) and isinstance(optimizer[1], dict)):
-        raise TypeError(f"optimizer={optimizer!r}: pass (torch.optim.X, {{'lr': ...}}), e.g. "
-                        "(torch.optim.AdamW, {'lr': 1e-3}); an optimizer instance cannot be captured because "
-                        "its parameters are the model's, not the ranks' shards.")
+    if isinstance(optimizer, list) and len(optimizer) == 2:
+        optimizer = tuple(optimizer)
+    _check_optimizer(optimizer)
     cls, kwargs = optimizer
     spec = OptimizerSpec(cls, dict(kwargs))
     if cls not in TRACEABLE:
@@ -93,6 +92,62 @@ def resolve_optimizer(optimizer) -> OptimizerSpec:
             spec.why_not_traced = ""  # foreach only changes the kernel, not the math
     spec.traced = not spec.why_not_traced
     return spec
+
+
+def _check_optimizer(optimizer) -> None:
+    from .errors import InputError
+    example = "pass (torch.optim.X, {'lr': ...}), e.g. (torch.optim.AdamW, {'lr': 1e-3})"
+    if isinstance(optimizer, torch.optim.Optimizer) or (isinstance(optimizer, tuple) and optimizer
+                                                        and isinstance(optimizer[0], torch.optim.Optimizer)):
+        inst = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer[0]
+        name = type(inst).__name__
+        settings = {k: v for k, v in inst.defaults.items() if k in ("lr", "momentum", "weight_decay", "betas", "eps")}
+        raise InputError(f"optimizer={name}(model.parameters(), ...) is an optimizer instance: it holds the model's own "
+                         "parameters, while each rank builds its optimizer over its own part of them. Give the class and "
+                         f"its settings instead: {example}; here ({_qual(type(inst))}, {settings}).")
+    if isinstance(optimizer, str):
+        near = [n for n in dir(torch.optim) if n.lower() == optimizer.lower()]
+        guess = near[0] if near else "AdamW"
+        raise InputError(f"optimizer={optimizer!r} is a name; fxpar takes the class and its settings: "
+                         f"(torch.optim.{guess}, {{'lr': 1e-3}}).")
+    if not (isinstance(optimizer, tuple) and len(optimizer) == 2):
+        raise InputError(f"optimizer={optimizer!r}: {example}; an optimizer instance cannot be captured because "
+                         "its parameters are the model's, not the ranks' shards.")
+    cls, kwargs = optimizer
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        what = _qual(cls) if isinstance(cls, type) or callable(cls) else repr(cls)
+        raise InputError(f"optimizer=({what}, ...): {what} is not a torch.optim.Optimizer class. Use one from torch.optim "
+                         "(SGD, Adam and AdamW are traced into the step; others run on each rank as torch runs them), "
+                         "or your own subclass of torch.optim.Optimizer.")
+    if not isinstance(kwargs, dict):
+        hint = f" -- e.g. ({cls.__name__}, {{'lr': {kwargs!r}}})" if isinstance(kwargs, (int, float)) else ""
+        raise InputError(f"optimizer=({cls.__name__}, {kwargs!r}): the settings must be a dict of {cls.__name__}'s "
+                         f"keyword arguments{hint}.")
+    lr = kwargs.get("lr", 0.0)
+    if isinstance(lr, bool) or not isinstance(lr, (int, float, torch.Tensor)):
+        raise InputError(f"optimizer=({cls.__name__}, {{'lr': {lr!r}, ...}}): lr must be a number (a float such as "
+                         f"1e-3), not a {type(lr).__name__}.")
+    try:
+        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+    except (TypeError, ValueError, KeyError, RuntimeError) as e:
+        import inspect
+        try:
+            known = [p for p in inspect.signature(cls.__init__).parameters if p not in ("self", "params")]
+        except (TypeError, ValueError):
+            known = []
+        unknown = [k for k in kwargs if known and k not in known]
+        fix = (f"{cls.__name__} has no setting {unknown[0]!r}: use one of its settings ({', '.join(known)})"
+               if unknown else "fix the setting it names")
+        raise InputError(f"optimizer=({cls.__name__}, {kwargs!r}): {_qual(cls)} refuses these settings: {e}. "
+                         f"{fix[0].upper() + fix[1:]}.") from None
+
+
+def _qual(cls) -> str:
+    mod = getattr(cls, "__module__", "") or ""
+    name = getattr(cls, "__qualname__", None) or getattr(cls, "__name__", None) or repr(cls)
+    if mod.startswith("torch.optim"):
+        return f"torch.optim.{name}"
+    return f"{mod}.{name}" if mod and mod != "builtins" else name
 
 
 def _sgd(kw, params, grads, states, lr, step):

@@ -15,29 +15,36 @@ from .plan import Plan
 from .schedule import Schedule, ScheduleError, get_schedule
 from .strategy import Strategy
 
-__all__ = ["make_plan", "plan_buckets", "check_batch", "grad_groups", "build_schedule", "ASYNC"]
+__all__ = ["make_plan", "plan_buckets", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
 
 ASYNC = ("pipedream", "2bw")
 
 
-def check_batch(batch, dp: int, microbatches: int = 1, batch_dim: int = 0) -> int:
-    """Return the global batch size; raise naming the tensor if dp x microbatches does not divide it."""
+def check_batch(batch, dp: int, microbatches: int = 1, batch_dim: int = 0, names=None) -> int:
+    """Return the global batch size; raise naming the tensor if dp x microbatches does not divide it.
+    ``names``: how to call each tensor (default ``example_inputs[i]``)."""
     sizes = set()
     k = dp * microbatches
     for i, t in enumerate(batch):
+        name = names[i] if names is not None and i < len(names) else f"example_inputs[{i}]"
         if t.dim() <= batch_dim:
-            raise StrategyError(f"example_inputs[{i}] has shape {tuple(t.shape)}: no batch dim {batch_dim} to split over dp={dp}")
+            raise StrategyError(f"{name} has shape {tuple(t.shape)}: no batch dim {batch_dim} to split over dp={dp}; "
+                                "give every tensor of the batch the batch on dim 0 (e.g. t.unsqueeze(0), or "
+                                "t.expand(batch, ...) for a value shared by every row)")
         b = t.shape[batch_dim]
         if b % k:
             what = f"dp={dp}" if microbatches == 1 else f"dp={dp} x microbatches={microbatches} = {k}"
             raise StrategyError(
-                f"example_inputs[{i}] has batch {b} (shape {tuple(t.shape)}), which {what} does not divide: "
+                f"{name} has batch {b} (shape {tuple(t.shape)}), which {what} does not divide: "
                 f"use a global batch that is a multiple of {k} (e.g. {max(k, b - b % k)} or {b - b % k + k}), "
                 "or change dp / microbatches.")
         sizes.add(b)
     if len(sizes) > 1:
-        raise StrategyError(f"example_inputs have different batch sizes {sorted(sizes)} on dim {batch_dim}; "
-                            "every tensor of a batch must carry the batch on the same dim")
+        named = [(names[i] if names is not None and i < len(names) else f"example_inputs[{i}]", tuple(t.shape))
+                 for i, t in enumerate(batch)]
+        raise StrategyError(f"example_inputs have different batch sizes {sorted(sizes)} on dim {batch_dim} "
+                            f"({', '.join(f'{n}: {sh}' for n, sh in named)}); every tensor of a batch must carry "
+                            "the batch on the same dim: give them all the same number of rows on dim 0")
     return sizes.pop()
 
 
@@ -53,6 +60,11 @@ def build_schedule(plan: Plan, n_batches: int = 2, resumed: bool = False) -> Sch
     if name == "2bw":
         return get_schedule(name, p, m, n_batches=n_batches, resumed=resumed)
     return get_schedule(name, p, m)
+
+
+def schedule_name(strategy: Strategy, base: Plan | None = None) -> str:
+    """The schedule a program of ``strategy`` runs (a handed-in Plan's, if given): a name or a schedule's text."""
+    return base.schedule if base is not None else _schedule_name(strategy)
 
 
 def _schedule_name(strategy: Strategy) -> str:
@@ -130,12 +142,13 @@ def grad_groups(plan: Plan) -> tuple:
 
 
 def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=None, base: Plan | None = None,
-              optimizer=None):
+              optimizer=None, layout=None):
     """Decide the program's structure. Returns ``(plan, schedule, forward_trace or None, stage split or None)``;
-    buckets are planned per stage once the stages are captured (:func:`plan_buckets`)."""
+    buckets are planned per stage once the stages are captured (:func:`plan_buckets`). ``batch``: the flat
+    tuple of tensors; ``layout`` (a ``BatchLayout``) gives it back its structure (keyword inputs) for tracing."""
     dp, pp = strategy.dp, strategy.pp
     plan = Plan(mesh_axes=[["pp", pp], ["dp", dp]])
-    plan.schedule = base.schedule if base is not None else _schedule_name(strategy)
+    plan.schedule = schedule_name(strategy, base)
     plan.microbatches = base.microbatches if base is not None else strategy.microbatches
     plan.global_batch = check_batch(batch, dp, plan.microbatches)
     plan.bucket_cap_bytes = int(strategy.bucket_cap_mb * 2**20)
@@ -157,7 +170,7 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
         from .capture import trace_forward
         from passes.split_stages import imbalance_warning, split_stages   # fxpar reaches passes only here and in lower
         micro = tuple(t.narrow(0, 0, mb) for t in batch)
-        trace = trace_forward(model, micro, loss_fn)
+        trace = trace_forward(model, layout.unflatten(micro) if layout is not None else micro, loss_fn)
         fpb = cluster.device.peak_flops / cluster.intra_node.bandwidth if cluster is not None else 0.0
         cuts = base.cuts if base is not None and base.cuts else strategy.split_points
         split = split_stages(trace.gm, trace.roles, sched.n_stages, cuts, trace.module_types, fpb)

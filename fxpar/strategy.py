@@ -33,6 +33,12 @@ class Strategy:
         ``fxpar.schedule.Schedule`` or its text (``str(schedule)``'s grid or ``schedule.format_lists()``),
         read with ``Schedule.parse``. A hand-written one is validated and dry-run when the program is built:
         one that would deadlock raises ``fxpar.schedule.ScheduleDeadlockError`` naming the step and ranks.
+    loss_average: how the dp shards' and microbatches' losses make the step's loss (docs/semantics.md):
+        ``"global"`` -- single-process training on the global batch: a mean over counted elements (cross-entropy
+        with ``ignore_index``) divides the sum of every shard by the global count; ``"per_shard"`` -- the mean of
+        each shard's loss, as torch DDP; ``"auto"`` (default) -- ``"global"`` where fxpar sees the loss
+        (``torch.nn.functional.cross_entropy``/``nll_loss``, ``nn.CrossEntropyLoss``/``nn.NLLLoss``), else
+        ``"per_shard"``.
     """
     dp: int = 1
     tp: int = 1
@@ -44,13 +50,18 @@ class Strategy:
     first_bucket_cap_mb: float = 1.0
     broadcast_buffers: bool = True
     passes: list = field(default_factory=list)
+    loss_average: str = "auto"
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatches"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise StrategyError(f"Strategy({name}={v!r}): {name} must be a positive int")
-        if self.bucket_cap_mb < 0:
+        from .losses import LOSS_AVERAGES
+        if self.loss_average not in LOSS_AVERAGES:
+            raise StrategyError(f"Strategy(loss_average={self.loss_average!r}): choose one of {LOSS_AVERAGES} "
+                                "('global': single-process semantics, 'per_shard': each shard's mean averaged, as DDP)")
+        if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb < 0:
             raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
         if self.first_bucket_cap_mb < 0:
             raise StrategyError(f"Strategy(first_bucket_cap_mb={self.first_bucket_cap_mb}): must be >= 0")

@@ -159,6 +159,25 @@ def _format_placement(stage_to_rank: dict[int, tuple[int, ...]]) -> str:
     return ",".join(f"{s}:{'/'.join(map(str, rs))}" for s, rs in sorted(stage_to_rank.items()))
 
 
+_HEADER_FIELDS = ("name", "ranks", "stages", "microbatches", "placement")
+
+
+def _parse_header(line: str) -> dict:
+    """The ``key=value`` fields of a ``# schedule ...`` header; raises naming what is missing or malformed."""
+    example = "e.g. '# schedule name=mine ranks=2 stages=2 microbatches=4 placement=0:0,1:1' (Schedule.header() writes one)"
+    tokens = line[len("# schedule "):].split()
+    bad = [t for t in tokens if "=" not in t]
+    if bad:
+        raise ScheduleParseError(f"schedule header {line!r}: {bad[0]!r} is not a key=value field; write every field as "
+                                 f"key=value, {example}")
+    fields = dict(t.split("=", 1) for t in tokens)
+    missing = [k for k in _HEADER_FIELDS if k not in fields]
+    if missing:
+        raise ScheduleParseError(f"schedule header {line!r} has no {', '.join(m + '=' for m in missing)}: a header names "
+                                 f"{', '.join(k + '=' for k in _HEADER_FIELDS)}; add {missing[0]}=..., {example}")
+    return fields
+
+
 def _parse_placement(text: str) -> dict[int, tuple[int, ...]]:
     out = {}
     for item in text.split(","):
@@ -229,12 +248,19 @@ class Schedule:
         if not lines or not lines[0].startswith("# schedule "):
             raise ScheduleParseError("schedule text must start with a '# schedule name=... ranks=... stages=... "
                                      "microbatches=... placement=...' header line")
-        fields = dict(kv.split("=", 1) for kv in lines[0][len("# schedule "):].split())
+        fields = _parse_header(lines[0])
         try:
             n_ranks, n_stages, n_mb = int(fields.pop("ranks")), int(fields.pop("stages")), int(fields.pop("microbatches"))
+        except ValueError as e:
+            raise ScheduleParseError(f"schedule header {lines[0]!r}: ranks, stages and microbatches must be integers "
+                                     f"({e}); e.g. '# schedule name=mine ranks=2 stages=2 microbatches=4 "
+                                     "placement=0:0,1:1'") from None
+        try:
             placement, name = _parse_placement(fields.pop("placement")), fields.pop("name")
-        except (KeyError, ValueError) as e:
-            raise ScheduleParseError(f"bad schedule header {lines[0]!r}: {e}") from None
+        except ValueError:
+            raise ScheduleParseError(f"schedule header {lines[0]!r}: placement= lists stage:ranks pairs separated by "
+                                     "commas, ranks of one stage by '/', e.g. placement=0:0,1:1 or placement=0:0/1") \
+                from None
         actions: dict[int, list[Action]] = {r: [] for r in range(n_ranks)}
         body = lines[1:]
         if body and body[0].split()[0] == "step":
