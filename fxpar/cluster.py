@@ -29,6 +29,10 @@ class DeviceSpec:
     mem_bandwidth: float = 10e9           # bytes/s
     efficiency: dict = field(default_factory=dict)   # op class -> fraction of peak, from calibrate()
     op_overhead_s: float = 0.0            # fixed cost per aten op (dispatch / kernel launch), from calibrate()
+    # seconds a point-to-point message takes beyond its transfer (alpha + n/beta) when the receive is posted
+    # after the send and the sender has gone on computing (gloo finishes the write on the sender's CPU, which
+    # must be scheduled beside the compute); the mean over repeats, from calibrate(). 0: not measured.
+    late_recv_s: float = 0.0
 
     def __hash__(self):
         return hash((self.kind, self.name, self.memory_bytes, self.peak_flops, self.mem_bandwidth))
@@ -123,7 +127,7 @@ class ClusterSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ClusterSpecError(f"ClusterSpec({name}={v!r}): {name} must be a positive int.")
-        for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s"):
+        for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s"):
             v = getattr(d, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise ClusterSpecError(f"DeviceSpec({name}={v!r}): {name} must be a number.")
@@ -142,6 +146,8 @@ class ClusterSpec:
             problems.append(f"device.peak_flops={d.peak_flops}: must be > 0")
         if d.op_overhead_s < 0:
             problems.append(f"device.op_overhead_s={d.op_overhead_s}: must be >= 0 seconds")
+        if d.late_recv_s < 0:
+            problems.append(f"device.late_recv_s={d.late_recv_s}: must be >= 0 seconds")
         if d.mem_bandwidth <= 0:
             problems.append(f"device.mem_bandwidth={d.mem_bandwidth}: must be > 0")
         for name, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
@@ -233,7 +239,8 @@ _TOP_FIELDS = {"device": (dict, "an object {...} of DeviceSpec fields"), "nodes"
                "inter_node": (dict, "an object {bandwidth, latency}"), "backend": (str, "'gloo', 'nccl' or 'fake'")}
 _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "memory_bytes": (int, "an integer (bytes)"),
                   "peak_flops": (float, _NUMBER + " (FLOP/s)"), "mem_bandwidth": (float, _NUMBER + " (bytes/s)"),
-                  "efficiency": (dict, "an object {op class: fraction}"), "op_overhead_s": (float, _NUMBER + " (seconds)")}
+                  "efficiency": (dict, "an object {op class: fraction}"), "op_overhead_s": (float, _NUMBER + " (seconds)"),
+                  "late_recv_s": (float, _NUMBER + " (seconds)")}
 _LINK_FIELDS = {"bandwidth": (float, _NUMBER + " (bytes/s)"), "latency": (float, _NUMBER + " (seconds)")}
 
 

@@ -35,3 +35,13 @@ def test_pipeline_example_trains_through_parallelize_and_matches_pytorch():
     assert len(re.findall(r"step \d: loss [0-9.]+", text)) == 2
     m = re.search(r"max \|loss - single-process\| = ([0-9.e+-]+), max \|param - single-process\| = ([0-9.e+-]+)", text)
     assert m and float(m.group(1)) < 1e-10 and float(m.group(2)) < 1e-10      # float64: synchronous 1F1B is exact
+
+
+def test_hugging_face_example_trains_gpt2_as_a_pipeline():
+    import pytest
+    pytest.importorskip("transformers")
+    text = _run("examples/hf_gpt2.py")
+    pairs = re.findall(r"step \d: fxpar loss ([0-9.]+)\s+single-process loss ([0-9.]+)", text)
+    assert len(pairs) == 4 and "RG0 STEP0" in text
+    # float32 (as the model is built): the two agree to the printed 6 decimals, up to rounding of the last one
+    assert max(abs(float(a) - float(b)) for a, b in pairs) <= 2e-6

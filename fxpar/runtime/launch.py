@@ -24,7 +24,6 @@ import warnings
 from datetime import timedelta
 from multiprocessing import connection
 
-import torch
 import torch.multiprocessing as mp
 
 from ..errors import ClusterSpecError, InputError, RankFailedError

@@ -18,7 +18,7 @@ and the runtime semantics an executor must follow).
 from fxpar.schedule.asynchronous import pipedream, pipedream_2bw
 from fxpar.schedule.chimera import chimera
 from fxpar.schedule.dryrun import SimResult, simulate
-from fxpar.schedule.errors import (ScheduleDeadlockError, ScheduleError, ScheduleParseError,
+from fxpar.schedule.exceptions import (ScheduleDeadlockError, ScheduleError, ScheduleParseError,
                                    ScheduleValidationError)
 from fxpar.schedule.ir import Action, ActionKind, Schedule, parse_action
 from fxpar.schedule.reduce_grad import ensure_reduce_grad

@@ -1,7 +1,7 @@
 """Explain a deadlock: for each stuck rank, the step, the action, and why it can never run."""
 from __future__ import annotations
 
-from fxpar.schedule.errors import ScheduleDeadlockError
+from fxpar.schedule.exceptions import ScheduleDeadlockError
 from fxpar.schedule.ir import Action, ActionKind, Schedule
 
 __all__ = ["deadlock_error"]

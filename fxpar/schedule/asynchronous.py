@@ -26,7 +26,7 @@ Every ``STEP s@v`` has an ``RG s`` right before it: the reduction of the gradien
 from __future__ import annotations
 
 from fxpar.schedule._build import finish
-from fxpar.schedule.errors import ScheduleError
+from fxpar.schedule.exceptions import ScheduleError
 from fxpar.schedule.ir import Action, ActionKind, Schedule
 from fxpar.schedule.synchronous import _one_f_one_b_lists
 

@@ -27,7 +27,7 @@ Example, ``chimera(2, 2)``::
 from __future__ import annotations
 
 from fxpar.schedule._build import compute, finish, greedy_order
-from fxpar.schedule.errors import ScheduleError
+from fxpar.schedule.exceptions import ScheduleError
 from fxpar.schedule.ir import Schedule
 
 __all__ = ["chimera"]

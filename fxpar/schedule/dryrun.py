@@ -48,7 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Mapping, Union
 
-from fxpar.schedule.errors import ScheduleDeadlockError, ScheduleValidationError
+from fxpar.schedule.exceptions import ScheduleValidationError
 from fxpar.schedule.ir import Action, ActionKind, Schedule
 
 __all__ = ["simulate", "SimResult"]

@@ -52,7 +52,7 @@ import re
 from dataclasses import dataclass, field
 from enum import Enum
 
-from fxpar.schedule.errors import ScheduleParseError
+from fxpar.schedule.exceptions import ScheduleParseError
 
 __all__ = ["ActionKind", "Action", "Schedule", "parse_action", "COMPUTE", "BACKWARD", "SENDS", "RECVS",
            "WHOLE_STAGE"]

@@ -21,7 +21,7 @@ from typing import Callable
 
 from fxpar.schedule.asynchronous import pipedream, pipedream_2bw
 from fxpar.schedule.chimera import chimera
-from fxpar.schedule.errors import ScheduleError
+from fxpar.schedule.exceptions import ScheduleError
 from fxpar.schedule.ir import Schedule
 from fxpar.schedule.synchronous import gpipe, interleaved, one_f_one_b, single
 from fxpar.schedule.zero_bubble import zb1p

@@ -18,7 +18,7 @@ Example, ``one_f_one_b(2, 4)`` (``print(schedule.format_lists())``)::
 from __future__ import annotations
 
 from fxpar.schedule._build import compute, finish
-from fxpar.schedule.errors import ScheduleError
+from fxpar.schedule.exceptions import ScheduleError
 from fxpar.schedule.ir import Schedule
 
 __all__ = ["single", "gpipe", "one_f_one_b", "interleaved"]

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from fxpar.schedule.errors import ScheduleValidationError
+from fxpar.schedule.exceptions import ScheduleValidationError
 from fxpar.schedule.ir import BACKWARD, COMPUTE, RECVS, SENDS, WHOLE_STAGE, ActionKind, Schedule
 
 __all__ = ["validate", "find_problems"]

@@ -42,7 +42,7 @@ Example, ``zb1p(2, 3)`` (``print(schedule.format_lists())``)::
 from __future__ import annotations
 
 from fxpar.schedule._build import compute, finish
-from fxpar.schedule.errors import ScheduleError
+from fxpar.schedule.exceptions import ScheduleError
 from fxpar.schedule.ir import Schedule
 from fxpar.schedule.synchronous import _check_pm, _too_few_microbatches
 
