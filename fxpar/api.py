@@ -82,6 +82,7 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     t0 = time.perf_counter()
     plan, sched, trace, split = make_plan(strategy, batch, model=model, loss_fn=loss.fn, cluster=cluster,
                                           base=plan, optimizer=spec, layout=layout)
+    plan.loss_average = loss.mode
     if loss.note:
         plan.notes.append(loss.note)
     if plan.schedule in ASYNC and lr_scheduler is not None:

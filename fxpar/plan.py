@@ -39,6 +39,7 @@ class Plan:
     bucket_cap_bytes: int = 25 * 2**20
     first_bucket_cap_bytes: int = 2**20
     broadcast_buffers: bool = True
+    loss_average: str = ""                     # "global" (by counted targets) or "per_shard" (docs/semantics.md)
     optimizer: dict = field(default_factory=dict)  # {"name": ..., "traced": bool, "why_not_traced": str}
     passes: list = field(default_factory=list)     # the passes each stage's joint graph goes through, in order
     custom_passes: list = field(default_factory=list)
@@ -135,6 +136,8 @@ class Plan:
         if self.dp > 1:
             lines.append("buffers: " + ("dp-rank 0's broadcast after each step (DDP broadcast_buffers)"
                                         if self.broadcast_buffers else "per-rank (not synchronised)"))
+        if self.loss_average:
+            lines.append(f"loss: {self.loss_average} average over shards and microbatches (docs/semantics.md)")
         opt = self.optimizer
         lines.append(f"optimizer: {opt.get('name')} " + ("traced into the graph" if opt.get("traced")
                                                           else f"eager on each rank ({opt.get('why_not_traced')})"))
