@@ -26,10 +26,28 @@ def graph_kinds(schedule, stage: int) -> tuple:
     return tuple(out)
 
 
+def _in_flight(schedule, stage: int) -> int:
+    """The most microbatches of ``stage`` whose forward saved values one rank holds at once (F .. its B or W)."""
+    most = 0
+    for acts in schedule.actions.values():
+        held = 0
+        for a in acts:
+            if a.stage == stage and a.kind.value == "F":
+                held += 1
+            elif a.stage == stage and a.kind.value in ("B", "W"):
+                held -= 1
+            most = max(most, held)
+    return max(most, 1)
+
+
 def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
     from passes import (BucketGradients, DataParallelGradSync, ReinplaceOptimizer,  # fxpar reaches passes only here
                         SplitGraphs, SyncBuffers)
     pipeline = []
+    if (plan.recompute or {}).get("policy", "none") != "none":
+        from passes import Recompute
+        # first: data_parallel/bucket place collectives by backward's node order, which must hold the copies already
+        pipeline.append(Recompute())
     if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
         pipeline += [
             DataParallelGradSync(),  # each gradient summed over the ranks the planner named (dp replicas, tied stages)
@@ -60,6 +78,11 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
         pm = PassManager(default_passes(plan, custom_passes, kinds, synchronous), keep_history=keep_history)
         gm = copy.deepcopy(captured.gm)
         gm.meta["fxpar_signature"] = captured.signature.copy()
+        if (plan.recompute or {}).get("policy", "none") != "none":     # the planner decides, the pass carries it out
+            from .planner import plan_recompute
+            roles = {ph.name: role for ph, (role, _) in zip(gm.graph.find_nodes(op="placeholder"),
+                                                            captured.signature.inputs)}
+            plan_recompute(plan, s, gm, roles, in_flight=_in_flight(schedule, s))
         rank = plan.stage_to_rank[s][0] * plan.dp           # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
                           signature=gm.meta["fxpar_signature"], captured=captured)

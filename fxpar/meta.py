@@ -12,7 +12,7 @@ from typing import Any
 import torch.fx
 
 __all__ = ["MetaKey", "KEYS", "ROLE", "PHASE", "MODULE", "PARAM", "GRAD_OF", "COMM", "BUCKET", "REDUCE_GRAD",
-           "ORIGIN", "PASS", "get", "set_meta", "copy_meta", "CommInfo"]
+           "ORIGIN", "PASS", "RECOMPUTE_OF", "get", "set_meta", "copy_meta", "CommInfo"]
 
 
 @dataclass(frozen=True)
@@ -52,8 +52,11 @@ REDUCE_GRAD = MetaKey("fxpar_reduce_grad", str, "passes.data_parallel (and passe
                       "'wait': waits for it and reads the result (the STEP graph)")
 ORIGIN = MetaKey("fxpar_origin", str, "fxpar.pass_manager", "name of the node this one replaced, if any")
 PASS = MetaKey("fxpar_pass", str, "fxpar.pass_manager", "name of the pass that created the node")
+RECOMPUTE_OF = MetaKey("fxpar_recompute_of", str, "passes.recompute",
+                       "on a backward node that recomputes a forward value: the forward node it copies")
 
-KEYS = {k.name: k for k in (ROLE, PHASE, MODULE, PARAM, GRAD_OF, COMM, BUCKET, REDUCE_GRAD, ORIGIN, PASS)}
+KEYS = {k.name: k for k in (ROLE, PHASE, MODULE, PARAM, GRAD_OF, COMM, BUCKET, REDUCE_GRAD, ORIGIN, PASS,
+                            RECOMPUTE_OF)}
 
 # Keys that stay true when a node is replaced by an equivalent computation.
 _PORTABLE = ("val", "tensor_meta", PHASE.name, MODULE.name)

@@ -15,7 +15,7 @@ from .plan import Plan
 from .schedule import Schedule, ScheduleError, get_schedule
 from .strategy import Strategy
 
-__all__ = ["make_plan", "plan_buckets", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
+__all__ = ["make_plan", "plan_buckets", "plan_recompute", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
 
 ASYNC = ("pipedream", "2bw")
 
@@ -189,7 +189,63 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     plan.groups, plan.grad_groups = grad_groups(plan)
     if base is not None:
         plan.buckets = base.buckets
+    _record_recompute(plan, strategy, base)
     return plan, sched, trace, split
+
+
+def _record_recompute(plan: Plan, strategy: Strategy, base: Plan | None) -> None:
+    """Recompute policy into the Plan: its name and budget now, each stage's decision in :func:`plan_recompute`
+    once the stage is captured. A callable policy cannot go in JSON: the Plan records its name and holds the
+    callable for this build only (``_recompute_policy``); the decisions it makes are recorded as data."""
+    if base is not None and base.recompute:
+        plan.recompute = {k: v for k, v in base.recompute.items()}
+        return
+    pol = strategy.recompute
+    if not callable(pol) and pol == "none":
+        return
+    budget = None if strategy.memory_budget_gb is None else int(strategy.memory_budget_gb * 1e9)
+    name = pol if isinstance(pol, str) else "callable:" + getattr(pol, "__qualname__", type(pol).__name__)
+    plan.recompute = {"policy": name, "budget_bytes": budget, "stages": []}
+    if callable(pol):
+        plan._recompute_policy = pol
+
+
+def plan_recompute(plan: Plan, stage: int, gm, roles: dict, in_flight: int = 1) -> dict:
+    """Decide which forward values stage ``stage``'s backward recomputes (``passes.recompute`` carries it out):
+    ``Plan.recompute['stages'][stage] = {"recompute": [node names], "saved": values kept, "saved_bytes": per
+    microbatch, "in_flight": microbatches held at once, "recompute_flops": ...}``. ``auto`` asks for the least
+    recompute FLOPs (``cost_models.compute``) whose bytes × in_flight fit the budget."""
+    from cost_models.compute import node_cost                        # FLOPs of the recomputed nodes
+    from passes import recompute as R                                # fxpar reaches passes only here and in lower
+    rc = plan.recompute
+    stages = rc.setdefault("stages", [])
+    if stage < len(stages):                                          # decided already (a Plan handed back)
+        return stages[stage]
+    flops = lambda n: int(node_cost(n).flops)                        # noqa: E731
+    name = rc["policy"]
+    if name == "auto":
+        try:
+            d = R.auto_decide(gm, roles, rc["budget_bytes"], flops, in_flight)
+        except ValueError as e:
+            raise StrategyError(f"Strategy(recompute='auto'), stage {stage}: {e}") from None
+        names = d["recompute"]
+    else:
+        policy = getattr(plan, "_recompute_policy", None) if name.startswith("callable:") else R.POLICIES.get(name)
+        if policy is None:
+            raise StrategyError(f"Plan.recompute policy {name!r}: a callable policy is not kept in a Plan's JSON; "
+                                "pass it again as Strategy(recompute=your_policy), or keep the Plan's 'stages'")
+        names = R.decide(gm, policy)
+        d = {}
+    copied, saved = R.demands(gm, names)
+    entry = {"recompute": names, "saved": len(saved), "saved_bytes": R.saved_bytes(saved, roles),
+             "in_flight": in_flight, "recompute_flops": sum(flops(n) for n in copied)}
+    if "smallest_bytes" in d:
+        entry["smallest_bytes"] = d["smallest_bytes"]
+    stages.append(entry)
+    plan.notes.append(f"recompute ({name}): stage {stage} keeps {entry['saved']} forward value(s), "
+                      f"{entry['saved_bytes']} bytes per microbatch x {in_flight} in flight; backward recomputes "
+                      f"{len(copied)} node(s), {entry['recompute_flops']} FLOPs")
+    return entry
 
 
 def plan_buckets(captured, cap_bytes: int, first_cap_bytes: int | None = None, groups: dict | None = None) -> list:

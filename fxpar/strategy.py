@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .errors import StrategyError
 
@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Strategy"]
 
+_RECOMPUTE = ("none", "full", "selective", "auto")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "pipedream", "2bw", "chimera", "single")
 
 
@@ -39,6 +40,13 @@ class Strategy:
         each shard's loss, as torch DDP; ``"auto"`` (default) -- ``"global"`` where fxpar sees the loss
         (``torch.nn.functional.cross_entropy``/``nll_loss``, ``nn.CrossEntropyLoss``/``nn.NLLLoss``), else
         ``"per_shard"``.
+    recompute: activation checkpointing (passes/recompute.py): ``"none"`` (default), ``"full"`` (each repeated
+        block recomputed from its input), ``"selective"`` (save matmul outputs, recompute elementwise work and the
+        attention core; Korthikanti et al.), ``"auto"`` (the least recompute whose saved activations fit
+        ``memory_budget_gb``), or your ``policy(node) -> "save" | "recompute"``. Random ops (dropout) are never
+        recomputed.
+    memory_budget_gb: for ``recompute="auto"``: the saved-activation bytes each stage may hold at once (every
+        microbatch in flight), in GB (1e9 bytes).
     """
     dp: int = 1
     tp: int = 1
@@ -51,6 +59,8 @@ class Strategy:
     broadcast_buffers: bool = True
     passes: list = field(default_factory=list)
     loss_average: str = "auto"
+    recompute: "str | Callable" = "none"
+    memory_budget_gb: float | None = None
 
     def __post_init__(self):
         for name in ("dp", "tp", "pp", "microbatches"):
@@ -61,6 +71,15 @@ class Strategy:
         if self.loss_average not in LOSS_AVERAGES:
             raise StrategyError(f"Strategy(loss_average={self.loss_average!r}): choose one of {LOSS_AVERAGES} "
                                 "('global': single-process semantics, 'per_shard': each shard's mean averaged, as DDP)")
+        if not callable(self.recompute) and self.recompute not in _RECOMPUTE:
+            raise StrategyError(f"Strategy(recompute={self.recompute!r}): choose one of {_RECOMPUTE}, or pass a "
+                                "policy: a callable node -> 'save' | 'recompute'")
+        if self.memory_budget_gb is not None and not (isinstance(self.memory_budget_gb, (int, float))
+                                                      and self.memory_budget_gb > 0):
+            raise StrategyError(f"Strategy(memory_budget_gb={self.memory_budget_gb!r}): must be a positive number of GB")
+        if self.recompute == "auto" and self.memory_budget_gb is None:
+            raise StrategyError("Strategy(recompute='auto') needs memory_budget_gb=...: the saved-activation bytes a "
+                                "stage may hold, in GB; or pick a policy ('full', 'selective')")
         if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb < 0:
             raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
         if self.first_bucket_cap_mb < 0:

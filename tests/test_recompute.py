@@ -1,0 +1,230 @@
+"""Activation checkpointing (issue 10, part 1): ``passes/recompute.py`` on the one road.
+
+Numerics: every policy trains as single-process training (float64, 1e-10) alone (one stage: dp=2, and two
+microbatches) and with pp=2; with dropout, recompute is bit for bit the program without it (masks are saved,
+never redrawn). Structure: ``full`` keeps one tensor per block boundary, and the bytes the runtime measures
+equal the planner's prediction; ``auto`` meets its budget and names the smallest feasible one when refused.
+Revolve's closed form equals a brute-force dynamic program."""
+from __future__ import annotations
+
+import functools
+import json
+import re
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.errors import StrategyError
+from fxpar.testing.models import GPT, SkipMLP, gpt_loss
+from fxpar.testing.reference import max_abs_diff, reference_training
+from passes import recompute as R
+
+SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+MSE = torch.nn.functional.mse_loss
+TOL = 1e-10
+BUDGET_GB = 60e-6          # between the smallest feasible plan and keeping everything, for the test GPT
+
+
+def _gpt(dropout=0.0, layers=2):
+    torch.manual_seed(0)
+    return GPT(vocab=32, d=16, layers=layers, heads=2, dropout=dropout).double()
+
+
+def _gpt_batches(n, batch=8, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        idx = torch.randint(0, 32, (batch, 9), generator=g)
+        out.append((idx[:, :-1].clone(), idx[:, 1:].clone()))     # own storages: measured bytes count each
+    return out
+
+
+def _mlp_batches(n, batch=8, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(batch, 16, generator=g, dtype=torch.float64),
+             torch.randn(batch, 4, generator=g, dtype=torch.float64)) for _ in range(n)]
+
+
+def _save_matmuls_and_norms(node):
+    """A user's policy: keep matmul and layer-norm outputs, recompute the rest."""
+    name = str(node.target)
+    return "save" if any(k in name for k in ("mm", "layer_norm")) else "recompute"
+
+
+def _strategy(policy, **kw):
+    if policy == "auto":
+        return fxpar.Strategy(recompute="auto", memory_budget_gb=BUDGET_GB, **kw)
+    return fxpar.Strategy(recompute=policy, **kw)
+
+
+def _run(clusters, model, batches, loss_fn, optimizer, strategy):
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy.size), batches[0], loss_fn, optimizer,
+                             strategy=strategy)
+    res = prog.run_local(batches, cluster=clusters.get(strategy.size) if strategy.size > 1 else None)
+    return prog, res
+
+
+def _check(clusters, model, batches, loss_fn, optimizer, strategy):
+    ref_losses, ref_state = reference_training(model, batches, loss_fn, optimizer)
+    prog, res = _run(clusters, model, batches, loss_fn, optimizer, strategy)
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL, (res.losses, ref_losses)
+    assert max_abs_diff(res.state_dict(), ref_state) < TOL
+    return prog, res
+
+
+POLICIES = ["none", "full", "selective", "auto", _save_matmuls_and_norms]
+LAYOUTS = {"dp2": dict(dp=2), "mb2": dict(microbatches=2), "pp2": dict(pp=2, microbatches=2)}
+
+
+# ---- numerics: every policy, alone and with pp=2 -----------------------------------------------------------
+_CASES = [(p, lay) for p in POLICIES for lay in LAYOUTS if p != "none" or lay == "mb2"]   # none: the baseline elsewhere
+
+
+@pytest.mark.parametrize("policy,layout", _CASES,
+                         ids=[f"{p if isinstance(p, str) else 'callable'}-{lay}" for p, lay in _CASES])
+def test_every_policy_matches_single_process_training(clusters, policy, layout):
+    strategy = _strategy(policy, **LAYOUTS[layout])
+    prog, res = _check(clusters, _gpt(), _gpt_batches(2), gpt_loss, ADAMW, strategy)
+    rc = prog.plan.recompute
+    if policy == "none":
+        assert rc == {} and "recompute" not in prog.plan.passes
+        return
+    assert prog.plan.passes[0] == "recompute"              # before data_parallel / bucket
+    assert len(rc["stages"]) == prog.plan.n_stages
+    copied = [n for st in prog.stages for n in st.joint.graph.nodes if "fxpar_recompute_of" in n.meta]
+    assert copied and all(n.meta["fxpar_phase"] == "backward" and n.meta.get("fxpar_pass") == "recompute"
+                          for n in copied)
+    if policy == "auto" and layout != "dp2":              # F/B graphs: the runtime measures the saved bytes
+        for s, b in res.peak_activation_bytes.items():
+            assert b <= rc["budget_bytes"], (s, b, rc)
+
+
+@pytest.mark.parametrize("policy", ["full", "selective"])
+def test_skip_connection_model_with_pp2(clusters, policy):
+    torch.manual_seed(0)
+    prog, _ = _check(clusters, SkipMLP().double(), _mlp_batches(2), MSE, SGD_M, _strategy(policy, pp=2, microbatches=2))
+    assert any("fxpar_recompute_of" in n.meta for st in prog.stages for n in st.joint.graph.nodes)
+
+
+# ---- dropout: masks saved, never redrawn --------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["mb2", "pp2"])
+def test_dropout_recompute_is_bitwise_the_program_without_it(clusters, layout):
+    batches = _gpt_batches(2)
+    _, base = _run(clusters, _gpt(dropout=0.1), batches, gpt_loss, SGD_M, _strategy("none", **LAYOUTS[layout]))
+    for policy in ("full", "selective", "auto"):
+        prog, res = _run(clusters, _gpt(dropout=0.1), batches, gpt_loss, SGD_M, _strategy(policy, **LAYOUTS[layout]))
+        assert res.losses == base.losses, policy
+        assert max_abs_diff(res.state_dict(), base.state_dict()) == 0.0, policy
+        for st in prog.stages:
+            fwd = {n.name: n for n in st.captured.gm.graph.nodes}
+            origins = [fwd[n.meta["fxpar_recompute_of"]] for n in st.joint.graph.nodes if "fxpar_recompute_of" in n.meta]
+            assert origins and not any(R.is_random(o) for o in origins)
+            bern = [n for n in st.joint.graph.nodes if n.target is torch.ops.aten.bernoulli.p]
+            if bern:          # the mask (or the mask scaled by 1/(1-p)) is one of F's saved values
+                kept = {k for r, k in st.graphs["F"].outputs if r == "saved"}
+                assert kept & ({bern[0].name} | {u.name for u in bern[0].users}), policy
+
+
+# ---- structure: full keeps the block boundaries; measured bytes equal the prediction -----------------------
+def test_full_saves_block_boundaries_and_measured_bytes_equal_predicted():
+    layers, batches = 4, _gpt_batches(2)
+    figures = {}
+    for policy in ("none", "full", "selective"):
+        prog, res = _run(None, _gpt(layers=layers), batches, gpt_loss, SGD_M, _strategy(policy, microbatches=2))
+        st = prog.stages[0]
+        roles = {ph.name: r for ph, (r, _) in zip(st.captured.gm.graph.find_nodes(op="placeholder"),
+                                                  st.captured.signature.inputs)}
+        names = prog.plan.recompute["stages"][0]["recompute"] if policy != "none" else []
+        _, saved = R.demands(st.captured.gm, names)
+        predicted = R.saved_bytes(saved, roles)
+        assert res.peak_activation_bytes[0] == predicted, policy
+        if policy != "none":
+            assert prog.plan.recompute["stages"][0]["saved_bytes"] == predicted
+        f_saved = [k for r, k in st.graphs["F"].outputs if r == "saved"]
+        assert sorted(f_saved) == sorted(n.name for n in saved)
+        acts = [n for n in saved if roles.get(R._root(n).name) not in ("param", "buffer")]
+        figures[policy] = (predicted, len(f_saved), acts)
+    (none_b, none_n, _), (full_b, full_n, full_acts), (sel_b, sel_n, _) = (figures[p] for p in ("none", "full", "selective"))
+    assert full_b < sel_b < none_b and full_n < none_n and sel_n < none_n
+    # full: one (batch, seq, d) tensor per block boundary -- the input of each block and the last one's output
+    b, t, d = 4, 8, 16
+    hidden = [n for n in full_acts if tuple(n.meta["val"].shape) == (b, t, d) and not n.name.startswith("getitem")]
+    assert len(hidden) == layers + 1, [n.name for n in hidden]
+    # the rest: the batch (input, target), the final norm's output, the logits and the loss's total weight
+    rest = [n for n in full_acts if n not in hidden]
+    assert len(rest) == 5 and {"input0", "target0"} <= {n.name for n in rest}, [n.name for n in rest]
+    assert {n.meta.get("fxpar_module") for n in rest} >= {"ln_f", "head"}
+
+
+# ---- auto: meets the budget; refuses one below the smallest feasible plan ------------------------------------
+def test_auto_meets_budget_with_least_recompute():
+    batches = _gpt_batches(2)
+    prog, res = _run(None, _gpt(layers=4), batches, gpt_loss, SGD_M,
+                     fxpar.Strategy(recompute="auto", memory_budget_gb=100e-6, microbatches=2))
+    entry = prog.plan.recompute["stages"][0]
+    assert res.peak_activation_bytes[0] == entry["saved_bytes"] <= prog.plan.recompute["budget_bytes"]
+    assert entry["smallest_bytes"] <= entry["saved_bytes"]
+    full, _ = _run(None, _gpt(layers=4), batches, gpt_loss, SGD_M, _strategy("full", microbatches=2))
+    full_entry = full.plan.recompute["stages"][0]
+    # the budget is above full's bytes: auto buys less recompute than full with it, and keeps fewer bytes than none
+    assert full_entry["saved_bytes"] <= prog.plan.recompute["budget_bytes"]
+    assert entry["recompute_flops"] < full_entry["recompute_flops"]
+    assert 0 < entry["recompute_flops"]
+    assert json.loads(prog.plan.to_json())["recompute"]["policy"] == "auto"
+
+
+def test_auto_refuses_a_budget_below_the_smallest_plan_and_names_it():
+    batches = _gpt_batches(1)
+    with pytest.raises(StrategyError, match="below the smallest feasible plan") as e:
+        fxpar.parallelize(_gpt(), 1, batches[0], gpt_loss, SGD_M,
+                          strategy=fxpar.Strategy(recompute="auto", memory_budget_gb=1e-9, microbatches=2))
+    smallest = int(re.search(r"plan: (\d+) bytes", str(e.value)).group(1))
+    prog = fxpar.parallelize(_gpt(), 1, batches[0], gpt_loss, SGD_M,        # exactly that budget is feasible
+                             strategy=fxpar.Strategy(recompute="auto", memory_budget_gb=smallest / 1e9, microbatches=2))
+    assert prog.plan.recompute["stages"][0]["saved_bytes"] == smallest
+
+
+def test_bad_recompute_arguments_are_refused():
+    with pytest.raises(StrategyError, match="choose one of"):
+        fxpar.Strategy(recompute="everything")
+    with pytest.raises(StrategyError, match="needs memory_budget_gb"):
+        fxpar.Strategy(recompute="auto")
+    with pytest.raises(fxpar.errors.PassError, match="returned 'offload' for node"):
+        fxpar.parallelize(_gpt(), 1, _gpt_batches(1)[0], gpt_loss, SGD_M,
+                          strategy=fxpar.Strategy(recompute=lambda n: "offload", microbatches=2))
+
+
+def test_callable_policy_is_recorded_by_name_and_the_plan_drives_a_rebuild():
+    batches = _gpt_batches(2)
+    prog, res = _run(None, _gpt(), batches, gpt_loss, SGD_M, _strategy(_save_matmuls_and_norms, microbatches=2))
+    plan = fxpar.Plan.from_json(prog.plan.to_json())
+    assert plan.recompute["policy"] == "callable:_save_matmuls_and_norms"
+    again = fxpar.parallelize(_gpt(), 1, batches[0], gpt_loss, SGD_M, strategy=fxpar.Strategy(microbatches=2), plan=plan)
+    assert again.plan.recompute["stages"] == prog.plan.recompute["stages"]
+    res2 = again.run_local(batches)
+    assert res2.losses == res.losses and res2.peak_activation_bytes == res.peak_activation_bytes
+
+
+# ---- Revolve ----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _brute_force(n: int, c: int) -> int:
+    """Least forward steps to reverse ``n`` steps holding ``c`` checkpoints (one holds the start), by trying
+    every place for the next checkpoint: advance j steps, store, reverse the n-j after it with c-1 slots,
+    then the first j with c."""
+    if n == 1:
+        return 0
+    if c == 1:
+        return n - 1 + _brute_force(n - 1, 1)          # restart from the only checkpoint for each step
+    return min(j + _brute_force(n - j, c - 1) + _brute_force(j, c) for j in range(1, n))
+
+
+def test_revolve_closed_form_equals_brute_force():
+    for c in range(1, 7):
+        for n in range(1, 61):
+            assert R.revolve_forward_steps(n, c) == _brute_force(n, c), (n, c)
+    # closed forms: one checkpoint recomputes from the start, n(n-1)/2; n = β(c, r) costs r·n − β(c+1, r−1)
+    assert [R.revolve_forward_steps(n, 1) for n in range(1, 7)] == [0, 1, 3, 6, 10, 15]
+    assert R.revolve_forward_steps(10, 3) == 2 * 10 - 5          # β(3, 2) = C(5, 3) = 10 steps: r = 2, β(4, 1) = 5
+    assert R.revolve_forward_steps(20, 3) == 3 * 20 - 15         # β(3, 3) = 20 steps: r = 3, β(4, 2) = 15
