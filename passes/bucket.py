@@ -147,6 +147,7 @@ class BucketGradients(Pass):
                 with g.inserting_after(sl):
                     v = g.call_function(aten.view.default, (sl, shape))
                 _meta(sl, div.meta["val"][off:off + numel], raw, **{M.REDUCE_GRAD.name: "wait"})
+                M.copy_meta(avg, v)          # v replaces the averaged gradient: keep what stays true, record it
                 _meta(v, raw.meta["val"], raw, **{M.GRAD_OF.name: key, M.REDUCE_GRAD.name: "wait"})
                 avg.replace_all_uses_with(v)
                 for dead in dict.fromkeys((avg, old_w, old_ar)):

@@ -72,7 +72,7 @@ def _prescale_seed(gm, dp: int) -> bool:
     value = 1.0 if seed.target is torch.ops.aten.ones_like.default else float(seed.args[1])
     with g.inserting_after(seed):
         new = g.call_function(torch.ops.aten.full_like.default, (seed.args[0], value / dp), dict(seed.kwargs))
-    new.meta.update(seed.meta)
+    M.copy_meta(seed, new)
     seed.replace_all_uses_with(new)
     g.erase_node(seed)
     gm.meta["fxpar_grad_prescale"] = dp
