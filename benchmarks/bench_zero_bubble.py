@@ -10,10 +10,14 @@ and ``ScheduleZBVZeroBubble`` (torch's zero-bubble schedules need two stages per
 cut into 2·pp stages for them). Sides alternate ``--rounds`` times on one LocalCluster. Printed per
 microbatch count: the median step time (slowest rank, warm-up dropped) of each side and its ratio to
 torch's 1F1B (the goal for zb1p: <= 0.90), fxpar's measured idle fraction (1 - compute time / (ranks x
-step time), compute = F/B/I/W) and the cost model's (``program.estimate().idle_fraction``, on a
-ClusterSpec calibrated on this machine first unless ``--no-calibrate``).
+step time), compute = F/B/I/W) and the cost model's, on a ClusterSpec calibrated on this machine first
+unless ``--no-calibrate``: ``idle est`` counts as compute the F/B/I/W graphs only, as the executor does
+(``Estimate.idle_fraction_where``), ``est all`` every graph, the optimizer STEP included
+(``Estimate.idle_fraction``), ``no late`` as ``idle est`` without the calibrated ``late_recv_s`` (a receive
+posted after its send while the sender computes; printed with the cluster).
 """
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -22,10 +26,22 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import cost_models  # noqa: E402
 import fxpar  # noqa: E402
-from fxpar.schedule import get_schedule, simulate  # noqa: E402
+from fxpar.schedule import ActionKind, get_schedule, parse_action, simulate  # noqa: E402
 from fxpar.testing import gpt_loss  # noqa: E402
 from fxpar.testing.torch_pipelining import UntiedGPT, pipelining_worker  # noqa: E402
+
+
+_WORK = {ActionKind.F, ActionKind.B, ActionKind.I, ActionKind.W, ActionKind.FULL}
+
+
+def is_work(label: str) -> bool:
+    """A compute action (F/B/I/W/FULL), the executor's definition of busy time."""
+    try:
+        return parse_action(label, rank=0).kind in _WORK
+    except Exception:  # noqa: BLE001 - a message or an unlabelled graph
+        return False
 
 
 def main():
@@ -55,7 +71,8 @@ def main():
     cluster = fxpar.ClusterSpec.local(pp) if args.no_calibrate else fxpar.ClusterSpec.calibrate(world_size=pp)
     print(f"UntiedGPT {args.layers} layers d={args.d}, {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
           f"params; batch {args.batch}x{args.seq}; pp={pp}; {args.warmup}+{args.steps} steps x {args.rounds} rounds; "
-          f"cluster {'calibrated' if not args.no_calibrate else 'default'}: {cluster}")
+          f"cluster {'calibrated' if not args.no_calibrate else 'default'}: {cluster}, "
+          f"op overhead {cluster.device.op_overhead_s * 1e6:.2f} us, late recv {cluster.device.late_recv_s * 1e3:.2f} ms")
     with fxpar.LocalCluster(pp) as lc:
         for m in args.microbatches:
             progs = {name: fxpar.parallelize(model, cluster, batches[0], gpt_loss, opt, strategy=fxpar.Strategy(
@@ -80,16 +97,23 @@ def main():
                   f"{simulate(get_schedule('1f1b', pp, m)).bubble_fraction:.3f}, zb1p "
                   f"{simulate(get_schedule('zb1p', pp, m), F=1, I=1, W=1).bubble_fraction:.3f}")
             print(f"{'side':<22} {'median ms':>9} {'min ms':>7} {'/ torch 1f1b':>12} {'idle meas':>9} {'idle est':>8} "
-                  f"{'|dloss| vs torch 1f1b':>22}")
+                  f"{'est all':>7} {'no late':>7} {'|dloss| vs torch 1f1b':>22}")
             ref = losses.get("torch 1f1b")
             for k, ts in times.items():
                 med = statistics.median(ts)
                 name = k.split(" ", 1)[1]
                 meas = f"{statistics.mean(idle[name]):9.3f}" if k.startswith("fxpar") else f"{'':9}"
-                est = f"{progs[name].estimate().idle_fraction:8.3f}" if k.startswith("fxpar") else f"{'':8}"
+                e = progs[name].estimate() if k.startswith("fxpar") else None
+                est = f"{e.idle_fraction_where(is_work):8.3f}" if e else f"{'':8}"
+                est_all = f"{e.idle_fraction:7.3f}" if e else f"{'':7}"
+                if e:
+                    p = progs[name]
+                    cl0 = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, late_recv_s=0.0))
+                    e0 = cost_models.estimate({r: p._calls(r) for r in range(p.world_size)}, cl0)
+                no_late = f"{e0.idle_fraction_where(is_work):7.3f}" if e else f"{'':7}"
                 dl = max(abs(a - b) for a, b in zip(losses[k], ref)) if ref else float("nan")
                 print(f"{k:<22} {med * 1e3:9.1f} {min(ts) * 1e3:7.1f} {med / base if base else float('nan'):12.3f} "
-                      f"{meas} {est} {dl:22.2e}")
+                      f"{meas} {est} {est_all} {no_late} {dl:22.2e}")
 
 
 if __name__ == "__main__":

@@ -11,8 +11,18 @@ run at once, as they will in training, each times:
 - ``torch.mm`` on fp32 ``n x n`` matrices -> ``device.peak_flops`` (efficiency ``matmul`` = 1);
 - an fp32 ``add`` over 4M elements (12 bytes per element moved) -> ``device.mem_bandwidth``;
 - softmax and layer_norm -> ``efficiency["softmax"]``, ``efficiency["norm"]``: the fraction of
-  peak that makes the roofline of :mod:`cost_models.compute` give the measured time;
-- ``all_reduce`` of sizes 4 KiB .. 16 MiB (after a barrier each time).
+  peak that makes the roofline of :mod:`cost_models.compute` give the measured time; likewise
+  gelu (1M elements) -> ``efficiency["transcendental"]`` (erf, exp, tanh, ... pointwise ops) and
+  causal scaled-dot-product attention (q, k, v of ``4 x 8 x 128 x 64``, a GPT-sized head) ->
+  ``efficiency["attention"]`` (forward and backward);
+- ``all_reduce`` of sizes 4 KiB .. 16 MiB (after a barrier each time);
+- a *late receive* (two or more ranks): rank 0 posts an ``isend`` of 128 KiB (a pipeline
+  activation of this size class) to rank 1 and goes on computing (matmuls, 20 ms); rank 1
+  computes 5 ms, then receives. The receive's wait, averaged (the mean: idle time adds up,
+  and the wait is heavy-tailed, a median hides it) over ``late_reps`` repeats, less the
+  message's own transfer time, is ``device.late_recv_s``: on CPU ranks that share cores,
+  gloo finishes a write the receiver was not yet reading on the sender's CPU, which must be
+  scheduled beside the sender's compute (0.2-13 ms per receive on a 2-core machine).
 
 Each figure is the median over at least ``reps`` runs and at least 0.25 s of running, so that a
 burst of other load on a shared host moves a few samples rather than the figure.
@@ -34,7 +44,7 @@ import torch
 
 from fxpar.cluster import ClusterSpec, LinkSpec
 
-__all__ = ["calibrate", "fit_alpha_beta", "free_port"]
+__all__ = ["calibrate", "fit_alpha_beta", "free_port", "late_recv_overhead"]
 
 _SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -57,6 +67,14 @@ def fit_alpha_beta(sizes, times, n: int) -> tuple[float, float]:
     a = max(a, 0.0)
     steps = max(1, 2 * (n - 1))
     return a / steps, steps / n / b if n > 1 else 1.0 / b
+
+
+def late_recv_overhead(waits, nbytes: int, link) -> float:
+    """``device.late_recv_s``: the mean of the measured late-receive waits less the transfer the cost
+    model already charges for the message (``link.latency + nbytes / link.bandwidth``), at least 0."""
+    if not waits:
+        return 0.0
+    return max(0.0, sum(waits) / len(waits) - (link.latency + nbytes / link.bandwidth))
 
 
 _MIN_SECONDS = 0.25     # time each measurement over at least this long: a short burst of other load
@@ -92,6 +110,7 @@ def _agree(flag: bool) -> bool:
 
 
 _TINY_OPS = 200
+_SDPA_SHAPE = (4, 8, 128, 64)        # batch, heads, sequence, head dim
 
 
 def _tiny_ops_graph():
@@ -118,8 +137,42 @@ def _measure_compute(reps: int, sync=None) -> dict:
     t_sm = _time(lambda: torch.softmax(s, -1), reps, sync)
     t_ln = _time(lambda: torch.nn.functional.layer_norm(s, (1024,)), reps, sync)
     t_op = _time(_tiny_ops_graph(), reps, sync) / _TINY_OPS
-    return {"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
+    t_gelu = _time(lambda: torch.nn.functional.gelu(s), reps, sync)
+    q, k, v = (torch.randn(*_SDPA_SHAPE) for _ in range(3))
+    t_sdpa = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), reps, sync)
+    return {"gelu_s": t_gelu, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
             "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel()}
+
+
+_LATE_BYTES = 128 << 10
+_LATE_REPS = 40
+
+
+def _busy(seconds: float, a, b) -> None:
+    t = time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        torch.mm(a, b)
+
+
+def _measure_late_recv(rank: int, reps: int = _LATE_REPS, nbytes: int = _LATE_BYTES) -> list:
+    """Rank 1's receive waits (seconds) for messages rank 0 posted 5 ms earlier and then computed
+    past (ranks 0 and 1 only; other ranks just join the barriers)."""
+    import torch.distributed as dist
+    a, b = torch.randn(128, 128), torch.randn(128, 128)
+    t = torch.ones(nbytes // 4)
+    out = []
+    for _ in range(reps):
+        dist.barrier()
+        if rank == 0:
+            work = dist.isend(t, 1)
+            _busy(0.02, a, b)
+            work.wait()
+        elif rank == 1:
+            _busy(0.005, a, b)
+            start = time.perf_counter()
+            dist.recv(t, 0)
+            out.append(time.perf_counter() - start)
+    return out
 
 
 def _worker(rank, world_size, port, sizes, reps, queue):
@@ -132,6 +185,9 @@ def _worker(rank, world_size, port, sizes, reps, queue):
         for size in sizes:
             t = torch.ones(size // 4)
             comm.append((size, _time(lambda: dist.all_reduce(t), reps, dist.barrier)))
+        late = _measure_late_recv(rank)
+        if rank == 1:
+            queue.put({"late_recv": late})
         if rank == 0:
             queue.put({"compute": compute, "all_reduce": comm})
     finally:
@@ -149,7 +205,9 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
         queue = ctx.SimpleQueue()
         mp.start_processes(_worker, args=(world_size, free_port(), tuple(sizes), reps, queue),
                            nprocs=world_size, join=True, start_method="spawn")
-        raw = queue.get()
+        raw = {}
+        for _ in range(2):
+            raw.update(queue.get())
     c = raw["compute"]
     peak, bw = c["mm_flops"], c["add_bytes_per_s"]
     numel = c["softmax_numel"]
@@ -157,6 +215,10 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
            # roofline: flops/(peak*eff) = measured time; 5 FLOPs/element as cost_models.compute counts
            "softmax": min(1.0, 5 * numel / (peak * c["softmax_s"])),
            "norm": min(1.0, 5 * numel / (peak * c["layer_norm_s"]))}
+    if "gelu_s" in c:                      # 1 FLOP per element; attention 4·b·h·s²·d FLOPs (cost_models.compute)
+        b, h, s_, d = _SDPA_SHAPE
+        eff["transcendental"] = min(1.0, numel / (peak * c["gelu_s"]))
+        eff["attention"] = min(1.0, 4 * b * h * s_ * s_ * d / (peak * c["sdpa_s"]))
     device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
                      op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s))
     spec = replace(base, device=device)
@@ -165,4 +227,7 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
         alpha, beta = fit_alpha_beta(sizes_, times, world_size)
         raw["alpha"], raw["bandwidth"] = alpha, beta
         spec = replace(spec, intra_node=LinkSpec(beta, alpha))
+    if raw.get("late_recv"):
+        raw["late_recv_s"] = late_recv_overhead(raw["late_recv"], _LATE_BYTES, spec.intra_node)
+        spec = replace(spec, device=replace(spec.device, late_recv_s=raw["late_recv_s"]))
     return (spec, raw) if return_measurements else spec

@@ -220,6 +220,12 @@ FLOP_RULES = {
     aten.native_dropout: (_per_elem(2, "in"), "elementwise"),
     aten.native_dropout_backward: (_per_elem(1), "elementwise"),
 }
+# pointwise ops that evaluate a transcendental function (erf, exp, tanh, ...): one FLOP per element as
+# any pointwise op, in their own class, whose efficiency calibrate() measures on gelu
+for _name in ("gelu", "gelu_backward", "silu", "silu_backward", "sigmoid", "sigmoid_backward", "tanh",
+              "tanh_backward", "exp", "erf", "log", "elu", "elu_backward", "softplus", "softplus_backward"):
+    if hasattr(aten, _name):
+        FLOP_RULES[getattr(aten, _name)] = (_per_elem(1), "transcendental")
 for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
               "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention"):
     if hasattr(aten, _name):

@@ -4,6 +4,7 @@
     >>> est = estimate({0: [("F0.0", f0), send, ...], 1: [...]}, cl)    # a sequence per rank
     >>> est.step_time_s, est.ranks[0].comm_bytes, est.ranks[1].peak_memory_bytes
     >>> est.idle_fraction, est.ranks[1].idle_fraction                   # the pipeline bubble
+    >>> est.idle_fraction_where(lambda label: label[0] in "FBIW")       # only these graphs count as work
     >>> est.timeline("step.json")       # open in chrome://tracing or https://ui.perfetto.dev
     >>> print(est)                      # the text explain() shows
 
@@ -76,10 +77,28 @@ class Estimate:
 
     @property
     def idle_fraction(self) -> float:
-        """``1 - sum(compute time) / (ranks x step time)``: the pipeline bubble, over all ranks."""
+        """``1 - sum(compute time) / (ranks x step time)``: the pipeline bubble, over all ranks. Every graph's
+        compute counts (the optimizer STEP too); a pipeline executor that counts only F/B/I/W as busy is
+        matched by :meth:`idle_fraction_where`."""
         if not self.ranks or self.step_time_s <= 0:
             return 0.0
         return 1 - sum(r.compute_time_s for r in self.ranks) / (len(self.ranks) * self.step_time_s)
+
+    def work_time_s(self, rank: int, is_work) -> float:
+        """Compute seconds of ``rank``'s graphs whose label ``is_work(label)`` accepts (a rank given as
+        one GraphModule: its label is ``#0``)."""
+        p = self._programs[rank]
+        if not isinstance(p, SequenceProgram):
+            return p.compute_time_s if is_work("#0") else 0.0
+        return sum(part.compute_time_s for i, part in enumerate(p.parts) if part is not None and is_work(p.label(i)))
+
+    def idle_fraction_where(self, is_work) -> float:
+        """:attr:`idle_fraction` counting as compute only the graphs whose label ``is_work(label)``
+        accepts: e.g. the compute actions alone (F/B/I/W), as a pipeline executor measures its bubble,
+        leaving the optimizer step and gradient reduction as not-work."""
+        if not self.ranks or self.step_time_s <= 0:
+            return 0.0
+        return 1 - sum(self.work_time_s(r.rank, is_work) for r in self.ranks) / (len(self.ranks) * self.step_time_s)
 
     def actions(self, rank: int) -> list:
         """``(label, start_s, end_s)`` of each item of ``rank``'s sequence that ran something.
@@ -272,7 +291,7 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto") -> Estimate:
         rep_sims = simulate({r: programs[r] for r in reps.values()}, durations, symmetric=True)
         sims = {r: rep_sims[reps[key]] for r, key in cls_of.items()}
     else:
-        sims = simulate(programs, durations)
+        sims = simulate(programs, durations, late_recv_s=getattr(cluster.device, "late_recv_s", 0.0))
     ranks, done = [], {}
     for r in sorted(programs):
         p, sim = programs[r], sims[r]

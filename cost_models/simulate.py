@@ -20,7 +20,9 @@ collective a rank issues over a group matches the i-th one every other member is
 Point-to-point messages (``send``/``recv``) do not queue behind collectives: each ordered pair
 ``(src, dst)`` is its own channel (isend/irecv, MPI's non-overtaking order per pair), where the
 n-th send src->dst matches the n-th recv at dst from src and starts once both are issued and
-the channel is free. Lanes and channels share no bandwidth in this model. A comm node that no
+the channel is free. Lanes and channels share no bandwidth in this model. A message whose
+receive is posted after its send while the sender computes takes ``DeviceSpec.late_recv_s``
+longer (measured by :mod:`cost_models.calibrate`; see :func:`simulate`). A comm node that no
 ``wait_tensor`` reads blocks at once. When no rank can move, or a comm is never matched, the
 programs deadlock and the error names who waits on whom.
 
@@ -31,6 +33,7 @@ class is simulated and its timeline shared (the usual data/tensor-parallel case)
 from __future__ import annotations
 
 import operator
+from bisect import bisect_right
 
 import torch.fx
 
@@ -166,14 +169,48 @@ def _group_key(info):
     return tuple(sorted(info.ranks))
 
 
-def simulate(programs: dict, durations: dict, symmetric: bool = False) -> dict:
+def simulate(programs: dict, durations: dict, symmetric: bool = False, late_recv_s: float = 0.0) -> dict:
     """Run ``programs`` (rank -> Program); ``durations[rank][k]`` is comm k's seconds.
 
     A program is anything with ``steps``, ``infos`` and ``comm_names`` (a :class:`Program`, or a
     :class:`cost_models.sequence.SequenceProgram`). With ``symmetric=True`` each rank is simulated
     alone: its collectives start when its own lane is free, which is exact when every member of
     each group runs the same program.
+
+    ``late_recv_s`` (``DeviceSpec.late_recv_s``, measured by :mod:`cost_models.calibrate`): a
+    send/recv pair whose receive is issued after its send *while the sender is computing* takes that
+    much longer on both ends: the receiver was not reading when the send was posted, and gloo
+    finishes the write on the sender's CPU, which must be scheduled beside the sender's compute.
+    A receive that is already waiting when the send comes, or whose sender is itself waiting,
+    costs only the transfer. Which messages pay depends on the timeline, which the overheads
+    shift: the simulation is re-run with the set found on the previous run until the set is
+    stable (at most ``_LATE_PASSES`` runs; usually two).
     """
+    if not late_recv_s:
+        return _simulate_once(programs, durations, symmetric, 0.0, frozenset(), None)
+    penalize: frozenset = frozenset()
+    for _ in range(_LATE_PASSES):
+        late: list = []
+        res = _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late)
+        busy = frozenset(cid for cid, src, t_r in late if _computing(res[src].compute, t_r))
+        if busy == penalize:
+            break
+        penalize = busy
+    return res
+
+
+_LATE_PASSES = 4
+
+
+def _computing(intervals: list, t: float) -> bool:
+    """Whether one of the ``(start, dur, _)`` compute intervals (in time order) covers ``t``."""
+    i = bisect_right(intervals, t, key=lambda x: x[0]) - 1
+    return i >= 0 and intervals[i][0] <= t < intervals[i][0] + intervals[i][1]
+
+
+def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late) -> dict:
+    """One run; the p2p pairs in ``penalize`` take ``late_recv_s`` longer; ``late`` (a list, or None)
+    collects ``(pair id, sender, recv issue time)`` of each pair whose recv was issued after its send."""
     ranks = sorted(programs)
     res = {r: SimResult() for r in ranks}
     pc = dict.fromkeys(ranks, 0)
@@ -222,9 +259,13 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False) -> dict:
         g = cid[0]
         lanes = [lane_of(m, g) for m in mem] if gp2p[g] else mem
         start = max(max(got[m][0], lane[lk]) for m, lk in zip(mem, lanes))
+        extra = 0.0
+        if late is not None and gp2p[g] and len(mem) == 2 and got[mem[0]][0] < got[mem[1]][0]:
+            late.append((cid, mem[0], got[mem[1]][0]))
+            extra = late_recv_s if cid in penalize else 0.0
         for m, lk in zip(mem, lanes):
             k = got[m][1]
-            dur = durations[m][k]
+            dur = durations[m][k] + extra
             lane[lk] = start + dur
             end_of[(m, k)] = start + dur
             res[m].comm.append((start, dur, k))

@@ -96,6 +96,11 @@ class Stage:
         self.__dict__.update(state)
 
 
+def is_compute_label(label: str) -> bool:
+    """A ``Program._calls`` item label (``F0.3``, ``I1.2``, ``FULL0.0``, ``RG1``, ``STEP0`` ...) that is compute."""
+    return label.startswith("FULL") or label[:1] in ("F", "B", "I", "W")
+
+
 class ActionList(list):
     """One rank's actions; ``str()`` prints them in the schedule IR's text form."""
 
@@ -241,14 +246,19 @@ class Program:
 
     def estimate(self):
         """Predicted step time, per-rank compute/comm time, bytes on the wire, idle fraction and peak memory,
-        from the cost models over exactly what each rank runs. Starts no process."""
+        from the cost models over exactly what each rank runs. Starts no process. ``.bubble`` is the idle
+        fraction as ``RunResult.bubble`` measures it (compute = F, B, I, W, FULL actions)."""
         if self._estimate is None:
             import cost_models     # the cost models read graphs; fxpar reaches them only here and in the planner
             calls = {r: self._calls(r) for r in range(self.world_size)}
             if all(len(c) == 1 and not isinstance(c[0], M.CommInfo) for c in calls.values()):
-                self._estimate = cost_models.estimate({r: c[0].gm for r, c in calls.items()}, self.cluster)
+                est = cost_models.estimate({r: c[0].gm for r, c in calls.items()}, self.cluster)
+                est.bubble = est.idle_fraction          # one FULL graph per rank: all of it is compute
             else:
-                self._estimate = cost_models.estimate(calls, self.cluster)
+                est = cost_models.estimate(calls, self.cluster)
+                # the runtime's bubble (RunResult.bubble) counts the compute actions only: RG and STEP are not work
+                est.bubble = est.idle_fraction_where(is_compute_label)
+            self._estimate = est
         return self._estimate
 
     def explain(self) -> str:

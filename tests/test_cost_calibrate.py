@@ -21,3 +21,24 @@ def test_calibrate_two_local_ranks():
     assert 1e8 < spec.device.peak_flops < 1e13 and spec.device.mem_bandwidth > 1e8
     assert 0 < spec.device.efficiency["softmax"] <= 1 and spec.device.efficiency["matmul"] == 1.0
     assert ClusterSpec.from_json(spec.to_json()) == spec
+    assert 0 <= spec.device.late_recv_s < 0.1
+
+
+def test_late_recv_overhead_is_the_mean_wait_less_the_transfer():
+    from cost_models.calibrate import late_recv_overhead
+    from fxpar.cluster import LinkSpec
+    link = LinkSpec(1e9, 50e-6)
+    waits = [0.2e-3, 0.4e-3, 6.0e-3]                   # heavy-tailed: the mean, not the median
+    assert late_recv_overhead(waits, 100_000, link) == pytest.approx(2.2e-3 - 50e-6 - 1e-4)
+    assert late_recv_overhead([1e-5], 100_000, link) == 0.0
+    assert late_recv_overhead([], 100_000, link) == 0.0
+
+
+def test_late_recv_s_round_trips_and_is_checked():
+    from dataclasses import replace
+    from fxpar.errors import ClusterSpecError
+    spec = ClusterSpec.local(2)
+    spec = replace(spec, device=replace(spec.device, late_recv_s=3e-3))
+    assert ClusterSpec.from_json(spec.to_json()).device.late_recv_s == 3e-3
+    with pytest.raises(ClusterSpecError, match="late_recv_s"):
+        replace(spec, device=replace(spec.device, late_recv_s=-1.0))

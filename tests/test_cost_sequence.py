@@ -263,3 +263,43 @@ def test_timeline_names_the_actions(tmp_path):
     assert {"F0.0", "F0.1", "B0.0", "B0.1", "F1.0", "B1.1"} <= actions
     assert any(e["name"].startswith("send[pp]") and e["tid"] == 1 for e in spans)
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
+
+
+# late receives ------------------------------------------------------------------------------------
+def test_late_receive_costs_the_calibrated_overhead_only_when_the_sender_computes():
+    """``DeviceSpec.late_recv_s = L``: rank 0 computes A (1 ms) and sends; rank 1 computes X (2 ms),
+    then receives, then computes Y (1 ms). The receive is posted at 2 ms, after the send (1 ms):
+    if rank 0 is then computing C, the message takes P + L, else P; posted before the send, P."""
+    from dataclasses import replace
+    alpha, beta, L = 0.2e-3, S / 0.5e-3, 0.7e-3
+    P = alpha + S / beta
+    cl = _cluster(bandwidth=beta, latency=alpha)
+    late = replace(cl, device=replace(cl.device, late_recv_s=L))
+    A, X, C = _mms(1), _mms(2), _mms(3)
+    rank1 = [("X", X), ("r", recv(0, 1)), ("Y", A)]
+    busy = {0: [("A", A), send(0, 1), ("C", C)], 1: rank1}
+    est = estimate(busy, late)
+    assert dict((lab, (lo, hi)) for lab, lo, hi in est.actions(1))["Y"] == \
+        (pytest.approx(2 * MM + P + L), pytest.approx(3 * MM + P + L))
+    assert est.step_time_s == pytest.approx(max(4 * MM, 3 * MM + P + L))
+    assert estimate(busy, cl).step_time_s == pytest.approx(4 * MM)              # L = 0: P only
+    idle = {0: [("A", A), send(0, 1), recv(1, 0)], 1: rank1 + [send(1, 0)]}   # rank 0 waits, not computes
+    assert estimate(idle, late).step_time_s == pytest.approx(3 * MM + 2 * P)
+    early = {0: busy[0], 1: [("r", recv(0, 1)), ("Y", A)]}                      # posted before the send
+    assert estimate(early, late).step_time_s == pytest.approx(4 * MM)
+    assert dict((lab, (lo, hi)) for lab, lo, hi in estimate(early, late).actions(1))["Y"][0] == \
+        pytest.approx(MM + P)
+
+
+def test_idle_fraction_where_counts_only_the_chosen_graphs_as_work():
+    """An optimizer STEP after a 1F1B pipeline: the executor's bubble counts it as idle."""
+    p, m = 2, 4
+    F, B, STEP = _mms(1), _mms(1), _mms(3)
+    seqs = {s: one_f_one_b(s, p, m, F, B) + [(f"STEP{s}", STEP)] for s in range(p)}
+    est = estimate(seqs, _cluster(p, bandwidth=1e30))
+    T = (m + p - 1) * 2 * MM + 3 * MM
+    assert est.step_time_s == pytest.approx(T)
+    assert est.idle_fraction == pytest.approx(1 - (2 * m + 3) * MM / T)
+    work = est.idle_fraction_where(lambda label: not label.startswith("STEP"))
+    assert work == pytest.approx(1 - 2 * m * MM / T)
+    assert est.work_time_s(0, lambda label: label.startswith("STEP")) == pytest.approx(3 * MM)
