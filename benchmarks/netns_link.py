@@ -374,26 +374,12 @@ def _worker(rank: int, world: int, ns: str | None, ifname: str | None, master: s
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
+        from fxpar.runtime.launch import serve
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001 - reported to the parent
         conn.send(("err", traceback.format_exc()))
         return
-    while True:
-        try:
-            msg = conn.recv()
-        except EOFError:
-            break
-        if msg is None:
-            break
-        fn, args = msg
-        try:
-            conn.send(("ok", fn(*args)))
-        except BaseException:  # noqa: BLE001 - reported to the parent, which stops everyone
-            conn.send(("err", traceback.format_exc()))
-    try:
-        dist.destroy_process_group()
-    except Exception:  # noqa: BLE001
-        pass
+    serve(conn)                                      # fxpar's rank loop: run what the parent sends
 
 
 class NetnsCluster:

@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 
 from ..errors import ClusterSpecError, InputError, RankFailedError
 
-__all__ = ["LocalCluster", "find_free_port", "init_from_env", "shutdown_env_group", "check_main_guard",
+__all__ = ["LocalCluster", "find_free_port", "init_from_env", "shutdown_env_group", "serve", "check_main_guard",
            "check_local_capacity", "RANK_BASE_BYTES"]
 
 # Memory of one spawned rank before any model state: the interpreter, torch and a gloo group. Measured
@@ -164,17 +164,11 @@ def shutdown_env_group(wait_s: float = 60.0) -> None:
         dist.destroy_process_group()
 
 
-def _worker(rank: int, world: int, port: int, conn, backend: str, threads: int, timeout_s: float) -> None:
+def serve(conn) -> None:
+    """A rank's loop once its process group is up: run each ``(fn, args)`` the parent sends, answer
+    ``("ok", result)`` or ``("err", traceback)``; ``None`` or a closed pipe ends it and leaves the group.
+    Used by :class:`LocalCluster` and by other spawners (``benchmarks/netns_link.py``)."""
     import torch.distributed as dist
-    import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401 - unpickling a GraphModule needs it loaded
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        conn.send(("ready", None))
-    except Exception:  # noqa: BLE001 - reported to the parent
-        conn.send(("err", traceback.format_exc()))
-        return
     while True:
         try:
             msg = conn.recv()
@@ -194,6 +188,20 @@ def _worker(rank: int, world: int, port: int, conn, backend: str, threads: int, 
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
         pass
+
+
+def _worker(rank: int, world: int, port: int, conn, backend: str, threads: int, timeout_s: float) -> None:
+    import torch.distributed as dist
+    import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401 - unpickling a GraphModule needs it loaded
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        conn.send(("ready", None))
+    except Exception:  # noqa: BLE001 - reported to the parent
+        conn.send(("err", traceback.format_exc()))
+        return
+    serve(conn)
 
 
 class LocalCluster:
