@@ -37,7 +37,8 @@ def _stage_lines(prog) -> list:
         lines.append(head)
         lines.append(f"    params {fmt_bytes(pbytes)} in {len(cap.param_names)} tensors; graphs "
                      + ", ".join(f"{k} ({len(g.gm.graph.nodes)} nodes)" for k, g in st.graphs.items())
-                     + (f"; F saves {saved_n} tensors per microbatch; sends {fmt_bytes(sends)} forward per microbatch"
+                     + (f"; F saves {saved_n} tensors ({fmt_bytes(st.saved_bytes)}) per microbatch in flight; sends "
+                        f"{fmt_bytes(sends)} forward per microbatch"
                         if saved is not None else ""))
     return lines
 

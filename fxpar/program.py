@@ -77,6 +77,27 @@ class Stage:
     def param_keys(self) -> list:
         return list(self.captured.param_names)
 
+    @property
+    def saved_bytes(self) -> int:
+        """Activation bytes one microbatch's ``F`` keeps for its backward (predicted from the graph), weights and
+        what is made from the weights alone excluded, each storage counted once (a view keeps its base alive):
+        what the runtime measures in ``RunResult.peak_activation_bytes`` per microbatch in flight."""
+        sg = self.graphs.get("F")
+        if sg is None:
+            return 0
+        g = sg.gm.graph
+        weight_made = {ph for ph, (r, _) in zip(g.find_nodes(op="placeholder"), sg.inputs) if r == "param"}
+        for n in g.nodes:
+            if n.op == "call_function" and n.all_input_nodes and all(a in weight_made for a in n.all_input_nodes):
+                weight_made.add(n)
+        storages = {}
+        for n, (role, _) in zip(g.find_nodes(op="output")[0].args[0], sg.outputs):
+            v = n.meta.get("val")
+            if role == "saved" and n not in weight_made and isinstance(v, torch.Tensor):
+                st = v.untyped_storage()
+                storages[st._cdata] = int(st.nbytes())
+        return sum(storages.values())
+
     # graphs travel node by node (torch.fx's own pickling re-traces them, running their collectives)
     def __getstate__(self):
         import copy as _copy

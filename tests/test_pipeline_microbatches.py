@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import fxpar
+from fxpar.explain import fmt_bytes
 from fxpar.schedule import simulate
 from fxpar.testing.reference import max_abs_diff, reference_training
-from test_pipeline_models import SkipNet, TinyGPT, gpt_batches, gpt_loss, saved_bytes, skip_batches
+from test_pipeline_models import SkipNet, TinyGPT, gpt_batches, gpt_loss, skip_batches
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 CE = torch.nn.functional.cross_entropy
@@ -50,16 +51,15 @@ def test_eight_microbatches_match_single_process(clusters, model, pp, schedule):
     closed = {"gpipe": {s: M for s in range(n)}, "1f1b": {s: pp - s for s in range(n)}}.get(schedule)
     if closed is not None:
         assert res.peak_activations == closed
-    # bytes actually held == microbatches held x the bytes the stage's F graph saves per microbatch.
-    # (explain() reported those bytes before the one road; it now reports the number of saved tensors, and
-    # the bytes are computed here from the F graph's saved outputs, by the rule the old prediction used.)
+    # bytes actually held == microbatches held x the bytes the stage's F graph saves per microbatch
+    # (Stage.saved_bytes, predicted from the F graph's saved outputs), as explain() reports them.
     text = prog.explain()
     for s, st in enumerate(prog.stages):
-        per_mb = saved_bytes(st)
+        per_mb = st.saved_bytes
         assert per_mb > 0
         assert res.peak_activation_bytes[s] == res.peak_activations[s] * per_mb, (s, res.peak_activation_bytes)
         n_saved = sum(r == "saved" for r, _ in st.graphs["F"].outputs)
-        assert f"F saves {n_saved} tensors per microbatch" in text
+        assert f"F saves {n_saved} tensors ({fmt_bytes(per_mb)}) per microbatch" in text
 
 
 def test_eight_microbatches_pp2_dp2(clusters):

@@ -193,26 +193,6 @@ def test_program_graphs_schedule_and_sends():
     assert "bubble 0.200" in text and "wte.weight" in text
 
 
-def saved_bytes(stage) -> int:
-    """Activation bytes one microbatch's ``F`` keeps for its backward, weights excluded: the ``("saved", name)``
-    outputs of the stage's F graph, minus the weights and what is made from the weights alone, each storage
-    counted once (a view keeps its base alive). The rule the deleted ``fxpar.pipeline.autodiff`` predicted
-    ``StageProgram.saved_bytes`` with, applied to the F graph ``split_graphs`` cut out of the joint graph."""
-    sg = stage.graphs["F"]
-    g = sg.gm.graph
-    weight_made = {ph for ph, (r, _) in zip(g.find_nodes(op="placeholder"), sg.inputs) if r == "param"}
-    for n in g.nodes:
-        if n.op == "call_function" and n.all_input_nodes and all(a in weight_made for a in n.all_input_nodes):
-            weight_made.add(n)
-    storages = {}
-    for n, (role, _) in zip(g.find_nodes(op="output")[0].args[0], sg.outputs):
-        v = n.meta.get("val")
-        if role == "saved" and n not in weight_made and isinstance(v, torch.Tensor):
-            st = v.untyped_storage()
-            storages[st._cdata] = int(st.nbytes())
-    return sum(storages.values())
-
-
 def test_stage_graphs_compose_to_autograd_gradients():
     """Run stage forwards then backwards in one process: the gradients equal torch.autograd's.
 
@@ -250,7 +230,7 @@ def test_stage_graphs_compose_to_autograd_gradients():
                 tangents[k] = g
     ref = gpt_loss(model(x), y)
     ref.backward()
-    assert measured == [saved_bytes(st) for st in prog.stages]
+    assert measured == [st.saved_bytes for st in prog.stages]
     assert abs(float(loss) - float(ref.detach())) < 1e-12
     assert set(grads) == set(params) - {"head.weight"}     # the alias of wte.weight: one parameter
     for k, g in grads.items():
