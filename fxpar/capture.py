@@ -253,8 +253,8 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
 
         def forward(vals: dict):
             p = {k: vals[("param", k)] for k in trainable}
+            tracker.set("forward", "")                                 # the clones are forward work
             b = {k: vals[("buffer", k)].clone() for k in buffers}     # new buffer values are outputs
-            tracker.set("forward", "")
             out = call_model(model, (p, b), tuple(vals[("input", str(i))] for i in range(len(inputs))), kw_names)
             loss = loss_fn(out, *(vals[("target", str(i))] for i in range(len(target)))) if loss_fn is not None \
                 else _model_loss(out, mod_name)

@@ -86,18 +86,14 @@ class Plan:
         return None
 
     def all_groups(self) -> list:
-        """Every process group the program uses, in one order (every rank creates them in it)."""
-        out = []
-        for axis in self.mesh.names:
-            out += [tuple(g) for g in self.mesh.groups(axis)]
+        """Every process group the program uses, as ``(name, ranks)``, in one order (every rank creates them
+        in it). Each name gets process groups of its own, even where two names cover the same ranks: the
+        collectives of one name are issued in one order on every member, but two names' collectives need
+        not be, so sharing a process group could pair one name's tensor with the other's."""
+        out = [("dp", tuple(g)) for g in self.mesh.groups("dp")]
         for name in sorted(self.groups):
-            out += [tuple(g) for g in self.groups[name]]
-        seen, uniq = set(), []
-        for g in out:
-            if len(g) > 1 and g not in seen:
-                seen.add(g)
-                uniq.append(g)
-        return uniq
+            out += [(name, tuple(g)) for g in self.groups[name]]
+        return [(n, g) for n, g in dict.fromkeys(out) if len(g) > 1]
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -306,6 +306,14 @@ class Program:
             extra.update(asynchronous=True, resumed=resumed)
         held = self.plan.rank_stages(rank)
         keys = {k for s in held for k in self.stages[s].param_keys}
+        reduced_by = {}          # stage -> {tied key: the held stage that reduces it for this rank}
+        for s in held:
+            for k in self.stages[s].param_keys:
+                if k in self.plan.tied and not self.plan.grad_groups[s].get(k):
+                    by = [t for t in held if t != s and self.plan.grad_groups[t].get(k)]
+                    if by:
+                        reduced_by.setdefault(s, {})[k] = by[0]
+        extra["reduced_by"] = reduced_by
         bindings = {}
         for name in list(self.plan.mesh.names) + sorted(self.plan.groups):
             ranks = self.plan.group_of(name, rank)

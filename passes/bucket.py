@@ -104,7 +104,7 @@ class BucketGradients(Pass):
             vals = [r.meta["val"] for r in raws]
             dtypes = {v.dtype for v in vals}
             if len(dtypes) > 1:
-                raise ValueError(f"Plan.buckets[{b_idx}] mixes gradient dtypes ({sorted(map(str, dtypes))}: {keys}); "
+                raise ValueError(f"Plan.buckets[{ctx.stage}][{b_idx}] mixes gradient dtypes ({sorted(map(str, dtypes))}: {keys}); "
                                  "a bucket is one flat buffer: split it so that each holds one dtype")
             total = sum(v.numel() for v in vals)
             with g.inserting_after(last):

@@ -219,3 +219,93 @@ def test_schedule_needs_a_pipeline():
         fxpar.parallelize(_gpt(), 1, _gpt_batches(1)[0], gpt_loss, SGD_M,
                           strategy=fxpar.Strategy(schedule="1f1b", microbatches=2))
 
+
+
+# ---- found in review: several tied parameters, shared buffers with accumulation, a hand-written step order ----
+class _TwoTied(torch.nn.Module):
+    """Layers a and b used by both stages, in opposite orders: stage 0 runs a then b, stage 1 b then a, so each
+    stage's backward produces their gradients in another order (four tied keys over one pair of ranks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+        self.l0, self.l1 = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.l0(torch.tanh(self.b(torch.tanh(self.a(x)))))
+        return self.a(torch.tanh(self.b(torch.tanh(self.l1(h)))))
+
+
+def _regression_batches(n=3):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 8, generator=g, dtype=torch.float64))
+            for _ in range(n)]
+
+
+def test_several_tied_parameters_meet_in_the_same_order(clusters):
+    torch.manual_seed(0)
+    prog, _ = _check(clusters, _TwoTied().double(), _regression_batches(), torch.nn.functional.mse_loss,
+                     (torch.optim.SGD, {"lr": 0.1}), pp=2, microbatches=2, split_points=["l1"])
+    assert len(prog.plan.tied) == 4
+    # each tied group is its own process group, so its one collective per rank pairs with the right tensor
+    assert {n for n, _ in prog.plan.all_groups()} >= {f"tied.{k}" for k in prog.plan.tied}
+
+
+class _Normed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l0, self.bn, self.l1 = torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.l1(torch.tanh(self.bn(self.l0(x))))
+
+
+def test_batchnorm_with_gradient_accumulation_matches_torch():
+    """torch accumulating over 2 microbatches: each forward updates the running statistics in turn."""
+    import copy
+    torch.manual_seed(0)
+    model, batches, mse = _Normed().double(), _regression_batches(), torch.nn.functional.mse_loss
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        total = 0.0
+        for xs, ys in zip(x.chunk(2), y.chunk(2)):
+            loss = mse(ref(xs), ys) / 2
+            loss.backward()
+            total += float(loss.detach())
+        opt.step()
+        ref_losses.append(total)
+    prog = fxpar.parallelize(model, 1, batches[0], mse, (torch.optim.SGD, {"lr": 0.1}),
+                             strategy=fxpar.Strategy(microbatches=2))
+    res = prog.run_local(batches)
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL
+    assert max_abs_diff(res.state_dict(), ref.state_dict()) < TOL       # running statistics included
+
+
+def test_a_hand_written_step_order_that_would_use_an_unreduced_tied_gradient_is_refused(clusters):
+    from fxpar.schedule import get_schedule
+
+    class Shared(torch.nn.Module):      # a is used by stages 0 (rank 0), 1 and 3 (both rank 1, which reduces it in
+        def __init__(self):             # stage 1: STEP3 must come after STEP1, which the swapped schedule breaks)
+            super().__init__()
+            self.a = torch.nn.Linear(8, 8, bias=False)
+            self.l = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+        def forward(self, x):
+            h = self.l[0](torch.tanh(self.a(x)))
+            h = self.a(torch.tanh(self.l[1](h)))
+            h = self.l[2](torch.tanh(h))
+            return self.a(torch.tanh(self.l[3](h)))
+
+    torch.manual_seed(0)
+    text = str(get_schedule("interleaved", 2, 4))
+    swapped = text.replace("STEP0    STEP1", "STEP0    STEPX").replace("STEP2    STEP3", "STEP2    STEP1").replace(
+        "STEPX", "STEP3")
+    assert swapped != text
+    prog = fxpar.parallelize(Shared().double(), 2, _regression_batches(1)[0], torch.nn.functional.mse_loss,
+                             (torch.optim.SGD, {"lr": 0.1}), strategy=fxpar.Strategy(
+                                 pp=2, schedule=swapped, microbatches=4, split_points=["l.1", "l.2", "l.3"]))
+    with pytest.raises(fxpar.RankFailedError, match=r"STEP3 needs the reduced gradient of 'a.weight'.*STEP1 before STEP3"):
+        prog.run_local(_regression_batches(), cluster=clusters.get(2))

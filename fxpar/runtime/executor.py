@@ -37,7 +37,7 @@ from .tracking import VersionStore, activation_bytes, digest, weight_storages
 __all__ = ["RankPayload", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group"]
 
 _K = ActionKind
-_GROUPS: dict = {}   # ranks tuple -> ProcessGroup, per process (reused across programs)
+_GROUPS: dict = {}   # (group name, ranks) -> ProcessGroup, per process (reused across programs)
 
 
 @dataclass
@@ -54,21 +54,23 @@ class RankPayload:
     params: dict                   # key -> initial tensor (the held stages' parameters)
     buffers: dict
     optimizer: object              # fxpar.optim.OptimizerSpec
-    groups: list                   # every process group of the program (rank tuples), in creation order
+    groups: list                   # every process group of the program, (name, ranks), in creation order
     bindings: dict                 # group name -> this rank's ranks in it
     lr_scheduler: object = None    # (SchedulerClass, kwargs), callable(torch optimizer) -> scheduler, or None
     extra: dict = field(default_factory=dict)
 
 
-def group(ranks: tuple):
-    """The process group of ``ranks`` (created once per process; the world group for all ranks)."""
+def group(ranks: tuple, name: str = "dp"):
+    """The process group of group ``name`` over ``ranks``, created once per process. Each name has groups of
+    its own (see ``Plan.all_groups``); data parallelism over every rank uses the world group."""
     ranks = tuple(ranks)
-    if ranks not in _GROUPS:
-        if len(ranks) == dist.get_world_size() and ranks == tuple(range(dist.get_world_size())):
-            _GROUPS[ranks] = dist.group.WORLD
+    key = (name, ranks)
+    if key not in _GROUPS:
+        if name == "dp" and ranks == tuple(range(dist.get_world_size())):
+            _GROUPS[key] = dist.group.WORLD
         else:
-            _GROUPS[ranks] = dist.new_group(list(ranks))
-    return _GROUPS[ranks]
+            _GROUPS[key] = dist.new_group(list(ranks))
+    return _GROUPS[key]
 
 
 def bind_groups(gm: torch.fx.GraphModule, names: dict) -> torch.fx.GraphModule:
@@ -82,8 +84,10 @@ def bind_groups(gm: torch.fx.GraphModule, names: dict) -> torch.fx.GraphModule:
             axis = axis_of_tag(a)
             if axis is not None:
                 if axis not in names:
-                    raise RuntimeError(f"node {n.name} names group '{axis}', which this rank is not in "
-                                       f"(its groups: {sorted(names)})")
+                    raise RuntimeError(f"node {n.name} of graph {gm.__class__.__name__} names group '{axis}', which this "
+                                       f"rank is not in (its groups: {sorted(names)}): the graphs and the Plan's groups do "
+                                       "not belong together -- rebuild the program with fxpar.parallelize (a pass that "
+                                       "inserts collectives must name a mesh axis or a group of Plan.groups)")
                 args[i] = names[axis]
                 changed = True
         n.args = tuple(args)
@@ -139,9 +143,9 @@ class Executor:
         self.pipe_rank, self.dp_index = divmod(p.rank, p.dp)
         seed_rank(p.extra, p.rank)
         if dist.is_initialized():
-            for ranks in p.groups:            # every rank creates every group, in one order
-                group(ranks)
-            names = {name: group(ranks).group_name for name, ranks in p.bindings.items() if len(ranks) > 1}
+            for name, ranks in p.groups:      # every rank creates every group, in one order
+                group(ranks, name)
+            names = {name: group(ranks, name).group_name for name, ranks in p.bindings.items() if len(ranks) > 1}
             for parts in p.graphs.values():
                 for sg in parts.values():
                     bind_groups(sg.gm, names)
@@ -322,6 +326,18 @@ class Executor:
             w.acc[key] = torch.zeros_like(self.params[s][key])
         return w.acc[key]
 
+    def _step_grad(self, w, s, key):
+        """The gradient STEP s updates ``key`` with. A parameter this rank shares between stages is reduced by one
+        of them (``extra["reduced_by"]``): its result must exist before another stage steps with it."""
+        reducer = self.p.extra.get("reduced_by", {}).get(s, {}).get(key)
+        if reducer is not None and key not in w.synced:
+            raise RuntimeError(
+                f"rank {self.rank}: STEP{s} needs the reduced gradient of {key!r}, which stage {reducer} reduces for "
+                f"this rank (RG{reducer} then STEP{reducer}), but STEP{reducer} has not run yet in this step. In the "
+                f"schedule, put RG{reducer} after every backward of the stages sharing {key!r} on this rank, and "
+                f"STEP{reducer} before STEP{s}.")
+        return self._grad(w, s, key)
+
     def _reduce_grad(self, a, w, idx):
         s = a.stage
         sg = self.p.graphs[s].get("REDUCE_GRAD")
@@ -355,9 +371,13 @@ class Executor:
             elif role == "step":
                 args.append(cnt)
             elif role == "grad":
-                args.append(self._grad(w, s, key))
-            else:
+                args.append(self._step_grad(w, s, key))
+            elif key in pend:
                 args.append(pend[key])
+            else:
+                raise RuntimeError(f"rank {self.rank}: STEP{s} waits on a gradient collective ({key}) that no RG{s} "
+                                   f"started in this step: put RG{s} after the stage's last backward and before STEP{s} "
+                                   "in the schedule (fxpar.schedule.ensure_reduce_grad adds it).")
         res = sg.gm(*args)
         new = dict(self.params[s])             # a new version: the old dict may be held by the VersionStore
         for (role, key), v in zip(sg.outputs, res):
@@ -373,7 +393,7 @@ class Executor:
             self.prev_params[s] = self.params[s]
         self.params[s] = new
         if not self.spec.traced:
-            self._eager_step(s, {k: self._grad(w, s, k) for k in self.p.stage_params[s]})
+            self._eager_step(s, {k: self._step_grad(w, s, k) for k in self.p.stage_params[s]})
         if a.version is not None:              # asynchronous: this stage alone, then fresh accumulators
             for k in self.p.stage_params[s]:
                 w.acc.pop(k, None)

@@ -9,7 +9,8 @@ other (the keys never name a rank, a stage or a shard):
   each key) and buffers, under the model's keys;
 * optimizer state as ``optim.<state>.<key>`` (traced SGD/Adam/AdamW and eager torch.optim alike);
 * 2BW's stashed previous weights as ``stash.<key>`` (its next batch computes with them);
-* per rank in ``extra``: the RNG state, the step count, the LR scheduler's and the optimizer's
+* per rank in ``extra``: the RNG state (restored when the world size is the saved one; otherwise each rank
+  is seeded afresh with ``seed + rank``, so replicas do not share a stream), the step count, the LR scheduler's and the optimizer's
   hyper-parameters (learning rate included: a scheduler's state alone does not restore it).
 """
 from __future__ import annotations
@@ -100,4 +101,8 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
         g["lr"] = lr
     if ex.scheduler is not None and extra.get("scheduler") is not None:
         ex.scheduler.load_state_dict(extra["scheduler"])
-    set_rng_state(extra["rng"])
+    if manifest.get("world_size") == world:
+        set_rng_state(extra["rng"])
+    else:   # another world: rank r got saved rank r % saved's RNG, which replicas would share -- seed afresh
+        from .executor import seed_rank
+        seed_rank(ex.p.extra, ex.rank)
