@@ -315,9 +315,9 @@ class Program:
                         reduced_by.setdefault(s, {})[k] = by[0]
         extra["reduced_by"] = reduced_by
         bindings = {}
-        for name in list(self.plan.mesh.names) + sorted(self.plan.groups):
-            ranks = self.plan.group_of(name, rank)
-            if ranks is not None:
+        all_groups = self.plan.all_groups()
+        for name, ranks in all_groups:       # only groups every rank creates (a process group is made by all)
+            if rank in ranks:
                 bindings[name] = tuple(ranks)
         return RankPayload(rank=rank, dp=self.dp, actions=list(sched.actions[pr]),
                            stage_to_rank=[tuple(r) for r in self.plan.stage_to_rank],
@@ -326,7 +326,7 @@ class Program:
                            messages={s: self.stages[s].messages for s in held},
                            stage_params={s: self.stages[s].param_keys for s in held},
                            params={k: self._params[k] for k in keys}, buffers=dict(self._buffers),
-                           optimizer=self.optimizer, groups=self.plan.all_groups(), bindings=bindings,
+                           optimizer=self.optimizer, groups=all_groups, bindings=bindings,
                            lr_scheduler=self._lr_scheduler, extra=extra)
 
     def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
