@@ -2,11 +2,13 @@
 
 Liveness (:func:`liveness`) walks a graph in order. Every tensor a node makes is a *storage*
 that lives from its producer to the last user of any alias of it; views (ops whose schema says
-the output aliases an input, plus ``_unsafe_view``), in-place ops, ``getitem`` of a multi-output
+the output aliases an input, plus ``_unsafe_view``; a ``reshape`` of a non-contiguous value, whose fake
+value has a storage of its own, copies), in-place ops, ``getitem`` of a multi-output
 op and ``wait_tensor`` alias a storage rather than make one. Placeholders belong to the caller
 and live the whole step; graph outputs live to the end. Each storage gets a category::
 
-    param, buffer, opt_state, input      placeholders, by node.meta["fxpar_role"]
+    param, buffer, opt_state, input      placeholders, by node.meta["fxpar_role"] (a ZeRO ``param_shard``
+                                         is a view of its whole parameter: no bytes of its own)
     activation                           made in the forward phase, read by a backward node
     grad                                 made in backward, read by the optimizer or returned
     new_state                            made by the optimizer and returned (updated params/state)
@@ -40,6 +42,7 @@ __all__ = ["Storage", "Liveness", "liveness", "infer_phases", "peak_over_executi
 CATEGORIES = ("param", "buffer", "opt_state", "input", "activation", "grad", "new_state", "temporary")
 _OPT_ROLES = ("opt_state", "lr", "step")
 _ROLE_CATEGORY = {"param": "param", "buffer": "buffer", "opt_state": "opt_state"}
+_MAY_COPY = {torch.ops.aten.reshape.default, torch.ops.aten.flatten.using_ints}
 _ALIAS_TARGETS = {torch.ops.aten._unsafe_view.default, torch.ops.aten._reshape_alias.default,
                   torch.ops._c10d_functional.wait_tensor.default}
 
@@ -88,6 +91,21 @@ def _is_alias_op(target) -> bool:
         return True
     schema = getattr(target, "_schema", None)
     return schema is not None and any(r.alias_info is not None for r in schema.returns)
+
+
+def _copies(node) -> bool:
+    """A ``reshape`` whose input is not contiguous copies (its schema says alias): its value and its input's
+    value sit on different storages."""
+    if node.target not in _MAY_COPY:
+        return False
+    val, base = node.meta.get("val"), _first_tensor_arg(node)
+    bval = base.meta.get("val") if base is not None else None
+    if not (isinstance(val, torch.Tensor) and isinstance(bval, torch.Tensor)):
+        return False
+    try:
+        return val.untyped_storage()._cdata != bval.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):    # a tensor without a storage (a functional wrapper)
+        return False
 
 
 def _first_tensor_arg(node):
@@ -161,7 +179,7 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
         if n.op == "output":
             continue
         val = n.meta.get("val")
-        if n.op == "call_function" and _is_alias_op(n.target):
+        if n.op == "call_function" and _is_alias_op(n.target) and not _copies(n):
             base = n.args[0] if n.target is operator.getitem else _first_tensor_arg(n)
             src = storage_of.get(base)
             if n.target is operator.getitem and isinstance(src, list):
@@ -174,7 +192,8 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
                 storage_of[n] = src
             continue
         if isinstance(val, torch.Tensor):
-            raw = tensor_bytes(val)
+            # a ZeRO stage 1/2 ``param_shard`` input is the runtime's view of a whole parameter already counted
+            raw = 0 if n.op == "placeholder" and n.meta.get("fxpar_role") == "param_shard" else tensor_bytes(val)
             s = Storage(concrete(raw), n, 0 if n.op == "placeholder" else i, i, size=raw)
             storages.append(s)
             storage_of[n] = s

@@ -17,6 +17,8 @@ from .pass_manager import Pass, PassContext, PassManager, PassResult, graph_pass
 from .plan import Plan
 from .program import Program, RankRunner, RunResult
 from .runtime.launch import LocalCluster
+from .annotate import shard
+from .sharding import Sharding, ShardingError
 from .strategy import Strategy
 
 __version__ = "0.1.0"
@@ -24,4 +26,4 @@ __all__ = ["parallelize", "ClusterSpec", "DeviceSpec", "LinkSpec", "Strategy", "
            "RankRunner", "Mesh", "Pass", "PassResult", "PassContext", "PassManager", "graph_pass", "LocalCluster",
            "CapturedStep", "StepSignature", "capture_training_step", "trace_forward", "insert_all_reduce", "insert_broadcast", "meta",
            "FxparError", "CaptureError", "StrategyError", "ClusterSpecError", "PassError", "RankFailedError",
-           "InputError", "NonFiniteLossError"]
+           "InputError", "NonFiniteLossError", "shard", "Sharding", "ShardingError"]

@@ -162,9 +162,17 @@ def _without_gradient(plan: Plan, captured: list, model: torch.nn.Module) -> Non
 def _plan_buckets(plan: Plan, captured: list) -> None:
     """Keep the buckets of a handed-in Plan where they still match each stage's gradients; plan the rest."""
     given = plan.buckets if len(plan.buckets) == len(captured) else None
+    gs = plan.grad_sync
+    if gs.get("method") == "parallax" and "routes" not in gs:      # Parallax: each embedding gradient's route
+        from passes.parallax import classify
+        gs["routes"] = classify(captured[0].gm, plan.dp)
+        gs["sparse"] = sorted(k for k, r in gs["routes"].items() if r["route"] == "sparse")
+        plan.notes.append("grad_sync: Parallax -- " + ("; ".join(
+            f"{k}: {r['route']} (pairs {r['sparse_bytes']:.0f} B vs all-reduce {r['dense_bytes']:.0f} B per rank)"
+            for k, r in gs["routes"].items()) or "no embedding gradient: everything all-reduced"))
     out = []
     for s, cap in enumerate(captured):
-        groups = plan.grad_groups[s]
+        groups = {k: (None if k in gs.get("sparse", ()) else g) for k, g in plan.grad_groups[s].items()}
         want = {k for k, g in groups.items() if g}
         if given is not None and sorted(k for b in given[s] for k in b) == sorted(want):
             out.append([list(b) for b in given[s]])

@@ -22,7 +22,8 @@ def graph_kinds(schedule, stage: int) -> tuple:
     kinds = {a.kind.value for acts in schedule.actions.values() for a in acts if a.stage == stage}
     if "FULL" in kinds:
         return ("FULL",)
-    out = ["F"] + (["I", "W"] if "I" in kinds else ["B"]) + ["REDUCE_GRAD", "STEP"]
+    out = (["UNSHARD"] if "UNSHARD" in kinds else []) + ["F"] + (["I", "W"] if "I" in kinds else ["B"]) \
+        + ["REDUCE_GRAD", "STEP"]
     return tuple(out)
 
 
@@ -40,6 +41,12 @@ def _in_flight(schedule, stage: int) -> int:
     return max(most, 1)
 
 
+def _cross(plan) -> bool:
+    """ByteScheduler's cross-iteration overlap is on (the planner decided: one stage, one microbatch, traced optimizer)."""
+    cs = plan.comm_schedule or {}
+    return cs.get("method") == "bytescheduler" and bool(cs.get("cross_iteration"))
+
+
 def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
     from passes import (BucketGradients, DataParallelGradSync, ReinplaceOptimizer,  # fxpar reaches passes only here
                         SplitGraphs, SyncBuffers)
@@ -51,10 +58,30 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
     if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
         pipeline += [
             DataParallelGradSync(),  # each gradient summed over the ranks the planner named (dp replicas, tied stages)
+        ]
+        if (plan.grad_sync or {}).get("sparse"):
+            from passes import SparseGradSync
+            pipeline.append(SparseGradSync())  # Parallax: sparse embedding gradients as (row index, row) pairs
+        pipeline += [
             BucketGradients(),       # fuse those collectives into DDP-style buckets, issued as backward produces them
+        ]
+        if (plan.grad_sync or {}).get("method") == "herring":
+            from passes import HierarchicalReduce
+            pipeline.append(HierarchicalReduce())   # Herring: reduce-scatter in the node, sum across nodes, gather
+        if getattr(plan, "zero", 0):
+            from passes import ZeroShard
+            pipeline.append(ZeroShard())   # ZeRO: reduce-scatter into chunks, optimizer on chunks, gather parameters
+        if (plan.comm_schedule or {}).get("method") == "bytescheduler":
+            from passes import CommSchedule
+            # after bucket: pieces of its buckets issued by priority under a credit; with cross-iteration the
+            # waits and updates move into the next step's forward
+            pipeline.append(CommSchedule(cross_iteration=_cross(plan)))
+        pipeline += [
             SyncBuffers(),           # buffers (BatchNorm stats) follow dp-rank 0, as DDP's broadcast_buffers
         ]
-    if plan.optimizer.get("traced") and synchronous:
+    if plan.optimizer.get("traced") and synchronous and not _cross(plan):
+        # (under cross-iteration overlap not here: the split cuts the first-step and drain graphs by data flow,
+        # which an in-place update would hide; passes.comm_schedule makes the cut graphs' update in place)
         # write the update into the parameter/state buffers, as torch.optim does (not where weight
         # stashing keeps old versions alive: asynchronous schedules)
         pipeline.append(ReinplaceOptimizer())
@@ -83,9 +110,13 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
             roles = {ph.name: role for ph, (role, _) in zip(gm.graph.find_nodes(op="placeholder"),
                                                             captured.signature.inputs)}
             plan_recompute(plan, s, gm, roles, in_flight=_in_flight(schedule, s))
+        if (plan.comm_schedule or {}).get("method") == "bytescheduler":   # buckets, pieces, issue plan of the stage
+            from .planner import plan_comm_schedule
+            plan_comm_schedule(plan, s, captured, cluster)
         rank = plan.stage_to_rank[s][0] * plan.dp           # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
                           signature=gm.meta["fxpar_signature"], captured=captured)
+        ctx.store["kinds"] = kinds                          # the graphs the split will cut (passes.zero reads it)
         gm, hist = pm.run(gm, ctx)
         parts = ctx.store["split"]
         for h in hist:

@@ -12,7 +12,7 @@ from typing import Any
 import torch.fx
 
 __all__ = ["MetaKey", "KEYS", "ROLE", "PHASE", "MODULE", "PARAM", "GRAD_OF", "COMM", "BUCKET", "REDUCE_GRAD",
-           "ORIGIN", "PASS", "RECOMPUTE_OF", "get", "set_meta", "copy_meta", "CommInfo"]
+           "ORIGIN", "PASS", "RECOMPUTE_OF", "UNSHARD", "get", "set_meta", "copy_meta", "CommInfo"]
 
 
 @dataclass(frozen=True)
@@ -54,9 +54,11 @@ ORIGIN = MetaKey("fxpar_origin", str, "fxpar.pass_manager", "name of the node th
 PASS = MetaKey("fxpar_pass", str, "fxpar.pass_manager", "name of the pass that created the node")
 RECOMPUTE_OF = MetaKey("fxpar_recompute_of", str, "passes.recompute",
                        "on a backward node that recomputes a forward value: the forward node it copies")
+UNSHARD = MetaKey("fxpar_unshard", bool, "passes.zero",
+                  "ZeRO-3 under a pipeline: the node gathers a parameter once per step (the UNSHARD graph)")
 
 KEYS = {k.name: k for k in (ROLE, PHASE, MODULE, PARAM, GRAD_OF, COMM, BUCKET, REDUCE_GRAD, ORIGIN, PASS,
-                            RECOMPUTE_OF)}
+                            RECOMPUTE_OF, UNSHARD)}
 
 # Keys that stay true when a node is replaced by an equivalent computation.
 _PORTABLE = ("val", "tensor_meta", PHASE.name, MODULE.name)

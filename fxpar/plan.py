@@ -48,6 +48,8 @@ class Plan:
     # policy, communication order. Empty means "not used".
     shardings: dict = field(default_factory=dict)
     zero: int = 0
+    grad_sync: dict = field(default_factory=dict)      # {"method": "herring", "node": [[ranks]], "cross": [[ranks]]}
+    offload: dict = field(default_factory=dict)        # {"what": ["params", "optimizer"], "to": "disk", "dir": path}
     recompute: dict = field(default_factory=dict)
     comm_schedule: dict = field(default_factory=dict)
 

@@ -15,7 +15,7 @@ from .plan import Plan
 from .schedule import Schedule, ScheduleError, get_schedule
 from .strategy import Strategy
 
-__all__ = ["make_plan", "plan_buckets", "plan_recompute", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
+__all__ = ["make_plan", "plan_buckets", "plan_recompute", "plan_comm_schedule", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
 
 ASYNC = ("pipedream", "2bw")
 
@@ -189,8 +189,146 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     plan.groups, plan.grad_groups = grad_groups(plan)
     if base is not None:
         plan.buckets = base.buckets
+    _record_zero(plan, strategy, base, optimizer)
+    _record_grad_sync(plan, strategy, base, cluster)
+    if plan.zero == 3 and not any(a.kind.value == "FULL" for acts in sched.actions.values() for a in acts):
+        from .schedule import add_unshard          # ZeRO-3 with F/B graphs: gather each stage's parameters once a step
+        from .zero import zero_keys
+        sched = add_unshard(sched, [s for s in range(plan.n_stages) if zero_keys(plan, s)])
     _record_recompute(plan, strategy, base)
+    _record_comm_schedule(plan, strategy, base)
     return plan, sched, trace, split
+
+
+def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None) -> None:
+    """Communication order into the Plan (``passes.comm_schedule`` carries it out): the method, the partition
+    and credit asked for (None: tuned per stage in :func:`plan_comm_schedule`), and whether the gradient waits and
+    updates move into the next step (cross-iteration overlap: one stage, one microbatch, a traced optimizer)."""
+    if base is not None and base.comm_schedule:
+        plan.comm_schedule = {k: v for k, v in base.comm_schedule.items()}
+        return
+    if strategy.comm_schedule == "fifo":
+        return
+    why = ("a pipeline (pp > 1): stages step together after the flush" if plan.n_stages > 1 else
+           "dp=1: no gradient is communicated" if plan.dp == 1 else
+           "microbatches > 1: the step's last backward is not the end of its forward's successor" if plan.microbatches > 1
+           else f"the optimizer is not traced ({plan.optimizer.get('why_not_traced')})" if not plan.optimizer.get("traced")
+           else "")
+    mb = lambda v: None if v is None else int(v * 2**20)      # noqa: E731
+    plan.comm_schedule = {"method": strategy.comm_schedule, "partition_bytes": mb(strategy.partition_mb),
+                          "credit_bytes": mb(strategy.credit_mb), "cross_iteration": not why,
+                          "why_not_cross_iteration": why, "stages": []}
+
+
+def plan_comm_schedule(plan: Plan, stage: int, captured, cluster) -> dict:
+    """ByteScheduler's decisions for one stage (Peng et al., SOSP'19; ``cost_models.comm_tuning.plan_stage``):
+    buckets of at most ``partition`` bytes (a bigger single gradient cut in row pieces), their priority (the
+    order the next forward first uses them), the credit, and the issue plan simulated on the cost model, into
+    ``Plan.comm_schedule['stages'][stage]``; the stage's buckets become those. Partition and credit left None
+    are tuned on that simulation of this cluster; the grid tried and the predicted step times are recorded."""
+    from cost_models.comm import collective_cost
+    from cost_models.comm_tuning import CreditError, plan_stage, stage_timings
+    cs = plan.comm_schedule
+    stages = cs.setdefault("stages", [])
+    if stage < len(stages):                       # decided already (a Plan handed back)
+        return stages[stage]
+    groups = plan.grad_groups[stage]
+    names = sorted({g for g in groups.values() if g})
+    if not names:
+        stages.append({"priority": [], "pieces": [], "events": [], "predicted_step_s": None})
+        return stages[-1]
+    ranks = plan.group_of(names[0], plan.stage_to_rank[stage][0] * plan.dp)
+    try:
+        entry, buckets = plan_stage(
+            stage_timings(captured.gm, captured.signature, cluster.device),
+            lambda part: plan_buckets(captured, part, part, groups),
+            lambda k: captured.param_shapes[k], lambda k: _itemsize(captured.param_dtypes[k]),
+            lambda n: collective_cost("all_reduce", n, ranks, cluster).time_s, bool(cs.get("cross_iteration")),
+            plan.buckets[stage], cs.get("partition_bytes"), cs.get("credit_bytes"))
+    except CreditError as e:
+        keys = plan_buckets(captured, e.partition, e.partition, groups)[e.bucket]
+        what = (f"gradient {keys[0]!r} (shape {tuple(captured.param_shapes[keys[0]])}), cut in rows: a row is the "
+                "indivisible piece" if len(keys) == 1 else
+                f"bucket of {len(keys)} gradients {keys[:3]}... (packed up to the partition)")
+        raise StrategyError(f"Strategy(comm_schedule='bytescheduler', credit_mb={cs['credit_bytes'] / 2**20:.4g}), stage "
+                            f"{stage}: the credit ({cs['credit_bytes']} bytes) is below the largest piece, {e.piece} "
+                            f"bytes: the {what}, at partition {e.partition / 2**20:.4g} MiB. A piece must fit in the "
+                            f"credit to be sent at all: raise credit_mb to at least {e.piece / 2**20:.4g}, lower "
+                            "partition_mb, or leave credit_mb=None (tuned).") from None
+    plan.buckets[stage] = buckets
+    stages.append(entry)
+    fifo = entry["fifo_predicted_step_s"]
+    plan.notes.append(f"comm_schedule (bytescheduler): stage {stage}: {len(buckets)} bucket(s), {len(entry['pieces'])} "
+                      f"piece(s) of at most {entry['partition_bytes'] / 2**20:.3g} MiB, credit "
+                      f"{entry['credit_bytes'] / 2**20:.3g} MiB ({entry['tuned']['partition']}/{entry['tuned']['credit']}); "
+                      f"predicted step {entry['predicted_step_s'] * 1e3:.3g} ms"
+                      + (f" vs FIFO buckets {fifo * 1e3:.3g} ms" if fifo else "")
+                      + ("; gradient waits and updates move into the next step" if cs.get("cross_iteration") else
+                         f"; no cross-iteration overlap: {cs.get('why_not_cross_iteration')}"))
+    return entry
+
+
+def _record_grad_sync(plan: Plan, strategy: Strategy, base: Plan | None, cluster) -> None:
+    """Herring's hierarchy into the Plan: per node the ranks that reduce-scatter and all-gather together
+    (group ``node``), and per local index the ranks on different nodes that sum a shard (group ``cross``)."""
+    if base is None and strategy.grad_sync == "parallax":
+        plan.grad_sync = {"method": "parallax"}          # the routes are chosen once the step is captured
+        return
+    if base is not None:
+        plan.grad_sync = dict(base.grad_sync)
+        if plan.grad_sync.get("method") == "herring":
+            plan.groups.update({"node": plan.grad_sync["node"], "cross": plan.grad_sync["cross"]})
+    elif strategy.grad_sync == "herring":
+        per = getattr(cluster, "devices_per_node", plan.dp) if cluster is not None else plan.dp
+        nodes = plan.dp // per if per and plan.dp % per == 0 else 0
+        if nodes < 2 or per < 2:
+            raise StrategyError(f"{strategy}: grad_sync='herring' reduces within nodes, then across them; this "
+                                f"cluster has {getattr(cluster, 'nodes', 1)} node(s) of {per} device(s) for dp={plan.dp}. "
+                                "Use a ClusterSpec with at least 2 nodes of at least 2 devices (e.g. "
+                                "ClusterSpec.local(4, nodes=2, devices_per_node=2)), or grad_sync='allreduce'.")
+        node = [list(range(n * per, (n + 1) * per)) for n in range(nodes)]
+        cross = [list(range(i, plan.dp, per)) for i in range(per)]
+        plan.grad_sync = {"method": "herring", "node": node, "cross": cross}
+        plan.groups.update({"node": node, "cross": cross})
+        plan.notes.append(f"grad_sync: Herring -- each bucket reduce-scattered within nodes {node}, each shard summed "
+                          f"across nodes {cross}, then all-gathered within the node")
+
+
+def _record_zero(plan: Plan, strategy: Strategy, base: Plan | None, optimizer) -> None:
+    """ZeRO's stage into the Plan (a handed-back Plan keeps its own); refuse what it cannot shard."""
+    plan.zero = base.zero if base is not None else strategy.zero
+    if base is not None:
+        plan.offload = dict(base.offload)
+    elif strategy.offload:
+        plan.offload = {"what": list(strategy.offload), "to": strategy.offload_to, "dir": strategy.offload_dir}
+        where = (f"files under {strategy.offload_dir} (memory-mapped)" if strategy.offload_to == "disk" else
+                 "host memory (on a CPU backend, where it already is)")
+        plan.notes.append(f"offload: {' and '.join(strategy.offload)} of each rank live in {where}")
+    if plan.offload and "optimizer" in plan.offload["what"] and optimizer is not None and not optimizer.traced:
+        raise StrategyError(f"{strategy}: offload=('optimizer',) keeps the traced optimizer's state in files; "
+                            f"{optimizer.name} is not traced ({optimizer.why_not_traced}). Use SGD, Adam or AdamW, "
+                            "or offload only 'params'.")
+    if plan.offload and plan.schedule in ASYNC:
+        raise StrategyError(f"{strategy}: schedule {plan.schedule!r} keeps several weight versions; offload is built "
+                            "for synchronous schedules.")
+    if not plan.zero:
+        return
+    if plan.dp == 1:
+        raise StrategyError(f"Plan.zero={plan.zero} with dp=1: ZeRO shards over the dp axis; set dp > 1 or zero=0")
+    if optimizer is not None and not optimizer.traced:
+        raise StrategyError(f"{strategy}: ZeRO runs the optimizer on each rank's chunks inside the step graph, and "
+                            f"{optimizer.name} is not traced ({optimizer.why_not_traced}). Use torch.optim.SGD, Adam or "
+                            f"AdamW without those options, or zero=0: then {optimizer.name} runs eagerly on every rank "
+                            "with whole parameters and state (plain data parallelism).")
+    if plan.schedule in ASYNC:
+        raise StrategyError(f"{strategy}: schedule {plan.schedule!r} keeps several weight versions per stage; ZeRO "
+                            "is built for synchronous schedules (gpipe, 1f1b, interleaved, zb1p, chimera). Use one of "
+                            "those, or zero=0.")
+    from .zero import describe, zero_keys
+    n_keys = sum(len(zero_keys(plan, s)) for s in range(len(plan.stage_params)))
+    whole = sum(len(k) for k in plan.stage_params) - n_keys
+    plan.notes.append(f"zero={plan.zero}: {describe(plan.zero)}; {n_keys} parameter(s) in dp={plan.dp} chunks"
+                      + (f", {whole} kept whole (shared by stages or held by one rank)" if whole else ""))
 
 
 def _record_recompute(plan: Plan, strategy: Strategy, base: Plan | None) -> None:

@@ -32,7 +32,13 @@ class RunResult:
     bytes), ``action_times`` (rank -> per step ``{(kind, stage): (seconds, count)}``), ``timelines`` (rank ->
     per step ``(kind, stage, microbatch, start, end)``), ``bubble`` (per step, the idle share of the ranks'
     time), ``peak_versions`` / ``peak_version_bytes`` (weight versions held, asynchronous schedules) and with
-    ``record_weights`` the ``weight_log``.
+    ``record_weights`` the ``weight_log``. ``state_bytes``: rank -> the most model-state bytes it held when a step
+    updated: ``{"params", "grads", "optimizer"}`` (grads: the accumulated gradients handed to the update; a fused
+    one-microbatch step keeps its gradients inside the graph and reports 0), what ZeRO's formulas count.
+    ``peak_memory_bytes`` (with ``measure_memory=True``): rank -> the most tensor bytes it held at once over its
+    steps, its state included (:class:`fxpar.runtime.measure.MemoryTracker`; on CUDA this figure would be
+    ``torch.cuda.max_memory_allocated``), to set against ``program.estimate().ranks[r].peak_memory_bytes``;
+    ``held_memory_bytes``: rank -> the bytes it held when its first step began (state and its microbatches).
 
     Each ``run_local`` call starts from the weights the program was built with (the model's, at
     ``parallelize`` time): it does not continue an earlier call. To continue one, save and resume:
@@ -56,6 +62,9 @@ class RunResult:
     timelines: dict = field(default_factory=dict, repr=False)
     weight_log: dict = field(default_factory=dict, repr=False)
     bubble: list = field(default_factory=list)
+    state_bytes: dict = field(default_factory=dict)
+    peak_memory_bytes: dict = field(default_factory=dict)
+    held_memory_bytes: dict = field(default_factory=dict)
 
     def state_dict(self) -> dict:
         """Trained parameters and buffers, unsharded, under the model's own keys (tied keys included)."""
@@ -291,12 +300,12 @@ class Program:
 
     # ---- running ------------------------------------------------------------------------------
     def payload(self, rank: int, n_batches: int = 1, measure_comm: bool = False, record_weights: bool = False,
-                seed: int | None = 0, save_to=None, resume_from=None) -> RankPayload:
+                seed: int | None = 0, save_to=None, resume_from=None, measure_memory: bool = False) -> RankPayload:
         """Rank ``rank``'s part, picklable. Asynchronous schedules cover all ``n_batches`` batches in one window."""
         pr, _ = self._check_rank(rank)
         sched = self.pipe_schedule
         extra = {"n_inputs": self.n_inputs, "record_weights": record_weights, "rng_seed": seed,
-                 "measure_comm": measure_comm, "aliases": dict(self.aliases),
+                 "measure_comm": measure_comm, "measure_memory": measure_memory, "aliases": dict(self.aliases),
                  "save_to": None if save_to is None else str(save_to),
                  "resume_from": None if resume_from is None else str(resume_from)}
         if self.asynchronous:
@@ -314,6 +323,9 @@ class Program:
                     if by:
                         reduced_by.setdefault(s, {})[k] = by[0]
         extra["reduced_by"] = reduced_by
+        zero = {s: self.stages[s].joint.meta.get("fxpar_zero") for s in held}
+        extra["zero"] = {s: z for s, z in zero.items() if z}
+        extra["offload"] = dict(self.plan.offload)
         bindings = {}
         all_groups = self.plan.all_groups()
         for name, ranks in all_groups:       # only groups every rank creates (a process group is made by all)
@@ -331,10 +343,12 @@ class Program:
 
     def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
                   measure_comm: bool = False, record_weights: bool = False, seed: int | None = 0,
-                  save_to=None, resume_from=None, on_nonfinite: str = "warn") -> RunResult:
+                  save_to=None, resume_from=None, on_nonfinite: str = "warn",
+                  measure_memory: bool = False) -> RunResult:
         """Spawn (or reuse) ``world_size`` gloo ranks here, train one step per global batch, gather the result
         (:class:`RunResult`). ``measure_comm=True`` records every collective each rank runs;
-        ``record_weights=True`` logs which weights every F and B computed with.
+        ``record_weights=True`` logs which weights every F and B computed with; ``measure_memory=True`` tracks
+        every tensor each rank holds (``RunResult.peak_memory_bytes``; the tracker slows the ranks down).
 
         ``batches``: a list of global batches, each with the structure, shapes and dtypes of
         ``example_inputs`` (the step is compiled for them); every batch is checked before any rank starts.
@@ -378,8 +392,8 @@ class Program:
             raise InputError(f"run_local(cluster=LocalCluster({cluster.world_size})): this program needs "
                              f"{self.world_size} ranks ({self.strategy}); pass a LocalCluster({self.world_size}) "
                              "or none (run_local then starts its own).")
-        args = [(self.payload(r, len(batches), measure_comm, record_weights, seed, save_to, resume_from), batches)
-                for r in range(self.world_size)]
+        args = [(self.payload(r, len(batches), measure_comm, record_weights, seed, save_to, resume_from,
+                              measure_memory), batches) for r in range(self.world_size)]
         if self.world_size == 1:
             with torch.random.fork_rng(devices=[]):      # the caller's generator is left as it was
                 results = [train(*args[0])]
@@ -454,6 +468,10 @@ class Program:
                         _state=self._full_state([r.get("state", {}) for r in results]),
                         optimizer_state=results[0].get("optimizer_state", {}))
         res.comm = {i: r["comm"] for i, r in enumerate(results)}
+        res.state_bytes = {i: r.get("state_bytes", {}) for i, r in enumerate(results)}
+        measured = {i: r["peak_memory"] for i, r in enumerate(results) if r.get("peak_memory")}
+        res.peak_memory_bytes = {i: max(p for p, _ in m) for i, m in measured.items()}
+        res.held_memory_bytes = {i: m[0][1] for i, m in measured.items()}
         for r in results:
             for s, held in r["peak_versions"].items():
                 res.peak_versions[s] = max(res.peak_versions.get(s, 0), held)
@@ -531,6 +549,8 @@ class RankRunner(GroupExit):
     def state_dict(self) -> dict:
         """The whole model's trained state under its own keys. Collective: every rank must call it."""
         import torch.distributed as dist
+        self.executor.drain()                 # cross-iteration overlap: apply the last step's update first
         parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, self.executor.state_dict() if self.executor.dp_index == 0 else {})
+        mine = self.executor.state_dict() if self.executor.dp_index == 0 or self.executor.zero else {}  # ZeRO: collective
+        dist.all_gather_object(parts, mine if self.executor.dp_index == 0 else {})
         return self.program._full_state(parts)

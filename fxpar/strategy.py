@@ -12,6 +12,7 @@ if TYPE_CHECKING:
 __all__ = ["Strategy"]
 
 _RECOMPUTE = ("none", "full", "selective", "auto")
+_COMM_SCHEDULES = ("fifo", "bytescheduler")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "pipedream", "2bw", "chimera", "single")
 
 
@@ -45,8 +46,30 @@ class Strategy:
         attention core; Korthikanti et al.), ``"auto"`` (the least recompute whose saved activations fit
         ``memory_budget_gb``), or your ``policy(node) -> "save" | "recompute"``. Random ops (dropout) are never
         recomputed.
+    zero: ZeRO (Rajbhandari et al., SC'20; passes/zero.py), over the dp axis: ``0`` off (default); ``1`` optimizer
+        state sharded (gradients reduce-scattered once per step, updated chunks all-gathered); ``2`` gradients
+        too (reduce-scattered in backward, as each bucket fills); ``3`` parameters too (all-gathered before their
+        forward use and again before their backward use). Needs dp > 1 and a traced optimizer (SGD, Adam, AdamW).
+    grad_sync: how each gradient bucket is summed over dp: ``"allreduce"`` (default, one all-reduce per bucket) or
+        ``"herring"`` (Thangakrishnan et al., SC'20; passes/herring.py): reduce-scatter within each node into equal
+        shards (the bucket padded to a multiple of the node's ranks), sum each shard across nodes, all-gather
+        within the node. Needs a ClusterSpec with several nodes (``ClusterSpec.local(4, nodes=2,
+        devices_per_node=2)`` simulates two); ``"parallax"`` (Kim et al., EuroSys'19; passes/parallax.py): an
+        embedding gradient whose (row index, row) pairs cost less than all-reducing the whole table (Parallax's
+        traffic formulas) is sent as those pairs, the rest in all-reduce buckets.
+    offload, offload_to, offload_dir: ZeRO-Infinity (Rajbhandari et al., SC'21): what of each rank's model state
+        lives off the compute device: ``("params", "optimizer")`` or either; ``offload_to="disk"`` keeps it in
+        files under ``offload_dir`` (memory-mapped: read into memory as each layer uses it, written back by the
+        update), ``"cpu"`` in host memory (where it already is on a CPU backend). With ``zero=3`` the parameters
+        on disk are this rank's chunks.
     memory_budget_gb: for ``recompute="auto"``: the saved-activation bytes each stage may hold at once (every
         microbatch in flight), in GB (1e9 bytes).
+    comm_schedule: the order gradient communication goes in: ``"fifo"`` (default: DDP-style buckets as backward
+        makes them) or ``"bytescheduler"`` (Peng et al., SOSP'19: pieces of at most ``partition_mb``, the layer the
+        next forward needs first goes first, at most ``credit_mb`` in flight, and -- one stage, one microbatch, a
+        traced optimizer -- each bucket's wait and update move into the next step, before its first use there).
+    partition_mb, credit_mb: ByteScheduler's piece size and bytes in flight, in MiB; None: chosen by the cost
+        model's simulation of the cluster (recorded in ``Plan.comm_schedule``).
     """
     dp: int = 1
     tp: int = 1
@@ -61,8 +84,17 @@ class Strategy:
     loss_average: str = "auto"
     recompute: "str | Callable" = "none"
     memory_budget_gb: float | None = None
+    zero: int = 0
+    offload: tuple = ()
+    offload_to: str = "cpu"
+    offload_dir: str | None = None
+    grad_sync: str = "allreduce"
+    comm_schedule: str = "fifo"
+    partition_mb: float | None = None
+    credit_mb: float | None = None
 
     def __post_init__(self):
+        self._check_comm_schedule()
         for name in ("dp", "tp", "pp", "microbatches"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -80,6 +112,19 @@ class Strategy:
         if self.recompute == "auto" and self.memory_budget_gb is None:
             raise StrategyError("Strategy(recompute='auto') needs memory_budget_gb=...: the saved-activation bytes a "
                                 "stage may hold, in GB; or pick a policy ('full', 'selective')")
+        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
+            raise StrategyError(f"Strategy(zero={self.zero!r}): choose 0 (off), 1 (optimizer state sharded over dp), "
+                                "2 (+ gradients) or 3 (+ parameters)")
+        if self.zero and self.dp == 1:
+            raise StrategyError(f"Strategy(zero={self.zero}, dp=1): ZeRO shards over the dp axis, and dp=1 leaves "
+                                "nothing to shard; set dp > 1 (e.g. Strategy(dp=4, zero=" + str(self.zero) + ")) or zero=0")
+        self._check_offload()
+        if self.grad_sync not in ("allreduce", "herring", "parallax"):
+            raise StrategyError(f"Strategy(grad_sync={self.grad_sync!r}): choose 'allreduce', 'herring' or 'parallax'")
+        if self.grad_sync != "allreduce" and (self.zero or self.pp > 1 or self.comm_schedule != "fifo"):
+            raise StrategyError(f"Strategy(grad_sync={self.grad_sync!r}) with zero={self.zero}, pp={self.pp}, "
+                                f"comm_schedule={self.comm_schedule!r}: {self.grad_sync} is built for data parallelism "
+                                "alone with FIFO buckets; drop the others or use grad_sync='allreduce'")
         if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb < 0:
             raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
         if self.first_bucket_cap_mb < 0:
@@ -93,6 +138,53 @@ class Strategy:
         if self.schedule is not None and not self._custom_schedule and self.schedule not in _SCHEDULES:
             raise StrategyError(f"Strategy(schedule={self.schedule!r}): choose one of {_SCHEDULES}, or pass a "
                                 "fxpar.schedule.Schedule or its text (starting with its '# schedule ...' header)")
+
+    def _check_comm_schedule(self) -> None:
+        if self.comm_schedule not in _COMM_SCHEDULES:
+            raise StrategyError(f"Strategy(comm_schedule={self.comm_schedule!r}): choose one of {_COMM_SCHEDULES} ('fifo': "
+                                "DDP-style buckets in backward order; 'bytescheduler': priority, partitions, credit and "
+                                "cross-iteration overlap, passes/comm_schedule.py)")
+        for name in ("partition_mb", "credit_mb"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
+                raise StrategyError(f"Strategy({name}={v!r}): a positive number of MiB, or None (tuned by the cost model)")
+            if self.comm_schedule != "bytescheduler":
+                raise StrategyError(f"Strategy({name}={v!r}) is a ByteScheduler setting: add comm_schedule='bytescheduler' "
+                                    "or drop it")
+        if self.comm_schedule == "bytescheduler" and getattr(self, "zero", 0):
+            raise StrategyError(f"Strategy(comm_schedule='bytescheduler', zero={self.zero}): ByteScheduler and ZeRO are "
+                                "not yet composed; use one of them (ZeRO with comm_schedule='fifo')")
+
+    def _check_offload(self) -> None:
+        if isinstance(self.offload, str):
+            self.offload = (self.offload,)
+        self.offload = tuple(self.offload)
+        bad = [x for x in self.offload if x not in ("params", "optimizer")]
+        if bad:
+            raise StrategyError(f"Strategy(offload={self.offload!r}): {bad} unknown; offload any of 'params', "
+                                "'optimizer' (activation offload is not built yet)")
+        if self.offload_to not in ("cpu", "disk"):
+            raise StrategyError(f"Strategy(offload_to={self.offload_to!r}): choose 'cpu' or 'disk'")
+        if self.offload_to == "disk":
+            if not self.offload:
+                raise StrategyError("Strategy(offload_to='disk') with nothing to offload: add offload=('params', "
+                                    "'optimizer') (or one of them)")
+            if not self.offload_dir:
+                raise StrategyError("Strategy(offload_to='disk') needs offload_dir=...: a directory each rank may "
+                                    "write its files into (local, fast disk)")
+            import os
+            import tempfile
+            d = os.path.abspath(str(self.offload_dir))
+            try:
+                os.makedirs(d, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=d):
+                    pass
+            except OSError as e:
+                raise StrategyError(f"Strategy(offload_dir={self.offload_dir!r}): cannot write there ({e.strerror}); "
+                                    "give a directory this user can create files in") from None
+            self.offload_dir = d
 
     @property
     def _custom_schedule(self) -> bool:
@@ -116,6 +208,10 @@ class Strategy:
 
     def __str__(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.zero:
+            parts.append(f"zero={self.zero}")
+        if self.comm_schedule != "fifo":
+            parts.append(f"comm_schedule={self.comm_schedule!r}")
         if self.pp > 1:
             sched = self.schedule or "1f1b"
             if self._custom_schedule:

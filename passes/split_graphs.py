@@ -59,10 +59,10 @@ from fxpar.pass_manager import Pass, PassContext, PassResult
 
 __all__ = ["SplitGraph", "split_graphs", "SplitGraphs"]
 
-_ORDER = {"F": 0, "B": 1, "I": 1, "W": 2, "REDUCE_GRAD": 3, "STEP": 4}
+_ORDER = {"UNSHARD": -1, "F": 0, "B": 1, "I": 1, "W": 2, "REDUCE_GRAD": 3, "STEP": 4}
 _PER_MB = ("F", "B", "I", "W")
-_DIRECT = {"F": ("param", "buffer", "input", "target", "act"), "B": ("tangent",), "I": ("tangent",),
-           "W": ("tangent",), "REDUCE_GRAD": (), "STEP": ("param", "buffer", "opt_state", "lr", "step")}
+_DIRECT = {"UNSHARD": ("param",), "F": ("param", "buffer", "input", "target", "act"), "B": ("tangent",), "I": ("tangent",),
+           "W": ("tangent",), "REDUCE_GRAD": (), "STEP": ("param", "param_shard", "buffer", "opt_state", "lr", "step")}
 
 
 @dataclass
@@ -83,6 +83,8 @@ class SplitGraph:
 
 
 def _kind_of(n: torch.fx.Node, assigned: dict) -> str:
+    if M.get(n, M.UNSHARD):
+        return "UNSHARD"
     tag = M.get(n, M.REDUCE_GRAD)
     if tag == "issue":
         return "REDUCE_GRAD"
@@ -130,15 +132,20 @@ def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
     """Cut ``gm`` (a joint stage graph with ``gm.meta['fxpar_signature']``) into ``{kind: SplitGraph}``."""
     sig = gm.meta["fxpar_signature"]
     if tuple(kinds) == ("FULL",):
-        return {"FULL": SplitGraph("FULL", gm, list(sig.inputs), list(sig.outputs))}
+        out = {"FULL": SplitGraph("FULL", gm, list(sig.inputs), list(sig.outputs))}
+        if gm.meta.get("fxpar_carry"):     # cross-iteration (passes.comm_schedule): the first step, and the drain
+            from .comm_schedule import carry_variants
+            out = {k: SplitGraph(k, *v) for k, v in carry_variants(gm, sig).items()}
+        return out
     split_bw = "I" in kinds
     assigned = _classify(gm, sig, split_bw)
     phs = gm.graph.find_nodes(op="placeholder")
     role_of = dict(zip(phs, sig.inputs))
     out_node = gm.graph.find_nodes(op="output")[0]
-    graph_kinds = [k for k in ("F", "I", "W", "REDUCE_GRAD", "STEP") if k in kinds or (k in ("I", "W") and split_bw)]
+    graph_kinds = [k for k in ("UNSHARD", "F", "I", "W", "REDUCE_GRAD", "STEP")
+                   if k in kinds or (k in ("I", "W") and split_bw)]
     if not split_bw:
-        graph_kinds.insert(1, "B")
+        graph_kinds.insert(graph_kinds.index("F") + 1, "B")
     where = lambda n: assigned.get(n, "placeholder")  # noqa: E731
 
     # what each graph reads from outside itself, and the role it gets there
@@ -319,8 +326,8 @@ def check_no_read_after_inplace_write(parts: dict) -> None:
                     raise PassError(head + why + tail)
 
 
-_ROLE_RANK = {"param": 0, "buffer": 1, "opt_state": 2, "lr": 3, "step": 4, "input": 5, "target": 6, "act": 7,
-              "tangent": 8, "saved": 9, "grad": 10, "pending": 11}
+_ROLE_RANK = {"param": 0, "param_shard": 0.5, "buffer": 1, "opt_state": 2, "lr": 3, "step": 4, "input": 5, "target": 6, "act": 7,
+              "tangent": 8, "unsharded": 8.5, "saved": 9, "grad": 10, "pending": 11}
 
 
 def _input_rank(rk):
@@ -338,6 +345,9 @@ def _crossing(a, ka, k, role_of, exports) -> tuple:
             return ("saved", a.name)
         raise PassError(f"split_graphs: the {k} graph reads input {a.name} ({role[0]} {role[1]!r}), which that "
                         f"graph is not given; a pass made {k} depend on it")
+    if ka == "UNSHARD":                                     # ZeRO-3: a parameter gathered once per step
+        exports[ka][a] = ("unsharded", a.name)
+        return ("unsharded", a.name)
     if ka in _PER_MB and k in _PER_MB:
         exports[ka][a] = ("saved", a.name)
         return ("saved", a.name)

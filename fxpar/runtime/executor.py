@@ -19,8 +19,9 @@ parameter); the collectives ``REDUCE_GRAD`` started, until ``STEP`` waits on the
 
 Besides the math each rank measures, per window: per stage the most microbatches whose saved
 tensors were alive at once and their bytes (``act_peak``, ``act_peak_bytes``), the seconds of every
-action (``action_times``, ``timelines``), and with ``extra['record_weights']`` a fingerprint of the
-weights every F and B computes with (``weight_log``).
+action (``action_times``, ``timelines``), with ``extra['record_weights']`` a fingerprint of the
+weights every F and B computes with (``weight_log``), and with ``extra['measure_memory']`` the most tensor bytes
+alive at once and those held at the start (``peak_memory``, :class:`~fxpar.runtime.measure.MemoryTracker`).
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ import torch.distributed as dist
 
 from ..collectives import axis_of_tag
 from ..schedule import ActionKind
+from ..zero import chunk
+from .shards import ShardState
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
 __all__ = ["RankPayload", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group"]
@@ -124,6 +127,7 @@ class _Window:
         self.micro = micro
         self.fwd, self.bwd, self.saved, self.sends = {}, {}, {}, []
         self.acc, self.owned, self.synced, self.pending = {}, set(), {}, {}
+        self.unsharded: dict = {}          # ZeRO-3 under a pipeline: stage -> its gathered parameters (UNSHARD..RESHARD)
         self.loss_sums = [0.0] * n_groups
         self.store = store
         self.live: dict = {}
@@ -133,7 +137,7 @@ class _Window:
         self.busy = 0.0
 
 
-class Executor:
+class Executor(ShardState):
     """Runs one rank's part of a program: ``step(global_batch)`` trains one step, ``run_async(batches)``
     runs an asynchronous schedule's one window over all batches."""
 
@@ -151,10 +155,16 @@ class Executor:
                     bind_groups(sg.gm, names)
         self.params = {s: {k: p.params[k].detach().clone() for k in keys} for s, keys in p.stage_params.items()}
         self.buffers = {k: v.detach().clone() for k, v in p.buffers.items()}
+        # ZeRO (passes/zero.py): per held stage {"stage": 1|2|3, "n": dp, "keys": {key: [shape, chunk numel]}};
+        # optimizer state of those keys is this rank's chunk, and under stage 3 the parameters are too
+        self.zero = p.extra.get("zero") or {}
         spec = p.optimizer
         self.spec = spec
         self.state = {s: {f"{n}:{k}": torch.zeros_like(v) for k, v in ps.items() for n in spec.state_names}
                       for s, ps in self.params.items()}
+        self._rechunk()
+        self.offload = p.extra.get("offload") or {}
+        self._offload()
         self._leaves = {(s, k): torch.nn.Parameter(v.clone()) for s, ps in self.params.items() for k, v in ps.items()}
         self.torch_opt = spec.make_torch_optimizer(list(self._leaves.values()))
         self.scheduler = make_scheduler(p.lr_scheduler, self.torch_opt)
@@ -167,6 +177,8 @@ class Executor:
         self.comm = {"sent_bytes": 0, "sends": 0, "recvs": 0}
         self.comm_calls: list = []
         self.measure_comm = bool(p.extra.get("measure_comm"))
+        self.measure_memory = bool(p.extra.get("measure_memory"))
+        self.peak_memory: list = []          # measure_memory: per window (most live tensor bytes, bytes at its start)
         self.peak_versions: dict = {}
         self.peak_version_bytes = 0
         self.busy: list = []
@@ -177,9 +189,11 @@ class Executor:
         self.record_weights = bool(p.extra.get("record_weights"))
         self.weight_log: list = []
         self.prev_params: dict = {}          # 2BW: per stage the weights before the newest (saved with a checkpoint)
+        self.state_bytes: dict = {}          # most model-state bytes held at an update: params, grads, optimizer
         self.handlers = {_K.F: self._forward, _K.B: self._backward, _K.I: self._backward, _K.W: self._backward,
                          _K.SEND_F: self._send, _K.SEND_B: self._send, _K.RECV_F: self._recv, _K.RECV_B: self._recv,
-                         _K.REDUCE_GRAD: self._reduce_grad, _K.STEP: self._step, _K.FULL: self._full}
+                         _K.REDUCE_GRAD: self._reduce_grad, _K.STEP: self._step, _K.FULL: self._full,
+                         _K.UNSHARD: self._unshard, _K.RESHARD: self._reshard}
 
     # ---- running ---------------------------------------------------------------------------------
     def microbatches(self, batch) -> list:
@@ -210,6 +224,16 @@ class Executor:
         self.step_times += [(time.perf_counter() - t0) / len(batches)] * len(batches)
 
     def _measured(self, micro, per_batch):
+        if self.measure_memory:      # live tensor bytes; the rank's state and its microbatches count from the start
+            from .measure import MemoryTracker
+            held = [self.params, self.state, self.buffers, self.prev_params, self.__dict__.get("carry", {})]
+            with MemoryTracker(held, inputs=micro) as mem:
+                out = self._counted(micro, per_batch)
+            self.peak_memory.append((mem.peak_bytes, mem.held_bytes))
+            return out
+        return self._counted(micro, per_batch)
+
+    def _counted(self, micro, per_batch):
         if not self.measure_comm:
             return self.run_window(micro, per_batch)
         from .measure import CommCounter
@@ -252,7 +276,8 @@ class Executor:
         mb = w.micro[i]
         weights = self.params[s] if a.version is None else w.store.get(s, a.version)
         acts = {k: v.contiguous() for k, v in w.fwd.pop((s, i), {}).items()}   # as traced (and as received)
-        args = [self._input(role, key, s, weights, mb, acts) for role, key in sg.inputs]
+        args = [w.unsharded[s][key] if role == "unsharded" else self._input(role, key, s, weights, mb, acts)
+                for role, key in sg.inputs]
         res = sg.gm(*args)
         saved, out = {}, {}
         for (role, key), v in zip(sg.outputs, res):
@@ -290,7 +315,8 @@ class Executor:
             weights = w.store.get(s, a.version) if a.version is not None else self.params[s]
             self._fingerprint("B", s, i, a.version, list(saved.values()), weights,
                               versions_held=len(w.store.versions.get(s, {})))
-        args = [saved[key] if role == "saved" else tangents[key] for role, key in sg.inputs]
+        args = [saved[key] if role == "saved" else w.unsharded[s][key] if role == "unsharded" else tangents[key]
+                for role, key in sg.inputs]
         res = sg.gm(*args)
         out = {}
         for (role, key), v in zip(sg.outputs, res):
@@ -338,6 +364,18 @@ class Executor:
                 f"STEP{reducer} before STEP{s}.")
         return self._grad(w, s, key)
 
+    def _unshard(self, a, w, idx):
+        """ZeRO-3 under a pipeline: gather the stage's parameters once for the step's forwards and backwards."""
+        s = a.stage
+        sg = self.p.graphs[s].get("UNSHARD")
+        if sg is None:
+            return
+        res = sg.gm(*[self.params[s][key] for _, key in sg.inputs])
+        w.unsharded[s] = {key: v for (_, key), v in zip(sg.outputs, res)}
+
+    def _reshard(self, a, w, idx):
+        w.unsharded.pop(a.stage, None)      # the gathered parameters go; the chunks stay
+
     def _reduce_grad(self, a, w, idx):
         s = a.stage
         sg = self.p.graphs[s].get("REDUCE_GRAD")
@@ -360,8 +398,8 @@ class Executor:
         pend = w.pending.pop(s, {})
         args = []
         for role, key in sg.inputs:
-            if role == "param":
-                args.append(self.params[s][key])
+            if role in ("param", "param_shard"):
+                args.append(self._input(role, key, s, self.params[s], None, None))
             elif role == "opt_state":
                 args.append(self.state[s][key])
             elif role == "buffer":
@@ -378,6 +416,7 @@ class Executor:
                 raise RuntimeError(f"rank {self.rank}: STEP{s} waits on a gradient collective ({key}) that no RG{s} "
                                    f"started in this step: put RG{s} after the stage's last backward and before STEP{s} "
                                    "in the schedule (fxpar.schedule.ensure_reduce_grad adds it).")
+        self._note_state_bytes(w, s)
         res = sg.gm(*args)
         new = dict(self.params[s])             # a new version: the old dict may be held by the VersionStore
         for (role, key), v in zip(sg.outputs, res):
@@ -394,6 +433,7 @@ class Executor:
         self.params[s] = new
         if not self.spec.traced:
             self._eager_step(s, {k: self._step_grad(w, s, k) for k in self.p.stage_params[s]})
+        self._settle(s)
         if a.version is not None:              # asynchronous: this stage alone, then fresh accumulators
             for k in self.p.stage_params[s]:
                 w.acc.pop(k, None)
@@ -404,6 +444,8 @@ class Executor:
     def _full(self, a, w, idx):
         """The fused one-stage step: forward, backward, gradient collectives and update in one graph."""
         s, i = a.stage, a.microbatch
+        if "DRAIN" in self.p.graphs[s]:        # cross-iteration overlap: the update comes in the next step
+            return self._full_carry(a, w)
         sg = self.p.graphs[s]["FULL"]
         self.step_count[s] += 1
         lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)
@@ -419,6 +461,7 @@ class Executor:
                 args.append(cnt)
             else:
                 args.append(self._input(role, key, s, self.params[s], mb, {}))
+        self._note_state_bytes(w, s)
         res = sg.gm(*args)
         grads = {}
         for (role, key), v in zip(sg.outputs, res):
@@ -434,10 +477,68 @@ class Executor:
                 grads[key] = v
         if not self.spec.traced:
             self._eager_step(s, grads)
+        self._settle(s)
+
+    # ---- cross-iteration overlap (passes.comm_schedule): a step's pieces are waited and applied in the next ----
+    def _full_carry(self, a, w):
+        """``FULL`` with ``("carry", piece)`` inputs and outputs: waits for and applies the previous step's update
+        (with that step's LR and count) before each parameter's first forward use, then trains this step and
+        hands its pieces on. The first step (nothing carried) runs ``FIRST``; :meth:`drain` runs ``DRAIN``."""
+        s, i = a.stage, a.microbatch
+        carry = self.__dict__.setdefault("carry", {}).pop(s, None)
+        sg = self.p.graphs[s]["FULL" if carry else "FIRST"]
+        self.step_count[s] += 1
+        lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)
+        cnt = torch.tensor(float(self.step_count[s]), dtype=torch.float64)
+        self._note_state_bytes(w, s)
+        res = sg.gm(*self._carry_args(sg, s, carry, w.micro[i]))
+        pieces = {}
+        for (role, key), v in zip(sg.outputs, res):
+            if role == "loss":
+                w.loss_sums[i // w.per_batch] += float(v)
+            elif role == "carry":
+                pieces[key] = v
+            else:
+                self._take(s, role, key, v)
+        self.carry[s] = {"pieces": pieces, "lr": lr, "step": cnt}
+
+    def _carry_args(self, sg, s, carry, mb) -> list:
+        args = []
+        for role, key in sg.inputs:
+            if role == "opt_state":
+                args.append(self.state[s][key])
+            elif role in ("lr", "step"):
+                args.append(carry[role])
+            elif role == "carry":
+                args.append(carry["pieces"][key])
+            else:
+                args.append(self._input(role, key, s, self.params[s], mb, {}))
+        return args
+
+    def _take(self, s, role, key, v) -> None:
+        if role == "new_param":
+            self.params[s][key] = v
+        elif role == "new_buffer":
+            self.buffers[key] = v
+        elif role == "new_opt_state":
+            self.state[s][key] = v
+
+    def drain(self) -> None:
+        """Collective (every rank of the stage): wait for the pieces carried out of the last step and apply its
+        update (``DRAIN``), so parameters and optimizer state are those of single-process training. Before
+        results, ``state_dict`` and checkpoints; the next step starts afresh (``FIRST``)."""
+        for s, carry in sorted(self.__dict__.get("carry", {}).items()):
+            sg = self.p.graphs[s]["DRAIN"]
+            res = sg.gm(*self._carry_args(sg, s, carry, None))
+            for (role, key), v in zip(sg.outputs, res):
+                self._take(s, role, key, v)
+        self.__dict__["carry"] = {}
 
     def _input(self, role, key, s, weights, mb, acts):
         if role == "param":
             return weights[key]
+        if role == "param_shard":
+            return chunk(weights[key], self.zero[s]["n"], self.dp_index)
         if role == "buffer":
             return self.buffers[key]
         if role == "input":
@@ -493,27 +594,33 @@ class Executor:
     def save(self, path) -> None:
         """Collective: write this rank's part of the training state to the checkpoint ``path`` (DCP)."""
         from .state import save_rank_state
+        self.drain()
         save_rank_state(self, path, self.p.extra.get("aliases", {}))
 
     def load(self, path) -> None:
         """Collective: restore the training state from the checkpoint ``path``, saved under any strategy."""
         from .state import load_rank_state
+        self.drain()                    # a step in flight finishes before the state is replaced
         load_rank_state(self, path, self.p.extra.get("aliases", {}), need_stash=bool(self.p.extra.get("resumed")))
 
     def state_dict(self) -> dict:
-        """Parameters of the stages this rank is the first holder of, and the buffers."""
+        """Parameters of the stages this rank is the first holder of, and the buffers (whole tensors; collective
+        under ZeRO stage 3, whose parameters are chunks: every rank calls it)."""
+        params = self.whole()[0] if any(i["stage"] == 3 for i in self.zero.values()) else self.params
         out = {}
-        for s in sorted(self.params):
+        for s in sorted(params):
             if self.p.stage_to_rank[s][0] != self.pipe_rank:
                 continue
-            for k, v in self.params[s].items():
+            for k, v in params[s].items():
                 out.setdefault(k, v)
         out.update(self.buffers)
         return out
 
     def optimizer_state(self) -> dict:
+        """Optimizer state under ``<state>:<key>`` (whole tensors; collective under ZeRO)."""
         if self.spec.traced:
-            return {k: v for st in self.state.values() for k, v in st.items()}
+            state = self.whole()[1] if self.zero else self.state
+            return {k: v for st in state.values() for k, v in st.items()}
         return self.torch_opt.state_dict()
 
     def _fingerprint(self, kind: str, s: int, i: int, version, saved, weights: dict, versions_held=None):
@@ -545,15 +652,24 @@ def train(payload: RankPayload, batches: list) -> dict:
     else:
         for b in batches:
             ex.step(b)
+        ex.drain()             # cross-iteration overlap: the last step's update, before results and checkpoints
     out = {"loss_sums": ex.loss_sums, "step_times": ex.step_times, "comm": ex.comm, "busy": ex.busy,
            "comm_calls": ex.comm_calls, "peak_versions": ex.peak_versions,
            "peak_version_bytes": ex.peak_version_bytes, "act_peak": ex.act_peak,
            "act_peak_bytes": ex.act_peak_bytes, "action_times": ex.action_times,
            "weight_log": ex.weight_log, "timelines": ex.timelines}
+    out["state_bytes"] = {**ex.state_bytes, "on_disk": ex.disk_bytes()}
+    out["peak_memory"] = ex.peak_memory
     if payload.extra.get("save_to"):
         ex.save(payload.extra["save_to"])
+    state = ex.state_dict() if ex.dp_index == 0 or ex.zero else None       # collective under ZeRO
+    if ex.offload.get("to") == "disk" and state is not None:    # memory-mapped files do not travel: plain copies
+        state = {k: v.clone() for k, v in state.items()}
     if ex.dp_index == 0:
-        out["state"] = ex.state_dict()
+        out["state"] = state
+    opt = ex.optimizer_state() if payload.rank == 0 or ex.zero else None
+    if ex.offload.get("to") == "disk" and isinstance(opt, dict):
+        opt = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.items()}
     if payload.rank == 0:
-        out["optimizer_state"] = ex.optimizer_state()
+        out["optimizer_state"] = opt
     return out

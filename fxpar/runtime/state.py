@@ -38,7 +38,8 @@ def save_rank_state(ex, path, aliases: dict) -> None:
     by_canon: dict = {}
     for alias, canon in aliases.items():
         by_canon.setdefault(canon, []).append(alias)
-    for s, ps in ex.params.items():
+    params, state = ex.whole()            # ZeRO's chunks gathered: the checkpoint holds whole tensors
+    for s, ps in params.items():
         for k, v in ps.items():
             tensors[k] = v
             for alias in by_canon.get(k, ()):
@@ -46,7 +47,7 @@ def save_rank_state(ex, path, aliases: dict) -> None:
     tensors.update(ex.buffers)
     rest = None
     if ex.spec.traced:
-        for st in ex.state.values():
+        for st in state.values():
             for sk, v in st.items():
                 name, key = sk.split(":", 1)
                 tensors[optim_key(name, key)] = v
@@ -69,7 +70,8 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     manifest = read_manifest(path) or {"tensors": {}}
     saved = manifest["tensors"]
     held = {k for ps in ex.params.values() for k in ps}
-    templates = {k: v for ps in ex.params.values() for k, v in ps.items()}
+    whole = ex.whole()[0] if any(i["stage"] == 3 for i in ex.zero.values()) else ex.params   # ZeRO-3: whole shapes
+    templates = {k: v for ps in whole.values() for k, v in ps.items()}
     templates.update({k: v for k, v in ex.buffers.items()})
     for k, meta in saved.items():
         parts = split_optim_key(k)
@@ -90,6 +92,8 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     else:
         keys = [k for _, k in ex._leaves]
         ex.torch_opt.load_state_dict(torch_optimizer_state_dict(ex.torch_opt, keys, got, extra["optim"]))
+    ex._rechunk()                         # ZeRO: back to this rank's chunks
+    ex._offload()                         # ZeRO-Infinity: back into their files
     if need_stash:
         missing = [k for k in held if _STASH + k not in got]
         if missing:

@@ -21,7 +21,7 @@ from fxpar.schedule.dryrun import SimResult, simulate
 from fxpar.schedule.exceptions import (ScheduleDeadlockError, ScheduleError, ScheduleParseError,
                                    ScheduleValidationError)
 from fxpar.schedule.ir import Action, ActionKind, Schedule, parse_action
-from fxpar.schedule.reduce_grad import ensure_reduce_grad
+from fxpar.schedule.reduce_grad import add_unshard, ensure_reduce_grad
 from fxpar.schedule.registry import SCHEDULES, get_schedule
 from fxpar.schedule.synchronous import gpipe, interleaved, one_f_one_b, single
 from fxpar.schedule.validate import find_problems, validate
@@ -29,6 +29,6 @@ from fxpar.schedule.zero_bubble import zb1p
 
 __all__ = ["Action", "ActionKind", "Schedule", "parse_action",
            "single", "gpipe", "one_f_one_b", "interleaved", "zb1p", "pipedream", "pipedream_2bw", "chimera",
-           "SCHEDULES", "get_schedule", "ensure_reduce_grad", "simulate", "SimResult", "validate",
+           "SCHEDULES", "get_schedule", "ensure_reduce_grad", "add_unshard", "simulate", "SimResult", "validate",
            "find_problems", "ScheduleError", "ScheduleParseError", "ScheduleValidationError",
            "ScheduleDeadlockError"]

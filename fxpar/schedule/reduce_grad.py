@@ -29,7 +29,7 @@ import copy
 
 from fxpar.schedule.ir import SENDS, Action, ActionKind, Schedule
 
-__all__ = ["place_reduce_grad", "ensure_reduce_grad"]
+__all__ = ["place_reduce_grad", "ensure_reduce_grad", "add_unshard"]
 
 _K = ActionKind
 
@@ -93,3 +93,24 @@ def ensure_reduce_grad(schedule: Schedule) -> Schedule:
         out.actions[r] = new
     return out
 
+
+
+def add_unshard(schedule: Schedule, stages) -> Schedule:
+    """A copy of ``schedule`` where each rank gathers the parameters of each of ``stages`` it holds once per step
+    (ZeRO-3 under a pipeline): ``UNSHARD s`` right before its first compute of s, ``RESHARD s`` right after its
+    last backward of s (and the sends behind it)::
+
+        rank 0: F0.0 SF0.0>1 F0.1 SF0.1>1 RB0.0<1 B0.0 RB0.1<1 B0.1 RG0 STEP0
+        rank 0: UNSHARD0 F0.0 SF0.0>1 F0.1 SF0.1>1 RB0.0<1 B0.0 RB0.1<1 B0.1 RESHARD0 RG0 STEP0
+    """
+    out = copy.deepcopy(schedule)
+    compute = (_K.F, _K.B, _K.I, _K.W)
+    for r, seq in out.actions.items():
+        for s in sorted(set(stages)):
+            if not any(a.stage == s and a.kind in compute for a in seq):
+                continue
+            first = min(j for j, a in enumerate(seq) if a.stage == s and a.kind in compute)
+            seq.insert(first, Action(r, _K.UNSHARD, s))
+            end = _spot_after_last_backward(seq, s)
+            seq.insert(end, Action(r, _K.RESHARD, s))
+    return out

@@ -1,0 +1,133 @@
+"""fxpar ByteScheduler vs torch DDP vs fxpar FIFO buckets over a bandwidth-capped link (issue 11, part 2).
+
+Two gloo ranks in two network namespaces joined by a tbf-capped veth pair (benchmarks/netns_link.py; needs
+root and ``ip netns``, otherwise it says what is missing and runs uncapped). The 4-layer GPT of
+benchmarks/bench_capped_link.py, the same batches for everyone, AdamW, at each cap in one run, every cell
+visited once per round (``--rounds``):
+
+- fxpar ``Strategy(dp=2, comm_schedule="bytescheduler")``, partition and credit tuned by the cost model for
+  *that* cap: the program is planned on ``ClusterSpec.calibrate()`` (this machine's compute) with the link set
+  to the cap's rate; each rank runs ``Executor(payload).step(batch)`` (cross-iteration overlap: each step's
+  update is applied in the next);
+- fxpar FIFO: ``Strategy(dp=2, bucket_cap_mb=25)`` (DDP-style buckets);
+- torch DDP with 25 MB buckets (its default) and with each size of ``--sweep-mb``; the best of them;
+- DDP's compute alone (``no_sync()``), for the share of the step spent waiting on communication.
+
+Also the cost model's predicted ByteScheduler step (``Plan.comm_schedule['stages'][0]['predicted_step_s']``)
+against the measured one. The link adds bandwidth limits only (no netem: no latency).
+
+    python benchmarks/bench_bytescheduler.py [--rates none,2gbit,1gbit,500mbit] [--steps 5] [--warmup 2] [--rounds 3]
+"""
+import argparse
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import fxpar  # noqa: E402
+from bench_capped_link import ddp_bench_worker, fxpar_worker, per_step_max  # noqa: E402
+from fxpar.runtime.executor import Executor  # noqa: E402
+from fxpar.cluster import LinkSpec  # noqa: E402
+from fxpar.testing import GPT, gpt_loss  # noqa: E402
+from netns_link import CappedLink, NetnsCluster, format_rate, parse_rate  # noqa: E402
+
+
+def bs_worker(payload, batches, warmup):
+    """Timed steps; then the drain (the last step's carried update), not timed, as a run's end does."""
+    ex = Executor(payload)
+    for b in batches:
+        ex.step(b)
+    ex.drain()
+    return {"step_times": ex.step_times[warmup:]}
+
+
+def build(model, batches, opt, cluster, strategy, n):
+    prog = fxpar.parallelize(model, cluster, batches[0], loss_fn=gpt_loss, optimizer=opt, strategy=strategy)
+    return prog, [prog.payload(r, n_batches=n) for r in range(cluster.world_size)]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="none,2gbit,1gbit,500mbit")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--sweep-mb", default="1,5")
+    args = ap.parse_args()
+    w = 2
+    torch.manual_seed(0)
+    model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(1, args.d // 64), max_seq=args.seq)
+    n = args.warmup + args.steps
+    batches = [(torch.randint(0, args.vocab, (args.batch, args.seq)), torch.randint(0, args.vocab, (args.batch, args.seq)))
+               for _ in range(n)]
+    opt = (torch.optim.AdamW, {"lr": 1e-3})
+    print(f"load average at start: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+    calibrated = fxpar.ClusterSpec.calibrate(world_size=w)
+    rates = [parse_rate(r) for r in args.rates.split(",")]
+    sweep = [float(x) for x in args.sweep_mb.split(",") if x]
+    fifo, fifo_payloads = build(model, batches, opt, calibrated, fxpar.Strategy(dp=w, bucket_cap_mb=25), n)
+    bs = {}
+    for bps in rates:       # planned for the link it will run on: the tuner sees the cap
+        link = calibrated.intra_node if bps is None else LinkSpec(bps / 8, calibrated.intra_node.latency)
+        cl = replace(calibrated, intra_node=link, inter_node=link)
+        bs[bps] = build(model, batches, opt, cl, fxpar.Strategy(dp=w, comm_schedule="bytescheduler"), n)
+    params = sum(p.numel() for p in model.parameters())
+    print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}, {params / 1e6:.2f}M params "
+          f"({params * 4 / 2**20:.1f} MiB of fp32 gradients); global batch {args.batch}x{args.seq}; {w} gloo ranks; "
+          f"{args.steps} timed steps x {args.rounds} rounds per cell")
+    for bps in rates:
+        e = bs[bps][0].plan.comm_schedule["stages"][0]
+        print(f"  bytescheduler at {format_rate(bps)}: {len(e['pieces'])} pieces, partition "
+              f"{e['partition_bytes'] / 2**20:.3g} MiB, credit {e['credit_bytes'] / 2**20:.3g} MiB, predicted "
+              f"{e['predicted_step_s'] * 1e3:.1f} ms (FIFO predicted {e['fifo_predicted_step_s'] * 1e3:.1f} ms)")
+    t_start = time.perf_counter()
+    res = {}
+    with CappedLink() as link:
+        print("link: " + (f"veth {link.names.dev_a} <-> {link.names.dev_b}, tbf per direction, no latency (no netem)"
+                          if link.active else f"UNCAPPED 127.0.0.1 (missing: {link.missing})"))
+        with NetnsCluster(w, link) as cl:
+            def cell(key, fn, argv):
+                outs = cl.run(fn, [argv(r) for r in range(w)])
+                res.setdefault(key, []).extend(per_step_max(outs))
+
+            for rnd in range(args.rounds):
+                for bps in rates:
+                    link.set_rate(bps)
+                    pl = bs[bps][1]
+                    cell((bps, "bs"), bs_worker, lambda r: (pl[r], batches, args.warmup))
+                    cell((bps, "fifo"), fxpar_worker, lambda r: (fifo_payloads[r], batches, args.warmup))
+                    for mb in [25.0] + sweep:
+                        cell((bps, f"ddp{mb:g}"), ddp_bench_worker,
+                             lambda r: (model, batches, gpt_loss, opt, mb, args.warmup, False))
+                    cell((bps, "compute"), ddp_bench_worker,
+                         lambda r: (model, batches, gpt_loss, opt, 25.0, args.warmup, True))
+                print(f"  round {rnd + 1}/{args.rounds} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
+    med = {k: statistics.median(v) for k, v in res.items()}
+    print("\nmedian step time in ms (per step, the slower rank)")
+    print(f"{'cap':>9} | {'ByteSched':>9} | {'predicted':>9} | {'fxpar FIFO':>10} | {'DDP 25MB':>8} | "
+          f"{'best DDP':>14} | {'compute':>7} | {'BS/DDP25':>8} | {'BS/best':>7} | {'pred/meas':>9}")
+    for bps in rates:
+        b, f, d, c = med[(bps, "bs")], med[(bps, "fifo")], med[(bps, "ddp25")], med[(bps, "compute")]
+        best_mb = min([25.0] + sweep, key=lambda mb: med[(bps, f"ddp{mb:g}")])
+        best = med[(bps, f"ddp{best_mb:g}")]
+        pred = bs[bps][0].plan.comm_schedule["stages"][0]["predicted_step_s"]
+        print(f"{format_rate(bps):>9} | {b * 1e3:9.1f} | {pred * 1e3:9.1f} | {f * 1e3:10.1f} | {d * 1e3:8.1f} | "
+              f"{best * 1e3:7.1f} ({best_mb:g} MB) | {c * 1e3:7.1f} | {b / d:8.3f} | {b / best:7.3f} | {pred / b:9.3f}")
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s; load average at end: "
+          f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])} (2 ranks of this run count about 2)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""ByteScheduler's decisions, simulated: the static issue plan of gradient pieces, its step time, tuning.
+
+ByteScheduler (Peng et al., SOSP'19) sends the gradient pieces of a training step in priority order
+(the layer the next forward needs first goes first), in pieces of at most ``partition`` bytes, with at
+most ``credit`` bytes in flight: "the next piece goes when one completes". A compiled step has no
+scheduler thread, so the plan is made ahead: this module simulates the step on one rank with an
+α–β link (``comm_s(nbytes)``: one all_reduce, from :mod:`cost_models.comm`) and the compute times of
+the captured graph, and writes down what the rank does at each event of the step:
+
+* ``("ready", b)``: bucket ``b``'s gradients are made (in backward). Pieces whose estimated end has
+  passed (with a margin of a quarter of their duration) are waited (free), then queued pieces are issued,
+  highest priority first, while credit allows.
+* ``("need", b)``: bucket ``b``'s reduced gradients are needed -- with cross-iteration overlap, just
+  before the next step's forward first uses its parameters; without, at the optimizer. Its pieces not yet
+  issued are issued (waiting for the oldest in flight while credit is short), then waited (the rank
+  stalls until they end); then the queue is refilled.
+
+Each event's ops are ``("issue", piece)`` / ``("wait", piece)``, in order; the graph pass
+(``passes.comm_schedule``) materialises them. The link serves pieces in issue order (one process
+group: gloo and NCCL run one group's collectives in order). In-flight bytes (issued, not waited)
+never exceed the credit, by construction. The predicted step time is forward + backward + the stalls.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+__all__ = ["BucketTiming", "SimResult", "simulate", "tune"]
+
+_MARGIN = 0.25     # a piece is retired (waited for free) only a quarter of its own duration after its predicted end
+
+
+@dataclass
+class BucketTiming:
+    """One bucket (a priority group): when backward makes it, when the next forward needs it, its pieces."""
+    ready_s: float                 # seconds into backward when its last gradient is made
+    need_s: float                  # seconds into forward when its parameters are first used
+    pieces: list                   # bytes of each piece, in order
+    priority: int = 0              # 0 = needed first
+
+
+@dataclass
+class SimResult:
+    step_s: float                  # forward + backward + stalls (+ optimizer, when given)
+    stall_s: float
+    events: list = field(default_factory=list)   # [(kind, bucket, [(op, piece id), ...]), ...]
+    peak_inflight: int = 0
+    pieces: list = field(default_factory=list)   # piece id -> (bucket, index within bucket, bytes)
+
+
+def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cross: bool,
+             t_opt: float = 0.0) -> SimResult:
+    """Simulate one steady-state step and return its issue plan (see the module docstring)."""
+    pieces = [(b, j, n) for b, bt in enumerate(buckets) for j, n in enumerate(bt.pieces)]
+    pid = {(b, j): i for i, (b, j, _) in enumerate(pieces)}
+    big = max((n for _, _, n in pieces), default=0)
+    if big > credit:
+        raise ValueError(f"credit {credit} bytes is below the largest piece ({big} bytes)")
+    res = SimResult(0.0, 0.0, pieces=pieces)
+    queue: list = []               # (priority, piece id)
+    inflight: list = []            # [piece id, end time], issue order
+    link = [0.0]                   # when the link is free
+    used = [0]
+
+    def issue(p, x, ops):
+        start = max(x, link[0])
+        link[0] = start + comm_s(pieces[p][2])
+        inflight.append([p, link[0]])
+        used[0] += pieces[p][2]
+        res.peak_inflight = max(res.peak_inflight, used[0])
+        ops.append(("issue", p))
+
+    def wait(k, ops):
+        p, end = inflight.pop(k)
+        used[0] -= pieces[p][2]
+        ops.append(("wait", p))
+        return end
+
+    def retire(x, ops):       # a wait on a piece predicted done blocks when the prediction is short: keep a margin
+        while inflight and inflight[0][1] + _MARGIN * comm_s(pieces[inflight[0][0]][2]) <= x:
+            wait(0, ops)
+
+    def refill(x, ops):
+        while queue and used[0] + pieces[queue[0][1]][2] <= credit:
+            issue(heapq.heappop(queue)[1], x, ops)
+
+    order = sorted(range(len(buckets)), key=lambda b: (buckets[b].ready_s, b))
+    for b in order:
+        x = t_fwd + buckets[b].ready_s
+        ops: list = []
+        for j in range(len(buckets[b].pieces)):
+            heapq.heappush(queue, (buckets[b].priority, pid[(b, j)]))
+        retire(x, ops)
+        refill(x, ops)
+        res.events.append(("ready", b, ops))
+    stall = 0.0
+    base = t_fwd + t_bwd             # the optimizer (after the waits) or the next forward starts here
+    for b in sorted(range(len(buckets)), key=lambda b: (buckets[b].priority, b)):
+        x = base + (buckets[b].need_s if cross else 0.0) + stall
+        ops = []
+        retire(x, ops)
+        mine = [pid[(b, j)] for j in range(len(buckets[b].pieces))]
+        for p in mine:
+            if any(q == p for _, q in queue):
+                queue.remove(next(e for e in queue if e[1] == p))
+                heapq.heapify(queue)
+                while used[0] + pieces[p][2] > credit:
+                    x = max(x, wait(0, ops))
+                issue(p, x, ops)
+        for p in mine:
+            k = next((i for i, (q, _) in enumerate(inflight) if q == p), None)
+            if k is not None:                 # not retired already
+                x = max(x, wait(k, ops))
+        retire(x, ops)
+        refill(x, ops)
+        stall = x - (base + (buckets[b].need_s if cross else 0.0))
+        res.events.append(("need", b, ops))
+    res.stall_s = stall
+    res.step_s = t_fwd + t_bwd + t_opt + stall
+    return res
+
+
+def tune(make_buckets, t_fwd: float, t_bwd: float, comm_s, cross: bool, partitions: list, credit_factors: list,
+         t_opt: float = 0.0, partition: int | None = None, credit: int | None = None) -> tuple:
+    """Grid search (ByteScheduler tunes with Bayesian optimisation over measured runs; here the simulation is
+    cheap, so a grid suffices): ``make_buckets(partition) -> [BucketTiming]``. ``partition``/``credit`` given:
+    that value is kept. Returns ``(partition, credit, SimResult, tried)`` with the least predicted step time
+    (ties: the larger partition, then the larger credit: fewer collectives, fewer waits)."""
+    tried, best = [], None
+    for part in ([partition] if partition else partitions):
+        bts = make_buckets(part)
+        biggest = max((n for bt in bts for n in bt.pieces), default=1)
+        total = sum(n for bt in bts for n in bt.pieces)
+        credits = [credit] if credit else sorted({max(biggest, int(part * f)) for f in credit_factors} | {total})
+        for c in credits:
+            r = simulate(bts, t_fwd, t_bwd, comm_s, c, cross, t_opt)
+            tried.append((part, c, r.step_s))
+            key = (round(r.step_s, 9), -part, -c)
+            if best is None or key < best[0]:
+                best = (key, part, c, r)
+    _, part, c, r = best
+    return part, c, r, tried
+
+
+def stage_timings(gm, signature, device) -> dict:
+    """From a captured joint step: forward/backward/optimizer seconds (``cost_models.compute``), and per parameter
+    key when backward makes its gradient (seconds into backward) and when forward first uses it (seconds into
+    forward). The times place the events of :func:`simulate`; the node order is the order the step runs."""
+    from fxpar import meta as M
+    from .compute import graph_compute
+    times = graph_compute(gm, device).times
+    key_of = {ph: k for ph, (r, k) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs) if r == "param"}
+    clock = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
+    ready, need = {}, {}
+    for i, n in enumerate(gm.graph.nodes):
+        phase = M.get(n, M.PHASE)
+        if phase not in clock:
+            continue
+        if phase == "forward":
+            for a in n.all_input_nodes:
+                if a in key_of:       # graph order breaks ties between uses at the same estimated time
+                    need.setdefault(key_of[a], clock["forward"] + 1e-12 * i)
+        clock[phase] += times.get(n, 0.0)
+        key = M.get(n, M.GRAD_OF)
+        if phase == "backward" and key is not None:
+            ready[key] = clock["backward"]
+    return {"t_fwd": clock["forward"], "t_bwd": clock["backward"], "t_opt": clock["optimizer"],
+            "ready": ready, "need": need}
+
+
+def split_rows(shape, itemsize: int, partition: int) -> list:
+    """Row ranges (dim 0) of a tensor of ``shape`` in pieces of at most ``partition`` bytes (one row at least:
+    a row is the indivisible piece: its slice is a view whatever the tensor's layout)."""
+    rows = int(shape[0]) if len(shape) else 1
+    row_bytes = itemsize
+    for s in shape[1:]:
+        row_bytes *= int(s)
+    per = max(1, partition // max(1, row_bytes))
+    return [(r, min(rows, r + per)) for r in range(0, rows, per)]
+
+
+class CreditError(ValueError):
+    """The credit is below the largest piece: ``piece`` bytes, bucket ``bucket``, at ``partition``."""
+
+    def __init__(self, piece: int, bucket: int, partition: int):
+        super().__init__(f"credit below the largest piece ({piece} bytes)")
+        self.piece, self.bucket, self.partition = piece, bucket, partition
+
+
+_PARTITIONS = tuple(int(2**20 * x) for x in (0.25, 0.5, 1, 2, 4, 8, 16, 32))
+_CREDIT_FACTORS = (1, 2, 4, 8)
+
+
+def plan_stage(tm: dict, buckets_at, shape_of, itemsize_of, comm_s, cross: bool, fifo_buckets: list,
+               partition: int | None = None, credit: int | None = None) -> tuple:
+    """ByteScheduler's decisions for one stage: ``(entry, buckets)``. ``tm``: :func:`stage_timings`;
+    ``buckets_at(partition) -> [[key, ...]]`` (DDP's packing up to ``partition``); ``fifo_buckets``: the FIFO
+    plan, simulated for comparison. ``entry`` holds the chosen partition and credit, how they were chosen
+    (the grid tried, best first), the priority order, the pieces ``[bucket, first row, end row]`` (rows None:
+    the whole bucket), the events with their ops, the simulated in-flight peak and step times."""
+    size = lambda k: _prod(shape_of(k)) * itemsize_of(k)        # noqa: E731
+
+    def layout(buckets, part):
+        need = [min((tm["need"].get(k, tm["t_fwd"]) for k in b), default=0.0) for b in buckets]
+        prio = {b: i for i, b in enumerate(sorted(range(len(buckets)), key=lambda b: (need[b], -b)))}
+        out, rows = [], []
+        for b, keys in enumerate(buckets):
+            total = sum(size(k) for k in keys)
+            if part and len(keys) == 1 and total > part:
+                cuts = split_rows(shape_of(keys[0]), itemsize_of(keys[0]), part)
+                pieces = [total * (r1 - r0) // int(shape_of(keys[0])[0]) for r0, r1 in cuts]
+            else:
+                cuts, pieces = [None], [total]
+            rows += [[b] + (list(c) if c else [None, None]) for c in cuts]
+            out.append(BucketTiming(max(tm["ready"].get(k, tm["t_bwd"]) for k in keys), need[b], pieces, prio[b]))
+        return out, rows
+
+    fifo = None
+    if fifo_buckets:
+        fb, _ = layout(fifo_buckets, None)
+        for b, bt in enumerate(fb):
+            bt.priority = b            # FIFO: backward order, everything in flight, waits at the optimizer
+        fifo = simulate(fb, tm["t_fwd"], tm["t_bwd"], comm_s, sum(sum(bt.pieces) for bt in fb), False, tm["t_opt"])
+    try:
+        part, cred, sim, tried = tune(lambda p: layout(buckets_at(p), p)[0], tm["t_fwd"], tm["t_bwd"], comm_s, cross,
+                                      list(_PARTITIONS), _CREDIT_FACTORS, tm["t_opt"], partition, credit)
+    except ValueError:
+        part = partition or _PARTITIONS[0]
+        bts = layout(buckets_at(part), part)[0]
+        b, piece = max(((b, n) for b, bt in enumerate(bts) for n in bt.pieces), key=lambda t: t[1])
+        raise CreditError(piece, b, part) from None
+    buckets = buckets_at(part)
+    timings, rows = layout(buckets, part)
+    entry = {"partition_bytes": part, "credit_bytes": cred,
+             "tuned": {"partition": "given" if partition else "cost model", "credit": "given" if credit else "cost model",
+                       "tried": [list(t) for t in sorted(tried, key=lambda t: t[2])[:8]]},
+             "priority": sorted(range(len(timings)), key=lambda b: timings[b].priority), "pieces": rows,
+             "events": [[k, b, [list(o) for o in ops]] for k, b, ops in sim.events],
+             "peak_inflight_bytes": sim.peak_inflight, "predicted_step_s": sim.step_s,
+             "fifo_predicted_step_s": fifo.step_s if fifo else None}
+    return entry, buckets
+
+
+def _prod(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n

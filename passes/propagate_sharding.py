@@ -1,0 +1,416 @@
+"""Sharding propagation (GShard): from a few fixed shardings, decide every node's, through the joint graph.
+
+Fixed (``passes/sharding/layouts.py``): ``fxpar.shard`` annotations in the forward
+(:mod:`fxpar.annotate`) and Mesh-TensorFlow-style layouts, glob patterns over parameter keys
+(``{"blocks.*.mlp.fc1.weight": ("tp", None)}``; a parameter's optimizer state takes its layout).
+Then, per mesh axis (Lepikhin et al., GShard, ICLR'21, §3.5; placements per axis as DTensor's):
+
+1. *backward*: from each annotation, its placement flows to the producers of the annotated value
+   through forward ops whose rule admits one input placement for it (``mm`` with a column-split
+   output wants its weight column-split), stopping at a node with its own annotation or layout
+   (that one wins). Two annotations whose wishes meet at an unannotated node and differ is a
+   :class:`ShardingConflict` naming both and the node: annotate that node to say which wins.
+2. *forward*, in graph order (forward, backward, optimizer): each op takes the candidate of its rule
+   (``passes.sharding``) that costs the fewest bytes to redistribute its inputs into, then the fewest
+   changes, then matches a preference, then comes first (all-replicated first); ``_Axis._charge``
+   says how bytes are counted. An unfixed parameter or input takes the placement its first
+   consumer's choice wants, through the views in between (the bias of a column-parallel Linear is
+   split with its weight; ``t(fc2.weight)`` is decided by its matmul); optimizer state follows its
+   parameter. With ``signature=``, every updated parameter and state leaves laid out as it came in.
+
+The result says, per node, the sharding of each tensor output and the sharding each tensor input
+must be in (``passes.lower_sharding`` inserts the collective where they differ), lists the ops
+without a rule (run replicated), and explains itself. Nothing in the graph is changed.
+
+    >>> res = propagate_shardings(cap.gm, Mesh((("tp", 2),)), layouts={"fc1.weight": ("tp", None),
+    ...                                                                  "fc2.weight": (None, "tp")})
+    >>> print(res.explain())                          # Megatron's MLP: nothing else was said
+    shardings over mesh {'tp': 2}:
+      fc1_weight                   P('tp', None)   [layout 'fc1.weight': ('tp', None)]
+      fc1_bias                     P('tp')
+      addmm                        P(None, 'tp')
+      gelu                         P(None, None, 'tp')
+      addmm_1                      P(None, None, partial=('tp',))
+      ...
+    redistributions: 2, 768 bytes per rank
+      zero            fc2_bias -> addmm_1: R -> P over 'tp', 0 B
+      all_reduce      view_3 -> mse_loss: P -> R over 'tp', 768 B
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from fxpar import meta as M
+from fxpar.annotate import annotated_value, is_shard_node
+from fxpar.sharding import P, R, Sharding, axis_sizes, fmt_placement, redistribute_bytes, redistribute_steps
+
+from .sharding import OpInfo, groups_of, has_rule, tensor_leaves
+from .sharding.layouts import ShardingConflict, describe, fixed_shardings
+
+__all__ = ["propagate_shardings", "ShardingResult", "ShardingConflict"]
+
+
+@dataclass
+class ShardingResult:
+    mesh: dict                                   # axis -> size
+    out: dict = field(default_factory=dict)      # node name -> tuple of Sharding, one per tensor output
+    need: dict = field(default_factory=dict)     # node name -> tuple of Sharding, one per tensor input
+    no_rule: list = field(default_factory=list)  # [(node name, op, module)] ops run replicated for want of a rule
+    sources: dict = field(default_factory=dict)  # node name -> the annotation or layout that fixed it
+    redistributions: list = field(default_factory=list)  # [(node, input, src, dst, axis, kind, bytes per rank)]
+
+    def sharding(self, node) -> Sharding:
+        name = node if isinstance(node, str) else node.name
+        return self.out[name][0]
+
+    def to_plan(self) -> dict:
+        """``{node name: [sharding json per output]}`` for ``Plan.shardings``."""
+        return {k: [s.to_json() for s in v] for k, v in self.out.items()}
+
+    def comm_bytes(self) -> float:
+        return sum(r[-1] for r in self.redistributions)
+
+    def explain(self, limit: int = 60) -> str:
+        lines = [f"shardings over mesh {self.mesh}:"]
+        shown = 0
+        for name, outs in self.out.items():
+            if all(s.is_replicated for s in outs) or shown >= limit:
+                continue
+            shown += 1
+            src = f"   [{self.sources[name]}]" if name in self.sources else ""
+            lines.append(f"  {name:<28} {', '.join(map(str, outs))}{src}")
+        lines.append(f"redistributions: {len(self.redistributions)}, {self.comm_bytes():.0f} bytes per rank")
+        for node, inp, a, b, axis, kind, nb in self.redistributions:
+            lines.append(f"  {kind:<15} {inp} -> {node}: {fmt_placement(a)} -> {fmt_placement(b)} over {axis!r}, "
+                         f"{nb:.0f} B")
+        if self.no_rule:
+            lines.append(f"ops without a sharding rule, run replicated ({len(self.no_rule)}):")
+            lines += [f"  {n} ({op}) in {mod or '<root>'}" for n, op, mod in self.no_rule]
+        return "\n".join(lines)
+
+
+# --- one axis --------------------------------------------------------------------------------------------
+
+def _val(node):
+    return node.meta.get("val")
+
+
+def _fits(info: OpInfo, g, cand, n: int, taken_in: tuple, taken_out: tuple) -> bool:
+    """Every split divides its dim, no dim is split by another axis already, partial sums only on floats."""
+    for j, pl in zip(g.ins, cand[0]):
+        if not _ok(info.in_shapes[j], pl, n, taken_in[j] if taken_in else (), _is_float_in(info, j)):
+            return False
+    for o, pl in zip(g.outs, cand[1]):
+        if not _ok(info.out_shapes[o], pl, n, taken_out[o] if taken_out else (), True):
+            return False
+    return True
+
+
+def _is_float_in(info, j) -> bool:
+    node = tensor_leaves(info.node)[j][1]
+    return node.meta["val"].dtype.is_floating_point
+
+
+def _ok(shape, pl, n, taken, is_float) -> bool:
+    if pl == P:
+        return is_float
+    if isinstance(pl, int):
+        return pl < len(shape) and shape[pl] % n == 0 and shape[pl] >= n and pl not in taken
+    return True
+
+
+aten = torch.ops.aten
+_VIEWS = {aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,
+          aten.reshape.default, aten.unsqueeze.default, aten.squeeze.dim, aten.expand.default, aten.clone.default,
+          aten.detach.default, aten.alias.default, aten._to_copy.default}
+
+
+def _nbytes(node, pl, n) -> float:
+    v = _val(node)
+    b = v.numel() * v.element_size() if isinstance(v, torch.Tensor) else 0
+    return b / n if isinstance(pl, int) else b
+
+
+class _Axis:
+    """Propagation along one mesh axis."""
+
+    def __init__(self, gm, axis: str, n: int, fixed: dict, taken: dict):
+        self.gm, self.axis, self.n = gm, axis, n
+        self.fixed = {node: (sh.placement(axis), src) for node, (sh, src) in fixed.items()}
+        self.taken = taken                  # node -> (per input: dims split by earlier axes, per output: ...)
+        self.place, self.need, self.pref = {}, {}, {}
+        self.redist = []                    # (node, input, src, dst, axis, kind, bytes per rank)
+        self.avail = {}                     # node -> placements a consumer already had it redistributed to
+        self.free = {}                      # view of a not-yet-placed parameter -> its input
+        params = {M.get(n, M.PARAM): n for n in gm.graph.nodes if n.op == "placeholder" and M.get(n, M.ROLE) == "param"}
+        self.state_of = {n: params[M.get(n, M.PARAM).split(":", 1)[-1]] for n in gm.graph.nodes
+                         if n.op == "placeholder" and M.get(n, M.ROLE) == "opt_state"
+                         and M.get(n, M.PARAM).split(":", 1)[-1] in params}   # optimizer state -> its parameter
+
+    # 1. backward: annotations' placements flow to their producers
+    def backward(self):
+        for node, (pl, src) in self.fixed.items():
+            self.pref[node] = (pl, src)
+        for node in reversed(list(self.gm.graph.nodes)):
+            if node not in self.pref or node.op != "call_function" or self.pref[node][0] == R:
+                continue
+            pl, src = self.pref[node]
+            if node in self.fixed and self.fixed[node][1].startswith("fxpar.shard"):
+                self._push(node.args[0], pl, src)
+                continue
+            if M.get(node, M.PHASE) != "forward" or not has_rule(node.target):
+                continue
+            info = OpInfo.of(node)
+            groups = groups_of(info)
+            if len(groups) != 1 or len(info.out_shapes) != 1:
+                continue
+            g = groups[0]
+            ok = [c for c in g.cands if c[1] == (pl,) and _fits(info, g, c, self.n, None, None)]
+            leaves = tensor_leaves(node)
+            for j in g.ins:
+                options = {c[0][g.ins.index(j)] for c in ok}
+                if len(options) == 1 and next(iter(options)) != R:
+                    self._push(leaves[j][1], next(iter(options)), src)
+
+    def _push(self, node, pl, src):
+        """``src`` would like ``node`` laid out as ``pl``. A node with its own annotation or layout keeps it (the
+        consumer gets a redistribution); two wishes for one unannotated node must agree."""
+        if node in self.fixed:
+            return
+        mine = self.pref.get(node)
+        if mine is not None and mine[0] != pl:
+            raise ShardingConflict(f"{mine[1]} and {src} meet at {describe(node)}: along mesh axis {self.axis!r} one "
+                                   f"wants {fmt_placement(mine[0])}, the other {fmt_placement(pl)} -- annotate that "
+                                   "node to say which wins, or change one of them")
+        if mine is None:
+            self.pref[node] = (pl, src)
+
+    # 2. forward, in graph order
+    def forward(self):
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                if node in self.pref:
+                    self._set(node, (self.pref[node][0],))
+            elif node.op == "call_function":
+                self._decide(node)
+        for node in list(self.free):                # views no consumer decided: whole
+            if node in self.free:
+                self._assign(node, R)
+
+    def _placed(self, leaf):
+        """The leaf's placement, R if none yet (not ``or R``: a split along dim 0 is the int 0)."""
+        p = self._in_place(leaf)
+        return R if p is None else p
+
+    def _in_place(self, leaf):
+        p = self.place.get(leaf)
+        if p is None and leaf in self.state_of and self.state_of[leaf] in self.place:
+            p = self.place[self.state_of[leaf]]            # optimizer state is laid out as its parameter
+            self._set(leaf, p)
+        return None if p is None else p[0]
+
+    def _decide(self, node):
+        if node.target is operator.getitem:
+            src, idx = node.args
+            info = OpInfo.of(src)
+            self._set(node, (self.place[src][info.out_pos.index(idx)],) if isinstance(_val(node), torch.Tensor) else ())
+            self.need[node] = ()
+            return
+        if node in self.fixed and self.fixed[node][1].startswith("fxpar.shard"):
+            pl, x = self.fixed[node][0], node.args[0]       # the annotated value: x laid out as asked
+            if self._in_place(x) is None:
+                self._assign(x, pl)
+            if pl not in self.avail[x]:
+                self._record(node, x, pl)
+            self._use(x, pl)
+            self._set(node, (pl,))
+            self.need[node] = (pl, self._placed(node.args[1]))
+            return
+        if is_shard_node(node):
+            val = annotated_value(node)
+            pl = self.fixed[val][0] if val in self.fixed else R
+            self._set(node, (pl,))
+            self.need[node] = (self._placed(node.args[0]),)
+            return
+        info = OpInfo.of(node)
+        leaves = [n for _, n in tensor_leaves(node)]
+        cur = [self._in_place(x) for x in leaves]
+        if node.target in _VIEWS and len(leaves) == 1 and cur[0] is None and len(info.out_shapes) == 1:
+            self.free[node] = leaves[0]             # a view of a free parameter: its consumer decides both
+            return
+        t_in, t_out = self.taken.get(node, (None, None))
+        out, need = [R] * len(info.out_shapes), list(cur)
+        want = self.pref.get(node, (None,))[0]
+        for g in groups_of(info):
+            scored = []
+            for i, c in enumerate(g.cands):
+                if not _fits(info, g, c, self.n, t_in, t_out):
+                    continue
+                nbytes, changes = 0.0, 0
+                for j, pl in zip(g.ins, c[0]):
+                    if cur[j] is not None and pl not in self.avail.get(leaves[j], ()):
+                        nbytes += min(self._charge(leaves[j], a, pl) for a in self.avail[leaves[j]])
+                        changes += 1
+                # partial sums made here must be reduced later: charge that now (else they spread)
+                nbytes += sum(redistribute_bytes(P, R, info.out_nbytes[o], self.n) for o, pl in zip(g.outs, c[1])
+                              if pl == P)
+                match = -sum(1 for pl in c[1] if want is not None and pl == want)
+                scored.append(((nbytes, changes, match, i), c))
+            _, best = min(scored, key=lambda t: t[0])
+            for j, pl in zip(g.ins, best[0]):
+                need[j] = pl
+                if self._in_place(leaves[j]) is None:                    # free: take what is asked
+                    self._assign(leaves[j], pl)
+                if pl not in self.avail[leaves[j]]:
+                    self._record(node, leaves[j], pl)
+                self._use(leaves[j], pl)
+            for o, pl in zip(g.outs, best[1]):
+                out[o] = pl
+        self._set(node, tuple(out))
+        self.need[node] = tuple(R if x is None else x for x in need)
+
+    def _assign(self, leaf, pl):
+        """Place a free parameter (never as a partial sum: it holds data) or a view chain of one: back through the
+        view's rule to the parameter; a placement the view cannot give leaves the chain whole."""
+        want = R if pl == P else pl
+        if leaf not in self.free:
+            self._set(leaf, (want,))
+            return
+        src = self.free.pop(leaf)
+        info = OpInfo.of(leaf)
+        g = groups_of(info)[0]
+        t_in, t_out = self.taken.get(leaf, (None, None))
+        opts = [c for c in g.cands if c[1] == (want,) and _fits(info, g, c, self.n, t_in, t_out)]
+        in_pl = opts[0][0][0] if opts else R
+        self._assign(src, in_pl)
+        self._use(src, in_pl)
+        self._set(leaf, (want if opts else R,))
+        self.need[leaf] = (in_pl,)
+
+    def outputs(self, signature):
+        """The output node needs each updated state laid out as the placeholder it replaces."""
+        out = self.gm.graph.output_node()
+        leaves = [a for a in torch.utils._pytree.tree_flatten(out.args[0])[0] if isinstance(a, torch.fx.Node)]
+        ph = {k: n for k, n in zip(signature.inputs, [n for n in self.gm.graph.nodes if n.op == "placeholder"])}
+        need = []
+        for (role, key), leaf in zip(signature.outputs, leaves):
+            have = self._placed(leaf)
+            src = ph.get((role[4:], key)) if role.startswith("new_") else None
+            want = self._placed(src) if src is not None else have
+            if want not in self.avail.get(leaf, {have}):
+                self._record(out, leaf, want)
+            need.append(want)
+        self.need[out] = tuple(need)
+
+    def _set(self, node, pls):
+        self.place[node] = pls
+        if len(pls) == 1:
+            self.avail[node] = {pls[0]}
+
+    def _charge(self, leaf, a, pl) -> float:
+        """Bytes charged for choosing ``a -> pl`` (a heuristic for the greedy choice; the bytes recorded and
+        inserted are the real ones):
+
+        * splits come from annotations and layouts, not from communication: a partial sum made split
+          (reduce_scatter) or a split moved to another dim (all_to_all) is charged as made whole (all_reduce,
+          all_gather) unless a preference asks for that split, so ties go to the replicated candidate
+          (Megatron's all_reduce, not a sequence or batch split nobody asked for);
+        * a replicated value made a partial sum (free: zeros on the other ranks) is charged the all_reduce its
+          partial sums will need, so partial sums do not spread through the residual stream;
+        * a parameter or its optimizer state keeps its layout across steps: moving it means moving its update
+          back, so it is charged the round trip + 1 and the update follows the stored layout."""
+        nb = _nbytes(leaf, a, self.n)
+        if isinstance(pl, int) and a != R and self.pref.get(leaf, (None,))[0] != pl:
+            cost = redistribute_bytes(a, R, nb, self.n)
+        elif a == R and pl == P:
+            cost = redistribute_bytes(P, R, nb, self.n)
+        else:
+            cost = redistribute_bytes(a, pl, nb, self.n)
+        if leaf.op == "placeholder" and M.get(leaf, M.ROLE) in ("param", "opt_state"):
+            cost += redistribute_bytes(pl, a, _nbytes(leaf, pl, self.n), self.n) + 1
+        return cost
+
+    def _record(self, node, leaf, pl):
+        nb = {a: redistribute_bytes(a, pl, _nbytes(leaf, a, self.n), self.n) for a in sorted(self.avail[leaf], key=str)}
+        src = min(nb, key=nb.get)
+        self.redist.append((node.name, leaf.name, src, pl, self.axis, _kind(src, pl), nb[src]))
+
+    def _use(self, leaf, pl):
+        """A consumer gets ``leaf`` as ``pl``: later consumers find that version there (the lowering reuses it);
+        a replicated version also gives every split and the partial-sum form locally."""
+        got = self.avail.setdefault(leaf, set())
+        got.add(pl)
+
+
+# --- the pass --------------------------------------------------------------------------------------------
+
+def propagate_shardings(gm: torch.fx.GraphModule, mesh, layouts: dict | None = None,
+                        aliases: dict | None = None, signature=None) -> ShardingResult:
+    """Decide every node's sharding over ``mesh`` (a ``fxpar.Mesh`` or ``{axis: size}``) from the graph's
+    ``fxpar.shard`` annotations and ``layouts`` (glob over parameter keys -> spec); ``aliases``: tied keys
+    (``CapturedStep.aliases``), so a layout may name either key of a tied parameter; ``signature``
+    (``CapturedStep.signature``): each ``new_param`` / ``new_opt_state`` / ``new_buffer`` output is made to
+    leave laid out as its input came in (the next step reads it), with a redistribution where it is not."""
+    sizes = axis_sizes(mesh)
+    fixed = fixed_shardings(gm, sizes, layouts or {}, aliases or {})
+    res = ShardingResult(dict(sizes), sources={n.name: src for n, (_, src) in fixed.items()})
+    axes = [a for a, s in sizes.items() if s > 1]
+    per_axis = []
+    taken: dict = {}
+    for axis in axes:
+        ax = _Axis(gm, axis, sizes[axis], fixed, taken)
+        ax.backward()
+        ax.forward()
+        if signature is not None:
+            ax.outputs(signature)
+        per_axis.append(ax)
+        _take(taken, ax)
+    _collect(gm, res, per_axis)
+    res.redistributions = [r for ax in per_axis for r in ax.redist]
+    return res
+
+
+def _take(taken: dict, ax: _Axis) -> None:
+    """Record the dims ``ax`` split, per node input and output: a later axis may not split them again."""
+    def merge(prev, pls):
+        split = [{pl} if isinstance(pl, int) else set() for pl in pls]
+        return tuple(a | b for a, b in zip(prev, split)) if prev else tuple(split)
+    for node, need in ax.need.items():
+        ti, to = taken.get(node, (None, None))
+        taken[node] = (merge(ti, need), merge(to, ax.place.get(node, ())))
+
+
+def _collect(gm, res: ShardingResult, per_axis: list) -> None:
+    out = gm.graph.output_node()
+    if per_axis and out in per_axis[0].need:
+        leaves = [a for a in torch.utils._pytree.tree_flatten(out.args[0])[0] if isinstance(a, torch.fx.Node)]
+        res.need[out.name] = tuple(Sharding.from_placements(len(_val(x).shape), {ax.axis: ax.need[out][j]
+                                   for ax in per_axis}) for j, x in enumerate(leaves))
+    for node in gm.graph.nodes:
+        if node.op not in ("placeholder", "call_function"):
+            continue
+        flat = OpInfo.of(node).out_shapes if node.op == "call_function" else [tuple(_val(node).shape)] \
+            if isinstance(_val(node), torch.Tensor) else []
+        outs = []
+        for o, shape in enumerate(flat):
+            outs.append(Sharding.from_placements(len(shape), {ax.axis: ax.place.get(node, (R,) * len(flat))[o]
+                                                              for ax in per_axis}))
+        res.out[node.name] = tuple(outs)
+        if node.op != "call_function":
+            continue
+        leaves = tensor_leaves(node) if node.target is not operator.getitem else []
+        needs = []
+        for j, (_, src) in enumerate(leaves):
+            nd = len(_val(src).shape)
+            needs.append(Sharding.from_placements(nd, {ax.axis: ax.need[node][j] for ax in per_axis}))
+        res.need[node.name] = tuple(needs)
+        if node.target is not operator.getitem and not is_shard_node(node) and not has_rule(node.target):
+            res.no_rule.append((node.name, str(node.target), M.get(node, M.MODULE) or ""))
+
+
+def _kind(a, b) -> str:
+    return "+".join(k for k, _, _ in redistribute_steps(a, b))

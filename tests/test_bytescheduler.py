@@ -1,0 +1,387 @@
+"""ByteScheduler as a graph pass (issue 11 part 2): priority, partitions, credit, cross-iteration overlap.
+
+Numerics: N gloo ranks with cross-iteration overlap (each bucket's wait and update in the next step) equal
+single-process training in float64 to 1e-10; under dp x pp (priority, partitions, credit in REDUCE_GRAD/STEP)
+too. Structure: pieces are issued in priority order, the bytes in flight (measured on the ranks) never exceed
+the credit, the next step's first forward op on a layer depends only on that layer's carried waits, a resumed
+run equals an uninterrupted one.
+"""
+from __future__ import annotations
+
+import heapq
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fxpar
+from fxpar.errors import StrategyError
+from fxpar.runtime.executor import train
+from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training
+
+SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+SMALL = dict(partition_mb=0.004, credit_mb=0.008)     # pieces of <= 4 KiB (8 KiB weights cut in rows), 8 KiB in flight
+C10D = torch.ops._c10d_functional
+
+
+def _gpt():
+    return GPT(vocab=32, d=16, layers=2, heads=2).double()
+
+
+def _mlp():
+    return MLP().double()
+
+
+def _batches(kind, n=3, batch=8):
+    g = torch.Generator().manual_seed(3)
+    if kind == "mlp":
+        return [(torch.randn(batch, 16, generator=g, dtype=torch.float64),
+                 torch.randn(batch, 8, generator=g, dtype=torch.float64)) for _ in range(n)]
+    return [(torch.randint(0, 32, (batch, 8), generator=g), torch.randint(0, 32, (batch, 8), generator=g))
+            for _ in range(n)]
+
+
+MODELS = {"gpt": (_gpt, gpt_loss), "mlp": (_mlp, F.mse_loss)}
+
+
+def _program(kind, opt, strategy, n=3, **kw):
+    make, loss_fn = MODELS[kind]
+    model, batches = make(), _batches(kind, n)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy.size), batches[0], loss_fn=loss_fn,
+                             optimizer=opt, strategy=strategy, **kw)
+    return model, batches, loss_fn, prog
+
+
+def _assert_matches(res, model, batches, loss_fn, opt, **kw):
+    ref_losses, ref_state = reference_training(model, batches, loss_fn, opt, **kw)
+    assert len(res.losses) == len(batches)
+    for a, b in zip(res.losses, ref_losses):
+        assert abs(a - b) <= 1e-10 * max(1.0, abs(b))
+    assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
+
+
+# ---- numerics ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("opt", [SGD_M, ADAMW], ids=["sgd_momentum", "adamw"])
+@pytest.mark.parametrize("kind", ["gpt", "mlp"])
+def test_cross_iteration_matches_single_process(clusters, kind, opt, dp):
+    model, batches, loss_fn, prog = _program(kind, opt, fxpar.Strategy(dp=dp, comm_schedule="bytescheduler", **SMALL))
+    cs = prog.plan.comm_schedule
+    assert cs["cross_iteration"] and set(prog.stages[0].graphs) == {"FULL", "FIRST", "DRAIN"}
+    assert any(r0 is not None for _, r0, _ in cs["stages"][0]["pieces"])       # some gradient is cut in rows
+    _assert_matches(prog.run_local(batches, cluster=clusters.get(dp)), model, batches, loss_fn, opt)
+
+
+def test_cross_iteration_with_lr_scheduler(clusters):
+    """The deferred update uses its own step's learning rate and count, not the next step's."""
+    sched = (torch.optim.lr_scheduler.StepLR, {"step_size": 1, "gamma": 0.5})
+    model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL),
+                                             lr_scheduler=sched)
+    _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, ADAMW,
+                    lr_scheduler=sched)
+
+
+@pytest.mark.parametrize("opt", [SGD_M, ADAMW], ids=["sgd_momentum", "adamw"])
+def test_dp2_pp2_matches_single_process(clusters, opt):
+    st = fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL)
+    model, batches, loss_fn, prog = _program("gpt", opt, st)
+    cs = prog.plan.comm_schedule
+    assert not cs["cross_iteration"] and "pipeline" in cs["why_not_cross_iteration"]
+    assert all(len(e["pieces"]) > len(prog.plan.buckets[s]) for s, e in enumerate(cs["stages"]))   # cut in rows
+    _assert_matches(prog.run_local(batches, cluster=clusters.get(4)), model, batches, loss_fn, opt)
+
+
+def test_tuned_partition_and_credit_are_recorded(clusters):
+    model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler"))
+    entry = prog.plan.comm_schedule["stages"][0]
+    assert entry["tuned"] == {"partition": "cost model", "credit": "cost model", "tried": entry["tuned"]["tried"]}
+    assert entry["predicted_step_s"] == min(t[2] for t in entry["tuned"]["tried"])
+    assert entry["credit_bytes"] >= max(b for _, _, b in _piece_bytes(prog))
+    again = fxpar.Plan.from_json(prog.plan.to_json())
+    assert again.comm_schedule == prog.plan.comm_schedule
+    _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, ADAMW)
+
+
+def test_batchnorm_and_a_handed_back_plan(clusters):
+    """BatchNorm buffers (broadcast from dp-rank 0 after each step, as DDP) come out exactly as FIFO's; a Plan handed
+    back (its JSON) rebuilds the same graphs and trains the same."""
+    from fxpar.testing import BNConvNet
+    model = BNConvNet().double()
+    g = torch.Generator().manual_seed(4)
+    batches = [(torch.randn(8, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 10, (8,), generator=g))
+               for _ in range(3)]
+    lc = clusters.get(2)
+    st = fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL)
+    prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M, strategy=st)
+    fifo = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M, strategy=fxpar.Strategy(dp=2))
+    again = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M, strategy=st,
+                              plan=fxpar.Plan.from_json(prog.plan.to_json()))
+    assert again.plan.comm_schedule == prog.plan.comm_schedule and again.plan.buckets == prog.plan.buckets
+    assert again.stages[0].graphs["FULL"].gm.code == prog.stages[0].graphs["FULL"].gm.code
+    ours, theirs, back = (p.run_local(batches, cluster=lc) for p in (prog, fifo, again))
+    assert ours.losses == theirs.losses == back.losses
+    assert max_abs_diff(ours.state_dict(), theirs.state_dict()) <= 1e-12
+    assert max_abs_diff(ours.state_dict(), back.state_dict()) == 0.0
+
+
+def test_untraced_optimizer_falls_back_and_says_so(clusters):
+    opt = (torch.optim.RMSprop, {"lr": 1e-2})
+    model, batches, loss_fn, prog = _program("mlp", opt, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
+    cs = prog.plan.comm_schedule
+    assert not cs["cross_iteration"] and "RMSprop" in cs["why_not_cross_iteration"]
+    assert "DRAIN" not in prog.stages[0].graphs
+    _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, opt)
+
+
+def test_resume_with_cross_iteration_is_exact(clusters, tmp_path):
+    model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL),
+                                             n=4)
+    lc = clusters.get(2)
+    whole = prog.run_local(batches, cluster=lc)
+    first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")
+    second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck")
+    assert first.losses + second.losses == whole.losses
+    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0.0
+    _assert_matches(whole, model, batches, loss_fn, ADAMW)
+
+
+# ---- structure --------------------------------------------------------------------------------------
+def _piece_bytes(prog, stage=0):
+    return [(p, b, n) for p, (b, _, n) in enumerate(_sim_pieces(prog, stage))]
+
+
+def _sim_pieces(prog, stage=0):
+    """(bucket, first row or None, bytes) per piece id, from the Plan's pieces and the parameters' shapes."""
+    entry = prog.plan.comm_schedule["stages"][stage]
+    cap = prog.stages[stage].captured
+    out = []
+    for b, r0, r1 in entry["pieces"]:
+        keys = prog.plan.buckets[stage][b]
+        size = sum(torch.Size(cap.param_shapes[k]).numel() * 8 for k in keys)
+        if r0 is not None:
+            size = size * (r1 - r0) // cap.param_shapes[keys[0]][0]
+        out.append((b, r0, size))
+    return out
+
+
+def test_issue_order_follows_priority():
+    _, _, _, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
+    entry = prog.plan.comm_schedule["stages"][0]
+    prio = {b: i for i, b in enumerate(entry["priority"])}
+    pieces = entry["pieces"]
+    # priority = the order the forward first uses each bucket's parameters: wte (embedding) first
+    assert "wte.weight" in prog.plan.buckets[0][entry["priority"][0]]
+    queue, issued = [], []
+    for kind, b, ops in entry["events"]:
+        if kind == "ready":
+            for p, piece in enumerate(pieces):
+                if piece[0] == b:
+                    heapq.heappush(queue, (prio[b], p))
+        for op, p in ops:
+            if op != "issue":
+                continue
+            if kind == "ready":       # a piece goes only if no queued piece has a higher priority
+                assert (prio[pieces[p][0]], p) == queue[0], (kind, b, p, queue[:3])
+            queue.remove(next(e for e in queue if e[1] == p))
+            heapq.heapify(queue)
+            issued.append(p)
+    assert sorted(issued) == list(range(len(pieces)))
+    # the graphs issue the pieces in exactly that order: FIRST the backward's, DRAIN the rest
+    def order(gm):
+        return [int(n.args[0].name.split("piece")[1]) if n.args[0].op == "placeholder" else None
+                for n in gm.graph.nodes if n.target is C10D.all_reduce_.default]
+    drain = [p for p in order(prog.stages[0].graphs["DRAIN"].gm)]
+    n_first = len(order(prog.stages[0].graphs["FIRST"].gm))
+    assert drain == issued[n_first:]
+    sizes = [n.args[0].meta["val"].numel() * 8 for n in prog.stages[0].graphs["FIRST"].gm.graph.nodes
+             if n.target is C10D.all_reduce_.default]
+    assert sizes == [_sim_pieces(prog)[p][2] for p in issued[:n_first]]
+
+
+class _InFlight(TorchDispatchMode):
+    """On a rank: bytes of gradient pieces issued (all_reduce_) and not yet waited (wait_tensor), at every op."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak, self.issued = {}, 0, 0, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is C10D.all_reduce_.default:
+            n = args[0].numel() * args[0].element_size()
+            self.live[args[0].data_ptr()] = n
+            self.now += n
+            self.peak = max(self.peak, self.now)
+            self.issued.append(n)
+        elif func is C10D.wait_tensor.default:
+            self.now -= self.live.pop(args[0].data_ptr(), 0)
+        return out
+
+
+def _measured_train(payload, batches):
+    with _InFlight() as m:
+        out = train(payload, batches)
+    return {"peak": m.peak, "issued": m.issued, "losses": out["loss_sums"]}
+
+
+def test_inflight_bytes_never_exceed_credit(clusters):
+    _, batches, _, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
+    entry = prog.plan.comm_schedule["stages"][0]
+    got = clusters.get(2).run(_measured_train, [(prog.payload(r, len(batches)), batches) for r in range(2)])
+    n = len(entry["pieces"])
+    for r in got:
+        assert 0 < r["peak"] <= entry["credit_bytes"]
+        assert r["peak"] == entry["peak_inflight_bytes"]         # the plan's simulation, step for step
+        assert len(r["issued"]) == n * len(batches)              # every piece once per step, drain included
+    assert entry["credit_bytes"] == int(0.008 * 2**20)
+
+
+def test_inflight_bytes_under_dp_x_pp(clusters):
+    """dp=2 x pp=2: each stage's REDUCE_GRAD/STEP keep the plan's credit too, measured on all four ranks."""
+    st = fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL)
+    _, batches, _, prog = _program("gpt", SGD_M, st)
+    got = clusters.get(4).run(_measured_train, [(prog.payload(r, len(batches)), batches) for r in range(4)])
+    for rank, r in enumerate(got):
+        (stage,) = prog.plan.rank_stages(rank)
+        entry = prog.plan.comm_schedule["stages"][stage]
+        assert 0 < r["peak"] <= entry["credit_bytes"]
+        assert r["peak"] == entry["peak_inflight_bytes"]
+        assert len(r["issued"]) == len(entry["pieces"]) * len(batches)
+
+
+def test_first_forward_op_of_a_layer_depends_only_on_its_wait():
+    _, _, _, prog = _program("mlp", SGD_M, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
+    entry = prog.plan.comm_schedule["stages"][0]
+    joint = prog.stages[0].joint       # after the passes, before the update is made in place for the run
+    g = joint.graph
+    phs = dict(zip(g.find_nodes(op="placeholder"), joint.meta["fxpar_signature"].inputs))
+    bucket_of_piece = {f"piece{p}": b for p, (b, _, _) in enumerate(entry["pieces"])}
+    nodes = list(g.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    waits = [n for n in nodes if n.target is C10D.wait_tensor.default]
+
+    def ancestors(n):
+        seen, stack = set(), [n]
+        while stack:
+            x = stack.pop()
+            if x not in seen:
+                seen.add(x)
+                stack.extend(x.all_input_nodes)
+        return seen
+
+    def carried_bucket(w):
+        roots = [a for a in ancestors(w) if phs.get(a, ("",))[0] == "carry"]
+        return {bucket_of_piece[phs[a][1]] for a in roots}
+
+    checked = 0
+    for k, keys in enumerate(prog.plan.buckets[0]):
+        params = {a for a, (r, key) in phs.items() if r == "param" and key in keys}
+        mm = [n for n in nodes if n.op == "call_function" and n.target in (torch.ops.aten.t.default,
+                                                                            torch.ops.aten.addmm.default,
+                                                                            torch.ops.aten.mm.default)
+              and n.meta.get("fxpar_phase") == "forward" and ancestors(n) & params]
+        if not mm:
+            continue
+        first = min(mm, key=pos.get)
+        anc = ancestors(first)
+        mine = [w for w in waits if w in anc]
+        roots = {bucket_of_piece[phs[a][1]] for a in anc if phs.get(a, ("",))[0] == "carry"}
+        assert k in roots, (k, first.name)                       # it reads the updated parameter of its bucket
+        assert all(carried_bucket(w) <= roots for w in mine)
+        others = [w for w in waits if carried_bucket(w) and carried_bucket(w).isdisjoint(roots)]
+        later = [w for w in others if pos[w] > pos[first]]
+        assert all(w not in anc for w in others)                 # ... and on no other bucket's wait
+        checked += 1
+        if k == entry["priority"][0]:                            # the first layer runs before the last one's waits
+            assert later, "every other bucket's wait comes before the first layer: no overlap"
+    assert checked >= 2
+    # the graph the ranks run (update in place): the same order
+    sg = prog.stages[0].graphs["FULL"]
+    run_nodes = list(sg.gm.graph.nodes)
+    run_phs = dict(zip(sg.gm.graph.find_nodes(op="placeholder"), sg.inputs))
+    first_keys = prog.plan.buckets[0][entry["priority"][0]]
+    first_use = next(i for i, n in enumerate(run_nodes) if n.op == "call_function"
+                     and n.meta.get("fxpar_phase") == "forward"
+                     and any(run_phs.get(a, ("", ""))[1] in first_keys for a in n.all_input_nodes))
+    mine = {f"piece{p}" for p, (b, _, _) in enumerate(entry["pieces"]) if b == entry["priority"][0]}
+    carried = {i: {run_phs[a][1] for a in _chain(n) if run_phs.get(a, ("",))[0] == "carry"}
+               for i, n in enumerate(run_nodes) if n.target is C10D.wait_tensor.default}
+    carried = {i: ps for i, ps in carried.items() if ps}
+    assert all(i < first_use for i, ps in carried.items() if ps & mine)     # its own waits come first
+    assert any(i > first_use for i in carried)       # others' waits come after it: the reduction overlaps forward
+
+
+def _chain(n):
+    out, stack = set(), [n]
+    while stack:
+        x = stack.pop()
+        if x not in out:
+            out.add(x)
+            stack.extend(x.all_input_nodes)
+    return out
+
+
+# ---- bad input --------------------------------------------------------------------------------------
+def test_credit_below_the_largest_piece_is_refused():
+    # pieces of 2 KiB at most, but a row of blocks.*.fc2.weight (16 x 64 float64) is 512 bytes: indivisible
+    with pytest.raises(StrategyError, match=r"credit_mb=.*largest piece, 512 bytes: the gradient "
+                                            r"'blocks\.\d\.fc2\.weight' \(shape \(16, 64\)\).*indivisible"):
+        _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", partition_mb=0.0005, credit_mb=0.0001))
+    with pytest.raises(StrategyError, match=r"bucket of \d+ gradients.*raise credit_mb to at least"):
+        _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", partition_mb=1, credit_mb=0.001))
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(StrategyError, match="not yet composed"):
+        fxpar.Strategy(dp=2, zero=1, comm_schedule="bytescheduler")
+    with pytest.raises(StrategyError, match="comm_schedule='bytescheduler'"):
+        fxpar.Strategy(dp=2, credit_mb=1.0)
+    with pytest.raises(StrategyError, match="positive number of MiB"):
+        fxpar.Strategy(dp=2, comm_schedule="bytescheduler", partition_mb=0)
+    with pytest.raises(StrategyError, match="choose one of"):
+        fxpar.Strategy(dp=2, comm_schedule="lifo")
+
+
+# ---- the simulation the plan comes from (cost_models/comm_tuning.py) ----------------------------------
+def test_simulated_plan_keeps_its_invariants():
+    import random
+
+    from cost_models.comm_tuning import BucketTiming, simulate
+    for seed in range(100):
+        r = random.Random(seed)
+        n = r.randint(1, 8)
+        bts = [BucketTiming(b * 0.01, r.random() * 0.05, [r.randint(1, 5) * 1000 for _ in range(r.randint(1, 4))])
+               for b in range(n)]
+        for i, b in enumerate(sorted(range(n), key=lambda b: bts[b].need_s)):
+            bts[b].priority = i
+        credit = max(x for bt in bts for x in bt.pieces) * r.randint(1, 4)
+        res = simulate(bts, 0.05, 0.1, lambda x: 1e-4 + x / 1e6, credit, cross=bool(seed % 2))
+        used, issued, waited = 0, set(), set()
+        for kind, b, ops in res.events:
+            for op, p in ops:
+                if op == "issue":
+                    assert p not in issued
+                    issued.add(p)
+                    used += res.pieces[p][2]
+                    assert used <= credit
+                else:
+                    assert p in issued and p not in waited
+                    waited.add(p)
+                    used -= res.pieces[p][2]
+            if kind == "need":      # every piece of the bucket is waited by its need event
+                assert {p for p, (pb, _, _) in enumerate(res.pieces) if pb == b} <= waited
+        assert issued == waited == set(range(len(res.pieces)))
+
+
+def test_simulated_step_time_closed_forms():
+    from cost_models.comm_tuning import BucketTiming, simulate
+    comm = lambda x: 1e-3 + x / 1e8       # noqa: E731   alpha + bytes / beta
+    one = [BucketTiming(0.1, 0.0, [10**6])]                 # one bucket, ready at the end of backward
+    # FIFO at the optimizer: forward + backward + the whole transfer + the update
+    assert abs(simulate(one, 0.05, 0.1, comm, 10**6, False, 0.01).step_s - (0.16 + comm(10**6))) < 1e-12
+    # cross-iteration: the next forward first uses it need_s in, so that much of the transfer is hidden
+    for need_s in (0.005, 0.02):
+        got = simulate([BucketTiming(0.1, need_s, [10**6])], 0.05, 0.1, comm, 10**6, True, 0.01).step_s
+        assert abs(got - (0.16 + max(0.0, comm(10**6) - need_s))) < 1e-12

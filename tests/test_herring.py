@@ -1,0 +1,90 @@
+"""Herring (issue 11 part 3): hierarchical, balanced gradient sums on 2 simulated nodes x 2 ranks."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar.collectives import collective_nodes
+from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+TWO_NODES = dict(nodes=2, devices_per_node=2)
+TOL = 1e-10
+
+
+def _gpt_batches(n, batch=8):
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(n):
+        idx = torch.randint(0, 32, (batch, 9), generator=g)
+        out.append((idx[:, :-1], idx[:, 1:]))
+    return out
+
+
+def _run(clusters, model, batches, loss_fn, opt, **kw):
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(4, **TWO_NODES), batches[0], loss_fn, opt,
+                             strategy=fxpar.Strategy(dp=4, grad_sync="herring", **kw))
+    res = prog.run_local(batches, cluster=clusters.get(4), measure_comm=True)
+    ref_losses, ref_state = reference_training(model, batches, loss_fn, opt)
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL
+    assert max_abs_diff(res.state_dict(), ref_state) < TOL
+    return prog, res
+
+
+def test_herring_gpt_adamw_matches_single_process(clusters):
+    torch.manual_seed(0)
+    _run(clusters, GPT(vocab=32, d=16, layers=2, heads=2).double(), _gpt_batches(3), gpt_loss, ADAMW,
+         bucket_cap_mb=0.01)
+
+
+def test_herring_mlp_structure_and_bytes(clusters):
+    """Per bucket of V elements over L=2 ranks per node: reduce_scatter in the node (L·ceil(V/L) elements handed),
+    all_reduce across nodes of one shard (ceil(V/L)), all_gather in the node (ceil(V/L) handed): in that order.
+    Shards are equal: the padding is below L elements (balanced fusion buffers)."""
+    torch.manual_seed(0)
+    model = MLP(d_in=15, hidden=33, d_out=7).double()
+    g = torch.Generator().manual_seed(2)
+    batches = [(torch.randn(8, 15, generator=g, dtype=torch.float64), torch.randn(8, 7, generator=g,
+                                                                                 dtype=torch.float64))
+               for _ in range(2)]
+    prog, res = _run(clusters, model, batches, F.mse_loss, SGD_M, bucket_cap_mb=0.002)
+    sizes = {k: p.numel() for k, p in model.named_parameters()}
+    buckets = prog.plan.buckets[0]
+    assert len(buckets) > 1
+    gm = prog.graphs(0)["step"]
+    seq = [(x.meta["fxpar_comm"].kind, x.meta["fxpar_comm"].axis) for x in collective_nodes(gm)]
+    assert sorted(set(seq)) == [("all_gather", "node"), ("all_reduce", "cross"), ("reduce_scatter", "node")]
+    assert seq.count(("reduce_scatter", "node")) == len(buckets) == seq.count(("all_gather", "node"))
+    expect = []
+    for b in buckets:
+        v = sum(sizes[k] for k in b)
+        shard = -(-v // 2)
+        assert 0 <= 2 * shard - v < 2
+        expect.append((2 * shard * 8, shard * 8, shard * 8))
+    assert any(sum(sizes[k] for k in b) % 2 for b in buckets)      # some bucket is padded by one element
+    for r in range(4):
+        for calls in res.comm_calls[r]:
+            by_kind = {k: [n for kk, n in calls if kk == k] for k in ("reduce_scatter", "all_reduce", "all_gather")}
+            assert sorted(by_kind["reduce_scatter"]) == sorted(e[0] for e in expect)
+            assert sorted(by_kind["all_reduce"]) == sorted(e[1] for e in expect)
+            assert sorted(by_kind["all_gather"]) == sorted(e[2] for e in expect)
+    # each bucket's three steps in order: its reduce_scatter, then its cross all_reduce, then its gather
+    order = {x: i for i, x in enumerate(gm.graph.nodes)}
+    for rs in [x for x in collective_nodes(gm) if x.meta["fxpar_comm"].kind == "reduce_scatter"]:
+        w1 = next(iter(rs.users))
+        ar = next(u for u in w1.users if u.target is torch.ops._c10d_functional.all_reduce.default)
+        ag = next(u for u in next(iter(ar.users)).users)
+        assert order[rs] < order[ar] < order[ag]
+
+
+def test_herring_needs_several_nodes():
+    torch.manual_seed(0)
+    b = (torch.randn(8, 16), torch.randn(8, 8))
+    with pytest.raises(fxpar.StrategyError, match="at least 2 nodes"):
+        fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(4), b, F.mse_loss, SGD_M,
+                          strategy=fxpar.Strategy(dp=4, grad_sync="herring"))
+    with pytest.raises(fxpar.StrategyError, match="data parallelism alone"):
+        fxpar.Strategy(dp=2, pp=2, grad_sync="herring")
