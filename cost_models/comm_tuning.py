@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["BucketTiming", "SimResult", "simulate", "tune"]
 
+_NEAR = 0.02      # tuning: settings predicted within 2% of the best count as equally good
 _MARGIN = 0.25     # a piece is retired (waited for free) only a quarter of its own duration after its predicted end
 
 
@@ -124,9 +125,10 @@ def tune(make_buckets, t_fwd: float, t_bwd: float, comm_s, cross: bool, partitio
          t_opt: float = 0.0, partition: int | None = None, credit: int | None = None) -> tuple:
     """Grid search (ByteScheduler tunes with Bayesian optimisation over measured runs; here the simulation is
     cheap, so a grid suffices): ``make_buckets(partition) -> [BucketTiming]``. ``partition``/``credit`` given:
-    that value is kept. Returns ``(partition, credit, SimResult, tried)`` with the least predicted step time
-    (ties: the larger partition, then the larger credit: fewer collectives, fewer waits)."""
-    tried, best = [], None
+    that value is kept. Returns ``(partition, credit, SimResult, tried)``: among the settings predicted within
+    ``_NEAR`` of the least step time, the largest partition, then the largest credit (fewer collectives and
+    fewer waits in backward: the prediction's error costs least there)."""
+    tried, runs = [], {}
     for part in ([partition] if partition else partitions):
         bts = make_buckets(part)
         biggest = max((n for bt in bts for n in bt.pieces), default=1)
@@ -135,11 +137,10 @@ def tune(make_buckets, t_fwd: float, t_bwd: float, comm_s, cross: bool, partitio
         for c in credits:
             r = simulate(bts, t_fwd, t_bwd, comm_s, c, cross, t_opt)
             tried.append((part, c, r.step_s))
-            key = (round(r.step_s, 9), -part, -c)
-            if best is None or key < best[0]:
-                best = (key, part, c, r)
-    _, part, c, r = best
-    return part, c, r, tried
+            runs[(part, c)] = r
+    least = min(t for _, _, t in tried)
+    part, c = max((p, c) for p, c, t in tried if t <= least * (1 + _NEAR))
+    return part, c, runs[(part, c)], tried
 
 
 def stage_timings(gm, signature, device) -> dict:
@@ -196,7 +197,7 @@ def plan_stage(tm: dict, buckets_at, shape_of, itemsize_of, comm_s, cross: bool,
     """ByteScheduler's decisions for one stage: ``(entry, buckets)``. ``tm``: :func:`stage_timings`;
     ``buckets_at(partition) -> [[key, ...]]`` (DDP's packing up to ``partition``); ``fifo_buckets``: the FIFO
     plan, simulated for comparison. ``entry`` holds the chosen partition and credit, how they were chosen
-    (the grid tried, best first), the priority order, the pieces ``[bucket, first row, end row]`` (rows None:
+    (every setting tried with its predicted step, best first), the priority order, the pieces ``[bucket, first row, end row]`` (rows None:
     the whole bucket), the events with their ops, the simulated in-flight peak and step times."""
     size = lambda k: _prod(shape_of(k)) * itemsize_of(k)        # noqa: E731
 
@@ -233,7 +234,7 @@ def plan_stage(tm: dict, buckets_at, shape_of, itemsize_of, comm_s, cross: bool,
     timings, rows = layout(buckets, part)
     entry = {"partition_bytes": part, "credit_bytes": cred,
              "tuned": {"partition": "given" if partition else "cost model", "credit": "given" if credit else "cost model",
-                       "tried": [list(t) for t in sorted(tried, key=lambda t: t[2])[:8]]},
+                       "tried": [list(t) for t in sorted(tried, key=lambda t: t[2])]},
              "priority": sorted(range(len(timings)), key=lambda b: timings[b].priority), "pieces": rows,
              "events": [[k, b, [list(o) for o in ops]] for k, b, ops in sim.events],
              "peak_inflight_bytes": sim.peak_inflight, "predicted_step_s": sim.step_s,

@@ -97,7 +97,10 @@ def test_tuned_partition_and_credit_are_recorded(clusters):
     model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler"))
     entry = prog.plan.comm_schedule["stages"][0]
     assert entry["tuned"] == {"partition": "cost model", "credit": "cost model", "tried": entry["tuned"]["tried"]}
-    assert entry["predicted_step_s"] == min(t[2] for t in entry["tuned"]["tried"])
+    best = min(t[2] for t in entry["tuned"]["tried"])       # the chosen setting: within 2% of the best predicted,
+    assert entry["predicted_step_s"] <= 1.02 * best          # the largest partition, then credit, among those
+    near = [(p, c) for p, c, t in entry["tuned"]["tried"] if t <= 1.02 * best]
+    assert (entry["partition_bytes"], entry["credit_bytes"]) == max(near)
     assert entry["credit_bytes"] >= max(b for _, _, b in _piece_bytes(prog))
     again = fxpar.Plan.from_json(prog.plan.to_json())
     assert again.comm_schedule == prog.plan.comm_schedule

@@ -165,7 +165,10 @@ class Executor(ShardState):
         self._rechunk()
         self.offload = p.extra.get("offload") or {}
         self._offload()
-        self._leaves = {(s, k): torch.nn.Parameter(v.clone()) for s, ps in self.params.items() for k, v in ps.items()}
+        # torch's optimizer: it steps an untraced optimizer; for a traced one it only holds the LR the scheduler
+        # moves, so its parameters are empty placeholders (a copy of every weight would cost Ψ per rank)
+        self._leaves = {(s, k): torch.nn.Parameter(v.clone() if not spec.traced else v.new_empty(0))
+                        for s, ps in self.params.items() for k, v in ps.items()}
         self.torch_opt = spec.make_torch_optimizer(list(self._leaves.values()))
         self.scheduler = make_scheduler(p.lr_scheduler, self.torch_opt)
         if spec.traced:           # the traced graph steps; torch's optimizer only holds the LR for the scheduler
