@@ -124,9 +124,16 @@ class Plan:
             lines.append(f"tied parameters (gradients summed over the stages using them): {self.tied}")
         n_b = sum(len(b) for b in self.buckets)
         if n_b:
-            lines.append(f"gradient sync: sum over each gradient's group in {n_b} bucket(s) (cap "
+            how = {"herring": "Herring (reduce-scatter in node, sum across nodes, all-gather in node)",
+                   "parallax": "all-reduce, sparse embedding gradients as (index, row) pairs (Parallax)"}.get(
+                (self.grad_sync or {}).get("method"), "sum")
+            if self.zero:
+                how = f"reduce-scatter into ZeRO-{self.zero} chunks"
+            order = ("ByteScheduler's order (priority, pieces, credit; see comm_schedule)"
+                     if (self.comm_schedule or {}).get("method") == "bytescheduler" else "issued in backward order")
+            lines.append(f"gradient sync: {how} over each gradient's group in {n_b} bucket(s) (cap "
                          f"{self.bucket_cap_bytes / 2**20:.3g} MiB, the first {min(self.first_bucket_cap_bytes, self.bucket_cap_bytes) / 2**20:.3g} MiB), "
-                         "issued in backward order; the mean's 1/dp is folded into backward's seed")
+                         f"{order}; the mean's 1/dp is folded into backward's seed")
             for s, gg in enumerate(self.grad_groups):
                 names = sorted({g for g in gg.values() if g})
                 if names:
@@ -136,6 +143,9 @@ class Plan:
                                         if self.broadcast_buffers else "per-rank (not synchronised)"))
         if self.loss_average:
             lines.append(f"loss: {self.loss_average} average over shards and microbatches (docs/semantics.md)")
+        if self.zero:
+            lines.append(f"ZeRO stage {self.zero} over dp={self.dp}" + (
+                f"; offload {' and '.join(self.offload['what'])} to {self.offload['to']}" if self.offload else ""))
         opt = self.optimizer
         lines.append(f"optimizer: {opt.get('name')} " + ("traced into the graph" if opt.get("traced")
                                                           else f"eager on each rank ({opt.get('why_not_traced')})"))

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from ..collectives import axis_of_tag
 from ..schedule import ActionKind
 from ..zero import chunk
+from .carry import CarryState
 from .shards import ShardState
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
@@ -137,7 +138,7 @@ class _Window:
         self.busy = 0.0
 
 
-class Executor(ShardState):
+class Executor(ShardState, CarryState):
     """Runs one rank's part of a program: ``step(global_batch)`` trains one step, ``run_async(batches)``
     runs an asynchronous schedule's one window over all batches."""
 
@@ -481,61 +482,6 @@ class Executor(ShardState):
         if not self.spec.traced:
             self._eager_step(s, grads)
         self._settle(s)
-
-    # ---- cross-iteration overlap (passes.comm_schedule): a step's pieces are waited and applied in the next ----
-    def _full_carry(self, a, w):
-        """``FULL`` with ``("carry", piece)`` inputs and outputs: waits for and applies the previous step's update
-        (with that step's LR and count) before each parameter's first forward use, then trains this step and
-        hands its pieces on. The first step (nothing carried) runs ``FIRST``; :meth:`drain` runs ``DRAIN``."""
-        s, i = a.stage, a.microbatch
-        carry = self.__dict__.setdefault("carry", {}).pop(s, None)
-        sg = self.p.graphs[s]["FULL" if carry else "FIRST"]
-        self.step_count[s] += 1
-        lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)
-        cnt = torch.tensor(float(self.step_count[s]), dtype=torch.float64)
-        self._note_state_bytes(w, s)
-        res = sg.gm(*self._carry_args(sg, s, carry, w.micro[i]))
-        pieces = {}
-        for (role, key), v in zip(sg.outputs, res):
-            if role == "loss":
-                w.loss_sums[i // w.per_batch] += float(v)
-            elif role == "carry":
-                pieces[key] = v
-            else:
-                self._take(s, role, key, v)
-        self.carry[s] = {"pieces": pieces, "lr": lr, "step": cnt}
-
-    def _carry_args(self, sg, s, carry, mb) -> list:
-        args = []
-        for role, key in sg.inputs:
-            if role == "opt_state":
-                args.append(self.state[s][key])
-            elif role in ("lr", "step"):
-                args.append(carry[role])
-            elif role == "carry":
-                args.append(carry["pieces"][key])
-            else:
-                args.append(self._input(role, key, s, self.params[s], mb, {}))
-        return args
-
-    def _take(self, s, role, key, v) -> None:
-        if role == "new_param":
-            self.params[s][key] = v
-        elif role == "new_buffer":
-            self.buffers[key] = v
-        elif role == "new_opt_state":
-            self.state[s][key] = v
-
-    def drain(self) -> None:
-        """Collective (every rank of the stage): wait for the pieces carried out of the last step and apply its
-        update (``DRAIN``), so parameters and optimizer state are those of single-process training. Before
-        results, ``state_dict`` and checkpoints; the next step starts afresh (``FIRST``)."""
-        for s, carry in sorted(self.__dict__.get("carry", {}).items()):
-            sg = self.p.graphs[s]["DRAIN"]
-            res = sg.gm(*self._carry_args(sg, s, carry, None))
-            for (role, key), v in zip(sg.outputs, res):
-                self._take(s, role, key, v)
-        self.__dict__["carry"] = {}
 
     def _input(self, role, key, s, weights, mb, acts):
         if role == "param":
