@@ -23,7 +23,7 @@ from .losses import choose_loss
 from .lower import lower
 from .optim import resolve_optimizer
 from .plan import Plan
-from .planner import ASYNC, check_batch, grad_groups, make_plan, plan_buckets, schedule_name
+from .planner import ASYNC, check_batch, grad_groups, make_plan, plan_buckets, plan_sparse_routes, schedule_name
 from .program import Program, Stage, stage_messages
 from .strategy import Strategy
 
@@ -163,13 +163,7 @@ def _plan_buckets(plan: Plan, captured: list) -> None:
     """Keep the buckets of a handed-in Plan where they still match each stage's gradients; plan the rest."""
     given = plan.buckets if len(plan.buckets) == len(captured) else None
     gs = plan.grad_sync
-    if gs.get("method") == "parallax" and "routes" not in gs:      # Parallax: each embedding gradient's route
-        from passes.parallax import classify
-        gs["routes"] = classify(captured[0].gm, plan.dp)
-        gs["sparse"] = sorted(k for k, r in gs["routes"].items() if r["route"] == "sparse")
-        plan.notes.append("grad_sync: Parallax -- " + ("; ".join(
-            f"{k}: {r['route']} (pairs {r['sparse_bytes']:.0f} B vs all-reduce {r['dense_bytes']:.0f} B per rank)"
-            for k, r in gs["routes"].items()) or "no embedding gradient: everything all-reduced"))
+    plan_sparse_routes(plan, captured[0])              # Parallax: each embedding gradient's route, once captured
     out = []
     for s, cap in enumerate(captured):
         groups = {k: (None if k in gs.get("sparse", ()) else g) for k, g in plan.grad_groups[s].items()}

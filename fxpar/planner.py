@@ -15,7 +15,7 @@ from .plan import Plan
 from .schedule import Schedule, ScheduleError, get_schedule
 from .strategy import Strategy
 
-__all__ = ["make_plan", "plan_buckets", "plan_recompute", "plan_comm_schedule", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
+__all__ = ["make_plan", "plan_buckets", "plan_sparse_routes", "plan_recompute", "plan_comm_schedule", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
 
 ASYNC = ("pipedream", "2bw")
 
@@ -292,6 +292,20 @@ def _record_grad_sync(plan: Plan, strategy: Strategy, base: Plan | None, cluster
         plan.groups.update({"node": node, "cross": cross})
         plan.notes.append(f"grad_sync: Herring -- each bucket reduce-scattered within nodes {node}, each shard summed "
                           f"across nodes {cross}, then all-gathered within the node")
+
+
+def plan_sparse_routes(plan: Plan, captured) -> None:
+    """Parallax: which embedding gradients travel as (row index, row) pairs (``passes.parallax.classify``: its
+    traffic formulas on the captured step), into ``Plan.grad_sync``; a handed-back Plan keeps its routes."""
+    gs = plan.grad_sync
+    if gs.get("method") != "parallax" or "routes" in gs:
+        return
+    from passes.parallax import classify                             # fxpar reaches passes only here and in lower
+    gs["routes"] = classify(captured.gm, plan.dp)
+    gs["sparse"] = sorted(k for k, r in gs["routes"].items() if r["route"] == "sparse")
+    plan.notes.append("grad_sync: Parallax -- " + ("; ".join(
+        f"{k}: {r['route']} (pairs {r['sparse_bytes']:.0f} B vs all-reduce {r['dense_bytes']:.0f} B per rank)"
+        for k, r in gs["routes"].items()) or "no embedding gradient: everything all-reduced"))
 
 
 def _record_zero(plan: Plan, strategy: Strategy, base: Plan | None, optimizer) -> None:

@@ -32,6 +32,7 @@ the JSON for ``Plan.shardings``) plus the predicted cost. On the test GPT at G =
 """
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass, field
 
@@ -42,7 +43,7 @@ from cost_models.compute import concrete, node_cost
 from fxpar import meta as M
 from fxpar.sharding import R, Sharding, ShardingError, collective_bytes, redistribute_bytes, redistribute_steps
 
-from .propagate_sharding import ShardingResult, _fits
+from .propagate_sharding import ShardingResult, _ok
 from .sharding import OpInfo, groups_of, tensor_leaves
 from .sharding.search import Problem
 
@@ -110,7 +111,7 @@ class _Graph:
     def __init__(self, gm, signature):
         self.gm, self.signature = gm, signature
         self.nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
-        self.info, self.groups, self.work, self.leaves, self.key = {}, {}, {}, {}, {}
+        self.info, self.groups, self.work, self.leaves, self.key, self.floats = {}, {}, {}, {}, {}, {}
         cache: dict = {}
         for n in self.nodes:
             if n.op != "call_function" or n.target is operator.getitem:
@@ -119,8 +120,9 @@ class _Graph:
             if not info.paths and not info.out_shapes:
                 continue
             leaves = [x for _, x in tensor_leaves(n)]
+            self.floats[n] = tuple(_val(x).dtype.is_floating_point for x in leaves)
             key = (n.target, tuple(info.in_shapes), tuple(info.out_shapes), _consts(n),
-                   tuple(_val(x).dtype.is_floating_point for x in leaves))
+                   self.floats[n])
             if key not in cache:
                 groups = groups_of(info)
                 flops = float(concrete(node_cost(n).flops))
@@ -207,10 +209,13 @@ class _Level:
         t_in, t_out = self._taken(n, 1), self._taken(n, 0)
         for gi, grp in enumerate(self.g.groups[n]):
             div = 2 ** sum(1 for place, _ in self.prior if any(place[n][o] != R for o in grp.outs))
-            key = (self.g.key[n], gi, _freeze(t_in), _freeze(t_out))
+            g_in = None if t_in is None else tuple(frozenset(t_in[j]) for j in grp.ins)
+            g_out = None if t_out is None else tuple(frozenset(t_out[o]) for o in grp.outs)
+            key = (self.g.key[n], gi, g_in, g_out)
             labels = self.labels_cache.get(key)
             if labels is None:
-                labels = [cd for cd in grp.cands if _fits(info, grp, cd, 2, t_in, t_out)] or [grp.cands[0]]
+                floats = self.g.floats[n]
+                labels = [cd for cd in grp.cands if _fits_group(info, grp, cd, g_in, g_out, floats)] or [grp.cands[0]]
                 self.labels_cache[key] = labels
             v = self.p.var(len(labels))
             self.vars[(n, gi)] = (v, labels)
@@ -297,6 +302,7 @@ def tofu_search(gm: torch.fx.GraphModule, devices: int, cost: TofuCost | None = 
 _NO = 1e30     # the cost of a choice the lowering cannot carry out
 
 
+@functools.lru_cache(maxsize=None)
 def _orderable(ndim: int, src: tuple, dst: tuple) -> bool:
     """Whether the lowering's step order (reductions, gathers, all_to_alls, slices; axes in order) turns the
     placements ``src`` (one per level) into ``dst`` through valid shardings only."""
@@ -314,8 +320,16 @@ def _orderable(ndim: int, src: tuple, dst: tuple) -> bool:
     return True
 
 
-def _freeze(t):
-    return None if t is None else tuple(frozenset(x) for x in t)
+def _fits_group(info, grp, cand, g_in, g_out, floats) -> bool:
+    """``propagate_sharding._fits`` for one group on a size-2 axis, given the dims earlier levels split of the
+    group's own inputs/outputs only (a ``_foreach`` op has hundreds of groups: per-node tuples are quadratic)."""
+    for i, (j, pl) in enumerate(zip(grp.ins, cand[0])):
+        if not _ok(info.in_shapes[j], pl, 2, g_in[i] if g_in else (), floats[j]):
+            return False
+    for i, (o, pl) in enumerate(zip(grp.outs, cand[1])):
+        if not _ok(info.out_shapes[o], pl, 2, g_out[i] if g_out else (), True):
+            return False
+    return True
 
 
 def _take(taken: dict, place: dict, need: dict) -> None:
