@@ -113,6 +113,7 @@ class _Graph:
         self.nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
         self.info, self.groups, self.work, self.leaves, self.key, self.floats = {}, {}, {}, {}, {}, {}
         cache: dict = {}
+        self._where: dict = {}
         for n in self.nodes:
             if n.op != "call_function" or n.target is operator.getitem:
                 continue
@@ -131,6 +132,14 @@ class _Graph:
                 cache[key] = (groups, [flops * sum(sizes[o] for o in g.outs) / total for g in groups])
             self.info[n], self.leaves[n], self.key[n] = info, leaves, key
             self.groups[n], self.work[n] = cache[key]
+
+    def where(self, n) -> dict:
+        """``{getitem index: (group index, position in the group's outputs)}`` for the outputs of ``n``."""
+        w = self._where.get(n)
+        if w is None:
+            by_out = {o: (gi, k) for gi, grp in enumerate(self.groups[n]) for k, o in enumerate(grp.outs)}
+            w = self._where[n] = {p: by_out[o] for o, p in enumerate(self.info[n].out_pos) if o in by_out}
+        return w
 
     def outputs(self):
         """``[(output leaf, placeholder it must match or None)]``."""
@@ -189,9 +198,9 @@ class _Level:
             elif n.target is operator.getitem:
                 src, idx = n.args
                 if _is_tensor(n) and src in self.g.info:
-                    o = self.g.info[src].out_pos.index(idx)
-                    gi = next(i for i, grp in enumerate(self.g.groups[src]) if o in grp.outs)
-                    self.prod[n] = (src, gi, self.g.groups[src][gi].outs.index(o))
+                    w = self.g.where(src).get(idx)
+                    if w is not None:
+                        self.prod[n] = (src,) + w
             elif n in self.g.info:
                 self._op(n)
         for (n, gi), (v, labels) in list(self.vars.items()):
@@ -264,12 +273,15 @@ class _Level:
                 place[n] = outs
                 continue
             info, grp = self.g.info[n], self.g.groups[n][gi]
-            pl, nd = list(place.get(n, (R,) * len(info.out_shapes))), list(need.get(n, (R,) * len(info.paths)))
+            if n not in place:
+                place[n], need[n] = [R] * len(info.out_shapes), [R] * len(info.paths)
+            pl, nd = place[n], need[n]
             for o, p in zip(grp.outs, outs):
                 pl[o] = p
             for j, p in zip(grp.ins, ins):
                 nd[j] = p
-            place[n], need[n] = tuple(pl), tuple(nd)
+        for n in need:
+            place[n], need[n] = tuple(place[n]), tuple(need[n])
         for n in self.g.nodes:
             if n.op == "call_function" and n.target is operator.getitem and n in self.prod:
                 src, gi, k = self.prod[n]

@@ -45,3 +45,15 @@ def test_hugging_face_example_trains_gpt2_as_a_pipeline():
     assert len(pairs) == 4 and "RG0 STEP0" in text
     # float32 (as the model is built): the two agree to the printed 6 decimals, up to rounding of the last one
     assert max(abs(float(a) - float(b)) for a, b in pairs) <= 2e-6
+
+
+def test_zero_example_holds_what_the_formulas_say_and_matches_pytorch():
+    text = _run("examples/zero.py", "--steps", "2")
+    rows = re.findall(r"ZeRO-(\d): rank 0 holds .* = (\d+) B \(formula (\d+) B\); max \|loss - single-process\| = "
+                      r"([0-9.e+-]+), max \|param - single-process\| = ([0-9.e+-]+)", text)
+    assert [r[0] for r in rows] == ["1", "2", "3"]
+    for _, held, formula, dloss, dparam in rows:
+        assert held == formula and float(dloss) < 1e-10 and float(dparam) < 1e-10
+    disk = re.search(r"ZeRO-3 with parameters and optimizer state in files .*: (\d+) B on disk per rank; "
+                     r"max \|param - single-process\| = ([0-9.e+-]+)", text)
+    assert disk and int(disk.group(1)) > 0 and float(disk.group(2)) < 1e-10

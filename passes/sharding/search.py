@@ -122,6 +122,12 @@ class Problem:
 
 def _aligned(table, scope, target):
     """``table`` over ``scope`` broadcast to the axes of ``target`` (scope is a subset of target)."""
+    if scope == target:
+        return table
+    if len(scope) == 1:
+        shape = [1] * len(target)
+        shape[target.index(scope[0])] = table.shape[0]
+        return table.reshape(shape)
     order = sorted(range(len(scope)), key=lambda i: target.index(scope[i]))
     t = np.transpose(table, order) if order != list(range(len(scope))) else table
     shape = [1] * len(target)
