@@ -218,6 +218,13 @@ def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None) -> 
     plan.comm_schedule = {"method": strategy.comm_schedule, "partition_bytes": mb(strategy.partition_mb),
                           "credit_bytes": mb(strategy.credit_mb), "cross_iteration": not why,
                           "why_not_cross_iteration": why, "stages": []}
+    if strategy.delayed_update:
+        if why:
+            raise StrategyError(f"{strategy}: delayed_update=True carries each step's update into the next, which "
+                                f"is not possible here: {why}")
+        plan.comm_schedule["delayed_update"] = True
+        plan.notes.append("delayed_update: each step computes with the parameters before the previous step's update, "
+                          "which runs after its backward (ZeRO-Offload's DPU; W(t+1) = W(t) - lr grad f(W(t-1)))")
 
 
 def plan_comm_schedule(plan: Plan, stage: int, captured, cluster) -> dict:

@@ -50,6 +50,11 @@ class Strategy:
         state sharded (gradients reduce-scattered once per step, updated chunks all-gathered); ``2`` gradients
         too (reduce-scattered in backward, as each bucket fills); ``3`` parameters too (all-gathered before their
         forward use and again before their backward use). Needs dp > 1 and a traced optimizer (SGD, Adam, AdamW).
+    delayed_update: ZeRO-Offload's one-step delayed parameter update (Ren et al., ATC'21, §4.2): step t's update
+        is computed from step t-1's gradients while step t's forward and backward run on the parameters before it,
+        W(t+1) = W(t) - lr·grad f(W(t-1)) (PipeDream-2BW's rule), so the optimizer overlaps the next step entirely.
+        Not synchronous SGD: it changes the math (no warm-up steps here). Rides on ByteScheduler's carry
+        (``comm_schedule="bytescheduler"`` is implied): dp > 1, one stage, one microbatch, traced optimizer.
     grad_sync: how each gradient bucket is summed over dp: ``"allreduce"`` (default, one all-reduce per bucket) or
         ``"herring"`` (Thangakrishnan et al., SC'20; passes/herring.py): reduce-scatter within each node into equal
         shards (the bucket padded to a multiple of the node's ranks), sum each shard across nodes, all-gather
@@ -89,11 +94,18 @@ class Strategy:
     offload_to: str = "cpu"
     offload_dir: str | None = None
     grad_sync: str = "allreduce"
+    delayed_update: bool = False
     comm_schedule: str = "fifo"
     partition_mb: float | None = None
     credit_mb: float | None = None
 
     def __post_init__(self):
+        if self.delayed_update:
+            if self.dp == 1 or self.pp > 1 or self.microbatches > 1 or self.zero:
+                raise StrategyError(f"Strategy(delayed_update=True) with dp={self.dp}, pp={self.pp}, microbatches="
+                                    f"{self.microbatches}, zero={self.zero}: the delayed update is built for data "
+                                    "parallelism (dp > 1) alone, one microbatch, zero=0")
+            self.comm_schedule = "bytescheduler"     # the update crosses the step boundary on ByteScheduler's carry
         self._check_comm_schedule()
         for name in ("dp", "tp", "pp", "microbatches"):
             v = getattr(self, name)

@@ -272,15 +272,17 @@ def _cross_iteration(gm, pieces, where, events) -> list:
             g.erase_node(ar)
         carry_keys.append(name)
     sig.inputs += [("carry", k) for k in carry_keys]
-    # forward and backward read the updated parameters
-    for k in keys:
+    delayed = bool(gm.meta.get("fxpar_delayed_update"))
+    # forward and backward read the updated parameters (under the delayed update: the ones before it)
+    for k in (keys if not delayed else ()):
         for u in list(ph_of[k].users):
             if M.get(u, M.PHASE) in ("forward", "backward"):
                 u.replace_input_with(ph_of[k], new_of[k])
     keep = [i for i, (r, _) in enumerate(sig.outputs) if r != "grad"]
     sig.outputs = [sig.outputs[i] for i in keep] + [("carry", k) for k in carry_keys]
     g.find_nodes(op="output")[0].args = (tuple([outs[i] for i in keep] + carry_out),)
-    _move_updates(gm, keys, new_of, bucket_of_key, sig, events, carried_ops)
+    if not delayed:                # the delayed update stays after backward, where the optimizer was
+        _move_updates(gm, keys, new_of, bucket_of_key, sig, events, carried_ops)
     gm.meta["fxpar_carry"] = True
     return carry_keys
 
@@ -364,6 +366,7 @@ class CommSchedule(Pass):
         pieces = _pieces(gm, ctx, entry)
         if len(pieces) != len(entry["pieces"]):
             raise PassError(f"comm_schedule: stage {ctx.stage} has {len(pieces)} pieces, the plan {len(entry['pieces'])}")
+        gm.meta["fxpar_delayed_update"] = bool(cs.get("delayed_update"))
         where = _place(gm, pieces, entry["events"], self.cross_iteration)
         gm.graph.lint()
         carry = _cross_iteration(gm, pieces, where, entry["events"]) if self.cross_iteration else []

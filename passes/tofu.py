@@ -33,6 +33,7 @@ the JSON for ``Plan.shardings``) plus the predicted cost. On the test GPT at G =
 from __future__ import annotations
 
 import functools
+import gc
 import operator
 from dataclasses import dataclass, field
 
@@ -161,24 +162,25 @@ def _consts(n):
 class _Level:
     """One halving: a DP problem over placements along ``axis`` (size 2), given the earlier levels."""
 
-    def __init__(self, g: _Graph, axis: str, prior: list, cost: TofuCost, taken: dict, labels_cache: dict):
+    def __init__(self, g: _Graph, axis: str, prior: list, cost: TofuCost, labels_cache: dict):
         self.g, self.axis, self.cost, self.n = g, axis, cost, 2
         self.prior = prior                      # earlier levels: [(place, need)]
-        self.taken = taken                      # node -> (dims split per output, per input) by earlier levels
         self.labels_cache = labels_cache        # (op signature, group, taken) -> legal candidates
         self.p = Problem()
         self.vars = {}                          # (node, group index) -> (var, labels)
         self.prod = {}                          # tensor node -> (node, group index, position in group outs)
         self._tables: dict = {}
 
-    def _taken(self, node, which):
-        """Per input (which=1) / output (which=0) of ``node``: the dims earlier levels split."""
-        t = self.taken.get(node)
-        return None if t is None else t[which]
+    def _taken(self, node, which, slots):
+        """Per output (which=0) / input (which=1) of ``node`` in ``slots``: the dims earlier levels split (a later
+        level may not split them again: one mesh axis per tensor dim); None at the first level."""
+        if not self.prior:
+            return None
+        pls = [lvl[which].get(node, ()) for lvl in self.prior]
+        return tuple(frozenset(p[i] for p in pls if i < len(p) and isinstance(p[i], int)) for i in slots)
 
     def _split_before(self, node) -> int:
-        t = self.taken.get(node)
-        return len(t[0][0]) if t is not None and t[0] else 0
+        return sum(1 for place, _ in self.prior if isinstance(place.get(node, (R,))[0], int))
 
     def build(self):
         c = self.cost
@@ -186,7 +188,7 @@ class _Level:
             if n.op == "placeholder":
                 if not _is_tensor(n):
                     continue
-                shape, taken = tuple(_val(n).shape), (self._taken(n, 0) or [set()])[0]
+                shape, taken = tuple(_val(n).shape), (self._taken(n, 0, (0,)) or [()])[0]
                 labels = [((), (R,))] + [((), (d,)) for d in range(len(shape))
                                          if shape[d] % 2 == 0 and shape[d] >= 2 and d not in taken]
                 v = self.p.var(len(labels))
@@ -215,11 +217,9 @@ class _Level:
 
     def _op(self, n):
         info, c = self.g.info[n], self.cost
-        t_in, t_out = self._taken(n, 1), self._taken(n, 0)
         for gi, grp in enumerate(self.g.groups[n]):
             div = 2 ** sum(1 for place, _ in self.prior if any(place[n][o] != R for o in grp.outs))
-            g_in = None if t_in is None else tuple(frozenset(t_in[j]) for j in grp.ins)
-            g_out = None if t_out is None else tuple(frozenset(t_out[o]) for o in grp.outs)
+            g_in, g_out = self._taken(n, 1, grp.ins), self._taken(n, 0, grp.outs)
             key = (self.g.key[n], gi, g_in, g_out)
             labels = self.labels_cache.get(key)
             if labels is None:
@@ -296,15 +296,25 @@ def tofu_search(gm: torch.fx.GraphModule, devices: int, cost: TofuCost | None = 
     optimizer state leave laid out as they came in. Returns the shardings, lowerable, and the predicted cost."""
     import time
     t0 = time.perf_counter()
+    was = gc.isenabled()
+    gc.disable()            # the search makes ~10^5 small objects per level; collections of the big graph dominate
+    try:
+        return _search(gm, devices, cost, signature, axis, t0)
+    finally:
+        if was:
+            gc.enable()
+
+
+def _search(gm, devices, cost, signature, axis, t0):
+    import time
     cost = cost or TofuCost()
     axes = level_axes(devices, axis)
     g = _Graph(gm, signature)
-    levels, max_table, taken, labels_cache = [], 0, {}, {}
+    levels, max_table, labels_cache = [], 0, {}
     for ax in axes:
-        lvl = _Level(g, ax, levels, cost, taken, labels_cache)
+        lvl = _Level(g, ax, levels, cost, labels_cache)
         lvl.build()
         levels.append(lvl.solve())
-        _take(taken, *levels[-1])
         max_table = max(max_table, lvl.p.max_table)
     res = _result(g, axes, levels)
     parts = plan_cost(gm, res, cost, signature, graph=g)
@@ -342,17 +352,6 @@ def _fits_group(info, grp, cand, g_in, g_out, floats) -> bool:
         if not _ok(info.out_shapes[o], pl, 2, g_out[i] if g_out else (), True):
             return False
     return True
-
-
-def _take(taken: dict, place: dict, need: dict) -> None:
-    """Add one level's splits: per node, the dims split per output and per input (a later level may not split
-    them again: one mesh axis per tensor dim)."""
-    def merge(prev, pls):
-        split = [{pl} if isinstance(pl, int) else set() for pl in pls]
-        return tuple(a | b for a, b in zip(prev, split)) if prev else tuple(split)
-    for node in set(place) | set(need):
-        to, ti = taken.get(node, (None, None))
-        taken[node] = (merge(to, place.get(node, ())), merge(ti, need.get(node, ())))
 
 
 def _result(g: _Graph, axes: list, levels: list) -> ShardingResult:

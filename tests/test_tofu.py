@@ -80,7 +80,7 @@ def test_mlp_level_equals_brute_force_over_every_layout(cost):
     torch.manual_seed(0)
     tr = trace_forward(MLP2().double(), (torch.randn(4, 8), torch.randn(4, 8)), F.mse_loss)
     g = _Graph(tr.gm, None)
-    lvl = _Level(g, "tp", [], cost, {}, {})
+    lvl = _Level(g, "tp", [], cost, {})
     lvl.build()
     n_combos = int(np.prod(lvl.p.sizes))
     assert n_combos > 100_000                                  # every legal layout of every node, enumerated

@@ -90,10 +90,11 @@ class Problem:
                 continue
             done[x] = True
             scope = (x,) + tuple(sorted(adj[x]))
-            table = np.zeros([self.sizes[v] for v in scope])
+            table = None                         # full shape: every neighbour shares a factor with x
             for f in of[x]:
                 fs, ft = factors.pop(f)
-                table = table + _aligned(ft, fs, scope)
+                a = _aligned(ft, fs, scope)
+                table = a if table is None else table + a
                 for v in fs:
                     if v != x:
                         of[v].discard(f)
