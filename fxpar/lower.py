@@ -55,6 +55,9 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
         from passes import Recompute
         # first: data_parallel/bucket place collectives by backward's node order, which must hold the copies already
         pipeline.append(Recompute())
+    if (plan.offload or {}).get("activations"):
+        from passes import OffloadActivations
+        pipeline.append(OffloadActivations())   # what backward still reads from forward goes to host memory and back
     if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
         pipeline += [
             DataParallelGradSync(),  # each gradient summed over the ranks the planner named (dp replicas, tied stages)

@@ -145,7 +145,7 @@ class Plan:
             lines.append(f"loss: {self.loss_average} average over shards and microbatches (docs/semantics.md)")
         if self.zero:
             lines.append(f"ZeRO stage {self.zero} over dp={self.dp}" + (
-                f"; offload {' and '.join(self.offload['what'])} to {self.offload['to']}" if self.offload else ""))
+                f"; offload {' and '.join(self.offload['what'])} to {self.offload['to']}" if self.offload.get("what") else ""))
         opt = self.optimizer
         lines.append(f"optimizer: {opt.get('name')} " + ("traced into the graph" if opt.get("traced")
                                                           else f"eager on each rank ({opt.get('why_not_traced')})"))

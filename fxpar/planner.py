@@ -325,11 +325,15 @@ def _record_zero(plan: Plan, strategy: Strategy, base: Plan | None, optimizer) -
         where = (f"files under {strategy.offload_dir} (memory-mapped)" if strategy.offload_to == "disk" else
                  "host memory (on a CPU backend, where it already is)")
         plan.notes.append(f"offload: {' and '.join(strategy.offload)} of each rank live in {where}")
-    if plan.offload and "optimizer" in plan.offload["what"] and optimizer is not None and not optimizer.traced:
+    if base is None and strategy.offload_activations:
+        plan.offload = {**plan.offload, "activations": "cpu"}
+        plan.notes.append("offload_activations: saved activations go to host memory after their last forward use "
+                          "and come back one backward use ahead")
+    if plan.offload and "optimizer" in plan.offload.get("what", ()) and optimizer is not None and not optimizer.traced:
         raise StrategyError(f"{strategy}: offload=('optimizer',) keeps the traced optimizer's state in files; "
                             f"{optimizer.name} is not traced ({optimizer.why_not_traced}). Use SGD, Adam or AdamW, "
                             "or offload only 'params'.")
-    if plan.offload and plan.schedule in ASYNC:
+    if plan.offload.get("what") and plan.schedule in ASYNC:
         raise StrategyError(f"{strategy}: schedule {plan.schedule!r} keeps several weight versions; offload is built "
                             "for synchronous schedules.")
     if not plan.zero:

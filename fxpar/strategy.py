@@ -50,6 +50,8 @@ class Strategy:
         state sharded (gradients reduce-scattered once per step, updated chunks all-gathered); ``2`` gradients
         too (reduce-scattered in backward, as each bucket fills); ``3`` parameters too (all-gathered before their
         forward use and again before their backward use). Needs dp > 1 and a traced optimizer (SGD, Adam, AdamW).
+    offload_activations: saved activations go to host memory after their last forward use and come back one
+        backward use ahead (passes/offload.py). On a CPU backend they are in host memory already: pure cost.
     delayed_update: ZeRO-Offload's one-step delayed parameter update (Ren et al., ATC'21, §4.2): step t's update
         is computed from step t-1's gradients while step t's forward and backward run on the parameters before it,
         W(t+1) = W(t) - lr·grad f(W(t-1)) (PipeDream-2BW's rule), so the optimizer overlaps the next step entirely.
@@ -95,6 +97,7 @@ class Strategy:
     offload_dir: str | None = None
     grad_sync: str = "allreduce"
     delayed_update: bool = False
+    offload_activations: bool = False
     comm_schedule: str = "fifo"
     partition_mb: float | None = None
     credit_mb: float | None = None

@@ -3,6 +3,7 @@ from .bucket import BucketGradients
 from .comm_schedule import CommSchedule
 from .data_parallel import DataParallelGradSync, SyncBuffers
 from .herring import HierarchicalReduce
+from .offload import OffloadActivations
 from .parallax import SparseGradSync
 from .recompute import Recompute
 from .reinplace import ReinplaceOptimizer
@@ -13,4 +14,4 @@ from .zero import ZeroShard
 
 __all__ = ["DataParallelGradSync", "BucketGradients", "SyncBuffers", "ReinplaceOptimizer", "SplitGraphs",
            "SplitGraph", "split_graphs", "Recompute", "propagate_shardings", "ShardingResult", "ShardingConflict",
-           "lower_shardings", "ZeroShard", "HierarchicalReduce", "SparseGradSync", "CommSchedule"]
+           "lower_shardings", "ZeroShard", "HierarchicalReduce", "OffloadActivations", "SparseGradSync", "CommSchedule"]
