@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.collectives import collective_nodes
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -16,12 +16,7 @@ TOL = 1e-10
 
 
 def _gpt_batches(n, batch=8):
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, 32, (batch, 9), generator=g)
-        out.append((idx[:, :-1], idx[:, 1:]))
-    return out
+    return token_batches(n, batch=batch)
 
 
 def _run(clusters, model, batches, loss_fn, opt, **kw):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training, token_batches
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 TOL = 1e-10
@@ -16,11 +16,7 @@ COPY = torch.ops.aten._to_copy.default
 def _data(n):
     torch.manual_seed(0)
     model = GPT(vocab=32, d=16, layers=2, heads=2).double()
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, 32, (8, 9), generator=g)
-        out.append((idx[:, :-1], idx[:, 1:]))
+    out = token_batches(n)
     return model, out
 
 

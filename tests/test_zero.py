@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.collectives import collective_nodes
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
 from fxpar.testing.models import SkipMLP
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})
@@ -28,12 +28,7 @@ def _gpt():
 
 
 def _gpt_batches(n, batch=8):
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, 32, (batch, 9), generator=g)
-        out.append((idx[:, :-1], idx[:, 1:]))
-    return out
+    return token_batches(n, batch=batch)
 
 
 def _mlp_batches(n, batch=8, d_in=16, d_out=8):

@@ -96,6 +96,17 @@ def gpt_loss(logits, targets):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+def token_batches(n: int, batch: int = 8, seq: int = 8, vocab: int = 32, seed: int = 1) -> list:
+    """``n`` (inputs, next-token targets) batches of shape ``(batch, seq)`` for :class:`GPT`, from a seeded
+    generator (the same batches every call)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
+        out.append((idx[:, :-1], idx[:, 1:]))
+    return out
+
+
 class EncoderModel(nn.Module):
     """nn.TransformerEncoderLayer (which torch.fx.symbolic_trace cannot trace) + a linear head."""
 
