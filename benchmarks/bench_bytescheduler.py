@@ -33,19 +33,9 @@ sys.path.insert(0, str(HERE))
 
 import fxpar  # noqa: E402
 from bench_capped_link import ddp_bench_worker, fxpar_worker, per_step_max  # noqa: E402
-from fxpar.runtime.executor import Executor  # noqa: E402
 from fxpar.cluster import LinkSpec  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
 from netns_link import CappedLink, NetnsCluster, format_rate, parse_rate  # noqa: E402
-
-
-def bs_worker(payload, batches, warmup):
-    """Timed steps; then the drain (the last step's carried update), not timed, as a run's end does."""
-    ex = Executor(payload)
-    for b in batches:
-        ex.step(b)
-    ex.drain()
-    return {"step_times": ex.step_times[warmup:]}
 
 
 def build(model, batches, opt, cluster, strategy, n):
@@ -106,7 +96,7 @@ def main():
                 for bps in rates:
                     link.set_rate(bps)
                     pl = bs[bps][1]
-                    cell((bps, "bs"), bs_worker, lambda r: (pl[r], batches, args.warmup))
+                    cell((bps, "bs"), fxpar_worker, lambda r: (pl[r], batches, args.warmup))
                     cell((bps, "fifo"), fxpar_worker, lambda r: (fifo_payloads[r], batches, args.warmup))
                     for mb in [25.0] + sweep:
                         cell((bps, f"ddp{mb:g}"), ddp_bench_worker,

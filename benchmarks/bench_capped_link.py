@@ -38,10 +38,13 @@ from netns_link import CappedLink, NetnsCluster, format_rate, parse_rate  # noqa
 
 
 def fxpar_worker(payload, batches, warmup):
+    """Timed steps; then the drain (a cross-iteration program's last carried update; nothing otherwise), not
+    timed, as a run's end does."""
     from fxpar.runtime.executor import Executor
     ex = Executor(payload)
     for b in batches:
         ex.step(b)
+    ex.drain()
     return {"step_times": ex.step_times[warmup:]}
 
 
