@@ -176,9 +176,11 @@ class Estimate:
                          f"({r.comm_bytes / 2**20:.2f} MiB sent, {100 * r.overlap_fraction:.0f}% overlapped), "
                          f"idle {r.idle_s * ms:.3f} ms{f' ({100 * r.idle_fraction:.1f}% of the step)' if seq else ''}, "
                          f"peak memory {r.peak_memory_bytes / 2**20:.1f} MiB")
-            mem = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r.memory_breakdown.items() if v)
+            mem = ", ".join(f"{k} {v / 2**20:.1f}" for k, v in r.memory_breakdown.items() if v and k != "carried")
             if mem:
-                lines.append(f"    at peak (MiB): {mem}")
+                held = r.memory_breakdown.get("carried", 0.0)
+                lines.append(f"    at peak (MiB): {mem}" + (f" (of these, {held / 2**20:.1f} held from earlier "
+                                                             "graphs of the step)" if held else ""))
         if self.defaulted:
             ops = ", ".join(f"{k} x{v}" for k, v in self.defaulted.most_common())
             lines.append(f"  ops costed by the default rule (bytes in+out, 1 FLOP/element): {ops}")

@@ -35,6 +35,7 @@ import torch
 import torch.fx
 
 from .compute import concrete, tensor_bytes
+from .step_memory import sequence_peak
 
 __all__ = ["Storage", "Liveness", "liveness", "infer_phases", "peak_over_executions", "sequence_peak",
            "zero_model_state_bytes", "korthikanti_activation_bytes", "CATEGORIES"]
@@ -56,6 +57,13 @@ class Storage:
     end: int
     category: str = "temporary"
     size: object = None          # nbytes as the graph has it: an int, or a SymInt on a symbolic graph
+    key: object = None           # the fake value's storage: the same key in two graphs of a stage is one tensor
+    keys: set = field(default_factory=set)   # ``key`` and the fake storages of the aliases that resolve here
+    role: str | None = None      # a placeholder's ``fxpar_role`` (what the runtime hands it)
+
+    def __post_init__(self):
+        if self.key is not None:
+            self.keys.add(self.key)
 
 
 @dataclass
@@ -68,6 +76,8 @@ class Liveness:
     peak_index: int = 0
     peak_breakdown: dict = field(default_factory=dict)     # category -> bytes live at the peak
     outputs: list = field(default_factory=list)            # per flat graph output: its Storage, or None
+    out_grad_of: list = field(default_factory=list)        # per flat graph output: its fxpar_grad_of, or None
+    out_parts: list = field(default_factory=list)          # per flat graph output: all its Storages (a tuple: several)
 
     @property
     def peak_node(self):
@@ -106,6 +116,15 @@ def _copies(node) -> bool:
         return val.untyped_storage()._cdata != bval.untyped_storage()._cdata
     except (RuntimeError, NotImplementedError):    # a tensor without a storage (a functional wrapper)
         return False
+
+
+def _storage_key(val):
+    """Identity of a (fake) value's storage: split graphs share their joint graph's fake values, so a B input
+    and the F output it is have one key."""
+    try:
+        return val.untyped_storage()._cdata
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
 
 
 def _first_tensor_arg(node):
@@ -190,11 +209,14 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
                 storage_of[n] = [src] * len(val)
             else:
                 storage_of[n] = src
+                if src is not None and _storage_key(val) is not None:
+                    src.keys.add(_storage_key(val))     # a wait_tensor's fake value may have a storage of its own
             continue
         if isinstance(val, torch.Tensor):
             # a ZeRO stage 1/2 ``param_shard`` input is the runtime's view of a whole parameter already counted
             raw = 0 if n.op == "placeholder" and n.meta.get("fxpar_role") == "param_shard" else tensor_bytes(val)
-            s = Storage(concrete(raw), n, 0 if n.op == "placeholder" else i, i, size=raw)
+            s = Storage(concrete(raw), n, 0 if n.op == "placeholder" else i, i, size=raw, key=_storage_key(val),
+                        role=n.meta.get("fxpar_role") if n.op == "placeholder" else None)
             storages.append(s)
             storage_of[n] = s
         elif isinstance(val, (list, tuple)):
@@ -202,7 +224,8 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
             for v in val:
                 if isinstance(v, torch.Tensor):
                     raw = tensor_bytes(v)
-                    s = Storage(concrete(raw), n, i, i, size=raw)
+                    s = Storage(concrete(raw), n, i, i, size=raw, key=_storage_key(v),
+                                role=n.meta.get("fxpar_role") if n.op == "placeholder" else None)
                     storages.append(s)
                     outs.append(s)
                 else:
@@ -257,11 +280,13 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
     outs: list = []
     if nodes and nodes[-1].op == "output":
         torch.fx.node.map_aggregate(nodes[-1].args[0], outs.append)     # flat, in output order
-    out_storages = []
+    out_storages, parts = [], []
     for o in outs:
         st = storage_of.get(o) if isinstance(o, torch.fx.Node) else None
         out_storages.append(next((x for x in st if x is not None), None) if isinstance(st, list) else st)
-    return Liveness(storages, live, nodes, live[pi] if live else 0.0, pi, breakdown, out_storages)
+        parts.append([x for x in st if x is not None] if isinstance(st, list) else [st] if st is not None else [])
+    grad_of = [o.meta.get("fxpar_grad_of") if isinstance(o, torch.fx.Node) else None for o in outs]
+    return Liveness(storages, live, nodes, live[pi] if live else 0.0, pi, breakdown, out_storages, grad_of, parts)
 
 
 def peak_over_executions(executions, cache: dict | None = None) -> float:
@@ -291,101 +316,6 @@ def peak_over_executions(executions, cache: dict | None = None) -> float:
         if last_of_mb[mb] == i:
             held.pop(mb, None)
     return peak
-
-
-_PERSISTENT = ("param", "buffer", "opt_state")
-
-
-def sequence_peak(runs) -> tuple:
-    """``(peak bytes, breakdown at the peak, index of the peak run)`` of one rank's step sequence.
-
-    ``runs``: per item of the sequence, in order, ``(Liveness or None, label, keep)``; ``None``
-    marks an item that is not a graph (a send, a recv, a wait). The approximation::
-
-        peak = persistent + max over graphs i of (transient_i + carried_i)
-
-    * ``persistent``: every distinct param/buffer/opt_state placeholder of every graph, counted
-      once per rank (one key per ``fxpar_param``, so F, B and STEP of a stage share their weights);
-    * ``transient_i``: graph i's own liveness peak less its persistent placeholders: its other
-      inputs (saved activations, received activations, gradients handed to it), temporaries and
-      outputs, as :func:`liveness` sees them;
-    * ``carried_i``: outputs of earlier graphs still held while graph i runs. ``keep`` says how
-      long graph j's outputs stay: ``None`` (default) until the next graph, which is taken to read
-      them (so they are part of its own inputs and add nothing here); a label: until the first
-      later item with that label (e.g. ``"B0.3"`` for the activations ``"F0.3"`` saves);
-      ``"end"``: the end of the step; a dict ``{output index: label or "end"}`` per flat output
-      (others default). An output is counted here for the graphs strictly between, and inside the
-      freeing graph's own peak when that graph runs.
-
-    What it leaves out: executor-side buffers outside every graph (gradient accumulation sums,
-    received tensors before the graph that reads them, communication buffers), a held output that
-    an in-between graph also reads (counted twice), the allocator's caching and fragmentation.
-    """
-    n = len(runs)
-    labels = [r[1] for r in runs]
-    persistent: dict = {}
-    own: dict = {}
-    delta = [0.0] * (n + 2)
-    nxt = n
-    next_graph = [n] * n
-    for i in range(n - 1, -1, -1):
-        next_graph[i] = nxt
-        if runs[i][0] is not None:
-            nxt = i
-
-    def until(j, spec):
-        if spec is None:
-            return next_graph[j]
-        if spec == "end":
-            return n
-        u = next((u for u in range(j + 1, n) if labels[u] == spec), None)
-        if u is None:
-            raise ValueError(f"keep={spec!r} on item {j} ({labels[j] or 'unlabelled'}) names no later item of "
-                             f"its sequence; give the label of the item that last reads those outputs, or 'end'")
-        return u
-
-    for j, (lv, label, keep) in enumerate(runs):
-        if lv is None:
-            continue
-        if id(lv) not in own:
-            mine = 0.0
-            for st in lv.storages:
-                if st.producer.op == "placeholder" and st.category in _PERSISTENT:
-                    key = (st.category, st.producer.meta.get("fxpar_param") or (id(lv), st.producer.name))
-                    persistent[key] = (st.category, st.nbytes)
-                    mine += st.nbytes
-            own[id(lv)] = lv.peak_bytes - mine
-        if keep is None:
-            continue                  # read by the next graph: inside its own peak
-        per_out = keep if isinstance(keep, dict) else {}
-        for idx in per_out:
-            if not isinstance(idx, int) or not 0 <= idx < len(lv.outputs):
-                raise ValueError(f"keep on item {j} ({label or 'unlabelled'}) names output {idx!r}; the graph "
-                                 f"has {len(lv.outputs)} outputs (flat, numbered from 0)")
-        seen: set = set()
-        for idx, st in enumerate(lv.outputs):
-            if st is None or id(st) in seen or st.producer.op == "placeholder":
-                continue
-            seen.add(id(st))
-            u = until(j, per_out.get(idx) if isinstance(keep, dict) else keep)
-            if u > j + 1:
-                delta[j + 1] += st.nbytes
-                delta[u] -= st.nbytes
-    base = sum(b for _, b in persistent.values())
-    peak, at, carried, cur = base, -1, 0.0, 0.0
-    for i, (lv, _, _) in enumerate(runs):
-        cur += delta[i]
-        if lv is not None and base + own[id(lv)] + cur > peak:
-            peak, at, carried = base + own[id(lv)] + cur, i, cur
-    breakdown = dict.fromkeys(CATEGORIES, 0.0)
-    for cat, b in persistent.values():
-        breakdown[cat] += b
-    if at >= 0:
-        for cat, b in runs[at][0].peak_breakdown.items():
-            if cat not in _PERSISTENT:
-                breakdown[cat] += b
-    breakdown["carried"] = carried
-    return peak, breakdown, at
 
 
 def zero_model_state_bytes(num_params: float, stage: int, dp: int, optimizer_bytes_per_param: int = 12) -> float:

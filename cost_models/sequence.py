@@ -36,6 +36,8 @@ input shapes), and the flattened steps are shared by every rank whose sequence h
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import torch.fx
@@ -58,6 +60,8 @@ class Item:
     gm: torch.fx.GraphModule
     label: str = ""
     keep: object = None
+    groups: object = None         # {(axis, ranks in the graph's CommInfo): this rank's ranks}: ranks sharing a
+    #                               graph lowered for another rank (tensor parallelism: one graph per stage)
 
 
 @dataclass(frozen=True)
@@ -179,7 +183,9 @@ class SequenceProgram:
                 self.infos.append(it.info)
                 self.comm_names.append(it.label or f"{it.info.kind} {it.info.ranks[0]}->{it.info.ranks[-1]}")
             else:
-                self.infos.append(p.infos[k])
+                info = p.infos[k]
+                mine = (it.groups or {}).get((info.axis, tuple(info.ranks)))
+                self.infos.append(info if mine is None else dataclasses.replace(info, ranks=mine))
                 self.comm_names.append(f"{it.label}/{p.comm_names[k]}" if it.label else p.comm_names[k])
         self.compute_time_s = sum(p.compute_time_s for p in parts if p is not None)
         self.peak_bytes, self.memory_breakdown, self.peak_item = memory

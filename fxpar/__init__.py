@@ -18,6 +18,7 @@ from .plan import Plan
 from .program import Program, RankRunner, RunResult
 from .runtime.launch import LocalCluster
 from .annotate import shard
+from . import nn  # layers: fxpar.nn.MoE (GShard), fxpar.nn.TiledLinear
 from .sharding import Sharding, ShardingError
 from .strategy import Strategy
 

@@ -63,9 +63,6 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
             f"{strategy} uses dp*tp*pp = {strategy.size} ranks but the ClusterSpec has {cluster.world_size} "
             f"({cluster.nodes} node(s) x {cluster.devices_per_node}); make them equal, e.g. "
             f"Strategy(dp={cluster.world_size}) or ClusterSpec.local({strategy.size}).")
-    if strategy.tp > 1:
-        raise StrategyError(f"{strategy}: tensor parallelism is not available in this version of fxpar; "
-                            "use dp and pp (see docs/support-matrix.md for what is planned).")
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan={plan!r}: pass a fxpar.Plan (e.g. program.plan, or Plan.from_json(text))")
     spec = resolve_optimizer(optimizer)
@@ -151,7 +148,9 @@ def _without_gradient(plan: Plan, captured: list, model: torch.nn.Module) -> Non
         plan.stage_params = [list(cap.param_names) for cap in captured]
         tied = {k: [s for s in v if k in plan.stage_params[s]] for k, v in plan.tied.items()}
         plan.tied = {k: v for k, v in tied.items() if len(v) > 1}
+        kept = {n: g for n, g in plan.groups.items() if not n.startswith(("tied.", "stage"))}   # Herring, BytePS
         plan.groups, plan.grad_groups = grad_groups(plan)
+        plan.groups.update(kept)
     placed = {k for keys in plan.stage_params for k in keys}
     never = [k for k, v in model.named_parameters() if v.requires_grad and k not in placed]
     if never:

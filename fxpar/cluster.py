@@ -64,6 +64,9 @@ class ClusterSpec:
     """``nodes`` machines of ``devices_per_node`` identical devices each.
 
     Ranks are numbered node-major: rank r lives on node ``r // devices_per_node``.
+    ``cpu_servers``: CPU-only machines that only sum gradients (BytePS's summation servers,
+    ``Strategy(grad_sync="byteps")``); they are ranks ``world_size .. world_size + cpu_servers - 1``
+    of the process group, hold no parameters and take no batch.
     """
     device: DeviceSpec = field(default_factory=DeviceSpec)
     nodes: int = 1
@@ -71,6 +74,7 @@ class ClusterSpec:
     intra_node: LinkSpec = field(default_factory=lambda: LinkSpec(1.5 * 2**30, 50e-6))
     inter_node: LinkSpec = field(default_factory=lambda: LinkSpec(1.25e9, 100e-6))
     backend: str = "gloo"
+    cpu_servers: int = 0
 
     def __post_init__(self):
         self.validate()
@@ -127,6 +131,7 @@ class ClusterSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ClusterSpecError(f"ClusterSpec({name}={v!r}): {name} must be a positive int.")
+        _check_cpu_servers(self.cpu_servers, self.backend)
         for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s"):
             v = getattr(d, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -190,7 +195,7 @@ class ClusterSpec:
             _check_fields(d[link], _LINK_FIELDS, f"{link}.", source, required=("bandwidth", "latency"))
         return cls(device=DeviceSpec(**d["device"]), nodes=d["nodes"], devices_per_node=d["devices_per_node"],
                    intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
-                   backend=d.get("backend", "gloo"))
+                   backend=d.get("backend", "gloo"), cpu_servers=int(d.get("cpu_servers", 0)))
 
     @classmethod
     def from_json(cls, text_or_path) -> "ClusterSpec":
@@ -223,7 +228,19 @@ class ClusterSpec:
         d = self.device
         return (f"{self.nodes} node(s) x {self.devices_per_node} {d.name} ({d.memory_bytes / 2**30:.0f} GiB, "
                 f"{d.peak_flops / 1e12:.3g} TFLOP/s), backend={self.backend}, intra {self.intra_node.bandwidth / 1e9:.3g} GB/s, "
-                f"inter {self.inter_node.bandwidth / 1e9:.3g} GB/s")
+                f"inter {self.inter_node.bandwidth / 1e9:.3g} GB/s"
+                + (f", + {self.cpu_servers} CPU summation server(s)" if self.cpu_servers else ""))
+
+
+def _check_cpu_servers(k, backend: str) -> None:
+    """BytePS's CPU summation servers: a count >= 0, on a backend that moves CPU tensors."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 0:
+        raise ClusterSpecError(f"ClusterSpec(cpu_servers={k!r}): the number of CPU-only summation servers must be an "
+                               "int >= 0 (0: none; BytePS then sums by all-reduce among the workers).")
+    if k and backend == "nccl":
+        raise ClusterSpecError(f"ClusterSpec(cpu_servers={k}, backend='nccl'): NCCL moves CUDA tensors only, and a "
+                               "CPU summation server holds none, so it cannot join the workers' NCCL group. Use "
+                               "backend='gloo' (CPU tensors), or cpu_servers=0 (grad_sync='allreduce').")
 
 
 def _host_memory_bytes() -> int:
@@ -236,7 +253,8 @@ def _host_memory_bytes() -> int:
 _NUMBER = "a number"
 _TOP_FIELDS = {"device": (dict, "an object {...} of DeviceSpec fields"), "nodes": (int, "a positive integer"),
                "devices_per_node": (int, "a positive integer"), "intra_node": (dict, "an object {bandwidth, latency}"),
-               "inter_node": (dict, "an object {bandwidth, latency}"), "backend": (str, "'gloo', 'nccl' or 'fake'")}
+               "inter_node": (dict, "an object {bandwidth, latency}"), "backend": (str, "'gloo', 'nccl' or 'fake'"),
+               "cpu_servers": (int, "an integer >= 0 (CPU summation servers)")}
 _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "memory_bytes": (int, "an integer (bytes)"),
                   "peak_flops": (float, _NUMBER + " (FLOP/s)"), "mem_bandwidth": (float, _NUMBER + " (bytes/s)"),
                   "efficiency": (dict, "an object {op class: fraction}"), "op_overhead_s": (float, _NUMBER + " (seconds)"),

@@ -51,6 +51,10 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
     from passes import (BucketGradients, DataParallelGradSync, ReinplaceOptimizer,  # fxpar reaches passes only here
                         SplitGraphs, SyncBuffers)
     pipeline = []
+    if plan.shardings:
+        from passes.tensor_parallel import TensorParallel
+        # first: every later pass (recompute, data_parallel, bucket, ...) works on the rank's local pieces
+        pipeline.append(TensorParallel())
     if (plan.recompute or {}).get("policy", "none") != "none":
         from passes import Recompute
         # first: data_parallel/bucket place collectives by backward's node order, which must hold the copies already
@@ -71,6 +75,9 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
         if (plan.grad_sync or {}).get("method") == "herring":
             from passes import HierarchicalReduce
             pipeline.append(HierarchicalReduce())   # Herring: reduce-scatter in the node, sum across nodes, gather
+        if (plan.grad_sync or {}).get("method") == "byteps":
+            from passes import ServerSum
+            pipeline.append(ServerSum())   # BytePS: the CPU servers' share pushed and pulled, the rest all-reduced
         if getattr(plan, "zero", 0):
             from passes import ZeroShard
             pipeline.append(ZeroShard())   # ZeRO: reduce-scatter into chunks, optimizer on chunks, gather parameters
@@ -116,7 +123,7 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":   # buckets, pieces, issue plan of the stage
             from .planner import plan_comm_schedule
             plan_comm_schedule(plan, s, captured, cluster)
-        rank = plan.stage_to_rank[s][0] * plan.dp           # the stage's first holder stands for all its holders
+        rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
                           signature=gm.meta["fxpar_signature"], captured=captured)
         ctx.store["kinds"] = kinds                          # the graphs the split will cut (passes.zero reads it)

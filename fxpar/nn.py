@@ -9,6 +9,9 @@ untiled layer's (up to the order of the input-gradient sum over tiles).
 ``tile_linears(model, max_params)`` swaps every ``nn.Linear`` with more than ``max_params`` weights for a
 ``TiledLinear`` holding the same values (state-dict keys change: ``fc.weight`` becomes ``fc.tiles.0.weight``,
 ``fc.tiles.1.weight``, ...).
+
+``MoE``: GShard's mixture-of-experts layer with top-2 gating, expert capacity and the auxiliary loss, its
+experts split over a mesh axis by ``fxpar.shard`` annotations (:mod:`fxpar.moe`).
 """
 from __future__ import annotations
 
@@ -17,7 +20,9 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["TiledLinear", "tile_linears"]
+from .moe import MoE
+
+__all__ = ["TiledLinear", "tile_linears", "MoE"]
 
 
 class TiledLinear(nn.Module):

@@ -44,8 +44,11 @@ class Plan:
     passes: list = field(default_factory=list)     # the passes each stage's joint graph goes through, in order
     custom_passes: list = field(default_factory=list)
     notes: list = field(default_factory=list)      # what the planner wants the user to know
-    # room for the decisions of later work: per-tensor shardings, ZeRO stage, recompute/offload
+    # the decisions of later work: per-tensor shardings, ZeRO stage, recompute/offload
     # policy, communication order. Empty means "not used".
+    # tensor parallelism: {"mode": "auto" | "megatron" | "layouts" | "annotations", "axes": [[name, size], ...],
+    #  "layouts": {param glob: [mesh axis or None per dim]}, "stages": [per stage {"params": {key: spec},
+    #  "opt_state": {...}, "auto": {node: [spec per output]} (Tofu's choice, reused when handed back)}]}
     shardings: dict = field(default_factory=dict)
     zero: int = 0
     grad_sync: dict = field(default_factory=dict)      # {"method": "herring", "node": [[ranks]], "cross": [[ranks]]}
@@ -66,12 +69,30 @@ class Plan:
         return self.mesh.axis_size("pp") if "pp" in self.mesh.names else 1
 
     @property
+    def tp_axes(self) -> list:
+        """The tensor-parallel mesh axes (``tp``, or Tofu's halvings ``tp0``, ``tp1``, ...), fastest last."""
+        return [n for n, _ in self.mesh.axes if n not in ("pp", "dp")]
+
+    @property
+    def tp(self) -> int:
+        out = 1
+        for a in self.tp_axes:
+            out *= self.mesh.axis_size(a)
+        return out
+
+    @property
+    def width(self) -> int:
+        """Ranks holding one pipeline rank's stages: dp x tp."""
+        return self.dp * self.tp
+
+    @property
     def n_stages(self) -> int:
         return max(1, len(self.stage_to_rank))
 
     def coords(self, rank: int) -> tuple:
-        """(pipeline rank, dp index) of a global rank: rank = pipeline rank * dp + dp index."""
-        return divmod(rank, self.dp)
+        """(pipeline rank, index within it) of a global rank: rank = pipeline rank * dp * tp + dp index * tp + tp
+        index (tensor-parallel ranks are neighbours, as Megatron places them inside a node)."""
+        return divmod(rank, self.width)
 
     def rank_stages(self, rank: int) -> list:
         """Stages whose weights global ``rank`` holds."""
@@ -92,7 +113,7 @@ class Plan:
         in it). Each name gets process groups of its own, even where two names cover the same ranks: the
         collectives of one name are issued in one order on every member, but two names' collectives need
         not be, so sharing a process group could pair one name's tensor with the other's."""
-        out = [("dp", tuple(g)) for g in self.mesh.groups("dp")]
+        out = [(axis, tuple(g)) for axis in ["dp"] + self.tp_axes for g in self.mesh.groups(axis)]
         for name in sorted(self.groups):
             out += [(name, tuple(g)) for g in self.groups[name]]
         return [(n, g) for n, g in dict.fromkeys(out) if len(g) > 1]
@@ -112,7 +133,8 @@ class Plan:
         return plan
 
     def __str__(self) -> str:
-        lines = [f"mesh: {self.mesh} (global rank = pp index * dp + dp index)",
+        lines = [f"mesh: {self.mesh} (global rank = pp index * dp + dp index)" if self.tp == 1 else
+                 f"mesh: {self.mesh} (global rank = (pp index * dp + dp index) * tp + tp index)",
                  f"batch: {self.global_batch} split on dim {self.batch_dim} over dp={self.dp}, "
                  f"{self.microbatches} microbatch(es) per step"]
         if self.n_stages > 1:
@@ -143,6 +165,19 @@ class Plan:
                                         if self.broadcast_buffers else "per-rank (not synchronised)"))
         if self.loss_average:
             lines.append(f"loss: {self.loss_average} average over shards and microbatches (docs/semantics.md)")
+        if self.shardings:
+            sh = self.shardings
+            how = {"auto": "Tofu's search (recursive halving, exact DP per level)", "megatron":
+                   "Megatron preset (column/row-parallel Linear pairs), then the model's fxpar.shard annotations and "
+                   "propagation (GShard) for the rest", "layouts": "Mesh-TensorFlow layouts, then the model's "
+                   "fxpar.shard annotations and propagation (GShard) for the rest", "annotations":
+                   "the model's fxpar.shard annotations and propagation (GShard)"}[sh["mode"]]
+            lines.append(f"tensor parallelism over {' x '.join(f'{a}={n}' for a, n in sh['axes'])}: {how}")
+            for s, st in enumerate(sh.get("stages", [])):
+                split = {k: v for k, v in st.get("params", {}).items() if any(d is not None for d in v)}
+                lines.append(f"  stage {s}: {len(split)} of {len(st.get('params', {}))} parameter(s) split"
+                             + (": " + ", ".join(f"{k} {tuple(v)}" for k, v in list(split.items())[:6])
+                                + (" ..." if len(split) > 6 else "") if split else ""))
         if self.zero:
             lines.append(f"ZeRO stage {self.zero} over dp={self.dp}" + (
                 f"; offload {' and '.join(self.offload['what'])} to {self.offload['to']}" if self.offload.get("what") else ""))

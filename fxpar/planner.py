@@ -7,6 +7,8 @@ each stage (:func:`plan_buckets`, DDP-style, once the stage's joint graph shows 
 """
 from __future__ import annotations
 
+import json
+
 import torch
 
 from . import meta as M
@@ -110,15 +112,18 @@ def grad_groups(plan: Plan) -> tuple:
     holding any of them, in one collective per rank: a rank holding two such stages sums them
     locally (the runtime keeps one accumulator per parameter and rank) and reduces the parameter in
     the first of its stages that uses it; the other stages' steps read that result."""
-    dp = plan.dp
+    dp, tp, width = plan.dp, plan.tp, plan.width
     groups: dict = {}
     per_stage = []
+
+    def ranks_of(prs, t: int = 0) -> list:      # the holders of pipeline ranks ``prs`` at tp index t (a gradient
+        return sorted({pr * width + d * tp + t for pr in prs for d in range(dp)})   # is summed at one tp index)
     for s, keys in enumerate(plan.stage_params):
-        holders = sorted(pr * dp + d for pr in plan.stage_to_rank[s] for d in range(dp))
+        holders = ranks_of(plan.stage_to_rank[s])
         chosen = {}
         for k in keys:
             if k in plan.tied:
-                ranks = sorted({pr * dp + d for t in plan.tied[k] for pr in plan.stage_to_rank[t] for d in range(dp)})
+                ranks = ranks_of({pr for t in plan.tied[k] for pr in plan.stage_to_rank[t]})
                 first = {min(t for t in plan.tied[k] if pr in plan.stage_to_rank[t]) for pr in plan.stage_to_rank[s]}
                 if len(first) > 1:
                     raise StrategyError(f"parameter {k!r} is used by stages {plan.tied[k]}; the placement "
@@ -126,7 +131,8 @@ def grad_groups(plan: Plan) -> tuple:
                                         "different stages. Use a placement where every holder of a stage holds the "
                                         "same stages, or untie the parameter.")
                 if len(ranks) > 1 and first == {s}:
-                    groups[f"tied.{k}"] = [ranks]
+                    groups[f"tied.{k}"] = [ranks_of({pr for t in plan.tied[k] for pr in plan.stage_to_rank[t]}, i)
+                                           for i in range(tp)]
                     chosen[k] = f"tied.{k}"
                 else:
                     chosen[k] = None
@@ -135,7 +141,7 @@ def grad_groups(plan: Plan) -> tuple:
             elif len(plan.stage_to_rank[s]) == 1:
                 chosen[k] = "dp"
             else:
-                groups[f"stage{s}"] = [holders]
+                groups[f"stage{s}"] = [ranks_of(plan.stage_to_rank[s], i) for i in range(tp)]
                 chosen[k] = f"stage{s}"
         per_stage.append(chosen)
     return groups, per_stage
@@ -148,6 +154,7 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     tuple of tensors; ``layout`` (a ``BatchLayout``) gives it back its structure (keyword inputs) for tracing."""
     dp, pp = strategy.dp, strategy.pp
     plan = Plan(mesh_axes=[["pp", pp], ["dp", dp]])
+    _record_sharding(plan, strategy, base)
     plan.schedule = schedule_name(strategy, base)
     plan.microbatches = base.microbatches if base is not None else strategy.microbatches
     plan.global_batch = check_batch(batch, dp, plan.microbatches)
@@ -200,6 +207,24 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     return plan, sched, trace, split
 
 
+def _record_sharding(plan: Plan, strategy: Strategy, base: Plan | None) -> None:
+    """Tensor parallelism into the Plan: the tp mesh axes (Tofu halves the device set: ``tp0``, ``tp1``, ... of
+    size 2; the other modes use one ``tp`` axis) and the mode; ``passes.tensor_parallel`` fills in each stage's
+    parameter layouts (and Tofu's per-node choice, reused when the Plan is handed back)."""
+    if base is not None and base.shardings:
+        plan.shardings = json.loads(json.dumps(base.shardings))
+    elif strategy.tp > 1:
+        mode = "layouts" if isinstance(strategy.sharding, dict) else strategy.sharding
+        k = strategy.tp.bit_length() - 1
+        axes = ([["tp", 2]] if k == 1 else [[f"tp{i}", 2] for i in range(k)]) if mode == "auto" \
+            else [["tp", strategy.tp]]
+        plan.shardings = {"mode": mode, "axes": axes, "stages": [],
+                          "layouts": {p: list(v) for p, v in strategy.sharding.items()} if mode == "layouts" else {}}
+    else:
+        return
+    plan.mesh_axes += [list(a) for a in plan.shardings["axes"]]
+
+
 def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None) -> None:
     """Communication order into the Plan (``passes.comm_schedule`` carries it out): the method, the partition
     and credit asked for (None: tuned per stage in :func:`plan_comm_schedule`), and whether the gradient waits and
@@ -225,6 +250,11 @@ def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None) -> 
         plan.comm_schedule["delayed_update"] = True
         plan.notes.append("delayed_update: each step computes with the parameters before the previous step's update, "
                           "which runs after its backward (ZeRO-Offload's DPU; W(t+1) = W(t) - lr grad f(W(t-1)))")
+        if plan.zero:       # ZeRO's reduce-scatter buckets are the carried pieces: no ByteScheduler piece plan
+            plan.comm_schedule["stages"] = [{"priority": [], "pieces": [], "events": [], "predicted_step_s": None,
+                                             "zero": plan.zero} for _ in range(plan.n_stages)]
+            plan.notes.append(f"delayed_update with zero={plan.zero}: each bucket's reduce-scattered gradient chunk is "
+                              "carried into the next step, whose update runs on chunks after its backward")
 
 
 def plan_comm_schedule(plan: Plan, stage: int, captured, cluster) -> dict:
@@ -244,7 +274,7 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster) -> dict:
     if not names:
         stages.append({"priority": [], "pieces": [], "events": [], "predicted_step_s": None})
         return stages[-1]
-    ranks = plan.group_of(names[0], plan.stage_to_rank[stage][0] * plan.dp)
+    ranks = plan.group_of(names[0], plan.stage_to_rank[stage][0] * plan.width)
     try:
         entry, buckets = plan_stage(
             stage_timings(captured.gm, captured.signature, cluster.device),
@@ -277,7 +307,12 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster) -> dict:
 
 def _record_grad_sync(plan: Plan, strategy: Strategy, base: Plan | None, cluster) -> None:
     """Herring's hierarchy into the Plan: per node the ranks that reduce-scatter and all-gather together
-    (group ``node``), and per local index the ranks on different nodes that sum a shard (group ``cross``)."""
+    (group ``node``), and per local index the ranks on different nodes that sum a shard (group ``cross``).
+    BytePS's servers and shares: :func:`_record_byteps`."""
+    k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
+    if k and (base.grad_sync if base is not None else {"method": strategy.grad_sync}).get("method") != "byteps":
+        raise StrategyError(f"{strategy}: the ClusterSpec has cpu_servers={k} CPU summation server(s), which only "
+                            "BytePS uses; set Strategy(grad_sync='byteps') or ClusterSpec(cpu_servers=0).")
     if base is None and strategy.grad_sync == "parallax":
         plan.grad_sync = {"method": "parallax"}          # the routes are chosen once the step is captured
         return
@@ -285,6 +320,10 @@ def _record_grad_sync(plan: Plan, strategy: Strategy, base: Plan | None, cluster
         plan.grad_sync = dict(base.grad_sync)
         if plan.grad_sync.get("method") == "herring":
             plan.groups.update({"node": plan.grad_sync["node"], "cross": plan.grad_sync["cross"]})
+        if plan.grad_sync.get("method") == "byteps" and cluster is not None:
+            _record_byteps(plan, strategy, k)              # the servers are the cluster's; the split follows them
+    elif strategy.grad_sync == "byteps":
+        _record_byteps(plan, strategy, k)
     elif strategy.grad_sync == "herring":
         per = getattr(cluster, "devices_per_node", plan.dp) if cluster is not None else plan.dp
         nodes = plan.dp // per if per and plan.dp % per == 0 else 0
@@ -299,6 +338,32 @@ def _record_grad_sync(plan: Plan, strategy: Strategy, base: Plan | None, cluster
         plan.groups.update({"node": node, "cross": cross})
         plan.notes.append(f"grad_sync: Herring -- each bucket reduce-scattered within nodes {node}, each shard summed "
                           f"across nodes {cross}, then all-gathered within the node")
+
+
+def _record_byteps(plan: Plan, strategy: Strategy, k: int) -> None:
+    """BytePS (Jiang et al., OSDI'20) into the Plan: the CPU servers' ranks (after the workers'), one group per
+    server (every worker and that server: the pushes and pulls of its partitions), and each server's share of
+    every bucket, 2(n-1)/(n²+kn-2k) (``cost_models.byteps``); the workers all-reduce the rest."""
+    from cost_models.byteps import gain_over_allreduce, server_share   # the planner reads the cost models
+    n = plan.dp
+    if n < 2 or getattr(plan, "tp", 1) > 1:
+        raise StrategyError(f"{strategy}: grad_sync='byteps' sums each gradient over the dp workers and "
+                            + ("dp=1 has nothing to sum; use dp >= 2." if n < 2 else
+                               "is built for data parallelism alone; drop tp or use grad_sync='allreduce'."))
+    workers = list(range(plan.mesh.size))
+    servers = list(range(plan.mesh.size, plan.mesh.size + k))
+    groups = {f"server{j}": [workers + [s]] for j, s in enumerate(servers)}
+    share = server_share(n, k)
+    plan.grad_sync = {"method": "byteps", "workers": n, "servers": servers, "server_share": share, "groups": groups}
+    plan.groups.update(groups)
+    if not k:
+        plan.notes.append("grad_sync: BytePS with no CPU server (ClusterSpec.cpu_servers=0): every bucket is "
+                          "all-reduced among the workers, the formula's k=0 limit")
+        return
+    plan.notes.append(f"grad_sync: BytePS -- each of {k} CPU server(s) (ranks {servers}) sums a 2(n-1)/(n²+kn-2k) = "
+                      f"{share:.4g} share of every bucket (workers push it, pull the sum); the workers all-reduce the "
+                      f"rest; {gain_over_allreduce(n, k):.3g}x less traffic on the busiest machine than all-reduce"
+                      + (f" (k={k} > n={n}: the servers hold everything, the extra ones sit partly idle)" if k > n else ""))
 
 
 def plan_sparse_routes(plan: Plan, captured) -> None:

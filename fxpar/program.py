@@ -12,6 +12,7 @@ from .collectives import collective_nodes
 from .runtime.executor import Executor, RankPayload, train
 from .errors import InputError
 from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard, init_from_env
+from .runtime.server import run_rank, server_payloads, stop_messages
 from .schedule import Action, ActionKind
 
 __all__ = ["Program", "RunResult", "RankRunner", "Stage", "ActionList"]
@@ -39,6 +40,8 @@ class RunResult:
     steps, its state included (:class:`fxpar.runtime.measure.MemoryTracker`; on CUDA this figure would be
     ``torch.cuda.max_memory_allocated``), to set against ``program.estimate().ranks[r].peak_memory_bytes``;
     ``held_memory_bytes``: rank -> the bytes it held when its first step began (state and its microbatches).
+    ``servers`` (BytePS, ``ClusterSpec(cpu_servers=k)``): server rank -> its steps and, per step, the bytes it
+    received and sent (:func:`fxpar.runtime.server.serve_sums`).
 
     Each ``run_local`` call starts from the weights the program was built with (the model's, at
     ``parallelize`` time): it does not continue an earlier call. To continue one, save and resume:
@@ -65,6 +68,7 @@ class RunResult:
     state_bytes: dict = field(default_factory=dict)
     peak_memory_bytes: dict = field(default_factory=dict)
     held_memory_bytes: dict = field(default_factory=dict)
+    servers: dict = field(default_factory=dict)     # BytePS: server rank -> what it received and sent per step
 
     def state_dict(self) -> dict:
         """Trained parameters and buffers, unsharded, under the model's own keys (tied keys included)."""
@@ -225,6 +229,24 @@ class Program:
         self._check_rank(rank)
         return [e for s in self.plan.rank_stages(rank) for e in self.stages[s].history]
 
+    def shardings(self, rank: int = 0):
+        """Tensor parallelism: node -> ``fxpar.Sharding`` in the joint graph of every stage this rank holds, as
+        decided before lowering (``fxpar.sharding.ShardingMap``; print it for the split nodes by module). The
+        graphs themselves are the same on every tp rank. Empty without tensor parallelism."""
+        from .sharding import ShardingMap
+        self._check_rank(rank)
+        held = self.plan.rank_stages(rank)
+        out = ShardingMap()
+        for s in held:
+            meta = self.stages[s].joint.meta
+            res, mods = meta.get("fxpar_shardings"), meta.get("fxpar_tp_modules", {})
+            pre = f"stage{s}." if len(held) > 1 else ""
+            for name, outs in (res.out.items() if res is not None else ()):
+                if outs:
+                    out[pre + name] = outs[0]
+                    out.modules[pre + name] = mods.get(name, "")
+        return out
+
     def schedule(self, rank: int = 0) -> ActionList:
         """This rank's actions, peers as global ranks (``str()`` prints ``rank R: F0.0 SF0.0>1 ...``)."""
         pr, d = self._check_rank(rank)
@@ -247,7 +269,7 @@ class Program:
         which = {_K.SEND_F: "acts_out", _K.SEND_B: "grads_out", _K.RECV_F: "acts_in", _K.RECV_B: "grads_in"}
         for a in acts:
             if a.kind in which:
-                peer = a.peer * self.dp + d
+                peer = a.peer * self.plan.width + d
                 nbytes = sum(int(torch.Size(sh).numel()) * torch.empty((), dtype=dt).element_size()
                              for _, sh, dt in self.stages[a.stage].messages[which[a.kind]])
                 send = a.kind in (_K.SEND_F, _K.SEND_B)
@@ -260,8 +282,21 @@ class Program:
             if a.kind == _K.F and (a.stage, a.microbatch) in last_bw:
                 until = last_bw[(a.stage, a.microbatch)]
                 keep = {j: until for j, (role, _) in enumerate(sg.outputs) if role == "saved"}
-            out.append(Item(sg.gm, a.short(), keep))
+            out.append(Item(sg.gm, a.short(), keep, self._group_remap(a.stage, rank)))
         return out
+
+    def _group_remap(self, stage: int, rank: int) -> dict | None:
+        """The stage's graphs name the groups of the rank they were lowered for (its first holder); for ``rank``:
+        ``{(group name, those ranks): rank's ranks}`` (the cost models simulate each rank in its own groups)."""
+        first = self.plan.stage_to_rank[stage][0] * self.plan.width
+        if first == rank:
+            return None
+        out = {}
+        for name in ["dp"] + self.plan.tp_axes + sorted(self.plan.groups):
+            a, b = self.plan.group_of(name, first), self.plan.group_of(name, rank)
+            if a is not None and b is not None and tuple(a) != tuple(b):
+                out[(name, tuple(a))] = tuple(b)
+        return out or None
 
     def collectives(self, rank: int = 0) -> list:
         """Everything this rank sends, receives and reduces in one step, in issue order, as
@@ -281,7 +316,7 @@ class Program:
         if self._estimate is None:
             import cost_models     # the cost models read graphs; fxpar reaches them only here and in the planner
             calls = {r: self._calls(r) for r in range(self.world_size)}
-            if all(len(c) == 1 and not isinstance(c[0], M.CommInfo) for c in calls.values()):
+            if all(len(c) == 1 and not isinstance(c[0], M.CommInfo) and c[0].groups is None for c in calls.values()):
                 est = cost_models.estimate({r: c[0].gm for r, c in calls.items()}, self.cluster)
                 est.bubble = est.idle_fraction          # one FULL graph per rank: all of it is compute
             else:
@@ -323,6 +358,11 @@ class Program:
                     if by:
                         reduced_by.setdefault(s, {})[k] = by[0]
         extra["reduced_by"] = reduced_by
+        if self.plan.shardings:          # tensor parallelism: the layouts of the held stages' parameters and state
+            sh = self.plan.shardings
+            extra["tp"] = {"axes": sh["axes"], "stages": {
+                s: {**{k: sh["stages"][s][k] for k in ("params", "opt_state")},
+                    "shapes": {k: list(v) for k, v in self.stages[s].captured.param_shapes.items()}} for s in held}}
         zero = {s: self.stages[s].joint.meta.get("fxpar_zero") for s in held}
         extra["zero"] = {s: z for s, z in zero.items() if z}
         extra["offload"] = dict(self.plan.offload)
@@ -331,7 +371,7 @@ class Program:
         for name, ranks in all_groups:       # only groups every rank creates (a process group is made by all)
             if rank in ranks:
                 bindings[name] = tuple(ranks)
-        return RankPayload(rank=rank, dp=self.dp, actions=list(sched.actions[pr]),
+        return RankPayload(rank=rank, dp=self.dp, tp=self.plan.tp, actions=list(sched.actions[pr]),
                            stage_to_rank=[tuple(r) for r in self.plan.stage_to_rank],
                            microbatches=self.plan.microbatches,
                            graphs={s: self.stages[s].graphs for s in held},
@@ -384,29 +424,40 @@ class Program:
             from .runtime.checkpoint import CheckpointError, incomplete_message, is_complete
             if not is_complete(resume_from):
                 raise CheckpointError(incomplete_message(resume_from))
-        if self.world_size > 1 and cluster is None:
-            what = f"program.run_local (world_size={self.world_size})"
+        servers = server_payloads(self.plan, self.stages[0].joint.meta.get("fxpar_byteps"))   # BytePS's CPU ranks
+        n_ranks = self.world_size + len(servers)
+        if servers and (save_to is not None or resume_from is not None):
+            raise InputError(f"run_local(save_to=/resume_from=) with {len(servers)} BytePS CPU server(s): checkpoints "
+                             "are not written with summation servers in the group yet. Save from a program built "
+                             "with grad_sync='allreduce' (it resumes under any strategy).")
+        if n_ranks > 1 and cluster is None:
+            what = f"program.run_local (world_size={n_ranks})"
             check_main_guard(what)
-            check_local_capacity(self.world_size, self._rank_state_bytes(), what)
-        if cluster is not None and cluster.world_size != self.world_size:
+            check_local_capacity(n_ranks, self._rank_state_bytes(), what)
+        if cluster is not None and cluster.world_size != n_ranks:
             raise InputError(f"run_local(cluster=LocalCluster({cluster.world_size})): this program needs "
-                             f"{self.world_size} ranks ({self.strategy}); pass a LocalCluster({self.world_size}) "
-                             "or none (run_local then starts its own).")
+                             f"{n_ranks} ranks ({self.strategy}" + (f" + {len(servers)} CPU server(s)" if servers else "")
+                             + f"); pass a LocalCluster({n_ranks}) or none (run_local then starts its own).")
         args = [(self.payload(r, len(batches), measure_comm, record_weights, seed, save_to, resume_from,
                               measure_memory), batches) for r in range(self.world_size)]
+        fn = train
+        if servers:                 # workers tell the servers to stop after their last step
+            fn, stops = run_rank, stop_messages(servers)
+            args = [(p, b, stops) for p, b in args] + [(sp, None) for sp in servers]
         if self.world_size == 1:
             with torch.random.fork_rng(devices=[]):      # the caller's generator is left as it was
                 results = [train(*args[0])]
         else:
             self._check_picklable()
             own = cluster is None
-            lc = cluster or LocalCluster(self.world_size, backend=self.cluster.backend)
+            lc = cluster or LocalCluster(n_ranks, backend=self.cluster.backend)
             try:
-                results = lc.run(train, args, timeout_s=timeout_s)
+                results = lc.run(fn, args, timeout_s=timeout_s)
             finally:
                 if own:
                     lc.close()
-        res = self._gather(results)
+        res = self._gather(results[:self.world_size])
+        res.servers = {r["rank"]: r for r in results[self.world_size:]}
         self._check_nonfinite(res, on_nonfinite)
         return res
 
@@ -460,7 +511,8 @@ class Program:
     def _gather(self, results: list) -> RunResult:
         n = len(results[0]["loss_sums"])
         total_mb = self.plan.microbatches * self.dp
-        losses = [sum(r["loss_sums"][i] for r in results) / total_mb for i in range(n)]
+        tp = self.plan.tp                  # tp ranks compute the same loss: count it once, at tp index 0
+        losses = [sum(r["loss_sums"][i] for j, r in enumerate(results) if j % tp == 0) / total_mb for i in range(n)]
         times = [max(r["step_times"][i] for r in results) for i in range(n)]
         res = RunResult(losses=losses, step_times=times,
                         per_rank_losses={i: r["loss_sums"] for i, r in enumerate(results)},
@@ -491,6 +543,11 @@ class Program:
         """Under torchrun (or on an initialised group): join the env:// group and run this rank's part,
         one ``step(global_batch)`` at a time (``seed`` as in :meth:`run_local`)."""
         self._check_materialized("runner")
+        if server_payloads(self.plan, None):
+            from .errors import StrategyError
+            raise StrategyError(f"runner(): this program sums through {len(self.plan.grad_sync['servers'])} BytePS CPU "
+                                "server(s), which torchrun does not start yet; use run_local(batches), or "
+                                "grad_sync='allreduce' under torchrun.")
         init_from_env(backend or self.cluster.backend)
         import torch.distributed as dist
         if dist.get_world_size() != self.world_size:
@@ -534,7 +591,8 @@ class RankRunner(GroupExit):
         import torch.distributed as dist
         if self.program.layout is not None:        # checked against example_inputs; the loss's extra columns added
             batch = self.program._prepare(batch, f"runner.step(batch) (step {len(self.executor.loss_sums)})")
-        t = torch.tensor([self.executor.step(batch)], dtype=torch.float64)   # loss sums live on last stages
+        loss = self.executor.step(batch)
+        t = torch.tensor([loss if self.executor.tp_index == 0 else 0.0], dtype=torch.float64)  # on last stages, tp 0
         dist.all_reduce(t)
         return float(t) / (self.program.plan.microbatches * self.program.dp)
 

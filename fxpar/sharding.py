@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 from .errors import FxparError
 
-__all__ = ["Sharding", "ShardingError", "R", "P", "fmt_placement", "redistribute_steps", "redistribute_bytes",
+__all__ = ["Sharding", "ShardingMap", "ShardingError", "R", "P", "fmt_placement", "redistribute_steps", "redistribute_bytes",
            "collective_bytes", "axis_sizes"]
 
 R = "R"     # replicated along the axis
@@ -207,3 +207,25 @@ def redistribute_bytes(src, dst, local_nbytes: float, n: int) -> float:
         elif kind in ("reduce_scatter", "slice"):
             cur /= n
     return total
+
+
+class ShardingMap(dict):
+    """``program.shardings(rank)``: node name -> :class:`Sharding` (of its first output) in the joint graph of each
+    stage the rank holds (names prefixed ``stage<s>.`` when it holds several); ``modules`` maps a name to the
+    module that made it. Printed: the split and partial-sum nodes, grouped by module."""
+
+    def __init__(self, items=(), modules: dict | None = None):
+        super().__init__(items)
+        self.modules = dict(modules or {})
+
+    def __str__(self) -> str:
+        by_mod: dict = {}
+        for name, sh in self.items():
+            if not sh.is_replicated:
+                by_mod.setdefault(self.modules.get(name) or "<root>", []).append(f"{name} {sh}")
+        if not by_mod:
+            return f"{len(self)} node(s), all whole (replicated)"
+        lines = [f"{len(self)} node(s), {sum(len(v) for v in by_mod.values())} split or partial:"]
+        for mod, items in by_mod.items():
+            lines.append(f"  {mod}: " + ", ".join(items[:8]) + (f" ... (+{len(items) - 8})" if len(items) > 8 else ""))
+        return "\n".join(lines)

@@ -13,6 +13,7 @@ __all__ = ["Strategy"]
 
 _RECOMPUTE = ("none", "full", "selective", "auto")
 _COMM_SCHEDULES = ("fifo", "bytescheduler")
+_SHARDINGS = ("auto", "megatron", "annotations")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "pipedream", "2bw", "chimera", "single")
 
 
@@ -22,6 +23,13 @@ class Strategy:
 
     dp, tp, pp: sizes of the data-, tensor- and pipeline-parallel mesh axes; their product must
         equal the ClusterSpec's world size.
+    sharding: with ``tp > 1``, how each operator's tensors are split over the tp ranks (docs/tensor-parallel.md):
+        ``"auto"`` (default: Tofu's search, Wang et al. EuroSys'19, picks every operator's split by the cost
+        model; tp a power of two), ``"megatron"`` (column-parallel then row-parallel Linear pairs found in the
+        graph, attention split by heads; Shoeybi et al. 2019), ``"annotations"`` (only the model's
+        ``fxpar.shard`` annotations, GShard-style, and propagation), or a dict of Mesh-TensorFlow layouts
+        ``{"blocks.*.mlp.fc1.weight": ("tp", None), ...}`` (glob over parameter keys -> a mesh axis or None per
+        dim). Annotations in the model count in every mode but ``"auto"``.
     bucket_cap_mb: gradient bucket size for data parallelism (DDP's default: 25 MB). 0 means one
         collective per gradient.
     first_bucket_cap_mb: cap of the first bucket backward fills (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``:
@@ -56,14 +64,19 @@ class Strategy:
         is computed from step t-1's gradients while step t's forward and backward run on the parameters before it,
         W(t+1) = W(t) - lr·grad f(W(t-1)) (PipeDream-2BW's rule), so the optimizer overlaps the next step entirely.
         Not synchronous SGD: it changes the math (no warm-up steps here). Rides on ByteScheduler's carry
-        (``comm_schedule="bytescheduler"`` is implied): dp > 1, one stage, one microbatch, traced optimizer.
+        (``comm_schedule="bytescheduler"`` is implied): dp > 1, one stage, one microbatch, traced optimizer. With
+        ``zero=1|2|3`` the carry is each bucket's reduce-scattered gradient chunk, and the delayed update runs on
+        chunks (ZeRO-Offload's layout: ``offload=("optimizer",)``).
     grad_sync: how each gradient bucket is summed over dp: ``"allreduce"`` (default, one all-reduce per bucket) or
         ``"herring"`` (Thangakrishnan et al., SC'20; passes/herring.py): reduce-scatter within each node into equal
         shards (the bucket padded to a multiple of the node's ranks), sum each shard across nodes, all-gather
         within the node. Needs a ClusterSpec with several nodes (``ClusterSpec.local(4, nodes=2,
         devices_per_node=2)`` simulates two); ``"parallax"`` (Kim et al., EuroSys'19; passes/parallax.py): an
         embedding gradient whose (row index, row) pairs cost less than all-reducing the whole table (Parallax's
-        traffic formulas) is sent as those pairs, the rest in all-reduce buckets.
+        traffic formulas) is sent as those pairs, the rest in all-reduce buckets; ``"byteps"`` (Jiang et al.,
+        OSDI'20; passes/byteps.py): the ClusterSpec's ``cpu_servers=k`` CPU-only ranks each sum a
+        2(n-1)/(n²+kn-2k) share of every bucket (workers push it and pull the sum), the workers all-reduce the
+        rest; k=0 is all-reduce.
     offload, offload_to, offload_dir: ZeRO-Infinity (Rajbhandari et al., SC'21): what of each rank's model state
         lives off the compute device: ``("params", "optimizer")`` or either; ``offload_to="disk"`` keeps it in
         files under ``offload_dir`` (memory-mapped: read into memory as each layer uses it, written back by the
@@ -101,13 +114,14 @@ class Strategy:
     comm_schedule: str = "fifo"
     partition_mb: float | None = None
     credit_mb: float | None = None
+    sharding: "str | dict" = "auto"
 
     def __post_init__(self):
         if self.delayed_update:
-            if self.dp == 1 or self.pp > 1 or self.microbatches > 1 or self.zero:
+            if self.dp == 1 or self.pp > 1 or self.microbatches > 1:
                 raise StrategyError(f"Strategy(delayed_update=True) with dp={self.dp}, pp={self.pp}, microbatches="
-                                    f"{self.microbatches}, zero={self.zero}: the delayed update is built for data "
-                                    "parallelism (dp > 1) alone, one microbatch, zero=0")
+                                    f"{self.microbatches}: the delayed update is built for data parallelism (dp > 1, "
+                                    "with or without ZeRO), one stage, one microbatch")
             self.comm_schedule = "bytescheduler"     # the update crosses the step boundary on ByteScheduler's carry
         self._check_comm_schedule()
         for name in ("dp", "tp", "pp", "microbatches"):
@@ -134,8 +148,10 @@ class Strategy:
             raise StrategyError(f"Strategy(zero={self.zero}, dp=1): ZeRO shards over the dp axis, and dp=1 leaves "
                                 "nothing to shard; set dp > 1 (e.g. Strategy(dp=4, zero=" + str(self.zero) + ")) or zero=0")
         self._check_offload()
-        if self.grad_sync not in ("allreduce", "herring", "parallax"):
-            raise StrategyError(f"Strategy(grad_sync={self.grad_sync!r}): choose 'allreduce', 'herring' or 'parallax'")
+        self._check_sharding()
+        if self.grad_sync not in ("allreduce", "herring", "parallax", "byteps"):
+            raise StrategyError(f"Strategy(grad_sync={self.grad_sync!r}): choose 'allreduce', 'herring', 'parallax' or "
+                                "'byteps'")
         if self.grad_sync != "allreduce" and (self.zero or self.pp > 1 or self.comm_schedule != "fifo"):
             raise StrategyError(f"Strategy(grad_sync={self.grad_sync!r}) with zero={self.zero}, pp={self.pp}, "
                                 f"comm_schedule={self.comm_schedule!r}: {self.grad_sync} is built for data parallelism "
@@ -169,8 +185,44 @@ class Strategy:
                 raise StrategyError(f"Strategy({name}={v!r}) is a ByteScheduler setting: add comm_schedule='bytescheduler' "
                                     "or drop it")
         if self.comm_schedule == "bytescheduler" and getattr(self, "zero", 0):
-            raise StrategyError(f"Strategy(comm_schedule='bytescheduler', zero={self.zero}): ByteScheduler and ZeRO are "
-                                "not yet composed; use one of them (ZeRO with comm_schedule='fifo')")
+            if not getattr(self, "delayed_update", False):
+                raise StrategyError(f"Strategy(comm_schedule='bytescheduler', zero={self.zero}): ByteScheduler's priority, "
+                                    "partitions and credit order all-reduce buckets and are not yet composed with ZeRO's "
+                                    "reduce-scatter; use ZeRO with comm_schedule='fifo' (delayed_update=True does compose "
+                                    "with ZeRO: it carries each bucket's reduce-scattered gradient chunk)")
+            if self.partition_mb is not None or self.credit_mb is not None:
+                raise StrategyError(f"Strategy(zero={self.zero}, delayed_update=True, partition_mb={self.partition_mb}, "
+                                    f"credit_mb={self.credit_mb}): partitions and credit are ByteScheduler's, for "
+                                    "all-reduce pieces; under ZeRO the carried pieces are its reduce-scatter buckets "
+                                    "(bucket_cap_mb): drop partition_mb and credit_mb")
+
+    def _check_sharding(self) -> None:
+        if isinstance(self.sharding, dict):
+            for pat, spec in self.sharding.items():
+                if not isinstance(pat, str) or not isinstance(spec, (tuple, list)) or \
+                        not all(a is None or isinstance(a, str) for a in spec):
+                    raise StrategyError(f"Strategy(sharding={{{pat!r}: {spec!r}}}): a layout maps a parameter glob to a "
+                                        "tuple with a mesh axis name or None per dim, e.g. {'blocks.*.fc1.weight': "
+                                        "('tp', None)}")
+                bad = [a for a in spec if a is not None and a != "tp"]
+                if bad:
+                    raise StrategyError(f"Strategy(sharding={{{pat!r}: {tuple(spec)}}}): mesh axis {bad[0]!r} is not "
+                                        "a tensor-parallel axis; layouts split over 'tp' (dp is data parallelism)")
+        elif self.sharding not in _SHARDINGS:
+            raise StrategyError(f"Strategy(sharding={self.sharding!r}): choose one of {_SHARDINGS} or pass "
+                                "Mesh-TensorFlow layouts {param glob: ('tp', None, ...)}")
+        if self.tp == 1:
+            return
+        if self.sharding == "auto" and self.tp & (self.tp - 1):
+            raise StrategyError(f"Strategy(tp={self.tp}, sharding='auto'): Tofu's search halves the device set, so tp "
+                                "must be a power of two (2, 4, 8, ...); use sharding='megatron' or layouts for "
+                                f"tp={self.tp}")
+        clash = [n for n, on in (("zero", self.zero), ("delayed_update", self.delayed_update),
+                                 ("comm_schedule='bytescheduler'", self.comm_schedule != "fifo"),
+                                 ("grad_sync", self.grad_sync != "allreduce")) if on]
+        if clash:
+            raise StrategyError(f"{self}: tensor parallelism is not yet composed with {clash[0]}; use tp with plain "
+                                "dp (and pp), or drop tp")
 
     def _check_offload(self) -> None:
         if isinstance(self.offload, str):
@@ -223,6 +275,8 @@ class Strategy:
 
     def __str__(self) -> str:
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
+        if self.tp > 1:
+            parts.append(f"sharding={self.sharding!r}" if isinstance(self.sharding, str) else "sharding=<layouts>")
         if self.zero:
             parts.append(f"zero={self.zero}")
         if self.comm_schedule != "fifo":

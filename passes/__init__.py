@@ -3,6 +3,7 @@ from .bucket import BucketGradients
 from .comm_schedule import CommSchedule
 from .data_parallel import DataParallelGradSync, SyncBuffers
 from .herring import HierarchicalReduce
+from .byteps import ServerSum
 from .offload import OffloadActivations
 from .parallax import SparseGradSync
 from .recompute import Recompute
@@ -14,4 +15,5 @@ from .zero import ZeroShard
 
 __all__ = ["DataParallelGradSync", "BucketGradients", "SyncBuffers", "ReinplaceOptimizer", "SplitGraphs",
            "SplitGraph", "split_graphs", "Recompute", "propagate_shardings", "ShardingResult", "ShardingConflict",
-           "lower_shardings", "ZeroShard", "HierarchicalReduce", "OffloadActivations", "SparseGradSync", "CommSchedule"]
+           "lower_shardings", "ZeroShard", "HierarchicalReduce", "OffloadActivations", "SparseGradSync", "CommSchedule",
+           "ServerSum"]

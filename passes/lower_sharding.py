@@ -5,7 +5,8 @@ sharding and the sharding each op needs its inputs in). Output: the graph one ra
 local pieces. Where a producer's sharding differs from what a consumer needs, the change is
 inserted (per mesh axis, reductions first): ``all_reduce`` (P -> R), ``reduce_scatter`` (P -> S),
 ``all_gather`` (S -> R), ``all_to_all`` (S(d) -> S(e)), a local slice (R -> S) or a local zero
-(R -> P: rank 0 of the axis keeps the value, the others hold zeros). A version made for one consumer
+(R -> P: rank 0 of the axis keeps the value, the others hold zeros); the last two read the rank's coordinate
+at run time (``fxpar.local_ops``), so every rank of the mesh runs the same graph. A version made for one consumer
 is reused by the next. Sizes in ``view``/``expand``/``slice_backward``/``convolution_backward`` … are
 rewritten to the local sizes, and every node's local shape is checked with fake tensors against its
 sharding. Megatron's MLP (column-parallel fc1, row-parallel fc2) on tp=2::
@@ -37,10 +38,12 @@ from fxpar import meta as M
 from fxpar.annotate import is_shard_node
 from fxpar.collectives import C10D, group_tag
 from fxpar.errors import PassError
+from fxpar.local_ops import axis_chunk, first_on_axis
 from fxpar.mesh import Mesh
 from fxpar.sharding import P, Sharding, redistribute_bytes, redistribute_steps
 
 from .sharding import OpInfo, tensor_leaves
+from .sharding.core import local_lowering
 
 __all__ = ["lower_shardings", "local_value", "global_value", "SIZE_ARGS"]
 
@@ -100,15 +103,10 @@ class _Lowering:
         n, tag = self.sizes[axis], group_tag(axis)
         exp = (dst, shape, f"{leaf.name} as {dst} for {consumer.name}")
         mk = lambda t, a, e=None: self._new(t, a, like=consumer, expect=e)  # noqa: E731
-        if kind == "zero":
-            return x if self.coords[axis] == 0 else mk(aten.zeros_like.default, (x,), exp)
-        if kind == "slice":
-            d = dst.placement(axis)
-            local_d = dst.local_shape(shape, self.sizes)[d]
-            c = self.coords[axis]
-            sl = mk(aten.slice.Tensor, (x, d, c * local_d, (c + 1) * local_d))
-            return self._new(aten.clone.default, (sl,), {"memory_format": torch.contiguous_format}, like=consumer,
-                             expect=exp)
+        if kind == "zero":          # the axis's first rank keeps the value, the others hold zeros
+            return mk(first_on_axis, (x, tag), exp)
+        if kind == "slice":         # this rank's piece, its coordinate read at run time (one graph for all ranks)
+            return mk(axis_chunk, (x, dst.placement(axis), n, tag), exp)
         if kind == "all_reduce":
             return self._wait(mk(C10D.all_reduce.default, (x, "sum", tag)), axis, x, exp, consumer)
         d = src.placement(axis) if kind in ("all_gather", "all_to_all") else dst.placement(axis)
@@ -200,6 +198,7 @@ class _Lowering:
     def _op(self, node):
         if node.target is operator.getitem:
             new = self._new(operator.getitem, (self.env[node.args[0]], node.args[1]), like=node, name=node.name)
+            new.meta.update({k: v for k, v in node.meta.items() if k.startswith("fxpar_") and k != M.PASS.name})
             self._bind(node, new)
             return
         needs = self.res.need[node.name]
@@ -212,9 +211,24 @@ class _Lowering:
         if node.target in SIZE_ARGS:
             pos, which = SIZE_ARGS[node.target]
             args[pos] = self._local_size(node, 0 if which == "int0" else which, args[pos], which == "int0")
-        new = self._new(node.target, tuple(args), kwargs, like=node, name=node.name)
+        target, args, kwargs = self._local_op(node, needs, tuple(args), kwargs)
+        if target is aten.view.default:     # a redistributed input is contiguous, not laid out as the op that made
+            target = aten.reshape.default   # it (flash attention's output): view where it can, copy where not
+        new = self._new(target, args, kwargs, like=node, name=node.name)
         new.meta.update({k: v for k, v in node.meta.items() if k.startswith("fxpar_") and k != M.PASS.name})
         self._bind(node, new)
+
+    def _local_op(self, node, needs, args, kwargs):
+        """The op itself, or the local computation its rule registered for the placements chosen along an axis
+        (``passes.sharding.LOCAL_OPS``: the vocabulary-parallel embedding), reading that axis's coordinate."""
+        outs = self.res.out[node.name]
+        per_axis = {a: (tuple(s.placement(a) for s in needs), tuple(s.placement(a) for s in outs))
+                    for a, n in self.sizes.items() if n > 1}
+        hit = local_lowering(node.target, per_axis, f"node {node.name!r} ({M.get(node, M.MODULE) or '<root>'})")
+        if hit is None:
+            return node.target, args, kwargs
+        axis, fn = hit
+        return fn(args, kwargs, group_tag(axis))
 
     def _arg(self, path, a, repl):
         if path in repl:
@@ -234,8 +248,10 @@ class _Lowering:
         return local[0] if as_int else local
 
 
-def lower_shardings(gm: torch.fx.GraphModule, res, mesh, rank: int) -> torch.fx.GraphModule:
-    """Rank ``rank``'s local graph of ``gm`` under the shardings ``res``; every local shape checked."""
+def lower_shardings(gm: torch.fx.GraphModule, res, mesh, rank: int = 0) -> torch.fx.GraphModule:
+    """The local graph of ``gm`` under the shardings ``res`` that every rank of ``mesh`` runs (each reads its
+    coordinate at run time); every local shape checked. ``rank``: whose groups the collectives' ``fxpar_comm``
+    names (the ranks of a stage share the graph, so its first rank stands for all)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(tuple(mesh.items()))
     low = _Lowering(gm, res, mesh, rank)
     out = low.run()

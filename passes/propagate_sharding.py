@@ -146,6 +146,7 @@ class _Axis:
         self.redist = []                    # (node, input, src, dst, axis, kind, bytes per rank)
         self.avail = {}                     # node -> placements a consumer already had it redistributed to
         self.free = {}                      # view of a not-yet-placed parameter -> its input
+        self._anchor = {}                   # node -> whether it is a layout-fixed parameter or a view of one
         params = {M.get(n, M.PARAM): n for n in gm.graph.nodes if n.op == "placeholder" and M.get(n, M.ROLE) == "param"}
         self.state_of = {n: params[M.get(n, M.PARAM).split(":", 1)[-1]] for n in gm.graph.nodes
                          if n.op == "placeholder" and M.get(n, M.ROLE) == "opt_state"
@@ -250,6 +251,10 @@ class _Axis:
             for i, c in enumerate(g.cands):
                 if not _fits(info, g, c, self.n, t_in, t_out):
                     continue
+                # a weight laid out by a layout is computed with where it lies (Megatron, Mesh-TF): candidates that
+                # move it (gather it, or split it otherwise) come last, whatever the bytes
+                moves = any(cur[j] is not None and pl != cur[j] and not (cur[j] == R and pl != P)
+                            and self._anchored(leaves[j]) for j, pl in zip(g.ins, c[0]))
                 nbytes, changes = 0.0, 0
                 for j, pl in zip(g.ins, c[0]):
                     if cur[j] is not None and pl not in self.avail.get(leaves[j], ()):
@@ -259,7 +264,7 @@ class _Axis:
                 nbytes += sum(redistribute_bytes(P, R, info.out_nbytes[o], self.n) for o, pl in zip(g.outs, c[1])
                               if pl == P)
                 match = -sum(1 for pl in c[1] if want is not None and pl == want)
-                scored.append(((nbytes, changes, match, i), c))
+                scored.append(((moves, nbytes, changes, match, i), c))
             _, best = min(scored, key=lambda t: t[0])
             for j, pl in zip(g.ins, best[0]):
                 need[j] = pl
@@ -272,6 +277,18 @@ class _Axis:
                 out[o] = pl
         self._set(node, tuple(out))
         self.need[node] = tuple(R if x is None else x for x in need)
+
+    def _anchored(self, n) -> bool:
+        """``n`` is a parameter (or optimizer state) a layout fixed, or a view of one."""
+        r = self._anchor.get(n)
+        if r is None:
+            if n.op == "placeholder":
+                r = n in self.fixed and self.fixed[n][1].startswith("layout")
+            else:
+                r = n.op == "call_function" and n.target in _VIEWS and isinstance(n.args[0], torch.fx.Node) \
+                    and self._anchored(n.args[0])
+            self._anchor[n] = r
+        return r
 
     def _assign(self, leaf, pl):
         """Place a free parameter (never as a partial sum: it holds data) or a view chain of one: back through the
@@ -291,16 +308,18 @@ class _Axis:
         self._set(leaf, (want if opts else R,))
         self.need[leaf] = (in_pl,)
 
-    def outputs(self, signature):
-        """The output node needs each updated state laid out as the placeholder it replaces."""
+    def outputs(self, signature, whole_io=False):
+        """The output node needs each updated state laid out as the placeholder it replaces (``whole_io``: each
+        gradient as its parameter, the rest whole)."""
         out = self.gm.graph.output_node()
         leaves = [a for a in torch.utils._pytree.tree_flatten(out.args[0])[0] if isinstance(a, torch.fx.Node)]
         ph = {k: n for k, n in zip(signature.inputs, [n for n in self.gm.graph.nodes if n.op == "placeholder"])}
         need = []
         for (role, key), leaf in zip(signature.outputs, leaves):
             have = self._placed(leaf)
-            src = ph.get((role[4:], key)) if role.startswith("new_") else None
-            want = self._placed(src) if src is not None else have
+            src = ph.get((role[4:], key)) if role.startswith("new_") else ph.get(("param", key)) if role == "grad" \
+                else None
+            want = self._placed(src) if src is not None else R if whole_io else have
             if want not in self.avail.get(leaf, {have}):
                 self._record(out, leaf, want)
             need.append(want)
@@ -349,14 +368,20 @@ class _Axis:
 # --- the pass --------------------------------------------------------------------------------------------
 
 def propagate_shardings(gm: torch.fx.GraphModule, mesh, layouts: dict | None = None,
-                        aliases: dict | None = None, signature=None) -> ShardingResult:
+                        aliases: dict | None = None, signature=None, whole_io: bool = False) -> ShardingResult:
     """Decide every node's sharding over ``mesh`` (a ``fxpar.Mesh`` or ``{axis: size}``) from the graph's
     ``fxpar.shard`` annotations and ``layouts`` (glob over parameter keys -> spec); ``aliases``: tied keys
     (``CapturedStep.aliases``), so a layout may name either key of a tied parameter; ``signature``
     (``CapturedStep.signature``): each ``new_param`` / ``new_opt_state`` / ``new_buffer`` output is made to
-    leave laid out as its input came in (the next step reads it), with a redistribution where it is not."""
+    leave laid out as its input came in (the next step reads it), with a redistribution where it is not;
+    ``whole_io`` (with ``signature``; what the runtime needs): every input but parameters and optimizer state
+    comes in whole, every gradient output leaves laid out as its parameter, every other output leaves whole."""
     sizes = axis_sizes(mesh)
     fixed = fixed_shardings(gm, sizes, layouts or {}, aliases or {})
+    if whole_io and signature is not None:
+        for node, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs):
+            if role not in ("param", "opt_state") and isinstance(_val(node), torch.Tensor) and node not in fixed:
+                fixed[node] = (Sharding((None,) * _val(node).dim()), f"graph input {node.name} ({role}), fed whole")
     res = ShardingResult(dict(sizes), sources={n.name: src for n, (_, src) in fixed.items()})
     axes = [a for a, s in sizes.items() if s > 1]
     per_axis = []
@@ -366,7 +391,7 @@ def propagate_shardings(gm: torch.fx.GraphModule, mesh, layouts: dict | None = N
         ax.backward()
         ax.forward()
         if signature is not None:
-            ax.outputs(signature)
+            ax.outputs(signature, whole_io)
         per_axis.append(ax)
         _take(taken, ax)
     _collect(gm, res, per_axis)

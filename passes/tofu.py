@@ -109,8 +109,14 @@ def _nbytes(n) -> float:
 class _Graph:
     """What every level reads: per node its rule info, groups, FLOPs share per group (cached by signature)."""
 
-    def __init__(self, gm, signature):
-        self.gm, self.signature = gm, signature
+    def __init__(self, gm, signature, whole_io: bool = False, fixed: dict | None = None):
+        self.gm, self.signature, self.whole_io = gm, signature, whole_io and signature is not None
+        by_name = {n.name: n for n in gm.graph.find_nodes(op="placeholder")}
+        self.fixed = {by_name[k]: sh for k, sh in (fixed or {}).items() if k in by_name}   # placeholder -> Sharding
+        self.fed_whole = set()          # whole_io: placeholders the runtime feeds whole (all but params and state)
+        if self.whole_io:
+            self.fed_whole = {n for n, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs)
+                              if role not in ("param", "opt_state")}
         self.nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
         self.info, self.groups, self.work, self.leaves, self.key, self.floats = {}, {}, {}, {}, {}, {}
         cache: dict = {}
@@ -143,15 +149,22 @@ class _Graph:
         return w
 
     def outputs(self):
-        """``[(output leaf, placeholder it must match or None)]``."""
+        """``[(output leaf, placeholder it must match, WHOLE (whole_io: the runtime reads it whole) or None)]``."""
         out = self.gm.graph.output_node()
         leaves = [a for a in torch.utils._pytree.tree_flatten(out.args[0])[0] if isinstance(a, torch.fx.Node)]
         if self.signature is None:
             return [(x, None) for x in leaves]
         phs = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
         by_key = dict(zip(self.signature.inputs, phs))
-        return [(x, by_key.get((role[4:], key)) if role.startswith("new_") else None)
-                for (role, key), x in zip(self.signature.outputs, leaves)]
+        out = []
+        for (role, key), x in zip(self.signature.outputs, leaves):
+            ph = by_key.get((role[4:], key)) if role.startswith("new_") else by_key.get(("param", key)) \
+                if role == "grad" else None
+            out.append((x, WHOLE if ph is None and self.whole_io else ph))
+        return out
+
+
+WHOLE = "whole"     # an output the runtime reads whole (Tofu with whole_io)
 
 
 def _consts(n):
@@ -190,7 +203,10 @@ class _Level:
                     continue
                 shape, taken = tuple(_val(n).shape), (self._taken(n, 0, (0,)) or [()])[0]
                 labels = [((), (R,))] + [((), (d,)) for d in range(len(shape))
-                                         if shape[d] % 2 == 0 and shape[d] >= 2 and d not in taken]
+                                         if shape[d] % 2 == 0 and shape[d] >= 2 and d not in taken
+                                         and n not in self.g.fed_whole]
+                if n in self.g.fixed:                    # laid out already (a tied parameter another stage decided)
+                    labels = [((), (self.g.fixed[n].placement(self.axis),))]
                 v = self.p.var(len(labels))
                 self.vars[(n, 0)] = (v, labels)
                 self.prod[n] = (n, 0, 0)
@@ -209,7 +225,12 @@ class _Level:
             if n.op == "call_function":
                 self._edges(n, gi, v, labels)
         for x, ph in self.g.outputs():
-            if ph is not None and x in self.prod and (ph, 0) in self.vars:
+            if ph is WHOLE and x in self.prod:               # read whole by the runtime: charge making it whole
+                u, ulabels, k = self._producer(x)
+                before = (R,) * len(self.prior)
+                tab = self._table(x, [lb[1][k] for lb in ulabels], [R], before)
+                self.p.unary(u, [row[0] for row in tab])
+            elif ph is not None and ph is not WHOLE and x in self.prod and (ph, 0) in self.vars:
                 pv, plabels = self.vars[(ph, 0)]
                 u, ulabels, k = self._producer(x)
                 before = tuple(place[ph][0] for place, _ in self.prior)
@@ -290,26 +311,29 @@ class _Level:
 
 
 def tofu_search(gm: torch.fx.GraphModule, devices: int, cost: TofuCost | None = None, signature=None,
-                axis: str = "tp") -> TofuResult:
+                axis: str = "tp", whole_io: bool = False, fixed: dict | None = None) -> TofuResult:
     """Choose every node's sharding of ``gm`` (a captured joint or forward graph) over ``devices`` (a power of
     two) by Tofu's recursive halving; ``signature`` (``CapturedStep.signature``): updated parameters and
-    optimizer state leave laid out as they came in. Returns the shardings, lowerable, and the predicted cost."""
+    optimizer state leave laid out as they came in; ``whole_io`` (with ``signature``): inputs other than parameters
+    and optimizer state come in whole, gradients leave as their parameters, other outputs whole (what the
+    runtime feeds and reads); ``fixed``: placeholder name -> Sharding it must keep (a parameter shared with a stage
+    searched before). Returns the shardings, lowerable, and the predicted cost."""
     import time
     t0 = time.perf_counter()
     was = gc.isenabled()
     gc.disable()            # the search makes ~10^5 small objects per level; collections of the big graph dominate
     try:
-        return _search(gm, devices, cost, signature, axis, t0)
+        return _search(gm, devices, cost, signature, axis, t0, whole_io, fixed)
     finally:
         if was:
             gc.enable()
 
 
-def _search(gm, devices, cost, signature, axis, t0):
+def _search(gm, devices, cost, signature, axis, t0, whole_io=False, fixed=None):
     import time
     cost = cost or TofuCost()
     axes = level_axes(devices, axis)
-    g = _Graph(gm, signature)
+    g = _Graph(gm, signature, whole_io, fixed)
     levels, max_table, labels_cache = [], 0, {}
     for ax in axes:
         lvl = _Level(g, ax, levels, cost, labels_cache)
@@ -374,7 +398,8 @@ def _result(g: _Graph, axes: list, levels: list) -> ShardingResult:
         res.need[n.name] = tuple(_sh(len(s), axes, levels, n, j, 1) for j, s in enumerate(info.in_shapes))
     out = []
     for x, ph in g.outputs():
-        out.append(res.out[ph.name][0] if ph is not None and ph.name in res.out else res.out[x.name][0])
+        out.append(Sharding((None,) * _val(x).dim()) if ph is WHOLE else
+                   res.out[ph.name][0] if ph is not None and ph.name in res.out else res.out[x.name][0])
     res.need["output"] = tuple(out)
     res.redistributions = _redistributions(g, res)
     return res

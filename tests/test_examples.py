@@ -57,3 +57,13 @@ def test_zero_example_holds_what_the_formulas_say_and_matches_pytorch():
     disk = re.search(r"ZeRO-3 with parameters and optimizer state in files .*: (\d+) B on disk per rank; "
                      r"max \|param - single-process\| = ([0-9.e+-]+)", text)
     assert disk and int(disk.group(1)) > 0 and float(disk.group(2)) < 1e-10
+
+
+def test_tensor_parallel_example_splits_and_matches_pytorch():
+    text = _run("examples/tensor_parallel.py", "--steps", "2", "--mode", "megatron", "--mode", "auto")
+    rows = re.findall(r"== Strategy\((.*?)\): (\d+) parameters split.*\n.*tp collectives per step: (.*)\n.*"
+                      r"max \|loss - single-process\| = ([0-9.e+-]+), max \|param - single-process\| = ([0-9.e+-]+)", text)
+    assert len(rows) == 2, text
+    for _, n_split, comm, dloss, dparam in rows:
+        assert int(n_split) > 0 and float(dloss) < 1e-10 and float(dparam) < 1e-10
+    assert "forward all_reduce" in rows[0][2]          # the Megatron preset's row-parallel all-reduce

@@ -6,7 +6,9 @@ held state counts from the start, a microbatch counts its own slice). Ranks (dp=
 one microbatch): training with the tracker on still matches single-process training; the bytes a rank holds
 when a step starts are the paper's formulas for ZeRO stages 0-3 (Rajbhandari et al. SC'20 §5.1, fp64 weights,
 Adam's two states) plus the rank's microbatch; the measured peak falls from stage 0 to 1 and 3; and for every
-ZeRO stage and recompute policy the measured peak is within 10% of the prediction (the issue's goal).
+ZeRO stage and recompute policy the measured peak is within 10% of the prediction (the issue's goal), with one
+microbatch, with two (F, B, REDUCE_GRAD, STEP) and under pp=2 x dp=2 with 4 microbatches (1F1B, and ZB-H1's I/W
+split once); the model in fact holds to 1%, which the tests also check.
 """
 from __future__ import annotations
 
@@ -80,15 +82,30 @@ def _batches(n, batch=8, seq=16):
 _RUNS: dict = {}
 
 
-def _run(clusters, zero: int, recompute: str):
-    """(program, result) of 2 steps at dp=2 with the tracker on; each configuration runs once per session."""
-    key = (zero, recompute)
+def _run(clusters, zero: int, recompute: str, steps: int = 2, **layout):
+    """(program, result) of ``steps`` steps at dp=2 (``layout``: pp, microbatches, schedule) with the tracker on;
+    each configuration runs once per session."""
+    key = (zero, recompute, steps, tuple(sorted(layout.items())))
     if key not in _RUNS:
-        batches = _batches(2)
-        prog = fxpar.parallelize(_gpt(), fxpar.ClusterSpec.local(2), batches[0], gpt_loss, ADAMW,
-                                 strategy=fxpar.Strategy(dp=2, zero=zero, recompute=recompute))
-        _RUNS[key] = (prog, prog.run_local(batches, cluster=clusters.get(2), measure_memory=True))
+        batches = _batches(steps)
+        world = 2 * layout.get("pp", 1)
+        prog = fxpar.parallelize(_gpt(), fxpar.ClusterSpec.local(world), batches[0], gpt_loss, ADAMW,
+                                 strategy=fxpar.Strategy(dp=2, zero=zero, recompute=recompute, **layout))
+        _RUNS[key] = (prog, prog.run_local(batches, cluster=clusters.get(world), measure_memory=True))
     return _RUNS[key]
+
+
+def _assert_predicted(prog, res, within: float, what) -> None:
+    """Measured peak within ``within`` of the predicted one, per rank -- or above it by at most one collective's
+    input more. Gloo's worker thread releases a collective's input (the reduce-scatter's bucket, the all-gather's
+    chunk) a moment after ``wait_tensor`` has returned on the rank's thread: when the step allocates in that
+    moment, the measured bytes hold that one buffer more (seen on one rank in about a third of the runs under
+    ZeRO-1/2, always exactly one collective's input), which can lift the peak by up to that buffer."""
+    est = prog.estimate()
+    for r in range(prog.world_size):
+        late = max([0] + [c.nbytes for c in prog.collectives(r) if c.kind not in ("send", "recv")])
+        pred, got = est.ranks[r].peak_memory_bytes, res.peak_memory_bytes[r]
+        assert (1 - within) * pred <= got <= (1 + within) * pred + late, (what, r, got, pred, late)
 
 
 def test_measuring_memory_leaves_the_math_alone(clusters):
@@ -121,14 +138,34 @@ def test_held_state_is_the_papers_formula_and_the_peak_falls_with_zero(clusters)
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_measured_peak_within_10pct_of_the_estimate(clusters, zero, recompute):
-    """A collective's input (the reduce-scatter's bucket, the all-gather's chunk) is released by gloo's worker
-    thread, which can drop its reference a moment after ``wait_tensor`` has returned on the rank's thread: when
-    the step allocates in that moment, the measured peak holds that one buffer more (seen on one rank in about
-    a third of the runs under ZeRO-1/2, always exactly one collective's input). The check allows exactly one
-    such buffer, nothing else."""
+    """One microbatch (the fused step): the prediction is the graph's liveness (measured: exact to the byte)."""
     prog, res = _run(clusters, zero, recompute)
-    est = prog.estimate()
-    late = [0] + sorted({c.nbytes for c in prog.collectives(0)})
-    for r in (0, 1):
-        pred, got = est.ranks[r].peak_memory_bytes, res.peak_memory_bytes[r]
-        assert any(0.9 <= (got - b) / pred <= 1.1 for b in late), (zero, recompute, r, got, pred, late)
+    _assert_predicted(prog, res, 0.1, (zero, recompute))
+    _assert_predicted(prog, res, 0.01, (zero, recompute))
+
+
+@pytest.mark.parametrize("recompute", ["none", "full", "selective"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_two_microbatches_measured_peak_is_the_predicted_one(clusters, zero, recompute):
+    """Two microbatches (F, B, REDUCE_GRAD, STEP): the schedule-level model (cost_models/step_memory.py) holds
+    what the executor holds between graphs -- saved activations until their backward, the gradient accumulator
+    from the first backward to the end of the step, REDUCE_GRAD's buffer until STEP and its views after,
+    ZeRO-3's gathered parameters from UNSHARD to RESHARD -- each storage once however many views a graph takes
+    of it. The issue's goal is 10%; the model holds to 1% (measured: exact to the byte)."""
+    prog, res = _run(clusters, zero, recompute, steps=1, microbatches=2)
+    assert {"F", "B", "STEP"} <= set(prog.stages[0].graphs) and "FULL" not in prog.stages[0].graphs
+    _assert_predicted(prog, res, 0.1, (zero, recompute, "mb=2"))
+    _assert_predicted(prog, res, 0.01, (zero, recompute, "mb=2"))
+
+
+@pytest.mark.parametrize("zero,recompute,schedule", [
+    (0, "full", "1f1b"), (1, "selective", "1f1b"), (2, "none", "1f1b"), (3, "selective", "1f1b"), (0, "none", "zb1p")])
+def test_pipeline_measured_peak_is_the_predicted_one(clusters, zero, recompute, schedule):
+    """pp=2 x dp=2 x 4 microbatches: besides the above, received activations a forward saves, every sent tensor
+    (the executor keeps it until the step's sends complete) and, under zb1p, what I hands W and the gradients W
+    returns from it. Off by 512 bytes in about 0.9 MB: each rank holds its whole slice of the batch (tokens and
+    targets) while a stage's graphs read only one of the two, which is all the model sees."""
+    prog, res = _run(clusters, zero, recompute, steps=1, pp=2, microbatches=4, schedule=schedule)
+    assert {"F", "STEP"} <= set(prog.stages[1].graphs) and ("W" in prog.stages[1].graphs) == (schedule == "zb1p")
+    _assert_predicted(prog, res, 0.1, (zero, recompute, schedule))
+    _assert_predicted(prog, res, 0.01, (zero, recompute, schedule))

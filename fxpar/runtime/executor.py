@@ -36,6 +36,7 @@ from ..schedule import ActionKind
 from ..zero import chunk
 from .carry import CarryState
 from .shards import ShardState
+from .tp import TensorParallelState
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
 __all__ = ["RankPayload", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group"]
@@ -62,6 +63,7 @@ class RankPayload:
     bindings: dict                 # group name -> this rank's ranks in it
     lr_scheduler: object = None    # (SchedulerClass, kwargs), callable(torch optimizer) -> scheduler, or None
     extra: dict = field(default_factory=dict)
+    tp: int = 1                    # tensor-parallel ranks per dp replica: rank = (pipe rank * dp + dp index) * tp + tp index
 
 
 def group(ranks: tuple, name: str = "dp"):
@@ -138,14 +140,16 @@ class _Window:
         self.busy = 0.0
 
 
-class Executor(ShardState, CarryState):
+class Executor(ShardState, CarryState, TensorParallelState):
     """Runs one rank's part of a program: ``step(global_batch)`` trains one step, ``run_async(batches)``
     runs an asynchronous schedule's one window over all batches."""
 
     def __init__(self, p: RankPayload):
         self.p = p
         self.rank = p.rank
-        self.pipe_rank, self.dp_index = divmod(p.rank, p.dp)
+        self.width = p.dp * p.tp                          # ranks per pipeline rank
+        self.pipe_rank, self.inner = divmod(p.rank, self.width)
+        self.dp_index, self.tp_index = divmod(self.inner, p.tp)
         seed_rank(p.extra, p.rank)
         if dist.is_initialized():
             for name, ranks in p.groups:      # every rank creates every group, in one order
@@ -163,6 +167,7 @@ class Executor(ShardState, CarryState):
         self.spec = spec
         self.state = {s: {f"{n}:{k}": torch.zeros_like(v) for k, v in ps.items() for n in spec.state_names}
                       for s, ps in self.params.items()}
+        self._tp_init()                   # tensor parallelism: this rank's pieces of split parameters and state
         self._rechunk()
         self.offload = p.extra.get("offload") or {}
         self._offload()
@@ -504,7 +509,7 @@ class Executor(ShardState, CarryState):
             box, order, tag = w.fwd.pop((s + 1, i)), self.p.messages[s]["acts_out"], _tag("F", s + 1)
         else:
             box, order, tag = w.bwd.pop((s - 1, i)), self.p.messages[s]["grads_out"], _tag("B", s - 1)
-        peer = a.peer * self.p.dp + self.dp_index
+        peer = a.peer * self.width + self.inner
         for key, _, _ in order:
             t = box[key].contiguous()
             w.sends.append((dist.isend(t, peer, tag=tag), t))
@@ -516,7 +521,7 @@ class Executor(ShardState, CarryState):
         fwd = a.kind == _K.RECV_F
         metas = self.p.messages[s]["acts_in" if fwd else "grads_in"]
         bufs = {key: torch.empty(shape, dtype=dt) for key, shape, dt in metas}
-        peer = a.peer * self.p.dp + self.dp_index
+        peer = a.peer * self.width + self.inner
         works = [dist.irecv(bufs[key], peer, tag=_tag("F" if fwd else "B", s)) for key, _, _ in metas]
         for work in works:
             work.wait()
@@ -555,7 +560,7 @@ class Executor(ShardState, CarryState):
     def state_dict(self) -> dict:
         """Parameters of the stages this rank is the first holder of, and the buffers (whole tensors; collective
         under ZeRO stage 3, whose parameters are chunks: every rank calls it)."""
-        params = self.whole()[0] if any(i["stage"] == 3 for i in self.zero.values()) else self.params
+        params = self.whole()[0] if any(i["stage"] == 3 for i in self.zero.values()) or self.tp_split else self.params
         out = {}
         for s in sorted(params):
             if self.p.stage_to_rank[s][0] != self.pipe_rank:
@@ -568,7 +573,7 @@ class Executor(ShardState, CarryState):
     def optimizer_state(self) -> dict:
         """Optimizer state under ``<state>:<key>`` (whole tensors; collective under ZeRO)."""
         if self.spec.traced:
-            state = self.whole()[1] if self.zero else self.state
+            state = self.whole()[1] if self.zero or self.tp_split else self.state
             return {k: v for st in state.values() for k, v in st.items()}
         return self.torch_opt.state_dict()
 
@@ -616,7 +621,8 @@ def train(payload: RankPayload, batches: list) -> dict:
         state = {k: v.clone() for k, v in state.items()}
     if ex.dp_index == 0:
         out["state"] = state
-    opt = ex.optimizer_state() if payload.rank == 0 or ex.zero else None
+    opt = ex.optimizer_state() if payload.rank == 0 or ex.zero or (ex.tp_split and payload.rank < payload.tp) \
+        else None                                                         # collective under ZeRO, and over tp
     if ex.offload.get("to") == "disk" and isinstance(opt, dict):
         opt = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.items()}
     if payload.rank == 0:

@@ -88,7 +88,7 @@ class ShardState:
                     params[s][k] = self._whole(s, k, self.params[s][k])
                 for name in self.spec.state_names:
                     state[s][f"{name}:{k}"] = self._whole(s, k, self.state[s][f"{name}:{k}"])
-        return params, state
+        return self._tp_whole(params, state)       # tensor parallelism: pieces gathered over tp
 
     def _note_state_bytes(self, w, s) -> None:
         """Model-state bytes this rank holds when a step updates (the paper's accounting): parameters, gradient

@@ -70,7 +70,7 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     manifest = read_manifest(path) or {"tensors": {}}
     saved = manifest["tensors"]
     held = {k for ps in ex.params.values() for k in ps}
-    whole = ex.whole()[0] if any(i["stage"] == 3 for i in ex.zero.values()) else ex.params   # ZeRO-3: whole shapes
+    whole = ex.whole()[0] if any(i["stage"] == 3 for i in ex.zero.values()) or ex.tp_split else ex.params  # whole shapes
     templates = {k: v for ps in whole.values() for k, v in ps.items()}
     templates.update({k: v for k, v in ex.buffers.items()})
     for k, meta in saved.items():
@@ -92,6 +92,7 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     else:
         keys = [k for _, k in ex._leaves]
         ex.torch_opt.load_state_dict(torch_optimizer_state_dict(ex.torch_opt, keys, got, extra["optim"]))
+    ex._tp_slice()                        # tensor parallelism: back to this rank's pieces
     ex._rechunk()                         # ZeRO: back to this rank's chunks
     ex._offload()                         # ZeRO-Infinity: back into their files
     if need_stash:

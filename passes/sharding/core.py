@@ -12,6 +12,12 @@ per element, so propagation chooses per parameter. Every group also offers all-r
 (gather the inputs, compute whole), which is always correct; an op without a rule gets only that,
 and propagation lists it (``ShardingResult.no_rule``). Ops in :data:`REPLICATE` have a rule that
 is all-replicated on purpose, with the reason written next to them.
+
+A few candidates are exact only for a local computation other than the op itself, one that reads the
+rank's coordinate along the axis (Megatron's vocabulary-parallel embedding: weight split over the
+vocabulary, each rank looks up the rows it holds). :data:`LOCAL_OPS` maps ``(op, candidate)`` to the
+function that rewrites the node into that computation (a ``fxpar.local_ops`` op), and the lowering
+(``passes.lower_sharding``) applies it where the chosen placements along an axis are that candidate.
 """
 from __future__ import annotations
 
@@ -24,10 +30,11 @@ from torch.utils._pytree import tree_flatten
 from fxpar.sharding import P, R
 
 __all__ = ["OpInfo", "Group", "RULES", "REPLICATE", "rule", "replicate_only", "groups_of", "has_rule", "R", "P",
-           "tensor_leaves"]
+           "tensor_leaves", "LOCAL_OPS", "local_op", "local_lowering"]
 
 RULES: dict = {}          # aten overload -> fn(OpInfo) -> list of candidates | list of Group
 REPLICATE: dict = {}      # aten overload -> why it runs replicated
+LOCAL_OPS: dict = {}      # (aten overload, candidate) -> fn(args, kwargs, group) -> (target, args, kwargs)
 
 
 def _val_shape(v):
@@ -138,3 +145,22 @@ def groups_of(info: OpInfo) -> list:
         cands = [allr] + [c for c in dict.fromkeys(g.cands) if c != allr]
         out.append(Group(g.ins, g.outs, tuple(cands)))
     return out
+
+
+def local_op(op, candidate):
+    """Register how a node of ``op`` runs under ``candidate`` (``(input placements, output placements)`` along one
+    axis): ``fn(args, kwargs, group) -> (target, args, kwargs)``, ``group`` the axis's group tag."""
+    def deco(fn):
+        LOCAL_OPS[(op, candidate)] = fn
+        return fn
+    return deco
+
+
+def local_lowering(target, per_axis: dict, what: str = ""):
+    """The registered local computation for a node (``what``, for errors) of ``target`` whose placements along each
+    mesh axis are ``per_axis`` (``{axis: candidate}``): ``(axis, fn)``, or None where the op itself is exact."""
+    hits = [(axis, LOCAL_OPS[(target, c)]) for axis, c in per_axis.items() if (target, c) in LOCAL_OPS]
+    if len(hits) > 1:
+        raise NotImplementedError(f"{what} ({target}) needs a local computation along mesh axes "
+                                  f"{[a for a, _ in hits]}; only one is supported -- lay it out split over one of them")
+    return hits[0] if hits else None

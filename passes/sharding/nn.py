@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from .core import P, R, replicate_only, rule
+from fxpar.local_ops import vocab_embedding, vocab_embedding_backward
+
+from .core import P, R, local_op, replicate_only, rule
 
 aten = torch.ops.aten
 __all__ = []
@@ -40,22 +42,50 @@ def _bmm(info):
             info.cand({0: 2, 1: 1}, P), info.cand({0: P, 1: R}, P), info.cand({0: R, 1: P}, P)]
 
 
+# Megatron's vocabulary-parallel embedding (Shoeybi et al. 2019, §3): the weight split over the vocabulary
+# (dim 0), the indices whole. Each rank looks up the rows it holds (index - its offset, zero rows outside its
+# range), so the output is a partial sum; the weight's gradient is split like the weight, each rank scattering
+# only its rows. Both are local computations other than the op (``fxpar.local_ops``), registered below.
+_VOCAB = ((0, R), (P,))
+_VOCAB_BACKWARD = ((R, R), (0,))
+
+
 @rule(aten.embedding.default)
 def _embedding(info):
     """weight [V, D], indices [...] -> [..., D]: split D (weight dim 1), or split the indices; linear in the
-    weight. A vocabulary split (weight dim 0) needs a masked lookup and is not offered yet."""
+    weight; the vocabulary split (weight dim 0) gives partial sums, looked up by ``fxpar.vocab_embedding``."""
     k = len(info.out)
     idx = info.shape(1)
-    return [info.cand({0: 1, 1: R}, k - 1), info.cand({0: P, 1: R}, P)] + \
+    return [info.cand({0: 1, 1: R}, k - 1), info.cand({0: P, 1: R}, P), info.cand({0: 0, 1: R}, P)] + \
         [info.cand({0: R, 1: d}, d) for d in range(len(idx))]
 
 
 @rule(aten.embedding_dense_backward.default)
 def _embedding_backward(info):
-    """grad [..., D], indices [...] -> [V, D]: D split stays split; split indices give partial sums."""
+    """grad [..., D], indices [...] -> [V, D]: D split stays split; split indices give partial sums; whole grad and
+    indices give the vocabulary split (``fxpar.vocab_embedding_backward``: each rank its rows)."""
     g = info.shape(0)
-    return [info.cand({0: len(g) - 1, 1: R}, 1), info.cand({0: P, 1: R}, P)] + \
+    return [info.cand({0: len(g) - 1, 1: R}, 1), info.cand({0: P, 1: R}, P), info.cand({0: R, 1: R}, 0)] + \
         [info.cand({0: d, 1: d}, P) for d in range(len(g) - 1)]
+
+
+def _argv(args, kwargs, names, defaults):
+    """The op's arguments by name, from positional ``args`` and ``kwargs``."""
+    return [args[i] if i < len(args) else kwargs.get(n, d) for i, (n, d) in enumerate(zip(names, defaults))]
+
+
+@local_op(aten.embedding.default, _VOCAB)
+def _lower_vocab_embedding(args, kwargs, group):
+    weight, indices = _argv(args, kwargs, ("weight", "indices"), (None, None))
+    return vocab_embedding, (weight, indices, group), {}
+
+
+@local_op(aten.embedding_dense_backward.default, _VOCAB_BACKWARD)
+def _lower_vocab_embedding_backward(args, kwargs, group):
+    """``num_weights`` is already this rank's row count (the lowering rewrites it to the local size)."""
+    grad, indices, rows, pad, scale = _argv(args, kwargs, ("grad_output", "indices", "num_weights", "padding_idx",
+                                                           "scale_grad_by_freq"), (None, None, None, -1, False))
+    return vocab_embedding_backward, (grad, indices, rows, pad, scale, group), {}
 
 
 @rule(aten.native_layer_norm.default)

@@ -25,7 +25,7 @@ import heapq
 
 import numpy as np
 
-__all__ = ["Problem"]
+__all__ = ["Problem", "solve_blocks"]
 
 
 class Problem:
@@ -34,6 +34,7 @@ class Problem:
         self.unaries: list = []           # var -> np.ndarray of costs
         self.pairs: dict = {}             # (u, v) with u < v -> np.ndarray [labels u, labels v]
         self.max_table = 0                # the largest table the last solve built (entries)
+        self.stats: dict = {}             # the last block solve: blocks, solved (eliminations run), wide (left flat)
 
     def var(self, n_labels: int) -> int:
         if n_labels < 1:
@@ -61,64 +62,166 @@ class Problem:
         return total + sum(float(t[labels[u], labels[v]]) for (u, v), t in self.pairs.items())
 
     # --- variable elimination ------------------------------------------------------------------------------
-    def solve(self):
-        """``(optimal cost, labels per var)``: exact; eliminating in min-degree order."""
-        n = len(self.sizes)
-        factors: dict = {}                       # id -> (scope tuple, table)
-        of: list = [set() for _ in range(n)]     # var -> factor ids touching it
-        adj: list = [set() for _ in range(n)]
-        for v in range(n):
-            factors[v] = ((v,), self.unaries[v])
-            of[v].add(v)
-        fid = n
-        for (u, v), t in self.pairs.items():
-            factors[fid] = ((u, v), t)
-            of[u].add(fid)
-            of[v].add(fid)
-            adj[u].add(v)
-            adj[v].add(u)
-            fid += 1
-        heap = [(len(adj[v]), v) for v in range(n)]
-        heapq.heapify(heap)
-        done = [False] * n
-        trace = []                               # (var, scope of the combined table, combined table)
-        const = 0.0
-        self.max_table = 0
-        while heap:
-            deg, x = heapq.heappop(heap)
-            if done[x] or deg != len(adj[x]):
-                continue
-            done[x] = True
-            scope = (x,) + tuple(sorted(adj[x]))
-            table = None                         # full shape: every neighbour shares a factor with x
-            for f in of[x]:
-                fs, ft = factors.pop(f)
-                a = _aligned(ft, fs, scope)
-                table = a if table is None else table + a
-                for v in fs:
-                    if v != x:
-                        of[v].discard(f)
-            self.max_table = max(self.max_table, table.size)
-            trace.append((x, scope, table))
-            red = table.min(axis=0)
-            rest = scope[1:]
-            if rest:
-                factors[fid] = (rest, red)
-                for v in rest:
-                    of[v].add(fid)
-                    adj[v].discard(x)
-                    adj[v].update(w for w in rest if w != v)
-                fid += 1
-                for v in rest:
-                    heapq.heappush(heap, (len(adj[v]), v))
-            else:
-                const += float(red)
-            adj[x] = set()
-        labels = [0] * n
-        for x, scope, table in reversed(trace):
-            idx = (slice(None),) + tuple(labels[v] for v in scope[1:])
-            labels[x] = int(np.argmin(table[idx]))
+    def solve(self, blocks=None, reuse: bool = True):
+        """``(optimal cost, labels per var)``: exact; eliminating in min-degree order. ``blocks``: disjoint lists
+        of variables (each in a canonical order) whose interiors are eliminated block by block first, and with
+        ``reuse`` once per distinct block (``solve_blocks``); ``self.stats`` then says how many were solved."""
+        if blocks:
+            return solve_blocks(self, blocks, reuse)
+        factors = [((v,), self.unaries[v]) for v in range(len(self.sizes))]
+        factors += [(k, t) for k, t in self.pairs.items()]
+        _, trace, const, self.max_table = _eliminate(factors, None)
+        labels = [0] * len(self.sizes)
+        _back_substitute(trace, labels)
         return const, labels
+
+
+def _eliminate(factors: list, targets):
+    """Variable elimination of ``targets`` (every variable when None), min-degree first, over ``factors``
+    (``[(scope tuple, table)]``). Returns ``(factors left, trace, constant, largest table)``; the factors left
+    span only variables not eliminated."""
+    live: dict = {}                          # factor id -> (scope, table)
+    of: dict = {}                            # var -> factor ids touching it
+    adj: dict = {}                           # var -> neighbours
+    for fid, (fs, ft) in enumerate(factors):
+        live[fid] = (fs, ft)
+        for v in fs:
+            of.setdefault(v, set()).add(fid)
+            adj.setdefault(v, set()).update(w for w in fs if w != v)
+    fid = len(factors)
+    todo = set(adj) if targets is None else set(targets) & set(adj)
+    heap = [(len(adj[v]), v) for v in todo]
+    heapq.heapify(heap)
+    trace, const, biggest = [], 0.0, 0       # trace: (var, scope of the combined table, combined table)
+    while heap:
+        deg, x = heapq.heappop(heap)
+        if x not in todo or deg != len(adj[x]):
+            continue
+        todo.discard(x)
+        scope = (x,) + tuple(sorted(adj[x]))
+        table = None                         # full shape: every neighbour shares a factor with x
+        for f in of.pop(x):
+            fs, ft = live.pop(f)
+            a = _aligned(ft, fs, scope)
+            table = a if table is None else table + a
+            for v in fs:
+                if v != x:
+                    of[v].discard(f)
+        biggest = max(biggest, table.size)
+        trace.append((x, scope, table))
+        red = table.min(axis=0)
+        rest = scope[1:]
+        if rest:
+            live[fid] = (rest, red)
+            for v in rest:
+                of[v].add(fid)
+                adj[v].discard(x)
+                adj[v].update(w for w in rest if w != v)
+            fid += 1
+            for v in rest:
+                if v in todo:
+                    heapq.heappush(heap, (len(adj[v]), v))
+        else:
+            const += float(red)
+        del adj[x]
+    return list(live.values()), trace, const, biggest
+
+
+def _back_substitute(trace, labels) -> None:
+    for x, scope, table in reversed(trace):
+        idx = (slice(None),) + tuple(labels[v] for v in scope[1:])
+        labels[x] = int(np.argmin(table[idx]))
+
+
+WIDEST = 1 << 16      # a block whose boundary spans more label combinations than this is left to the flat pass
+
+
+def solve_blocks(p: Problem, blocks: list, reuse: bool = True):
+    """Tofu's coarsening (§5), exact: eliminate each block's interior as a function of its boundary.
+
+    A block is a list of variables in a canonical order. Its *interface* is the variables with a neighbour
+    outside it (after folding one-label variables into unaries, which is exact); the rest is its interior.
+    Minimising the block's own terms over the interior leaves min-plus tables over the interface, which
+    join the terms outside every block in one flat elimination; back-substitution then recovers each
+    interior. Two blocks whose local problems are identical -- label counts, interface, and every unary
+    and pairwise table, byte for byte -- have identical tables and back-substitution traces, so with
+    ``reuse`` each distinct block is eliminated once (``p.stats["solved"]``) and its result mapped onto
+    every copy. A structurally equal block whose costs differ (its neighbours chose differently at an
+    earlier level) is simply another signature: reuse never changes the optimum."""
+    n = len(p.sizes)
+    un, pairs, nbrs = list(p.unaries), {}, [[] for _ in range(n)]
+    for (u, v), t in p.pairs.items():
+        if p.sizes[v] == 1:
+            un[u] = un[u] + t[:, 0]
+        elif p.sizes[u] == 1:
+            un[v] = un[v] + t[0, :]
+        else:
+            pairs[(u, v)] = t
+            nbrs[u].append(v)
+            nbrs[v].append(u)
+    owner = {v: b for b, vs in enumerate(blocks) for v in vs}
+    if len(owner) != sum(len(vs) for vs in blocks):
+        raise ValueError("solve_blocks: the blocks overlap")
+    cache, outer, parts, const, biggest = {}, [], [], 0.0, 0
+    kept = set()
+    for b, vs in enumerate(blocks):
+        loc = {v: i for i, v in enumerate(vs)}
+        iface = tuple(any(owner.get(w) != b for w in nbrs[v]) for v in vs)
+        if _width(p.sizes, vs, iface) > WIDEST:
+            continue
+        kept.add(b)
+        local = sorted(_local_pairs(vs, loc, nbrs, pairs), key=lambda e: (e[0], e[1]))
+        sig = None
+        if reuse:
+            sig = (tuple(p.sizes[v] for v in vs), iface, b"".join(un[v].tobytes() for v in vs),
+                   tuple((a, c) for a, c, _ in local), b"".join(t.tobytes() for _, _, t in local))
+        if sig is None or sig not in cache:
+            fs = [((i,), un[v]) for i, v in enumerate(vs)] + [((a, c), t) for a, c, t in local]
+            rest, trace, k, big = _eliminate(fs, [i for i in range(len(vs)) if not iface[i]])
+            biggest = max(biggest, big)
+            solved = (rest, trace, k)
+            if sig is not None:
+                cache[sig] = solved
+        else:
+            solved = cache[sig]
+        rest, trace, k = solved
+        const += k
+        outer += [(tuple(vs[i] for i in fs), ft) for fs, ft in rest]
+        parts.append((vs, iface, trace))
+    inside = {v for b in kept for v in blocks[b]}
+    outer += [((v,), un[v]) for v in range(n) if v not in inside]
+    outer += [(k, t) for k, t in pairs.items() if not (k[0] in inside and owner[k[0]] == owner.get(k[1]))]
+    _, trace, k, big = _eliminate(outer, None)
+    labels = [0] * n
+    _back_substitute(trace, labels)
+    for vs, iface, trace in parts:
+        lab = [labels[v] if f else 0 for v, f in zip(vs, iface)]
+        _back_substitute(trace, lab)
+        for v, x in zip(vs, lab):
+            labels[v] = x
+    p.max_table = max(biggest, big)
+    p.stats = {"blocks": len(kept), "solved": len(cache) if reuse else len(kept), "wide": len(blocks) - len(kept)}
+    return const + k, labels
+
+
+def _local_pairs(vs, loc, nbrs, pairs):
+    """The pairwise tables inside one block, as ``(local u, local v, table)`` with u < v."""
+    for v in vs:
+        a = loc[v]
+        for w in nbrs[v]:
+            c = loc.get(w, -1)
+            if a < c:
+                yield a, c, pairs[(v, w)] if v < w else pairs[(w, v)].T
+
+
+def _width(sizes, vs, iface) -> int:
+    w = 1
+    for v, f in zip(vs, iface):
+        if f:
+            w *= sizes[v]
+            if w > WIDEST:
+                break
+    return w
 
 
 def _aligned(table, scope, target):

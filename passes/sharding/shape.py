@@ -207,3 +207,15 @@ def _softmax_backward(info):
     """Linear in the incoming gradient: (P grad, R output) -> P."""
     dim = _norm(info.arg(2), len(info.in_shapes[0]))
     return _along(info, dim, [0, 1], linear=False) + [info.cand({0: P, 1: R}, P)]
+
+
+@rule(aten.argmax.default, aten.argmin.default)
+def _argmax(info):
+    """Indices along ``dim`` (MoE gating's top choice): every other dim may be split, the output split alike (each
+    rank's rows). No partial sums (an index is not a sum); without ``dim`` (a flat index) it runs whole."""
+    dim = info.arg(1, "dim", None)
+    if dim is None:
+        return []
+    n = len(info.in_shapes[0])
+    keep = _keep_map(n, {_norm(dim, n)}, bool(info.arg(2, "keepdim", False)))
+    return [info.cand({0: d}, o) for d, o in keep.items()]

@@ -1,0 +1,118 @@
+"""BytePS's CPU summation servers at run time (Jiang et al., OSDI'20): ranks that only sum.
+
+A program with ``Plan.grad_sync["servers"]`` runs on ``n + k`` ranks: the ``n`` workers run the executor as
+any program does; each of the ``k`` servers runs :func:`serve_sums`, a loop that holds no parameter and takes
+no batch. Step after step it
+
+1. waits for the step's *go* (one element from every worker; a *stop*, zeros, ends the loop),
+2. for each partition, in the order the workers' graphs issue them (``passes.byteps`` records it): receives
+   the ``n`` pushes (``all_to_all_single`` over its group, every worker and this server), sums them, and
+   sends the sum back to every worker when they pull it.
+
+Workers send the stop after their last step (:func:`run_rank`). The server counts what it receives and sends
+per step (``RunResult.servers``), the measured side of ``cost_models.byteps.bytes_per_server``::
+
+    worker 0 ── push P ──▶ ┌────────────┐ ── sum P ──▶ worker 0
+    worker 1 ── push P ──▶ │ server j:  │ ── sum P ──▶ worker 1
+                           │ Σ of n     │
+                           └────────────┘
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from .executor import group, train
+
+__all__ = ["ServerPayload", "server_payloads", "stop_messages", "serve_sums", "run_rank"]
+
+
+@dataclass
+class ServerPayload:
+    """What one server rank needs, picklable."""
+    rank: int                      # global rank
+    name: str                      # its group's name (``server{j}``)
+    ranks: tuple                   # its group: the workers, then this server
+    ops: list                      # one step, in issue order: ("go" | "push" | "pull", elements, dtype name)
+    groups: list                   # every process group of the program, (name, ranks): every rank creates them
+    extra: dict = field(default_factory=dict)
+
+
+def server_payloads(plan, byteps: dict | None) -> list:
+    """One :class:`ServerPayload` per CPU server of ``plan`` (none without BytePS servers); ``byteps`` is the
+    record ``passes.byteps`` left on the lowered graph (``gm.meta["fxpar_byteps"]``)."""
+    gs = plan.grad_sync or {}
+    servers = list(gs.get("servers", ())) if gs.get("method") == "byteps" else []
+    ops = (byteps or {}).get("ops", {})
+    out = []
+    for j, s in enumerate(servers):
+        name = f"server{j}"
+        ranks = tuple(gs["groups"][name][0])
+        out.append(ServerPayload(rank=s, name=name, ranks=ranks, ops=[tuple(o) for o in ops.get(s, ())],
+                                 groups=plan.all_groups()))
+    return out
+
+
+def stop_messages(payloads: list) -> list:
+    """What each worker sends every server after its last step: ``(group name, ranks, dtype name)``."""
+    return [(p.name, p.ranks, p.ops[0][2] if p.ops else "float64") for p in payloads]
+
+
+def _a2a(pg, n: int, send: torch.Tensor, to_workers: int, from_workers: int, dtype) -> torch.Tensor:
+    """One ``all_to_all_single`` over a server's group of ``n`` workers + the server (last), seen from the server:
+    ``to_workers`` elements to each worker (``send``), ``from_workers`` from each; returns what arrived."""
+    out = torch.empty(n * from_workers, dtype=dtype)
+    dist.all_to_all_single(out, send, [from_workers] * n + [0], [to_workers] * n + [0], group=pg)
+    return out
+
+
+def serve_sums(p: ServerPayload) -> dict:
+    """The server's loop (see the module docstring). Returns per step the bytes received and sent, and counts."""
+    for name, ranks in p.groups:          # every rank creates every group, in one order
+        group(ranks, name)
+    pg = group(p.ranks, p.name)
+    n = len(p.ranks) - 1
+    go_dtype = getattr(torch, p.ops[0][2]) if p.ops else torch.float64
+    per_step = []
+    while True:
+        flags = _a2a(pg, n, torch.empty(0, dtype=go_dtype), 0, 1, go_dtype)
+        if not bool((flags != 0).any()):
+            break
+        if not bool((flags == 1).all()):
+            raise RuntimeError(f"BytePS server rank {p.rank} ({p.name}): the workers {list(p.ranks[:-1])} sent "
+                               f"{flags.tolist()} to open a step; all must send 1 (go) or all 0 (stop). The workers "
+                               "run different programs: rebuild them all from one fxpar.parallelize.")
+        esize = flags.element_size()
+        stat = {"recv_bytes": n * esize, "sent_bytes": 0, "pushes": 0, "pulls": 0}
+        sums = []
+        for what, numel, dt in p.ops[1:]:
+            dtype = getattr(torch, dt)
+            size = torch.empty((), dtype=dtype).element_size()
+            if what == "push":
+                got = _a2a(pg, n, torch.empty(0, dtype=dtype), 0, numel, dtype)
+                sums.append(got.view(n, numel).sum(0))
+                stat["recv_bytes"] += n * numel * size
+                stat["pushes"] += 1
+            elif what == "pull":
+                _a2a(pg, n, sums.pop(0).repeat(n), numel, 0, dtype)
+                stat["sent_bytes"] += n * numel * size
+                stat["pulls"] += 1
+            else:
+                raise RuntimeError(f"BytePS server rank {p.rank}: unknown step {what!r} in its program {p.ops[:4]}...")
+        per_step.append(stat)
+    return {"rank": p.rank, "name": p.name, "steps": len(per_step), "per_step": per_step}
+
+
+def run_rank(payload, batches, stops: list = ()) -> dict:
+    """A rank's work in a run with CPU servers: a server sums (:func:`serve_sums`); a worker trains, then tells
+    every server to stop (``stops``: :func:`stop_messages`)."""
+    if isinstance(payload, ServerPayload):
+        return serve_sums(payload)
+    out = train(payload, batches)
+    for name, ranks, dt in stops:
+        n = len(ranks) - 1
+        dist.all_to_all_single(torch.empty(0, dtype=getattr(torch, dt)), torch.zeros(1, dtype=getattr(torch, dt)),
+                               [0] * (n + 1), [0] * n + [1], group=group(tuple(ranks), name))
+    return out
