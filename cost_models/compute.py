@@ -234,7 +234,7 @@ for _name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_produc
         FLOP_RULES[getattr(aten, _name + "_backward")] = (_sdpa_bwd, "attention")
 
 # fxpar's rank-local ops of tensor parallelism (fxpar.local_ops): a slice copied out, a copy or zeros
-import fxpar.local_ops as _local_ops  # noqa: E402  (registers the ops)
+import fxpar.local_ops  # noqa: E402, F401  (registers the ops)
 FLOP_RULES[torch.ops.fxpar.axis_chunk] = (_zero, "copy")
 FLOP_RULES[torch.ops.fxpar.first_on_axis] = (_zero, "copy")
 

@@ -22,13 +22,15 @@ from fxpar.testing import GPT, gpt_loss  # noqa: E402
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (Megatron's split); the rest is dp")
     args = ap.parse_args()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(0)
     model = GPT().double()
     batches = [(torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))) for _ in range(args.steps)]
     program = fxpar.parallelize(model, fxpar.ClusterSpec.local(world), batches[0], loss_fn=gpt_loss,
-                                optimizer=(torch.optim.AdamW, {"lr": 1e-2}), strategy=fxpar.Strategy(dp=world))
+                                optimizer=(torch.optim.AdamW, {"lr": 1e-2}), strategy=fxpar.Strategy(dp=world // args.tp, tp=args.tp,
+                                                                        sharding="megatron"))
     with program.runner() as runner:       # leaving the block waits for every rank, then leaves the group
         losses = [runner.step(b) for b in batches]
         state = runner.state_dict()        # collective: every rank calls it (each holds part of the state)

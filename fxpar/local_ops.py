@@ -11,8 +11,9 @@ a collective's group is), so the ranks of a stage share one graph, which is what
     chunk = fxpar.axis_chunk(view_3, 2, 2, 'fxpar:tp')     # this rank's half of dim 2 (a contiguous copy)
     keep = fxpar.first_on_axis(fc2_bias, 'fxpar:tp')        # fc2_bias on the axis's first rank, zeros elsewhere
 
-Both are functional (a new tensor, no aliasing) and have fake-tensor rules, so graphs holding them
-trace, propagate shapes and run under torch.compile's graph capture.
+Megatron's vocabulary-parallel embedding and its backward (below) read it the same way to find the
+rows a rank holds. All are functional (a new tensor, no aliasing) and have fake-tensor rules, so
+graphs holding them trace, propagate shapes and run under torch.compile's graph capture.
 """
 from __future__ import annotations
 

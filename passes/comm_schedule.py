@@ -24,7 +24,7 @@ which are waited. This pass carries the plan out on a stage's joint graph, after
    ``passes.zero``'s chunks): there is no ByteScheduler piece plan; each bucket's reduce-scattered gradient
    chunk, waited in its own step (one collective in flight, as ``passes.zero`` keeps it), leaves the step as a
    ``("carry", "chunk<b>")`` output and comes back as an input that the next step's update reads after its
-   backward (:func:`_carry_zero_chunks`). Forward and backward read the parameters before the update.
+   backward (``passes.delayed_update``). Forward and backward read the parameters before the update.
 
 Before / after (cross-iteration, two buckets, ``fc2`` made first in backward, ``fc1`` needed first)::
 
@@ -392,50 +392,12 @@ class CommSchedule(Pass):
             raise PassError(f"comm_schedule: Strategy(zero={ctx.plan.zero}, delayed_update=True), stage {ctx.stage}: "
                             "the zero pass sharded no parameter of this stage, so there is no reduce-scattered chunk to "
                             "carry; use delayed_update with zero=0 here")
-        keys = _carry_zero_chunks(gm)
+        from .delayed_update import carry_zero_chunks
+        keys = carry_zero_chunks(gm)
         gm.recompile()
         ctx.notes.append(f"comm_schedule: delayed update on ZeRO-{ctx.plan.zero} chunks: {len(keys)} reduce-scattered "
                          "gradient chunk(s) carried into the next step, updated there after its backward")
         return PassResult(gm, True, {"pieces": len(keys), "carry": len(keys)})
-
-
-def _carry_zero_chunks(gm) -> list:
-    """ZeRO with the delayed update (module docstring, 4): each reduce-scatter's waited chunk leaves the step as a
-    carry output; everything that read it (the update on chunks) reads the carried one, from the step before.
-    Returns the carry keys. Before / after (one bucket)::
-
-        rs = reduce_scatter_tensor(buf, 'sum', 2, 'fxpar:dp'); w = wait_tensor(rs)
-        g = slice(div(w, 2), 0, 0, 4); _foreach_sub([w_chunk], [mul(g)]) ...; return (loss, ..., new_params)
-
-        rs = reduce_scatter_tensor(buf, 'sum', 2, 'fxpar:dp'); w = wait_tensor(rs)
-        g = slice(div(carry_chunk0, 2), 0, 0, 4); _foreach_sub([w_chunk], [mul(g)]) ...
-        return (loss, ..., new_params, w)                      # w: next step's carry_chunk0
-    """
-    g = gm.graph
-    sig = gm.meta["fxpar_signature"]
-    out = g.find_nodes(op="output")[0]
-    outs = list(out.args[0])
-    last_ph = g.find_nodes(op="placeholder")[-1]
-    keys, carried = [], []
-    for r in [n for n in g.nodes if n.op == "call_function" and n.target is C10D.reduce_scatter_tensor.default]:
-        (w,) = [u for u in r.users if u.target is C10D.wait_tensor.default]
-        key = f"chunk{len(keys)}"
-        with g.inserting_after(last_ph):
-            c = g.placeholder(f"carry_{key}")
-        c.meta["val"] = w.meta["val"]
-        M.set_meta(c, M.ROLE, "carry")
-        last_ph = c
-        w.replace_all_uses_with(c)
-        keys.append(key)
-        carried.append(w)
-    sig.inputs += [("carry", k) for k in keys]
-    keep = [i for i, (r, _) in enumerate(sig.outputs) if r != "grad"]       # the update reads last step's gradients
-    sig.outputs = [sig.outputs[i] for i in keep] + [("carry", k) for k in keys]
-    out.args = (tuple([outs[i] for i in keep] + carried),)
-    gm.meta["fxpar_delayed_update"] = True
-    gm.meta["fxpar_carry"] = True
-    g.lint()
-    return keys
 
 
 def carry_variants(gm, sig) -> dict:

@@ -7,9 +7,12 @@ inserted (per mesh axis, reductions first): ``all_reduce`` (P -> R), ``reduce_sc
 ``all_gather`` (S -> R), ``all_to_all`` (S(d) -> S(e)), a local slice (R -> S) or a local zero
 (R -> P: rank 0 of the axis keeps the value, the others hold zeros); the last two read the rank's coordinate
 at run time (``fxpar.local_ops``), so every rank of the mesh runs the same graph. A version made for one consumer
-is reused by the next. Sizes in ``view``/``expand``/``slice_backward``/``convolution_backward`` … are
-rewritten to the local sizes, and every node's local shape is checked with fake tensors against its
-sharding. Megatron's MLP (column-parallel fc1, row-parallel fc2) on tp=2::
+is reused by the next. A node whose chosen placements are a candidate its rule registered in
+``passes.sharding.core.LOCAL_OPS`` runs as that local op instead (the vocabulary-parallel embedding:
+``embedding(wte_weight, idx)`` -> ``fxpar.vocab_embedding(wte_weight, idx, 'fxpar:tp')``). Sizes in
+``view``/``expand``/``slice_backward``/``convolution_backward`` … are rewritten to the local sizes,
+and every node's local shape is checked with fake tensors against its sharding. Megatron's MLP
+(column-parallel fc1, row-parallel fc2) on tp=2::
 
     before                                          after (rank 0)
     t = aten.t(fc1_weight)        # [16, 8]          t = aten.t(fc1_weight)                        # [8, 8]

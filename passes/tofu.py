@@ -47,6 +47,7 @@ from fxpar.sharding import R, Sharding, ShardingError, collective_bytes, redistr
 from .propagate_sharding import ShardingResult, _ok
 from .sharding import OpInfo, groups_of, tensor_leaves
 from .sharding.search import Problem
+from .tofu_blocks import assign_blocks, block_lists
 
 __all__ = ["TofuCost", "TofuResult", "tofu_search", "plan_cost", "level_axes"]
 
@@ -69,6 +70,7 @@ class TofuResult:
     parts: dict = field(default_factory=dict)   # comm / compute / memory seconds
     seconds: float = 0.0           # search time
     max_table: int = 0             # the largest DP table built (entries)
+    blocks: list = field(default_factory=list)  # per level: {"blocks", "solved", "wide"} (search.solve_blocks)
 
     @property
     def mesh(self) -> dict:
@@ -81,7 +83,9 @@ class TofuResult:
         g = 2 ** len(self.levels)
         head = (f"tofu over {g} devices (levels {self.levels}): predicted {self.predicted:.3g} s = "
                 + " + ".join(f"{k} {v:.3g}" for k, v in self.parts.items())
-                + f"; searched in {self.seconds:.2f} s, largest DP table {self.max_table}")
+                + f"; searched in {self.seconds:.2f} s, largest DP table {self.max_table}"
+                + "".join(f"; {ax}: {b['solved']} of {b['blocks']} blocks eliminated"
+                          for ax, b in zip(self.levels, self.blocks) if b))
         return head + "\n" + self.sharding.explain(limit)
 
 
@@ -284,9 +288,11 @@ class _Level:
                                   for b in dst] for a in src]
         return self._tables[key]
 
-    def solve(self):
-        """``(place, need)``: per node its output placements and the placements it needs its inputs in."""
-        _, labels = self.p.solve()
+    def solve(self, blocks=None, reuse: bool = True):
+        """``(place, need)``: per node its output placements and the placements it needs its inputs in.
+        ``blocks``: lists of variables eliminated block by block (``solve_blocks``), once per distinct one with
+        ``reuse``."""
+        _, labels = self.p.solve(blocks, reuse)
         place, need = {}, {}
         for (n, gi), (v, lbs) in self.vars.items():
             ins, outs = lbs[labels[v]]
@@ -311,38 +317,52 @@ class _Level:
 
 
 def tofu_search(gm: torch.fx.GraphModule, devices: int, cost: TofuCost | None = None, signature=None,
-                axis: str = "tp", whole_io: bool = False, fixed: dict | None = None) -> TofuResult:
+                axis: str = "tp", whole_io: bool = False, fixed: dict | None = None,
+                blocks: str = "reuse") -> TofuResult:
     """Choose every node's sharding of ``gm`` (a captured joint or forward graph) over ``devices`` (a power of
     two) by Tofu's recursive halving; ``signature`` (``CapturedStep.signature``): updated parameters and
     optimizer state leave laid out as they came in; ``whole_io`` (with ``signature``): inputs other than parameters
     and optimizer state come in whole, gradients leave as their parameters, other outputs whole (what the
     runtime feeds and reads); ``fixed``: placeholder name -> Sharding it must keep (a parameter shared with a stage
-    searched before). Returns the shardings, lowerable, and the predicted cost."""
+    searched before); ``blocks``: "reuse" (each distinct repeated block's interior eliminated once and reused,
+    ``passes.tofu_blocks``), "each" (block by block, no reuse) or "flat" (one elimination over everything) -- all
+    exact. Returns the shardings, lowerable, and the predicted cost."""
     import time
+    if blocks not in _BLOCK_MODES:
+        raise ValueError(f"tofu_search: blocks={blocks!r}; use one of {_BLOCK_MODES}")
     t0 = time.perf_counter()
     was = gc.isenabled()
     gc.disable()            # the search makes ~10^5 small objects per level; collections of the big graph dominate
     try:
-        return _search(gm, devices, cost, signature, axis, t0, whole_io, fixed)
+        return _search(gm, devices, cost, signature, axis, t0, whole_io, fixed, blocks)
     finally:
         if was:
             gc.enable()
 
 
-def _search(gm, devices, cost, signature, axis, t0, whole_io=False, fixed=None):
+_BLOCK_MODES = ("reuse", "each", "flat")
+
+
+def _search(gm, devices, cost, signature, axis, t0, whole_io=False, fixed=None, blocks="reuse"):
     import time
     cost = cost or TofuCost()
     axes = level_axes(devices, axis)
     g = _Graph(gm, signature, whole_io, fixed)
-    levels, max_table, labels_cache = [], 0, {}
+    levels, max_table, labels_cache, owner, stats = [], 0, {}, None, []
     for ax in axes:
         lvl = _Level(g, ax, levels, cost, labels_cache)
         lvl.build()
-        levels.append(lvl.solve())
+        if blocks != "flat" and owner is None:          # which block each (node, group) is in, from level 1's graph
+            by_var = assign_blocks({k: v for k, (v, _) in lvl.vars.items()}, lvl.p.sizes, lvl.p.pairs)
+            owner = {k: by_var[v] for k, (v, _) in lvl.vars.items() if v in by_var}
+        lists = None if blocks == "flat" else [vs for _, vs in block_lists(
+            {lvl.vars[k][0]: b for k, b in owner.items()})]
+        levels.append(lvl.solve(lists, blocks == "reuse"))
+        stats.append(dict(lvl.p.stats) if lists else {})
         max_table = max(max_table, lvl.p.max_table)
     res = _result(g, axes, levels)
     parts = plan_cost(gm, res, cost, signature, graph=g)
-    return TofuResult(res, axes, sum(parts.values()), parts, time.perf_counter() - t0, max_table)
+    return TofuResult(res, axes, sum(parts.values()), parts, time.perf_counter() - t0, max_table, stats)
 
 
 _NO = 1e30     # the cost of a choice the lowering cannot carry out

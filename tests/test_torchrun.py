@@ -3,6 +3,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from fxpar.testing import GPT, gpt_loss, reference_training
@@ -10,9 +11,10 @@ from fxpar.testing import GPT, gpt_loss, reference_training
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_torchrun_two_ranks_match_single_process():
+@pytest.mark.parametrize("tp", [1, 2])
+def test_torchrun_two_ranks_match_single_process(tp):
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(ROOT / "examples" / "torchrun_train.py"), "--steps", "3"],
+                          str(ROOT / "examples" / "torchrun_train.py"), "--steps", "3", "--tp", str(tp)],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("losses", "checksum")))

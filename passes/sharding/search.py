@@ -133,21 +133,25 @@ def _back_substitute(trace, labels) -> None:
         labels[x] = int(np.argmin(table[idx]))
 
 
-WIDEST = 1 << 16      # a block whose boundary spans more label combinations than this is left to the flat pass
+WIDEST = 1 << 20      # a block whose kept variables span more label combinations than this is left flat
 
 
 def solve_blocks(p: Problem, blocks: list, reuse: bool = True):
     """Tofu's coarsening (§5), exact: eliminate each block's interior as a function of its boundary.
 
-    A block is a list of variables in a canonical order. Its *interface* is the variables with a neighbour
-    outside it (after folding one-label variables into unaries, which is exact); the rest is its interior.
-    Minimising the block's own terms over the interior leaves min-plus tables over the interface, which
-    join the terms outside every block in one flat elimination; back-substitution then recovers each
-    interior. Two blocks whose local problems are identical -- label counts, interface, and every unary
-    and pairwise table, byte for byte -- have identical tables and back-substitution traces, so with
-    ``reuse`` each distinct block is eliminated once (``p.stats["solved"]``) and its result mapped onto
-    every copy. A structurally equal block whose costs differ (its neighbours chose differently at an
-    earlier level) is simply another signature: reuse never changes the optimum."""
+    A block is a list of variables in a canonical order (one-label variables are first folded into their
+    neighbours' unaries, which is exact). Its local problem: its own unaries and pairs, and its pairs with
+    *free* variables (in no block), which it keeps; its *interface* -- variables with a neighbour in another
+    block -- is kept too, and the rest, the interior, is eliminated. That leaves min-plus tables over the
+    kept variables, which join every term left in one flat elimination; back-substitution then recovers
+    each interior. An interior variable touches only its own block and free variables, so no other block's
+    elimination changes its terms: the result is the exact optimum, whatever the blocks.
+
+    Two blocks whose local problems are identical -- label counts, which are kept, and every unary and
+    pairwise table, byte for byte -- have identical tables and back-substitution traces; with ``reuse`` each
+    distinct local problem is eliminated once (``p.stats["solved"]``) and mapped onto every copy. A block
+    equal in structure but not in costs (its neighbours chose differently at an earlier level) is just
+    another signature."""
     n = len(p.sizes)
     un, pairs, nbrs = list(p.unaries), {}, [[] for _ in range(n)]
     for (u, v), t in p.pairs.items():
@@ -162,50 +166,58 @@ def solve_blocks(p: Problem, blocks: list, reuse: bool = True):
     owner = {v: b for b, vs in enumerate(blocks) for v in vs}
     if len(owner) != sum(len(vs) for vs in blocks):
         raise ValueError("solve_blocks: the blocks overlap")
-    cache, outer, parts, const, biggest = {}, [], [], 0.0, 0
-    kept = set()
+    cache, outer, parts, const, biggest, kept = {}, [], [], 0.0, 0, set()
     for b, vs in enumerate(blocks):
         loc = {v: i for i, v in enumerate(vs)}
-        iface = tuple(any(owner.get(w) != b for w in nbrs[v]) for v in vs)
-        if _width(p.sizes, vs, iface) > WIDEST:
+        keep = [any(owner.get(w, b) != b for w in nbrs[v]) for v in vs]
+        for v in vs:                                       # free neighbours, in order of first encounter
+            for w in nbrs[v]:
+                if w not in owner and w not in loc:
+                    loc[w] = len(loc)
+                    keep.append(True)
+        allv = list(loc)
+        if _width(p.sizes, allv, keep) > WIDEST:
             continue
         kept.add(b)
         local = sorted(_local_pairs(vs, loc, nbrs, pairs), key=lambda e: (e[0], e[1]))
         sig = None
         if reuse:
-            sig = (tuple(p.sizes[v] for v in vs), iface, b"".join(un[v].tobytes() for v in vs),
+            sig = (tuple(p.sizes[v] for v in allv), tuple(keep), b"".join(un[v].tobytes() for v in vs),
                    tuple((a, c) for a, c, _ in local), b"".join(t.tobytes() for _, _, t in local))
-        if sig is None or sig not in cache:
+        solved = cache.get(sig) if sig is not None else None
+        if solved is None:
             fs = [((i,), un[v]) for i, v in enumerate(vs)] + [((a, c), t) for a, c, t in local]
-            rest, trace, k, big = _eliminate(fs, [i for i in range(len(vs)) if not iface[i]])
+            rest, trace, k, big = _eliminate(fs, [i for i in range(len(vs)) if not keep[i]])
             biggest = max(biggest, big)
             solved = (rest, trace, k)
             if sig is not None:
                 cache[sig] = solved
-        else:
-            solved = cache[sig]
         rest, trace, k = solved
         const += k
-        outer += [(tuple(vs[i] for i in fs), ft) for fs, ft in rest]
-        parts.append((vs, iface, trace))
-    inside = {v for b in kept for v in blocks[b]}
-    outer += [((v,), un[v]) for v in range(n) if v not in inside]
-    outer += [(k, t) for k, t in pairs.items() if not (k[0] in inside and owner[k[0]] == owner.get(k[1]))]
+        outer += [(tuple(allv[i] for i in fs), ft) for fs, ft in rest]
+        parts.append((allv, keep, trace))
+    outer += [((v,), un[v]) for v in range(n) if owner.get(v) not in kept]
+    outer += [(key, t) for key, t in pairs.items() if not _consumed(owner.get(key[0]), owner.get(key[1]), kept)]
     _, trace, k, big = _eliminate(outer, None)
     labels = [0] * n
     _back_substitute(trace, labels)
-    for vs, iface, trace in parts:
-        lab = [labels[v] if f else 0 for v, f in zip(vs, iface)]
+    for allv, keep, trace in parts:
+        lab = [labels[v] if f else 0 for v, f in zip(allv, keep)]
         _back_substitute(trace, lab)
-        for v, x in zip(vs, lab):
+        for v, x in zip(allv, lab):
             labels[v] = x
     p.max_table = max(biggest, big)
     p.stats = {"blocks": len(kept), "solved": len(cache) if reuse else len(kept), "wide": len(blocks) - len(kept)}
     return const + k, labels
 
 
+def _consumed(a, b, kept) -> bool:
+    """Whether a pair between variables of blocks ``a`` and ``b`` (None: free) is in a kept block's local problem."""
+    return (a in kept and b in (a, None)) or (b in kept and a is None)
+
+
 def _local_pairs(vs, loc, nbrs, pairs):
-    """The pairwise tables inside one block, as ``(local u, local v, table)`` with u < v."""
+    """A block's pairwise tables -- inside it and with free variables -- as ``(local u, local v, table)``, u < v."""
     for v in vs:
         a = loc[v]
         for w in nbrs[v]:
@@ -214,9 +226,9 @@ def _local_pairs(vs, loc, nbrs, pairs):
                 yield a, c, pairs[(v, w)] if v < w else pairs[(w, v)].T
 
 
-def _width(sizes, vs, iface) -> int:
+def _width(sizes, vs, keep) -> int:
     w = 1
-    for v, f in zip(vs, iface):
+    for v, f in zip(vs, keep):
         if f:
             w *= sizes[v]
             if w > WIDEST:
