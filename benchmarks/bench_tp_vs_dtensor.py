@@ -131,10 +131,11 @@ def dtensor_model(model):
 
 
 def dtensor_worker(model, batches, warmup, foreach, profile=False):
-    """One rank of DTensor tp: every rank sees the whole batch. Returns losses, step times, the collectives of the
-    first step after warm-up and, with ``profile``, rank 0's profile of the steps after warm-up."""
-    from fxpar.runtime.measure import CommCounter
+    """One rank of DTensor tp: every rank sees the whole batch. Returns losses, step times, the collectives of one
+    more (untimed) step and, with ``profile``, rank 0's per-step profile of the steps after warm-up instead."""
     import contextlib
+
+    from fxpar.runtime.measure import CommCounter
     from torch.distributed.tensor.experimental import implicit_replication
     m = dtensor_model(model)
     o = OPT[0](m.parameters(), **OPT[1], foreach=foreach)
@@ -334,14 +335,15 @@ def main():
             print(f"  {name:20s} {comm_per_step(res.comm_calls[0][-1])}")
         print(f"  {'DTensor':20s} {comm_per_step(dt_comm)}")
         if args.profile:
-            k = max(1, min(3, args.steps - 1))
+            k = max(1, min(6, args.steps - 1))
             profiles = {name: fxpar_profile(prog, lc, batches, args.warmup, k) for name, prog in progs.items()}
             out = lc.run(dtensor_worker, [(model, batches[:args.warmup + k], args.warmup, args.foreach, True)] * world)
             profiles["DTensor"] = out[0]["profile"]
             print_profiles(profiles)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     b1, b2, dt = med["1 process, 1 thread"], med["1 process, 2 threads"], med["DTensor"]
-    print(f"\nstep time, {args.rounds} round(s) x {args.steps} steps after {args.warmup} warm-up; ratios are of medians")
+    print(f"\nstep time, {args.rounds} round(s) x {args.steps} steps after {args.warmup} warm-up; "
+          "ratios are of medians")
     print(f"{'side':22s} {'median':>10s} {'min':>9s} {'max':>9s} {'/ 1 proc 1 thr':>15s} {'/ 1 proc 2 thr':>15s} "
           f"{'/ DTensor':>10s}")
     for name, ts in times.items():

@@ -19,8 +19,8 @@
     a later microbatch's is added into it and freed (the first such sum makes a new tensor while the old one
     is alive: one accumulator storage more, at the graph's end);
   - any other output a later graph reads (the same fake storage as one of its placeholders): until that
-    reader (the oldest waiting value first), or its last reader when read as ``unsharded`` (ZeRO-3's gathered
-    parameters, UNSHARD to RESHARD);
+    reader (the oldest waiting value first); ZeRO-3's gathered parameters (read as ``unsharded``) from UNSHARD
+    to RESHARD, after the stage's last backward;
   - an output no later graph reads and a message follows: kept to the end (the executor holds each sent
     tensor until the step's sends complete); otherwise freed with its graph;
   - an output that is a view of a held value (STEP's reduced gradients, views of RG's buffer) extends it.
@@ -75,6 +75,7 @@ class _Walk:
         self.state_keys: set = set()
         self.batch = 0.0
         self.readers: dict = {}               # fake storage key -> [(item index, placeholder role)]
+        self.backward: set = set()            # items that read saved values (B, I, W)
         for i, (lv, _, _) in enumerate(runs):
             if lv is None:
                 continue
@@ -87,6 +88,8 @@ class _Walk:
                 else:
                     if st.key is not None:
                         self.readers.setdefault(st.key, []).append((i, st.role))
+                    if st.role == "saved":
+                        self.backward.add(i)
                     continue
                 self.state_keys |= st.keys
         self.base = sum(b for _, b in self.persistent.values()) + self.batch
@@ -104,8 +107,8 @@ class _Walk:
         return u
 
     def own(self, i, lv) -> tuple:
-        """(graph i's own peak bytes, its own bytes at its end, bytes of values it reads) with what the walk
-        holds elsewhere taken out of its inputs; binds the values it reads."""
+        """(graph i's own peak bytes, its own bytes at its end): its liveness with what the walk holds elsewhere
+        taken out of its inputs (``self.outside``: those bytes); binds the values it reads."""
         outside, bound = 0.0, set()
         for st in _placeholders(lv):
             if st.category in _PERSISTENT or st.role in _BATCH or st.keys & self.state_keys:
@@ -133,11 +136,12 @@ class _Walk:
         return v
 
     def _gathered_until(self, i, lv):
-        """ZeRO-3 under a pipeline: UNSHARD's parameters live together until RESHARD, after the last graph that
-        reads any of them as ``unsharded``; None if no later graph does."""
+        """ZeRO-3 under a schedule: UNSHARD's parameters live together until RESHARD, which follows the stage's last
+        backward (the last graph that reads ``saved`` values: B, or W, which reads no weight); None if no later
+        graph reads them as ``unsharded``."""
         last = [r for parts in lv.out_parts for st in parts for k in st.keys
                 for r, role in self.readers.get(k, ()) if r > i and role == "unsharded"]
-        return max(last) if last else None
+        return max(last + [r for r in self.backward if r > i]) if last else None
 
     def held(self) -> dict:
         """category -> bytes of the values held while the current graph runs."""

@@ -22,7 +22,11 @@ at one level is not split again at a later one: one mesh axis per tensor dim). P
 
 Coarsening: rule candidates, FLOPs and edge tables are computed once per operator signature, so the
 repeated blocks of a transformer (``blocks.0``, ``blocks.1`` ...) share them; elimination in
-min-degree order fuses chains and keeps the live set small. The result is a
+min-degree order fuses chains and keeps the live set small. Repeated blocks are searched once
+(``blocks="reuse"``, the default): ``passes.tofu_blocks`` assigns every variable to its layer by data
+flow, and ``search.solve_blocks`` eliminates each distinct block's interior once as min-plus tables over
+its boundary, reused for every identical copy -- exact, the flat DP's optimum (32 layers, 64 devices:
+3 eliminations per level instead of 32; DP 2.7 s -> 0.5 s). The result is a
 :class:`~passes.propagate_sharding.ShardingResult` (``lower_shardings`` lowers it; ``to_plan()`` is
 the JSON for ``Plan.shardings``) plus the predicted cost. On the test GPT at G = 2 (``explain()``)::
 
@@ -71,6 +75,8 @@ class TofuResult:
     seconds: float = 0.0           # search time
     max_table: int = 0             # the largest DP table built (entries)
     blocks: list = field(default_factory=list)  # per level: {"blocks", "solved", "wide"} (search.solve_blocks)
+    optima: list = field(default_factory=list)  # per level: the DP's optimum (seconds, that level's terms)
+    phases: dict = field(default_factory=dict)  # wall seconds: graph (scan), build, blocks (assignment), dp, result
 
     @property
     def mesh(self) -> dict:
@@ -187,6 +193,7 @@ class _Level:
         self.vars = {}                          # (node, group index) -> (var, labels)
         self.prod = {}                          # tensor node -> (node, group index, position in group outs)
         self._tables: dict = {}
+        self.optimum = None                     # the DP's optimum, once solved
 
     def _taken(self, node, which, slots):
         """Per output (which=0) / input (which=1) of ``node`` in ``slots``: the dims earlier levels split (a later
@@ -292,7 +299,7 @@ class _Level:
         """``(place, need)``: per node its output placements and the placements it needs its inputs in.
         ``blocks``: lists of variables eliminated block by block (``solve_blocks``), once per distinct one with
         ``reuse``."""
-        _, labels = self.p.solve(blocks, reuse)
+        self.optimum, labels = self.p.solve(blocks, reuse)
         place, need = {}, {}
         for (n, gi), (v, lbs) in self.vars.items():
             ins, outs = lbs[labels[v]]
@@ -348,21 +355,33 @@ def _search(gm, devices, cost, signature, axis, t0, whole_io=False, fixed=None, 
     cost = cost or TofuCost()
     axes = level_axes(devices, axis)
     g = _Graph(gm, signature, whole_io, fixed)
-    levels, max_table, labels_cache, owner, stats = [], 0, {}, None, []
+    levels, max_table, labels_cache, owner, stats, optima = [], 0, {}, None, [], []
+    clock = dict.fromkeys(("graph", "build", "blocks", "dp", "result"), 0.0)
+    clock["graph"], t = time.perf_counter() - t0, time.perf_counter()
+
+    def tick(phase):
+        nonlocal t
+        now = time.perf_counter()
+        clock[phase] += now - t
+        t = now
     for ax in axes:
         lvl = _Level(g, ax, levels, cost, labels_cache)
         lvl.build()
-        if blocks != "flat" and owner is None:          # which block each (node, group) is in, from level 1's graph
-            by_var = assign_blocks({k: v for k, (v, _) in lvl.vars.items()}, lvl.p.sizes, lvl.p.pairs)
-            owner = {k: by_var[v] for k, (v, _) in lvl.vars.items() if v in by_var}
-        lists = None if blocks == "flat" else [vs for _, vs in block_lists(
-            {lvl.vars[k][0]: b for k, b in owner.items()})]
+        tick("build")
+        if blocks != "flat":                            # which block each (node, group) is in, from level 1's graph
+            owner = owner if owner is not None else assign_blocks(lvl.vars, lvl.p.sizes, lvl.p.pairs)
+        lists = None if blocks == "flat" else block_lists(lvl.vars, owner)
+        tick("blocks")
         levels.append(lvl.solve(lists, blocks == "reuse"))
+        tick("dp")
         stats.append(dict(lvl.p.stats) if lists else {})
+        optima.append(lvl.optimum)
         max_table = max(max_table, lvl.p.max_table)
     res = _result(g, axes, levels)
     parts = plan_cost(gm, res, cost, signature, graph=g)
-    return TofuResult(res, axes, sum(parts.values()), parts, time.perf_counter() - t0, max_table, stats)
+    tick("result")
+    return TofuResult(res, axes, sum(parts.values()), parts, time.perf_counter() - t0, max_table, blocks=stats,
+                      optima=optima, phases=clock)
 
 
 _NO = 1e30     # the cost of a choice the lowering cannot carry out

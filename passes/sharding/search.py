@@ -12,7 +12,8 @@ Dynamic Programming", 1972; Dechter's bucket elimination, 1999): eliminating a v
 two neighbours is Tofu's chain fusion (a min-plus matrix product), and eliminating in min-degree
 order keeps the live set small -- a transformer's joint graph (forward chain, backward chain, the
 saved activations between them) is ladder-like, so the tables stay a few labels wide. The answer is
-the exact optimum; a back-substitution in reverse order recovers the labels.
+the exact optimum; a back-substitution in reverse order recovers the labels. ``solve_blocks`` is Tofu's
+coarsening of repeated blocks: each block's interior is eliminated first, once per distinct block.
 
     >>> p = Problem(); a = p.var(2); b = p.var(2)
     >>> p.unary(a, [0.0, 1.0]); p.pair(a, b, [[5.0, 0.0], [0.0, 5.0]])
@@ -189,22 +190,25 @@ def solve_blocks(p: Problem, blocks: list, reuse: bool = True):
             fs = [((i,), un[v]) for i, v in enumerate(vs)] + [((a, c), t) for a, c, t in local]
             rest, trace, k, big = _eliminate(fs, [i for i in range(len(vs)) if not keep[i]])
             biggest = max(biggest, big)
-            solved = (rest, trace, k)
+            solved = (rest, trace, k, {})               # the last: kept labels -> back-substituted labels
             if sig is not None:
                 cache[sig] = solved
-        rest, trace, k = solved
+        rest, trace, k, subs = solved
         const += k
         outer += [(tuple(allv[i] for i in fs), ft) for fs, ft in rest]
-        parts.append((allv, keep, trace))
+        parts.append((allv, keep, trace, subs))
     outer += [((v,), un[v]) for v in range(n) if owner.get(v) not in kept]
     outer += [(key, t) for key, t in pairs.items() if not _consumed(owner.get(key[0]), owner.get(key[1]), kept)]
     _, trace, k, big = _eliminate(outer, None)
     labels = [0] * n
     _back_substitute(trace, labels)
-    for allv, keep, trace in parts:
+    for allv, keep, trace, subs in parts:           # copies whose kept labels agree share their interior's labels
         lab = [labels[v] if f else 0 for v, f in zip(allv, keep)]
-        _back_substitute(trace, lab)
-        for v, x in zip(allv, lab):
+        key = tuple(lab)
+        if key not in subs:
+            _back_substitute(trace, lab)
+            subs[key] = lab
+        for v, x in zip(allv, subs[key]):
             labels[v] = x
     p.max_table = max(biggest, big)
     p.stats = {"blocks": len(kept), "solved": len(cache) if reuse else len(kept), "wide": len(blocks) - len(kept)}
