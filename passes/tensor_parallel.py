@@ -271,7 +271,10 @@ class TensorParallel(Pass):
         n_coll = sum(1 for n in new.graph.nodes if M.COMM.name in n.meta)
         ctx.notes.append(f"tensor_parallel: {split} of {len(entry['params'])} parameter(s) split over "
                          f"{dict(mesh.axes)}, {n_coll} collective(s) inserted"
-                         + (f"; ops without a sharding rule (run whole): {len(res.no_rule)}" if res.no_rule else ""))
+                         + (f"; ops without a sharding rule, run whole: " + ", ".join(
+                             f"{n} ({op.split('.')[-2] if '.' in op else op} in {mod or '<root>'})"
+                             for n, op, mod in res.no_rule[:6]) + (" ..." if len(res.no_rule) > 6 else "")
+                            if res.no_rule else ""))
         new.meta["fxpar_shardings"] = res                 # program.shardings(rank) reads it
         new.meta["fxpar_tp_modules"] = {n.name: M.get(n, M.MODULE) or (M.get(n, M.PARAM) or "").split(":")[-1]
                                         .rpartition(".")[0] for n in gm.graph.nodes}

@@ -26,7 +26,7 @@ min-degree order fuses chains and keeps the live set small. Repeated blocks are 
 (``blocks="reuse"``, the default): ``passes.tofu_blocks`` assigns every variable to its layer by data
 flow, and ``search.solve_blocks`` eliminates each distinct block's interior once as min-plus tables over
 its boundary, reused for every identical copy -- exact, the flat DP's optimum (32 layers, 64 devices:
-3 eliminations per level instead of 32; DP 2.7 s -> 0.5 s). The result is a
+3 eliminations per level instead of 32; DP 2.7 s -> 0.6 s). The result is a
 :class:`~passes.propagate_sharding.ShardingResult` (``lower_shardings`` lowers it; ``to_plan()`` is
 the JSON for ``Plan.shardings``) plus the predicted cost. On the test GPT at G = 2 (``explain()``)::
 

@@ -227,3 +227,23 @@ def test_bad_inputs_name_the_tensor_and_the_fix():
         fxpar.Strategy(tp=2, sharding={"fc.weight": ("dp", None)})
     with pytest.raises(fxpar.StrategyError, match=r"not yet composed with zero"):
         fxpar.Strategy(dp=2, tp=2, zero=1)
+
+
+class Flipped(nn.Module):
+    """``torch.flip`` has no sharding rule: it runs whole, and the result is still exact."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.flip(torch.tanh(self.fc1(x)), [1]))
+
+
+def test_an_op_without_a_rule_runs_whole_and_explain_names_it(clusters):
+    MODELS["flipped"] = lambda: (Flipped().double(), _mlp_batches(3), F.mse_loss, SGD_M)
+    LAYOUTS["flipped"] = {"fc1.weight": ("tp", None), "fc1.bias": ("tp",)}
+    prog, _ = _run(clusters, "flipped", "layouts", tp=2)
+    text = prog.explain()
+    assert "ops without a sharding rule, run whole: flip" in text, text
+    assert "all_gather" in text                      # fc1's split output is gathered for the flip
