@@ -292,7 +292,7 @@ class TensorParallel(Pass):
             cost = TofuCost()
             if ctx.cluster is not None:
                 cost = TofuCost(link_bytes_per_s=ctx.cluster.intra_node.bandwidth,
-                                flops_per_s=ctx.cluster.device.peak_flops)
+                                flops_per_s=ctx.cluster.device.peak_flops, latency_s=ctx.cluster.intra_node.latency)
             phs = {(r, k): p.name for p, (r, k) in zip(gm.graph.find_nodes(op="placeholder"), sig.inputs)}
             fixed = {phs[rk]: Sharding(tuple(dims)) for rk, dims in tied.items() if rk in phs}
             found = tofu_search(gm, tp, cost, signature=sig, whole_io=True, fixed=fixed)

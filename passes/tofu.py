@@ -60,10 +60,17 @@ _ORDER = {"all_reduce": 0, "reduce_scatter": 1, "all_gather": 2, "all_to_all": 3
 
 @dataclass(frozen=True)
 class TofuCost:
-    """Seconds per byte sent, per FLOP, per byte of parameter/optimizer state held (0 turns a term off)."""
+    """Seconds per byte sent, per FLOP, per byte of parameter/optimizer state held, per collective issued (the
+    link's latency: many small collectives cost more than their bytes say); 0 turns a term off."""
     link_bytes_per_s: float = 100e9
     flops_per_s: float = 100e12
     mem_s_per_byte: float = 1e-11
+    latency_s: float = 0.0
+
+
+def _calls(a, b) -> int:
+    """Collectives a change of placement along one axis issues (local slices and zeros send nothing)."""
+    return sum(1 for kind, _, _ in redistribute_steps(a, b) if kind not in ("slice", "zero"))
 
 
 @dataclass
@@ -289,9 +296,9 @@ class _Level:
         src_before = tuple(place[x][0] for place, _ in self.prior)
         key = (tuple(src), tuple(dst), nb, src_before, dst_before, _val(x).dim())
         if key not in self._tables:
-            bw = self.cost.link_bytes_per_s
+            bw, lat = self.cost.link_bytes_per_s, self.cost.latency_s
             self._tables[key] = [[redistribute_bytes(a, b, nb / 2 if isinstance(a, int) else nb, 2) / bw
-                                  if _orderable(_val(x).dim(), src_before + (a,), dst_before + (b,)) else _NO
+                                  + lat * _calls(a, b) if _orderable(_val(x).dim(), src_before + (a,), dst_before + (b,)) else _NO
                                   for b in dst] for a in src]
         return self._tables[key]
 
@@ -498,11 +505,12 @@ def plan_cost(gm, res: ShardingResult, cost: TofuCost | None = None, signature=N
     sizes = [(a, s) for a, s in res.mesh.items() if s > 1]
     comm = compute = memory = 0.0
 
-    def edge(x, want: Sharding) -> float:
+    def edge(x, want: Sharding) -> float:          # bytes, with each collective's latency as bytes
         have, total, nb = res.out[x.name][0], 0.0, _nbytes(x)
         for a, k in sizes:
             pa = have.placement(a)
             total += redistribute_bytes(pa, want.placement(a), nb / k if isinstance(pa, int) else nb, k)
+            total += cost.latency_s * cost.link_bytes_per_s * _calls(pa, want.placement(a))
             nb = nb / k if isinstance(pa, int) else nb
         return total
     for n in g.nodes:
