@@ -10,6 +10,10 @@ the captured graph, and writes down what the rank does at each event of the step
 * ``("ready", b)``: bucket ``b``'s gradients are made (in backward). Pieces whose estimated end has
   passed (with a margin of a quarter of their duration) are waited (free), then queued pieces are issued,
   highest priority first, while credit allows.
+  A bucket on a group several pipeline stages share (a tied parameter's, ``eager``; under cross-iteration
+  overlap) has all its pieces issued there, waiting for the oldest in flight while credit is short: a stage
+  that waits for it in the next step's first forward must not depend on a stage that would issue it only in
+  its own first forward, downstream (a deadlock).
 * ``("need", b)``: bucket ``b``'s reduced gradients are needed -- with cross-iteration overlap, just
   before the next step's forward first uses its parameters; without, at the optimizer. Its pieces not yet
   issued are issued (waiting for the oldest in flight while credit is short), then waited (the rank
@@ -38,6 +42,7 @@ class BucketTiming:
     need_s: float                  # seconds into forward when its parameters are first used
     pieces: list                   # bytes of each piece, in order
     priority: int = 0              # 0 = needed first
+    eager: bool = False            # every piece issued at its ready event (a group several stages share, below)
 
 
 @dataclass
@@ -86,15 +91,24 @@ def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cro
             issue(heapq.heappop(queue)[1], x, ops)
 
     order = sorted(range(len(buckets)), key=lambda b: (buckets[b].ready_s, b))
+    late = 0.0                       # backward stalled by eager buckets' credit waits
     for b in order:
-        x = t_fwd + buckets[b].ready_s
+        x = t_fwd + buckets[b].ready_s + late
         ops: list = []
         for j in range(len(buckets[b].pieces)):
             heapq.heappush(queue, (buckets[b].priority, pid[(b, j)]))
         retire(x, ops)
         refill(x, ops)
+        if buckets[b].eager:         # all of its pieces go now, waiting for the oldest in flight while credit is short
+            for p in sorted(q for _, q in queue if pieces[q][0] == b):
+                queue.remove(next(e for e in queue if e[1] == p))
+                heapq.heapify(queue)
+                while used[0] + pieces[p][2] > credit:
+                    x = max(x, wait(0, ops))
+                issue(p, x, ops)
+            late = x - (t_fwd + buckets[b].ready_s)
         res.events.append(("ready", b, ops))
-    stall = 0.0
+    stall = late
     base = t_fwd + t_bwd             # the optimizer (after the waits) or the next forward starts here
     for b in sorted(range(len(buckets)), key=lambda b: (buckets[b].priority, b)):
         x = base + (buckets[b].need_s if cross else 0.0) + stall
@@ -193,12 +207,15 @@ _CREDIT_FACTORS = (1, 2, 4, 8)
 
 
 def plan_stage(tm: dict, buckets_at, shape_of, itemsize_of, comm_s, cross: bool, fifo_buckets: list,
-               partition: int | None = None, credit: int | None = None) -> tuple:
+               partition: int | None = None, credit: int | None = None, shared=lambda keys: False) -> tuple:
     """ByteScheduler's decisions for one stage: ``(entry, buckets)``. ``tm``: :func:`stage_timings`;
     ``buckets_at(partition) -> [[key, ...]]`` (DDP's packing up to ``partition``); ``fifo_buckets``: the FIFO
     plan, simulated for comparison. ``entry`` holds the chosen partition and credit, how they were chosen
     (every setting tried with its predicted step, best first), the priority order, the pieces ``[bucket, first row, end row]`` (rows None:
-    the whole bucket), the events with their ops, the simulated in-flight peak and step times."""
+    the whole bucket), the events with their ops, the simulated in-flight peak and step times. ``shared(keys)``:
+    the bucket's group spans several stages (a tied parameter): every stage must make the same collectives, so it
+    is cut only at the partition asked for (the same on every stage), never at a tuned one, and with cross-iteration
+    overlap issued whole in its own step (``eager``)."""
     size = lambda k: _prod(shape_of(k)) * itemsize_of(k)        # noqa: E731
 
     def layout(buckets, part):
@@ -207,13 +224,16 @@ def plan_stage(tm: dict, buckets_at, shape_of, itemsize_of, comm_s, cross: bool,
         out, rows = [], []
         for b, keys in enumerate(buckets):
             total = sum(size(k) for k in keys)
-            if part and len(keys) == 1 and total > part:
-                cuts = split_rows(shape_of(keys[0]), itemsize_of(keys[0]), part)
+            tied = shared(keys)
+            cut_at = (partition if tied else part) if part else None
+            if cut_at and len(keys) == 1 and total > cut_at:
+                cuts = split_rows(shape_of(keys[0]), itemsize_of(keys[0]), cut_at)
                 pieces = [total * (r1 - r0) // int(shape_of(keys[0])[0]) for r0, r1 in cuts]
             else:
                 cuts, pieces = [None], [total]
             rows += [[b] + (list(c) if c else [None, None]) for c in cuts]
-            out.append(BucketTiming(max(tm["ready"].get(k, tm["t_bwd"]) for k in keys), need[b], pieces, prio[b]))
+            out.append(BucketTiming(max(tm["ready"].get(k, tm["t_bwd"]) for k in keys), need[b], pieces, prio[b],
+                                    eager=tied and cross))
         return out, rows
 
     fifo = None

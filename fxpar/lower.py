@@ -79,8 +79,10 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
             from passes import ServerSum
             pipeline.append(ServerSum())   # BytePS: the CPU servers' share pushed and pulled, the rest all-reduced
         if getattr(plan, "zero", 0):
-            from passes import ZeroShard
+            from passes import ZeroOffload, ZeroShard
             pipeline.append(ZeroShard())   # ZeRO: reduce-scatter into chunks, optimizer on chunks, gather parameters
+            if (plan.offload or {}).get("what"):   # ZeRO-Offload/-Infinity: chunks to the host, update there; disk read-ahead
+                pipeline.append(ZeroOffload())
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":
             from passes import CommSchedule
             # after bucket: pieces of its buckets issued by priority under a credit; with cross-iteration the

@@ -228,15 +228,20 @@ def _record_sharding(plan: Plan, strategy: Strategy, base: Plan | None) -> None:
 def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None) -> None:
     """Communication order into the Plan (``passes.comm_schedule`` carries it out): the method, the partition
     and credit asked for (None: tuned per stage in :func:`plan_comm_schedule`), and whether the gradient waits and
-    updates move into the next step (cross-iteration overlap: one stage, one microbatch, a traced optimizer)."""
+    updates move into the next step (cross-iteration overlap: dp > 1, a traced optimizer, a synchronous schedule
+    whose ranks hold one stage each; with a pipeline or several microbatches, each stage's STEP moves into the
+    next step's first forward of that stage, ``passes.comm_schedule``)."""
     if base is not None and base.comm_schedule:
         plan.comm_schedule = {k: v for k, v in base.comm_schedule.items()}
         return
     if strategy.comm_schedule == "fifo":
         return
-    why = ("a pipeline (pp > 1): stages step together after the flush" if plan.n_stages > 1 else
-           "dp=1: no gradient is communicated" if plan.dp == 1 else
-           "microbatches > 1: the step's last backward is not the end of its forward's successor" if plan.microbatches > 1
+    held = [sum(pr in rs for rs in plan.stage_to_rank) for pr in range(plan.pp)]
+    why = ("dp=1: no gradient is communicated" if plan.dp == 1 else
+           f"schedule {plan.schedule!r} is asynchronous: a stage steps inside the window, there is no next step's first "
+           "forward to move it to" if plan.schedule in ASYNC else
+           f"schedule {plan.schedule!r} puts {max(held)} stages on one rank: a stage's update would have to wait for "
+           "another stage's step on that rank (shared gradients, one step count)" if max(held, default=1) > 1
            else f"the optimizer is not traced ({plan.optimizer.get('why_not_traced')})" if not plan.optimizer.get("traced")
            else "")
     mb = lambda v: None if v is None else int(v * 2**20)      # noqa: E731
@@ -281,10 +286,14 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster) -> dict:
             lambda part: plan_buckets(captured, part, part, groups),
             lambda k: captured.param_shapes[k], lambda k: _itemsize(captured.param_dtypes[k]),
             lambda n: collective_cost("all_reduce", n, ranks, cluster).time_s, bool(cs.get("cross_iteration")),
-            plan.buckets[stage], cs.get("partition_bytes"), cs.get("credit_bytes"))
+            plan.buckets[stage], cs.get("partition_bytes"), cs.get("credit_bytes"),
+            shared=lambda keys: any(str(groups.get(k)).startswith("tied.") for k in keys))
     except CreditError as e:
         keys = plan_buckets(captured, e.partition, e.partition, groups)[e.bucket]
-        what = (f"gradient {keys[0]!r} (shape {tuple(captured.param_shapes[keys[0]])}), cut in rows: a row is the "
+        tied = str(groups.get(keys[0])).startswith("tied.") and not cs.get("partition_bytes")
+        what = (f"gradient {keys[0]!r} (shape {tuple(captured.param_shapes[keys[0]])}) of a parameter tied across "
+                "stages, kept whole unless partition_mb is given (every stage must cut it alike)" if tied else
+                f"gradient {keys[0]!r} (shape {tuple(captured.param_shapes[keys[0]])}), cut in rows: a row is the "
                 "indivisible piece" if len(keys) == 1 else
                 f"bucket of {len(keys)} gradients {keys[:3]}... (packed up to the partition)")
         raise StrategyError(f"Strategy(comm_schedule='bytescheduler', credit_mb={cs['credit_bytes'] / 2**20:.4g}), stage "

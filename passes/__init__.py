@@ -12,8 +12,9 @@ from .split_graphs import SplitGraph, SplitGraphs, split_graphs
 from .propagate_sharding import ShardingConflict, ShardingResult, propagate_shardings
 from .lower_sharding import lower_shardings
 from .zero import ZeroShard
+from .zero_offload import ZeroOffload
 
 __all__ = ["DataParallelGradSync", "BucketGradients", "SyncBuffers", "ReinplaceOptimizer", "SplitGraphs",
            "SplitGraph", "split_graphs", "Recompute", "propagate_shardings", "ShardingResult", "ShardingConflict",
            "lower_shardings", "ZeroShard", "HierarchicalReduce", "OffloadActivations", "SparseGradSync", "CommSchedule",
-           "ServerSum"]
+           "ServerSum", "ZeroOffload"]

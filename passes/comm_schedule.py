@@ -19,6 +19,10 @@ which are waited. This pass carries the plan out on a stage's joint graph, after
    carried in: no update) and ``DRAIN`` (the carried waits and updates only; before results, state_dict
    and checkpoints) from it by data flow (:func:`carry_variants`); the graphs the ranks run then make the
    update in place (``passes.reinplace``), as the other programs do.
+   Under a pipeline or with several microbatches (graphs ``F``, ``B``, ``REDUCE_GRAD``, ``STEP``) the stage's
+   ``STEP`` moves instead: its ``_foreach`` ops are cut per bucket here, and ``split_graphs`` adds ``F_UPDATE``,
+   the stage's first forward of the next step with each bucket's carried waits and update just before that
+   bucket's first forward op (``passes.carry_step``).
 
 4. **The delayed update under ZeRO** (``Strategy(zero=1|2|3, delayed_update=True)``, ZeRO-Offload's DPU on
    ``passes.zero``'s chunks): there is no ByteScheduler piece plan; each bucket's reduce-scattered gradient
@@ -375,14 +379,20 @@ class CommSchedule(Pass):
         if len(pieces) != len(entry["pieces"]):
             raise PassError(f"comm_schedule: stage {ctx.stage} has {len(pieces)} pieces, the plan {len(entry['pieces'])}")
         gm.meta["fxpar_delayed_update"] = bool(cs.get("delayed_update"))
-        where = _place(gm, pieces, entry["events"], self.cross_iteration)
+        split = tuple(ctx.store.get("kinds", ("FULL",))) != ("FULL",)     # a pipeline, or several microbatches
+        where = _place(gm, pieces, entry["events"], self.cross_iteration and not split)
         gm.graph.lint()
-        carry = _cross_iteration(gm, pieces, where, entry["events"]) if self.cross_iteration else []
+        if self.cross_iteration and split:
+            from .carry_step import carry_step
+            carry = carry_step(gm, pieces, entry["events"])
+        else:
+            carry = _cross_iteration(gm, pieces, where, entry["events"]) if self.cross_iteration else []
         gm.recompile()
         ctx.notes.append(f"comm_schedule: {len(pieces)} piece(s) issued in priority order under a credit of "
                          f"{entry['credit_bytes']} bytes" + (f"; {len(carry)} carried into the next step, each bucket's "
                                                              "wait and update just before its first forward use"
-                                                             if carry else ""))
+                                                             + (" (STEP moves into the stage's first F: F_UPDATE)"
+                                                                if split else "") if carry else ""))
         return PassResult(gm, True, {"pieces": len(pieces), "carry": len(carry)})
 
 

@@ -6,16 +6,24 @@ ZeRO-Offload's data flow: each bucket's gradients are reduce-scattered into the 
 in the step: one collective in flight, as ``passes.zero`` keeps it), handed to the optimizer that owns the chunk
 (the CPU, in the paper), and consumed one step later, while the next step computes.
 
+With ``passes.zero_offload`` (which runs before) the carried value is each chunk's copy in host memory, made as
+soon as its reduce-scatter is waited: the gradients stream to the host in step t and the host update reads them
+in step t+1.
+
 Called by ``passes.comm_schedule`` (whose cross-iteration carry the runtime runs, ``fxpar/runtime/carry.py``)
 after ``passes.zero``; ``passes.split_graphs`` then derives ``FIRST`` (no update) and ``DRAIN`` (only the update)
 from the steady ``FULL`` graph by data flow (``passes.comm_schedule.carry_variants``).
 """
 from __future__ import annotations
 
+import torch
+
 from fxpar import meta as M
 from fxpar.collectives import C10D
 
 __all__ = ["carry_zero_chunks"]
+
+aten = torch.ops.aten
 
 
 def carry_zero_chunks(gm) -> list:
@@ -37,6 +45,8 @@ def carry_zero_chunks(gm) -> list:
     keys, carried, late = [], [], set()
     for r in [n for n in g.nodes if n.op == "call_function" and n.target is C10D.reduce_scatter_tensor.default]:
         (w,) = [u for u in r.users if u.target is C10D.wait_tensor.default]
+        if len(w.users) == 1 and next(iter(w.users)).target is aten._to_copy.default:
+            w = next(iter(w.users))        # ZeRO-Offload (passes.zero_offload): the host copy, made in its step, is carried
         key = f"chunk{len(keys)}"
         with g.inserting_after(last_ph):
             c = g.placeholder(f"carry_{key}")

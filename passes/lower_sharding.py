@@ -68,6 +68,9 @@ class _Lowering:
         self.env = {}
         self.versions = {}          # old node -> {Sharding: new node}
         self.expect = {}            # new node -> (Sharding, global shape, what)
+        # a parameter's gradient, laid out as the parameter: what the optimizer and the outputs derive theirs from
+        self.canon = {M.get(n, M.PARAM): res.out[n.name][0] for n in gm.graph.find_nodes(op="placeholder")
+                      if M.get(n, M.ROLE) == "param" and res.out.get(n.name)}
 
     def _new(self, target, args, kwargs=None, like=None, expect=None, name=None):
         n = self.g.create_node("call_function", target, args, kwargs or {}, name=name)
@@ -85,6 +88,12 @@ class _Lowering:
         vers = self.versions[leaf]
         if want in vers:
             return vers[want]
+        canon = self.canon.get(M.get(leaf, M.GRAD_OF)) if M.get(consumer, M.PHASE) != "backward" else None
+        if canon is not None and want != canon:
+            # after backward a gradient is first laid out as its parameter (the value microbatches sum and data
+            # parallelism reduces, passes.tensor_parallel), and every other layout is made from that one
+            base = self.get(leaf, canon, consumer)
+            vers = {canon: base}
         shape = tuple(leaf.meta["val"].shape)
         nbytes = leaf.meta["val"].numel() * leaf.meta["val"].element_size()
 
@@ -93,6 +102,7 @@ class _Lowering:
                 s.placement(a), int) else 1), n) for a, n in self.sizes.items() if n > 1)
         cur_sh = min(vers, key=cost)
         cur = vers[cur_sh]
+        vers = self.versions[leaf]
         steps = [(a, k, src, dst) for a in self.sizes if self.sizes[a] > 1
                  for k, src, dst in redistribute_steps(cur_sh.placement(a), want.placement(a))]
         for axis, kind, _, dst in sorted(steps, key=lambda s: _ORDER[s[1]]):

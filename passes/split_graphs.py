@@ -183,6 +183,9 @@ def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
         outs = list(exports[k].items()) + [(n, rk) for n, rk in joint_out[k]]
         out[k] = SplitGraph(k, _build(gm, k, ins, consts[k], body, outs), [rk for _, rk in ins], [rk for _, rk in outs])
     check_no_read_after_inplace_write(out)
+    if gm.meta.get("fxpar_carry_step"):   # cross-iteration overlap: STEP runs in the next step's first F (passes.carry_step)
+        from .carry_step import carry_forward
+        out["F_UPDATE"] = SplitGraph("F_UPDATE", *carry_forward(out["F"], out["STEP"], gm.meta["fxpar_carry_step"]))
     return out
 
 

@@ -193,8 +193,11 @@ def _gradients_laid_out(gm, sig) -> None:
                                 f"{n.name} ({n.target}), not a redistribution of its raw gradient -- please report it")
             chain.append(n)
             n = n.args[0]
-        for c in chain:
+        anchor = n                                   # the raw gradient: the chain runs right after it
+        for c in reversed(chain):
             M.set_meta(c, M.PHASE, "backward")
+            anchor.append(c)
+            anchor = c
         M.set_meta(x, M.GRAD_OF, key)
 
 

@@ -22,7 +22,7 @@ ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 TOL = 1e-10
 # a link fast enough that Tofu's cost model splits the tiny test models (on loopback figures it keeps them whole)
-FAST = {"intra_node": fxpar.LinkSpec(100e9, 1e-6)}
+FAST = {"intra_node": fxpar.LinkSpec(100e9, 1e-9)}
 
 
 class SplitQKV(nn.Module):

@@ -285,9 +285,13 @@ class Executor(ShardState, CarryState, TensorParallelState):
         mb = w.micro[i]
         weights = self.params[s] if a.version is None else w.store.get(s, a.version)
         acts = {k: v.contiguous() for k, v in w.fwd.pop((s, i), {}).items()}   # as traced (and as received)
-        args = [w.unsharded[s][key] if role == "unsharded" else self._input(role, key, s, weights, mb, acts)
-                for role, key in sg.inputs]
-        res = sg.gm(*args)
+        if s in self.__dict__.get("carry", {}) and "F_UPDATE" in self.p.graphs[s]:
+            sg, args, res = self._forward_update(s, w, mb, acts)    # the last step's deferred STEP, in this forward
+            weights = self.params[s]
+        else:
+            args = [w.unsharded[s][key] if role == "unsharded" else self._input(role, key, s, weights, mb, acts)
+                    for role, key in sg.inputs]
+            res = sg.gm(*args)
         saved, out = {}, {}
         for (role, key), v in zip(sg.outputs, res):
             if role == "loss":
@@ -400,6 +404,8 @@ class Executor(ShardState, CarryState, TensorParallelState):
 
     def _step(self, a, w, idx):
         s = a.stage
+        if "F_UPDATE" in self.p.graphs[s]:     # cross-iteration overlap: the update runs in the next step's first F
+            return self._defer_step(a, w)
         sg = self.p.graphs[s]["STEP"]
         self.step_count[s] += 1
         lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)

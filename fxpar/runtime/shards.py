@@ -7,7 +7,8 @@ A mixin of :class:`fxpar.runtime.executor.Executor` (``self.params``, ``self.sta
   parameters for stage 3; ``fxpar.zero`` layout), after building and after loading a checkpoint;
 * ``whole``: every chunked tensor gathered whole (collective over dp), for ``state_dict()`` and saving;
 * ``_offload`` / ``_settle``: ZeRO-Infinity's disk offload, each tensor a memory-mapped file under
-  ``offload_dir/rank<r>/`` that the graphs read and update in place;
+  ``offload_dir/rank<r>/`` that the graphs read and update in place, tracked so that the graphs'
+  ``fxpar::prefetch`` nodes can read a file ahead (``fxpar.prefetch``);
 * ``_note_state_bytes``: the model-state bytes held at an update (``RunResult.state_bytes``).
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .. import prefetch       # registers fxpar::prefetch before any graph holding it is unpacked on a rank
 from ..zero import chunk, unchunk
 
 __all__ = ["ShardState"]
@@ -42,6 +44,7 @@ class ShardState:
         import os
         root = os.path.join(self.offload["dir"], f"rank{self.rank}")
         os.makedirs(root, exist_ok=True)
+        prefetch.reset()             # fxpar::prefetch (passes.zero_offload) reads ahead in the files tracked below
         self._on_disk = {}
         what = self.offload["what"]
         for s in sorted(self.params):
@@ -54,6 +57,7 @@ class ShardState:
                     f.copy_(t)
                     store[k] = f
                     self._on_disk[(s, kind, k)] = f
+                    prefetch.track(f, path)
 
     def _settle(self, s: int) -> None:
         """After an update: a new tensor the graph made for an offloaded one is written into its file (an update
@@ -65,6 +69,7 @@ class ShardState:
             if st == s and store[k] is not f:
                 f.copy_(store[k])
                 store[k] = f
+        self.state_bytes["prefetched"] = prefetch.STATS["bytes"]    # read ahead so far (RunResult.state_bytes)
 
     def disk_bytes(self) -> int:
         return sum(f.numel() * f.element_size() for f in getattr(self, "_on_disk", {}).values())
@@ -97,5 +102,5 @@ class ShardState:
         grads = [w.acc[k] for k in self.p.stage_params[s] if k in w.acc]
         now = {"params": nbytes(v for ps in self.params.values() for v in ps.values()), "grads": nbytes(grads),
                "optimizer": nbytes(v for st in self.state.values() for v in st.values())}
-        self.state_bytes = {k: max(v, self.state_bytes.get(k, 0)) for k, v in now.items()}
+        self.state_bytes = {**self.state_bytes, **{k: max(v, self.state_bytes.get(k, 0)) for k, v in now.items()}}
 
