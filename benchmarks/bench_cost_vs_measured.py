@@ -6,6 +6,7 @@ median step time, and bytes on the loopback interface (/proc/net/dev, all ranks 
 TCP/IP headers included) per step.
 
     python benchmarks/bench_cost_vs_measured.py [--world-size 2] [--layers 4] [--d 256] [--steps 20]
+    python benchmarks/bench_cost_vs_measured.py --tp 2 --sharding megatron     # tensor parallelism instead of dp
 """
 import argparse
 import statistics
@@ -36,6 +37,8 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (the rest of the world is dp)")
+    ap.add_argument("--sharding", default="megatron", help="with --tp: auto | megatron | annotations")
     args = ap.parse_args()
     w = args.world_size
     cluster = fxpar.ClusterSpec.calibrate(world_size=w)
@@ -46,7 +49,9 @@ def main():
     batches = [(torch.randint(0, 2048, (args.batch, args.seq)), torch.randint(0, 2048, (args.batch, args.seq)))
                for _ in range(args.steps + 3)]
     program = fxpar.parallelize(model, cluster, batches[0], loss_fn=gpt_loss, optimizer=(torch.optim.AdamW, {"lr": 1e-3}),
-                                strategy=fxpar.Strategy(dp=w, bucket_cap_mb=args.bucket_mb))
+                                strategy=fxpar.Strategy(dp=w // args.tp, tp=args.tp, sharding=args.sharding,
+                                                        bucket_cap_mb=args.bucket_mb))
+    print(f"strategy: {program.strategy}")
     est = program.estimate()
     with fxpar.LocalCluster(w) as lc:
         program.run_local(batches[:3], cluster=lc)           # warm-up

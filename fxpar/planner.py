@@ -398,7 +398,10 @@ def _record_zero(plan: Plan, strategy: Strategy, base: Plan | None, optimizer) -
         plan.offload = {"what": list(strategy.offload), "to": strategy.offload_to, "dir": strategy.offload_dir}
         where = (f"files under {strategy.offload_dir} (memory-mapped)" if strategy.offload_to == "disk" else
                  "host memory (on a CPU backend, where it already is)")
-        plan.notes.append(f"offload: {' and '.join(strategy.offload)} of each rank live in {where}")
+        how = [("streams each gradient chunk to the host and updates there" if "optimizer" in strategy.offload
+                else ""), "reads the files ahead (fxpar::prefetch)" if strategy.offload_to == "disk" else ""]
+        how = f"; the zero_offload pass {' and '.join(h for h in how if h)}" if strategy.zero and any(how) else ""
+        plan.notes.append(f"offload: {' and '.join(strategy.offload)} of each rank live in {where}{how}")
     if base is None and strategy.offload_activations:
         plan.offload = {**plan.offload, "activations": "cpu"}
         plan.notes.append("offload_activations: saved activations go to host memory after their last forward use "

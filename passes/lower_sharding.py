@@ -261,15 +261,16 @@ class _Lowering:
         return local[0] if as_int else local
 
 
-def lower_shardings(gm: torch.fx.GraphModule, res, mesh, rank: int = 0) -> torch.fx.GraphModule:
+def lower_shardings(gm: torch.fx.GraphModule, res, mesh, rank: int = 0, world=None) -> torch.fx.GraphModule:
     """The local graph of ``gm`` under the shardings ``res`` that every rank of ``mesh`` runs (each reads its
     coordinate at run time); every local shape checked. ``rank``: whose groups the collectives' ``fxpar_comm``
-    names (the ranks of a stage share the graph, so its first rank stands for all)."""
+    names (the ranks of a stage share the graph, so its first rank stands for all), in ``world`` (the program's
+    whole mesh, of which ``mesh``'s axes are part; default ``mesh``)."""
     mesh = mesh if isinstance(mesh, Mesh) else Mesh(tuple(mesh.items()))
     low = _Lowering(gm, res, mesh, rank)
     out = low.run()
     _check_shapes(out, low)
-    _stamp_comm(out, mesh, rank)
+    _stamp_comm(out, mesh if world is None else world, rank)
     return out
 
 

@@ -260,7 +260,7 @@ class TensorParallel(Pass):
         entry = stages[ctx.stage]
         try:
             res, extra = self._decide(gm, ctx, sh, mesh, sig, entry)
-            new = lower_shardings(gm, res, mesh, rank=ctx.rank)
+            new = lower_shardings(gm, res, mesh, rank=ctx.rank, world=ctx.plan.mesh)
         except ShardingError as e:
             raise PassError(f"tensor parallelism over {dict(mesh.axes)} (sharding={sh['mode']!r}), stage {ctx.stage}: "
                             f"{e}") from None

@@ -138,24 +138,25 @@ def _prefetch_after(g, anchor, ph, phase):
 
 
 def prefetch_reads(g, roles: dict, on_disk: set) -> list:
-    """Within forward and within backward, the next disk-resident input's read-ahead just after the current one's
-    first read (or after the gather that read starts). ``roles``: placeholder -> (role, key)."""
+    """Forward's and then backward's reads of disk-resident inputs, each input at its first read in each phase; the
+    next one's read-ahead goes just after the current one's read (or after the gather that read starts), forward's
+    last read prefetching backward's first. ``roles``: placeholder -> (role, key)."""
     order = {n: i for i, n in enumerate(g.nodes)}
-    out = []
+    seq = []
     for phase in ("forward", "backward"):
         first = {}
         for ph, (role, _) in roles.items():
-            if role not in on_disk:
-                continue
             reads = [u for u in ph.users if M.get(u, M.PHASE) == phase and u.target is not PREFETCH]
-            if reads:
+            if role in on_disk and reads:
                 first[ph] = min(reads, key=order.__getitem__)
-        seq = sorted(first, key=lambda ph: order[first[ph]])
-        for prev, nxt in zip(seq, seq[1:]):
-            anchor = first[prev]
-            if _is_copy(anchor) and len(anchor.users) == 1 and next(iter(anchor.users)).target is _AG:
-                anchor = next(iter(anchor.users))           # after the gather starts, not between copy and gather
-            out.append(_prefetch_after(g, anchor, nxt, None))
+        seq += sorted(((ph, r) for ph, r in first.items()), key=lambda pr: order[pr[1]])
+    out = []
+    for (prev, anchor), (nxt, _) in zip(seq, seq[1:]):
+        if nxt is prev:                                       # read again at once (forward's last, backward's first)
+            continue
+        if _is_copy(anchor) and len(anchor.users) == 1 and next(iter(anchor.users)).target is _AG:
+            anchor = next(iter(anchor.users))                 # after the gather starts, not between copy and gather
+        out.append(_prefetch_after(g, anchor, nxt, None))
     return out
 
 

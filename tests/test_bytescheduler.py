@@ -83,14 +83,38 @@ def test_cross_iteration_with_lr_scheduler(clusters):
                     lr_scheduler=sched)
 
 
-@pytest.mark.parametrize("opt", [SGD_M, ADAMW], ids=["sgd_momentum", "adamw"])
-def test_dp2_pp2_matches_single_process(clusters, opt):
-    st = fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL)
+@pytest.mark.parametrize("opt,m", [(SGD_M, 2), (ADAMW, 4)], ids=["sgd_momentum-m2", "adamw-m4"])
+def test_dp2_pp2_matches_single_process(clusters, opt, m):
+    """dp=2 x pp=2, 1F1B, the tied GPT (embedding and LM head share a weight across the stages, summed over all four
+    ranks): priority, partitions and credit in each stage's REDUCE_GRAD, and cross-iteration overlap: each stage's
+    STEP runs inside its first forward of the next step (F_UPDATE), the last step's in the drain."""
+    st = fxpar.Strategy(dp=2, pp=2, microbatches=m, comm_schedule="bytescheduler", **SMALL)
     model, batches, loss_fn, prog = _program("gpt", opt, st)
     cs = prog.plan.comm_schedule
-    assert not cs["cross_iteration"] and "pipeline" in cs["why_not_cross_iteration"]
+    assert cs["cross_iteration"] and not cs["why_not_cross_iteration"] and prog.plan.tied
+    assert all(set(prog.stages[s].graphs) == {"F", "B", "REDUCE_GRAD", "STEP", "F_UPDATE"} for s in range(2))
     assert all(len(e["pieces"]) > len(prog.plan.buckets[s]) for s, e in enumerate(cs["stages"]))   # cut in rows
     _assert_matches(prog.run_local(batches, cluster=clusters.get(4)), model, batches, loss_fn, opt)
+
+
+def test_microbatches_without_a_pipeline(clusters):
+    """One stage, two microbatches (graphs F, B, REDUCE_GRAD, STEP): the same move of STEP into the next first F."""
+    model, batches, loss_fn, prog = _program("gpt", SGD_M, fxpar.Strategy(dp=2, microbatches=2,
+                                                                          comm_schedule="bytescheduler", **SMALL))
+    assert prog.plan.comm_schedule["cross_iteration"] and "F_UPDATE" in prog.stages[0].graphs
+    _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, SGD_M)
+
+
+def test_resume_under_dp_x_pp_is_exact(clusters, tmp_path):
+    st = fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL)
+    model, batches, loss_fn, prog = _program("gpt", ADAMW, st, n=4)
+    lc = clusters.get(4)
+    whole = prog.run_local(batches, cluster=lc)
+    first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")       # drains before it saves
+    second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck")
+    assert first.losses + second.losses == whole.losses
+    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0.0
+    _assert_matches(whole, model, batches, loss_fn, ADAMW)
 
 
 def test_tuned_partition_and_credit_are_recorded(clusters):
@@ -241,17 +265,34 @@ def test_inflight_bytes_never_exceed_credit(clusters):
     assert entry["credit_bytes"] == int(0.008 * 2**20)
 
 
+def _measured_steps(payload, batches):
+    from fxpar.runtime.executor import Executor
+    ex = Executor(payload)
+    with _InFlight() as m:
+        carried = []
+        for b in batches:
+            ex.step(b)
+            carried.append(m.now)         # in flight across the step boundary
+        ex.drain()
+    return {"peak": m.peak, "issued": m.issued, "carried": carried, "drained": m.now}
+
+
 def test_inflight_bytes_under_dp_x_pp(clusters):
-    """dp=2 x pp=2: each stage's REDUCE_GRAD/STEP keep the plan's credit too, measured on all four ranks."""
+    """dp=2 x pp=2: each stage keeps the plan's credit, measured on all four ranks; the pieces REDUCE_GRAD issues and
+    the plan waits at a need event are still in flight when the step ends (cross-iteration), none after the drain."""
     st = fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL)
     _, batches, _, prog = _program("gpt", SGD_M, st)
-    got = clusters.get(4).run(_measured_train, [(prog.payload(r, len(batches)), batches) for r in range(4)])
+    got = clusters.get(4).run(_measured_steps, [(prog.payload(r, len(batches)), batches) for r in range(4)])
     for rank, r in enumerate(got):
         (stage,) = prog.plan.rank_stages(rank)
         entry = prog.plan.comm_schedule["stages"][stage]
         assert 0 < r["peak"] <= entry["credit_bytes"]
         assert r["peak"] == entry["peak_inflight_bytes"]
         assert len(r["issued"]) == len(entry["pieces"]) * len(batches)
+        at = {(op, p): kind for kind, _, ops in entry["events"] for op, p in ops}
+        size = [n for _, _, n in _sim_pieces(prog, stage)]
+        crossing = sum(size[p] for p in range(len(size)) if at[("issue", p)] == "ready" and at[("wait", p)] == "need")
+        assert crossing > 0 and r["carried"] == [crossing] * len(batches) and r["drained"] == 0
 
 
 def test_first_forward_op_of_a_layer_depends_only_on_its_wait():
@@ -314,6 +355,60 @@ def test_first_forward_op_of_a_layer_depends_only_on_its_wait():
     carried = {i: ps for i, ps in carried.items() if ps}
     assert all(i < first_use for i, ps in carried.items() if ps & mine)     # its own waits come first
     assert any(i > first_use for i in carried)       # others' waits come after it: the reduction overlaps forward
+
+
+def test_pipeline_first_forward_op_of_a_layer_depends_only_on_its_wait():
+    """dp=2 x pp=2: in each stage's F_UPDATE (its first forward of step t+1) the first forward op on a bucket's
+    parameters reads their update, which depends on that bucket's step-t pieces and on no other bucket's wait (its
+    other input, the activation, depends on the earlier layers, as it must); the
+    forward never reads a parameter from before its update; the plan's need ops come in its order, the first
+    bucket's before its first forward op and another's after it (the reduction overlaps the forward)."""
+    st = fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL)
+    _, _, _, prog = _program("gpt", SGD_M, st)
+    for s in range(2):
+        entry, buckets = prog.plan.comm_schedule["stages"][s], prog.plan.buckets[s]
+        graphs = prog.stages[s].graphs
+        fu = graphs["F_UPDATE"]
+        rg_out = dict(zip([rk[1] for rk in graphs["REDUCE_GRAD"].outputs],
+                          graphs["REDUCE_GRAD"].gm.graph.find_nodes(op="output")[0].args[0]))
+        nodes = list(fu.gm.graph.nodes)
+        pos = {n: i for i, n in enumerate(nodes)}
+        phs = dict(zip(fu.gm.graph.find_nodes(op="placeholder"), fu.inputs))
+        outs = dict(zip(fu.gm.graph.find_nodes(op="output")[0].args[0], fu.outputs))
+
+        def rg_bucket(ph):       # a pending input: the bucket of the all_reduce_ REDUCE_GRAD issued it with, if any
+            found = [n.meta["fxpar_bucket"] for n in _chain(rg_out[phs[ph][1]]) if n.target is C10D.all_reduce_.default]
+            return found[0] if found else None
+
+        def bucket_of(n):        # a wait's piece: issued here (all_reduce_) or in REDUCE_GRAD (a pending input)
+            a = n.args[0]
+            return a.meta["fxpar_bucket"] if a.target is C10D.all_reduce_.default else rg_bucket(a)
+
+        waits = [n for n in nodes if n.target is C10D.wait_tensor.default]
+        assert all(bucket_of(w) is not None for w in waits)
+        new = {key: n for n, (r, key) in outs.items() if r == "new_param"}
+        old = {n for n, (r, _) in phs.items() if r == "param"}
+        assert all(u.meta.get("fxpar_phase") == "optimizer" for n in old for u in n.users)   # never the old weights
+        first_at = {}
+        for b, keys in enumerate(buckets):
+            fwd = [n for n in nodes if n.meta.get("fxpar_phase") == "forward"
+                   and any(new[k] in n.all_input_nodes for k in keys)]
+            if not fwd:
+                continue
+            first = min(fwd, key=pos.get)
+            first_at[b] = pos[first]
+            anc = set().union(*(_chain(new[k]) for k in keys))        # the weights it reads: their update
+            assert {bucket_of(w) for w in waits if w in anc} <= {b}
+            pending = {rg_bucket(a) for a in anc if phs.get(a, ("",))[0] == "pending"}
+            assert b in pending | {bucket_of(w) for w in waits if w in anc}, (s, b)   # it does read its own pieces
+        assert len(first_at) >= 3
+        kinds = ["issue" if n.target is C10D.all_reduce_.default else "wait" for n in nodes
+                 if n.target in (C10D.all_reduce_.default, C10D.wait_tensor.default)]
+        assert kinds == [op for kind, _, ops in entry["events"] if kind == "need" for op, _ in ops]
+        top = entry["priority"][0]
+        top_waits = [pos[w] for w in waits if bucket_of(w) == top]
+        assert all(i < first_at[top] for i in top_waits)
+        assert any(pos[w] > first_at[top] for w in waits if bucket_of(w) != top), s
 
 
 def _chain(n):

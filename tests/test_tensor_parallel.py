@@ -247,3 +247,16 @@ def test_an_op_without_a_rule_runs_whole_and_explain_names_it(clusters):
     text = prog.explain()
     assert "ops without a sharding rule, run whole: flip" in text, text
     assert "all_gather" in text                      # fc1's split output is gathered for the flip
+
+
+@pytest.mark.parametrize("mesh", [dict(dp=2, tp=2), dict(tp=2, pp=2, microbatches=2, schedule="1f1b")])
+def test_measured_peak_memory_is_the_predicted_one(clusters, mesh):
+    """Each rank's measured peak (dispatch-level tracker) against ``estimate()``'s, on the local graphs it runs."""
+    model, batches, loss_fn, opt = MODELS["gpt"]()
+    st = fxpar.Strategy(sharding="megatron", **mesh)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(st.size), batches[0], loss_fn, opt, strategy=st)
+    est = prog.estimate()
+    res = prog.run_local(batches[:2], cluster=clusters.get(st.size), measure_memory=True)
+    for r in range(st.size):
+        ratio = res.peak_memory_bytes[r] / est.ranks[r].peak_memory_bytes
+        assert 0.9 <= ratio <= 1.1, (r, res.peak_memory_bytes[r], est.ranks[r].peak_memory_bytes)

@@ -1,0 +1,370 @@
+"""Herring, Parallax and BytePS vs flat all-reduce vs torch DDP over a bandwidth-capped link (issue 11, part 3).
+
+Every rank runs in one of two network namespaces joined by a tbf-capped veth pair (benchmarks/netns_link.py;
+needs root and ``ip netns``, otherwise it says what is missing and runs uncapped). One run visits every cap
+(``--rates``, default none, 2gbit, 1gbit, 500mbit) once per round (``--rounds``), every method at every cap:
+
+- **Herring** (Thangakrishnan et al., SC'20), the 4-layer GPT of bench_capped_link.py on 4 ranks: ranks 0, 1
+  in namespace A and 2, 3 in B, so the namespaces *are* the two nodes of ``ClusterSpec.local(4, nodes=2,
+  devices_per_node=2)`` and the cap is the link between them. ``Strategy(dp=4, grad_sync="herring")`` against
+  fxpar's flat all-reduce (``grad_sync="allreduce"``) and torch DDP (25 MB buckets) on the same 4 ranks.
+- **Parallax** (Kim et al., EuroSys'19), :class:`Bag` (tests/test_parallax.py's model with a large table),
+  2 ranks, one per namespace: ``grad_sync="parallax"`` vs ``"allreduce"`` vs DDP, and DDP with
+  ``nn.Embedding(sparse=True)`` (torch's own sparse route: gloo all-gathers the (index, row) pairs). Plain SGD,
+  so that torch's sparse route can run at all (AdamW and SGD-momentum refuse sparse gradients).
+- **BytePS** (Jiang et al., OSDI'20), the GPT, n=2 workers (rank 0 in A, rank 1 in B) + k=1 CPU summation
+  server (rank 2) in B: ``ClusterSpec.local(2, cpu_servers=1)``, ``grad_sync="byteps"`` vs all-reduce vs DDP.
+  Placement: a BytePS server is a machine of its own, so every byte a worker pushes or pulls goes through
+  that worker's NIC. The link is worker 0's NIC here: with the server in B, *all* of worker 0's traffic
+  (its all-reduce half and its push/pull half) crosses the link, as the paper's model has it; worker 1's
+  push/pull to the server stays inside B (a second NIC the harness does not cap).
+
+Measured per cell: the median step time of the slower rank, and the bytes that crossed the link per step,
+read from the veth's counters (``/proc/net/dev`` inside namespace A, rank 0; both directions; TCP/IP headers
+included; every step, warm-up ones too, over the number of steps). Predicted: ``Program.estimate()`` on
+``ClusterSpec.calibrate()`` with the link between the namespaces set to the cap (Herring: ``inter_node``;
+2 ranks: the one link), and the link's bytes from each method's traffic formula.
+
+    python benchmarks/bench_param_server.py [--rates none,2gbit,1gbit,500mbit] [--steps 5] [--warmup 2] [--rounds 2]
+        [--only herring,parallax,byteps]
+    python benchmarks/netns_link.py --cleanup      # leftovers of a run that was killed hard
+"""
+import argparse
+import copy
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import fxpar  # noqa: E402
+from cost_models import byteps as B  # noqa: E402
+from fxpar.cluster import LinkSpec  # noqa: E402
+from fxpar.testing import GPT, gpt_loss  # noqa: E402
+from netns_link import CappedLink, NetnsCluster, format_rate, parse_rate  # noqa: E402
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-3})
+SGD = (torch.optim.SGD, {"lr": 0.1})
+
+
+class Bag(torch.nn.Module):
+    """tests/test_parallax.py's model: a large embedding (few rows touched per step), a small one, a dense head.
+    ``sparse=True`` gives torch's sparse embedding gradient (for DDP's own sparse route)."""
+
+    def __init__(self, vocab=1000, small=6, d=16, classes=4, sparse=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d, sparse=sparse)
+        self.pos = torch.nn.Embedding(small, d)
+        self.head = torch.nn.Linear(d, classes)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        return self.head((self.emb(ids) + self.pos(pos)).mean(1))
+
+
+# ---- on the ranks ----------------------------------------------------------------------------------------
+def _link_counters(dev):
+    """(tx, rx) bytes of veth ``dev`` as this process's namespace sees it (None where there is no such device)."""
+    if dev is None:
+        return None
+    for line in open("/proc/net/dev").read().splitlines()[2:]:
+        name, rest = line.split(":", 1)
+        if name.strip() == dev:
+            f = rest.split()
+            return int(f[8]), int(f[0])
+    return None
+
+
+def _crossed(c0, c1, n_steps):
+    if c0 is None or c1 is None:
+        return None
+    return {"a_to_b": (c1[0] - c0[0]) / n_steps, "b_to_a": (c1[1] - c0[1]) / n_steps}
+
+
+def fx_cell(payload, batches, warmup, dev=None, stops=()):
+    """An fxpar rank: a BytePS server sums (fxpar.runtime.server); a worker runs ``Executor.step`` per batch,
+    drains, tells the servers to stop. Rank 0 reads the link's counters around the steps."""
+    import torch.distributed as dist
+
+    from fxpar.runtime.executor import Executor, group
+    from fxpar.runtime.server import ServerPayload, serve_sums
+    if isinstance(payload, ServerPayload):
+        serve_sums(payload)
+        return None
+    ex = Executor(payload)
+    c0 = _link_counters(dev) if payload.rank == 0 else None
+    for b in batches:
+        ex.step(b)
+    ex.drain()
+    for name, ranks, dt in stops:
+        n = len(ranks) - 1
+        dist.all_to_all_single(torch.empty(0, dtype=getattr(torch, dt)), torch.zeros(1, dtype=getattr(torch, dt)),
+                               [0] * (n + 1), [0] * n + [1], group=group(tuple(ranks), name))
+    c1 = _link_counters(dev) if payload.rank == 0 else None
+    return {"step_times": ex.step_times[warmup:], "link": _crossed(c0, c1, len(batches))}
+
+
+def ddp_cell(model, batches, loss_fn, optimizer, bucket_cap_mb, warmup, dev=None):
+    """torch DDP, timed as bench_capped_link's ``ddp_bench_worker``; rank 0 reads the link's counters after
+    DDP's construction (its broadcast of the weights is not a step's traffic)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
+    cls, kw = optimizer
+    opt = cls(m.parameters(), **kw)
+    dist.barrier()
+    c0 = _link_counters(dev) if rank == 0 else None
+    times = []
+    for i, b in enumerate(batches):
+        t0 = time.perf_counter()
+        n = b[0].shape[0] // world
+        shard = tuple(t[rank * n:(rank + 1) * n] for t in b)
+        opt.zero_grad()
+        loss = loss_fn(m(shard[0]), *shard[1:])
+        loss.backward()
+        opt.step()
+        loss.item()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    c1 = _link_counters(dev) if rank == 0 else None
+    dist.barrier()
+    return {"step_times": times, "link": _crossed(c0, c1, len(batches))}
+
+
+# ---- in the parent: programs, predictions ----------------------------------------------------------------
+def capped(spec, bps, inter_only):
+    """``spec`` with the link between the namespaces at ``bps`` (None: the calibrated loopback)."""
+    link = spec.intra_node if bps is None else LinkSpec(bps / 8, spec.intra_node.latency)
+    return replace(spec, inter_node=link) if inter_only else replace(spec, intra_node=link, inter_node=link)
+
+
+def predicted_steps(model, batch, loss_fn, opt, strategy, spec, rates, inter_only):
+    """``Program.estimate().step_time_s`` of ``strategy`` on ``spec`` with the link at each cap."""
+    out = {}
+    for bps in rates:
+        prog = fxpar.parallelize(model, capped(spec, bps, inter_only), batch, loss_fn=loss_fn, optimizer=opt,
+                                 strategy=strategy)
+        out[bps] = prog.estimate().step_time_s
+    return out
+
+
+class Section:
+    """One model, its methods (name -> fxpar program or DDP arguments), the world they run on."""
+
+    def __init__(self, title, world, methods, batches, predicted, link_bytes, note=""):
+        self.title, self.world, self.methods, self.batches = title, world, methods, batches
+        self.predicted, self.link_bytes, self.note = predicted, link_bytes, note
+
+
+def fx_method(prog, batches, warmup, n_ranks):
+    """Per-rank argument builder for an fxpar program (BytePS: workers, then servers)."""
+    from fxpar.runtime.server import server_payloads, stop_messages
+    n = len(batches)
+    if prog.layout is not None:          # as run_local does: the loss's extra columns (fxpar/inputs.py)
+        from fxpar.inputs import prepare_batch
+        batches = [prepare_batch(prog, b, f"batches[{i}]") for i, b in enumerate(batches)]
+    payloads = [prog.payload(r, n_batches=n) for r in range(prog.world_size)]
+    servers = server_payloads(prog.plan, prog.stages[0].joint.meta.get("fxpar_byteps"))
+    stops = stop_messages(servers)
+    assert prog.world_size + len(servers) == n_ranks, (prog.world_size, len(servers), n_ranks)
+    return fx_cell, lambda dev: [(p, batches, warmup, dev, stops) for p in payloads] + \
+        [(s, None, warmup) for s in servers]
+
+
+def ddp_method(model, batches, loss_fn, opt, warmup, world, mb=25.0):
+    return ddp_cell, lambda dev: [(model, batches, loss_fn, opt, mb, warmup, dev)] * world
+
+
+def herring_section(args, gpt, batches):
+    n = len(batches)
+    spec = replace(fxpar.ClusterSpec.calibrate(world_size=4), nodes=2, devices_per_node=2)
+    v = sum(p.numel() for p in gpt.parameters()) * 4
+    methods, predicted = {}, {}
+    for name, gs in (("herring", "herring"), ("allreduce", "allreduce")):
+        st = fxpar.Strategy(dp=4, grad_sync=gs)
+        prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
+        methods[f"fxpar {name}"] = fx_method(prog, batches, args.warmup, 4)
+        predicted[f"fxpar {name}"] = predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates, True)
+    methods["DDP 25MB"] = ddp_method(gpt, batches, gpt_loss, ADAMW, args.warmup, 4)
+    # link bytes per step, both directions: a ring over 0-1-2-3 crosses the cut on 1->2 and 3->0, each edge
+    # carrying 2(N-1)/N·V; Herring: ranks 0<->2 and 1<->3 all-reduce a V/2 shard, V/2 each way per pair
+    link = {"fxpar herring": 2 * 2 * (v / 2), "fxpar allreduce": 2 * 1.5 * v, "DDP 25MB": 2 * 1.5 * v}
+    return Section(f"Herring: GPT {args.layers}x{args.d}, {v / 2**20:.1f} MiB of fp32 gradients, 4 ranks = 2 nodes "
+                   f"(A: 0,1 | B: 2,3) x 2, AdamW, n={n} batches of {args.batch}x{args.seq}", 4, methods, batches,
+                   predicted, link)
+
+
+def parallax_section(args):
+    torch.manual_seed(0)
+    model = Bag(vocab=args.vocab_big, small=args.bag_seq, d=args.bag_d)
+    sparse = copy.deepcopy(model)
+    sparse.emb.sparse = True
+    n = args.warmup + args.steps
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randint(0, args.vocab_big, (args.bag_batch, args.bag_seq), generator=g),
+                torch.randint(0, 4, (args.bag_batch,), generator=g)) for _ in range(n)]
+    spec = fxpar.ClusterSpec.calibrate(world_size=2)
+    methods, predicted = {}, {}
+    for name in ("parallax", "allreduce"):
+        st = fxpar.Strategy(dp=2, grad_sync=name)
+        prog = fxpar.parallelize(model, spec, batches[0], loss_fn=F.cross_entropy, optimizer=SGD, strategy=st)
+        if name == "parallax":
+            route = prog.plan.grad_sync["routes"]["emb.weight"]
+            assert prog.plan.grad_sync["sparse"] == ["emb.weight"], prog.plan.grad_sync
+        methods[f"fxpar {name}"] = fx_method(prog, batches, args.warmup, 2)
+        predicted[f"fxpar {name}"] = predicted_steps(model, batches[0], F.cross_entropy, SGD, st, spec, args.rates,
+                                                     False)
+    methods["DDP 25MB"] = ddp_method(model, batches, F.cross_entropy, SGD, args.warmup, 2)
+    methods["DDP sparse emb"] = ddp_method(sparse, batches, F.cross_entropy, SGD, args.warmup, 2)
+    sizes = {k: p.numel() * 4 for k, p in model.named_parameters()}
+    dense = sum(sizes.values()) - sizes["emb.weight"]
+    t = args.bag_batch // 2 * args.bag_seq            # tokens per rank: u's static bound
+    # 2 ranks: an all-reduce of V sends V each way; Parallax gathers each rank's T ids (int64) and T rows
+    link = {"fxpar parallax": 2 * (t * 8 + t * args.bag_d * 4 + dense), "fxpar allreduce": 2 * sum(sizes.values()),
+            "DDP 25MB": 2 * sum(sizes.values())}
+    return Section(f"Parallax: Bag, table {args.vocab_big}x{args.bag_d} ({sizes['emb.weight'] / 2**20:.1f} MiB), "
+                   f"{t} tokens per rank, 2 ranks (A | B), plain SGD; the plan's routes for emb.weight: "
+                   f"sparse {route['sparse_bytes'] / 2**10:.1f} KiB vs dense {route['dense_bytes'] / 2**20:.1f} MiB "
+                   "per rank", 2, methods, batches, predicted, link)
+
+
+def byteps_sections(args, gpt, batches):
+    spec = fxpar.ClusterSpec.calibrate(world_size=2)
+    v = sum(p.numel() for p in gpt.parameters()) * 4
+    st_ar = fxpar.Strategy(dp=2, grad_sync="allreduce")
+    ar = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st_ar)
+    st_ps = fxpar.Strategy(dp=2, grad_sync="byteps")
+    ps_spec = replace(spec, cpu_servers=args.servers)
+    ps = fxpar.parallelize(gpt, ps_spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st_ps)
+    sizes = {k: p.numel() * 4 for k, p in gpt.named_parameters()}
+    bucket_bytes = [sum(sizes[k] for k in b) for b in ps.plan.buckets[0]]
+    closed = {bps: B.predict(bucket_bytes, 2, args.servers,
+                             bandwidth=(bps or spec.intra_node.bandwidth * 8) / 8) for bps in args.rates}
+    workers = Section("BytePS baseline: GPT, 2 workers (A | B)", 2,
+                      {"fxpar allreduce": fx_method(ar, batches, args.warmup, 2),
+                       "DDP 25MB": ddp_method(gpt, batches, gpt_loss, ADAMW, args.warmup, 2)},
+                      batches, {"fxpar allreduce": predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st_ar, spec,
+                                                                   args.rates, False)},
+                      {"fxpar allreduce": 2 * v, "DDP 25MB": 2 * v})
+    w, s = B.bytes_per_worker(v, 2, args.servers), B.bytes_per_server(v, 2, args.servers)
+    servers = Section(f"BytePS: GPT, 2 workers (A | B) + {args.servers} CPU server(s) in B; share per server "
+                      f"{B.server_share(2, args.servers):.3f}, bytes per worker {w / 2**20:.1f} MiB = per server "
+                      f"{s / 2**20:.1f} MiB = all-reduce's {B.allreduce_bytes(v, 2) / 2**20:.1f} MiB "
+                      f"(gain (n²+kn-2k)/n² = {B.gain_over_allreduce(2, args.servers):.2f})",
+                      2 + args.servers, {"fxpar byteps": fx_method(ps, batches, args.warmup, 2 + args.servers)},
+                      batches, {"fxpar byteps": predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st_ps, ps_spec,
+                                                                args.rates, False)},
+                      {"fxpar byteps": 2 * w})   # worker 0 sends w over the link and receives w back
+    return [workers, servers], closed
+
+
+# ---- the run ---------------------------------------------------------------------------------------------
+def per_step_max(outs):
+    outs = [o for o in outs if o is not None]
+    return [max(o["step_times"][i] for o in outs) for i in range(len(outs[0]["step_times"]))]
+
+
+def loadavg():
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def run(sections, args):
+    res, link_meas, loads = {}, {}, []
+    t0 = time.perf_counter()
+    with CappedLink() as link:
+        print("link: " + (f"veth {link.names.dev_a} <-> {link.names.dev_b}, tbf per direction, no latency (no netem)"
+                          if link.active else f"UNCAPPED 127.0.0.1 (missing: {link.missing})"), flush=True)
+        dev = link.names.dev_a if link.active else None
+        for rnd in range(args.rounds):
+            for sec in sections:
+                with NetnsCluster(sec.world, link) as cl:
+                    for bps in args.rates:
+                        link.set_rate(bps)
+                        for name, (fn, argv) in sec.methods.items():
+                            outs = cl.run(fn, argv(dev))
+                            res.setdefault((sec.title, name, bps), []).extend(per_step_max(outs))
+                            if outs[0]["link"] is not None:
+                                link_meas.setdefault((sec.title, name, bps), []).append(outs[0]["link"])
+            loads.append(loadavg())
+            print(f"  round {rnd + 1}/{args.rounds} done ({time.perf_counter() - t0:.0f} s, load {loads[-1]})",
+                  flush=True)
+    return res, link_meas, loads, time.perf_counter() - t0
+
+
+def report(sections, res, link_meas, args, closed):
+    for sec in sections:
+        print(f"\n{sec.title}")
+        print(f"{'cap':>8} | {'method':>16} | {'step ms':>8} | {'IQR ms':>11} | {'predicted':>9} | {'pred/meas':>9} | "
+              f"{'link MiB/step':>13} | {'formula':>7} | {'vs first':>8}")
+        for bps in args.rates:
+            first = None
+            for name in sec.methods:
+                ts = sorted(res[(sec.title, name, bps)])
+                med = statistics.median(ts)
+                q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [med, med, med]
+                first = first or med
+                p = sec.predicted.get(name, {}).get(bps)
+                lm = link_meas.get((sec.title, name, bps))
+                mb = statistics.median(x["a_to_b"] + x["b_to_a"] for x in lm) / 2**20 if lm else float("nan")
+                print(f"{format_rate(bps):>8} | {name:>16} | {med * 1e3:8.1f} | {q[0] * 1e3:5.0f}-{q[2] * 1e3:<5.0f} | "
+                      + (f"{p * 1e3:9.1f} | {p / med:9.2f}" if p else f"{'-':>9} | {'-':>9}")
+                      + f" | {mb:13.2f} | {sec.link_bytes.get(name, float('nan')) / 2**20:7.2f} | {med / first:8.3f}")
+    if closed:
+        print("\nBytePS closed form (cost_models.byteps.predict; communication only, no overlap):")
+        for bps, c in closed.items():
+            print(f"  {format_rate(bps):>8}: byteps {c['time_s'] * 1e3:7.1f} ms vs ring all-reduce "
+                  f"{c['allreduce_time_s'] * 1e3:7.1f} ms (gain {c['gain']:.2f})")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="none,2gbit,1gbit,500mbit")
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--only", default="herring,parallax,byteps")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--vocab-big", type=int, default=200_000)
+    ap.add_argument("--bag-d", type=int, default=32)
+    ap.add_argument("--bag-seq", type=int, default=8)
+    ap.add_argument("--bag-batch", type=int, default=16)
+    ap.add_argument("--servers", type=int, default=1)
+    args = ap.parse_args()
+    args.rates = [parse_rate(r) for r in args.rates.split(",")]
+    only = set(args.only.split(","))
+    print(f"load average at start: {loadavg()}", flush=True)
+    torch.manual_seed(0)
+    gpt = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(1, args.d // 64), max_seq=args.seq)
+    n = args.warmup + args.steps
+    batches = [(torch.randint(0, args.vocab, (args.batch, args.seq)), torch.randint(0, args.vocab, (args.batch, args.seq)))
+               for _ in range(n)]
+    sections, closed = [], {}
+    if "herring" in only:
+        sections.append(herring_section(args, gpt, batches))
+    if "parallax" in only:
+        sections.append(parallax_section(args))
+    if "byteps" in only:
+        secs, closed = byteps_sections(args, gpt, batches)
+        sections += secs
+    print(f"planned ({len(sections)} sections); load average {loadavg()}; {args.steps} timed steps after "
+          f"{args.warmup} warm-up x {args.rounds} rounds per cell", flush=True)
+    res, link_meas, loads, total = run(sections, args)
+    report(sections, res, link_meas, args, closed)
+    print(f"\ntotal {total:.0f} s; load average after each round: {'; '.join(loads)} (this run's own ranks count "
+          "2-4 of it)")
+
+
+if __name__ == "__main__":
+    main()
