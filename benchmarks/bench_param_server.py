@@ -140,28 +140,27 @@ def ddp_cell(model, batches, loss_fn, optimizer, bucket_cap_mb, warmup, dev=None
 
 
 # ---- in the parent: programs, predictions ----------------------------------------------------------------
-def capped(spec, bps, inter_only):
-    """``spec`` with the link between the namespaces at ``bps`` (None: the calibrated loopback)."""
-    link = spec.intra_node if bps is None else LinkSpec(bps / 8, spec.intra_node.latency)
-    return replace(spec, inter_node=link) if inter_only else replace(spec, intra_node=link, inter_node=link)
+def capped(spec, bps):
+    """``spec`` (2 nodes: the namespaces) with the link between them at ``bps`` (None: the calibrated loopback)."""
+    return replace(spec, inter_node=spec.intra_node if bps is None else LinkSpec(bps / 8, spec.intra_node.latency))
 
 
-def predicted_steps(model, batch, loss_fn, opt, strategy, spec, rates, inter_only):
+def predicted_steps(model, batch, loss_fn, opt, strategy, spec, rates):
     """``Program.estimate().step_time_s`` of ``strategy`` on ``spec`` with the link at each cap."""
     out = {}
     for bps in rates:
-        prog = fxpar.parallelize(model, capped(spec, bps, inter_only), batch, loss_fn=loss_fn, optimizer=opt,
-                                 strategy=strategy)
+        prog = fxpar.parallelize(model, capped(spec, bps), batch, loss_fn=loss_fn, optimizer=opt, strategy=strategy)
         out[bps] = prog.estimate().step_time_s
     return out
 
 
 class Section:
-    """One model, its methods (name -> fxpar program or DDP arguments), the world they run on."""
+    """Methods (name -> (rank function, per-rank arguments)) that run on one world of ranks; sections with the
+    same ``table`` are printed together (BytePS's servers need a world of their own)."""
 
-    def __init__(self, title, world, methods, batches, predicted, link_bytes, note=""):
-        self.title, self.world, self.methods, self.batches = title, world, methods, batches
-        self.predicted, self.link_bytes, self.note = predicted, link_bytes, note
+    def __init__(self, table, world, methods, predicted, link_bytes):
+        self.table, self.world, self.methods = table, world, methods
+        self.predicted, self.link_bytes = predicted, link_bytes
 
 
 def fx_method(prog, batches, warmup, n_ranks):
@@ -183,26 +182,71 @@ def ddp_method(model, batches, loss_fn, opt, warmup, world, mb=25.0):
     return ddp_cell, lambda dev: [(model, batches, loss_fn, opt, mb, warmup, dev)] * world
 
 
+_SPECS = {}
+
+
+def calibrated(world):
+    """``ClusterSpec.calibrate(world)`` once per world size; 4 ranks are 2 nodes x 2 (the namespaces)."""
+    if world not in _SPECS:
+        spec = fxpar.ClusterSpec.calibrate(world_size=world)
+        _SPECS[world] = replace(spec, nodes=2, devices_per_node=world // 2)
+    return _SPECS[world]
+
+
+def gpt_table(world):
+    return f"GPT on {world} ranks ({world // 2} in A | {world // 2} in B)"
+
+
+def ring_link_bytes(nbytes, n):
+    """Bytes a ring all-reduce over ranks 0..n-1 (the first half in A) puts on the link per step, both ways:
+    the ring crosses the cut once each way ((n/2-1) -> n/2 and n-1 -> 0), each hop carrying 2(n-1)/n · S."""
+    return 2 * B.allreduce_bytes(nbytes, n)
+
+
+def baseline_section(args, gpt, batches, n):
+    """fxpar's flat all-reduce and DDP (25 MB) on the GPT over n ranks."""
+    spec, v = calibrated(n), _nbytes(gpt)
+    st = fxpar.Strategy(dp=n, grad_sync="allreduce")
+    prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
+    return Section(gpt_table(n), n, {"fxpar allreduce": fx_method(prog, batches, args.warmup, n),
+                                     "DDP 25MB": ddp_method(gpt, batches, gpt_loss, ADAMW, args.warmup, n)},
+                   {"fxpar allreduce": predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates)},
+                   {"fxpar allreduce": ring_link_bytes(v, n), "DDP 25MB": ring_link_bytes(v, n)})
+
+
 def herring_section(args, gpt, batches):
-    n = len(batches)
-    spec = replace(fxpar.ClusterSpec.calibrate(world_size=4), nodes=2, devices_per_node=2)
-    v = sum(p.numel() for p in gpt.parameters()) * 4
-    methods, predicted = {}, {}
-    for name, gs in (("herring", "herring"), ("allreduce", "allreduce")):
-        st = fxpar.Strategy(dp=4, grad_sync=gs)
-        prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
-        methods[f"fxpar {name}"] = fx_method(prog, batches, args.warmup, 4)
-        predicted[f"fxpar {name}"] = predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates, True)
-    methods["DDP 25MB"] = ddp_method(gpt, batches, gpt_loss, ADAMW, args.warmup, 4)
-    # link bytes per step, both directions: a ring over 0-1-2-3 crosses the cut on 1->2 and 3->0, each edge
-    # carrying 2(N-1)/N·V; Herring: ranks 0<->2 and 1<->3 all-reduce a V/2 shard, V/2 each way per pair
-    link = {"fxpar herring": 2 * 2 * (v / 2), "fxpar allreduce": 2 * 1.5 * v, "DDP 25MB": 2 * 1.5 * v}
-    return Section(f"Herring: GPT {args.layers}x{args.d}, {v / 2**20:.1f} MiB of fp32 gradients, 4 ranks = 2 nodes "
-                   f"(A: 0,1 | B: 2,3) x 2, AdamW, n={n} batches of {args.batch}x{args.seq}", 4, methods, batches,
-                   predicted, link)
+    """Herring on 2 nodes x 2 ranks: per bucket of V bytes, ranks 0<->2 and 1<->3 all-reduce a V/2 shard across
+    the link (V/2 each way per pair); the reduce-scatter and all-gather stay inside each namespace."""
+    spec, v = calibrated(4), _nbytes(gpt)
+    st = fxpar.Strategy(dp=4, grad_sync="herring")
+    prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
+    return Section(gpt_table(4), 4, {"fxpar herring": fx_method(prog, batches, args.warmup, 4)},
+                   {"fxpar herring": predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates)},
+                   {"fxpar herring": 2 * 2 * B.allreduce_bytes(v / 2, 2)})
+
+
+def byteps_section(args, gpt, batches, n, k):
+    """BytePS, n workers (half in A, half in B) + k CPU servers after them (in B). Link bytes per step: the
+    workers' ring all-reduce of their W part crosses the cut as any ring does; the n/2 workers of A push k·P
+    across and pull k·P back (P: one server's partition)."""
+    spec = replace(calibrated(n), cpu_servers=k)
+    st = fxpar.Strategy(dp=n, grad_sync="byteps")
+    prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
+    sizes = {key: p.numel() * 4 for key, p in gpt.named_parameters()}
+    vs = [sum(sizes[key] for key in b) for b in prog.plan.buckets[0]]
+    split = [B.split_bucket(x // 4, n, k) for x in vs]
+    w, p = sum(s[0] for s in split) * 4, sum(s[1] for s in split) * 4
+    link = ring_link_bytes(w, n) + 2 * (n // 2) * k * p
+    name = f"fxpar byteps k={k}"
+    sec = Section(gpt_table(n), n + k, {name: fx_method(prog, batches, args.warmup, n + k)},
+                  {name: predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates)}, {name: link})
+    closed = {bps: B.predict(vs, n, k, bandwidth=(bps / 8 if bps else spec.intra_node.bandwidth)) for bps in args.rates}
+    return sec, closed
 
 
 def parallax_section(args):
+    """Parallax on Bag, 2 ranks: the sparse route gathers each rank's T token ids (int64) and T rows; the dense
+    rest is all-reduced (2 ranks: V each way). torch's sparse embedding gradient goes the same way in gloo."""
     torch.manual_seed(0)
     model = Bag(vocab=args.vocab_big, small=args.bag_seq, d=args.bag_d)
     sparse = copy.deepcopy(model)
@@ -211,7 +255,7 @@ def parallax_section(args):
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, args.vocab_big, (args.bag_batch, args.bag_seq), generator=g),
                 torch.randint(0, 4, (args.bag_batch,), generator=g)) for _ in range(n)]
-    spec = fxpar.ClusterSpec.calibrate(world_size=2)
+    spec = calibrated(2)
     methods, predicted = {}, {}
     for name in ("parallax", "allreduce"):
         st = fxpar.Strategy(dp=2, grad_sync=name)
@@ -220,50 +264,22 @@ def parallax_section(args):
             route = prog.plan.grad_sync["routes"]["emb.weight"]
             assert prog.plan.grad_sync["sparse"] == ["emb.weight"], prog.plan.grad_sync
         methods[f"fxpar {name}"] = fx_method(prog, batches, args.warmup, 2)
-        predicted[f"fxpar {name}"] = predicted_steps(model, batches[0], F.cross_entropy, SGD, st, spec, args.rates,
-                                                     False)
+        predicted[f"fxpar {name}"] = predicted_steps(model, batches[0], F.cross_entropy, SGD, st, spec, args.rates)
     methods["DDP 25MB"] = ddp_method(model, batches, F.cross_entropy, SGD, args.warmup, 2)
     methods["DDP sparse emb"] = ddp_method(sparse, batches, F.cross_entropy, SGD, args.warmup, 2)
-    sizes = {k: p.numel() * 4 for k, p in model.named_parameters()}
-    dense = sum(sizes.values()) - sizes["emb.weight"]
-    t = args.bag_batch // 2 * args.bag_seq            # tokens per rank: u's static bound
-    # 2 ranks: an all-reduce of V sends V each way; Parallax gathers each rank's T ids (int64) and T rows
-    link = {"fxpar parallax": 2 * (t * 8 + t * args.bag_d * 4 + dense), "fxpar allreduce": 2 * sum(sizes.values()),
-            "DDP 25MB": 2 * sum(sizes.values())}
-    return Section(f"Parallax: Bag, table {args.vocab_big}x{args.bag_d} ({sizes['emb.weight'] / 2**20:.1f} MiB), "
-                   f"{t} tokens per rank, 2 ranks (A | B), plain SGD; the plan's routes for emb.weight: "
-                   f"sparse {route['sparse_bytes'] / 2**10:.1f} KiB vs dense {route['dense_bytes'] / 2**20:.1f} MiB "
-                   "per rank", 2, methods, batches, predicted, link)
+    v = _nbytes(model)
+    dense = v - model.emb.weight.numel() * 4
+    t = args.bag_batch // 2 * args.bag_seq
+    pairs = 2 * (t * 8 + t * args.bag_d * 4 + dense)
+    table = (f"Parallax: Bag, table {args.vocab_big}x{args.bag_d} ({model.emb.weight.numel() * 4 / 2**20:.1f} MiB), "
+             f"{t} tokens per rank, 2 ranks (A | B), plain SGD; the plan's routes for emb.weight: sparse "
+             f"{route['sparse_bytes'] / 2**10:.1f} KiB vs dense {route['dense_bytes'] / 2**20:.1f} MiB per rank")
+    return Section(table, 2, methods, predicted, {"fxpar parallax": pairs, "fxpar allreduce": 2 * v,
+                                                  "DDP 25MB": 2 * v, "DDP sparse emb": pairs})
 
 
-def byteps_sections(args, gpt, batches):
-    spec = fxpar.ClusterSpec.calibrate(world_size=2)
-    v = sum(p.numel() for p in gpt.parameters()) * 4
-    st_ar = fxpar.Strategy(dp=2, grad_sync="allreduce")
-    ar = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st_ar)
-    st_ps = fxpar.Strategy(dp=2, grad_sync="byteps")
-    ps_spec = replace(spec, cpu_servers=args.servers)
-    ps = fxpar.parallelize(gpt, ps_spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st_ps)
-    sizes = {k: p.numel() * 4 for k, p in gpt.named_parameters()}
-    bucket_bytes = [sum(sizes[k] for k in b) for b in ps.plan.buckets[0]]
-    closed = {bps: B.predict(bucket_bytes, 2, args.servers,
-                             bandwidth=(bps or spec.intra_node.bandwidth * 8) / 8) for bps in args.rates}
-    workers = Section("BytePS baseline: GPT, 2 workers (A | B)", 2,
-                      {"fxpar allreduce": fx_method(ar, batches, args.warmup, 2),
-                       "DDP 25MB": ddp_method(gpt, batches, gpt_loss, ADAMW, args.warmup, 2)},
-                      batches, {"fxpar allreduce": predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st_ar, spec,
-                                                                   args.rates, False)},
-                      {"fxpar allreduce": 2 * v, "DDP 25MB": 2 * v})
-    w, s = B.bytes_per_worker(v, 2, args.servers), B.bytes_per_server(v, 2, args.servers)
-    servers = Section(f"BytePS: GPT, 2 workers (A | B) + {args.servers} CPU server(s) in B; share per server "
-                      f"{B.server_share(2, args.servers):.3f}, bytes per worker {w / 2**20:.1f} MiB = per server "
-                      f"{s / 2**20:.1f} MiB = all-reduce's {B.allreduce_bytes(v, 2) / 2**20:.1f} MiB "
-                      f"(gain (n²+kn-2k)/n² = {B.gain_over_allreduce(2, args.servers):.2f})",
-                      2 + args.servers, {"fxpar byteps": fx_method(ps, batches, args.warmup, 2 + args.servers)},
-                      batches, {"fxpar byteps": predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st_ps, ps_spec,
-                                                                args.rates, False)},
-                      {"fxpar byteps": 2 * w})   # worker 0 sends w over the link and receives w back
-    return [workers, servers], closed
+def _nbytes(model):
+    return sum(p.numel() for p in model.parameters()) * 4
 
 
 # ---- the run ---------------------------------------------------------------------------------------------
@@ -284,15 +300,17 @@ def run(sections, args):
                           if link.active else f"UNCAPPED 127.0.0.1 (missing: {link.missing})"), flush=True)
         dev = link.names.dev_a if link.active else None
         for rnd in range(args.rounds):
-            for sec in sections:
+            for sec in sections:                 # every round visits every cap of every section
                 with NetnsCluster(sec.world, link) as cl:
                     for bps in args.rates:
                         link.set_rate(bps)
                         for name, (fn, argv) in sec.methods.items():
                             outs = cl.run(fn, argv(dev))
-                            res.setdefault((sec.title, name, bps), []).extend(per_step_max(outs))
+                            key = (sec.table, name, bps)
+                            res.setdefault(key, []).extend(per_step_max(outs))
                             if outs[0]["link"] is not None:
-                                link_meas.setdefault((sec.title, name, bps), []).append(outs[0]["link"])
+                                link_meas.setdefault(key, []).append(outs[0]["link"])
+                print(f"    {sec.table}: {', '.join(sec.methods)} done (load {loadavg()})", flush=True)
             loads.append(loadavg())
             print(f"  round {rnd + 1}/{args.rounds} done ({time.perf_counter() - t0:.0f} s, load {loads[-1]})",
                   flush=True)
@@ -300,28 +318,38 @@ def run(sections, args):
 
 
 def report(sections, res, link_meas, args, closed):
+    """One table per model and world: median step (the slower rank), its quartiles, the prediction, the link's
+    bytes per step (measured on the veth, and by the method's formula), the ratio to fxpar all-reduce and DDP."""
+    tables = {}
     for sec in sections:
-        print(f"\n{sec.title}")
-        print(f"{'cap':>8} | {'method':>16} | {'step ms':>8} | {'IQR ms':>11} | {'predicted':>9} | {'pred/meas':>9} | "
-              f"{'link MiB/step':>13} | {'formula':>7} | {'vs first':>8}")
+        tables.setdefault(sec.table, []).append(sec)
+    for table, secs in tables.items():
+        names = [nm for sec in secs for nm in sec.methods]
+        pred = {k: v for sec in secs for k, v in sec.predicted.items()}
+        formula = {k: v for sec in secs for k, v in sec.link_bytes.items()}
+        print(f"\n{table}")
+        print(f"{'cap':>8} | {'method':>18} | {'step ms':>7} | {'quartiles':>9} | {'predicted':>9} | {'pred/meas':>9} | "
+              f"{'link MiB/step':>13} | {'formula':>7} | {'/allreduce':>10} | {'/DDP':>5}")
         for bps in args.rates:
-            first = None
-            for name in sec.methods:
-                ts = sorted(res[(sec.title, name, bps)])
-                med = statistics.median(ts)
-                q = statistics.quantiles(ts, n=4) if len(ts) > 1 else [med, med, med]
-                first = first or med
-                p = sec.predicted.get(name, {}).get(bps)
-                lm = link_meas.get((sec.title, name, bps))
-                mb = statistics.median(x["a_to_b"] + x["b_to_a"] for x in lm) / 2**20 if lm else float("nan")
-                print(f"{format_rate(bps):>8} | {name:>16} | {med * 1e3:8.1f} | {q[0] * 1e3:5.0f}-{q[2] * 1e3:<5.0f} | "
-                      + (f"{p * 1e3:9.1f} | {p / med:9.2f}" if p else f"{'-':>9} | {'-':>9}")
-                      + f" | {mb:13.2f} | {sec.link_bytes.get(name, float('nan')) / 2**20:7.2f} | {med / first:8.3f}")
-    if closed:
-        print("\nBytePS closed form (cost_models.byteps.predict; communication only, no overlap):")
-        for bps, c in closed.items():
+            med = {nm: statistics.median(res[(table, nm, bps)]) for nm in names}
+            for nm in names:
+                ts = res[(table, nm, bps)]
+                q = statistics.quantiles(ts, n=4, method="inclusive") if len(ts) > 1 else [med[nm]] * 3
+                p = pred.get(nm, {}).get(bps)
+                lm = link_meas.get((table, nm, bps))
+                mib = statistics.median(x["a_to_b"] + x["b_to_a"] for x in lm) / 2**20 if lm else float("nan")
+                rel = lambda other: f"{med[nm] / med[other]:.3f}" if other in med else "-"   # noqa: E731
+                print(f"{format_rate(bps):>8} | {nm:>18} | {med[nm] * 1e3:7.1f} | {q[0] * 1e3:4.0f}-{q[2] * 1e3:<4.0f} | "
+                      + (f"{p * 1e3:9.1f} | {p / med[nm]:9.2f}" if p else f"{'-':>9} | {'-':>9}")
+                      + f" | {mib:13.2f} | {formula.get(nm, float('nan')) / 2**20:7.2f} | "
+                      f"{rel('fxpar allreduce'):>10} | {rel('DDP 25MB'):>5}")
+    for n, per_rate in closed.items():
+        print(f"\nBytePS closed form, n={n} workers, k=1 (cost_models.byteps.predict; communication alone, no overlap):")
+        for bps, c in per_rate.items():
             print(f"  {format_rate(bps):>8}: byteps {c['time_s'] * 1e3:7.1f} ms vs ring all-reduce "
-                  f"{c['allreduce_time_s'] * 1e3:7.1f} ms (gain {c['gain']:.2f})")
+                  f"{c['allreduce_time_s'] * 1e3:7.1f} ms (gain {c['gain']:.2f}; per worker "
+                  f"{c['worker_bytes'] / 2**20:.1f} MiB, per server {c['server_bytes'] / 2**20:.1f} MiB, all-reduce "
+                  f"{c['allreduce_bytes'] / 2**20:.1f} MiB)")
 
 
 def main():
@@ -330,7 +358,8 @@ def main():
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", default="herring,parallax,byteps")
+    ap.add_argument("--only", default="herring,parallax,byteps", help="any of herring, parallax, byteps, byteps4 "
+                    "(BytePS with 4 workers + 1 server: 5 processes on this machine)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=2048)
@@ -340,30 +369,41 @@ def main():
     ap.add_argument("--bag-d", type=int, default=32)
     ap.add_argument("--bag-seq", type=int, default=8)
     ap.add_argument("--bag-batch", type=int, default=16)
-    ap.add_argument("--servers", type=int, default=1)
     args = ap.parse_args()
     args.rates = [parse_rate(r) for r in args.rates.split(",")]
-    only = set(args.only.split(","))
+    only = args.only.split(",")
     print(f"load average at start: {loadavg()}", flush=True)
     torch.manual_seed(0)
     gpt = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(1, args.d // 64), max_seq=args.seq)
     n = args.warmup + args.steps
     batches = [(torch.randint(0, args.vocab, (args.batch, args.seq)), torch.randint(0, args.vocab, (args.batch, args.seq)))
                for _ in range(n)]
+    v = _nbytes(gpt)
+    print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}: {v / 4e6:.2f}M parameters, {v / 2**20:.1f} MiB "
+          f"of fp32 gradients; global batch {args.batch}x{args.seq}; AdamW", flush=True)
     sections, closed = [], {}
+    if "herring" in only or "byteps4" in only:
+        sections.append(baseline_section(args, gpt, batches, 4))
     if "herring" in only:
         sections.append(herring_section(args, gpt, batches))
+    if "byteps4" in only:
+        sec, closed[4] = byteps_section(args, gpt, batches, 4, 1)
+        sections.append(sec)
+    if "byteps" in only:
+        sections.append(baseline_section(args, gpt, batches, 2))
+        sec, closed[2] = byteps_section(args, gpt, batches, 2, 1)
+        sections.append(sec)
     if "parallax" in only:
         sections.append(parallax_section(args))
-    if "byteps" in only:
-        secs, closed = byteps_sections(args, gpt, batches)
-        sections += secs
-    print(f"planned ({len(sections)} sections); load average {loadavg()}; {args.steps} timed steps after "
-          f"{args.warmup} warm-up x {args.rounds} rounds per cell", flush=True)
+    for w, spec in _SPECS.items():
+        print(f"calibrated ({w} ranks): {spec.intra_node.bandwidth * 8 / 1e9:.2f} Gbit/s all-reduce bus, "
+              f"α {spec.intra_node.latency * 1e6:.0f} us, {spec.device.peak_flops / 1e9:.1f} GFLOP/s matmul per rank")
+    print(f"planned {len(sections)} sections; load average {loadavg()}; {args.steps} timed steps after "
+          f"{args.warmup} warm-up, x {args.rounds} rounds per cell", flush=True)
     res, link_meas, loads, total = run(sections, args)
     report(sections, res, link_meas, args, closed)
-    print(f"\ntotal {total:.0f} s; load average after each round: {'; '.join(loads)} (this run's own ranks count "
-          "2-4 of it)")
+    print(f"\ntotal {total:.0f} s; load average after each round: {'; '.join(loads)} (this run's own ranks, "
+          "2 to 5 processes, count in it)")
 
 
 if __name__ == "__main__":

@@ -81,7 +81,7 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
         if getattr(plan, "zero", 0):
             from passes import ZeroOffload, ZeroShard
             pipeline.append(ZeroShard())   # ZeRO: reduce-scatter into chunks, optimizer on chunks, gather parameters
-            if (plan.offload or {}).get("what"):   # ZeRO-Offload/-Infinity: chunks to the host, update there; disk read-ahead
+            if (plan.offload or {}).get("what"):   # ZeRO-Offload/-Infinity: update on the host, disk read-ahead
                 pipeline.append(ZeroOffload())
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":
             from passes import CommSchedule

@@ -66,7 +66,18 @@ def carry_step(gm, pieces, events) -> list:
     return [p for kind, _, ops in events if kind == "need" for op, p in ops if op == "wait"]
 
 
-def carry_forward(f, step, need) -> tuple:
+def carry_forward(f, step, need) -> dict:
+    """``{"F_UPDATE": ..., "STEP": ...}`` (``SplitGraph``s) from the split ``F`` and ``STEP``: see
+    :func:`_interleave`; both then update parameters and optimizer state in place (``passes.reinplace``), as the
+    programs without overlap do (the interleaving needs the update's results as values, so it comes first)."""
+    from .comm_schedule import _reinplaced
+    from .split_graphs import SplitGraph
+    gm, ins, outs = _interleave(f, step, need)
+    return {"F_UPDATE": SplitGraph("F_UPDATE", _reinplaced(gm, ins), ins, outs),
+            "STEP": SplitGraph("STEP", _reinplaced(step.gm, list(step.inputs)), list(step.inputs), list(step.outputs))}
+
+
+def _interleave(f, step, need) -> tuple:
     """``F_UPDATE`` from the split ``F`` and ``STEP`` (``SplitGraph``s) and ``need`` (:func:`carry_step`): STEP's
     nodes go, need event by need event, just before the first F node that reads one of the event's bucket's
     parameters (never later than a later event's: the plan's order of issues and waits, hence its credit, is

@@ -46,7 +46,7 @@ def carry_zero_chunks(gm) -> list:
     for r in [n for n in g.nodes if n.op == "call_function" and n.target is C10D.reduce_scatter_tensor.default]:
         (w,) = [u for u in r.users if u.target is C10D.wait_tensor.default]
         if len(w.users) == 1 and next(iter(w.users)).target is aten._to_copy.default:
-            w = next(iter(w.users))        # ZeRO-Offload (passes.zero_offload): the host copy, made in its step, is carried
+            w = next(iter(w.users))        # ZeRO-Offload (passes.zero_offload): the host copy, made in its step
         key = f"chunk{len(keys)}"
         with g.inserting_after(last_ph):
             c = g.placeholder(f"carry_{key}")

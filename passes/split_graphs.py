@@ -15,6 +15,8 @@ graph           nodes                                       called
                 bucket copies and the collectives' start    backward (action ``RG``)
 ``STEP``        ``fxpar_phase == "optimizer"`` and          once per step (action ``STEP``)
                 ``fxpar_reduce_grad == "wait"``
+``F_UPDATE``    ``F`` with the previous step's ``STEP``     ByteScheduler's cross-iteration overlap: the
+                interleaved (``passes.carry_step``)         stage's first ``F`` of a step
 ==============  ==========================================  ==========================================
 
 A node without a tag goes with the latest graph among its inputs. What crosses a cut becomes an
@@ -185,7 +187,7 @@ def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
     check_no_read_after_inplace_write(out)
     if gm.meta.get("fxpar_carry_step"):   # cross-iteration overlap: STEP runs in the next step's first F (passes.carry_step)
         from .carry_step import carry_forward
-        out["F_UPDATE"] = SplitGraph("F_UPDATE", *carry_forward(out["F"], out["STEP"], gm.meta["fxpar_carry_step"]))
+        out.update(carry_forward(out["F"], out["STEP"], gm.meta["fxpar_carry_step"]))
     return out
 
 

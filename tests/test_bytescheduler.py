@@ -1,10 +1,11 @@
 """ByteScheduler as a graph pass (issue 11 part 2): priority, partitions, credit, cross-iteration overlap.
 
 Numerics: N gloo ranks with cross-iteration overlap (each bucket's wait and update in the next step) equal
-single-process training in float64 to 1e-10; under dp x pp (priority, partitions, credit in REDUCE_GRAD/STEP)
-too. Structure: pieces are issued in priority order, the bytes in flight (measured on the ranks) never exceed
-the credit, the next step's first forward op on a layer depends only on that layer's carried waits, a resumed
-run equals an uninterrupted one.
+single-process training in float64 to 1e-10; under dp x pp too (priority, partitions, credit in REDUCE_GRAD, and
+each stage's STEP moved into its first forward of the next step, F_UPDATE). Structure: pieces are issued in
+priority order, the bytes in flight (measured on the ranks) never exceed the credit and cross the step boundary,
+the next step's first forward op on a layer depends only on that layer's carried waits, a resumed run equals an
+uninterrupted one.
 """
 from __future__ import annotations
 
@@ -54,6 +55,18 @@ def _program(kind, opt, strategy, n=3, **kw):
     return model, batches, loss_fn, prog
 
 
+_PP: dict = {}
+
+
+def _pp_program(opt, m=2):
+    """dp=2 x pp=2 (1F1B) on the tied GPT with small pieces, built once per (optimizer, microbatches) for this file."""
+    key = (opt[0], m)
+    if key not in _PP:
+        _PP[key] = _program("gpt", opt, fxpar.Strategy(dp=2, pp=2, microbatches=m, comm_schedule="bytescheduler",
+                                                       **SMALL))
+    return _PP[key]
+
+
 def _assert_matches(res, model, batches, loss_fn, opt, **kw):
     ref_losses, ref_state = reference_training(model, batches, loss_fn, opt, **kw)
     assert len(res.losses) == len(batches)
@@ -88,10 +101,9 @@ def test_dp2_pp2_matches_single_process(clusters, opt, m):
     """dp=2 x pp=2, 1F1B, the tied GPT (embedding and LM head share a weight across the stages, summed over all four
     ranks): priority, partitions and credit in each stage's REDUCE_GRAD, and cross-iteration overlap: each stage's
     STEP runs inside its first forward of the next step (F_UPDATE), the last step's in the drain."""
-    st = fxpar.Strategy(dp=2, pp=2, microbatches=m, comm_schedule="bytescheduler", **SMALL)
-    model, batches, loss_fn, prog = _program("gpt", opt, st)
+    model, batches, loss_fn, prog = _pp_program(opt, m)
     cs = prog.plan.comm_schedule
-    assert cs["cross_iteration"] and not cs["why_not_cross_iteration"] and prog.plan.tied
+    assert cs["cross_iteration"] and not cs["why_not_cross_iteration"] and prog.plan.tied and prog.plan.schedule == "1f1b"
     assert all(set(prog.stages[s].graphs) == {"F", "B", "REDUCE_GRAD", "STEP", "F_UPDATE"} for s in range(2))
     assert all(len(e["pieces"]) > len(prog.plan.buckets[s]) for s, e in enumerate(cs["stages"]))   # cut in rows
     _assert_matches(prog.run_local(batches, cluster=clusters.get(4)), model, batches, loss_fn, opt)
@@ -106,8 +118,8 @@ def test_microbatches_without_a_pipeline(clusters):
 
 
 def test_resume_under_dp_x_pp_is_exact(clusters, tmp_path):
-    st = fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL)
-    model, batches, loss_fn, prog = _program("gpt", ADAMW, st, n=4)
+    model, _, loss_fn, prog = _pp_program(ADAMW, 4)
+    batches = _batches("gpt", 4)
     lc = clusters.get(4)
     whole = prog.run_local(batches, cluster=lc)
     first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")       # drains before it saves
@@ -280,8 +292,7 @@ def _measured_steps(payload, batches):
 def test_inflight_bytes_under_dp_x_pp(clusters):
     """dp=2 x pp=2: each stage keeps the plan's credit, measured on all four ranks; the pieces REDUCE_GRAD issues and
     the plan waits at a need event are still in flight when the step ends (cross-iteration), none after the drain."""
-    st = fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL)
-    _, batches, _, prog = _program("gpt", SGD_M, st)
+    _, batches, _, prog = _pp_program(SGD_M)
     got = clusters.get(4).run(_measured_steps, [(prog.payload(r, len(batches)), batches) for r in range(4)])
     for rank, r in enumerate(got):
         (stage,) = prog.plan.rank_stages(rank)
@@ -358,13 +369,12 @@ def test_first_forward_op_of_a_layer_depends_only_on_its_wait():
 
 
 def test_pipeline_first_forward_op_of_a_layer_depends_only_on_its_wait():
-    """dp=2 x pp=2: in each stage's F_UPDATE (its first forward of step t+1) the first forward op on a bucket's
-    parameters reads their update, which depends on that bucket's step-t pieces and on no other bucket's wait (its
-    other input, the activation, depends on the earlier layers, as it must); the
-    forward never reads a parameter from before its update; the plan's need ops come in its order, the first
-    bucket's before its first forward op and another's after it (the reduction overlaps the forward)."""
-    st = fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL)
-    _, _, _, prog = _program("gpt", SGD_M, st)
+    """dp=2 x pp=2: in each stage's F_UPDATE (its first forward of step t+1; the update runs in place, as without
+    overlap) a bucket's update reads that bucket's step-t pieces and no other bucket's wait, and runs before the first
+    forward op on its parameters (so that op reads the new weights and, through them, only its own bucket's wait; its
+    other input, the activation, comes from the earlier layers, as it must); the plan's need ops come in its order;
+    the first bucket's waits come before its first forward op and another bucket's after it (overlap)."""
+    _, _, _, prog = _pp_program(SGD_M)
     for s in range(2):
         entry, buckets = prog.plan.comm_schedule["stages"][s], prog.plan.buckets[s]
         graphs = prog.stages[s].graphs
@@ -374,7 +384,7 @@ def test_pipeline_first_forward_op_of_a_layer_depends_only_on_its_wait():
         nodes = list(fu.gm.graph.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
         phs = dict(zip(fu.gm.graph.find_nodes(op="placeholder"), fu.inputs))
-        outs = dict(zip(fu.gm.graph.find_nodes(op="output")[0].args[0], fu.outputs))
+        param = {key: n for n, (r, key) in phs.items() if r == "param"}
 
         def rg_bucket(ph):       # a pending input: the bucket of the all_reduce_ REDUCE_GRAD issued it with, if any
             found = [n.meta["fxpar_bucket"] for n in _chain(rg_out[phs[ph][1]]) if n.target is C10D.all_reduce_.default]
@@ -386,28 +396,33 @@ def test_pipeline_first_forward_op_of_a_layer_depends_only_on_its_wait():
 
         waits = [n for n in nodes if n.target is C10D.wait_tensor.default]
         assert all(bucket_of(w) is not None for w in waits)
-        new = {key: n for n, (r, key) in outs.items() if r == "new_param"}
-        old = {n for n, (r, _) in phs.items() if r == "param"}
-        assert all(u.meta.get("fxpar_phase") == "optimizer" for n in old for u in n.users)   # never the old weights
         first_at = {}
         for b, keys in enumerate(buckets):
-            fwd = [n for n in nodes if n.meta.get("fxpar_phase") == "forward"
-                   and any(new[k] in n.all_input_nodes for k in keys)]
+            users = [u for k in keys for u in param[k].users]
+            update = [u for u in users if u.meta.get("fxpar_phase") == "optimizer"]
+            fwd = [u for u in users if u.meta.get("fxpar_phase") == "forward"]
+            writes = {k for u in update for k in keys if u.target._schema.name.startswith("aten::_foreach_")
+                      and u.target._schema.name.endswith("_") and param[k] in u.args[0]}
+            assert writes == set(keys)                                 # every weight updated in place
             if not fwd:
                 continue
             first = min(fwd, key=pos.get)
             first_at[b] = pos[first]
-            anc = set().union(*(_chain(new[k]) for k in keys))        # the weights it reads: their update
+            assert max(pos[u] for u in update) < pos[first]            # the forward reads the updated weights
+            anc = set().union(*(_chain(u) for u in update))
             assert {bucket_of(w) for w in waits if w in anc} <= {b}
             pending = {rg_bucket(a) for a in anc if phs.get(a, ("",))[0] == "pending"}
             assert b in pending | {bucket_of(w) for w in waits if w in anc}, (s, b)   # it does read its own pieces
+            assert all(pos[w] < pos[first] for w in waits if bucket_of(w) == b)
         assert len(first_at) >= 3
         kinds = ["issue" if n.target is C10D.all_reduce_.default else "wait" for n in nodes
                  if n.target in (C10D.all_reduce_.default, C10D.wait_tensor.default)]
         assert kinds == [op for kind, _, ops in entry["events"] if kind == "need" for op, _ in ops]
+        # the tied weight's pieces, which the other stage waits on too, are issued in their own step (REDUCE_GRAD)
+        tied = {b for b, keys in enumerate(buckets) if set(keys) & set(prog.plan.tied)}
+        assert tied and all(kind == "ready" for kind, _, ops in entry["events"] for op, p in ops
+                            if op == "issue" and entry["pieces"][p][0] in tied)
         top = entry["priority"][0]
-        top_waits = [pos[w] for w in waits if bucket_of(w) == top]
-        assert all(i < first_at[top] for i in top_waits)
         assert any(pos[w] > first_at[top] for w in waits if bucket_of(w) != top), s
 
 
@@ -450,8 +465,8 @@ def test_simulated_plan_keeps_its_invariants():
     for seed in range(100):
         r = random.Random(seed)
         n = r.randint(1, 8)
-        bts = [BucketTiming(b * 0.01, r.random() * 0.05, [r.randint(1, 5) * 1000 for _ in range(r.randint(1, 4))])
-               for b in range(n)]
+        bts = [BucketTiming(b * 0.01, r.random() * 0.05, [r.randint(1, 5) * 1000 for _ in range(r.randint(1, 4))],
+                            eager=r.random() < 0.3) for b in range(n)]
         for i, b in enumerate(sorted(range(n), key=lambda b: bts[b].need_s)):
             bts[b].priority = i
         credit = max(x for bt in bts for x in bt.pieces) * r.randint(1, 4)
@@ -470,7 +485,34 @@ def test_simulated_plan_keeps_its_invariants():
                     used -= res.pieces[p][2]
             if kind == "need":      # every piece of the bucket is waited by its need event
                 assert {p for p, (pb, _, _) in enumerate(res.pieces) if pb == b} <= waited
+            elif bts[b].eager:      # ... and an eager bucket's are all issued at its ready event
+                assert {p for p, (pb, _, _) in enumerate(res.pieces) if pb == b} <= issued
         assert issued == waited == set(range(len(res.pieces)))
+
+
+def test_tied_gradient_is_cut_alike_on_every_stage():
+    """A bucket on a group several stages share (a tied weight) is cut only at the partition asked for, never at one
+    tuned per stage (each stage must make the same collectives), and under cross-iteration issued in its own step."""
+    from cost_models.comm_tuning import plan_stage
+    shapes = {"wte": (4096, 64), "fc": (4096, 64), "ln": (64,)}          # float64: 2 MiB each
+    tm = {"t_fwd": 0.03, "t_bwd": 0.02, "t_opt": 0.0, "ready": {"fc": 0.012, "ln": 0.015, "wte": 0.02},
+          "need": {"wte": 0.0, "ln": 0.004, "fc": 0.025}}
+
+    def plan(partition, tied):
+        return plan_stage(tm, lambda part: [["fc"], ["ln"], ["wte"]], shapes.get, lambda k: 8, lambda n: 1e-5 + n / 1e8,
+                          True, [["fc", "ln", "wte"]], partition, None, shared=lambda keys: tied and keys == ["wte"])[0]
+
+    def cuts(entry, b):
+        return [p[1:] for p in entry["pieces"] if p[0] == b]
+    alone = plan(None, False)          # untied, the tuned partition (1 MiB here) cuts it
+    assert alone["tuned"]["partition"] == "cost model" and len(cuts(alone, 2)) > 1
+    tuned = plan(None, True)
+    assert cuts(tuned, 2) == [[None, None]]
+    given = plan(2**20, True)
+    assert cuts(given, 2) == [[0, 2048], [2048, 4096]]
+    for entry in (tuned, given):
+        issued_at = {p: kind for kind, _, ops in entry["events"] for op, p in ops if op == "issue"}
+        assert all(issued_at[p] == "ready" for p, piece in enumerate(entry["pieces"]) if piece[0] == 2)
 
 
 def test_simulated_step_time_closed_forms():

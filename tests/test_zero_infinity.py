@@ -104,3 +104,100 @@ def test_tiled_model_under_zero3_gathers_one_tile_at_a_time(clusters):
     gathered = [x.args[0].meta["val"].numel() * 2 for x in gm.graph.nodes
                 if x.target is torch.ops._c10d_functional.all_gather_into_tensor.default]
     assert max(gathered) <= 256                               # never more than one tile's weights in one gather
+
+
+# ---- per-layer read-ahead from disk (fxpar::prefetch, inserted by passes/zero_offload.py) ---------------
+PREFETCH = torch.ops.fxpar.prefetch.default
+_PLUMBING = {torch.ops.aten.slice.Tensor, torch.ops.aten.view.default, torch.ops.aten.t.default,
+             torch.ops._c10d_functional.wait_tensor.default}
+
+
+def _first_compute(node, pos):
+    """The first node that computes with ``node``'s value (past the slices, views and transposes of a gather)."""
+    seen, stack, best = set(), list(node.users), None
+    while stack:
+        u = stack.pop()
+        if u in seen:
+            continue
+        seen.add(u)
+        if u.target in _PLUMBING:
+            stack.extend(u.users)
+        elif best is None or pos[u] < pos[best]:
+            best = u
+    return best
+
+
+def test_prefetch_reads_the_next_layer_while_this_one_gathers_and_computes(clusters, tmp_path):
+    """Stage 3, parameters and optimizer state on disk: in forward and in backward, the read-ahead of the next
+    gathered parameter's file comes after this parameter's gather starts and before this layer computes with it;
+    each optimizer-state file is read ahead once, after its bucket's reduce-scatter starts and before the update.
+    The run equals single-process training, and each rank advised the kernel of exactly the bytes the graph names
+    per step (posix_fadvise WILLNEED on the files' ranges)."""
+    torch.manual_seed(0)
+    model, batches = MLP().double(), _batches(3)
+    strat = fxpar.Strategy(dp=2, zero=3, offload=("params", "optimizer"), offload_to="disk", offload_dir=tmp_path)
+    prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAMW, strategy=strat)
+    sg = prog.stages[0].graphs["FULL"]
+    g = sg.gm.graph
+    nodes = list(g.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    role = dict(zip(g.find_nodes(op="placeholder"), sg.inputs))
+    pre = [n for n in nodes if n.target is PREFETCH]
+    gather = torch.ops._c10d_functional.all_gather_into_tensor.default
+    for phase in ("forward", "backward"):
+        ags = [n for n in nodes if n.target is gather and n.meta.get("fxpar_phase") == phase]
+        assert len(ags) == (len(list(model.parameters())) if phase == "forward" else 2)   # backward: 2 weights
+        for ag, nxt in zip(ags, ags[1:]):
+            src = nxt.args[0].args[0]                     # the gather reads _to_copy(chunk placeholder)
+            (p,) = [q for q in pre if q.args[0] is src and pos[ag] < pos[q] < pos[nxt]]
+            assert pos[p] < pos[_first_compute(next(iter(ag.users)), pos)]
+    rs = [n for n in nodes if n.target is torch.ops._c10d_functional.reduce_scatter_tensor.default]
+    states = [ph for ph, (r, _) in role.items() if r == "opt_state"]
+    for ph in states:
+        (p,) = [q for q in pre if q.args[0] is ph]
+        reads = [u for u in ph.users if u.target is not PREFETCH]
+        assert max(pos[r] for r in rs) < pos[p] < min(pos[u] for u in reads)
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    ref_losses, ref_state = reference_training(model, batches, F.mse_loss, ADAMW)
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL
+    assert max_abs_diff(res.state_dict(), ref_state) < TOL
+    per_step = sum(q.args[0].meta["val"].numel() * 8 for q in pre)
+    assert all(res.state_bytes[r]["prefetched"] == len(batches) * per_step for r in range(2))
+
+
+def test_prefetch_goes_where_its_graph_reads_the_files(tmp_path):
+    """Microbatches (UNSHARD, F, B, REDUCE_GRAD, STEP): the parameters' read-ahead runs in UNSHARD, which gathers
+    them once per step; the optimizer state's at the top of STEP, the only graph given the state."""
+    torch.manual_seed(0)
+    strat = fxpar.Strategy(dp=2, zero=3, offload=("params", "optimizer"), offload_to="disk", offload_dir=tmp_path,
+                           microbatches=2)
+    prog = fxpar.parallelize(MLP().double(), 2, _batches(1, batch=16)[0], F.mse_loss, ADAMW, strategy=strat)
+    graphs = prog.stages[0].graphs
+    count = {k: [n for n in sg.gm.graph.nodes if n.target is PREFETCH] for k, sg in graphs.items()}
+    n_params = len(list(MLP().parameters()))
+    assert len(count["UNSHARD"]) == n_params - 1 and not count["F"] and not count["B"]
+    step = list(graphs["STEP"].gm.graph.nodes)
+    first_update = min(i for i, n in enumerate(step) if "_foreach_" in str(n.target))
+    assert max(i for i, n in enumerate(step) if n.target is PREFETCH) < first_update
+    assert len(count["STEP"]) == 3 * n_params          # each parameter's chunk and its two Adam moments
+
+
+def test_prefetch_op_advises_the_range_of_a_tracked_file(tmp_path):
+    from fxpar import prefetch as P
+    path = str(tmp_path / "w.bin")
+    f = torch.from_file(path, shared=True, size=64, dtype=torch.float64)
+    P.reset()
+    try:
+        P.track(f, path)
+        PREFETCH(f[8:24])                               # a chunk of the file: its own range
+        PREFETCH(torch.zeros(4))                        # not on disk: nothing to do
+        assert P.STATS == {"calls": 2, "advised": 1 if P.ADVICE is not None else 0,
+                           "bytes": 16 * 8 if P.ADVICE is not None else 0}
+    finally:
+        P.reset()
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    g.call_function(PREFETCH, (x,))
+    g.output(x)
+    g.eliminate_dead_code()
+    assert any(n.target is PREFETCH for n in g.nodes)   # no output, yet kept

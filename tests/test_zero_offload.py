@@ -55,10 +55,11 @@ def test_zero_offload_matches_single_process(clusters, zero, dp):
     _run(clusters, _gpt(), token_batches(3, batch=8), gpt_loss, ADAMW, reference_training, dp=dp, zero=zero, **SMALL)
 
 
-@pytest.mark.parametrize("zero", [1, 2])
-@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("zero,dp", [(1, 2), (2, 4)])
 def test_zero_offload_delayed_update_follows_its_rule(clusters, zero, dp):
-    """The paper's one-step delayed update (§4.2): the chunk copied to the host in step t is applied in step t+1."""
+    """The paper's one-step delayed update (§4.2): the chunk copied to the host in step t is applied in step t+1.
+    (``tests/test_delayed_update.py::test_delayed_update_on_zero_chunks_follows_its_rule`` runs the other
+    zero x dp cases, all with ``offload=("optimizer",)``, so through this pass too.)"""
     model, batches = _gpt(), token_batches(4, batch=8)
     res = _run(clusters, model, batches, gpt_loss, ADAMW, pipedream_2bw_reference, dp=dp, zero=zero,
                delayed_update=True, **SMALL)
@@ -92,15 +93,15 @@ def _host_values(g, inputs) -> set:
     for n in g.nodes:
         if n.op != "call_function":
             continue
-        if n.target is COPY and n.kwargs["device"] == torch.device("cpu") and n.args[0].target is C10D.wait_tensor.default:
+        to_host = n.target is COPY and n.kwargs["device"] == torch.device("cpu")
+        if to_host and n.args[0].target is C10D.wait_tensor.default:
             host.add(n)
         elif n.target is not COPY and n.all_input_nodes and all(a in host for a in n.all_input_nodes):
             host.add(n)
     return host
 
 
-@pytest.mark.parametrize("delayed", [False, True], ids=["sync", "delayed"])
-@pytest.mark.parametrize("zero", [1, 2])
+@pytest.mark.parametrize("zero,delayed", [(1, False), (2, False), (2, True)], ids=["1", "2", "2-delayed"])
 def test_one_copy_per_bucket_each_way_and_the_update_on_host_values(zero, delayed):
     extra = dict(delayed_update=True) if delayed else {}
     prog, base = _program(zero, offload=OFFLOAD, **extra), _program(zero, **extra)
