@@ -42,7 +42,8 @@ def _in_flight(schedule, stage: int) -> int:
 
 
 def _cross(plan) -> bool:
-    """ByteScheduler's cross-iteration overlap is on (the planner decided: one stage, one microbatch, traced optimizer)."""
+    """ByteScheduler's cross-iteration overlap is on (the planner decided: dp > 1, a traced optimizer, a synchronous
+    schedule with one stage per rank)."""
     cs = plan.comm_schedule or {}
     return cs.get("method") == "bytescheduler" and bool(cs.get("cross_iteration"))
 
@@ -93,7 +94,7 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
         ]
     if plan.optimizer.get("traced") and synchronous and not _cross(plan):
         # (under cross-iteration overlap not here: the split cuts the first-step and drain graphs by data flow,
-        # which an in-place update would hide; passes.comm_schedule makes the cut graphs' update in place)
+        # which an in-place update would hide; passes.comm_schedule and passes.carry_step update in place)
         # write the update into the parameter/state buffers, as torch.optim does (not where weight
         # stashing keeps old versions alive: asynchronous schedules)
         pipeline.append(ReinplaceOptimizer())

@@ -86,8 +86,9 @@ class Strategy:
         microbatch in flight), in GB (1e9 bytes).
     comm_schedule: the order gradient communication goes in: ``"fifo"`` (default: DDP-style buckets as backward
         makes them) or ``"bytescheduler"`` (Peng et al., SOSP'19: pieces of at most ``partition_mb``, the layer the
-        next forward needs first goes first, at most ``credit_mb`` in flight, and -- one stage, one microbatch, a
-        traced optimizer -- each bucket's wait and update move into the next step, before its first use there).
+        next forward needs first goes first, at most ``credit_mb`` in flight, and -- dp > 1, a traced optimizer, a
+        synchronous schedule with one stage per rank, pipelines and microbatches included -- each bucket's wait and
+        update move into the next step, before its first use there).
     partition_mb, credit_mb: ByteScheduler's piece size and bytes in flight, in MiB; None: chosen by the cost
         model's simulation of the cluster (recorded in ``Plan.comm_schedule``).
     """

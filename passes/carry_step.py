@@ -58,7 +58,8 @@ def carry_step(gm, pieces, events) -> list:
     missing = [k for k in keys if k not in bucket_of_key]
     if missing:
         raise PassError(f"comm_schedule: parameters {missing[:4]} have no reduced gradient in a bucket; cross-iteration "
-                        "overlap moves every update into the next step's first forward")
+                        "overlap moves every update into the next step's first forward, bucket by bucket. Freeze them "
+                        "(requires_grad=False) if nothing should train them, or use comm_schedule='fifo'")
     _split_foreach(gm, [bucket_of_key[k] for k in keys])
     need = [[b, len(ops), [k for k in keys if bucket_of_key[k] == b]] for kind, b, ops in events if kind == "need"]
     gm.meta["fxpar_carry_step"] = need

@@ -60,10 +60,10 @@ def test_zero_example_holds_what_the_formulas_say_and_matches_pytorch():
 
 
 def test_tensor_parallel_example_splits_and_matches_pytorch():
-    text = _run("examples/tensor_parallel.py", "--steps", "2", "--mode", "megatron", "--mode", "auto")
+    text = _run("examples/tensor_parallel.py", "--steps", "2", "--mode", "megatron")   # the other modes: test_tensor_parallel
     rows = re.findall(r"== Strategy\((.*?)\): (\d+) parameters split.*\n.*tp collectives per step: (.*)\n.*"
                       r"max \|loss - single-process\| = ([0-9.e+-]+), max \|param - single-process\| = ([0-9.e+-]+)", text)
-    assert len(rows) == 2, text
+    assert len(rows) == 1, text
     for _, n_split, comm, dloss, dparam in rows:
         assert int(n_split) > 0 and float(dloss) < 1e-10 and float(dparam) < 1e-10
     assert "forward all_reduce" in rows[0][2]          # the Megatron preset's row-parallel all-reduce
