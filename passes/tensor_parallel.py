@@ -112,27 +112,27 @@ def megatron_layouts(gm, tp: int, axis: str = "tp") -> dict:
     """Megatron's split of the graph's Linear pairs (Shoeybi et al. 2019, §3): ``{param key: spec}``. A Linear
     whose output reaches other Linears' inputs through elementwise ops, views and attention only is
     column-parallel (weight rows and bias split), those others row-parallel (weight columns split, bias whole);
-    attention between them runs split by heads; an embedding tied to an LM head is split over the vocabulary. Raises ``ShardingError`` naming the module where tp does not
-    divide a split dim or the head count."""
+    attention between them runs split by heads; an embedding tied to an LM head is split over the vocabulary.
+    Raises ``ShardingError`` naming the module where tp does not divide a split dim or the head count."""
     lins = linears(gm)
     by_input = {}
     for n, key, bias, x in lins:
         by_input.setdefault(x, []).append(n)
-    targets = {x: ns for x, ns in by_input.items()}
+    targets = {x: tuple(ns) for x, ns in by_input.items()}      # a Linear's input -> the Linears reading it
     info = {n: (key, bias) for n, key, bias, _ in lins}
     role = {}
     for n, key, bias, _ in lins:
         if n in role:
             continue
-        hits, sdpa = _reaches(n, {x: tuple(ns) for x, ns in targets.items()})
+        hits, sdpa = _reaches(n, targets)
         down = [m for ns in hits for m in ns if m is not n]
         if not down or any(role.get(m) == "col" for m in down):
             continue
         mod = M.get(n, M.MODULE) or key
         out_dim = n.meta["val"].shape[-1]
         if out_dim % tp:
-            raise ShardingError(f"sharding='megatron': Linear {mod!r} ({key}) has {out_dim} output features, which tp={tp} "
-                                f"does not divide; use a tp dividing {out_dim}, or layouts that leave it whole")
+            raise ShardingError(f"sharding='megatron': Linear {mod!r} ({key}) has {out_dim} output features, which "
+                                f"tp={tp} does not divide; use a tp dividing {out_dim}, or layouts that leave it whole")
         for s in sdpa:
             heads = s.args[0].meta["val"].shape[1]
             if heads % tp:
@@ -234,8 +234,8 @@ def _versus_megatron(gm, ctx, mesh, sig, found, cost) -> str:
     except ShardingError as e:
         return f"tofu: Megatron's split does not apply to this graph ({str(e).splitlines()[0]})"
     m = sum(plan_cost(gm, meg, cost, sig).values())
-    verdict = "cheaper than" if found.predicted < m * (1 - 1e-9) else "as cheap as" if found.predicted <= m * (1 + 1e-9) \
-        else "dearer than"
+    p = found.predicted
+    verdict = "cheaper than" if p < m * (1 - 1e-9) else "as cheap as" if p <= m * (1 + 1e-9) else "dearer than"
     return (f"tofu: its plan ({found.predicted:.4g} s predicted) is {verdict} Megatron's split ({m:.4g} s) by the "
             "same cost model")
 
@@ -272,12 +272,11 @@ class TensorParallel(Pass):
         entry.update(extra)
         split = sum(1 for v in entry["params"].values() if any(v))
         n_coll = sum(1 for n in new.graph.nodes if M.COMM.name in n.meta)
+        whole = ", ".join(f"{n} ({op.split('.')[-2] if '.' in op else op} in {mod or '<root>'})"
+                          for n, op, mod in res.no_rule[:6]) + (" ..." if len(res.no_rule) > 6 else "")
         ctx.notes.append(f"tensor_parallel: {split} of {len(entry['params'])} parameter(s) split over "
                          f"{dict(mesh.axes)}, {n_coll} collective(s) inserted"
-                         + (f"; ops without a sharding rule, run whole: " + ", ".join(
-                             f"{n} ({op.split('.')[-2] if '.' in op else op} in {mod or '<root>'})"
-                             for n, op, mod in res.no_rule[:6]) + (" ..." if len(res.no_rule) > 6 else "")
-                            if res.no_rule else ""))
+                         + (f"; ops without a sharding rule, run whole: {whole}" if res.no_rule else ""))
         new.meta["fxpar_shardings"] = res                 # program.shardings(rank) reads it
         new.meta["fxpar_tp_modules"] = {n.name: M.get(n, M.MODULE) or (M.get(n, M.PARAM) or "").split(":")[-1]
                                         .rpartition(".")[0] for n in gm.graph.nodes}
@@ -301,9 +300,8 @@ class TensorParallel(Pass):
             found = tofu_search(gm, tp, cost, signature=sig, whole_io=True, fixed=fixed)
             ctx.notes.append(found.explain(limit=0).splitlines()[0])
             ctx.notes.append(_versus_megatron(gm, ctx, mesh, sig, found, cost))
-            return found.sharding, {"auto": {"out": {k: [s.to_json() for s in v] for k, v in found.sharding.out.items()},
-                                             "need": {k: [s.to_json() for s in v]
-                                                      for k, v in found.sharding.need.items()}},
+            dump = lambda d: {k: [s.to_json() for s in v] for k, v in d.items()}      # noqa: E731
+            return found.sharding, {"auto": {"out": dump(found.sharding.out), "need": dump(found.sharding.need)},
                                     "predicted_s": found.predicted}
         layouts = dict(sh.get("layouts") or {})
         extra = {}
