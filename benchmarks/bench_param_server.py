@@ -17,16 +17,19 @@ needs root and ``ip netns``, otherwise it says what is missing and runs uncapped
   Placement: a BytePS server is a machine of its own, so every byte a worker pushes or pulls goes through
   that worker's NIC. The link is worker 0's NIC here: with the server in B, *all* of worker 0's traffic
   (its all-reduce half and its push/pull half) crosses the link, as the paper's model has it; worker 1's
-  push/pull to the server stays inside B (a second NIC the harness does not cap).
+  push/pull to the server stays inside B (a second NIC the harness does not cap). ``byteps4``: n=4 workers
+  (0, 1 in A; 2, 3 in B) + 1 server (rank 4, in B), 5 processes, against the 4-rank all-reduce and DDP. Only
+  k=1: NetnsCluster puts the first half of the ranks in A, which with k=2 would move a worker or server across.
 
 Measured per cell: the median step time of the slower rank, and the bytes that crossed the link per step,
 read from the veth's counters (``/proc/net/dev`` inside namespace A, rank 0; both directions; TCP/IP headers
 included; every step, warm-up ones too, over the number of steps). Predicted: ``Program.estimate()`` on
-``ClusterSpec.calibrate()`` with the link between the namespaces set to the cap (Herring: ``inter_node``;
-2 ranks: the one link), and the link's bytes from each method's traffic formula.
+``ClusterSpec.calibrate()`` (this machine's compute and loopback) as 2 nodes -- the namespaces -- whose
+``inter_node`` link is the cap; the link's bytes from each method's traffic formula; for BytePS also the closed
+form of ``cost_models.byteps.predict`` (communication alone).
 
-    python benchmarks/bench_param_server.py [--rates none,2gbit,1gbit,500mbit] [--steps 5] [--warmup 2] [--rounds 2]
-        [--only herring,parallax,byteps]
+    python benchmarks/bench_param_server.py [--rates none,2gbit,1gbit,500mbit] [--steps 4] [--warmup 2] [--rounds 2]
+        [--only herring,byteps4,byteps,parallax]
     python benchmarks/netns_link.py --cleanup      # leftovers of a run that was killed hard
 """
 import argparse
@@ -355,10 +358,10 @@ def report(sections, res, link_meas, args, closed):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", default="none,2gbit,1gbit,500mbit")
-    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--only", default="herring,parallax,byteps", help="any of herring, parallax, byteps, byteps4 "
+    ap.add_argument("--only", default="herring,byteps4,byteps,parallax", help="any of herring, parallax, byteps, byteps4 "
                     "(BytePS with 4 workers + 1 server: 5 processes on this machine)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--d", type=int, default=256)
