@@ -48,18 +48,10 @@ def carry_step(gm, pieces, events) -> list:
     optimizer per bucket and record, per need event in the plan's order, its bucket, how many collective ops it
     has (they sit in ``STEP`` in that order) and the bucket's parameter keys (``gm.meta['fxpar_carry_step']``).
     Returns the pieces waited in the next step."""
-    from .comm_schedule import _downstream_grads, _split_foreach
+    from .comm_schedule import _split_foreach, buckets_of_params
     sig = gm.meta["fxpar_signature"]
     keys = [k for r, k in sig.inputs if r == "param"]
-    bucket_of_key = {}
-    for ar, w, _, _ in pieces:
-        for n in _downstream_grads(w):
-            bucket_of_key[M.get(n, M.GRAD_OF)] = M.get(ar, M.BUCKET)
-    missing = [k for k in keys if k not in bucket_of_key]
-    if missing:
-        raise PassError(f"comm_schedule: parameters {missing[:4]} have no reduced gradient in a bucket; cross-iteration "
-                        "overlap moves every update into the next step's first forward, bucket by bucket. Freeze them "
-                        "(requires_grad=False) if nothing should train them, or use comm_schedule='fifo'")
+    bucket_of_key = buckets_of_params(pieces, keys)
     _split_foreach(gm, [bucket_of_key[k] for k in keys])
     need = [[b, len(ops), [k for k in keys if bucket_of_key[k] == b]] for kind, b, ops in events if kind == "need"]
     gm.meta["fxpar_carry_step"] = need

@@ -242,14 +242,7 @@ def _cross_iteration(gm, pieces, where, events) -> list:
     keys = [k for r, k in sig.inputs if r == "param"]
     ph_of = {k: ph for ph, (r, k) in role.items() if r == "param"}
     new_of = {k: outs[i] for i, (r, k) in enumerate(sig.outputs) if r == "new_param"}
-    bucket_of_key = {}
-    for ar, w, _, _ in pieces:
-        for n in _downstream_grads(w):
-            bucket_of_key[M.get(n, M.GRAD_OF)] = M.get(ar, M.BUCKET)
-    missing = [k for k in keys if k not in bucket_of_key]
-    if missing:
-        raise PassError(f"comm_schedule: parameters {missing[:4]} have no reduced gradient in a bucket; "
-                        "cross-iteration overlap moves every update into the next step")
+    bucket_of_key = buckets_of_params(pieces, keys)
     _split_foreach(gm, [bucket_of_key[k] for k in keys])
     # carry: each piece leaves this step as it stands after backward, and comes back as an input
     last_ph = phs[-1]
@@ -296,6 +289,21 @@ def _cross_iteration(gm, pieces, where, events) -> list:
     gm.meta["fxpar_carry"] = True
     return carry_keys
 
+
+
+def buckets_of_params(pieces, keys: list) -> dict:
+    """param key -> the bucket its reduced gradient is in (every key must have one: cross-iteration overlap moves
+    each update into the next step, bucket by bucket)."""
+    bucket_of_key = {}
+    for ar, w, _, _ in pieces:
+        for n in _downstream_grads(w):
+            bucket_of_key[M.get(n, M.GRAD_OF)] = M.get(ar, M.BUCKET)
+    missing = [k for k in keys if k not in bucket_of_key]
+    if missing:
+        raise PassError(f"comm_schedule: parameters {missing[:4]} have no reduced gradient in a bucket; "
+                        "cross-iteration overlap moves every update into the next step, bucket by bucket. Freeze them "
+                        "(requires_grad=False) if nothing should train them, or use comm_schedule='fifo'")
+    return bucket_of_key
 
 def _downstream_grads(w) -> list:
     """The gradient nodes (fxpar_grad_of) a piece's wait feeds, through slices, views and cat."""

@@ -22,6 +22,7 @@ from fxpar import meta as M
 from fxpar.capture import capture_training_step
 from fxpar.collectives import collective_nodes
 from fxpar.mesh import Mesh
+from fxpar.testing.models import MegatronBlock as Block
 from fxpar.optim import resolve_optimizer
 from fxpar.sharding import collective_bytes
 from fxpar.testing import CNN, GPT, gpt_loss
@@ -41,24 +42,11 @@ class MLPBlock(nn.Module):
         return self.fc2(F.gelu(self.fc1(x)))
 
 
-class MegatronBlock(nn.Module):
+class MegatronBlock(Block):
     """An input projection (so the block's input needs a gradient), then pre-LN attention + MLP."""
 
     def __init__(self, d=H, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.inp, self.ln1, self.ln2 = nn.Linear(d, d), nn.LayerNorm(d), nn.LayerNorm(d)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        x = self.inp(x)
-        b, t, c = x.shape
-        h = self.ln1(x)
-        q, k, v = (lin(h).view(b, t, self.heads, c // self.heads).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.o(y)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        super().__init__(d, heads, in_proj=True)
 
 
 class AnnotatedMLP(nn.Module):

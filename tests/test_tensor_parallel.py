@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.testing import CNN, GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
+from fxpar.testing.models import MegatronBlock
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -25,30 +26,11 @@ TOL = 1e-10
 FAST = {"intra_node": fxpar.LinkSpec(100e9, 1e-9)}
 
 
-class SplitQKV(nn.Module):
-    """Pre-LN attention (separate q, k, v, o) + MLP: Megatron's block."""
-
-    def __init__(self, d=16, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        h = self.ln1(x)
-        q, k, v = (lin(h).view(b, t, self.heads, c // self.heads).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
-        x = x + self.o(y)
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
 class SplitQKVLM(nn.Module):
     def __init__(self, vocab=32, d=16, layers=2, heads=4):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(SplitQKV(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(MegatronBlock(d, heads) for _ in range(layers))
         self.head = nn.Linear(d, vocab)
 
     def forward(self, idx):

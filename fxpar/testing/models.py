@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["MLP", "CNN", "BNConvNet", "GPT", "Block", "EncoderModel", "SkipMLP", "gpt_loss"]
+__all__ = ["MLP", "CNN", "BNConvNet", "GPT", "Block", "MegatronBlock", "EncoderModel", "SkipMLP", "gpt_loss"]
 
 
 class MLP(nn.Module):
@@ -63,6 +63,29 @@ class Block(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
         x = x + self.proj(y)
         return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+
+
+class MegatronBlock(nn.Module):
+    """Pre-LN attention with separate q, k, v, o projections + MLP: the block Megatron-LM splits (column-parallel
+    q, k, v, fc1; row-parallel o, fc2). ``in_proj=True`` puts a Linear before it, so the block's input needs a
+    gradient."""
+
+    def __init__(self, d=16, heads=4, in_proj=False):
+        super().__init__()
+        self.heads = heads
+        self.inp = nn.Linear(d, d) if in_proj else nn.Identity()
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        x = self.inp(x)
+        b, t, c = x.shape
+        h = self.ln1(x)
+        q, k, v = (lin(h).view(b, t, self.heads, c // self.heads).transpose(1, 2) for lin in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c)
+        x = x + self.o(y)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class GPT(nn.Module):
