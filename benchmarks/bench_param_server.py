@@ -11,7 +11,8 @@ needs root and ``ip netns``, otherwise it says what is missing and runs uncapped
 - **Parallax** (Kim et al., EuroSys'19), :class:`Bag` (tests/test_parallax.py's model with a large table),
   2 ranks, one per namespace: ``grad_sync="parallax"`` vs ``"allreduce"`` vs DDP, and DDP with
   ``nn.Embedding(sparse=True)`` (torch's own sparse route: gloo all-gathers the (index, row) pairs). Plain SGD,
-  so that torch's sparse route can run at all (AdamW and SGD-momentum refuse sparse gradients).
+  so that torch's sparse route can run at all (AdamW and SGD-momentum refuse sparse gradients); under plain SGD
+  fxpar's plan updates only the touched rows too (``Plan.grad_sync["sparse_update"]``: route ``rows``).
 - **BytePS** (Jiang et al., OSDI'20), the GPT, n=2 workers (rank 0 in A, rank 1 in B) + k=1 CPU summation
   server (rank 2) in B: ``ClusterSpec.local(2, cpu_servers=1)``, ``grad_sync="byteps"`` vs all-reduce vs DDP.
   Placement: a BytePS server is a machine of its own, so every byte a worker pushes or pulls goes through
@@ -29,7 +30,7 @@ included; every step, warm-up ones too, over the number of steps). Predicted: ``
 form of ``cost_models.byteps.predict`` (communication alone).
 
     python benchmarks/bench_param_server.py [--rates none,2gbit,1gbit,500mbit] [--steps 4] [--warmup 2] [--rounds 2]
-        [--only herring,byteps4,byteps,parallax]
+        [--only herring,byteps4,byteps,parallax] [--bucket-mb 25]
     python benchmarks/netns_link.py --cleanup      # leftovers of a run that was killed hard
 """
 import argparse
@@ -207,9 +208,9 @@ def ring_link_bytes(nbytes, n):
 
 
 def baseline_section(args, gpt, batches, n):
-    """fxpar's flat all-reduce and DDP (25 MB) on the GPT over n ranks."""
+    """fxpar's flat all-reduce (``--bucket-mb`` buckets) and DDP (25 MB) on the GPT over n ranks."""
     spec, v = calibrated(n), _nbytes(gpt)
-    st = fxpar.Strategy(dp=n, grad_sync="allreduce")
+    st = fxpar.Strategy(dp=n, grad_sync="allreduce", bucket_cap_mb=args.bucket_mb)
     prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
     return Section(gpt_table(n), n, {"fxpar allreduce": fx_method(prog, batches, args.warmup, n),
                                      "DDP 25MB": ddp_method(gpt, batches, gpt_loss, ADAMW, args.warmup, n)},
@@ -219,13 +220,20 @@ def baseline_section(args, gpt, batches, n):
 
 def herring_section(args, gpt, batches):
     """Herring on 2 nodes x 2 ranks: per bucket of V bytes, ranks 0<->2 and 1<->3 all-reduce a V/2 shard across
-    the link (V/2 each way per pair); the reduce-scatter and all-gather stay inside each namespace."""
+    the link (V/2 each way per pair); the reduce-scatter and all-gather stay inside each namespace. "herring at
+    wait": the same Plan edited to ``grad_sync["overlap"] = False`` (steps 2-3 after backward, passes/herring.py)."""
     spec, v = calibrated(4), _nbytes(gpt)
-    st = fxpar.Strategy(dp=4, grad_sync="herring")
+    st = fxpar.Strategy(dp=4, grad_sync="herring", bucket_cap_mb=args.bucket_mb)
     prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
-    return Section(gpt_table(4), 4, {"fxpar herring": fx_method(prog, batches, args.warmup, 4)},
+    plan = fxpar.Plan.from_json(prog.plan.to_json())
+    plan.grad_sync["overlap"] = False
+    late = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st, plan=plan)
+    print(f"herring: {len(prog.plan.buckets[0])} buckets of --bucket-mb {args.bucket_mb}", flush=True)
+    link = 2 * 2 * B.allreduce_bytes(v / 2, 2)
+    return Section(gpt_table(4), 4, {"fxpar herring": fx_method(prog, batches, args.warmup, 4),
+                                     "herring at wait": fx_method(late, batches, args.warmup, 4)},
                    {"fxpar herring": predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates)},
-                   {"fxpar herring": 2 * 2 * B.allreduce_bytes(v / 2, 2)})
+                   {"fxpar herring": link, "herring at wait": link})
 
 
 def byteps_section(args, gpt, batches, n, k):
@@ -265,9 +273,16 @@ def parallax_section(args):
         prog = fxpar.parallelize(model, spec, batches[0], loss_fn=F.cross_entropy, optimizer=SGD, strategy=st)
         if name == "parallax":
             route = prog.plan.grad_sync["routes"]["emb.weight"]
+            update = prog.plan.grad_sync["sparse_update"]["emb.weight"]["route"]   # plain SGD: "rows"
             assert prog.plan.grad_sync["sparse"] == ["emb.weight"], prog.plan.grad_sync
         methods[f"fxpar {name}"] = fx_method(prog, batches, args.warmup, 2)
         predicted[f"fxpar {name}"] = predicted_steps(model, batches[0], F.cross_entropy, SGD, st, spec, args.rates)
+        if name == "parallax":       # the same pairs, the update through a dense [V, d] gradient (the route before rows)
+            plan = fxpar.Plan.from_json(prog.plan.to_json())
+            plan.grad_sync["sparse_update"]["emb.weight"]["route"] = "dense"
+            dense_upd = fxpar.parallelize(model, spec, batches[0], loss_fn=F.cross_entropy, optimizer=SGD, strategy=st,
+                                          plan=plan)
+            methods["parallax dense upd"] = fx_method(dense_upd, batches, args.warmup, 2)
     methods["DDP 25MB"] = ddp_method(model, batches, F.cross_entropy, SGD, args.warmup, 2)
     methods["DDP sparse emb"] = ddp_method(sparse, batches, F.cross_entropy, SGD, args.warmup, 2)
     v = _nbytes(model)
@@ -276,8 +291,10 @@ def parallax_section(args):
     pairs = 2 * (t * 8 + t * args.bag_d * 4 + dense)
     table = (f"Parallax: Bag, table {args.vocab_big}x{args.bag_d} ({model.emb.weight.numel() * 4 / 2**20:.1f} MiB), "
              f"{t} tokens per rank, 2 ranks (A | B), plain SGD; the plan's routes for emb.weight: sparse "
-             f"{route['sparse_bytes'] / 2**10:.1f} KiB vs dense {route['dense_bytes'] / 2**20:.1f} MiB per rank")
-    return Section(table, 2, methods, predicted, {"fxpar parallax": pairs, "fxpar allreduce": 2 * v,
+             f"{route['sparse_bytes'] / 2**10:.1f} KiB vs dense {route['dense_bytes'] / 2**20:.1f} MiB per rank, "
+             f"update route {update!r}")
+    return Section(table, 2, methods, predicted, {"fxpar parallax": pairs, "parallax dense upd": pairs,
+                                                  "fxpar allreduce": 2 * v,
                                                   "DDP 25MB": 2 * v, "DDP sparse emb": pairs})
 
 
@@ -372,6 +389,7 @@ def main():
     ap.add_argument("--bag-d", type=int, default=32)
     ap.add_argument("--bag-seq", type=int, default=8)
     ap.add_argument("--bag-batch", type=int, default=16)
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="fxpar's bucket cap (MB) for the GPT sections")
     args = ap.parse_args()
     args.rates = [parse_rate(r) for r in args.rates.split(",")]
     only = args.only.split(",")

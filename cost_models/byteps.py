@@ -23,6 +23,11 @@ and each server holds ``1/k``. The gain over all-reduce is ``(n² + kn - 2k) / n
 
 The graph holds whole elements: each server's partition of a bucket of ``V`` elements is ``round(V·x/k)``
 (:func:`split_bucket`), the workers keep the rest. Pure arithmetic: no fxpar, no torch.
+
+:func:`predict` is the paper's model: every transfer pipelined, so a machine's time is its bytes over its NIC.
+``estimate()`` costs what the graphs and ``fxpar.runtime.server`` do instead (``cost_models.comm.
+server_exchange_cost``): per partition, all ``n`` pushes into the server, its sum, then ``n`` pulls out, one
+partition after another, each worker's all-reduce part a ring of its own.
 """
 from __future__ import annotations
 

@@ -157,17 +157,24 @@ def tune(make_buckets, t_fwd: float, t_bwd: float, comm_s, cross: bool, partitio
     return part, c, runs[(part, c)], tried
 
 
-def stage_timings(gm, signature, device) -> dict:
+def stage_timings(gm, signature, device, backward: list | None = None, times: dict | None = None) -> dict:
     """From a captured joint step: forward/backward/optimizer seconds (``cost_models.compute``), and per parameter
     key when backward makes its gradient (seconds into backward) and when forward first uses it (seconds into
-    forward). The times place the events of :func:`simulate`; the node order is the order the step runs."""
+    forward). The times place the events of :func:`simulate`; the node order is the order the step runs, or with
+    ``backward`` (``passes.grad_order.reordered_backward``) backward's nodes run in that order. ``times``: the
+    per-node seconds, when already computed."""
     from fxpar import meta as M
     from .compute import graph_compute
-    times = graph_compute(gm, device).times
+    times = times if times is not None else graph_compute(gm, device).times
     key_of = {ph: k for ph, (r, k) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs) if r == "param"}
     clock = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     ready, need = {}, {}
-    for i, n in enumerate(gm.graph.nodes):
+    nodes = list(gm.graph.nodes)
+    if backward is not None:
+        moved = set(backward)
+        at = next(i for i, n in enumerate(nodes) if n in moved)
+        nodes = nodes[:at] + list(backward) + [n for n in nodes[at:] if n not in moved]
+    for i, n in enumerate(nodes):
         phase = M.get(n, M.PHASE)
         if phase not in clock:
             continue

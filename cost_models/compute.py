@@ -10,6 +10,9 @@ always works. Lookup order for a node's target:
 5. the default rule: ``bytes = inputs + outputs``, ``flops = numel(output)``; the op is
    reported in :attr:`GraphCompute.defaulted` so ``explain()`` can show it.
 
+Bytes are every input and output, except for gathers and scatters (``BYTES_RULES``: ``embedding``,
+``index_select``, in-place ``index_add_``), which touch only the rows they index.
+
 FLOP formulas follow ``torch/utils/flop_counter.py`` (PyTorch): a matmul ``[m,k]@[k,n]`` is
 ``2mnk``; a convolution is ``2 * N * C_out * prod(out_spatial) * C_in/groups * prod(kernel)``
 (Molchanov et al. 2017 count); its backward is one such count per requested gradient;
@@ -238,6 +241,19 @@ import fxpar.local_ops  # noqa: E402, F401  (registers the ops)
 FLOP_RULES[torch.ops.fxpar.axis_chunk] = (_zero, "copy")
 FLOP_RULES[torch.ops.fxpar.first_on_axis] = (_zero, "copy")
 
+# Gathers and scatters touch the rows they index, not the whole table: bytes = what is read and written there.
+def _gather_bytes(a, out):          # embedding(weight, ids) / index_select(x, dim, ids): rows read, output written
+    ids = a[1] if len(a) > 1 and isinstance(a[1], torch.Tensor) else (a[2] if len(a) > 2 else None)
+    return 2 * tensor_bytes(out) + (tensor_bytes(ids) if isinstance(ids, torch.Tensor) else 0)
+
+
+def _scatter_add_bytes(a, out):     # index_add_(self, dim, ids, src, alpha): the touched rows read and written
+    return 3 * tensor_bytes(a[3]) + tensor_bytes(a[2])
+
+
+FLOP_RULES[aten.index_add_] = FLOP_RULES[aten.index_add] = (lambda a, out: numel(a[3]), "elementwise")   # one add per src element
+BYTES_RULES = {aten.embedding: _gather_bytes, aten.index_select: _gather_bytes, aten.index_add_: _scatter_add_bytes}
+
 # Nodes that cost nothing on the compute lane (collectives are costed by cost_models.comm).
 ZERO_COST_TARGETS = {operator.getitem, aten._unsafe_view.default, aten._reshape_alias.default}
 _WRITE_ONLY = {"creation"}
@@ -286,6 +302,11 @@ def node_cost(node: torch.fx.Node) -> OpCost:
     except (AttributeError, IndexError, TypeError, ValueError):
         rule, cls, how = _per_elem(1), "other", "default"
         flops = rule(args, out)
+    if packet in BYTES_RULES:
+        try:
+            return OpCost(flops, BYTES_RULES[packet](args, out), cls, how)
+        except (AttributeError, IndexError, TypeError):
+            pass
     out_b = tensor_bytes(out) if _tensors(out) or not args else tensor_bytes(args[0])   # in place: rewrites arg 0
     in_b = 0 if cls in _WRITE_ONLY else tensor_bytes(args)
     return OpCost(flops, in_b + out_b, cls, how)

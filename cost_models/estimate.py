@@ -260,12 +260,13 @@ def _symmetry_classes(programs: dict):
     return cls_of
 
 
-def estimate(graphs: dict, cluster, algorithm: str = "auto") -> Estimate:
+def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) -> Estimate:
     """Cost and simulate one training step of the per-rank ``graphs``.
 
     ``graphs[rank]`` is a GraphModule (the rank's whole step) or a list of items the rank runs in
     order (graphs, ``(label, graph)``, :class:`~cost_models.sequence.Item`, send/recv
-    ``CommInfo``, ``("wait", label)``; see :mod:`cost_models.sequence`).
+    ``CommInfo``, ``("wait", label)``; see :mod:`cost_models.sequence`). ``server_nodes[j]``: the
+    worker node BytePS's CPU server ``j`` sits on (default: machines of their own; ``cost_models.comm``).
     """
     cache: dict = {}
     programs = {r: compile_sequence(g, cluster, cache, r) if isinstance(g, (list, tuple))
@@ -277,10 +278,10 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto") -> Estimate:
         if key not in comm_cache:
             costs = []
             for info in p.infos:
-                ck = (info.kind, info.nbytes, tuple(info.ranks))
+                ck = (info.kind, info.nbytes, tuple(info.ranks), info.axis)
                 c = comm_cache.get(ck)
                 if c is None:
-                    c = comm_cache[ck] = comm_info_cost(info, cluster, algorithm)
+                    c = comm_cache[ck] = comm_info_cost(info, cluster, algorithm, server_nodes)
                 costs.append(c)
             comm_cache[key] = ([c.time_s for c in costs], sum(c.wire_bytes for c in costs))
         durations[r], wire[r] = comm_cache[key]

@@ -64,6 +64,10 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
         from passes import OffloadActivations
         pipeline.append(OffloadActivations())   # what backward still reads from forward goes to host memory and back
     if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
+        if (plan.comm_schedule or {}).get("method") == "bytescheduler":
+            from passes.grad_order import GradOrder
+            # first: backward makes the gradients in the planned order, which every later pass then follows
+            pipeline.append(GradOrder())
         pipeline += [
             DataParallelGradSync(),  # each gradient summed over the ranks the planner named (dp replicas, tied stages)
         ]
@@ -125,7 +129,7 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
             plan_recompute(plan, s, gm, roles, in_flight=_in_flight(schedule, s))
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":   # buckets, pieces, issue plan of the stage
             from .planner import plan_comm_schedule
-            plan_comm_schedule(plan, s, captured, cluster)
+            plan_comm_schedule(plan, s, captured, cluster, fused=kinds == ("FULL",))
         rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
                           signature=gm.meta["fxpar_signature"], captured=captured)

@@ -246,7 +246,8 @@ def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None) -> 
            else "")
     mb = lambda v: None if v is None else int(v * 2**20)      # noqa: E731
     plan.comm_schedule = {"method": strategy.comm_schedule, "partition_bytes": mb(strategy.partition_mb),
-                          "credit_bytes": mb(strategy.credit_mb), "cross_iteration": not why,
+                          "credit_bytes": mb(strategy.credit_mb), "grad_order": strategy.grad_order,
+                          "cross_iteration": not why,
                           "why_not_cross_iteration": why, "stages": []}
     if strategy.delayed_update:
         if why:
@@ -262,14 +263,18 @@ def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None) -> 
                               "carried into the next step, whose update runs on chunks after its backward")
 
 
-def plan_comm_schedule(plan: Plan, stage: int, captured, cluster) -> dict:
+def plan_comm_schedule(plan: Plan, stage: int, captured, cluster, fused: bool = True) -> dict:
     """ByteScheduler's decisions for one stage (Peng et al., SOSP'19; ``cost_models.comm_tuning.plan_stage``):
     buckets of at most ``partition`` bytes (a bigger single gradient cut in row pieces), their priority (the
     order the next forward first uses them), the credit, and the issue plan simulated on the cost model, into
     ``Plan.comm_schedule['stages'][stage]``; the stage's buckets become those. Partition and credit left None
-    are tuned on that simulation of this cluster; the grid tried and the predicted step times are recorded."""
+    are tuned on that simulation of this cluster; the grid tried and the predicted step times are recorded.
+    With cross-iteration overlap on a fused stage (``fused``: one graph per step) the order backward makes the
+    gradients is a decision too (``passes.grad_order``): natural, the next forward's need order, or natural for
+    the first few then need order, whichever the simulation predicts fastest (``entry['grad_order']``)."""
     from cost_models.comm import collective_cost
     from cost_models.comm_tuning import CreditError, plan_stage, stage_timings
+    from cost_models.compute import graph_compute
     cs = plan.comm_schedule
     stages = cs.setdefault("stages", [])
     if stage < len(stages):                       # decided already (a Plan handed back)
@@ -280,14 +285,27 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster) -> dict:
         stages.append({"priority": [], "pieces": [], "events": [], "predicted_step_s": None})
         return stages[-1]
     ranks = plan.group_of(names[0], plan.stage_to_rank[stage][0] * plan.width)
+    times = graph_compute(captured.gm, cluster.device).times
+    tm0 = stage_timings(captured.gm, captured.signature, cluster.device, times=times)
+    why_not = _why_not_grad_order(plan, captured, fused)
+    asked = cs.get("grad_order")
+    if asked == "priority" and why_not:
+        raise StrategyError(f"Strategy(comm_schedule='bytescheduler', grad_order='priority'), stage {stage}: backward's "
+                            f"gradient order cannot be changed here: {why_not}. Use grad_order=None or 'natural'.")
+    made_by = {}
     try:
-        entry, buckets = plan_stage(
-            stage_timings(captured.gm, captured.signature, cluster.device),
-            lambda part: plan_buckets(captured, part, part, groups),
-            lambda k: captured.param_shapes[k], lambda k: _itemsize(captured.param_dtypes[k]),
-            lambda n: collective_cost("all_reduce", n, ranks, cluster).time_s, bool(cs.get("cross_iteration")),
-            plan.buckets[stage], cs.get("partition_bytes"), cs.get("credit_bytes"),
-            shared=lambda keys: any(str(groups.get(k)).startswith("tied.") for k in keys))
+        for label, mode, first, backward in _grad_order_candidates(captured, tm0, why_not, asked):
+            tm = tm0 if backward is None else stage_timings(captured.gm, captured.signature, cluster.device,
+                                                            backward=backward, times=times)
+            made = sorted(tm["ready"], key=tm["ready"].__getitem__)
+            entry, buckets = plan_stage(
+                tm, lambda part: plan_buckets(captured, part, part, groups, made),
+                lambda k: captured.param_shapes[k], lambda k: _itemsize(captured.param_dtypes[k]),
+                lambda n: collective_cost("all_reduce", n, ranks, cluster).time_s, bool(cs.get("cross_iteration")),
+                plan.buckets[stage], cs.get("partition_bytes"), cs.get("credit_bytes"),
+                shared=lambda keys: any(str(groups.get(k)).startswith("tied.") for k in keys))
+            entry["grad_order"] = {"mode": mode, "first": first, "keys": made if mode != "natural" else []}
+            made_by[label] = (entry, buckets)
     except CreditError as e:
         keys = plan_buckets(captured, e.partition, e.partition, groups)[e.bucket]
         tied = str(groups.get(keys[0])).startswith("tied.") and not cs.get("partition_bytes")
@@ -301,17 +319,65 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster) -> dict:
                             f"bytes: the {what}, at partition {e.partition / 2**20:.4g} MiB. A piece must fit in the "
                             f"credit to be sent at all: raise credit_mb to at least {e.piece / 2**20:.4g}, lower "
                             "partition_mb, or leave credit_mb=None (tuned).") from None
+    step = {label: e["predicted_step_s"] for label, (e, _) in made_by.items()}
+    fastest = min(step, key=step.__getitem__)
+    if "natural" in step and step[fastest] >= step["natural"] * (1 - _REORDER_GAIN):
+        fastest = "natural"
+    entry, buckets = made_by[fastest]
+    entry["grad_order"]["tried"] = step
+    if why_not:
+        entry["grad_order"]["why_natural"] = why_not
     plan.buckets[stage] = buckets
     stages.append(entry)
     fifo = entry["fifo_predicted_step_s"]
+    go = entry["grad_order"]
     plan.notes.append(f"comm_schedule (bytescheduler): stage {stage}: {len(buckets)} bucket(s), {len(entry['pieces'])} "
                       f"piece(s) of at most {entry['partition_bytes'] / 2**20:.3g} MiB, credit "
                       f"{entry['credit_bytes'] / 2**20:.3g} MiB ({entry['tuned']['partition']}/{entry['tuned']['credit']}); "
                       f"predicted step {entry['predicted_step_s'] * 1e3:.3g} ms"
                       + (f" vs FIFO buckets {fifo * 1e3:.3g} ms" if fifo else "")
                       + ("; gradient waits and updates move into the next step" if cs.get("cross_iteration") else
-                         f"; no cross-iteration overlap: {cs.get('why_not_cross_iteration')}"))
+                         f"; no cross-iteration overlap: {cs.get('why_not_cross_iteration')}")
+                      + (f"; backward makes the gradients in {go['mode']} order"
+                         + (f" after the first {go['first']}" if go["mode"] == "hybrid" else "")
+                         + " (predicted " + ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in go["tried"].items()) + ")"
+                         if len(go["tried"]) > 1 else ""))
     return entry
+
+
+_REORDER_GAIN = 0.02      # reorder backward only when predicted at least 2% faster (it keeps dY tensors longer)
+
+
+def _why_not_grad_order(plan: Plan, captured, fused: bool) -> str | None:
+    """Why backward's gradient order is not a decision for this stage (None: it is)."""
+    from passes.grad_order import why_not_reorder      # fxpar reaches passes lazily (as fxpar.lower does)
+    if not (plan.comm_schedule or {}).get("cross_iteration"):
+        return "no cross-iteration overlap: the optimizer waits for every gradient at once"
+    if not fused:
+        return ("the stage's gradients are reduced by REDUCE_GRAD after its last backward (a pipeline or several "
+                "microbatches): the order backward makes them does not move their collectives")
+    if (plan.recompute or {}).get("policy", "none") != "none" or (plan.offload or {}).get("activations"):
+        return "recompute / activation offload place their copies by backward's order"
+    if plan.shardings or getattr(plan, "zero", 0):
+        return "tensor parallelism and ZeRO place their collectives by backward's order"
+    return why_not_reorder(captured.gm)
+
+
+def _grad_order_candidates(captured, tm: dict, why_not: str | None, asked: str | None = None) -> list:
+    """``(label, mode, first, backward nodes or None)``: natural; need order; natural for the first j then need
+    order (j = a quarter, half and three quarters of the gradients). ``asked``: only that one."""
+    out = [] if asked == "priority" else [("natural", "natural", 0, None)]
+    if why_not or asked == "natural":
+        return out
+    from passes.grad_order import reordered_backward
+    natural = sorted(tm["ready"], key=tm["ready"].__getitem__)
+    need = sorted(tm["ready"], key=lambda k: (tm["need"].get(k, float("inf")), natural.index(k)))
+    n = len(natural)
+    for first in sorted({0} if asked else {0, n // 4, n // 2, (3 * n) // 4} - {n}):
+        keys = natural[:first] + [k for k in need if k not in natural[:first]]
+        mode = "priority" if first == 0 else "hybrid"
+        out.append((f"{mode}" + (f"@{first}" if first else ""), mode, first, reordered_backward(captured.gm, keys)))
+    return out
 
 
 def _record_grad_sync(plan: Plan, strategy: Strategy, base: Plan | None, cluster) -> None:
@@ -343,10 +409,11 @@ def _record_grad_sync(plan: Plan, strategy: Strategy, base: Plan | None, cluster
                                 "ClusterSpec.local(4, nodes=2, devices_per_node=2)), or grad_sync='allreduce'.")
         node = [list(range(n * per, (n + 1) * per)) for n in range(nodes)]
         cross = [list(range(i, plan.dp, per)) for i in range(per)]
-        plan.grad_sync = {"method": "herring", "node": node, "cross": cross}
+        # overlap: each bucket's cross-node sum and gather start during backward (passes/herring.py)
+        plan.grad_sync = {"method": "herring", "node": node, "cross": cross, "overlap": True}
         plan.groups.update({"node": node, "cross": cross})
         plan.notes.append(f"grad_sync: Herring -- each bucket reduce-scattered within nodes {node}, each shard summed "
-                          f"across nodes {cross}, then all-gathered within the node")
+                          f"across nodes {cross} while backward goes on, then all-gathered within the node")
 
 
 def _record_byteps(plan: Plan, strategy: Strategy, k: int) -> None:
@@ -377,15 +444,21 @@ def _record_byteps(plan: Plan, strategy: Strategy, k: int) -> None:
 
 def plan_sparse_routes(plan: Plan, captured) -> None:
     """Parallax: which embedding gradients travel as (row index, row) pairs (``passes.parallax.classify``: its
-    traffic formulas on the captured step), into ``Plan.grad_sync``; a handed-back Plan keeps its routes."""
+    traffic formulas on the captured step), into ``Plan.grad_sync``, and how each one's update is applied
+    (``Plan.grad_sync["sparse_update"]``, ``passes.parallax.update_routes``); a handed-back Plan keeps its routes."""
     gs = plan.grad_sync
-    if gs.get("method") != "parallax" or "routes" in gs:
+    if gs.get("method") != "parallax" or ("routes" in gs and "sparse_update" in gs):
         return
-    from passes.parallax import classify                             # fxpar reaches passes only here and in lower
-    gs["routes"] = classify(captured.gm, plan.dp)
-    gs["sparse"] = sorted(k for k, r in gs["routes"].items() if r["route"] == "sparse")
+    from passes.parallax import classify, update_routes              # fxpar reaches passes only here and in lower
+    if "routes" not in gs:
+        gs["routes"] = classify(captured.gm, plan.dp)
+        gs["sparse"] = sorted(k for k, r in gs["routes"].items() if r["route"] == "sparse")
+    # each sparse gradient's update: into the touched rows (plain SGD) or through a dense gradient, and why
+    gs["sparse_update"] = update_routes(captured.gm, captured.optimizer, gs["sparse"], plan.microbatches)
+    upd = gs["sparse_update"]
     plan.notes.append("grad_sync: Parallax -- " + ("; ".join(
         f"{k}: {r['route']} (pairs {r['sparse_bytes']:.0f} B vs all-reduce {r['dense_bytes']:.0f} B per rank)"
+        + (f", update {upd[k]['route']}: {upd[k]['why']}" if k in upd else "")
         for k, r in gs["routes"].items()) or "no embedding gradient: everything all-reduced"))
 
 
@@ -488,11 +561,13 @@ def plan_recompute(plan: Plan, stage: int, gm, roles: dict, in_flight: int = 1) 
     return entry
 
 
-def plan_buckets(captured, cap_bytes: int, first_cap_bytes: int | None = None, groups: dict | None = None) -> list:
+def plan_buckets(captured, cap_bytes: int, first_cap_bytes: int | None = None, groups: dict | None = None,
+                 grad_order: list | None = None) -> list:
     """DDP-style buckets of one stage: gradients in the order backward produces them, cut at ``cap_bytes``;
     the first bucket at ``min(first_cap_bytes, cap_bytes)`` (DDP: 1 MiB), as DDP's rebuilt buckets. Each
-    bucket holds one dtype and one group (``groups``: key -> group name; keys mapped to None are left out)."""
-    order = []
+    bucket holds one dtype and one group (``groups``: key -> group name; keys mapped to None are left out).
+    ``grad_order``: the order backward makes them when ``passes.grad_order`` reorders it."""
+    order = list(grad_order or [])
     for n in captured.gm.graph.nodes:
         key = M.get(n, M.GRAD_OF)
         if key is not None and key not in order:

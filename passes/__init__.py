@@ -1,6 +1,7 @@
 """fxpar's passes, one per module. Each is ``(GraphModule, PassContext) -> PassResult``."""
 from .bucket import BucketGradients
 from .comm_schedule import CommSchedule
+from .grad_order import GradOrder
 from .data_parallel import DataParallelGradSync, SyncBuffers
 from .herring import HierarchicalReduce
 from .byteps import ServerSum
@@ -17,4 +18,4 @@ from .zero_offload import ZeroOffload
 __all__ = ["DataParallelGradSync", "BucketGradients", "SyncBuffers", "ReinplaceOptimizer", "SplitGraphs",
            "SplitGraph", "split_graphs", "Recompute", "propagate_shardings", "ShardingResult", "ShardingConflict",
            "lower_shardings", "ZeroShard", "HierarchicalReduce", "OffloadActivations", "SparseGradSync", "CommSchedule",
-           "ServerSum", "ZeroOffload"]
+           "GradOrder", "ServerSum", "ZeroOffload"]

@@ -19,21 +19,39 @@ server of the whole variable. Dense gradients stay in the DDP-style buckets. Bef
     ids = reshape(idx, [-1]); rows = reshape(grad_out, [-1, 16])                        # [T], [T, 16]
     a = all_gather_into_tensor(ids, 2, 'fxpar:dp'); r = all_gather_into_tensor(rows, 2, 'fxpar:dp')
     grad = index_add(new_zeros(rows, [1000, 16]), 0, wait_tensor(a), wait_tensor(r))
+
+The update then goes one of two ways (:func:`update_routes` decides, the planner records it in
+``Plan.grad_sync["sparse_update"]``). Where the traced optimizer's update of the parameter is linear in the
+gradient and leaves a row with zero gradient unchanged -- plain SGD, ``p - lr * g``: no momentum, no weight
+decay -- the pairs go straight into the touched rows and the dense gradient is never made (route ``rows``;
+the parameter is cut out of the optimizer's ``_foreach_`` lists and its gradient is no longer a graph
+output). Any other update (AdamW, SGD with momentum or weight decay, an eager optimizer, several
+microbatches whose gradients the runtime sums densely) keeps the dense gradient above (route ``dense``).
+Before / after, route ``rows``::
+
+    _foreach_mul = _foreach_mul([grad, g_pos, ...], lr); _foreach_sub([emb, pos, ...], [_foreach_mul[0], ...])
+
+    _foreach_mul = _foreach_mul([g_pos, ...], lr);       _foreach_sub([pos, ...], [_foreach_mul[0], ...])
+    index_add_(emb, 0, wait_tensor(a), mul(wait_tensor(r), lr), alpha=-1)     # only the gathered rows move
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 
 from fxpar import meta as M
 from fxpar.collectives import C10D, group_tag
+from fxpar.errors import PassError
 from fxpar.pass_manager import Pass, PassContext, PassResult
 
 from .bucket import _chains
 
-__all__ = ["classify", "SparseGradSync"]
+__all__ = ["classify", "update_routes", "SparseGradSync"]
 
 aten = torch.ops.aten
 _EDB = aten.embedding_dense_backward.default
+_MUL, _SUB = aten._foreach_mul.Tensor, aten._foreach_sub.List
 
 
 def _embedding_grad(raw):
@@ -72,8 +90,195 @@ def classify(gm, dp: int) -> dict:
     return out
 
 
+def _spec_reason(spec) -> str:
+    """Why the optimizer's update moves rows whose gradient is zero (or needs the dense gradient); '' if it does not."""
+    if not spec.traced:
+        return f"the optimizer runs eagerly on each rank ({spec.why_not_traced}) and reads a dense gradient"
+    if spec.cls is not torch.optim.SGD:
+        return (f"{spec.name} keeps per-row state ({', '.join(spec.state_names)}) that moves every row each step, "
+                "zero gradient or not")
+    for k, why in (("momentum", "the momentum buffer keeps moving rows whose gradient is zero"),
+                   ("weight_decay", "every row decays each step")):
+        if spec.hyper(k, 0):
+            return f"SGD {k}={spec.hyper(k, 0)}: {why}"
+    return ""
+
+
+def _sgd_update(grad, param):
+    """The traced plain-SGD update of one parameter, ``p - lr * g``: ``_foreach_mul(grads, lr)[i]`` read only by
+    ``_foreach_sub(params, .)[i]`` with ``params[i]`` the parameter, which no other optimizer op reads.
+    Returns ``(mul, sub, i)``, or a string saying which node breaks the pattern."""
+    opt = [u for u in grad.users if M.get(u, M.PHASE) == "optimizer"]
+    if len(opt) != 1 or opt[0].target is not _MUL:
+        return f"the optimizer reads the gradient in {[u.name for u in opt]}, not one _foreach_mul by lr"
+    mul = opt[0]
+    grads, lr = mul.args[0], mul.args[1]
+    if not isinstance(lr, torch.fx.Node) or M.get(lr, M.ROLE) != "lr" or list(grads).count(grad) != 1:
+        return f"{mul.name} scales the gradient by {getattr(lr, 'name', lr)}, not by the learning rate"
+    i = list(grads).index(grad)
+    scaled = [u for u in mul.users if u.target is operator.getitem and u.args[1] == i]
+    subs = [u for x in scaled for u in x.users]
+    if len(scaled) != 1 or len(subs) != 1 or subs[0].target is not _SUB:
+        return f"lr * gradient ({mul.name}[{i}]) is read by {[u.name for u in subs]}, not by one _foreach_sub"
+    sub = subs[0]
+    if sub.args[0][i] is not param or sub.args[1][i] is not scaled[0]:
+        return f"{sub.name} does not subtract lr * gradient from {param.name}"
+    other = [u.name for u in param.users if M.get(u, M.PHASE) == "optimizer" and u is not sub]
+    if other:
+        return f"the optimizer also reads {param.name} in {other}"
+    return mul, sub, i
+
+
+def _param_node(gm, key):
+    return next(n for n in gm.graph.find_nodes(op="placeholder")
+                if M.get(n, M.ROLE) == "param" and M.get(n, M.PARAM) == key)
+
+
+def update_routes(gm, spec, keys, microbatches: int) -> dict:
+    """Per sparse gradient ``key``: ``{"route": "rows" | "dense", "why": ...}`` -- whether its update can go
+    straight into the touched rows (module docstring). ``gm``: the captured joint step; ``spec``: its
+    ``OptimizerSpec``."""
+    grads = {}
+    for n in gm.graph.nodes:
+        k = M.get(n, M.GRAD_OF)
+        if k in keys and k not in grads:
+            grads[k] = n
+    out = {}
+    for k in keys:
+        why = _spec_reason(spec)
+        if not why and microbatches > 1:
+            why = (f"microbatches={microbatches}: the runtime sums each microbatch's gradient as a dense tensor "
+                   "before the update")
+        if not why:
+            found = _sgd_update(grads[k], _param_node(gm, k))
+            why = "" if isinstance(found, tuple) else f"the traced update is not p - lr * g: {found}"
+        out[k] = ({"route": "dense", "why": why} if why else
+                  {"route": "rows", "why": "plain SGD (p - lr * g) leaves a row with zero gradient unchanged: the "
+                                          "gathered rows are subtracted from the touched rows, no dense gradient"})
+    return out
+
+
+def _drop_element(g, n, i) -> None:
+    """Rebuild the ``_foreach_`` op ``n`` without element ``i`` of its lists (an element-wise op: the others keep
+    their values bit for bit); its ``getitem`` users follow their element. ``getitem(n, i)`` must be unread."""
+    for u in list(n.users):
+        if u.args[1] == i:
+            g.erase_node(u)
+    lists = [j for j, a in enumerate(n.args) if isinstance(a, (list, tuple))]
+    if len(n.args[lists[0]]) == 1:
+        g.erase_node(n)
+        return
+    args = tuple([x for k, x in enumerate(a) if k != i] if j in lists else a for j, a in enumerate(n.args))
+    with g.inserting_before(n):
+        m = g.call_function(n.target, args, dict(n.kwargs))
+    m.meta.update({k: v for k, v in n.meta.items() if k != "val"})
+    if isinstance(n.meta.get("val"), (list, tuple)):
+        m.meta["val"] = [v for k, v in enumerate(n.meta["val"]) if k != i]
+    for u in list(n.users):
+        u.args = (m, u.args[1] - (u.args[1] > i))
+    g.erase_node(n)
+
+
+def _meta(x, v, mod, phase="backward"):
+    x.meta.update({"val": v, M.PHASE.name: phase, M.MODULE.name: mod})
+
+
+def _gather_pairs(g, chain, n, ranks):
+    """Before the gradient's all-reduce: every rank's (row index, row) pairs, all-gathered. Returns the waited
+    ids [n*T] and rows [n*T, w] (rows already carry the mean's 1/dp)."""
+    raw, ar, wt, avg = chain
+    edb = _embedding_grad(raw)
+    grad_out, idx = edb.args[0], edb.args[1]
+    gv, iv = grad_out.meta["val"], idx.meta["val"]
+    w, t = gv.shape[-1], iv.numel()
+    mod = M.get(edb, M.MODULE, "")
+    with g.inserting_before(ar):
+        ids = g.call_function(aten.reshape.default, (idx, [-1]))
+        rows = g.call_function(aten.reshape.default, (grad_out, [-1, w]))
+        if avg is not wt:                               # backward's seed was not scaled by 1/dp
+            rows = g.call_function(aten.div.Tensor, (rows, n))
+        a = g.call_function(C10D.all_gather_into_tensor.default, (ids, n, group_tag("dp")))
+        r = g.call_function(C10D.all_gather_into_tensor.default, (rows, n, group_tag("dp")))
+        wa = g.call_function(C10D.wait_tensor.default, (a,))
+        wr = g.call_function(C10D.wait_tensor.default, (r,))
+    for x in (ids, a, wa):
+        _meta(x, iv.new_empty([t * (n if x is not ids else 1)]), mod)
+    for x in (rows, r, wr):
+        _meta(x, gv.new_empty([t * (n if x is not rows else 1), w]), mod)
+    M.set_meta(a, M.COMM, M.CommInfo("all_gather", "dp", tuple(ranks), t * iv.element_size()))
+    M.set_meta(r, M.COMM, M.CommInfo("all_gather", "dp", tuple(ranks), t * w * gv.element_size()))
+    return wa, wr, mod
+
+
+def _dense_grad(g, key, chain, wa, wr, mod):
+    """Route ``dense``: the pairs summed into a [V, w] gradient, which the optimizer reads as before."""
+    raw, ar, wt, avg = chain
+    v = avg.meta["val"]
+    with g.inserting_before(ar):
+        zeros = g.call_function(aten.new_zeros.default, (wr, list(v.shape)))
+        grad = g.call_function(aten.index_add.default, (zeros, 0, wa, wr))
+    _meta(zeros, v.new_empty(v.shape), mod)
+    _meta(grad, v.new_empty(v.shape), mod)
+    M.set_meta(grad, M.GRAD_OF, key)
+    avg.replace_all_uses_with(grad)
+
+
+def _read_after(g, param, node, skip) -> list:
+    """Nodes after ``node`` that read ``param`` or a view of it (an in-place write at ``node`` would change them)."""
+    from .reinplace import _is_alias
+    order = {x: j for j, x in enumerate(g.nodes)}
+    late, stack, seen = [], [param], set()
+    while stack:
+        x = stack.pop()
+        for u in x.users:
+            if u.op == "output" or u in skip or u in seen:
+                continue
+            seen.add(u)
+            if order[u] > order[node]:
+                late.append(u.name)
+            if _is_alias(u):
+                stack.append(u)
+    return late
+
+
+def _row_update(gm, ctx, key, chain, wa, wr, mod):
+    """Route ``rows``: ``index_add_(p, 0, ids, lr * rows, alpha=-1)`` in place of the parameter's share of the
+    optimizer's foreach ops; its gradient leaves the graph's outputs (nothing makes it any more)."""
+    g, avg = gm.graph, chain[3]
+    param = _param_node(gm, key)
+    found = _sgd_update(avg, param)
+    fix = (f"set Plan.grad_sync['sparse_update'][{key!r}]['route'] to 'dense' (or delete 'sparse_update' and let "
+           "the planner decide)")
+    if isinstance(found, str):
+        raise PassError(f"parallax: the plan updates {key} in its touched rows only, but {found}; {fix}, or train "
+                        "with plain SGD (no momentum, no weight decay)")
+    if ctx.store.get("kinds", ("FULL",)) != ("FULL",):
+        raise PassError(f"parallax: the plan updates {key} in its touched rows only, but this step is cut into "
+                        f"{ctx.store['kinds']} (microbatches > 1: the runtime sums the gradients densely); {fix}, or "
+                        "use microbatches=1")
+    mul, sub, i = found
+    with g.inserting_before(sub):
+        scaled = g.call_function(aten.mul.Tensor, (wr, mul.args[1]))
+        upd = g.call_function(aten.index_add_.default, (param, 0, wa, scaled), {"alpha": -1})
+    _meta(scaled, wr.meta["val"].new_empty(wr.meta["val"].shape), mod, "optimizer")
+    _meta(upd, param.meta["val"], mod, "optimizer")
+    late = _read_after(g, param, upd, skip=(sub, upd))
+    if late:
+        raise PassError(f"parallax: {late} read {key} after its in-place row update; {fix}")
+    for x in [u for u in sub.users if u.args[1] == i]:     # the new parameter is the parameter, updated in place
+        x.replace_all_uses_with(param)
+    _drop_element(g, sub, i)
+    _drop_element(g, mul, i)
+    sig = gm.meta["fxpar_signature"]
+    out = g.find_nodes(op="output")[0]
+    keep = [j for j, rk in enumerate(sig.outputs) if tuple(rk) != ("grad", key)]
+    out.args = (tuple(out.args[0][j] for j in keep),)
+    sig.outputs = [sig.outputs[j] for j in keep]
+
+
 class SparseGradSync(Pass):
-    """Carry out ``Plan.grad_sync["sparse"]``: those gradients travel as (row index, row) pairs."""
+    """Carry out ``Plan.grad_sync["sparse"]``: those gradients travel as (row index, row) pairs; each one's
+    update follows ``Plan.grad_sync["sparse_update"]`` (``rows``: into the touched rows; else dense)."""
     name = "parallax"
     requires = ("data_parallel",)
 
@@ -86,39 +291,16 @@ class SparseGradSync(Pass):
         n = ctx.plan.dp
         ranks = ctx.plan.group_of("dp", ctx.rank)
         chains = _chains(gm)
+        routes = {k: (gs.get("sparse_update") or {}).get(k, {}).get("route", "dense") for k in keys}
         for key in keys:
-            raw, ar, wt, avg = chains[key]
+            chain = chains[key]
+            wa, wr, mod = _gather_pairs(g, chain, n, ranks)
+            if routes[key] == "rows":
+                _row_update(gm, ctx, key, chain, wa, wr, mod)
+            else:
+                _dense_grad(g, key, chain, wa, wr, mod)
+            raw, ar, wt, avg = chain
             edb = _embedding_grad(raw)
-            grad_out, idx, rows_n = edb.args[0], edb.args[1], int(edb.args[2])
-            gv, iv = grad_out.meta["val"], idx.meta["val"]
-            w = gv.shape[-1]
-            t = iv.numel()
-            mod = M.get(edb, M.MODULE, "")
-
-            def meta(x, v, mod=mod):
-                x.meta.update({"val": v, M.PHASE.name: "backward", M.MODULE.name: mod})
-            with g.inserting_before(ar):
-                ids = g.call_function(aten.reshape.default, (idx, [-1]))
-                rows = g.call_function(aten.reshape.default, (grad_out, [-1, w]))
-                if avg is not wt:                               # backward's seed was not scaled by 1/dp
-                    rows = g.call_function(aten.div.Tensor, (rows, n))
-                a = g.call_function(C10D.all_gather_into_tensor.default, (ids, n, group_tag("dp")))
-                r = g.call_function(C10D.all_gather_into_tensor.default, (rows, n, group_tag("dp")))
-                wa = g.call_function(C10D.wait_tensor.default, (a,))
-                wr = g.call_function(C10D.wait_tensor.default, (r,))
-                zeros = g.call_function(aten.new_zeros.default, (wr, [rows_n, w]))
-                grad = g.call_function(aten.index_add.default, (zeros, 0, wa, wr))
-            for x in (ids, a, wa):
-                meta(x, iv.new_empty([t * (n if x is not ids else 1)]))
-            for x in (rows, r, wr):
-                meta(x, gv.new_empty([t * (n if x is not rows else 1), w]))
-            meta(zeros, gv.new_empty([rows_n, w]))
-            meta(grad, gv.new_empty([rows_n, w]))
-            meta(ids, iv.new_empty([t]))
-            M.set_meta(a, M.COMM, M.CommInfo("all_gather", "dp", tuple(ranks), t * iv.element_size()))
-            M.set_meta(r, M.COMM, M.CommInfo("all_gather", "dp", tuple(ranks), t * w * gv.element_size()))
-            M.set_meta(grad, M.GRAD_OF, key)
-            avg.replace_all_uses_with(grad)
             for dead in dict.fromkeys((avg, wt, ar)):
                 g.erase_node(dead)
             for dead in dict.fromkeys((raw, edb)):
@@ -127,6 +309,11 @@ class SparseGradSync(Pass):
         from .zero import _one_in_flight        # gloo: one gather / reduce-scatter in flight (see passes/zero.py)
         _one_in_flight(g)
         g.lint()
+        rows = [k for k in keys if routes[k] == "rows"]
         ctx.notes.append(f"parallax: {len(keys)} sparse gradient(s) {keys} sent as (row index, row) pairs; "
-                         "the rest in all-reduce buckets")
-        return PassResult(gm, True, {"sparse": len(keys)})
+                         + (f"{rows} updated in the touched rows only (index_add_ of -lr * rows, no dense gradient); "
+                            if rows else "")
+                         + (f"{[k for k in keys if k not in rows]} summed into a dense gradient for the optimizer; "
+                            if len(rows) < len(keys) else "")
+                         + "the rest in all-reduce buckets")
+        return PassResult(gm, True, {"sparse": len(keys), "rows": len(rows)})

@@ -39,12 +39,7 @@ def test_herring_mlp_structure_and_bytes(clusters):
     """Per bucket of V elements over L=2 ranks per node: reduce_scatter in the node (L·ceil(V/L) elements handed),
     all_reduce across nodes of one shard (ceil(V/L)), all_gather in the node (ceil(V/L) handed): in that order.
     Shards are equal: the padding is below L elements (balanced fusion buffers)."""
-    torch.manual_seed(0)
-    model = MLP(d_in=15, hidden=33, d_out=7).double()
-    g = torch.Generator().manual_seed(2)
-    batches = [(torch.randn(8, 15, generator=g, dtype=torch.float64), torch.randn(8, 7, generator=g,
-                                                                                 dtype=torch.float64))
-               for _ in range(2)]
+    model, batches = _mlp_and_batches()
     prog, res = _run(clusters, model, batches, F.mse_loss, SGD_M, bucket_cap_mb=0.002)
     sizes = {k: p.numel() for k, p in model.named_parameters()}
     buckets = prog.plan.buckets[0]
@@ -73,6 +68,88 @@ def test_herring_mlp_structure_and_bytes(clusters):
         ar = next(u for u in w1.users if u.target is torch.ops._c10d_functional.all_reduce.default)
         ag = next(u for u in next(iter(ar.users)).users)
         assert order[rs] < order[ar] < order[ag]
+
+
+def _mlp_and_batches():
+    torch.manual_seed(0)
+    model = MLP(d_in=15, hidden=33, d_out=7).double()
+    g = torch.Generator().manual_seed(2)
+    return model, [(torch.randn(8, 15, generator=g, dtype=torch.float64),
+                    torch.randn(8, 7, generator=g, dtype=torch.float64)) for _ in range(2)]
+
+
+def _steps_per_bucket(gm):
+    """Per bucket in issue order: (reduce_scatter, its wait, cross all_reduce, its wait, all_gather, its wait)."""
+    out = []
+    for rs in [x for x in collective_nodes(gm) if x.meta["fxpar_comm"].kind == "reduce_scatter"]:
+        w1 = next(iter(rs.users))
+        x = next(u for u in w1.users if u.target is torch.ops._c10d_functional.all_reduce.default)
+        w2 = next(iter(x.users))
+        ag = next(iter(w2.users))
+        out.append((rs, w1, x, w2, ag, next(iter(ag.users))))
+    return out
+
+
+def _backward_compute(gm):
+    """The captured graph's own backward nodes (not the gradient-sync nodes a pass inserted)."""
+    return [x for x in gm.graph.nodes if x.meta.get("fxpar_phase") == "backward" and "fxpar_pass" not in x.meta]
+
+
+def test_herring_cross_node_sum_overlaps_backward():
+    """Plan.grad_sync["overlap"] (the planner's default): every bucket but the last has its cross-node all-reduce
+    issued before the last backward node and before the next bucket's reduce-scatter, with backward compute
+    between its issue and its wait, which comes after that next reduce-scatter; its all-gather (all but the last
+    two buckets) is issued during backward and waited before the reduce-scatter two buckets on. The in-node
+    collectives stay one at a time. A Plan edited to overlap=False puts every cross-node step after backward;
+    both move the same collectives with the same bytes."""
+    model, batches = _mlp_and_batches()
+    spec = fxpar.ClusterSpec.local(4, **TWO_NODES)
+    prog = fxpar.parallelize(model, spec, batches[0], F.mse_loss, SGD_M,
+                             strategy=fxpar.Strategy(dp=4, grad_sync="herring", bucket_cap_mb=0.002))
+    assert prog.plan.grad_sync["overlap"] is True
+    gm = prog.graphs(0)["step"]
+    order = {x: i for i, x in enumerate(gm.graph.nodes)}
+    bwd = [order[x] for x in _backward_compute(gm)]
+    chains = [tuple(order[x] for x in c) for c in _steps_per_bucket(gm)]
+    n = len(chains)
+    assert n == len(prog.plan.buckets[0]) >= 4
+    for b, (rs, _, x, w2, ag, w3) in enumerate(chains[:-1]):
+        nxt = chains[b + 1]
+        assert rs < x < nxt[0] < w2 and x < bwd[-1], f"bucket {b}"
+        assert any(x < i < w2 for i in bwd), f"bucket {b}: no backward compute under its cross-node all-reduce"
+        if b < n - 2:
+            assert nxt[0] < w2 < ag < bwd[-1] and ag < w3 < chains[b + 2][0], f"bucket {b}"
+    assert chains[-1][2] > bwd[-1]                         # the last bucket's chain at the end
+    node_ops = sorted((c[i], c[i + 1]) for c in chains for i in (0, 4))     # (issue, wait) in the node group
+    for (_, wait), (issue, _) in zip(node_ops, node_ops[1:]):
+        assert wait < issue                                # one in-node collective in flight at a time
+
+    plan = fxpar.Plan.from_json(prog.plan.to_json())
+    plan.grad_sync["overlap"] = False
+    late = fxpar.parallelize(model, spec, batches[0], F.mse_loss, SGD_M,
+                             strategy=fxpar.Strategy(dp=4, grad_sync="herring", bucket_cap_mb=0.002), plan=plan)
+    lgm = late.graphs(0)["step"]
+    lorder = {x: i for i, x in enumerate(lgm.graph.nodes)}
+    last = lorder[_backward_compute(lgm)[-1]]
+    assert all(lorder[x] > last for _, _, x, _, _, _ in _steps_per_bucket(lgm))
+    assert _comm(lgm) == _comm(gm)
+    plan.grad_sync["overlap"] = "yes"
+    with pytest.raises(fxpar.PassError, match=r"Plan.grad_sync\['overlap'\] = 'yes': set True"):
+        fxpar.parallelize(model, spec, batches[0], F.mse_loss, SGD_M,
+                          strategy=fxpar.Strategy(dp=4, grad_sync="herring", bucket_cap_mb=0.002), plan=plan)
+
+
+def _comm(gm):
+    return sorted((c.kind, c.axis, c.nbytes) for c in (x.meta["fxpar_comm"] for x in collective_nodes(gm)))
+
+
+def test_herring_microbatches_matches_single_process(clusters):
+    """Two microbatches: the moved steps run in REDUCE_GRAD (after the step's backwards), the rest in STEP."""
+    model, batches = _mlp_and_batches()
+    prog, _ = _run(clusters, model, batches, F.mse_loss, SGD_M, bucket_cap_mb=0.002, microbatches=2)
+    rg = prog.graphs(0)["stage0.REDUCE_GRAD"]
+    kinds = [x.meta["fxpar_comm"].kind for x in collective_nodes(rg)]
+    assert kinds.count("all_reduce") == len(prog.plan.buckets[0]) - 1 and "all_gather" in kinds
 
 
 def test_herring_needs_several_nodes():

@@ -1,0 +1,120 @@
+"""Backward in the order the next step needs the gradients (ByteScheduler's priority, applied to compute).
+
+ByteScheduler (Peng et al., SOSP'19) orders *communication* by when the next forward needs each layer:
+first layers first. But backward makes the first layers' gradients last, so with cross-iteration overlap
+the pieces the next forward needs first are the last ones handed to the link: they cannot overlap anything
+(the tied embedding and the first block of a GPT). A compiler that owns the whole step can also reorder
+the *compute*: backward's data flow only fixes that each layer's input gradient (dX) comes before the
+layer below; the weight gradients (dW) are leaves that nothing else in backward reads. This pass runs
+backward as "for each gradient in the planned order: whatever it still needs, in the original order,
+then it", then everything left. With the need order (``priority``) the dX chain runs first, then the
+embedding's and the first block's dW, and the last blocks' dW run while the first ones are on the link
+(as zero-bubble pipelines split B into B and W; Qi et al., ICLR'24). It moves nodes only: the same ops on
+the same values, bit for bit; dY tensors live longer (the memory estimate sees it: it reads this order).
+
+The planner decides (``fxpar.planner.plan_comm_schedule`` simulates each candidate with
+``cost_models.comm_tuning``, natural included) and writes ``Plan.comm_schedule['stages'][s]['grad_order']``:
+``{"mode": "natural" | "priority" | "hybrid", "keys": [...], "first": j, ...}`` -- ``hybrid`` keeps the
+first ``j`` gradients of backward where they are (they go on the link while the dX chain runs) and moves
+the rest in need order. This pass runs before ``data_parallel`` so that every later pass (buckets, the
+issue plan) sees the new order. Before / after (2 blocks; dX: input gradients, dW: weight gradients)::
+
+    mm_10 = mm(g, w1)      # dX block 1       mm_10 = mm(g, w1)      # dX block 1
+    mm_11 = mm(t(g), x1)   # dW block 1       mm_12 = mm(g1, w0)     # dX block 0
+    mm_12 = mm(g1, w0)     # dX block 0       mm_13 = mm(t(g1), x0)  # dW block 0: its all_reduce goes first
+    mm_13 = mm(t(g1), x0)  # dW block 0       mm_11 = mm(t(g), x1)   # dW block 1: overlaps block 0's
+"""
+from __future__ import annotations
+
+from fxpar import meta as M
+from fxpar.pass_manager import Pass, PassContext, PassResult
+
+__all__ = ["GradOrder", "backward_region", "reordered_backward", "why_not_reorder"]
+
+
+def backward_region(gm) -> list:
+    """The nodes from backward's first node up to the optimizer's first (or the output), in graph order."""
+    out, inside = [], False
+    for n in gm.graph.nodes:
+        phase = M.get(n, M.PHASE)
+        if n.op == "output" or phase == "optimizer":
+            break
+        inside = inside or phase == "backward"
+        if inside:
+            out.append(n)
+    return out
+
+
+def why_not_reorder(gm) -> str | None:
+    """Why backward of ``gm`` cannot be reordered by data flow alone (None: it can)."""
+    region = backward_region(gm)
+    if not region:
+        return "the graph has no backward"
+    for n in region:
+        if n.op != "call_function":
+            return f"node {n.name} ({n.op}) inside backward"
+        if M.get(n, M.PHASE) == "forward":
+            return f"forward node {n.name} inside backward (recompute or offload placed it there)"
+        schema = getattr(n.target, "_schema", None)
+        if schema is not None and schema.is_mutable:
+            return f"node {n.name} ({n.target}) writes in place: its order is not data flow alone"
+    return None
+
+
+def reordered_backward(gm, keys: list) -> list:
+    """Backward's nodes with the gradients of ``keys`` made in that order: for each, the nodes it still needs
+    (in their original order), then it; then every node left, in its original order. A topological order."""
+    region = backward_region(gm)
+    idx = {n: i for i, n in enumerate(region)}
+    grad = {}
+    for n in region:
+        k = M.get(n, M.GRAD_OF)
+        if k is not None:
+            grad[k] = n                      # the last node tagged with the key is its gradient
+    out, done = [], set()
+    for k in keys:
+        if k not in grad:
+            continue
+        need, stack = set(), [grad[k]]
+        while stack:
+            x = stack.pop()
+            if x in need or x in done or x not in idx:
+                continue
+            need.add(x)
+            stack.extend(x.all_input_nodes)
+        for x in sorted(need, key=idx.__getitem__):
+            out.append(x)
+            done.add(x)
+    out += [n for n in region if n not in done]
+    return out
+
+
+class GradOrder(Pass):
+    """Reorder backward so gradients come in ``Plan.comm_schedule['stages'][stage]['grad_order']['keys']``."""
+    name = "grad_order"
+
+    def run(self, gm, ctx: PassContext) -> PassResult:
+        stages = (ctx.plan.comm_schedule or {}).get("stages") or []
+        entry = (stages[ctx.stage] if ctx.stage < len(stages) else {}).get("grad_order") or {}
+        if entry.get("mode", "natural") == "natural":
+            return PassResult(gm, False, {"mode": "natural"})
+        why = why_not_reorder(gm)
+        if why:
+            from fxpar.errors import PassError
+            raise PassError(f"grad_order: Plan.comm_schedule['stages'][{ctx.stage}]['grad_order'] is "
+                            f"{entry['mode']!r}, but backward of stage {ctx.stage} cannot be reordered: {why}. Plan "
+                            "again (drop Plan.comm_schedule['stages']) and the planner keeps the natural order.")
+        region = backward_region(gm)
+        order = reordered_backward(gm, entry["keys"])
+        anchor = region[0].prev
+        for n in order:
+            anchor.append(n)
+            anchor = n
+        gm.graph.lint()
+        gm.recompile()
+        moved = sum(a is not b for a, b in zip(region, order))
+        ctx.notes.append(f"grad_order (stage {ctx.stage}): backward runs the gradients in the next forward's need "
+                         f"order ({entry['mode']}, first {entry.get('first', 0)} kept): {moved} of {len(region)} "
+                         "backward nodes moved")
+        return PassResult(gm, moved > 0, {"mode": entry["mode"], "moved": moved})
+
