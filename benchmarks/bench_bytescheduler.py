@@ -9,8 +9,9 @@ visited once per round (``--rounds``):
   *that* cap: the program is planned on ``ClusterSpec.calibrate()`` (this machine's compute) with the link set
   to the cap's rate; each rank runs ``Executor(payload).step(batch)`` (cross-iteration overlap: each step's
   update is applied in the next);
-- the same with ``grad_order="natural"`` (backward as traced), to show what reordering backward adds (the tuned
-  program may run backward in the next forward's need order, ``passes/grad_order.py``);
+- the same with each ``grad_order`` of ``--orders`` forced (default ``natural``: backward as traced), to show what
+  reordering backward adds (the tuned program may run backward in the next forward's need order,
+  ``passes/grad_order.py``);
 - fxpar FIFO: ``Strategy(dp=2, bucket_cap_mb=25)`` (DDP-style buckets);
 - torch DDP with 25 MB buckets (its default) and with each size of ``--sweep-mb``; the best of them;
 - DDP's compute alone (``no_sync()``), for the share of the step spent waiting on communication.
@@ -19,6 +20,7 @@ Also the cost model's predicted ByteScheduler step (``Plan.comm_schedule['stages
 against the measured one. The link adds bandwidth limits only (no netem: no latency).
 
     python benchmarks/bench_bytescheduler.py [--rates none,2gbit,1gbit,500mbit] [--steps 5] [--warmup 2] [--rounds 3]
+                                             [--orders natural,priority] [--batch 16]
 """
 import argparse
 import statistics
@@ -57,6 +59,7 @@ def main():
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--sweep-mb", default="1,5")
+    ap.add_argument("--orders", default="natural", help="forced grad_order cells besides the tuned one: natural,priority")
     args = ap.parse_args()
     w = 2
     torch.manual_seed(0)
@@ -70,13 +73,15 @@ def main():
     rates = [parse_rate(r) for r in args.rates.split(",")]
     sweep = [float(x) for x in args.sweep_mb.split(",") if x]
     fifo, fifo_payloads = build(model, batches, opt, calibrated, fxpar.Strategy(dp=w, bucket_cap_mb=25), n)
-    bs, bs_nat = {}, {}
+    orders = [o for o in args.orders.split(",") if o]
+    bs, forced = {}, {}
     for bps in rates:       # planned for the link it will run on: the tuner sees the cap
         link = calibrated.intra_node if bps is None else LinkSpec(bps / 8, calibrated.intra_node.latency)
         cl = replace(calibrated, intra_node=link, inter_node=link)
         bs[bps] = build(model, batches, opt, cl, fxpar.Strategy(dp=w, comm_schedule="bytescheduler"), n)
-        bs_nat[bps] = build(model, batches, opt, cl, fxpar.Strategy(dp=w, comm_schedule="bytescheduler",
-                                                                    grad_order="natural"), n)
+        for o in orders:
+            forced[(bps, o)] = build(model, batches, opt, cl, fxpar.Strategy(dp=w, comm_schedule="bytescheduler",
+                                                                             grad_order=o), n)
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}, {params / 1e6:.2f}M params "
           f"({params * 4 / 2**20:.1f} MiB of fp32 gradients); global batch {args.batch}x{args.seq}; {w} gloo ranks; "
@@ -104,7 +109,8 @@ def main():
                     link.set_rate(bps)
                     pl = bs[bps][1]
                     cell((bps, "bs"), fxpar_worker, lambda r: (pl[r], batches, args.warmup))
-                    cell((bps, "bs_nat"), fxpar_worker, lambda r: (bs_nat[bps][1][r], batches, args.warmup))
+                    for o in orders:
+                        cell((bps, f"bs_{o}"), fxpar_worker, lambda r: (forced[(bps, o)][1][r], batches, args.warmup))
                     cell((bps, "fifo"), fxpar_worker, lambda r: (fifo_payloads[r], batches, args.warmup))
                     for mb in [25.0] + sweep:
                         cell((bps, f"ddp{mb:g}"), ddp_bench_worker,
@@ -114,15 +120,15 @@ def main():
                 print(f"  round {rnd + 1}/{args.rounds} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
     med = {k: statistics.median(v) for k, v in res.items()}
     print("\nmedian step time in ms (per step, the slower rank)")
-    print(f"{'cap':>9} | {'ByteSched':>9} | {'predicted':>9} | {'BS natural':>10} | {'fxpar FIFO':>10} | {'DDP 25MB':>8} | "
+    print(f"{'cap':>9} | {'ByteSched':>9} | {'predicted':>9} | " + "".join(f"{'BS ' + o:>11} | " for o in orders) + f"{'fxpar FIFO':>10} | {'DDP 25MB':>8} | "
           f"{'best DDP':>14} | {'compute':>7} | {'BS/DDP25':>8} | {'BS/best':>7} | {'pred/meas':>9}")
     for bps in rates:
         b, f, d, c = med[(bps, "bs")], med[(bps, "fifo")], med[(bps, "ddp25")], med[(bps, "compute")]
-        bn = med[(bps, "bs_nat")]
+        bo = "".join(f"{med[(bps, f'bs_{o}')] * 1e3:11.1f} | " for o in orders)
         best_mb = min([25.0] + sweep, key=lambda mb: med[(bps, f"ddp{mb:g}")])
         best = med[(bps, f"ddp{best_mb:g}")]
         pred = bs[bps][0].plan.comm_schedule["stages"][0]["predicted_step_s"]
-        print(f"{format_rate(bps):>9} | {b * 1e3:9.1f} | {pred * 1e3:9.1f} | {bn * 1e3:10.1f} | {f * 1e3:10.1f} | {d * 1e3:8.1f} | "
+        print(f"{format_rate(bps):>9} | {b * 1e3:9.1f} | {pred * 1e3:9.1f} | {bo}{f * 1e3:10.1f} | {d * 1e3:8.1f} | "
               f"{best * 1e3:7.1f} ({best_mb:g} MB) | {c * 1e3:7.1f} | {b / d:8.3f} | {b / best:7.3f} | {pred / b:9.3f}")
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s; load average at end: "
           f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])} (2 ranks of this run count about 2)")

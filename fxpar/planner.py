@@ -350,7 +350,7 @@ _REORDER_GAIN = 0.02      # reorder backward only when predicted at least 2% fas
 
 def _why_not_grad_order(plan: Plan, captured, fused: bool) -> str | None:
     """Why backward's gradient order is not a decision for this stage (None: it is)."""
-    from passes.grad_order import why_not_reorder      # fxpar reaches passes lazily (as fxpar.lower does)
+    from .backward_order import why_not_reorder
     if not (plan.comm_schedule or {}).get("cross_iteration"):
         return "no cross-iteration overlap: the optimizer waits for every gradient at once"
     if not fused:
@@ -369,7 +369,7 @@ def _grad_order_candidates(captured, tm: dict, why_not: str | None, asked: str |
     out = [] if asked == "priority" else [("natural", "natural", 0, None)]
     if why_not or asked == "natural":
         return out
-    from passes.grad_order import reordered_backward
+    from .backward_order import reordered_backward
     natural = sorted(tm["ready"], key=tm["ready"].__getitem__)
     need = sorted(tm["ready"], key=lambda k: (tm["need"].get(k, float("inf")), natural.index(k)))
     n = len(natural)
