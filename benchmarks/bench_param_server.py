@@ -240,7 +240,7 @@ def byteps_section(args, gpt, batches, n, k):
     """BytePS, n workers (half in A, half in B) + k CPU servers after them (in B). Link bytes per step: the
     workers' ring all-reduce of their W part crosses the cut as any ring does; the n/2 workers of A push k·P
     across and pull k·P back (P: one server's partition)."""
-    spec = replace(calibrated(n), cpu_servers=k)
+    spec = replace(calibrated(n), cpu_servers=k, server_nodes=(1,) * k)    # the servers sit in namespace B (node 1)
     st = fxpar.Strategy(dp=n, grad_sync="byteps")
     prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
     sizes = {key: p.numel() * 4 for key, p in gpt.named_parameters()}

@@ -66,7 +66,10 @@ class ClusterSpec:
     Ranks are numbered node-major: rank r lives on node ``r // devices_per_node``.
     ``cpu_servers``: CPU-only machines that only sum gradients (BytePS's summation servers,
     ``Strategy(grad_sync="byteps")``); they are ranks ``world_size .. world_size + cpu_servers - 1``
-    of the process group, hold no parameters and take no batch.
+    of the process group, hold no parameters and take no batch. ``server_nodes``: where they sit, for the
+    cost model: None (default) gives each server a machine and network card of its own; a tuple names, per
+    server, the worker node it shares a machine (and card) with, so that node's workers reach it without
+    crossing the network (``cost_models.comm``'s store-and-forward).
     """
     device: DeviceSpec = field(default_factory=DeviceSpec)
     nodes: int = 1
@@ -75,6 +78,7 @@ class ClusterSpec:
     inter_node: LinkSpec = field(default_factory=lambda: LinkSpec(1.25e9, 100e-6))
     backend: str = "gloo"
     cpu_servers: int = 0
+    server_nodes: tuple | None = None
 
     def __post_init__(self):
         self.validate()
@@ -132,6 +136,7 @@ class ClusterSpec:
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ClusterSpecError(f"ClusterSpec({name}={v!r}): {name} must be a positive int.")
         _check_cpu_servers(self.cpu_servers, self.backend)
+        _check_server_nodes(self.server_nodes, self.cpu_servers, self.nodes)
         for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s"):
             v = getattr(d, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
@@ -195,7 +200,8 @@ class ClusterSpec:
             _check_fields(d[link], _LINK_FIELDS, f"{link}.", source, required=("bandwidth", "latency"))
         return cls(device=DeviceSpec(**d["device"]), nodes=d["nodes"], devices_per_node=d["devices_per_node"],
                    intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
-                   backend=d.get("backend", "gloo"), cpu_servers=int(d.get("cpu_servers", 0)))
+                   backend=d.get("backend", "gloo"), cpu_servers=int(d.get("cpu_servers", 0)),
+                   server_nodes=None if d.get("server_nodes") is None else tuple(d["server_nodes"]))
 
     @classmethod
     def from_json(cls, text_or_path) -> "ClusterSpec":
@@ -232,6 +238,16 @@ class ClusterSpec:
                 + (f", + {self.cpu_servers} CPU summation server(s)" if self.cpu_servers else ""))
 
 
+def _check_server_nodes(where, k: int, nodes: int) -> None:
+    if where is None:
+        return
+    if not isinstance(where, (tuple, list)) or len(where) != k or any(
+            not isinstance(x, int) or isinstance(x, bool) or not 0 <= x < nodes for x in where):
+        raise ClusterSpecError(f"ClusterSpec(server_nodes={where!r}, cpu_servers={k}, nodes={nodes}): give one worker "
+                               f"node index in 0..{nodes - 1} per CPU server ({k} of them), or None for servers on "
+                               "machines of their own.")
+
+
 def _check_cpu_servers(k, backend: str) -> None:
     """BytePS's CPU summation servers: a count >= 0, on a backend that moves CPU tensors."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 0:
@@ -254,7 +270,8 @@ _NUMBER = "a number"
 _TOP_FIELDS = {"device": (dict, "an object {...} of DeviceSpec fields"), "nodes": (int, "a positive integer"),
                "devices_per_node": (int, "a positive integer"), "intra_node": (dict, "an object {bandwidth, latency}"),
                "inter_node": (dict, "an object {bandwidth, latency}"), "backend": (str, "'gloo', 'nccl' or 'fake'"),
-               "cpu_servers": (int, "an integer >= 0 (CPU summation servers)")}
+               "cpu_servers": (int, "an integer >= 0 (CPU summation servers)"),
+               "server_nodes": ((list, tuple, type(None)), "null or a list of node indices, one per CPU server")}
 _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "memory_bytes": (int, "an integer (bytes)"),
                   "peak_flops": (float, _NUMBER + " (FLOP/s)"), "mem_bandwidth": (float, _NUMBER + " (bytes/s)"),
                   "efficiency": (dict, "an object {op class: fraction}"), "op_overhead_s": (float, _NUMBER + " (seconds)"),

@@ -264,10 +264,11 @@ class Program:
             import cost_models     # the cost models read graphs; fxpar reaches them only here and in the planner
             calls = {r: self._calls(r) for r in range(self.world_size)}
             if all(len(c) == 1 and not isinstance(c[0], M.CommInfo) and c[0].groups is None for c in calls.values()):
-                est = cost_models.estimate({r: c[0].gm for r, c in calls.items()}, self.cluster)
+                est = cost_models.estimate({r: c[0].gm for r, c in calls.items()}, self.cluster,
+                                           server_nodes=getattr(self.cluster, "server_nodes", None))
                 est.bubble = est.idle_fraction          # one FULL graph per rank: all of it is compute
             else:
-                est = cost_models.estimate(calls, self.cluster)
+                est = cost_models.estimate(calls, self.cluster, server_nodes=getattr(self.cluster, "server_nodes", None))
                 # the runtime's bubble (RunResult.bubble) counts the compute actions only: RG and STEP are not work
                 est.bubble = est.idle_fraction_where(is_compute_label)
             self._estimate = est

@@ -171,6 +171,26 @@ def test_estimate_costs_byteps_pushes_and_pulls_through_the_server():
     assert prog.estimate().ranks[0].comm_time_s == pytest.approx(hand, rel=1e-9)
 
 
+def test_cluster_server_nodes_place_the_server_for_program_estimate():
+    """ClusterSpec(server_nodes=(1,)): the CPU server shares node 1's machine, so Program.estimate() costs each
+    push and pull as comm_info_cost does with that placement (worker 1 reaches it without the network), which is
+    less than a server on a machine of its own; the setting round-trips through JSON and bad ones are refused."""
+    own = _gloo(nodes=2, per_node=1, cpu_servers=1)
+    placed = ClusterSpec.from_dict(_gloo(nodes=2, per_node=1, cpu_servers=1, server_nodes=(1,)).to_dict())
+    assert placed.server_nodes == (1,) and own.server_nodes is None
+    infos = _mlp_program("byteps", own, 2).collectives(0)
+    by_hand = {name: sum(comm_info_cost(i, own, server_nodes=where).time_s for i in infos)
+               for name, where in (("own", None), ("placed", (1,)))}
+    got_own = _mlp_program("byteps", own, 2).estimate().ranks[0].comm_time_s
+    got_placed = _mlp_program("byteps", placed, 2).estimate().ranks[0].comm_time_s
+    assert got_own == pytest.approx(by_hand["own"], rel=1e-9)
+    assert got_placed == pytest.approx(by_hand["placed"], rel=1e-9)
+    assert got_placed < got_own
+    for bad in ((2,), (0, 1), ("1",)):
+        with pytest.raises(fxpar.errors.ClusterSpecError, match=r"give one worker node index in 0..1 per CPU server"):
+            _gloo(nodes=2, per_node=1, cpu_servers=1, server_nodes=bad)
+
+
 # ---- measured: the bytes that cross the one veth between two network namespaces (benchmarks/netns_link.py) ----
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import netns_link as nl  # noqa: E402
