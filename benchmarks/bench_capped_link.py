@@ -48,16 +48,13 @@ def fxpar_worker(payload, batches, warmup):
     return {"step_times": ex.step_times[warmup:]}
 
 
-def ddp_bench_worker(model, batches, loss_fn, optimizer, bucket_cap_mb, warmup, no_sync):
-    """fxpar.testing.ddp_worker's timed step; ``no_sync``: the same step without the gradient all-reduce."""
+def ddp_steps(m, opt, batches, loss_fn, warmup, no_sync=False) -> list:
+    """Timed DDP steps on this rank's shard of each global batch (the seconds of steps after ``warmup``);
+    ``no_sync``: the same step without the gradient all-reduce."""
     import contextlib
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
     rank, world = dist.get_rank(), dist.get_world_size()
-    m = DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
-    cls, kw = optimizer
-    opt = cls(m.parameters(), **kw)
     times = []
     for i, b in enumerate(batches):
         if no_sync:
@@ -73,6 +70,16 @@ def ddp_bench_worker(model, batches, loss_fn, optimizer, bucket_cap_mb, warmup, 
         loss.item()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+    return times
+
+
+def ddp_bench_worker(model, batches, loss_fn, optimizer, bucket_cap_mb, warmup, no_sync):
+    """fxpar.testing.ddp_worker's timed step; ``no_sync``: the same step without the gradient all-reduce."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    m = DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
+    cls, kw = optimizer
+    times = ddp_steps(m, cls(m.parameters(), **kw), batches, loss_fn, warmup, no_sync)
     dist.barrier()
     return {"step_times": times}
 

@@ -52,6 +52,7 @@ import fxpar  # noqa: E402
 from cost_models import byteps as B  # noqa: E402
 from fxpar.cluster import LinkSpec  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
+from bench_capped_link import ddp_steps  # noqa: E402
 from netns_link import CappedLink, NetnsCluster, format_rate, parse_rate  # noqa: E402
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3})
@@ -120,24 +121,13 @@ def ddp_cell(model, batches, loss_fn, optimizer, bucket_cap_mb, warmup, dev=None
     DDP's construction (its broadcast of the weights is not a step's traffic)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     m = DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
     cls, kw = optimizer
     opt = cls(m.parameters(), **kw)
     dist.barrier()
     c0 = _link_counters(dev) if rank == 0 else None
-    times = []
-    for i, b in enumerate(batches):
-        t0 = time.perf_counter()
-        n = b[0].shape[0] // world
-        shard = tuple(t[rank * n:(rank + 1) * n] for t in b)
-        opt.zero_grad()
-        loss = loss_fn(m(shard[0]), *shard[1:])
-        loss.backward()
-        opt.step()
-        loss.item()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
+    times = ddp_steps(m, opt, batches, loss_fn, warmup)
     c1 = _link_counters(dev) if rank == 0 else None
     dist.barrier()
     return {"step_times": times, "link": _crossed(c0, c1, len(batches))}
