@@ -128,7 +128,7 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
                                                             captured.signature.inputs)}
             plan_recompute(plan, s, gm, roles, in_flight=_in_flight(schedule, s))
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":   # buckets, pieces, issue plan of the stage
-            from .planner import plan_comm_schedule
+            from .planner_comm import plan_comm_schedule
             plan_comm_schedule(plan, s, captured, cluster, fused=kinds == ("FULL",))
         rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,

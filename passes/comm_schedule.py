@@ -1,6 +1,6 @@
 """ByteScheduler as a graph pass (Peng et al., SOSP'19): priority, partitions, credit, cross-iteration overlap.
 
-The planner decides (``fxpar.planner.plan_comm_schedule``, simulated by ``cost_models.comm_tuning``): the
+The planner decides (``fxpar.planner_comm.plan_comm_schedule``, simulated by ``cost_models.comm_tuning``): the
 buckets (at most ``partition`` bytes; a bigger single gradient is cut into row pieces), their priority (the
 order the next forward first uses their parameters), the credit, and the issue plan -- at each event of
 the step (a bucket made in backward: ``ready``; a bucket needed: ``need``) which pieces are issued and

@@ -12,7 +12,7 @@ embedding's and the first block's dW, and the last blocks' dW run while the firs
 (as zero-bubble pipelines split B into B and W; Qi et al., ICLR'24). It moves nodes only: the same ops on
 the same values, bit for bit; dY tensors live longer (the memory estimate sees it: it reads this order).
 
-The planner decides (``fxpar.planner.plan_comm_schedule`` simulates each candidate with
+The planner decides (``fxpar.planner_comm.plan_comm_schedule`` simulates each candidate with
 ``cost_models.comm_tuning``, natural included) and writes ``Plan.comm_schedule['stages'][s]['grad_order']``:
 ``{"mode": "natural" | "priority" | "hybrid", "keys": [...], "first": j, ...}`` -- ``hybrid`` keeps the
 first ``j`` gradients of backward where they are (they go on the link while the dX chain runs) and moves
