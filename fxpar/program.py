@@ -374,10 +374,6 @@ class Program:
                 raise CheckpointError(incomplete_message(resume_from))
         servers = server_payloads(self.plan, self.stages[0].joint.meta.get("fxpar_byteps"))   # BytePS's CPU ranks
         n_ranks = self.world_size + len(servers)
-        if servers and (save_to is not None or resume_from is not None):
-            raise InputError(f"run_local(save_to=/resume_from=) with {len(servers)} BytePS CPU server(s): checkpoints "
-                             "are not written with summation servers in the group yet. Save from a program built "
-                             "with grad_sync='allreduce' (it resumes under any strategy).")
         if n_ranks > 1 and cluster is None:
             what = f"program.run_local (world_size={n_ranks})"
             check_main_guard(what)
@@ -489,20 +485,33 @@ class Program:
 
     def runner(self, backend: str | None = None, seed: int | None = 0) -> "RankRunner":
         """Under torchrun (or on an initialised group): join the env:// group and run this rank's part,
-        one ``step(global_batch)`` at a time (``seed`` as in :meth:`run_local`)."""
-        self._check_materialized("runner")
-        if server_payloads(self.plan, None):
-            from .errors import StrategyError
-            raise StrategyError(f"runner(): this program sums through {len(self.plan.grad_sync['servers'])} BytePS CPU "
-                                "server(s), which torchrun does not start yet; use run_local(batches), or "
-                                "grad_sync='allreduce' under torchrun.")
-        init_from_env(backend or self.cluster.backend)
+        one ``step(global_batch)`` at a time (``seed`` as in :meth:`run_local`). With BytePS's ``k`` CPU servers
+        the job has ``n + k`` processes: ranks ``n .. n+k-1`` get a :class:`fxpar.runner.ServerRunner` (same
+        surface: the script's ``for b in batches: runner.step(b)`` runs unchanged on them)."""
+        import os
         import torch.distributed as dist
-        if dist.get_world_size() != self.world_size:
-            raise ValueError(f"torchrun started {dist.get_world_size()} processes but the program needs {self.world_size}: "
-                             f"use --nproc-per-node {self.world_size} (or change the Strategy)")
+        self._check_materialized("runner")
+        servers = server_payloads(self.plan, self.stages[0].joint.meta.get("fxpar_byteps"))   # BytePS's CPU ranks
+        if not dist.is_initialized() and os.environ.get("WORLD_SIZE", "").isdigit():   # refused before the rendezvous
+            self._check_world(int(os.environ["WORLD_SIZE"]), servers)
+        init_from_env(backend or self.cluster.backend)
+        self._check_world(dist.get_world_size(), servers)
         if self.asynchronous:
             from .errors import StrategyError
             raise StrategyError(f"schedule {self.plan.schedule!r} runs all batches in one window; use "
                                 "run_local(batches), or a synchronous schedule with runner()")
+        mine = [sp for sp in servers if sp.rank == dist.get_rank()]
+        if mine:
+            from .runner import ServerRunner
+            return ServerRunner(mine[0], self)
         return RankRunner(Executor(self.payload(dist.get_rank(), seed=seed)), self)
+
+    def _check_world(self, world: int, servers: list) -> None:
+        """torchrun's process count against the program's: its workers, plus BytePS's CPU servers."""
+        need = self.world_size + len(servers)
+        if world != need:
+            what = (f"{need} = {self.world_size} workers ({self.strategy}) + {len(servers)} BytePS CPU server(s) "
+                    f"(ClusterSpec(cpu_servers={len(servers)}), ranks {self.world_size}..{need - 1})" if servers
+                    else f"{need}")
+            raise ValueError(f"torchrun started {world} processes but the program needs {what}: use "
+                             f"--nproc-per-node {need} (or change the Strategy)")

@@ -167,8 +167,55 @@ def test_byteps_bad_input():
     with pytest.raises(fxpar.StrategyError, match="dp=1 has nothing to sum"):
         fxpar.parallelize(model, fxpar.ClusterSpec.local(1, cpu_servers=1), batches[0], gpt_loss, ADAMW,
                           strategy=fxpar.Strategy(dp=1, grad_sync="byteps"))
+
+
+def test_byteps_runner_on_the_wrong_world_size_names_workers_and_servers(monkeypatch):
+    """torchrun with n processes for n workers + k servers: refused before the rendezvous, naming n + k."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model, batches = GPT(vocab=32, d=16, layers=2, heads=2).double(), token_batches(1, batch=8)
     prog = _build(2, 1, batches, model)
-    with pytest.raises(fxpar.InputError, match="save_to=/resume_from=.*CPU server"):
-        prog.run_local(batches, save_to="/tmp/unused-byteps-ckpt")
-    with pytest.raises(fxpar.StrategyError, match="runner\\(\\).*run_local"):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert not dist.is_initialized()            # the check runs before any group is joined
+    with pytest.raises(ValueError, match=r"started 2 processes but the program needs 3 = 2 workers .*\+ 1 BytePS CPU "
+                                         r"server.*cpu_servers=1.*ranks 2\.\.2.*--nproc-per-node 3"):
         prog.runner()
+    assert not dist.is_initialized()
+
+
+def _checkpoint_values(path) -> dict:
+    """Every tensor of a checkpoint, read in this process alone."""
+    from fxpar.runtime.checkpoint import load_checkpoint, read_manifest
+    saved = read_manifest(path)["tensors"]
+    templates = {k: torch.empty(m["shape"], dtype=getattr(torch, m["dtype"])) for k, m in saved.items()}
+    return load_checkpoint(path, templates, rank=0, world_size=1)[0]
+
+
+def test_byteps_checkpoint_is_the_workers_and_resumes_under_any_grad_sync(clusters, tmp_path):
+    """dp=2 + 1 server: save after one step, resume for two more == one process on all three batches; the
+    checkpoint equals the one grad_sync='allreduce' writes (same keys, world 2, same values), and each resumes
+    under the other."""
+    from fxpar.runtime.checkpoint import read_manifest
+    torch.manual_seed(0)
+    model, batches = GPT(vocab=32, d=16, layers=2, heads=2).double(), token_batches(3, batch=8)
+    ref_losses, ref_state = reference_training(model, batches, gpt_loss, ADAMW)
+    bps = _build(2, 1, batches, model)
+    ar = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], gpt_loss, ADAMW,
+                           strategy=fxpar.Strategy(dp=2, bucket_cap_mb=0.01))
+    runs = {"byteps": (bps, clusters.get(3)), "allreduce": (ar, clusters.get(2))}
+    first = {}
+    for name, (prog, lc) in runs.items():
+        first[name] = prog.run_local(batches[:1], cluster=lc, save_to=tmp_path / name)
+        assert abs(first[name].losses[0] - ref_losses[0]) < TOL
+    assert first["byteps"].servers[2]["steps"] == 1
+    m_bps, m_ar = read_manifest(tmp_path / "byteps"), read_manifest(tmp_path / "allreduce")
+    assert m_bps["world_size"] == m_ar["world_size"] == 2 and m_bps["tensors"] == m_ar["tensors"]
+    v_bps, v_ar = _checkpoint_values(tmp_path / "byteps"), _checkpoint_values(tmp_path / "allreduce")
+    assert v_bps.keys() == v_ar.keys() and max_abs_diff(v_bps, v_ar) < TOL
+    for saved_by in runs:                    # each checkpoint resumes under both programs
+        for name, (prog, lc) in runs.items():
+            res = prog.run_local(batches[1:], cluster=lc, resume_from=tmp_path / saved_by)
+            assert max(abs(a - b) for a, b in zip(res.losses, ref_losses[1:])) < TOL, (saved_by, name)
+            assert max_abs_diff(res.state_dict(), ref_state) < TOL, (saved_by, name)
+            if name == "byteps":
+                assert res.servers[2]["steps"] == 2 and res.servers[2]["per_step"][0]["pushes"] > 0

@@ -11,14 +11,19 @@ from fxpar.testing import GPT, gpt_loss, reference_training
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_torchrun_two_ranks_match_single_process(tp):
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                          str(ROOT / "examples" / "torchrun_train.py"), "--steps", "3", "--tp", str(tp)],
+def _run_example(nproc: int, *args) -> dict:
+    """torchrun the example on ``nproc`` processes; its printed lines by their first word."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                          str(ROOT / "examples" / "torchrun_train.py"), "--steps", "3", *args],
                          capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.startswith(("losses", "checksum")))
+    return dict(line.split(" ", 1) for line in out.stdout.splitlines()
+                if line.startswith(("losses", "checksum", "served", "server_losses")))
+
+
+def _assert_single_process(lines: dict) -> None:
     losses = [float(x) for x in lines["losses"].split()]
+    assert len(losses) == 3
     torch.manual_seed(0)
     model = GPT().double()
     batches = [(torch.randint(0, 64, (8, 16)), torch.randint(0, 64, (8, 16))) for _ in range(3)]
@@ -26,6 +31,30 @@ def test_torchrun_two_ranks_match_single_process(tp):
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-10
     checksum = sum(float(v.double().sum()) for v in ref_state.values())
     assert abs(float(lines["checksum"]) - checksum) <= 1e-8
+    return ref_state
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_torchrun_two_ranks_match_single_process(tp):
+    _assert_single_process(_run_example(2, "--tp", str(tp)))
+
+
+def test_torchrun_byteps_two_workers_and_a_cpu_server_match_single_process(tmp_path):
+    """3 processes, dp=2 + 1 BytePS server (rank 2): the unchanged loop on every rank equals one process, and the
+    server summed each of the 3 steps (the go and the workers' pushes arrived at it); the checkpoint every rank
+    saves is the workers' (world 2) and holds the single-process state."""
+    from fxpar.runtime.checkpoint import load_checkpoint, read_manifest
+    from fxpar.testing import max_abs_diff
+    lines = _run_example(3, "--cpu-servers", "1", "--save", str(tmp_path / "ckpt"))
+    ref_state = _assert_single_process(lines)
+    manifest = read_manifest(tmp_path / "ckpt")
+    assert manifest["world_size"] == 2
+    saved, _ = load_checkpoint(tmp_path / "ckpt", {k: torch.empty_like(v) for k, v in ref_state.items()},
+                               rank=0, world_size=1)
+    assert max_abs_diff(saved, ref_state) < 1e-10
+    served = [int(x) for x in lines["served"].split()]
+    assert len(served) == 3 and len(set(served)) == 1 and served[0] > 2 * 8      # more than the two go flags
+    assert lines["server_losses"] == lines["losses"]
 
 
 FAILING = '''

@@ -9,7 +9,11 @@ no batch. Step after step it
    the ``n`` pushes (``all_to_all_single`` over its group, every worker and this server), sums them, and
    sends the sum back to every worker when they pull it.
 
-Workers send the stop after their last step (:func:`run_rank`). The server counts what it receives and sends
+Under ``run_local`` the loop runs until the workers send the stop after their last step (:func:`run_rank`);
+under torchrun ``program.runner()`` on a server rank is a :class:`fxpar.runner.ServerRunner`, whose
+``step(batch)`` serves one step (:func:`serve_step`, the loop's body), so no stop is sent: every rank calls
+``step`` as often. A server holds no state: checkpoints are the workers' alone, written over their ``dp`` group
+(:mod:`fxpar.runtime.state`), the same files as without servers. The server counts what it receives and sends
 per step (``RunResult.servers``), the measured side of ``cost_models.byteps.bytes_per_server``::
 
     worker 0 ── push P ──▶ ┌────────────┐ ── sum P ──▶ worker 0
@@ -26,7 +30,8 @@ import torch.distributed as dist
 
 from .executor import group, train
 
-__all__ = ["ServerPayload", "server_payloads", "stop_messages", "serve_sums", "run_rank"]
+__all__ = ["ServerPayload", "server_payloads", "stop_messages", "join_groups", "serve_step", "serve_sums",
+           "run_rank"]
 
 
 @dataclass
@@ -68,39 +73,51 @@ def _a2a(pg, n: int, send: torch.Tensor, to_workers: int, from_workers: int, dty
     return out
 
 
-def serve_sums(p: ServerPayload) -> dict:
-    """The server's loop (see the module docstring). Returns per step the bytes received and sent, and counts."""
-    for name, ranks in p.groups:          # every rank creates every group, in one order
+def join_groups(p: ServerPayload):
+    """Create every group of the program, in the workers' order (a process group is made by all ranks); returns
+    this server's group."""
+    for name, ranks in p.groups:
         group(ranks, name)
-    pg = group(p.ranks, p.name)
+    return group(p.ranks, p.name)
+
+
+def serve_step(p: ServerPayload, pg) -> dict | None:
+    """One step of the server (see the module docstring): the go, then every partition's push and pull.
+    Returns the step's bytes received and sent and its counts; None when the workers sent the stop instead."""
     n = len(p.ranks) - 1
     go_dtype = getattr(torch, p.ops[0][2]) if p.ops else torch.float64
+    flags = _a2a(pg, n, torch.empty(0, dtype=go_dtype), 0, 1, go_dtype)
+    if not bool((flags != 0).any()):
+        return None
+    if not bool((flags == 1).all()):
+        raise RuntimeError(f"BytePS server rank {p.rank} ({p.name}): the workers {list(p.ranks[:-1])} sent "
+                           f"{flags.tolist()} to open a step; all must send 1 (go) or all 0 (stop). The workers "
+                           "run different programs: rebuild them all from one fxpar.parallelize.")
+    stat = {"recv_bytes": n * flags.element_size(), "sent_bytes": 0, "pushes": 0, "pulls": 0}
+    sums = []
+    for what, numel, dt in p.ops[1:]:
+        dtype = getattr(torch, dt)
+        size = torch.empty((), dtype=dtype).element_size()
+        if what == "push":
+            got = _a2a(pg, n, torch.empty(0, dtype=dtype), 0, numel, dtype)
+            sums.append(got.view(n, numel).sum(0))
+            stat["recv_bytes"] += n * numel * size
+            stat["pushes"] += 1
+        elif what == "pull":
+            _a2a(pg, n, sums.pop(0).repeat(n), numel, 0, dtype)
+            stat["sent_bytes"] += n * numel * size
+            stat["pulls"] += 1
+        else:
+            raise RuntimeError(f"BytePS server rank {p.rank}: unknown step {what!r} in its program {p.ops[:4]}...")
+    return stat
+
+
+def serve_sums(p: ServerPayload) -> dict:
+    """The server's loop under ``run_local``: :func:`serve_step` until the workers' stop. Returns per step the
+    bytes received and sent, and counts."""
+    pg = join_groups(p)
     per_step = []
-    while True:
-        flags = _a2a(pg, n, torch.empty(0, dtype=go_dtype), 0, 1, go_dtype)
-        if not bool((flags != 0).any()):
-            break
-        if not bool((flags == 1).all()):
-            raise RuntimeError(f"BytePS server rank {p.rank} ({p.name}): the workers {list(p.ranks[:-1])} sent "
-                               f"{flags.tolist()} to open a step; all must send 1 (go) or all 0 (stop). The workers "
-                               "run different programs: rebuild them all from one fxpar.parallelize.")
-        esize = flags.element_size()
-        stat = {"recv_bytes": n * esize, "sent_bytes": 0, "pushes": 0, "pulls": 0}
-        sums = []
-        for what, numel, dt in p.ops[1:]:
-            dtype = getattr(torch, dt)
-            size = torch.empty((), dtype=dtype).element_size()
-            if what == "push":
-                got = _a2a(pg, n, torch.empty(0, dtype=dtype), 0, numel, dtype)
-                sums.append(got.view(n, numel).sum(0))
-                stat["recv_bytes"] += n * numel * size
-                stat["pushes"] += 1
-            elif what == "pull":
-                _a2a(pg, n, sums.pop(0).repeat(n), numel, 0, dtype)
-                stat["sent_bytes"] += n * numel * size
-                stat["pulls"] += 1
-            else:
-                raise RuntimeError(f"BytePS server rank {p.rank}: unknown step {what!r} in its program {p.ops[:4]}...")
+    while (stat := serve_step(p, pg)) is not None:
         per_step.append(stat)
     return {"rank": p.rank, "name": p.name, "steps": len(per_step), "per_step": per_step}
 

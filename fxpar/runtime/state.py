@@ -26,10 +26,24 @@ __all__ = ["save_rank_state", "load_rank_state"]
 _STASH = "stash."
 
 
-def _world() -> tuple:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _workers(ex) -> tuple:
+    """``(rank, size, process group)`` of the ranks that hold the program's state: the whole world, or, with
+    BytePS's CPU servers (ranks after the workers, which hold nothing and never enter a checkpoint's
+    collectives), the workers' ``dp`` group -- so the checkpoint is the one a run without servers writes."""
+    if not dist.is_initialized():
+        return 0, 1, None
+    n = (1 + max(r for ranks in ex.p.stage_to_rank for r in ranks)) * ex.width
+    world = dist.get_world_size()
+    if world == n:
+        return dist.get_rank(), n, None
+    workers = tuple(range(n))
+    if ("dp", workers) not in ex.p.groups:
+        raise RuntimeError(f"rank {ex.rank}: the world has {world} ranks but the program {n} workers, and no group "
+                           f"of the program spans the workers {list(workers[:4])}...: a checkpoint is written over "
+                           "the ranks that hold state, and only BytePS (dp alone) runs extra ranks. Launch exactly "
+                           f"{n} processes for this program.")
+    from .executor import group
+    return dist.get_rank(), n, group(workers, "dp")   # created by every rank, servers too (Plan.all_groups)
 
 
 def save_rank_state(ex, path, aliases: dict) -> None:
@@ -60,8 +74,8 @@ def save_rank_state(ex, path, aliases: dict) -> None:
     extra = {"rng": rng_state(), "step": max(ex.step_count.values(), default=0),
              "lr": [g["lr"] for g in ex.torch_opt.param_groups], "optim": rest,
              "scheduler": ex.scheduler.state_dict() if ex.scheduler is not None else None}
-    rank, world = _world()
-    save_checkpoint(path, tensors, extra, rank=rank, world_size=world)
+    rank, world, pg = _workers(ex)
+    save_checkpoint(path, tensors, extra, rank=rank, world_size=world, process_group=pg)
 
 
 def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
@@ -79,8 +93,8 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
             templates[k] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
         elif need_stash and k.startswith(_STASH) and k[len(_STASH):] in held:
             templates[k] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
-    rank, world = _world()
-    got, extra = load_checkpoint(path, templates, rank=rank, world_size=world)
+    rank, world, pg = _workers(ex)
+    got, extra = load_checkpoint(path, templates, rank=rank, world_size=world, process_group=pg)
     for s, ps in ex.params.items():
         ex.params[s] = {k: got[k].clone() for k in ps}
     ex.buffers = {k: got[k] for k in ex.buffers}
