@@ -20,9 +20,10 @@ Also the cost model's predicted ByteScheduler step (``Plan.comm_schedule['stages
 against the measured one. The link adds bandwidth limits only (no netem: no latency).
 
     python benchmarks/bench_bytescheduler.py [--rates none,2gbit,1gbit,500mbit] [--steps 5] [--warmup 2] [--rounds 3]
-                                             [--orders natural,priority] [--batch 16]
+                                             [--orders natural,priority] [--batch 16] [--threads N]
 """
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -60,6 +61,8 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--sweep-mb", default="1,5")
     ap.add_argument("--orders", default="natural", help="forced grad_order cells besides the tuned one: natural,priority")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per rank (default: the cores split over the ranks); the calibration uses the same")
     args = ap.parse_args()
     w = 2
     torch.manual_seed(0)
@@ -69,7 +72,7 @@ def main():
                for _ in range(n)]
     opt = (torch.optim.AdamW, {"lr": 1e-3})
     print(f"load average at start: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
-    calibrated = fxpar.ClusterSpec.calibrate(world_size=w)
+    calibrated = fxpar.ClusterSpec.calibrate(world_size=w, threads=args.threads)
     rates = [parse_rate(r) for r in args.rates.split(",")]
     sweep = [float(x) for x in args.sweep_mb.split(",") if x]
     fifo, fifo_payloads = build(model, batches, opt, calibrated, fxpar.Strategy(dp=w, bucket_cap_mb=25), n)
@@ -85,7 +88,8 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}, {params / 1e6:.2f}M params "
           f"({params * 4 / 2**20:.1f} MiB of fp32 gradients); global batch {args.batch}x{args.seq}; {w} gloo ranks; "
-          f"{args.steps} timed steps x {args.rounds} rounds per cell")
+          f"{args.steps} timed steps x {args.rounds} rounds per cell; {os.cpu_count()} cores, "
+          f"{args.threads or max(1, (os.cpu_count() or 1) // w)} torch threads per rank; torch {torch.__version__}")
     for bps in rates:
         e = bs[bps][0].plan.comm_schedule["stages"][0]
         go = e["grad_order"]
@@ -99,7 +103,7 @@ def main():
     with CappedLink() as link:
         print("link: " + (f"veth {link.names.dev_a} <-> {link.names.dev_b}, tbf per direction, no latency (no netem)"
                           if link.active else f"UNCAPPED 127.0.0.1 (missing: {link.missing})"))
-        with NetnsCluster(w, link) as cl:
+        with NetnsCluster(w, link, threads=args.threads) as cl:
             def cell(key, fn, argv):
                 outs = cl.run(fn, [argv(r) for r in range(w)])
                 res.setdefault(key, []).extend(per_step_max(outs))
@@ -130,6 +134,12 @@ def main():
         pred = bs[bps][0].plan.comm_schedule["stages"][0]["predicted_step_s"]
         print(f"{format_rate(bps):>9} | {b * 1e3:9.1f} | {pred * 1e3:9.1f} | {bo}{f * 1e3:10.1f} | {d * 1e3:8.1f} | "
               f"{best * 1e3:7.1f} ({best_mb:g} MB) | {c * 1e3:7.1f} | {b / d:8.3f} | {b / best:7.3f} | {pred / b:9.3f}")
+    print("\nquartiles (q1-q3, ms) of the same per-step times")
+    keys = ["bs"] + [f"bs_{o}" for o in orders] + ["fifo"] + [f"ddp{mb:g}" for mb in [25.0] + sweep] + ["compute"]
+    print(f"{'cap':>9} | " + " | ".join(f"{k:>11}" for k in keys))
+    for bps in rates:
+        qs = [statistics.quantiles(res[(bps, k)], n=4) for k in keys]
+        print(f"{format_rate(bps):>9} | " + " | ".join(f"{q[0] * 1e3:5.0f}-{q[2] * 1e3:<5.0f}" for q in qs))
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s; load average at end: "
           f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])} (2 ranks of this run count about 2)")
 

@@ -179,10 +179,13 @@ def ddp_method(model, batches, loss_fn, opt, warmup, world, mb=25.0):
 _SPECS = {}
 
 
+_THREADS = [None]        # --threads: torch threads per rank, in the calibration and the runs
+
+
 def calibrated(world):
     """``ClusterSpec.calibrate(world)`` once per world size; 4 ranks are 2 nodes x 2 (the namespaces)."""
     if world not in _SPECS:
-        spec = fxpar.ClusterSpec.calibrate(world_size=world)
+        spec = fxpar.ClusterSpec.calibrate(world_size=world, threads=_THREADS[0])
         _SPECS[world] = replace(spec, nodes=2, devices_per_node=world // 2)
     return _SPECS[world]
 
@@ -311,7 +314,7 @@ def run(sections, args):
         dev = link.names.dev_a if link.active else None
         for rnd in range(args.rounds):
             for sec in sections:                 # every round visits every cap of every section
-                with NetnsCluster(sec.world, link) as cl:
+                with NetnsCluster(sec.world, link, threads=_THREADS[0]) as cl:
                     for bps in args.rates:
                         link.set_rate(bps)
                         for name, (fn, argv) in sec.methods.items():
@@ -379,10 +382,13 @@ def main():
     ap.add_argument("--bag-d", type=int, default=32)
     ap.add_argument("--bag-seq", type=int, default=8)
     ap.add_argument("--bag-batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch threads per rank (default: the cores split over the ranks); the calibration uses the same")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="fxpar's bucket cap (MB) for the GPT sections")
     args = ap.parse_args()
     args.rates = [parse_rate(r) for r in args.rates.split(",")]
     only = args.only.split(",")
+    _THREADS[0] = args.threads
     print(f"load average at start: {loadavg()}", flush=True)
     torch.manual_seed(0)
     gpt = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(1, args.d // 64), max_seq=args.seq)

@@ -175,9 +175,9 @@ def _measure_late_recv(rank: int, reps: int = _LATE_REPS, nbytes: int = _LATE_BY
     return out
 
 
-def _worker(rank, world_size, port, sizes, reps, queue):
+def _worker(rank, world_size, port, sizes, reps, queue, threads=None):
     import torch.distributed as dist
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         compute = _measure_compute(reps, dist.barrier)
@@ -189,13 +189,17 @@ def _worker(rank, world_size, port, sizes, reps, queue):
         if rank == 1:
             queue.put({"late_recv": late})
         if rank == 0:
-            queue.put({"compute": compute, "all_reduce": comm})
+            queue.put({"compute": compute, "all_reduce": comm, "threads": torch.get_num_threads()})
     finally:
         dist.destroy_process_group()
 
 
-def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measurements: bool = False):
-    """Measure ``world_size`` local gloo ranks; a ClusterSpec (and the raw figures if asked)."""
+def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measurements: bool = False,
+              threads: int | None = None):
+    """Measure ``world_size`` local gloo ranks; a ClusterSpec (and the raw figures if asked).
+
+    ``threads``: torch's intra-op threads per rank while measuring (default: this machine's cores split
+    evenly over the ranks); set it to what the ranks of the run being planned will use."""
     import torch.multiprocessing as mp
     base = ClusterSpec.local(world_size)
     if world_size == 1:
@@ -203,7 +207,7 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
     else:
         ctx = mp.get_context("spawn")
         queue = ctx.SimpleQueue()
-        mp.start_processes(_worker, args=(world_size, free_port(), tuple(sizes), reps, queue),
+        mp.start_processes(_worker, args=(world_size, free_port(), tuple(sizes), reps, queue, threads),
                            nprocs=world_size, join=True, start_method="spawn")
         raw = {}
         for _ in range(2):

@@ -15,7 +15,9 @@ def test_fit_recovers_ring_alpha_beta():
 
 @pytest.mark.slow
 def test_calibrate_two_local_ranks():
-    spec = ClusterSpec.calibrate(world_size=2, sizes=(4 << 10, 1 << 20, 4 << 20), reps=3)
+    spec, raw = ClusterSpec.calibrate(world_size=2, sizes=(4 << 10, 1 << 20, 4 << 20), reps=3, threads=1,
+                                      return_measurements=True)
+    assert raw["threads"] == 1                     # measured with the threads the planned ranks will use
     assert spec.world_size == 2 and spec.backend == "gloo"
     assert 1e8 < spec.intra_node.bandwidth < 1e12 and 0 <= spec.intra_node.latency < 5e-3
     assert 1e8 < spec.device.peak_flops < 1e13 and spec.device.mem_bandwidth > 1e8
