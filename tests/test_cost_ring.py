@@ -205,26 +205,30 @@ def _veth_bytes(dev):
     raise AssertionError(f"no device {dev} in this namespace")
 
 
-def _flat_then_herring(numel, dev):
+def _flat_then_herring(numel, dev, reps=3):
     """On 4 ranks, 0-1 in namespace A and 2-3 in B: a flat all_reduce over all four, then Herring's three steps;
-    rank 0 reads the veth's counters around each (both directions)."""
+    rank 0 reads the veth's counters around each (both directions), ``reps`` times: the lists of bytes."""
     import torch.distributed as dist
     rank = dist.get_rank()
     groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]
     node, cross = groups[rank // 2], groups[2 + rank % 2]
-    x = torch.ones(numel)
-    dist.barrier()
-    c0 = _veth_bytes(dev) if rank == 0 else 0
-    dist.all_reduce(x)
-    dist.barrier()
-    c1 = _veth_bytes(dev) if rank == 0 else 0
-    shard, out = torch.empty(numel // 2), torch.empty(numel)
-    dist.reduce_scatter_tensor(shard, x, group=node)
-    dist.all_reduce(shard, group=cross)
-    dist.all_gather_into_tensor(out, shard, group=node)
-    dist.barrier()
-    c2 = _veth_bytes(dev) if rank == 0 else 0
-    return c1 - c0, c2 - c1
+    flat, herring = [], []
+    for _ in range(reps):
+        x = torch.ones(numel)
+        dist.barrier()
+        c0 = _veth_bytes(dev) if rank == 0 else 0
+        dist.all_reduce(x)
+        dist.barrier()
+        c1 = _veth_bytes(dev) if rank == 0 else 0
+        shard, out = torch.empty(numel // 2), torch.empty(numel)
+        dist.reduce_scatter_tensor(shard, x, group=node)
+        dist.all_reduce(shard, group=cross)
+        dist.all_gather_into_tensor(out, shard, group=node)
+        dist.barrier()
+        c2 = _veth_bytes(dev) if rank == 0 else 0
+        flat.append(c1 - c0)
+        herring.append(c2 - c1)
+    return flat, herring
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or nl.preflight() is not None,
@@ -240,6 +244,8 @@ def test_cut_bytes_match_the_veth():
     assert (2 * ring, 2 * herring) == (3 * S, 2 * S)
     link = nl.CappedLink(verbose=False)
     with link, nl.NetnsCluster(4, link, timeout_s=120) as lc:
-        flat_m, herring_m = lc.run(_flat_then_herring, [(numel, link.names.dev_a)] * 4)[0]
+        flat, herring_b = lc.run(_flat_then_herring, [(numel, link.names.dev_a)] * 4)[0]
+    # the median of 3: now and then (about 1 in 12 here) one all_reduce's counters come out a few % off either way
+    flat_m, herring_m = sorted(flat)[1], sorted(herring_b)[1]
     assert 2 * ring <= flat_m <= 1.04 * 2 * ring
     assert 2 * herring <= herring_m <= 1.04 * 2 * herring
