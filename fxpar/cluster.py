@@ -40,7 +40,9 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """A link class: bandwidth in bytes/s per direction per device, latency in seconds."""
+    """A link class: bandwidth in bytes/s per direction, latency in seconds. Whose bandwidth: ``intra_node`` is
+    each device's; ``inter_node`` is each device's under NCCL (a NIC per GPU) and each machine's under gloo (its
+    processes share the machine's one TCP interface; ``cost_models.comm`` divides it among the flows)."""
     bandwidth: float
     latency: float
 
