@@ -16,6 +16,11 @@ run at once, as they will in training, each times:
   causal scaled-dot-product attention (q, k, v of ``4 x 8 x 128 x 64``, a GPT-sized head) ->
   ``efficiency["attention"]`` (forward and backward);
 - ``all_reduce`` of sizes 4 KiB .. 16 MiB (after a barrier each time);
+- the *issue* of a small collective (two or more ranks; a functional ``all_reduce`` and an
+  ``all_gather_into_tensor`` of 1 KiB after a barrier, timed from the call to its return, before the
+  wait): the mean of the two medians is ``device.collective_issue_s``, the CPU a rank spends per
+  collective a graph issues (gloo's work setup and small copies on the caller's thread; 90-220 µs on
+  a 2-core machine);
 - a *late receive* (two or more ranks): rank 0 posts an ``isend`` of 128 KiB (a pipeline
   activation of this size class) to rank 1 and goes on computing (matmuls, 20 ms); rank 1
   computes 5 ms, then receives. The receive's wait, averaged (the mean: idle time adds up,
@@ -175,6 +180,32 @@ def _measure_late_recv(rank: int, reps: int = _LATE_REPS, nbytes: int = _LATE_BY
     return out
 
 
+_ISSUE_NUMEL = 256
+_ISSUE_REPS = 30
+
+
+def _measure_issue(reps: int = _ISSUE_REPS) -> float:
+    """Seconds from calling a functional collective to its return (its handle), before the wait: the mean of
+    the medians for ``all_reduce`` and ``all_gather_into_tensor`` of 1 KiB. Every rank runs ``reps`` of each."""
+    import torch.distributed as dist
+    name, n = dist.group.WORLD.group_name, dist.get_world_size()
+    ops = torch.ops._c10d_functional
+    t = torch.ones(_ISSUE_NUMEL)
+    issue = {"all_reduce": lambda: ops.all_reduce(t, "sum", name),
+             "all_gather": lambda: ops.all_gather_into_tensor(t, n, name)}
+    medians = []
+    for fn in issue.values():
+        out = []
+        for _ in range(reps):
+            dist.barrier()
+            start = time.perf_counter()
+            handle = fn()
+            out.append(time.perf_counter() - start)
+            ops.wait_tensor(handle)
+        medians.append(statistics.median(out))
+    return sum(medians) / len(medians)
+
+
 def _worker(rank, world_size, port, sizes, reps, queue, threads=None):
     import torch.distributed as dist
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
@@ -186,10 +217,12 @@ def _worker(rank, world_size, port, sizes, reps, queue, threads=None):
             t = torch.ones(size // 4)
             comm.append((size, _time(lambda: dist.all_reduce(t), reps, dist.barrier)))
         late = _measure_late_recv(rank)
+        issue = _measure_issue()
         if rank == 1:
             queue.put({"late_recv": late})
         if rank == 0:
-            queue.put({"compute": compute, "all_reduce": comm, "threads": torch.get_num_threads()})
+            queue.put({"compute": compute, "all_reduce": comm, "threads": torch.get_num_threads(),
+                       "collective_issue_s": issue})
     finally:
         dist.destroy_process_group()
 
@@ -231,6 +264,8 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
         alpha, beta = fit_alpha_beta(sizes_, times, world_size)
         raw["alpha"], raw["bandwidth"] = alpha, beta
         spec = replace(spec, intra_node=LinkSpec(beta, alpha))
+    if raw.get("collective_issue_s"):
+        spec = replace(spec, device=replace(spec.device, collective_issue_s=raw["collective_issue_s"]))
     if raw.get("late_recv"):
         raw["late_recv_s"] = late_recv_overhead(raw["late_recv"], _LATE_BYTES, spec.intra_node)
         spec = replace(spec, device=replace(spec.device, late_recv_s=raw["late_recv_s"]))

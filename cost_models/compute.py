@@ -330,15 +330,24 @@ def pays_dispatch(n: torch.fx.Node) -> bool:
             and not t._schema.name.split("::")[-1].startswith("sym_"))
 
 
+def issues_collective(n: torch.fx.Node) -> bool:
+    """A node that issues a functional collective (its ``wait_tensor`` does not: the wait is the link's time)."""
+    t = n.target
+    return (n.op == "call_function" and getattr(t, "namespace", "") == "_c10d_functional"
+            and "wait_tensor" not in str(t))
+
+
 def graph_compute(gm: torch.fx.GraphModule, device) -> GraphCompute:
     """Cost every node of ``gm`` on ``device``; ops that hit the default rule are counted."""
     gc = GraphCompute()
     overhead = getattr(device, "op_overhead_s", 0.0)
+    issue = getattr(device, "collective_issue_s", 0.0)
     for n in gm.graph.nodes:
         c = node_cost(n)
         gc.costs[n] = c
-        # every aten op pays a fixed dispatch/launch cost on top of its roofline time
-        fixed = overhead if pays_dispatch(n) else 0.0
+        # every aten op pays a fixed dispatch/launch cost on top of its roofline time; issuing a collective
+        # costs the rank's CPU too (DeviceSpec.collective_issue_s), its transfer is the link's (cost_models.comm)
+        fixed = overhead if pays_dispatch(n) else issue if issues_collective(n) else 0.0
         gc.times[n] = node_time(c, device) + fixed
         if c.rule == "default":
             gc.defaulted[str(n.target)] += 1

@@ -33,6 +33,10 @@ class DeviceSpec:
     # after the send and the sender has gone on computing (gloo finishes the write on the sender's CPU, which
     # must be scheduled beside the compute); the mean over repeats, from calibrate(). 0: not measured.
     late_recv_s: float = 0.0
+    # CPU seconds a rank spends *issuing* one collective (the call that enqueues it and returns a handle: under
+    # gloo the work's setup and its small copies run on the caller's thread), on top of the transfer; from
+    # calibrate(). It adds to the compute lane once per collective a graph issues. 0: not measured.
+    collective_issue_s: float = 0.0
 
     def __hash__(self):
         return hash((self.kind, self.name, self.memory_bytes, self.peak_flops, self.mem_bandwidth))
@@ -139,7 +143,7 @@ class ClusterSpec:
                 raise ClusterSpecError(f"ClusterSpec({name}={v!r}): {name} must be a positive int.")
         _check_cpu_servers(self.cpu_servers, self.backend)
         _check_server_nodes(self.server_nodes, self.cpu_servers, self.nodes)
-        for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s"):
+        for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s", "collective_issue_s"):
             v = getattr(d, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise ClusterSpecError(f"DeviceSpec({name}={v!r}): {name} must be a number.")
@@ -160,6 +164,8 @@ class ClusterSpec:
             problems.append(f"device.op_overhead_s={d.op_overhead_s}: must be >= 0 seconds")
         if d.late_recv_s < 0:
             problems.append(f"device.late_recv_s={d.late_recv_s}: must be >= 0 seconds")
+        if d.collective_issue_s < 0:
+            problems.append(f"device.collective_issue_s={d.collective_issue_s}: must be >= 0 seconds")
         if d.mem_bandwidth <= 0:
             problems.append(f"device.mem_bandwidth={d.mem_bandwidth}: must be > 0")
         for name, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
@@ -277,7 +283,7 @@ _TOP_FIELDS = {"device": (dict, "an object {...} of DeviceSpec fields"), "nodes"
 _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "memory_bytes": (int, "an integer (bytes)"),
                   "peak_flops": (float, _NUMBER + " (FLOP/s)"), "mem_bandwidth": (float, _NUMBER + " (bytes/s)"),
                   "efficiency": (dict, "an object {op class: fraction}"), "op_overhead_s": (float, _NUMBER + " (seconds)"),
-                  "late_recv_s": (float, _NUMBER + " (seconds)")}
+                  "late_recv_s": (float, _NUMBER + " (seconds)"), "collective_issue_s": (float, _NUMBER + " (seconds)")}
 _LINK_FIELDS = {"bandwidth": (float, _NUMBER + " (bytes/s)"), "latency": (float, _NUMBER + " (seconds)")}
 
 

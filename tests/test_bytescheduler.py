@@ -490,6 +490,29 @@ def test_simulated_plan_keeps_its_invariants():
         assert issued == waited == set(range(len(res.pieces)))
 
 
+def test_issue_cost_is_paid_per_piece_and_steers_the_partition():
+    """``DeviceSpec.collective_issue_s`` (the rank's CPU per collective issued): the simulated step pays it once per
+    piece, and when it is dear the tuner cuts fewer pieces (here the same step otherwise)."""
+    from cost_models.comm_tuning import BucketTiming, plan_stage, simulate
+    bts = [BucketTiming(0.0, 0.0, [1000, 1000, 1000])]
+    comm = lambda x: 1e-6 * x / 1000        # noqa: E731
+    base = simulate(bts, 0.05, 0.1, comm, 3000, cross=False)
+    assert simulate(bts, 0.05, 0.1, comm, 3000, cross=False, issue_s=2e-3).step_s == pytest.approx(base.step_s + 6e-3)
+    shapes = {"wte": (4096, 64), "fc": (4096, 64), "ln": (64,)}          # float64: 2 MiB each
+    tm = {"t_fwd": 0.03, "t_bwd": 0.02, "t_opt": 0.0, "ready": {"fc": 0.012, "ln": 0.015, "wte": 0.02},
+          "need": {"wte": 0.0, "ln": 0.004, "fc": 0.025}}
+
+    def plan(issue_s):
+        return plan_stage(dict(tm, issue_s=issue_s), lambda part: [["fc"], ["ln"], ["wte"]], shapes.get, lambda k: 8,
+                          lambda n: 1e-5 + n / 1e8, True, [["fc", "ln", "wte"]])[0]
+    free, dear = plan(0.0), plan(5e-3)
+    assert len(dear["pieces"]) < len(free["pieces"])      # free issues: wte cut so its first rows go first
+    n = len(dear["pieces"])
+    assert dear["predicted_step_s"] == pytest.approx(                     # the same plan without the issue cost + n of it
+        plan_stage(tm, lambda part: [["fc"], ["ln"], ["wte"]], shapes.get, lambda k: 8, lambda n: 1e-5 + n / 1e8, True,
+                   [["fc", "ln", "wte"]], dear["partition_bytes"], dear["credit_bytes"])[0]["predicted_step_s"] + n * 5e-3)
+
+
 def test_tied_gradient_is_cut_alike_on_every_stage():
     """A bucket on a group several stages share (a tied weight) is cut only at the partition asked for, never at one
     tuned per stage (each stage must make the same collectives), and under cross-iteration issued in its own step."""

@@ -24,6 +24,7 @@ def test_calibrate_two_local_ranks():
     assert 0 < spec.device.efficiency["softmax"] <= 1 and spec.device.efficiency["matmul"] == 1.0
     assert ClusterSpec.from_json(spec.to_json()) == spec
     assert 0 <= spec.device.late_recv_s < 0.1
+    assert 0 < spec.device.collective_issue_s < 0.05       # measured: a functional collective's call, before its wait
 
 
 def test_late_recv_overhead_is_the_mean_wait_less_the_transfer():
@@ -44,3 +45,27 @@ def test_late_recv_s_round_trips_and_is_checked():
     assert ClusterSpec.from_json(spec.to_json()).device.late_recv_s == 3e-3
     with pytest.raises(ClusterSpecError, match="late_recv_s"):
         replace(spec, device=replace(spec.device, late_recv_s=-1.0))
+
+
+def test_collective_issue_cost_is_on_the_compute_lane_once_per_collective():
+    """``DeviceSpec.collective_issue_s``: the node that issues a collective costs it on the compute lane, its wait
+    nothing there (the wait is the link's time, cost_models.comm); it round-trips and is checked."""
+    from dataclasses import replace
+
+    import torch
+
+    from cost_models.compute import graph_compute
+    from fxpar.errors import ClusterSpecError
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+    z = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (y,))
+    g.output(z)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    spec = ClusterSpec.local(2)
+    spec = replace(spec, device=replace(spec.device, collective_issue_s=1e-4))
+    times = graph_compute(gm, spec.device).times
+    assert times[y] == 1e-4 and times[z] == 0.0
+    assert ClusterSpec.from_json(spec.to_json()).device.collective_issue_s == 1e-4
+    with pytest.raises(ClusterSpecError, match="collective_issue_s"):
+        replace(spec, device=replace(spec.device, collective_issue_s=-1.0))
