@@ -30,7 +30,7 @@ included; every step, warm-up ones too, over the number of steps). Predicted: ``
 form of ``cost_models.byteps.predict`` (communication alone).
 
     python benchmarks/bench_param_server.py [--rates none,2gbit,1gbit,500mbit] [--steps 4] [--warmup 2] [--rounds 2]
-        [--only herring,byteps4,byteps,parallax] [--bucket-mb 25]
+        [--only herring,byteps4,byteps,parallax] [--bucket-mb MB]
     python benchmarks/netns_link.py --cleanup      # leftovers of a run that was killed hard
 """
 import argparse
@@ -221,7 +221,10 @@ def herring_section(args, gpt, batches):
     plan = fxpar.Plan.from_json(prog.plan.to_json())
     plan.grad_sync["overlap"] = False
     late = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st, plan=plan)
-    print(f"herring: {len(prog.plan.buckets[0])} buckets of --bucket-mb {args.bucket_mb}", flush=True)
+    bc = prog.plan.grad_sync["bucket_choice"]
+    print(f"herring: {len(prog.plan.buckets[0])} buckets of {bc['cap_bytes'] / 2**20:g} MiB ({bc['by']}"
+          + (": predicted " + ", ".join(f"{mb} MiB {t * 1e3:.1f} ms" for mb, t in bc["tried"].items()) if "tried" in bc
+             else "") + ")", flush=True)
     link = 2 * 2 * B.allreduce_bytes(v / 2, 2)
     return Section(gpt_table(4), 4, {"fxpar herring": fx_method(prog, batches, args.warmup, 4),
                                      "herring at wait": fx_method(late, batches, args.warmup, 4)},
@@ -384,7 +387,8 @@ def main():
     ap.add_argument("--bag-batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per rank (default: the cores split over the ranks); the calibration uses the same")
-    ap.add_argument("--bucket-mb", type=float, default=25.0, help="fxpar's bucket cap (MB) for the GPT sections")
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="fxpar's bucket cap (MB) for the GPT sections (default: DDP's 25 MB; Herring's chosen by the planner)")
     args = ap.parse_args()
     args.rates = [parse_rate(r) for r in args.rates.split(",")]
     only = args.only.split(",")

@@ -24,6 +24,7 @@ from .lower import lower
 from .optim import resolve_optimizer
 from .plan import Plan
 from .planner import ASYNC, check_batch, grad_groups, make_plan, plan_buckets, plan_sparse_routes, schedule_name
+from .planner_comm import plan_herring_buckets
 from .program import Program, Stage, stage_messages
 from .strategy import Strategy
 
@@ -97,7 +98,7 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     t1 = time.perf_counter()
     _without_gradient(plan, captured, model)
     _check_parameters_fit(captured, cluster, model)
-    _plan_buckets(plan, captured)
+    _plan_buckets(plan, captured, cluster)
     lowered = lower(captured, plan, sched, cluster, strategy.passes, synchronous=plan.schedule not in ASYNC)
     plan.passes = [h.pass_name for h in lowered[0][2][1:] if not h.pass_name.startswith("split_graphs:")]
     stages = [Stage(s, cap, parts, gm, hist, notes, stage_messages(cap))
@@ -158,8 +159,9 @@ def _without_gradient(plan: Plan, captured: list, model: torch.nn.Module) -> Non
                           "they are never updated and have no optimizer state; state_dict() keeps them as they were")
 
 
-def _plan_buckets(plan: Plan, captured: list) -> None:
-    """Keep the buckets of a handed-in Plan where they still match each stage's gradients; plan the rest."""
+def _plan_buckets(plan: Plan, captured: list, cluster: ClusterSpec) -> None:
+    """Keep the buckets of a handed-in Plan where they still match each stage's gradients; plan the rest
+    (Herring's size on the cost model when the Strategy leaves it to the planner)."""
     given = plan.buckets if len(plan.buckets) == len(captured) else None
     gs = plan.grad_sync
     plan_sparse_routes(plan, captured[0])              # Parallax: each embedding gradient's route, once captured
@@ -173,7 +175,12 @@ def _plan_buckets(plan: Plan, captured: list) -> None:
         if given is not None and given[s]:
             plan.notes.append(f"stage {s}: the given buckets do not cover its synchronised gradients "
                               f"{sorted(want)}; planned again")
-        out.append(plan_buckets(cap, plan.bucket_cap_bytes, plan.first_bucket_cap_bytes, groups) if want else [])
+        if want and gs.get("bucket_choice") == "tune":
+            out.append(plan_herring_buckets(plan, cap, groups, cluster))
+            continue
+        chosen = gs.get("bucket_choice")      # Herring's size, tuned once: a handed-back Plan keeps it
+        cap_bytes = chosen["cap_bytes"] if isinstance(chosen, dict) else plan.bucket_cap_bytes
+        out.append(plan_buckets(cap, cap_bytes, plan.first_bucket_cap_bytes, groups) if want else [])
     plan.buckets = out
 
 

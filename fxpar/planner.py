@@ -20,6 +20,7 @@ from .strategy import Strategy
 __all__ = ["make_plan", "plan_buckets", "plan_sparse_routes", "plan_recompute", "plan_comm_schedule", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
 
 ASYNC = ("pipedream", "2bw")
+DDP_BUCKET_MB = 25.0     # DDP's default bucket_cap_mb, fxpar's when Strategy(bucket_cap_mb=None) and nothing tunes it
 
 
 def check_batch(batch, dp: int, microbatches: int = 1, batch_dim: int = 0, names=None) -> int:
@@ -158,7 +159,7 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     plan.schedule = schedule_name(strategy, base)
     plan.microbatches = base.microbatches if base is not None else strategy.microbatches
     plan.global_batch = check_batch(batch, dp, plan.microbatches)
-    plan.bucket_cap_bytes = int(strategy.bucket_cap_mb * 2**20)
+    plan.bucket_cap_bytes = int((DDP_BUCKET_MB if strategy.bucket_cap_mb is None else strategy.bucket_cap_mb) * 2**20)
     plan.first_bucket_cap_bytes = int(strategy.first_bucket_cap_mb * 2**20)
     plan.broadcast_buffers = strategy.broadcast_buffers
     if optimizer is not None:

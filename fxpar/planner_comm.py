@@ -15,7 +15,7 @@ from .errors import StrategyError
 from .plan import Plan
 from .strategy import Strategy
 
-__all__ = ["plan_buckets", "plan_comm_schedule", "plan_sparse_routes"]
+__all__ = ["plan_buckets", "plan_comm_schedule", "plan_herring_buckets", "plan_sparse_routes"]
 
 def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None, asynchronous: bool) -> None:
     """Communication order into the Plan (``passes.comm_schedule`` carries it out): the method, the partition
@@ -202,7 +202,10 @@ def _record_grad_sync(plan: Plan, strategy: Strategy, base: Plan | None, cluster
         node = [list(range(n * per, (n + 1) * per)) for n in range(nodes)]
         cross = [list(range(i, plan.dp, per)) for i in range(per)]
         # overlap: each bucket's cross-node sum and gather start during backward (passes/herring.py)
-        plan.grad_sync = {"method": "herring", "node": node, "cross": cross, "overlap": True}
+        plan.grad_sync = {"method": "herring", "node": node, "cross": cross, "overlap": True,
+                          # the bucket size: the user's, or tuned once the step is captured (plan_herring_buckets)
+                          "bucket_choice": ("tune" if strategy.bucket_cap_mb is None else
+                                            {"by": "given", "cap_bytes": plan.bucket_cap_bytes})}
         plan.groups.update({"node": node, "cross": cross})
         plan.notes.append(f"grad_sync: Herring -- each bucket reduce-scattered within nodes {node}, each shard summed "
                           f"across nodes {cross} while backward goes on, then all-gathered within the node")
@@ -232,6 +235,50 @@ def _record_byteps(plan: Plan, strategy: Strategy, k: int) -> None:
                       f"{share:.4g} share of every bucket (workers push it, pull the sum); the workers all-reduce the "
                       f"rest; {gain_over_allreduce(n, k):.3g}x less traffic on the busiest machine than all-reduce"
                       + (f" (k={k} > n={n}: the servers hold everything, the extra ones sit partly idle)" if k > n else ""))
+
+
+HERRING_BUCKET_MB = (1, 2, 4, 8, 16, 25)      # the bucket sizes plan_herring_buckets simulates
+
+
+def plan_herring_buckets(plan: Plan, captured, groups: dict, cluster) -> list:
+    """Herring's bucket size, chosen on the cost model (``Strategy(bucket_cap_mb=None)``): for each size of
+    ``HERRING_BUCKET_MB`` the stage's buckets are simulated as backward makes them (``cost_models.comm_tuning``:
+    each bucket's chain -- reduce-scatter in the node, all-reduce of a shard across nodes, all-gather in the node --
+    on one lane in bucket order, three collectives' issue each, waited at the optimizer); the least predicted
+    step wins, the larger size within 2%. Small buckets let the cross-node step overlap backward, each costs
+    three collectives' latency and issue. Records ``Plan.grad_sync["bucket_choice"]``; returns the buckets."""
+    from cost_models.comm import collective_cost
+    from cost_models.comm_tuning import BucketTiming, simulate, stage_timings
+    gs = plan.grad_sync
+    node, cross = gs["node"][0], gs["cross"][0]
+    per = len(node)
+    tm = stage_timings(captured.gm, captured.signature, cluster.device)
+    issue = 3 * getattr(cluster.device, "collective_issue_s", 0.0)
+
+    def chain(nbytes):
+        shard = -(-nbytes // per)
+        return (collective_cost("reduce_scatter", nbytes, node, cluster).time_s
+                + collective_cost("all_reduce", shard, cross, cluster).time_s
+                + collective_cost("all_gather", shard, node, cluster).time_s)
+
+    def size(k):
+        return _numel(captured.param_shapes[k]) * _itemsize(captured.param_dtypes[k])
+    tried, made = {}, {}
+    for mb in HERRING_BUCKET_MB:
+        buckets = plan_buckets(captured, int(mb * 2**20), plan.first_bucket_cap_bytes, groups)
+        bts = [BucketTiming(max(tm["ready"].get(k, tm["t_bwd"]) for k in b), 0.0, [sum(size(k) for k in b)], i)
+               for i, b in enumerate(buckets)]
+        total = sum(bt.pieces[0] for bt in bts) or 1
+        tried[mb] = simulate(bts, tm["t_fwd"], tm["t_bwd"], chain, total, False, tm["t_opt"], issue).step_s
+        made[mb] = buckets
+    least = min(tried.values())
+    best = max(mb for mb, t in tried.items() if t <= least * (1 + _REORDER_GAIN))
+    plan.bucket_cap_bytes = int(best * 2**20)
+    gs["bucket_choice"] = {"by": "cost model", "cap_bytes": plan.bucket_cap_bytes, "tried": {str(mb): t for mb, t in tried.items()}}
+    plan.notes.append(f"grad_sync: Herring buckets of {best} MiB ({len(made[best])} buckets), the least predicted step "
+                      "(" + ", ".join(f"{mb} MiB {t * 1e3:.3g} ms" for mb, t in tried.items()) + "); "
+                      "Strategy(bucket_cap_mb=...) sets it")
+    return made[best]
 
 
 def plan_sparse_routes(plan: Plan, captured) -> None:

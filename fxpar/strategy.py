@@ -30,8 +30,10 @@ class Strategy:
         ``fxpar.shard`` annotations, GShard-style, and propagation), or a dict of Mesh-TensorFlow layouts
         ``{"blocks.*.mlp.fc1.weight": ("tp", None), ...}`` (glob over parameter keys -> a mesh axis or None per
         dim). Annotations in the model count in every mode but ``"auto"``.
-    bucket_cap_mb: gradient bucket size for data parallelism (DDP's default: 25 MB). 0 means one
-        collective per gradient.
+    bucket_cap_mb: gradient bucket size for data parallelism. None (default): DDP's 25 MB, except under
+        ``grad_sync="herring"``, where the planner picks it from the cost model's simulation of the step
+        (Herring's cross-node step overlaps backward bucket by bucket, so the size matters there;
+        ``Plan.grad_sync["bucket_choice"]`` records every size tried). 0 means one collective per gradient.
     first_bucket_cap_mb: cap of the first bucket backward fills (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``:
         1 MiB), so the first all_reduce starts early and overlaps the rest of backward. Never above
         ``bucket_cap_mb``.
@@ -102,7 +104,7 @@ class Strategy:
     schedule: "str | Schedule | None" = None
     microbatches: int = 1
     split_points: list | None = None
-    bucket_cap_mb: float = 25.0
+    bucket_cap_mb: float | None = None
     first_bucket_cap_mb: float = 1.0
     broadcast_buffers: bool = True
     passes: list = field(default_factory=list)
@@ -162,7 +164,8 @@ class Strategy:
             raise StrategyError(f"Strategy(grad_sync={self.grad_sync!r}) with zero={self.zero}, pp={self.pp}, "
                                 f"comm_schedule={self.comm_schedule!r}: {self.grad_sync} is built for data parallelism "
                                 "alone with FIFO buckets; drop the others or use grad_sync='allreduce'")
-        if not isinstance(self.bucket_cap_mb, (int, float)) or self.bucket_cap_mb < 0:
+        if self.bucket_cap_mb is not None and (not isinstance(self.bucket_cap_mb, (int, float))
+                                               or self.bucket_cap_mb < 0):
             raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
         if self.first_bucket_cap_mb < 0:
             raise StrategyError(f"Strategy(first_bucket_cap_mb={self.first_bucket_cap_mb}): must be >= 0")

@@ -160,3 +160,39 @@ def test_herring_needs_several_nodes():
                           strategy=fxpar.Strategy(dp=4, grad_sync="herring"))
     with pytest.raises(fxpar.StrategyError, match="data parallelism alone"):
         fxpar.Strategy(dp=2, pp=2, grad_sync="herring")
+
+
+def test_herring_bucket_size_is_chosen_on_the_cost_model():
+    """Strategy(bucket_cap_mb=None) under Herring: the planner simulates each size of HERRING_BUCKET_MB (the chain
+    of three collectives per bucket overlapping backward) and keeps the least predicted step (the larger size
+    within 2%); the buckets are DDP's packing at that size; a given size is kept; a handed-back Plan keeps the
+    choice. Planning only: no rank starts."""
+    from dataclasses import replace
+
+    from fxpar.cluster import LinkSpec
+    from fxpar.planner_comm import HERRING_BUCKET_MB
+    torch.manual_seed(0)
+    model = GPT(vocab=1024, d=256, layers=2, heads=4, max_seq=32)          # 1.9M parameters, 7.3 MiB of gradients
+    batch = (torch.randint(0, 1024, (8, 32)), torch.randint(0, 1024, (8, 32)))
+    cluster = replace(fxpar.ClusterSpec.local(4, **TWO_NODES), inter_node=LinkSpec(125e6, 50e-6))   # 1 Gbit/s
+    sizes = {k: p.numel() * 4 for k, p in model.named_parameters()}
+
+    def build(**kw):
+        return fxpar.parallelize(model, cluster, batch, gpt_loss, ADAMW,
+                                 strategy=fxpar.Strategy(dp=4, grad_sync="herring", **kw))
+    prog = build()
+    choice = prog.plan.grad_sync["bucket_choice"]
+    tried = {float(mb): t for mb, t in choice["tried"].items()}
+    assert choice["by"] == "cost model" and sorted(tried) == sorted(float(mb) for mb in HERRING_BUCKET_MB)
+    least = min(tried.values())
+    assert choice["cap_bytes"] == int(max(mb for mb, t in tried.items() if t <= least * 1.02) * 2**20)
+    assert tried[25.0] > least * 1.02       # one bucket at the end of backward: nothing overlaps, predicted slower
+    buckets = prog.plan.buckets[0]
+    assert len(buckets) > 1 and all(sum(sizes[k] for k in b) <= choice["cap_bytes"] or len(b) == 1 for b in buckets)
+    assert prog.plan.bucket_cap_bytes == choice["cap_bytes"] and any("Herring buckets of" in n for n in prog.plan.notes)
+    given = build(bucket_cap_mb=25)
+    assert given.plan.grad_sync["bucket_choice"] == {"by": "given", "cap_bytes": 25 * 2**20}
+    assert len(given.plan.buckets[0]) < len(buckets)
+    again = fxpar.parallelize(model, cluster, batch, gpt_loss, ADAMW, strategy=fxpar.Strategy(dp=4, grad_sync="herring"),
+                              plan=fxpar.Plan.from_json(prog.plan.to_json()))
+    assert again.plan.buckets[0] == buckets and again.plan.grad_sync["bucket_choice"] == choice
