@@ -23,8 +23,8 @@ from .losses import choose_loss
 from .lower import lower
 from .optim import resolve_optimizer
 from .plan import Plan
-from .planner import ASYNC, check_batch, grad_groups, make_plan, plan_buckets, plan_sparse_routes, schedule_name
-from .planner_comm import plan_herring_buckets
+from .planner import ASYNC, check_batch, grad_groups, make_plan, schedule_name
+from .planner_comm import plan_buckets, plan_herring_buckets, plan_sparse_routes
 from .program import Program, Stage, stage_messages
 from .strategy import Strategy
 

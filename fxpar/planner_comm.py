@@ -238,6 +238,7 @@ def _record_byteps(plan: Plan, strategy: Strategy, k: int) -> None:
 
 
 HERRING_BUCKET_MB = (1, 2, 4, 8, 16, 25)      # the bucket sizes plan_herring_buckets simulates
+_BUCKET_NEAR = 0.02     # sizes predicted within 2% of the least count as equal: the larger wins (fewer collectives)
 
 
 def plan_herring_buckets(plan: Plan, captured, groups: dict, cluster) -> list:
@@ -272,7 +273,7 @@ def plan_herring_buckets(plan: Plan, captured, groups: dict, cluster) -> list:
         tried[mb] = simulate(bts, tm["t_fwd"], tm["t_bwd"], chain, total, False, tm["t_opt"], issue).step_s
         made[mb] = buckets
     least = min(tried.values())
-    best = max(mb for mb, t in tried.items() if t <= least * (1 + _REORDER_GAIN))
+    best = max(mb for mb, t in tried.items() if t <= least * (1 + _BUCKET_NEAR))
     plan.bucket_cap_bytes = int(best * 2**20)
     gs["bucket_choice"] = {"by": "cost model", "cap_bytes": plan.bucket_cap_bytes, "tried": {str(mb): t for mb, t in tried.items()}}
     plan.notes.append(f"grad_sync: Herring buckets of {best} MiB ({len(made[best])} buckets), the least predicted step "
