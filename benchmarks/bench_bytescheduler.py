@@ -7,7 +7,8 @@ visited once per round (``--rounds``):
 
 - fxpar ``Strategy(dp=2, comm_schedule="bytescheduler")``, partition and credit tuned by the cost model for
   *that* cap: the program is planned on ``ClusterSpec.calibrate()`` (this machine's compute) with the link set
-  to the cap's rate; each rank runs ``Executor(payload).step(batch)`` (cross-iteration overlap: each step's
+  to the veth as ``netns_link.calibrate_link`` measures it at the cap's rate before the run (without the
+  harness: the nominal rate); each rank runs ``Executor(payload).step(batch)`` (cross-iteration overlap: each step's
   update is applied in the next);
 - the same with each ``grad_order`` of ``--orders`` forced (default ``natural``: backward as traced), to show what
   reordering backward adds (the tuned program may run backward in the next forward's need order,
@@ -20,7 +21,7 @@ Also the cost model's predicted ByteScheduler step (``Plan.comm_schedule['stages
 against the measured one. The link adds bandwidth limits only (no netem: no latency).
 
     python benchmarks/bench_bytescheduler.py [--rates none,2gbit,1gbit,500mbit] [--steps 5] [--warmup 2] [--rounds 3]
-                                             [--orders natural,priority] [--batch 16] [--threads N]
+                                             [--orders natural,priority] [--batch 16] [--threads N] [--pin]
 """
 import argparse
 import os
@@ -40,7 +41,7 @@ import fxpar  # noqa: E402
 from bench_capped_link import ddp_bench_worker, fxpar_worker, per_step_max  # noqa: E402
 from fxpar.cluster import LinkSpec  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
-from netns_link import CappedLink, NetnsCluster, format_rate, parse_rate  # noqa: E402
+from netns_link import CappedLink, NetnsCluster, calibrate_link, format_rate, parse_rate  # noqa: E402
 
 
 def build(model, batches, opt, cluster, strategy, n):
@@ -61,6 +62,8 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--sweep-mb", default="1,5")
     ap.add_argument("--orders", default="natural", help="forced grad_order cells besides the tuned one: natural,priority")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin every rank to its own cores (cost_models.calibrate.rank_cores), in the calibration too")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per rank (default: the cores split over the ranks); the calibration uses the same")
     args = ap.parse_args()
@@ -72,14 +75,18 @@ def main():
                for _ in range(n)]
     opt = (torch.optim.AdamW, {"lr": 1e-3})
     print(f"load average at start: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
-    calibrated = fxpar.ClusterSpec.calibrate(world_size=w, threads=args.threads)
+    calibrated = fxpar.ClusterSpec.calibrate(world_size=w, threads=args.threads, pin=args.pin)
     rates = [parse_rate(r) for r in args.rates.split(",")]
+    links = calibrate_link(rates, threads=args.threads, pin=args.pin)      # the veth at each cap, as the ranks will cross it
+    for bps, lk in links.items():
+        print(f"veth measured at {format_rate(bps)}: {lk.bandwidth * 8 / 1e9:.2f} Gbit/s, α {lk.latency * 1e6:.0f} us")
     sweep = [float(x) for x in args.sweep_mb.split(",") if x]
     fifo, fifo_payloads = build(model, batches, opt, calibrated, fxpar.Strategy(dp=w, bucket_cap_mb=25), n)
     orders = [o for o in args.orders.split(",") if o]
     bs, forced = {}, {}
     for bps in rates:       # planned for the link it will run on: the tuner sees the cap
-        link = calibrated.intra_node if bps is None else LinkSpec(bps / 8, calibrated.intra_node.latency)
+        link = links.get(bps) or (calibrated.intra_node if bps is None else
+                                  LinkSpec(bps / 8, calibrated.intra_node.latency))
         cl = replace(calibrated, intra_node=link, inter_node=link)
         bs[bps] = build(model, batches, opt, cl, fxpar.Strategy(dp=w, comm_schedule="bytescheduler"), n)
         for o in orders:
@@ -103,7 +110,7 @@ def main():
     with CappedLink() as link:
         print("link: " + (f"veth {link.names.dev_a} <-> {link.names.dev_b}, tbf per direction, no latency (no netem)"
                           if link.active else f"UNCAPPED 127.0.0.1 (missing: {link.missing})"))
-        with NetnsCluster(w, link, threads=args.threads) as cl:
+        with NetnsCluster(w, link, threads=args.threads, pin=args.pin) as cl:
             def cell(key, fn, argv):
                 outs = cl.run(fn, [argv(r) for r in range(w)])
                 res.setdefault(key, []).extend(per_step_max(outs))

@@ -24,13 +24,13 @@ needs root and ``ip netns``, otherwise it says what is missing and runs uncapped
 
 Measured per cell: the median step time of the slower rank, and the bytes that crossed the link per step,
 read from the veth's counters (``/proc/net/dev`` inside namespace A, rank 0; both directions; TCP/IP headers
-included; every step, warm-up ones too, over the number of steps). Predicted: ``Program.estimate()`` on
-``ClusterSpec.calibrate()`` (this machine's compute and loopback) as 2 nodes -- the namespaces -- whose
-``inter_node`` link is the cap; the link's bytes from each method's traffic formula; for BytePS also the closed
+included; every step, warm-up ones too, over the number of steps). Predicted: ``Program.estimate()`` of the program
+that runs, on ``ClusterSpec.calibrate()`` (this machine's compute and loopback) as 2 nodes -- the namespaces --
+whose ``inter_node`` link is the veth as ``netns_link.calibrate_link`` measures it at each cap before the run; the link's bytes from each method's traffic formula; for BytePS also the closed
 form of ``cost_models.byteps.predict`` (communication alone).
 
     python benchmarks/bench_param_server.py [--rates none,2gbit,1gbit,500mbit] [--steps 4] [--warmup 2] [--rounds 2]
-        [--only herring,byteps4,byteps,parallax] [--bucket-mb MB]
+        [--only herring,byteps4,byteps,parallax] [--bucket-mb MB] [--bag-steps 30] [--threads T] [--pin]
     python benchmarks/netns_link.py --cleanup      # leftovers of a run that was killed hard
 """
 import argparse
@@ -53,7 +53,7 @@ from cost_models import byteps as B  # noqa: E402
 from fxpar.cluster import LinkSpec  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
 from bench_capped_link import ddp_steps  # noqa: E402
-from netns_link import CappedLink, NetnsCluster, format_rate, parse_rate  # noqa: E402
+from netns_link import CappedLink, NetnsCluster, calibrate_link, format_rate, parse_rate  # noqa: E402
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3})
 SGD = (torch.optim.SGD, {"lr": 0.1})
@@ -134,17 +134,26 @@ def ddp_cell(model, batches, loss_fn, optimizer, bucket_cap_mb, warmup, dev=None
 
 
 # ---- in the parent: programs, predictions ----------------------------------------------------------------
+_LINKS = {}              # bps -> LinkSpec of the veth measured at that cap (netns_link.calibrate_link)
+
+
 def capped(spec, bps):
-    """``spec`` (2 nodes: the namespaces) with the link between them at ``bps`` (None: the calibrated loopback)."""
+    """``spec`` (2 nodes: the namespaces) with the link between them at ``bps`` (None: uncapped): the veth as
+    measured at that cap through the harness, else (no harness) the cap's nominal rate with the loopback's α."""
+    if bps in _LINKS:
+        return replace(spec, inter_node=_LINKS[bps])
     return replace(spec, inter_node=spec.intra_node if bps is None else LinkSpec(bps / 8, spec.intra_node.latency))
 
 
-def predicted_steps(model, batch, loss_fn, opt, strategy, spec, rates):
-    """``Program.estimate().step_time_s`` of ``strategy`` on ``spec`` with the link at each cap."""
+def predicted_steps(prog, model, batch, loss_fn, opt, strategy, spec, rates):
+    """``Program.estimate().step_time_s`` of the program that runs (its Plan handed back, so every choice the
+    planner made for it is kept) on ``spec`` with the link at each cap."""
     out = {}
     for bps in rates:
-        prog = fxpar.parallelize(model, capped(spec, bps), batch, loss_fn=loss_fn, optimizer=opt, strategy=strategy)
-        out[bps] = prog.estimate().step_time_s
+        plan = fxpar.Plan.from_json(prog.plan.to_json())
+        again = fxpar.parallelize(model, capped(spec, bps), batch, loss_fn=loss_fn, optimizer=opt, strategy=strategy,
+                                  plan=plan)
+        out[bps] = again.estimate().step_time_s
     return out
 
 
@@ -180,13 +189,14 @@ _SPECS = {}
 
 
 _THREADS = [None]        # --threads: torch threads per rank, in the calibration and the runs
+_PIN = [False]           # --pin: every rank on its own cores, in the calibration and the runs
 
 
 def calibrated(world):
     """``ClusterSpec.calibrate(world)`` once per world size; 4 ranks are 2 nodes x 2 (the namespaces)."""
     if world not in _SPECS:
-        spec = fxpar.ClusterSpec.calibrate(world_size=world, threads=_THREADS[0])
-        _SPECS[world] = replace(spec, nodes=2, devices_per_node=world // 2)
+        spec = fxpar.ClusterSpec.calibrate(world_size=world, threads=_THREADS[0], pin=_PIN[0])
+        _SPECS[world] = capped(replace(spec, nodes=2, devices_per_node=world // 2), None)   # planned on the veth
     return _SPECS[world]
 
 
@@ -207,7 +217,7 @@ def baseline_section(args, gpt, batches, n):
     prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
     return Section(gpt_table(n), n, {"fxpar allreduce": fx_method(prog, batches, args.warmup, n),
                                      "DDP 25MB": ddp_method(gpt, batches, gpt_loss, ADAMW, args.warmup, n)},
-                   {"fxpar allreduce": predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates)},
+                   {"fxpar allreduce": predicted_steps(prog, gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates)},
                    {"fxpar allreduce": ring_link_bytes(v, n), "DDP 25MB": ring_link_bytes(v, n)})
 
 
@@ -228,7 +238,7 @@ def herring_section(args, gpt, batches):
     link = 2 * 2 * B.allreduce_bytes(v / 2, 2)
     return Section(gpt_table(4), 4, {"fxpar herring": fx_method(prog, batches, args.warmup, 4),
                                      "herring at wait": fx_method(late, batches, args.warmup, 4)},
-                   {"fxpar herring": predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates)},
+                   {"fxpar herring": predicted_steps(prog, gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates)},
                    {"fxpar herring": link, "herring at wait": link})
 
 
@@ -246,7 +256,7 @@ def byteps_section(args, gpt, batches, n, k):
     link = ring_link_bytes(w, n) + 2 * (n // 2) * k * p
     name = f"fxpar byteps k={k}"
     sec = Section(gpt_table(n), n + k, {name: fx_method(prog, batches, args.warmup, n + k)},
-                  {name: predicted_steps(gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates)}, {name: link})
+                  {name: predicted_steps(prog, gpt, batches[0], gpt_loss, ADAMW, st, spec, args.rates)}, {name: link})
     closed = {bps: B.predict(vs, n, k, bandwidth=(bps / 8 if bps else spec.intra_node.bandwidth)) for bps in args.rates}
     return sec, closed
 
@@ -258,7 +268,7 @@ def parallax_section(args):
     model = Bag(vocab=args.vocab_big, small=args.bag_seq, d=args.bag_d)
     sparse = copy.deepcopy(model)
     sparse.emb.sparse = True
-    n = args.warmup + args.steps
+    n = args.warmup + args.bag_steps          # a step is ms: more of them, for a median that holds still
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, args.vocab_big, (args.bag_batch, args.bag_seq), generator=g),
                 torch.randint(0, 4, (args.bag_batch,), generator=g)) for _ in range(n)]
@@ -272,7 +282,7 @@ def parallax_section(args):
             update = prog.plan.grad_sync["sparse_update"]["emb.weight"]["route"]   # plain SGD: "rows"
             assert prog.plan.grad_sync["sparse"] == ["emb.weight"], prog.plan.grad_sync
         methods[f"fxpar {name}"] = fx_method(prog, batches, args.warmup, 2)
-        predicted[f"fxpar {name}"] = predicted_steps(model, batches[0], F.cross_entropy, SGD, st, spec, args.rates)
+        predicted[f"fxpar {name}"] = predicted_steps(prog, model, batches[0], F.cross_entropy, SGD, st, spec, args.rates)
         if name == "parallax":       # the same pairs, the update through a dense [V, d] gradient (the route before rows)
             plan = fxpar.Plan.from_json(prog.plan.to_json())
             plan.grad_sync["sparse_update"]["emb.weight"]["route"] = "dense"
@@ -317,7 +327,7 @@ def run(sections, args):
         dev = link.names.dev_a if link.active else None
         for rnd in range(args.rounds):
             for sec in sections:                 # every round visits every cap of every section
-                with NetnsCluster(sec.world, link, threads=_THREADS[0]) as cl:
+                with NetnsCluster(sec.world, link, threads=_THREADS[0], pin=_PIN[0]) as cl:
                     for bps in args.rates:
                         link.set_rate(bps)
                         for name, (fn, argv) in sec.methods.items():
@@ -385,6 +395,11 @@ def main():
     ap.add_argument("--bag-d", type=int, default=32)
     ap.add_argument("--bag-seq", type=int, default=8)
     ap.add_argument("--bag-batch", type=int, default=16)
+    ap.add_argument("--bag-steps", type=int, default=30,
+                    help="timed steps per round of the Parallax section (its steps take milliseconds: the median of "
+                         "a few is noise)")
+    ap.add_argument("--pin", action="store_true",
+                    help="pin every rank to its own cores (cost_models.calibrate.rank_cores), in the calibration too")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per rank (default: the cores split over the ranks); the calibration uses the same")
     ap.add_argument("--bucket-mb", type=float, default=None,
@@ -392,8 +407,12 @@ def main():
     args = ap.parse_args()
     args.rates = [parse_rate(r) for r in args.rates.split(",")]
     only = args.only.split(",")
-    _THREADS[0] = args.threads
+    _THREADS[0], _PIN[0] = args.threads, args.pin
     print(f"load average at start: {loadavg()}", flush=True)
+    _LINKS.update(calibrate_link(args.rates, threads=args.threads, pin=args.pin))
+    for bps, link in _LINKS.items():
+        print(f"veth measured at {format_rate(bps)}: {link.bandwidth * 8 / 1e9:.2f} Gbit/s, α {link.latency * 1e6:.0f} us",
+              flush=True)
     torch.manual_seed(0)
     gpt = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(1, args.d // 64), max_seq=args.seq)
     n = args.warmup + args.steps
@@ -419,7 +438,7 @@ def main():
     for w, spec in _SPECS.items():
         print(f"calibrated ({w} ranks): {spec.intra_node.bandwidth * 8 / 1e9:.2f} Gbit/s all-reduce bus, "
               f"α {spec.intra_node.latency * 1e6:.0f} us, {spec.device.peak_flops / 1e9:.1f} GFLOP/s matmul per rank")
-    print(f"planned {len(sections)} sections; load average {loadavg()}; {args.steps} timed steps after "
+    print(f"planned {len(sections)} sections; load average {loadavg()}; {args.steps} timed steps ({args.bag_steps} for Parallax) after "
           f"{args.warmup} warm-up, x {args.rounds} rounds per cell", flush=True)
     res, link_meas, loads, total = run(sections, args)
     report(sections, res, link_meas, args, closed)

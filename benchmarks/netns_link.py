@@ -48,7 +48,7 @@ from datetime import timedelta
 
 __all__ = ["CappedLink", "NetnsCluster", "LinkNames", "make_names", "parse_rate", "format_rate",
            "setup_commands", "rate_commands", "teardown_commands", "check_commands", "leftover_namespaces",
-           "preflight", "cleanup_leftovers", "enter_namespace", "tbf_burst_bytes"]
+           "preflight", "cleanup_leftovers", "enter_namespace", "tbf_burst_bytes", "calibrate_link"]
 
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = "/var/run/netns"
@@ -363,8 +363,11 @@ class CappedLink:
 
 # ---- ranks in the namespaces ----------------------------------------------------------------------------
 def _worker(rank: int, world: int, ns: str | None, ifname: str | None, master: str, port: int, conn,
-            threads: int, timeout_s: float) -> None:
+            threads: int, timeout_s: float, pin: bool = False) -> None:
     try:
+        if pin:                                          # its own cores (cost_models.calibrate.rank_cores)
+            from cost_models.calibrate import pin_rank
+            pin_rank(rank, world)
         if ns is not None:
             enter_namespace(ns)                          # before any socket exists
             os.environ["GLOO_SOCKET_IFNAME"] = ifname
@@ -386,9 +389,12 @@ class NetnsCluster:
     """``world`` gloo ranks, the first half in namespace A and the rest in B of ``link`` (or all on 127.0.0.1
     of the default namespace when the link is not active). ``run(fn, per_rank_args)`` calls ``fn(*args)`` on
     every rank and returns the results in rank order; a rank that raises or dies stops every rank and
-    raises RuntimeError with its traceback."""
+    raises RuntimeError with its traceback. ``pin``: each rank pinned to its own cores
+    (``cost_models.calibrate.rank_cores``; on 2 cores an unpinned step of a few ms moves by 2x from run to run,
+    a pinned one by 5%), torch DDP's ranks and fxpar's alike; plan such runs on ``ClusterSpec.calibrate(pin=True)``."""
 
-    def __init__(self, world: int, link: CappedLink, timeout_s: float = 600.0, threads: int | None = None):
+    def __init__(self, world: int, link: CappedLink, timeout_s: float = 600.0, threads: int | None = None,
+                 pin: bool = False):
         import torch.multiprocessing as mp
         if world < 2:
             raise ValueError("a capped link needs at least 2 ranks (one on each side)")
@@ -410,7 +416,7 @@ class NetnsCluster:
                 ns = (link.names.ns_a if side == "a" else link.names.ns_b) if link.active else None
                 dev = (link.names.dev_a if side == "a" else link.names.dev_b) if link.active else None
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_worker, args=(r, world, ns, dev, master, port, child, threads, timeout_s),
+                p = ctx.Process(target=_worker, args=(r, world, ns, dev, master, port, child, threads, timeout_s, pin),
                                 daemon=True)
                 p.start()
                 child.close()
@@ -478,6 +484,30 @@ class NetnsCluster:
     def __exit__(self, *exc):
         self.close()
         return False
+
+
+def calibrate_link(rates, threads: int | None = None, sizes=None, reps: int = 5, in_step_seconds: float = 1.0,
+                   pin: bool = False) -> dict:
+    """``{bps: LinkSpec}``: the veth measured at each rate (None: uncapped) by 2 ranks, one in each namespace,
+    with ``cost_models.calibrate.measure_link`` and ``link_spec`` -- the same figures ``ClusterSpec.calibrate()``
+    takes on ``lo`` (the bandwidth from a fit over all_reduce sizes, α from small collectives back to back), so
+    a benchmark predicts each cap with what the ranks will cross, not the loopback. A tbf cap adds no latency
+    (and this kernel has no netem), so α is one figure: the median of the rates' measurements (on 2 cores one
+    measurement moves by ±25%). ``{}`` when the harness cannot build the link (it says what is missing)."""
+    import statistics
+    from dataclasses import replace
+    from cost_models.calibrate import _SIZES, link_spec, measure_link
+    out = {}
+    with CappedLink(verbose=False) as link:
+        if not link.active:
+            return out
+        with NetnsCluster(2, link, threads=threads, pin=pin) as cl:
+            for bps in rates:
+                link.set_rate(bps)
+                raw = cl.run(measure_link, [(tuple(sizes or _SIZES), reps, in_step_seconds)] * 2)[0]
+                out[bps] = link_spec(raw, 2)
+    alpha = statistics.median(v.latency for v in out.values())
+    return {bps: replace(v, latency=alpha) for bps, v in out.items()}
 
 
 def main(argv=None) -> int:

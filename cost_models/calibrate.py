@@ -5,7 +5,8 @@
 
 ``world_size`` processes are spawned (``torch.multiprocessing``, start method ``spawn``) and
 joined in a gloo group on 127.0.0.1 at a free port (a socket bound to port 0). While all ranks
-run at once, as they will in training, each times:
+run at once, as they will in training, each times (with a barrier before each repetition; where there are
+more threads in all ranks than cores, without, so that the ranks share the cores as in training):
 
 - a GraphModule of 200 tiny aten adds -> ``device.op_overhead_s`` (per-op dispatch cost);
 - ``torch.mm`` on fp32 ``n x n`` matrices -> ``device.peak_flops`` (efficiency ``matmul`` = 1);
@@ -21,6 +22,11 @@ run at once, as they will in training, each times:
   wait): the mean of the two medians is ``device.collective_issue_s``, the CPU a rank spends per
   collective a graph issues (gloo's work setup and small copies on the caller's thread; 90-220 µs on
   a 2-core machine);
+- small collectives *as a step issues them* (two or more ranks; :func:`_measure_in_step`): rounds of 20 tiny
+  adds, a functional ``all_reduce`` (or ``all_gather_into_tensor``) of 1 KiB and its wait, back to back
+  without a barrier, less the same rounds without the collective: what one costs inside a step, the ranks'
+  skew and the wake-up of gloo's threads included, which a barrier before each one hides (on a 2-core
+  machine 0.9-1.5 ms per all_reduce back to back against 0.4-0.6 ms after a barrier);
 - a *late receive* (two or more ranks): rank 0 posts an ``isend`` of 128 KiB (a pipeline
   activation of this size class) to rank 1 and goes on computing (matmuls, 20 ms); rank 1
   computes 5 ms, then receives. The receive's wait, averaged (the mean: idle time adds up,
@@ -33,8 +39,13 @@ Each figure is the median over at least ``reps`` runs and at least 0.25 s of run
 burst of other load on a shared host moves a few samples rather than the figure.
 
 The all_reduce times are fitted by least squares to ``T(S) = a + b·S`` and read as the ring
-model ``T = 2(N-1)α + 2(N-1)/N · S/B`` (Patarasuk & Yuan 2009), so ``α = a / (2(N-1))`` and
-``B = 2(N-1) / (N·b)``; these become ``intra_node``. Each rank uses ``cores // world_size``
+model ``T = 2(N-1)α + 2(N-1)/N · S/B`` (Patarasuk & Yuan 2009), so ``B = 2(N-1) / (N·b)``; α is
+taken from the small collectives in a step (:func:`in_step_alpha`: the model's issue + ``2(N-1)α``
+for the all_reduce and issue + ``(N-1)α`` for the all_gather equal to what was measured), not from
+the fit's intercept ``a / (2(N-1))`` (kept as ``raw["alpha_fit"]``), which the large sizes decide and
+which varied 7x between two runs here (66-437 µs). Both become ``intra_node``
+(:func:`measure_link` and :func:`link_spec`, which the netns harness of ``benchmarks/`` also uses to
+measure its veth). Each rank uses ``cores // world_size``
 threads so ranks do not fight for cores.
 """
 from __future__ import annotations
@@ -49,7 +60,8 @@ import torch
 
 from fxpar.cluster import ClusterSpec, LinkSpec
 
-__all__ = ["calibrate", "fit_alpha_beta", "free_port", "late_recv_overhead"]
+__all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "late_recv_overhead", "link_spec",
+           "measure_link", "pin_rank", "rank_cores"]
 
 _SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -206,33 +218,125 @@ def _measure_issue(reps: int = _ISSUE_REPS) -> float:
     return sum(medians) / len(medians)
 
 
-def _worker(rank, world_size, port, sizes, reps, queue, threads=None):
+_STEP_OPS = 20          # tiny adds between two collectives of the in-step loop (a step's ops around its syncs)
+_STEP_LOOP = 20         # collectives per timed loop
+
+
+def _measure_in_step(reps: int = 5, min_seconds: float = _MIN_SECONDS) -> dict:
+    """Seconds one small collective (1 KiB) adds to a step, issued and waited as a graph does it: a loop of
+    ``_STEP_LOOP`` rounds of {``_STEP_OPS`` tiny adds, the functional collective, its ``wait_tensor``}, no
+    barrier inside, less the same loop without the collective; the median over at least ``reps`` loops and
+    ``min_seconds``, for ``all_reduce`` and ``all_gather_into_tensor``. Back to back, each collective pays what
+    a barrier before it would hide: the ranks' skew and the wake-up of gloo's threads on each side."""
     import torch.distributed as dist
+    name, n = dist.group.WORLD.group_name, dist.get_world_size()
+    ops = torch.ops._c10d_functional
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = x
+    for _ in range(_STEP_OPS):
+        y = g.call_function(torch.ops.aten.add.Tensor, (y, x))
+    g.output(y)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    t = torch.ones(_ISSUE_NUMEL)
+    colls = {None: None, "all_reduce": lambda: ops.all_reduce(t, "sum", name),
+             "all_gather": lambda: ops.all_gather_into_tensor(t, n, name)}
+    out = {}
+    for key, fn in colls.items():
+        def loop():
+            for _ in range(_STEP_LOOP):
+                gm(t)
+                if fn is not None:
+                    ops.wait_tensor(fn())
+        out[key] = _time(loop, reps, dist.barrier, min_seconds) / _STEP_LOOP
+    base = out.pop(None)
+    return {k: max(0.0, v - base) for k, v in out.items()}
+
+
+def in_step_alpha(in_step: dict, issue_s: float, n: int) -> float:
+    """The ring's per-step latency α that makes the cost model's small collectives take what
+    :func:`_measure_in_step` measured: ``issue_s + 2(N-1)α`` for the all_reduce and ``issue_s + (N-1)α`` for
+    the all_gather (:mod:`cost_models.comm`); the mean of the two."""
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1}
+    got = [max(0.0, t - issue_s) / steps[k] for k, t in in_step.items() if k in steps and n > 1]
+    return sum(got) / len(got) if got else 0.0
+
+
+def measure_link(sizes=_SIZES, reps: int = 5, in_step_seconds: float = _MIN_SECONDS) -> dict:
+    """Every rank of the current (gloo) process group calls it: the link's raw figures -- ``all_reduce``:
+    (bytes, seconds) of a blocking all_reduce per size, after a barrier each time; ``collective_issue_s``
+    (:func:`_measure_issue`); ``in_step``: seconds per small collective back to back (:func:`_measure_in_step`).
+    :func:`link_spec` turns them into a :class:`LinkSpec`. The netns harness of ``benchmarks/`` runs it on
+    ranks on either side of its capped veth. ``in_step_seconds``: the least time each in-step loop runs."""
+    import torch.distributed as dist
+    comm = []
+    for size in sizes:
+        t = torch.ones(size // 4)
+        comm.append((size, _time(lambda: dist.all_reduce(t), reps, dist.barrier)))
+    return {"all_reduce": comm, "collective_issue_s": _measure_issue(), "in_step": _measure_in_step(reps, in_step_seconds)}
+
+
+def link_spec(raw: dict, n: int) -> LinkSpec:
+    """The :class:`LinkSpec` of :func:`measure_link`'s figures on ``n`` ranks: the bandwidth from the slope of
+    the ring fit over the sizes (:func:`fit_alpha_beta`), the latency α as a step sees it (:func:`in_step_alpha`)
+    when measured, else the fit's intercept (written into ``raw`` as ``alpha``, ``alpha_fit``, ``bandwidth``)."""
+    sizes, times = zip(*raw["all_reduce"])
+    alpha, beta = fit_alpha_beta(sizes, times, n)
+    raw["alpha_fit"], raw["bandwidth"] = alpha, beta
+    if raw.get("in_step"):     # α as a step sees it (small collectives back to back), not the fit's intercept
+        alpha = in_step_alpha(raw["in_step"], raw.get("collective_issue_s", 0.0), n)
+    raw["alpha"] = alpha
+    return LinkSpec(beta, alpha)
+
+
+def rank_cores(rank: int, world: int, cores: int | None = None) -> set:
+    """The cores rank ``rank`` of ``world`` is pinned to when ranks are pinned: the machine's cores cut into
+    ``world`` equal runs (rank r gets the r-th), or core ``r % cores`` when there are more ranks than cores.
+    Unpinned, a 2-core machine moves a 2 ms step between 2.1 and 4.4 ms from run to run (the scheduler puts
+    both ranks, and gloo's threads, on one core or not); pinned, 2.29-2.41 ms in four runs."""
+    cores = cores or os.cpu_count() or 1
+    if world > cores:
+        return {rank % cores}
+    k = cores // world
+    return set(range(rank * k, (rank + 1) * k))
+
+
+def pin_rank(rank: int, world: int) -> None:
+    """Pin this process (and the threads it starts) to :func:`rank_cores`; nothing where the OS cannot."""
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, rank_cores(rank, world))
+
+
+def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False):
+    import torch.distributed as dist
+    if pin:
+        pin_rank(rank, world_size)
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        compute = _measure_compute(reps, dist.barrier)
-        comm = []
-        for size in sizes:
-            t = torch.ones(size // 4)
-            comm.append((size, _time(lambda: dist.all_reduce(t), reps, dist.barrier)))
+        # more ranks than cores: no barrier between repetitions, so every rank's loop runs beside the others' as
+        # in training (a barrier staggers them: the first ranks out of it get the cores to themselves and the op
+        # times as if alone -- 23-81 GFLOP/s per rank from run to run with 4 ranks on 2 cores)
+        shared = world_size * torch.get_num_threads() > (os.cpu_count() or 1)
+        compute = _measure_compute(reps, None if shared else dist.barrier)
+        dist.barrier()
+        link = measure_link(sizes, reps)
         late = _measure_late_recv(rank)
-        issue = _measure_issue()
         if rank == 1:
             queue.put({"late_recv": late})
         if rank == 0:
-            queue.put({"compute": compute, "all_reduce": comm, "threads": torch.get_num_threads(),
-                       "collective_issue_s": issue})
+            queue.put({"compute": compute, "threads": torch.get_num_threads(), **link})
     finally:
         dist.destroy_process_group()
 
 
 def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measurements: bool = False,
-              threads: int | None = None):
+              threads: int | None = None, pin: bool = False):
     """Measure ``world_size`` local gloo ranks; a ClusterSpec (and the raw figures if asked).
 
     ``threads``: torch's intra-op threads per rank while measuring (default: this machine's cores split
-    evenly over the ranks); set it to what the ranks of the run being planned will use."""
+    evenly over the ranks); set it to what the ranks of the run being planned will use. ``pin``: each rank
+    pinned to its own cores (:func:`rank_cores`), for runs whose ranks are pinned alike (the netns harness's)."""
     import torch.multiprocessing as mp
     base = ClusterSpec.local(world_size)
     if world_size == 1:
@@ -240,7 +344,7 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
     else:
         ctx = mp.get_context("spawn")
         queue = ctx.SimpleQueue()
-        mp.start_processes(_worker, args=(world_size, free_port(), tuple(sizes), reps, queue, threads),
+        mp.start_processes(_worker, args=(world_size, free_port(), tuple(sizes), reps, queue, threads, pin),
                            nprocs=world_size, join=True, start_method="spawn")
         raw = {}
         for _ in range(2):
@@ -260,10 +364,7 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
                      op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s))
     spec = replace(base, device=device)
     if raw["all_reduce"]:
-        sizes_, times = zip(*raw["all_reduce"])
-        alpha, beta = fit_alpha_beta(sizes_, times, world_size)
-        raw["alpha"], raw["bandwidth"] = alpha, beta
-        spec = replace(spec, intra_node=LinkSpec(beta, alpha))
+        spec = replace(spec, intra_node=link_spec(raw, world_size))
     if raw.get("collective_issue_s"):
         spec = replace(spec, device=replace(spec.device, collective_issue_s=raw["collective_issue_s"]))
     if raw.get("late_recv"):

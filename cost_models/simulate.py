@@ -80,6 +80,9 @@ class Program:
 
         for n in gm.graph.nodes:
             if "fxpar_comm" in n.meta:
+                t = gc.times.get(n, 0.0)     # the call that issues it runs on the rank's CPU first (its
+                if t > 0:                    # DeviceSpec.collective_issue_s); the transfer starts after it
+                    seg.append((n.name, t))
                 flush()
                 k = comm_index[n] = len(self.comm_nodes)
                 self.comm_nodes.append(n)

@@ -16,9 +16,14 @@ server of the whole variable. Dense gradients stay in the DDP-style buckets. Bef
     embedding_dense_backward = embedding_dense_backward(grad_out, idx, 1000, -1, False)   # [1000, 16]
     all_reduce = all_reduce(embedding_dense_backward, 'sum', 'fxpar:dp'); wait = wait_tensor(all_reduce)
 
-    ids = reshape(idx, [-1]); rows = reshape(grad_out, [-1, 16])                        # [T], [T, 16]
-    a = all_gather_into_tensor(ids, 2, 'fxpar:dp'); r = all_gather_into_tensor(rows, 2, 'fxpar:dp')
-    grad = index_add(new_zeros(rows, [1000, 16]), 0, wait_tensor(a), wait_tensor(r))
+    ids = reshape(idx, [-1]); rows = reshape(grad_out, [-1])                            # [T], [T*16]
+    packed = cat([view(ids, uint8), view(rows, uint8)])       # one rank's pairs as bytes: T*8 + T*16*4
+    a = all_gather_into_tensor(packed, 2, 'fxpar:dp'); per = view(wait_tensor(a), [2, -1])
+    wa = view(view(clone(per[:, :T*8]), int64), [2*T]); wr = view(view(clone(per[:, T*8:]), float32), [2*T, 16])
+    grad = index_add(new_zeros(wr, [1000, 16]), 0, wa, wr)
+
+One all-gather carries both halves of every pair (a step pays each collective's latency once, and on a
+2-core machine a small one costs 0.4-1.5 ms back to back: more than the bytes).
 
 The update then goes one of two ways (:func:`update_routes` decides, the planner records it in
 ``Plan.grad_sync["sparse_update"]``). Where the traced optimizer's update of the parameter is linear in the
@@ -32,7 +37,7 @@ Before / after, route ``rows``::
     _foreach_mul = _foreach_mul([grad, g_pos, ...], lr); _foreach_sub([emb, pos, ...], [_foreach_mul[0], ...])
 
     _foreach_mul = _foreach_mul([g_pos, ...], lr);       _foreach_sub([pos, ...], [_foreach_mul[0], ...])
-    index_add_(emb, 0, wait_tensor(a), mul(wait_tensor(r), lr), alpha=-1)     # only the gathered rows move
+    index_add_(emb, 0, wa, mul(wr, lr), alpha=-1)                             # only the gathered rows move
 """
 from __future__ import annotations
 
@@ -184,29 +189,47 @@ def _meta(x, v, mod, phase="backward"):
 
 
 def _gather_pairs(g, chain, n, ranks):
-    """Before the gradient's all-reduce: every rank's (row index, row) pairs, all-gathered. Returns the waited
-    ids [n*T] and rows [n*T, w] (rows already carry the mean's 1/dp)."""
+    """Before the gradient's all-reduce: every rank's (row index, row) pairs, all-gathered in *one* collective
+    (the ids' and the rows' bytes side by side in a uint8 buffer: a step pays each collective's latency and
+    the ranks' skew once, and these are small). Returns the waited ids [n*T] and rows [n*T, w] (rows already
+    carry the mean's 1/dp)."""
     raw, ar, wt, avg = chain
     edb = _embedding_grad(raw)
     grad_out, idx = edb.args[0], edb.args[1]
     gv, iv = grad_out.meta["val"], idx.meta["val"]
     w, t = gv.shape[-1], iv.numel()
+    ib, rb = t * iv.element_size(), t * w * gv.element_size()       # bytes of one rank's ids, rows
+    u8 = torch.uint8
     mod = M.get(edb, M.MODULE, "")
+    made = []
+
+    def op(target, args, val):
+        x = g.call_function(target, args)
+        made.append((x, val))
+        return x
+
     with g.inserting_before(ar):
-        ids = g.call_function(aten.reshape.default, (idx, [-1]))
-        rows = g.call_function(aten.reshape.default, (grad_out, [-1, w]))
+        ids = op(aten.reshape.default, (idx, [-1]), iv.new_empty([t]))
+        rows = op(aten.reshape.default, (grad_out, [-1]), gv.new_empty([t * w]))
         if avg is not wt:                               # backward's seed was not scaled by 1/dp
-            rows = g.call_function(aten.div.Tensor, (rows, n))
-        a = g.call_function(C10D.all_gather_into_tensor.default, (ids, n, group_tag("dp")))
-        r = g.call_function(C10D.all_gather_into_tensor.default, (rows, n, group_tag("dp")))
-        wa = g.call_function(C10D.wait_tensor.default, (a,))
-        wr = g.call_function(C10D.wait_tensor.default, (r,))
-    for x in (ids, a, wa):
-        _meta(x, iv.new_empty([t * (n if x is not ids else 1)]), mod)
-    for x in (rows, r, wr):
-        _meta(x, gv.new_empty([t * (n if x is not rows else 1), w]), mod)
-    M.set_meta(a, M.COMM, M.CommInfo("all_gather", "dp", tuple(ranks), t * iv.element_size()))
-    M.set_meta(r, M.COMM, M.CommInfo("all_gather", "dp", tuple(ranks), t * w * gv.element_size()))
+            rows = op(aten.div.Tensor, (rows, n), gv.new_empty([t * w]))
+        packed = op(aten.cat.default, ([op(aten.view.dtype, (ids, u8), iv.new_empty([ib], dtype=u8)),
+                                        op(aten.view.dtype, (rows, u8), iv.new_empty([rb], dtype=u8))],),
+                    iv.new_empty([ib + rb], dtype=u8))
+        a = op(C10D.all_gather_into_tensor.default, (packed, n, group_tag("dp")), iv.new_empty([n * (ib + rb)], dtype=u8))
+        got = op(C10D.wait_tensor.default, (a,), iv.new_empty([n * (ib + rb)], dtype=u8))
+        per = op(aten.view.default, (got, [n, ib + rb]), iv.new_empty([n, ib + rb], dtype=u8))
+
+        def part(lo, hi, like, shape):
+            cut = op(aten.slice.Tensor, (per, 1, lo, hi), iv.new_empty([n, hi - lo], dtype=u8))
+            dense = op(aten.clone.default, (cut,), iv.new_empty([n, hi - lo], dtype=u8))
+            typed = op(aten.view.dtype, (dense, like.dtype), like.new_empty([n, (hi - lo) // like.element_size()]))
+            return op(aten.view.default, (typed, shape), like.new_empty(shape))
+        wa = part(0, ib, iv, [n * t])
+        wr = part(ib, ib + rb, gv, [n * t, w])
+    for x, v in made:
+        _meta(x, v, mod)
+    M.set_meta(a, M.COMM, M.CommInfo("all_gather", "dp", tuple(ranks), ib + rb))
     return wa, wr, mod
 
 

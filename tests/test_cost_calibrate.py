@@ -25,6 +25,45 @@ def test_calibrate_two_local_ranks():
     assert ClusterSpec.from_json(spec.to_json()) == spec
     assert 0 <= spec.device.late_recv_s < 0.1
     assert 0 < spec.device.collective_issue_s < 0.05       # measured: a functional collective's call, before its wait
+    assert set(raw["in_step"]) == {"all_reduce", "all_gather"} and raw["in_step"]["all_reduce"] > 0
+    assert spec.intra_node.latency == raw["alpha"] and raw["alpha_fit"] >= 0   # α as a step sees it, the fit kept
+
+
+def test_alpha_is_what_a_small_collective_costs_in_a_step():
+    """``link_spec``: the bandwidth from the fit's slope, α from the small collectives measured back to back
+    (``in_step_alpha``), so that the cost model's 1 KiB all_reduce in a graph -- issue on the rank's timeline,
+    then 2(N-1)α + bytes/B on the link -- takes what was measured."""
+    import torch
+
+    from cost_models import estimate
+    from cost_models.calibrate import in_step_alpha, link_spec
+    from dataclasses import replace
+    from fxpar.meta import CommInfo
+    n, issue, a, bw, fit_alpha = 2, 80e-6, 400e-6, 1e9, 30e-6
+    in_step = {"all_reduce": issue + 2 * (n - 1) * a, "all_gather": issue + (n - 1) * a}
+    assert in_step_alpha(in_step, issue, n) == pytest.approx(a)
+    assert in_step_alpha({"all_reduce": 50e-6}, issue, n) == 0.0          # never below zero
+    sizes = [4096, 1 << 20, 4 << 20]
+    raw = {"all_reduce": [(s, 2 * (n - 1) * fit_alpha + 2 * (n - 1) / n * s / bw) for s in sizes],
+           "collective_issue_s": issue, "in_step": in_step}
+    link = link_spec(raw, n)
+    assert link.bandwidth == pytest.approx(bw) and link.latency == pytest.approx(a)
+    assert raw["alpha_fit"] == pytest.approx(fit_alpha) and raw["alpha"] == link.latency
+    assert link_spec({"all_reduce": raw["all_reduce"]}, n).latency == pytest.approx(fit_alpha)   # no in-step figure
+
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    x.meta["val"] = torch.empty(256)
+    y = g.call_function(torch.ops._c10d_functional.all_reduce.default, (x, "sum", "0"))
+    y.meta["val"], y.meta["fxpar_comm"] = torch.empty(256), CommInfo("all_reduce", "dp", (0, 1), 1024)
+    z = g.call_function(torch.ops._c10d_functional.wait_tensor.default, (y,))
+    z.meta["val"] = torch.empty(256)
+    g.output(z)
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    spec = ClusterSpec.local(2)
+    spec = replace(spec, intra_node=link, device=replace(spec.device, collective_issue_s=issue))
+    step = estimate({0: gm, 1: gm}, spec).step_time_s
+    assert step == pytest.approx(in_step["all_reduce"] + 1024 / bw, rel=1e-6)
 
 
 def test_late_recv_overhead_is_the_mean_wait_less_the_transfer():
@@ -69,3 +108,13 @@ def test_collective_issue_cost_is_on_the_compute_lane_once_per_collective():
     assert ClusterSpec.from_json(spec.to_json()).device.collective_issue_s == 1e-4
     with pytest.raises(ClusterSpecError, match="collective_issue_s"):
         replace(spec, device=replace(spec.device, collective_issue_s=-1.0))
+
+
+def test_rank_cores_split_the_machine_evenly():
+    """``calibrate(pin=True)`` and the netns harness's ``pin``: rank r gets the r-th equal run of cores, or core
+    r % cores when there are more ranks than cores."""
+    from cost_models.calibrate import rank_cores
+    assert [rank_cores(r, 2, cores=16) for r in range(2)] == [set(range(8)), set(range(8, 16))]
+    assert [rank_cores(r, 2, cores=2) for r in range(2)] == [{0}, {1}]
+    assert [rank_cores(r, 4, cores=2) for r in range(4)] == [{0}, {1}, {0}, {1}]
+    assert rank_cores(2, 3, cores=8) == {4, 5}          # 8 // 3 = 2 cores each; core 6, 7 left over

@@ -1,7 +1,9 @@
 """cost_models.comm across nodes (issue 11): gloo's flat ring hop by hop, Herring's collectives on their links,
 BytePS's store-and-forward through its CPU servers -- against hand computations, and in estimate()."""
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -205,7 +207,7 @@ def _veth_bytes(dev):
     raise AssertionError(f"no device {dev} in this namespace")
 
 
-def _flat_then_herring(numel, dev, reps=3):
+def _flat_then_herring(numel, dev, reps=5):
     """On 4 ranks, 0-1 in namespace A and 2-3 in B: a flat all_reduce over all four, then Herring's three steps;
     rank 0 reads the veth's counters around each (both directions), ``reps`` times: the lists of bytes."""
     import torch.distributed as dist
@@ -213,19 +215,22 @@ def _flat_then_herring(numel, dev, reps=3):
     groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]
     node, cross = groups[rank // 2], groups[2 + rank % 2]
     flat, herring = [], []
+    def settled():          # every rank done, and the last segments and acks counted, before rank 0 reads
+        dist.barrier()
+        time.sleep(0.05)
+        dist.barrier()
+        return _veth_bytes(dev) if rank == 0 else 0
+
     for _ in range(reps):
         x = torch.ones(numel)
-        dist.barrier()
-        c0 = _veth_bytes(dev) if rank == 0 else 0
+        c0 = settled()
         dist.all_reduce(x)
-        dist.barrier()
-        c1 = _veth_bytes(dev) if rank == 0 else 0
+        c1 = settled()
         shard, out = torch.empty(numel // 2), torch.empty(numel)
         dist.reduce_scatter_tensor(shard, x, group=node)
         dist.all_reduce(shard, group=cross)
         dist.all_gather_into_tensor(out, shard, group=node)
-        dist.barrier()
-        c2 = _veth_bytes(dev) if rank == 0 else 0
+        c2 = settled()
         flat.append(c1 - c0)
         herring.append(c2 - c1)
     return flat, herring
@@ -245,7 +250,8 @@ def test_cut_bytes_match_the_veth():
     link = nl.CappedLink(verbose=False)
     with link, nl.NetnsCluster(4, link, timeout_s=120) as lc:
         flat, herring_b = lc.run(_flat_then_herring, [(numel, link.names.dev_a)] * 4)[0]
-    # the median of 3: now and then (about 1 in 12 here) one all_reduce's counters come out a few % off either way
-    flat_m, herring_m = sorted(flat)[1], sorted(herring_b)[1]
+    # the median of 5: now and then (about 1 in 12 here) one all_reduce's counters come out off either way (by
+    # 0.1-4%; each read comes after a barrier and a 50 ms settle)
+    flat_m, herring_m = statistics.median(flat), statistics.median(herring_b)
     assert 2 * ring <= flat_m <= 1.04 * 2 * ring
     assert 2 * herring <= herring_m <= 1.04 * 2 * herring

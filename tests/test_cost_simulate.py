@@ -66,6 +66,21 @@ def test_comm_overlaps_independent_compute():
     assert "overlapped" in str(est) and "rank 0 (+1 alike)" in str(est)
 
 
+def test_issuing_a_collective_costs_the_timeline_before_its_transfer():
+    """``DeviceSpec.collective_issue_s`` is on the rank's timeline, once per collective, before the transfer
+    starts (the call runs on the rank's CPU): the step grows by it, and the compute time counts it."""
+    from dataclasses import replace
+    issue = 0.4e-3
+    cl = _cluster()
+    cl = replace(cl, device=replace(cl.device, collective_issue_s=issue))
+    gm = _program(["mm", "ar", "wait", "ar", "mm", "wait"])
+    est = estimate({0: gm, 1: gm}, cl)
+    # mm, issue, AR, add, issue, [AR alongside mm + ...], add
+    assert est.step_time_s == pytest.approx(MM + issue + AR + ADD + issue + max(AR, MM) + ADD)
+    assert est.ranks[0].compute_time_s == pytest.approx(2 * MM + 2 * ADD + 2 * issue)
+    assert est.step_time_s >= est.ranks[0].compute_time_s
+
+
 def test_wait_blocks_until_the_slowest_rank_issues():
     fast, slow = _program(["mm", "ar", "wait", "mm"]), _program(["mm", "mm", "mm", "ar", "wait", "mm"])
     est = estimate({0: fast, 1: slow}, _cluster())
