@@ -130,17 +130,20 @@ _TINY_OPS = 200
 _SDPA_SHAPE = (4, 8, 128, 64)        # batch, heads, sequence, head dim
 
 
-def _tiny_ops_graph():
-    """A GraphModule of 200 aten adds on 8-element tensors, run as fxpar runs its graphs: the
-    per-op dispatch cost (the compute is negligible)."""
+def _adds_graph(n: int) -> torch.fx.GraphModule:
+    """A GraphModule of ``n`` chained aten adds, run as fxpar runs its graphs."""
     g = torch.fx.Graph()
     x = g.placeholder("x")
     y = x
-    for _ in range(_TINY_OPS):
+    for _ in range(n):
         y = g.call_function(torch.ops.aten.add.Tensor, (y, x))
     g.output(y)
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
-    t = torch.ones(8)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
+def _tiny_ops_graph():
+    """200 aten adds on 8-element tensors: the per-op dispatch cost (the compute is negligible)."""
+    gm, t = _adds_graph(_TINY_OPS), torch.ones(8)
     return lambda: gm(t)
 
 
@@ -231,13 +234,7 @@ def _measure_in_step(reps: int = 5, min_seconds: float = _MIN_SECONDS) -> dict:
     import torch.distributed as dist
     name, n = dist.group.WORLD.group_name, dist.get_world_size()
     ops = torch.ops._c10d_functional
-    g = torch.fx.Graph()
-    x = g.placeholder("x")
-    y = x
-    for _ in range(_STEP_OPS):
-        y = g.call_function(torch.ops.aten.add.Tensor, (y, x))
-    g.output(y)
-    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    gm = _adds_graph(_STEP_OPS)
     t = torch.ones(_ISSUE_NUMEL)
     colls = {None: None, "all_reduce": lambda: ops.all_reduce(t, "sum", name),
              "all_gather": lambda: ops.all_gather_into_tensor(t, n, name)}
