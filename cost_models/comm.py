@@ -58,7 +58,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 __all__ = ["CommCost", "RingStep", "collective_cost", "comm_info_cost", "ring_all_reduce_time", "ring_step",
-           "nic_per_node", "server_exchange_cost", "ALGORITHMS"]
+           "nic_per_node", "server_exchange_cost", "ALGORITHMS", "GLOO_THREADS", "latency_part"]
 
 ALGORITHMS = ("auto", "ring", "tree", "hierarchical")
 _SERVER_AXIS = re.compile(r"server(\d+)$")     # passes.byteps.server_group(j)
@@ -297,3 +297,22 @@ def comm_info_cost(info, cluster, algorithm: str = "auto", server_nodes=None) ->
     if server is not None:
         return server_exchange_cost(info.nbytes, info.ranks, cluster, server[1])
     return collective_cost(info.kind, info.nbytes, info.ranks, cluster, algorithm)
+
+
+GLOO_THREADS = 2     # ProcessGroupGloo's worker threads per group (its Options' default): two collectives at once
+
+
+def latency_part(info, cluster, seconds: float) -> float:
+    """The part of a collective's ``seconds`` that is latency, not bytes: its algorithm's steps times the
+    slowest link's α (ring: 2(N-1) for all_reduce, N-1 for reduce_scatter, all_gather and all_to_all,
+    ⌈log2 N⌉ for broadcast, 1 for a message), at most ``seconds``. Two collectives in flight at once overlap
+    these parts while their bytes share the wire (:func:`cost_models.simulate.simulate`, ``slots``)."""
+    ranks = tuple(info.ranks)
+    n = len(ranks)
+    if n <= 1:
+        return 0.0
+    nodes = {cluster.node_of(r) for r in ranks}
+    alpha = max(cluster.intra_node.latency, cluster.inter_node.latency) if len(nodes) > 1 else cluster.intra_node.latency
+    steps = {"all_reduce": 2 * (n - 1), "broadcast": math.ceil(math.log2(n)),
+             "send": 1, "recv": 1}.get(info.kind, n - 1)
+    return min(seconds, steps * alpha)

@@ -20,7 +20,7 @@ from bisect import bisect_left
 from collections import Counter
 from dataclasses import dataclass, field
 
-from .comm import comm_info_cost
+from .comm import GLOO_THREADS, comm_info_cost, latency_part
 from .sequence import SequenceProgram, compile_sequence
 from .simulate import compile_program, simulate
 
@@ -272,7 +272,7 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
     programs = {r: compile_sequence(g, cluster, cache, r) if isinstance(g, (list, tuple))
                 else compile_program(g, cluster, cache) for r, g in graphs.items()}
     comm_cache: dict = {}
-    durations, wire = {}, {}
+    durations, wire, latency = {}, {}, {}
     for r, p in programs.items():
         key = tuple(id(i) for i in p.infos)
         if key not in comm_cache:
@@ -283,18 +283,21 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
                 if c is None:
                     c = comm_cache[ck] = comm_info_cost(info, cluster, algorithm, server_nodes)
                 costs.append(c)
-            comm_cache[key] = ([c.time_s for c in costs], sum(c.wire_bytes for c in costs))
-        durations[r], wire[r] = comm_cache[key]
+            comm_cache[key] = ([c.time_s for c in costs], sum(c.wire_bytes for c in costs),
+                               [latency_part(i, cluster, c.time_s) for i, c in zip(p.infos, costs)])
+        durations[r], wire[r], latency[r] = comm_cache[key]
+    # gloo runs a group's collectives on GLOO_THREADS worker threads: that many may be in flight at once
+    multi = {"latency": latency, "slots": GLOO_THREADS} if getattr(cluster, "backend", "gloo") == "gloo" else {}
     cls_of = _symmetry_classes(programs)
     symmetric = cls_of is not None
     if symmetric:
         reps: dict = {}
         for r, key in cls_of.items():
             reps.setdefault(key, r)
-        rep_sims = simulate({r: programs[r] for r in reps.values()}, durations, symmetric=True)
+        rep_sims = simulate({r: programs[r] for r in reps.values()}, durations, symmetric=True, **multi)
         sims = {r: rep_sims[reps[key]] for r, key in cls_of.items()}
     else:
-        sims = simulate(programs, durations, late_recv_s=getattr(cluster.device, "late_recv_s", 0.0))
+        sims = simulate(programs, durations, late_recv_s=getattr(cluster.device, "late_recv_s", 0.0), **multi)
     ranks, done = [], {}
     for r in sorted(programs):
         p, sim = programs[r], sims[r]

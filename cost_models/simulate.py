@@ -14,8 +14,10 @@ own the graph still blocks on it at once, but in a sequence of graphs
 
 Rules (those of NCCL/gloo communicators, and of PyTorch's pipelining dry-run
 ``_simulate_comms_compute``): a rank's comm lane runs its collectives one at a time in issue
-order; a collective starts when every rank of its group has issued it and every such lane is
-free, and takes :func:`cost_models.comm.comm_info_cost` seconds on all of them; the i-th
+order (under gloo, whose process group works on two threads, up to two at a time: their latencies
+overlap, their bytes share the wire; see :func:`simulate`); a collective starts when every rank of its
+group has issued it and every such lane is free, and takes :func:`cost_models.comm.comm_info_cost`
+seconds on all of them; the i-th
 collective a rank issues over a group matches the i-th one every other member issues over it.
 Point-to-point messages (``send``/``recv``) do not queue behind collectives: each ordered pair
 ``(src, dst)`` is its own channel (isend/irecv, MPI's non-overtaking order per pair), where the
@@ -172,8 +174,16 @@ def _group_key(info):
     return tuple(sorted(info.ranks))
 
 
-def simulate(programs: dict, durations: dict, symmetric: bool = False, late_recv_s: float = 0.0) -> dict:
+def simulate(programs: dict, durations: dict, symmetric: bool = False, late_recv_s: float = 0.0,
+             latency: dict | None = None, slots: int = 1) -> dict:
     """Run ``programs`` (rank -> Program); ``durations[rank][k]`` is comm k's seconds.
+
+    ``slots`` > 1 (gloo: ``cost_models.comm.GLOO_THREADS``, its worker threads per group): a rank's
+    collectives still start in issue order, but a collective may start while up to ``slots - 1`` earlier
+    ones are in flight. In flight together, their latency parts (``latency[rank][k]``, from
+    :func:`cost_models.comm.latency_part`) overlap and their bytes share the wire: a collective ends at
+    ``max(start + its seconds, the wire's end + its byte time)``. With one collective in flight at a
+    time this is the one-lane rule above.
 
     A program is anything with ``steps``, ``infos`` and ``comm_names`` (a :class:`Program`, or a
     :class:`cost_models.sequence.SequenceProgram`). With ``symmetric=True`` each rank is simulated
@@ -189,12 +199,13 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False, late_recv
     shift: the simulation is re-run with the set found on the previous run until the set is
     stable (at most ``_LATE_PASSES`` runs; usually two).
     """
+    multi = (latency, slots) if slots > 1 and latency is not None else None
     if not late_recv_s:
-        return _simulate_once(programs, durations, symmetric, 0.0, frozenset(), None)
+        return _simulate_once(programs, durations, symmetric, 0.0, frozenset(), None, multi)
     penalize: frozenset = frozenset()
     for _ in range(_LATE_PASSES):
         late: list = []
-        res = _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late)
+        res = _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late, multi)
         busy = frozenset(cid for cid, src, t_r in late if _computing(res[src].compute, t_r))
         if busy == penalize:
             break
@@ -211,9 +222,10 @@ def _computing(intervals: list, t: float) -> bool:
     return i >= 0 and intervals[i][0] <= t < intervals[i][0] + intervals[i][1]
 
 
-def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late) -> dict:
+def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late, multi=None) -> dict:
     """One run; the p2p pairs in ``penalize`` take ``late_recv_s`` longer; ``late`` (a list, or None)
-    collects ``(pair id, sender, recv issue time)`` of each pair whose recv was issued after its send."""
+    collects ``(pair id, sender, recv issue time)`` of each pair whose recv was issued after its send.
+    ``multi``: (latency parts, slots) for collectives that may overlap (see :func:`simulate`)."""
     ranks = sorted(programs)
     res = {r: SimResult() for r in ranks}
     pc = dict.fromkeys(ranks, 0)
@@ -255,11 +267,19 @@ def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late) 
         return m
 
     at_head: dict = {}                       # comm id -> members that issued it and have it next in line
+    if multi is not None:                    # a rank's collective slots: their end times, its wire, last start
+        lat, n_slots = multi
+        slot_end = {r: [0.0] * n_slots for r in ranks}
+        wire_end = dict.fromkeys(ranks, 0.0)
+        last_start = dict.fromkeys(ranks, 0.0)
 
     def resolve(cid, work):
         mem = members(cid)
         got = issued[cid]
         g = cid[0]
+        if multi is not None and not gp2p[g]:
+            resolve_overlapping(cid, work, mem, got)
+            return
         lanes = [lane_of(m, g) for m in mem] if gp2p[g] else mem
         start = max(max(got[m][0], lane[lk]) for m, lk in zip(mem, lanes))
         extra = 0.0
@@ -272,12 +292,35 @@ def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late) 
             lane[lk] = start + dur
             end_of[(m, k)] = start + dur
             res[m].comm.append((start, dur, k))
-            qhead[lk] += 1
-            if qhead[lk] < len(queue[lk]):
-                nxt = queue[lk][qhead[lk]]
-                at_head[nxt] = at_head.get(nxt, 0) + 1
-                if at_head[nxt] == len(members(nxt)):
-                    work.append(nxt)
+            advance(lk, work)
+
+    def advance(lk, work):
+        qhead[lk] += 1
+        if qhead[lk] < len(queue[lk]):
+            nxt = queue[lk][qhead[lk]]
+            at_head[nxt] = at_head.get(nxt, 0) + 1
+            if at_head[nxt] == len(members(nxt)):
+                work.append(nxt)
+
+    def resolve_overlapping(cid, work, mem, got):
+        """A collective on ranks with several slots: it starts after its issue, after the previous one on each
+        member started, and when a slot is free; latencies overlap, bytes queue on the wire."""
+        start = max(max(got[m][0], last_start[m], min(slot_end[m])) for m in mem)
+        end = 0.0
+        for m in mem:
+            k = got[m][1]
+            dur, lp = durations[m][k], lat[m][k]
+            end = max(end, start + dur, wire_end[m] + (dur - lp))
+        for m in mem:
+            k = got[m][1]
+            ends = slot_end[m]
+            ends[ends.index(min(ends))] = end
+            wire_end[m] = max(wire_end[m], start) + (durations[m][k] - lat[m][k])
+            last_start[m] = start
+            lane[m] = min(ends)
+            end_of[(m, k)] = end
+            res[m].comm.append((end - durations[m][k], durations[m][k], k))   # its own seconds, ending when it ends
+            advance(m, work)
 
     moved = True
     while moved:

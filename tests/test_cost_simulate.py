@@ -81,6 +81,28 @@ def test_issuing_a_collective_costs_the_timeline_before_its_transfer():
     assert est.step_time_s >= est.ranks[0].compute_time_s
 
 
+def test_gloo_overlaps_two_collectives_latency_not_bytes():
+    """gloo runs a group's work on two threads (``cost_models.comm.GLOO_THREADS``): a collective issued while
+    another is in flight starts at once, their latencies overlap, their bytes still share the wire; NCCL's one
+    stream keeps them one at a time."""
+    from dataclasses import replace
+    gm = _program(["ar", "ar", "wait", "wait"])
+
+    def step(backend, bandwidth, latency):
+        cl = replace(_cluster(), backend=backend, intra_node=LinkSpec(bandwidth, latency))
+        return estimate({0: gm, 1: gm}, cl).step_time_s
+
+    lat = 1e-3                                        # latency-bound: 2(N-1)α = 2 ms each, bytes ~0
+    assert step("nccl", 1e18, lat) == pytest.approx(2 * 2 * lat + ADD)      # one after the other
+    assert step("gloo", 1e18, lat) == pytest.approx(2 * lat + 2 * ADD)      # together
+    bw = 16384 / AR                                   # bytes-bound: 1.5 ms each, no latency
+    assert step("gloo", bw, 0.0) == pytest.approx(step("nccl", bw, 0.0)) == pytest.approx(2 * AR + ADD)
+    # a third one waits for a free thread: it starts when the first ends
+    gm3 = _program(["ar", "ar", "ar", "wait", "wait", "wait"])
+    cl = replace(_cluster(), backend="gloo", intra_node=LinkSpec(1e18, lat))
+    assert estimate({0: gm3, 1: gm3}, cl).step_time_s == pytest.approx(2 * 2 * lat + ADD)
+
+
 def test_wait_blocks_until_the_slowest_rank_issues():
     fast, slow = _program(["mm", "ar", "wait", "mm"]), _program(["mm", "mm", "mm", "ar", "wait", "mm"])
     est = estimate({0: fast, 1: slow}, _cluster())
