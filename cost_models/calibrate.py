@@ -43,7 +43,7 @@ model ``T = 2(N-1)α + 2(N-1)/N · S/B`` (Patarasuk & Yuan 2009), so ``B = 2(N-1
 taken from the small collectives in a step (:func:`in_step_alpha`: the model's issue + ``2(N-1)α``
 for the all_reduce and issue + ``(N-1)α`` for the all_gather equal to what was measured), not from
 the fit's intercept ``a / (2(N-1))`` (kept as ``raw["alpha_fit"]``), which the large sizes decide and
-which varied 7x between two runs here (66-437 µs). Both become ``intra_node``
+which came out 66, 437 and 729 µs in three runs within an hour here. Both become ``intra_node``
 (:func:`measure_link` and :func:`link_spec`, which the netns harness of ``benchmarks/`` also uses to
 measure its veth). Each rank uses ``cores // world_size``
 threads so ranks do not fight for cores.

@@ -203,14 +203,19 @@ def _gather_pairs(g, chain, n, ranks):
     mod = M.get(edb, M.MODULE, "")
     made = []
 
-    def op(target, args, val):
-        x = g.call_function(target, args)
+    def op(target, args, val, **kwargs):
+        x = g.call_function(target, args, kwargs)
         made.append((x, val))
         return x
 
+    def flat(x, v, shape):           # 1-D with stride 1 (view(dtype) needs it): a copy only if x is strided
+        if not v.is_contiguous():
+            x = op(aten.clone.default, (x,), v.new_empty(v.shape), memory_format=torch.contiguous_format)
+        return op(aten.reshape.default, (x, [-1]), v.new_empty(shape))
+
     with g.inserting_before(ar):
-        ids = op(aten.reshape.default, (idx, [-1]), iv.new_empty([t]))
-        rows = op(aten.reshape.default, (grad_out, [-1]), gv.new_empty([t * w]))
+        ids = flat(idx, iv, [t])
+        rows = flat(grad_out, gv, [t * w])
         if avg is not wt:                               # backward's seed was not scaled by 1/dp
             rows = op(aten.div.Tensor, (rows, n), gv.new_empty([t * w]))
         packed = op(aten.cat.default, ([op(aten.view.dtype, (ids, u8), iv.new_empty([ib], dtype=u8)),

@@ -214,3 +214,26 @@ def test_parallax_refuses_a_rows_update_the_optimizer_does_not_allow():
     with pytest.raises(fxpar.PassError, match=r"emb\.weight in its touched rows only.*'dense'.*plain SGD"):
         fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M,
                           strategy=fxpar.Strategy(dp=2, grad_sync="parallax"), plan=plan)
+
+
+class StridedBag(Bag):
+    """The table reads every other token: its index tensor is strided (the pass copies it before packing)."""
+
+    def forward(self, ids):
+        ids = ids[:, ::2]
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        return self.head((self.emb(ids) + self.pos(pos)).mean(1))
+
+
+def test_parallax_packs_a_strided_index(clusters):
+    torch.manual_seed(0)
+    model, batches = StridedBag().double(), _batches(3, seq=6)
+    prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD, strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
+    assert prog.plan.grad_sync["sparse"] == ["emb.weight"]
+    copies = [x for x in prog.graphs(0)["step"].graph.nodes
+              if x.target is aten.clone.default and x.kwargs.get("memory_format") == torch.contiguous_format]
+    assert len(copies) == 1 and copies[0].users and next(iter(copies[0].users)).target is aten.reshape.default
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    ref_losses, ref_state = reference_training(model, batches, F.cross_entropy, SGD)
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL
+    assert max_abs_diff(res.state_dict(), ref_state) < TOL
