@@ -21,7 +21,7 @@ Also the cost model's predicted ByteScheduler step (``Plan.comm_schedule['stages
 against the measured one. The link adds bandwidth limits only (no netem: no latency).
 
     python benchmarks/bench_bytescheduler.py [--rates none,2gbit,1gbit,500mbit] [--steps 5] [--warmup 2] [--rounds 3]
-                                             [--orders natural,priority] [--batch 16] [--threads N] [--pin]
+                                             [--orders natural,priority] [--batch 16] [--threads N] [--pin] [--comm-priority]
 """
 import argparse
 import os
@@ -64,6 +64,9 @@ def main():
     ap.add_argument("--orders", default="natural", help="forced grad_order cells besides the tuned one: natural,priority")
     ap.add_argument("--pin", action="store_true",
                     help="pin every rank to its own cores (cost_models.calibrate.rank_cores), in the calibration too")
+    ap.add_argument("--comm-priority", action="store_true",
+                    help="every rank's gloo threads under SCHED_FIFO (ClusterSpec.comm_priority), torch DDP's too, in "
+                         "the calibration too")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per rank (default: the cores split over the ranks); the calibration uses the same")
     args = ap.parse_args()
@@ -75,9 +78,10 @@ def main():
                for _ in range(n)]
     opt = (torch.optim.AdamW, {"lr": 1e-3})
     print(f"load average at start: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
-    calibrated = fxpar.ClusterSpec.calibrate(world_size=w, threads=args.threads, pin=args.pin)
+    calibrated = fxpar.ClusterSpec.calibrate(world_size=w, threads=args.threads, pin=args.pin,
+                                             comm_priority=args.comm_priority)
     rates = [parse_rate(r) for r in args.rates.split(",")]
-    links = calibrate_link(rates, threads=args.threads, pin=args.pin)      # the veth at each cap, as the ranks will cross it
+    links = calibrate_link(rates, threads=args.threads, pin=args.pin, comm_priority=args.comm_priority)      # the veth at each cap, as the ranks will cross it
     for bps, lk in links.items():
         print(f"veth measured at {format_rate(bps)}: {lk.bandwidth * 8 / 1e9:.2f} Gbit/s, α {lk.latency * 1e6:.0f} us")
     sweep = [float(x) for x in args.sweep_mb.split(",") if x]
@@ -110,7 +114,7 @@ def main():
     with CappedLink() as link:
         print("link: " + (f"veth {link.names.dev_a} <-> {link.names.dev_b}, tbf per direction, no latency (no netem)"
                           if link.active else f"UNCAPPED 127.0.0.1 (missing: {link.missing})"))
-        with NetnsCluster(w, link, threads=args.threads, pin=args.pin) as cl:
+        with NetnsCluster(w, link, threads=args.threads, pin=args.pin, comm_priority=args.comm_priority) as cl:
             def cell(key, fn, argv):
                 outs = cl.run(fn, [argv(r) for r in range(w)])
                 res.setdefault(key, []).extend(per_step_max(outs))

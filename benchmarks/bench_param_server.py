@@ -168,13 +168,13 @@ class Section:
 
 def fx_method(prog, batches, warmup, n_ranks):
     """Per-rank argument builder for an fxpar program (BytePS: workers, then servers)."""
-    from fxpar.runtime.server import server_payloads, stop_messages
+    from fxpar.runtime.server import stop_messages
     n = len(batches)
     if prog.layout is not None:          # as run_local does: the loss's extra columns (fxpar/inputs.py)
         from fxpar.inputs import prepare_batch
         batches = [prepare_batch(prog, b, f"batches[{i}]") for i, b in enumerate(batches)]
     payloads = [prog.payload(r, n_batches=n) for r in range(prog.world_size)]
-    servers = server_payloads(prog.plan, prog.stages[0].joint.meta.get("fxpar_byteps"))
+    servers = prog.server_payloads()
     stops = stop_messages(servers)
     assert prog.world_size + len(servers) == n_ranks, (prog.world_size, len(servers), n_ranks)
     return fx_cell, lambda dev: [(p, batches, warmup, dev, stops) for p in payloads] + \
@@ -190,12 +190,13 @@ _SPECS = {}
 
 _THREADS = [None]        # --threads: torch threads per rank, in the calibration and the runs
 _PIN = [False]           # --pin: every rank on its own cores, in the calibration and the runs
+_PRIO = [False]          # --comm-priority: gloo's threads under SCHED_FIFO, in the calibration and the runs
 
 
 def calibrated(world):
     """``ClusterSpec.calibrate(world)`` once per world size; 4 ranks are 2 nodes x 2 (the namespaces)."""
     if world not in _SPECS:
-        spec = fxpar.ClusterSpec.calibrate(world_size=world, threads=_THREADS[0], pin=_PIN[0])
+        spec = fxpar.ClusterSpec.calibrate(world_size=world, threads=_THREADS[0], pin=_PIN[0], comm_priority=_PRIO[0])
         _SPECS[world] = capped(replace(spec, nodes=2, devices_per_node=world // 2), None)   # planned on the veth
     return _SPECS[world]
 
@@ -327,7 +328,7 @@ def run(sections, args):
         dev = link.names.dev_a if link.active else None
         for rnd in range(args.rounds):
             for sec in sections:                 # every round visits every cap of every section
-                with NetnsCluster(sec.world, link, threads=_THREADS[0], pin=_PIN[0]) as cl:
+                with NetnsCluster(sec.world, link, threads=_THREADS[0], pin=_PIN[0], comm_priority=_PRIO[0]) as cl:
                     for bps in args.rates:
                         link.set_rate(bps)
                         for name, (fn, argv) in sec.methods.items():
@@ -400,6 +401,9 @@ def main():
                          "a few is noise)")
     ap.add_argument("--pin", action="store_true",
                     help="pin every rank to its own cores (cost_models.calibrate.rank_cores), in the calibration too")
+    ap.add_argument("--comm-priority", action="store_true",
+                    help="every rank's gloo threads under SCHED_FIFO (ClusterSpec.comm_priority), torch DDP's too, in "
+                         "the calibration too")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per rank (default: the cores split over the ranks); the calibration uses the same")
     ap.add_argument("--bucket-mb", type=float, default=None,
@@ -407,9 +411,9 @@ def main():
     args = ap.parse_args()
     args.rates = [parse_rate(r) for r in args.rates.split(",")]
     only = args.only.split(",")
-    _THREADS[0], _PIN[0] = args.threads, args.pin
+    _THREADS[0], _PIN[0], _PRIO[0] = args.threads, args.pin, args.comm_priority
     print(f"load average at start: {loadavg()}", flush=True)
-    _LINKS.update(calibrate_link(args.rates, threads=args.threads, pin=args.pin))
+    _LINKS.update(calibrate_link(args.rates, threads=args.threads, pin=args.pin, comm_priority=args.comm_priority))
     for bps, link in _LINKS.items():
         print(f"veth measured at {format_rate(bps)}: {link.bandwidth * 8 / 1e9:.2f} Gbit/s, α {link.latency * 1e6:.0f} us",
               flush=True)

@@ -363,7 +363,7 @@ class CappedLink:
 
 # ---- ranks in the namespaces ----------------------------------------------------------------------------
 def _worker(rank: int, world: int, ns: str | None, ifname: str | None, master: str, port: int, conn,
-            threads: int, timeout_s: float, pin: bool = False) -> None:
+            threads: int, timeout_s: float, pin: bool = False, comm_priority: bool = False) -> None:
     try:
         if pin:                                          # its own cores (cost_models.calibrate.rank_cores)
             from cost_models.calibrate import pin_rank
@@ -377,6 +377,12 @@ def _worker(rank: int, world: int, ns: str | None, ifname: str | None, master: s
         torch.set_num_threads(threads)
         dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
+        if comm_priority:                                # every rank's, torch DDP's too (the world group's threads)
+            from cost_models.calibrate import raise_comm_threads
+            dist.barrier()                               # its threads up and named
+            if raise_comm_threads() is None:
+                raise RuntimeError("NetnsCluster(comm_priority=True): this process may not put gloo's threads under "
+                                   "SCHED_FIFO (needs root or CAP_SYS_NICE)")
         from fxpar.runtime.launch import serve
         conn.send(("ready", None))
     except BaseException:  # noqa: BLE001 - reported to the parent
@@ -391,10 +397,12 @@ class NetnsCluster:
     every rank and returns the results in rank order; a rank that raises or dies stops every rank and
     raises RuntimeError with its traceback. ``pin``: each rank pinned to its own cores
     (``cost_models.calibrate.rank_cores``; on 2 cores an unpinned step of a few ms moves by 2x from run to run,
-    a pinned one by 5%), torch DDP's ranks and fxpar's alike; plan such runs on ``ClusterSpec.calibrate(pin=True)``."""
+    a pinned one by 5%), torch DDP's ranks and fxpar's alike; plan such runs on ``ClusterSpec.calibrate(pin=True)``.
+    ``comm_priority``: every rank's gloo threads under SCHED_FIFO (``cost_models.calibrate.raise_comm_threads``),
+    torch DDP's and fxpar's alike (fxpar's later groups: ``ClusterSpec(comm_priority=True)``)."""
 
     def __init__(self, world: int, link: CappedLink, timeout_s: float = 600.0, threads: int | None = None,
-                 pin: bool = False):
+                 pin: bool = False, comm_priority: bool = False):
         import torch.multiprocessing as mp
         if world < 2:
             raise ValueError("a capped link needs at least 2 ranks (one on each side)")
@@ -416,7 +424,8 @@ class NetnsCluster:
                 ns = (link.names.ns_a if side == "a" else link.names.ns_b) if link.active else None
                 dev = (link.names.dev_a if side == "a" else link.names.dev_b) if link.active else None
                 parent, child = ctx.Pipe()
-                p = ctx.Process(target=_worker, args=(r, world, ns, dev, master, port, child, threads, timeout_s, pin),
+                p = ctx.Process(target=_worker, args=(r, world, ns, dev, master, port, child, threads, timeout_s, pin,
+                                                           comm_priority),
                                 daemon=True)
                 p.start()
                 child.close()
@@ -487,7 +496,7 @@ class NetnsCluster:
 
 
 def calibrate_link(rates, threads: int | None = None, sizes=None, reps: int = 5, in_step_seconds: float = 1.0,
-                   pin: bool = False) -> dict:
+                   pin: bool = False, comm_priority: bool = False) -> dict:
     """``{bps: LinkSpec}``: the veth measured at each rate (None: uncapped) by 2 ranks, one in each namespace,
     with ``cost_models.calibrate.measure_link`` and ``link_spec`` -- the same figures ``ClusterSpec.calibrate()``
     takes on ``lo`` (the bandwidth from a fit over all_reduce sizes, α from small collectives back to back), so
@@ -501,7 +510,7 @@ def calibrate_link(rates, threads: int | None = None, sizes=None, reps: int = 5,
     with CappedLink(verbose=False) as link:
         if not link.active:
             return out
-        with NetnsCluster(2, link, threads=threads, pin=pin) as cl:
+        with NetnsCluster(2, link, threads=threads, pin=pin, comm_priority=comm_priority) as cl:
             for bps in rates:
                 link.set_rate(bps)
                 raw = cl.run(measure_link, [(tuple(sizes or _SIZES), reps, in_step_seconds)] * 2)[0]

@@ -8,7 +8,8 @@ joined in a gloo group on 127.0.0.1 at a free port (a socket bound to port 0). W
 run at once, as they will in training, each times (with a barrier before each repetition; where there are
 more threads in all ranks than cores, without, so that the ranks share the cores as in training):
 
-- a GraphModule of 200 tiny aten adds -> ``device.op_overhead_s`` (per-op dispatch cost);
+- a GraphModule of 200 tiny aten ops (views, slices, copies, adds: :func:`_mixed_ops_graph`) ->
+  ``device.op_overhead_s`` (per-op dispatch cost);
 - ``torch.mm`` on fp32 ``n x n`` matrices -> ``device.peak_flops`` (efficiency ``matmul`` = 1);
 - an fp32 ``add`` over 4M elements (12 bytes per element moved) -> ``device.mem_bandwidth``;
 - softmax and layer_norm -> ``efficiency["softmax"]``, ``efficiency["norm"]``: the fraction of
@@ -60,8 +61,8 @@ import torch
 
 from fxpar.cluster import ClusterSpec, LinkSpec
 
-__all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "late_recv_overhead", "link_spec",
-           "measure_link", "pin_rank", "rank_cores"]
+__all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "in_step_slots", "late_recv_overhead",
+           "link_spec", "measure_link", "pin_rank", "raise_comm_threads", "rank_cores"]
 
 _SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -141,10 +142,32 @@ def _adds_graph(n: int) -> torch.fx.GraphModule:
     return torch.fx.GraphModule(torch.nn.Module(), g)
 
 
+def _mixed_ops_graph(n: int) -> torch.fx.GraphModule:
+    """A GraphModule of about ``n`` aten ops on 8-element tensors in the mix a training graph is made of: views
+    and slices, a transpose, copies into fresh buffers, elementwise ops, a concatenation (rounds of eleven)."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    y = x
+    for _ in range(max(1, n // 10)):
+        a = g.call_function(aten.view.default, (y, [2, 4]))
+        b = g.call_function(aten.slice.Tensor, (a, 0, 0, 2))
+        c = g.call_function(aten.clone.default, (g.call_function(aten.t.default, (b,)),))
+        d = g.call_function(aten.reshape.default, (g.call_function(aten.mul.Tensor, (c, 2.0)), [-1]))
+        e = g.call_function(aten.slice.Tensor, (g.call_function(aten.cat.default, ([d, d],)), 0, 0, 8))
+        buf = g.call_function(aten.empty.memory_format, ([8],), {"dtype": torch.float32})
+        y = g.call_function(aten.copy_.default, (buf, g.call_function(aten.add.Tensor, (e, x))))
+    g.output(y)
+    return torch.fx.GraphModule(torch.nn.Module(), g)
+
+
 def _tiny_ops_graph():
-    """200 aten adds on 8-element tensors: the per-op dispatch cost (the compute is negligible)."""
-    gm, t = _adds_graph(_TINY_OPS), torch.ones(8)
-    return lambda: gm(t)
+    """About :data:`_TINY_OPS` aten ops on 8-element tensors (:func:`_mixed_ops_graph`), and how many: the per-op
+    dispatch cost (the compute is negligible). The mix, not adds alone: on a 2-core machine an add costs 2.2 µs
+    and the mix 3.1 µs an op, and a graph's views, slices and copies are most of its nodes."""
+    gm, t = _mixed_ops_graph(_TINY_OPS), torch.ones(8)
+    n = sum(1 for node in gm.graph.nodes if node.op == "call_function")
+    return lambda: gm(t), n
 
 
 def _measure_compute(reps: int, sync=None) -> dict:
@@ -156,7 +179,8 @@ def _measure_compute(reps: int, sync=None) -> dict:
     t_add = _time(lambda: torch.add(x, y), reps, sync)
     t_sm = _time(lambda: torch.softmax(s, -1), reps, sync)
     t_ln = _time(lambda: torch.nn.functional.layer_norm(s, (1024,)), reps, sync)
-    t_op = _time(_tiny_ops_graph(), reps, sync) / _TINY_OPS
+    ops, n_ops = _tiny_ops_graph()
+    t_op = _time(ops, reps, sync) / n_ops
     t_gelu = _time(lambda: torch.nn.functional.gelu(s), reps, sync)
     q, k, v = (torch.randn(*_SDPA_SHAPE) for _ in range(3))
     t_sdpa = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), reps, sync)
@@ -230,24 +254,51 @@ def _measure_in_step(reps: int = 5, min_seconds: float = _MIN_SECONDS) -> dict:
     ``_STEP_LOOP`` rounds of {``_STEP_OPS`` tiny adds, the functional collective, its ``wait_tensor``}, no
     barrier inside, less the same loop without the collective; the median over at least ``reps`` loops and
     ``min_seconds``, for ``all_reduce`` and ``all_gather_into_tensor``. Back to back, each collective pays what
-    a barrier before it would hide: the ranks' skew and the wake-up of gloo's threads on each side."""
+    a barrier before it would hide: the ranks' skew and the wake-up of gloo's threads on each side.
+    ``pair``: the two in flight together, as a step issues them (the all_reduce issued, the adds, the
+    all_gather issued and waited, then the all_reduce waited), less the loop with twice the adds: whether a
+    rank progresses two collectives at once (:func:`in_step_slots`)."""
     import torch.distributed as dist
     name, n = dist.group.WORLD.group_name, dist.get_world_size()
     ops = torch.ops._c10d_functional
     gm = _adds_graph(_STEP_OPS)
     t = torch.ones(_ISSUE_NUMEL)
-    colls = {None: None, "all_reduce": lambda: ops.all_reduce(t, "sum", name),
-             "all_gather": lambda: ops.all_gather_into_tensor(t, n, name)}
+    ar = lambda: ops.all_reduce(t, "sum", name)                  # noqa: E731
+    ag = lambda: ops.all_gather_into_tensor(t, n, name)          # noqa: E731
+
+    def pair():
+        a = ar()
+        gm(t)
+        ops.wait_tensor(ag())
+        ops.wait_tensor(a)
+    rounds = {None: None, "all_reduce": lambda: ops.wait_tensor(ar()), "all_gather": lambda: ops.wait_tensor(ag()),
+              "adds2": lambda: gm(t), "pair": pair}
     out = {}
-    for key, fn in colls.items():
+    for key, fn in rounds.items():
         def loop():
             for _ in range(_STEP_LOOP):
                 gm(t)
                 if fn is not None:
-                    ops.wait_tensor(fn())
+                    fn()
         out[key] = _time(loop, reps, dist.barrier, min_seconds) / _STEP_LOOP
-    base = out.pop(None)
-    return {k: max(0.0, v - base) for k, v in out.items()}
+    base, base2 = out.pop(None), out.pop("adds2")
+    return {k: max(0.0, v - (base2 if k == "pair" else base)) for k, v in out.items()}
+
+
+def in_step_slots(in_step: dict, issue_s: float) -> int | None:
+    """How many small collectives a rank progresses at once, as :func:`_measure_in_step` found. With issue
+    ``i`` on the rank's thread and the rest on the link, the simulator puts the ``pair`` (all_reduce issued,
+    then the all_gather issued and waited) at ``max(ar, i + ag)`` with two slots (gloo's two worker threads,
+    ``cost_models.comm.GLOO_THREADS``: the transfers overlap) and at ``max(2i, ar) + ag - i`` with one (the
+    all_gather's transfer waits for the all_reduce's); the nearer to the measured pair wins, two on a tie.
+    Where the ranks' threads fill the cores, a small collective's time is CPU work (thread hand-offs, socket
+    calls), which two at once share: one slot; where it is waiting (for a wake-up, for the peer), they overlap.
+    None when ``pair`` was not measured."""
+    if not {"pair", "all_reduce", "all_gather"} <= set(in_step):
+        return None
+    ar, ag, pair, i = in_step["all_reduce"], in_step["all_gather"], in_step["pair"], issue_s
+    two, one = max(ar, i + ag), max(2 * i, ar) + ag - i
+    return 2 if abs(pair - two) <= abs(pair - one) else 1
 
 
 def in_step_alpha(in_step: dict, issue_s: float, n: int) -> float:
@@ -257,6 +308,50 @@ def in_step_alpha(in_step: dict, issue_s: float, n: int) -> float:
     steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1}
     got = [max(0.0, t - issue_s) / steps[k] for k, t in in_step.items() if k in steps and n > 1]
     return sum(got) / len(got) if got else 0.0
+
+
+def _comm_threads_cpu() -> float | None:
+    """CPU seconds this process's gloo threads (:data:`COMM_THREAD_NAMES`) have run so far, from
+    ``/proc/self/task/*/schedstat`` (Linux); None where there is none."""
+    task, total, found = "/proc/self/task", 0.0, False
+    if not os.path.isdir(task):
+        return None
+    for tid in os.listdir(task):
+        try:
+            with open(f"{task}/{tid}/comm") as f:
+                if f.read().strip() not in COMM_THREAD_NAMES:
+                    continue
+            with open(f"{task}/{tid}/schedstat") as f:
+                total += int(f.read().split()[0]) / 1e9
+            found = True
+        except (OSError, ValueError, IndexError):
+            continue
+    return total if found else None
+
+
+_CPU_SIZES = ((1 << 10, 60), (4 << 20, 8))     # (bytes, all_reduces back to back)
+
+
+def _measure_comm_cpu() -> dict | None:
+    """CPU seconds gloo's threads spend on this rank per ``all_reduce``: a run of blocking all_reduces of each of
+    :data:`_CPU_SIZES` back to back, the threads' CPU over their count (after the barrier that starts it), fitted
+    as ``per_collective_s + per_byte_s · bytes`` through the two sizes. On a 2-core machine about 0.1 ms and
+    1 ms per MiB. None where ``/proc`` does not say."""
+    import torch.distributed as dist
+    got = []
+    for size, k in _CPU_SIZES:
+        t = torch.ones(size // 4)
+        dist.all_reduce(t)
+        dist.barrier()
+        c0 = _comm_threads_cpu()
+        if c0 is None:
+            return None
+        for _ in range(k):
+            dist.all_reduce(t)
+        got.append((size, (_comm_threads_cpu() - c0) / k))
+    (s0, t0), (s1, t1) = got
+    per_byte = max(0.0, (t1 - t0) / (s1 - s0))
+    return {"per_collective_s": max(0.0, t0 - per_byte * s0), "per_byte_s": per_byte, "samples": got}
 
 
 def measure_link(sizes=_SIZES, reps: int = 5, in_step_seconds: float = _MIN_SECONDS) -> dict:
@@ -270,7 +365,8 @@ def measure_link(sizes=_SIZES, reps: int = 5, in_step_seconds: float = _MIN_SECO
     for size in sizes:
         t = torch.ones(size // 4)
         comm.append((size, _time(lambda: dist.all_reduce(t), reps, dist.barrier)))
-    return {"all_reduce": comm, "collective_issue_s": _measure_issue(), "in_step": _measure_in_step(reps, in_step_seconds)}
+    return {"all_reduce": comm, "collective_issue_s": _measure_issue(),
+            "in_step": _measure_in_step(reps, in_step_seconds), "comm_cpu": _measure_comm_cpu()}
 
 
 def link_spec(raw: dict, n: int) -> LinkSpec:
@@ -304,12 +400,52 @@ def pin_rank(rank: int, world: int) -> None:
         os.sched_setaffinity(0, rank_cores(rank, world))
 
 
-def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False):
+# gloo's threads: its TCP transport's event loop (one per device) and ProcessGroupGloo's workers (2 per group)
+COMM_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")
+
+
+def raise_comm_threads(priority: int = 1) -> int | None:
+    """Put this process's gloo communication threads (:data:`COMM_THREAD_NAMES`, as Linux names them) under
+    ``SCHED_FIFO`` at ``priority``, so that a message's arrival preempts the rank's compute (or another rank's)
+    at once instead of waiting for the running thread's time slice: where ranks and their threads outnumber the
+    cores, that wait is what a small collective costs (``ClusterSpec.comm_priority``). Call it after the
+    process groups exist and have run a collective (each group starts threads of its own, which name themselves
+    when they start); threads already raised are left alone. Returns how many it raised now, or None where the
+    OS does not allow it (not Linux, or neither root nor ``CAP_SYS_NICE``). The threads block between messages,
+    so they take the CPU only for the work they do -- but only when *all* of them are raised: gloo's threads
+    yield to each other while they wait for one another, and a raised thread that waits on one left at normal
+    priority spins at real-time priority until the kernel's RT throttling (50 ms a second) lets the other run."""
+    task = "/proc/self/task"
+    if not hasattr(os, "sched_setscheduler") or not os.path.isdir(task):
+        return None
+    n = 0
+    for tid in os.listdir(task):
+        try:
+            with open(f"{task}/{tid}/comm") as f:
+                name = f.read().strip()
+            if name not in COMM_THREAD_NAMES or os.sched_getscheduler(int(tid)) == os.SCHED_FIFO:
+                continue
+            os.sched_setscheduler(int(tid), os.SCHED_FIFO, os.sched_param(priority))
+        except PermissionError:
+            return None
+        except (OSError, ValueError):          # a thread that ended while we looked
+            continue
+        n += 1
+    return n
+
+
+def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False, comm_priority=False):
     import torch.distributed as dist
     if pin:
         pin_rank(rank, world_size)
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.barrier()                       # the group's threads are up (and have named themselves)
+    if comm_priority and raise_comm_threads() is None:     # the same machine: every rank is refused alike
+        if rank == 0:
+            queue.put({"comm_priority_refused": True})
+        dist.destroy_process_group()
+        return
     try:
         # more ranks than cores: no barrier between repetitions, so every rank's loop runs beside the others' as
         # in training (a barrier staggers them: the first ranks out of it get the cores to themselves and the op
@@ -328,12 +464,15 @@ def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False)
 
 
 def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measurements: bool = False,
-              threads: int | None = None, pin: bool = False):
+              threads: int | None = None, pin: bool = False, comm_priority: bool = False):
     """Measure ``world_size`` local gloo ranks; a ClusterSpec (and the raw figures if asked).
 
     ``threads``: torch's intra-op threads per rank while measuring (default: this machine's cores split
     evenly over the ranks); set it to what the ranks of the run being planned will use. ``pin``: each rank
-    pinned to its own cores (:func:`rank_cores`), for runs whose ranks are pinned alike (the netns harness's)."""
+    pinned to its own cores (:func:`rank_cores`), for runs whose ranks are pinned alike (the netns harness's).
+    ``comm_priority``: the ranks' gloo threads under SCHED_FIFO (:func:`raise_comm_threads`) while measuring,
+    and the spec says so (``ClusterSpec.comm_priority``: the runtime then does the same); a ValueError where
+    the OS refuses it."""
     import torch.multiprocessing as mp
     base = ClusterSpec.local(world_size)
     if world_size == 1:
@@ -341,11 +480,16 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
     else:
         ctx = mp.get_context("spawn")
         queue = ctx.SimpleQueue()
-        mp.start_processes(_worker, args=(world_size, free_port(), tuple(sizes), reps, queue, threads, pin),
+        mp.start_processes(_worker, args=(world_size, free_port(), tuple(sizes), reps, queue, threads, pin,
+                                          comm_priority),
                            nprocs=world_size, join=True, start_method="spawn")
         raw = {}
-        for _ in range(2):
+        while not queue.empty():
             raw.update(queue.get())
+        if raw.get("comm_priority_refused"):
+            raise ValueError("ClusterSpec.calibrate(comm_priority=True): this process may not put gloo's threads "
+                             "under SCHED_FIFO (it needs root or CAP_SYS_NICE, on Linux). Run as a user who may, or "
+                             "calibrate (and run) with comm_priority=False.")
     c = raw["compute"]
     peak, bw = c["mm_flops"], c["add_bytes_per_s"]
     numel = c["softmax_numel"]
@@ -359,11 +503,20 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
         eff["attention"] = min(1.0, 4 * b * h * s_ * s_ * d / (peak * c["sdpa_s"]))
     device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
                      op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s))
-    spec = replace(base, device=device)
+    spec = replace(base, device=device, comm_priority=bool(comm_priority))
     if raw["all_reduce"]:
         spec = replace(spec, intra_node=link_spec(raw, world_size))
     if raw.get("collective_issue_s"):
         spec = replace(spec, device=replace(spec.device, collective_issue_s=raw["collective_issue_s"]))
+    cpu = raw.get("comm_cpu")
+    if cpu and world_size * raw.get("threads", 1) >= (os.cpu_count() or 1):
+        # the ranks' threads fill the cores: what gloo's threads run is taken from compute (DeviceSpec.comm_cpu_s)
+        spec = replace(spec, device=replace(spec.device, comm_cpu_s=cpu["per_collective_s"],
+                                            comm_cpu_per_byte=cpu["per_byte_s"]))
+    slots = in_step_slots(raw.get("in_step") or {}, raw.get("collective_issue_s", 0.0))
+    if slots:
+        raw["collective_slots"] = slots
+        spec = replace(spec, device=replace(spec.device, collective_slots=slots))
     if raw.get("late_recv"):
         raw["late_recv_s"] = late_recv_overhead(raw["late_recv"], _LATE_BYTES, spec.intra_node)
         spec = replace(spec, device=replace(spec.device, late_recv_s=raw["late_recv_s"]))

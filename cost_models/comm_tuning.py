@@ -57,9 +57,11 @@ class SimResult:
 
 
 def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cross: bool,
-             t_opt: float = 0.0, issue_s: float = 0.0) -> SimResult:
+             t_opt: float = 0.0, issue_s: float = 0.0, cpu_per_byte: float = 0.0) -> SimResult:
     """Simulate one steady-state step and return its issue plan (see the module docstring). ``issue_s``: the
-    rank's CPU seconds per piece issued (``DeviceSpec.collective_issue_s``), added to the step once per piece."""
+    rank's CPU seconds per piece issued (``DeviceSpec.collective_issue_s``, and ``comm_cpu_s`` where gloo's threads
+    share the rank's cores), added to the step once per piece; ``cpu_per_byte``: what those threads take from
+    compute per byte moved (``DeviceSpec.comm_cpu_per_byte``), added once per byte of every piece."""
     pieces = [(b, j, n) for b, bt in enumerate(buckets) for j, n in enumerate(bt.pieces)]
     pid = {(b, j): i for i, (b, j, _) in enumerate(pieces)}
     big = max((n for _, _, n in pieces), default=0)
@@ -134,12 +136,13 @@ def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cro
         stall = x - (base + (buckets[b].need_s if cross else 0.0))
         res.events.append(("need", b, ops))
     res.stall_s = stall
-    res.step_s = t_fwd + t_bwd + t_opt + stall + issue_s * len(pieces)
+    res.step_s = t_fwd + t_bwd + t_opt + stall + issue_s * len(pieces) + cpu_per_byte * sum(n for _, _, n in pieces)
     return res
 
 
 def tune(make_buckets, t_fwd: float, t_bwd: float, comm_s, cross: bool, partitions: list, credit_factors: list,
-         t_opt: float = 0.0, partition: int | None = None, credit: int | None = None, issue_s: float = 0.0) -> tuple:
+         t_opt: float = 0.0, partition: int | None = None, credit: int | None = None, issue_s: float = 0.0,
+         cpu_per_byte: float = 0.0) -> tuple:
     """Grid search (ByteScheduler tunes with Bayesian optimisation over measured runs; here the simulation is
     cheap, so a grid suffices): ``make_buckets(partition) -> [BucketTiming]``. ``partition``/``credit`` given:
     that value is kept. Returns ``(partition, credit, SimResult, tried)``: among the settings predicted within
@@ -152,7 +155,7 @@ def tune(make_buckets, t_fwd: float, t_bwd: float, comm_s, cross: bool, partitio
         total = sum(n for bt in bts for n in bt.pieces)
         credits = [credit] if credit else sorted({max(biggest, int(part * f)) for f in credit_factors} | {total})
         for c in credits:
-            r = simulate(bts, t_fwd, t_bwd, comm_s, c, cross, t_opt, issue_s)
+            r = simulate(bts, t_fwd, t_bwd, comm_s, c, cross, t_opt, issue_s, cpu_per_byte)
             tried.append((part, c, r.step_s))
             runs[(part, c)] = r
     least = min(t for _, _, t in tried)
@@ -190,7 +193,9 @@ def stage_timings(gm, signature, device, backward: list | None = None, times: di
         if phase == "backward" and key is not None:
             ready[key] = clock["backward"]
     return {"t_fwd": clock["forward"], "t_bwd": clock["backward"], "t_opt": clock["optimizer"],
-            "ready": ready, "need": need, "issue_s": getattr(device, "collective_issue_s", 0.0)}
+            "ready": ready, "need": need,
+            "issue_s": getattr(device, "collective_issue_s", 0.0) + getattr(device, "comm_cpu_s", 0.0),
+            "cpu_per_byte": getattr(device, "comm_cpu_per_byte", 0.0)}
 
 
 def split_rows(shape, itemsize: int, partition: int) -> list:
@@ -252,11 +257,11 @@ def plan_stage(tm: dict, buckets_at, shape_of, itemsize_of, comm_s, cross: bool,
         for b, bt in enumerate(fb):
             bt.priority = b            # FIFO: backward order, everything in flight, waits at the optimizer
         fifo = simulate(fb, tm["t_fwd"], tm["t_bwd"], comm_s, sum(sum(bt.pieces) for bt in fb), False, tm["t_opt"],
-                        tm.get("issue_s", 0.0))
+                        tm.get("issue_s", 0.0), tm.get("cpu_per_byte", 0.0))
     try:
         part, cred, sim, tried = tune(lambda p: layout(buckets_at(p), p)[0], tm["t_fwd"], tm["t_bwd"], comm_s, cross,
                                       list(_PARTITIONS), _CREDIT_FACTORS, tm["t_opt"], partition, credit,
-                                      tm.get("issue_s", 0.0))
+                                      tm.get("issue_s", 0.0), tm.get("cpu_per_byte", 0.0))
     except ValueError:
         part = partition or _PARTITIONS[0]
         bts = layout(buckets_at(part), part)[0]

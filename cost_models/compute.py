@@ -342,12 +342,14 @@ def graph_compute(gm: torch.fx.GraphModule, device) -> GraphCompute:
     gc = GraphCompute()
     overhead = getattr(device, "op_overhead_s", 0.0)
     issue = getattr(device, "collective_issue_s", 0.0)
+    action = getattr(device, "action_overhead_s", 0.0)   # the runtime's own cost of calling the graph
     for n in gm.graph.nodes:
         c = node_cost(n)
         gc.costs[n] = c
         # every aten op pays a fixed dispatch/launch cost on top of its roofline time; issuing a collective
         # costs the rank's CPU too (DeviceSpec.collective_issue_s), its transfer is the link's (cost_models.comm)
-        fixed = overhead if pays_dispatch(n) else issue if issues_collective(n) else 0.0
+        fixed = (overhead if pays_dispatch(n) else issue if issues_collective(n) else
+                 action if n.op == "output" else 0.0)
         gc.times[n] = node_time(c, device) + fixed
         if c.rule == "default":
             gc.defaulted[str(n.target)] += 1

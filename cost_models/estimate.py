@@ -286,8 +286,10 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
             comm_cache[key] = ([c.time_s for c in costs], sum(c.wire_bytes for c in costs),
                                [latency_part(i, cluster, c.time_s) for i, c in zip(p.infos, costs)])
         durations[r], wire[r], latency[r] = comm_cache[key]
-    # gloo runs a group's collectives on GLOO_THREADS worker threads: that many may be in flight at once
-    multi = {"latency": latency, "slots": GLOO_THREADS} if getattr(cluster, "backend", "gloo") == "gloo" else {}
+    # gloo runs a group's collectives on GLOO_THREADS worker threads: that many may be in flight at once, unless
+    # calibrate() found this machine's ranks progress fewer (DeviceSpec.collective_slots)
+    slots = getattr(cluster.device, "collective_slots", 0) or GLOO_THREADS
+    multi = {"latency": latency, "slots": slots} if getattr(cluster, "backend", "gloo") == "gloo" else {}
     cls_of = _symmetry_classes(programs)
     symmetric = cls_of is not None
     if symmetric:

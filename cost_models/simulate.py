@@ -72,6 +72,7 @@ class Program:
         comm_index: dict = {}
         waited: set = set()
         seg: list = []
+        comm_cpu_s = 0.0
         returned = _returned_nodes(gm)
 
         def flush():
@@ -89,6 +90,11 @@ class Program:
                 k = comm_index[n] = len(self.comm_nodes)
                 self.comm_nodes.append(n)
                 self.steps.append(("issue", k))
+                cpu = comm_cpu(n.meta["fxpar_comm"], cluster.device)
+                if cpu > 0:                  # its threads' CPU, beside the transfer, taken from the rank's compute
+                    seg.append((f"{n.name} (comm CPU)", cpu))
+                    comm_cpu_s += cpu
+                    flush()
                 if not any(u.target is _WAIT for u in n.users) and not _waited_via_getitem(n):
                     self.steps.append(("wait", k))   # blocking comm op
                     waited.add(k)
@@ -113,7 +119,7 @@ class Program:
                 if t > 0:
                     seg.append((n.name, t))
         flush()
-        self.compute_time_s = gc.time_s
+        self.compute_time_s = gc.time_s + comm_cpu_s
         self.liveness = liveness(gm)
         self.infos = [n.meta["fxpar_comm"] for n in self.comm_nodes]
         self.comm_names = [n.name for n in self.comm_nodes]
@@ -122,6 +128,15 @@ class Program:
     def class_key(self):
         """Equal for programs that run the same steps (the same code on the same shapes)."""
         return id(self.compute)
+
+
+def comm_cpu(info, device) -> float:
+    """CPU seconds a collective's own threads take from its rank's compute (``DeviceSpec.comm_cpu_s`` +
+    ``comm_cpu_per_byte`` x its buffer's bytes; 0 where calibrate() found spare cores for them)."""
+    per, per_byte = getattr(device, "comm_cpu_s", 0.0), getattr(device, "comm_cpu_per_byte", 0.0)
+    if not (per or per_byte) or info is None or info.kind in ("send", "recv"):
+        return 0.0
+    return per + per_byte * info.nbytes
 
 
 def _returned_nodes(gm) -> set:

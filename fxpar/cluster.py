@@ -37,6 +37,17 @@ class DeviceSpec:
     # gloo the work's setup and its small copies run on the caller's thread), on top of the transfer; from
     # calibrate(). It adds to the compute lane once per collective a graph issues. 0: not measured.
     collective_issue_s: float = 0.0
+    # how many of a rank's collectives progress at once (gloo: up to its two worker threads per group, when
+    # their time is waiting rather than CPU work); from calibrate(). 0: the backend's (gloo 2, NCCL 1).
+    collective_slots: int = 0
+    # CPU seconds fxpar's runtime spends per graph it calls (an action: assembling the graph's arguments, reading
+    # its results, the step's bookkeeping), on top of the graph's ops; from ClusterSpec.calibrate(). 0: not measured.
+    action_overhead_s: float = 0.0
+    # CPU that a collective's own threads (gloo's) take from the rank's compute where the ranks' threads fill the
+    # cores: comm_cpu_s per collective + comm_cpu_per_byte per byte of its buffer, run beside the transfer once it
+    # is issued; from calibrate() (0 where the cores are not full: the threads get cores of their own). 0: free.
+    comm_cpu_s: float = 0.0
+    comm_cpu_per_byte: float = 0.0
 
     def __hash__(self):
         return hash((self.kind, self.name, self.memory_bytes, self.peak_flops, self.mem_bandwidth))
@@ -76,6 +87,14 @@ class ClusterSpec:
     cost model: None (default) gives each server a machine and network card of its own; a tuple names, per
     server, the worker node it shares a machine (and card) with, so that node's workers reach it without
     crossing the network (``cost_models.comm``'s store-and-forward).
+
+    ``comm_priority``: every rank runs gloo's communication threads (its TCP event loop and the process groups'
+    workers) under ``SCHED_FIFO``, so that a message's arrival preempts compute instead of waiting for the
+    running thread's time slice. It matters where ranks and their threads outnumber the cores (on this
+    project's 2-core machine a 1 KiB all-reduce takes 0.14-0.35 ms with it, 0.9-1.2 ms on average without,
+    with one in ten waiting a scheduler tick of 4 ms); it needs root or ``CAP_SYS_NICE`` (the runtime warns
+    and runs without it otherwise). Plan such runs on ``ClusterSpec.calibrate(comm_priority=True)``, which
+    measures the link the same way (``cost_models.calibrate.raise_comm_threads``).
     """
     device: DeviceSpec = field(default_factory=DeviceSpec)
     nodes: int = 1
@@ -85,6 +104,7 @@ class ClusterSpec:
     backend: str = "gloo"
     cpu_servers: int = 0
     server_nodes: tuple | None = None
+    comm_priority: bool = False
 
     def __post_init__(self):
         self.validate()
@@ -114,9 +134,18 @@ class ClusterSpec:
 
     @classmethod
     def calibrate(cls, world_size: int = 2, **kwargs) -> "ClusterSpec":
-        """Measure this machine (collective bandwidth/latency by size, op throughput)."""
+        """Measure this machine (collective bandwidth/latency by size, op throughput:
+        :func:`cost_models.calibrate.calibrate`, whose arguments it takes), and fxpar's runtime's own cost per
+        graph it calls (``device.action_overhead_s``: :func:`fxpar.runtime.measure.action_overhead_ops`, in
+        units of the calibration's per-op cost, so that it scales as the ops do where ranks share cores)."""
         from cost_models.calibrate import calibrate  # cost models never import fxpar's runtime
-        return calibrate(world_size=world_size, **kwargs)
+        from .runtime.measure import action_overhead_ops
+        out = calibrate(world_size=world_size, **kwargs)
+        spec, raw = out if kwargs.get("return_measurements") else (out, {})
+        ops = action_overhead_ops(threads=kwargs.get("threads") or max(1, (os.cpu_count() or 1) // world_size))
+        raw["action_overhead_ops"] = ops
+        spec = replace(spec, device=replace(spec.device, action_overhead_s=ops * spec.device.op_overhead_s))
+        return (spec, raw) if kwargs.get("return_measurements") else spec
 
     # ---- queries ----------------------------------------------------------------------
     @property
@@ -143,7 +172,12 @@ class ClusterSpec:
                 raise ClusterSpecError(f"ClusterSpec({name}={v!r}): {name} must be a positive int.")
         _check_cpu_servers(self.cpu_servers, self.backend)
         _check_server_nodes(self.server_nodes, self.cpu_servers, self.nodes)
-        for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s", "collective_issue_s"):
+        if not isinstance(self.comm_priority, bool):
+            raise ClusterSpecError(f"ClusterSpec(comm_priority={self.comm_priority!r}): give True (gloo's "
+                                   "communication threads under SCHED_FIFO on every rank) or False (as the OS "
+                                   "schedules them).")
+        for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s",
+                     "collective_issue_s", "action_overhead_s", "comm_cpu_s", "comm_cpu_per_byte"):
             v = getattr(d, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise ClusterSpecError(f"DeviceSpec({name}={v!r}): {name} must be a number.")
@@ -166,6 +200,13 @@ class ClusterSpec:
             problems.append(f"device.late_recv_s={d.late_recv_s}: must be >= 0 seconds")
         if d.collective_issue_s < 0:
             problems.append(f"device.collective_issue_s={d.collective_issue_s}: must be >= 0 seconds")
+        if d.action_overhead_s < 0:
+            problems.append(f"device.action_overhead_s={d.action_overhead_s}: must be >= 0 seconds")
+        for name in ("comm_cpu_s", "comm_cpu_per_byte"):
+            if getattr(d, name) < 0:
+                problems.append(f"device.{name}={getattr(d, name)}: must be >= 0 seconds")
+        if not isinstance(d.collective_slots, int) or isinstance(d.collective_slots, bool) or d.collective_slots < 0:
+            problems.append(f"device.collective_slots={d.collective_slots!r}: must be an int >= 0 (0: the backend's)")
         if d.mem_bandwidth <= 0:
             problems.append(f"device.mem_bandwidth={d.mem_bandwidth}: must be > 0")
         for name, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
@@ -209,7 +250,8 @@ class ClusterSpec:
         return cls(device=DeviceSpec(**d["device"]), nodes=d["nodes"], devices_per_node=d["devices_per_node"],
                    intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
                    backend=d.get("backend", "gloo"), cpu_servers=int(d.get("cpu_servers", 0)),
-                   server_nodes=None if d.get("server_nodes") is None else tuple(d["server_nodes"]))
+                   server_nodes=None if d.get("server_nodes") is None else tuple(d["server_nodes"]),
+                   comm_priority=d.get("comm_priority", False))
 
     @classmethod
     def from_json(cls, text_or_path) -> "ClusterSpec":
@@ -279,11 +321,15 @@ _TOP_FIELDS = {"device": (dict, "an object {...} of DeviceSpec fields"), "nodes"
                "devices_per_node": (int, "a positive integer"), "intra_node": (dict, "an object {bandwidth, latency}"),
                "inter_node": (dict, "an object {bandwidth, latency}"), "backend": (str, "'gloo', 'nccl' or 'fake'"),
                "cpu_servers": (int, "an integer >= 0 (CPU summation servers)"),
-               "server_nodes": ((list, tuple, type(None)), "null or a list of node indices, one per CPU server")}
+               "server_nodes": ((list, tuple, type(None)), "null or a list of node indices, one per CPU server"),
+               "comm_priority": (bool, "true or false (gloo's threads under SCHED_FIFO)")}
 _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "memory_bytes": (int, "an integer (bytes)"),
                   "peak_flops": (float, _NUMBER + " (FLOP/s)"), "mem_bandwidth": (float, _NUMBER + " (bytes/s)"),
                   "efficiency": (dict, "an object {op class: fraction}"), "op_overhead_s": (float, _NUMBER + " (seconds)"),
-                  "late_recv_s": (float, _NUMBER + " (seconds)"), "collective_issue_s": (float, _NUMBER + " (seconds)")}
+                  "late_recv_s": (float, _NUMBER + " (seconds)"), "collective_issue_s": (float, _NUMBER + " (seconds)"),
+                  "collective_slots": (int, "an integer >= 0 (0: the backend's)"),
+                  "action_overhead_s": (float, _NUMBER + " (seconds)"), "comm_cpu_s": (float, _NUMBER + " (seconds)"),
+                  "comm_cpu_per_byte": (float, _NUMBER + " (seconds per byte)")}
 _LINK_FIELDS = {"bandwidth": (float, _NUMBER + " (bytes/s)"), "latency": (float, _NUMBER + " (seconds)")}
 
 

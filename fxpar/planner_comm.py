@@ -254,7 +254,7 @@ def plan_herring_buckets(plan: Plan, captured, groups: dict, cluster) -> list:
     node, cross = gs["node"][0], gs["cross"][0]
     per = len(node)
     tm = stage_timings(captured.gm, captured.signature, cluster.device)
-    issue = 3 * getattr(cluster.device, "collective_issue_s", 0.0)
+    issue = 3 * tm["issue_s"]       # three collectives per bucket: their issue (+ gloo's CPU where it is compute's)
 
     def chain(nbytes):
         shard = -(-nbytes // per)
@@ -270,7 +270,8 @@ def plan_herring_buckets(plan: Plan, captured, groups: dict, cluster) -> list:
         bts = [BucketTiming(max(tm["ready"].get(k, tm["t_bwd"]) for k in b), 0.0, [sum(size(k) for k in b)], i)
                for i, b in enumerate(buckets)]
         total = sum(bt.pieces[0] for bt in bts) or 1
-        tried[mb] = simulate(bts, tm["t_fwd"], tm["t_bwd"], chain, total, False, tm["t_opt"], issue).step_s
+        tried[mb] = simulate(bts, tm["t_fwd"], tm["t_bwd"], chain, total, False, tm["t_opt"], issue,
+                             tm["cpu_per_byte"]).step_s
         made[mb] = buckets
     least = min(tried.values())
     best = max(mb for mb, t in tried.items() if t <= least * (1 + _BUCKET_NEAR))

@@ -282,6 +282,11 @@ class Program:
         return f"<fxpar.Program {self.model_name} {self.strategy} on {self.world_size} ranks>"
 
     # ---- running ------------------------------------------------------------------------------
+    def server_payloads(self) -> list:
+        """One ``fxpar.runtime.server.ServerPayload`` per CPU summation server of the plan (BytePS), none else."""
+        return server_payloads(self.plan, self.stages[0].joint.meta.get("fxpar_byteps"),
+                               {"comm_priority": bool(getattr(self.cluster, "comm_priority", False))})
+
     def payload(self, rank: int, n_batches: int = 1, measure_comm: bool = False, record_weights: bool = False,
                 seed: int | None = 0, save_to=None, resume_from=None, measure_memory: bool = False) -> RankPayload:
         """Rank ``rank``'s part, picklable. Asynchronous schedules cover all ``n_batches`` batches in one window."""
@@ -290,7 +295,8 @@ class Program:
         extra = {"n_inputs": self.n_inputs, "record_weights": record_weights, "rng_seed": seed,
                  "measure_comm": measure_comm, "measure_memory": measure_memory, "aliases": dict(self.aliases),
                  "save_to": None if save_to is None else str(save_to),
-                 "resume_from": None if resume_from is None else str(resume_from)}
+                 "resume_from": None if resume_from is None else str(resume_from),
+                 "comm_priority": bool(getattr(self.cluster, "comm_priority", False))}
         if self.asynchronous:
             from .planner import build_schedule
             resumed = resume_from is not None and self.plan.schedule == "2bw"
@@ -372,7 +378,7 @@ class Program:
             from .runtime.checkpoint import CheckpointError, incomplete_message, is_complete
             if not is_complete(resume_from):
                 raise CheckpointError(incomplete_message(resume_from))
-        servers = server_payloads(self.plan, self.stages[0].joint.meta.get("fxpar_byteps"))   # BytePS's CPU ranks
+        servers = self.server_payloads()   # BytePS's CPU ranks
         n_ranks = self.world_size + len(servers)
         if n_ranks > 1 and cluster is None:
             what = f"program.run_local (world_size={n_ranks})"
@@ -491,7 +497,7 @@ class Program:
         import os
         import torch.distributed as dist
         self._check_materialized("runner")
-        servers = server_payloads(self.plan, self.stages[0].joint.meta.get("fxpar_byteps"))   # BytePS's CPU ranks
+        servers = self.server_payloads()   # BytePS's CPU ranks
         if not dist.is_initialized() and os.environ.get("WORLD_SIZE", "").isdigit():   # refused before the rendezvous
             self._check_world(int(os.environ["WORLD_SIZE"]), servers)
         init_from_env(backend or self.cluster.backend)

@@ -25,7 +25,20 @@ def test_calibrate_two_local_ranks():
     assert ClusterSpec.from_json(spec.to_json()) == spec
     assert 0 <= spec.device.late_recv_s < 0.1
     assert 0 < spec.device.collective_issue_s < 0.05       # measured: a functional collective's call, before its wait
-    assert set(raw["in_step"]) == {"all_reduce", "all_gather"} and raw["in_step"]["all_reduce"] > 0
+    assert set(raw["in_step"]) == {"all_reduce", "all_gather", "pair"} and raw["in_step"]["all_reduce"] > 0
+    assert spec.device.collective_slots == raw["collective_slots"] in (1, 2)   # the pair measured: one or two at once
+    import os
+    cpu = raw["comm_cpu"]                           # gloo's threads' CPU per all_reduce, from /proc (Linux)
+    full = 2 * 1 >= (os.cpu_count() or 1)           # 2 ranks x 1 thread fill the cores: it is compute's time
+    if cpu is None:                                 # no schedstat here: nothing measured, nothing charged
+        assert spec.device.comm_cpu_s == spec.device.comm_cpu_per_byte == 0.0
+    else:
+        assert cpu["per_collective_s"] >= 0 and cpu["per_byte_s"] >= 0 and len(cpu["samples"]) == 2
+        assert spec.device.comm_cpu_s == (cpu["per_collective_s"] if full else 0.0)
+        assert spec.device.comm_cpu_per_byte == (cpu["per_byte_s"] if full else 0.0)
+    # fxpar's runtime per graph call, in per-op units scaled by the per-op cost measured with every rank running
+    assert raw["action_overhead_ops"] > 0
+    assert spec.device.action_overhead_s == pytest.approx(raw["action_overhead_ops"] * spec.device.op_overhead_s)
     assert spec.intra_node.latency == raw["alpha"] and raw["alpha_fit"] >= 0   # α as a step sees it, the fit kept
 
 

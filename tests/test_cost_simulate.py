@@ -101,6 +101,10 @@ def test_gloo_overlaps_two_collectives_latency_not_bytes():
     gm3 = _program(["ar", "ar", "ar", "wait", "wait", "wait"])
     cl = replace(_cluster(), backend="gloo", intra_node=LinkSpec(1e18, lat))
     assert estimate({0: gm3, 1: gm3}, cl).step_time_s == pytest.approx(2 * 2 * lat + ADD)
+    # where calibrate() found the ranks progress one small collective at a time (DeviceSpec.collective_slots=1:
+    # their time is CPU work on full cores), gloo keeps them one after the other too
+    one = replace(cl, device=replace(cl.device, collective_slots=1))
+    assert estimate({0: gm, 1: gm}, one).step_time_s == pytest.approx(2 * 2 * lat + ADD)
 
 
 def test_wait_blocks_until_the_slowest_rank_issues():
@@ -167,3 +171,32 @@ def test_estimate_on_fxpar_data_parallel_graphs():
     assert not est.defaulted                                                 # every op of the step has a rule
     # (1e-12 relative: the simulator and the per-lane totals add the same times in different orders)
     assert est.step_time_s >= max(est.ranks[0].compute_time_s, est.ranks[0].comm_time_s) * (1 - 1e-12)
+
+
+def test_comm_cpu_is_taken_from_compute_and_the_runtime_costs_each_graph():
+    """Where calibrate() found the ranks' threads fill the cores, a collective's own threads run beside its
+    transfer on the rank's cores: ``DeviceSpec.comm_cpu_s`` + ``comm_cpu_per_byte`` x its buffer are compute-lane
+    time once it is issued, so compute overlapped with it is delayed by that much; a blocking collective costs the
+    longer of its transfer and that CPU. ``action_overhead_s``: the runtime's Python around each graph it calls."""
+    from dataclasses import replace
+    cl, gm = _cluster(), _program(["mm", "ar", "mm", "wait"])
+    base = estimate({0: gm, 1: gm}, cl)
+    assert base.step_time_s == pytest.approx(MM + max(MM, AR) + ADD)
+    cpu = 0.4e-3 + 1e-8 * 16384                      # per collective + per byte of its 16 KiB buffer
+    busy = replace(cl, device=replace(cl.device, comm_cpu_s=0.4e-3, comm_cpu_per_byte=1e-8))
+    est = estimate({0: gm, 1: gm}, busy)
+    assert est.step_time_s == pytest.approx(MM + max(cpu + MM, AR) + ADD)   # the second matmul waits for the CPU
+    assert est.ranks[0].compute_time_s == pytest.approx(2 * MM + ADD + cpu)
+    blocking = _program(["mm", "ar", "wait"])
+    slow = replace(cl, device=replace(cl.device, comm_cpu_s=2e-3))          # CPU longer than the transfer
+    assert estimate({0: blocking, 1: blocking}, slow).step_time_s == pytest.approx(MM + 2e-3 + ADD)
+    act = replace(cl, device=replace(cl.device, action_overhead_s=0.25e-3))
+    assert estimate({0: gm, 1: gm}, act).step_time_s == pytest.approx(base.step_time_s + 0.25e-3)
+
+
+def test_bytescheduler_tuner_charges_comm_cpu_per_piece_and_byte():
+    from cost_models.comm_tuning import BucketTiming, simulate
+    bts = [BucketTiming(1e-3, 0.0, [1000, 1000], 0)]
+    plain = simulate(bts, 1e-3, 2e-3, lambda n: 1e-6, 10_000, False)
+    charged = simulate(bts, 1e-3, 2e-3, lambda n: 1e-6, 10_000, False, 0.0, 1e-4, 1e-7)
+    assert charged.step_s == pytest.approx(plain.step_s + 2 * 1e-4 + 2000 * 1e-7)

@@ -79,6 +79,22 @@ def group(ranks: tuple, name: str = "dp"):
     return _GROUPS[key]
 
 
+def comm_priority(rank: int) -> None:
+    """``ClusterSpec.comm_priority``: this process's gloo threads, its groups' included, under SCHED_FIFO
+    (``cost_models.calibrate.raise_comm_threads``); a warning, once, where the OS refuses."""
+    from cost_models.calibrate import raise_comm_threads
+    if raise_comm_threads() is None and not _REFUSED:
+        _REFUSED.append(rank)
+        import warnings
+        warnings.warn(f"rank {rank}: ClusterSpec(comm_priority=True), but this process may not put gloo's "
+                      "communication threads under SCHED_FIFO (it needs root or CAP_SYS_NICE, on Linux); they run at "
+                      "normal priority, so small collectives may cost more than the cost model (calibrated with "
+                      "comm_priority=True) assumed. Run as a user who may, or use comm_priority=False.", stacklevel=2)
+
+
+_REFUSED: list = []
+
+
 def bind_groups(gm: torch.fx.GraphModule, names: dict) -> torch.fx.GraphModule:
     """Point each collective's group tag (``"fxpar:dp"``) at this rank's process group ``names[tag]``."""
     changed = False
@@ -158,6 +174,9 @@ class Executor(ShardState, CarryState, TensorParallelState):
             for parts in p.graphs.values():
                 for sg in parts.values():
                     bind_groups(sg.gm, names)
+            if p.extra.get("comm_priority"):
+                dist.barrier()                    # every group's threads up (and named) before they are raised
+                comm_priority(p.rank)
         self.params = {s: {k: p.params[k].detach().clone() for k in keys} for s, keys in p.stage_params.items()}
         self.buffers = {k: v.detach().clone() for k, v in p.buffers.items()}
         # ZeRO (passes/zero.py): per held stage {"stage": 1|2|3, "n": dp, "keys": {key: [shape, chunk numel]}};

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .executor import group, train
+from .executor import comm_priority, group, train
 
 __all__ = ["ServerPayload", "server_payloads", "stop_messages", "join_groups", "serve_step", "serve_sums",
            "run_rank"]
@@ -45,9 +45,10 @@ class ServerPayload:
     extra: dict = field(default_factory=dict)
 
 
-def server_payloads(plan, byteps: dict | None) -> list:
+def server_payloads(plan, byteps: dict | None, extra: dict | None = None) -> list:
     """One :class:`ServerPayload` per CPU server of ``plan`` (none without BytePS servers); ``byteps`` is the
-    record ``passes.byteps`` left on the lowered graph (``gm.meta["fxpar_byteps"]``)."""
+    record ``passes.byteps`` left on the lowered graph (``gm.meta["fxpar_byteps"]``); ``extra``: runtime
+    settings every server gets (``comm_priority``)."""
     gs = plan.grad_sync or {}
     servers = list(gs.get("servers", ())) if gs.get("method") == "byteps" else []
     ops = (byteps or {}).get("ops", {})
@@ -56,7 +57,7 @@ def server_payloads(plan, byteps: dict | None) -> list:
         name = f"server{j}"
         ranks = tuple(gs["groups"][name][0])
         out.append(ServerPayload(rank=s, name=name, ranks=ranks, ops=[tuple(o) for o in ops.get(s, ())],
-                                 groups=plan.all_groups()))
+                                 groups=plan.all_groups(), extra=dict(extra or {})))
     return out
 
 
@@ -78,7 +79,11 @@ def join_groups(p: ServerPayload):
     this server's group."""
     for name, ranks in p.groups:
         group(ranks, name)
-    return group(p.ranks, p.name)
+    pg = group(p.ranks, p.name)
+    if p.extra.get("comm_priority"):      # ClusterSpec.comm_priority, as the workers' Executor does
+        dist.barrier()                    # every group's threads up (and named) before they are raised
+        comm_priority(p.rank)
+    return pg
 
 
 def serve_step(p: ServerPayload, pg) -> dict | None:
