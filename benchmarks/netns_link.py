@@ -378,7 +378,7 @@ def _worker(rank: int, world: int, ns: str | None, ifname: str | None, master: s
         dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
         if comm_priority:                                # every rank's, torch DDP's too (the world group's threads)
-            from cost_models.calibrate import raise_comm_threads
+            from fxpar.host import raise_comm_threads
             dist.barrier()                               # its threads up and named
             if raise_comm_threads() is None:
                 raise RuntimeError("NetnsCluster(comm_priority=True): this process may not put gloo's threads under "
@@ -398,7 +398,7 @@ class NetnsCluster:
     raises RuntimeError with its traceback. ``pin``: each rank pinned to its own cores
     (``cost_models.calibrate.rank_cores``; on 2 cores an unpinned step of a few ms moves by 2x from run to run,
     a pinned one by 5%), torch DDP's ranks and fxpar's alike; plan such runs on ``ClusterSpec.calibrate(pin=True)``.
-    ``comm_priority``: every rank's gloo threads under SCHED_FIFO (``cost_models.calibrate.raise_comm_threads``),
+    ``comm_priority``: every rank's gloo threads under SCHED_FIFO (``fxpar.host.raise_comm_threads``),
     torch DDP's and fxpar's alike (fxpar's later groups: ``ClusterSpec(comm_priority=True)``)."""
 
     def __init__(self, world: int, link: CappedLink, timeout_s: float = 600.0, threads: int | None = None,

@@ -60,9 +60,10 @@ from dataclasses import replace
 import torch
 
 from fxpar.cluster import ClusterSpec, LinkSpec
+from fxpar.host import COMM_THREAD_NAMES, raise_comm_threads
 
 __all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "in_step_slots", "late_recv_overhead",
-           "link_spec", "measure_link", "pin_rank", "raise_comm_threads", "rank_cores"]
+           "link_spec", "measure_link", "op_overhead", "pin_rank", "rank_cores"]
 
 _SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -168,6 +169,13 @@ def _tiny_ops_graph():
     gm, t = _mixed_ops_graph(_TINY_OPS), torch.ones(8)
     n = sum(1 for node in gm.graph.nodes if node.op == "call_function")
     return lambda: gm(t), n
+
+
+def op_overhead(reps: int = 5) -> float:
+    """Seconds one tiny aten op of :func:`_mixed_ops_graph` costs in this process, alone (the unit in which
+    ``fxpar.runtime.measure.action_overhead_s`` is scaled to the ranks' per-op cost)."""
+    ops, n_ops = _tiny_ops_graph()
+    return _time(ops, reps) / n_ops
 
 
 def _measure_compute(reps: int, sync=None) -> dict:
@@ -400,40 +408,6 @@ def pin_rank(rank: int, world: int) -> None:
         os.sched_setaffinity(0, rank_cores(rank, world))
 
 
-# gloo's threads: its TCP transport's event loop (one per device) and ProcessGroupGloo's workers (2 per group)
-COMM_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")
-
-
-def raise_comm_threads(priority: int = 1) -> int | None:
-    """Put this process's gloo communication threads (:data:`COMM_THREAD_NAMES`, as Linux names them) under
-    ``SCHED_FIFO`` at ``priority``, so that a message's arrival preempts the rank's compute (or another rank's)
-    at once instead of waiting for the running thread's time slice: where ranks and their threads outnumber the
-    cores, that wait is what a small collective costs (``ClusterSpec.comm_priority``). Call it after the
-    process groups exist and have run a collective (each group starts threads of its own, which name themselves
-    when they start); threads already raised are left alone. Returns how many it raised now, or None where the
-    OS does not allow it (not Linux, or neither root nor ``CAP_SYS_NICE``). The threads block between messages,
-    so they take the CPU only for the work they do -- but only when *all* of them are raised: gloo's threads
-    yield to each other while they wait for one another, and a raised thread that waits on one left at normal
-    priority spins at real-time priority until the kernel's RT throttling (50 ms a second) lets the other run."""
-    task = "/proc/self/task"
-    if not hasattr(os, "sched_setscheduler") or not os.path.isdir(task):
-        return None
-    n = 0
-    for tid in os.listdir(task):
-        try:
-            with open(f"{task}/{tid}/comm") as f:
-                name = f.read().strip()
-            if name not in COMM_THREAD_NAMES or os.sched_getscheduler(int(tid)) == os.SCHED_FIFO:
-                continue
-            os.sched_setscheduler(int(tid), os.SCHED_FIFO, os.sched_param(priority))
-        except PermissionError:
-            return None
-        except (OSError, ValueError):          # a thread that ended while we looked
-            continue
-        n += 1
-    return n
-
-
 def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False, comm_priority=False):
     import torch.distributed as dist
     if pin:
@@ -470,7 +444,7 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
     ``threads``: torch's intra-op threads per rank while measuring (default: this machine's cores split
     evenly over the ranks); set it to what the ranks of the run being planned will use. ``pin``: each rank
     pinned to its own cores (:func:`rank_cores`), for runs whose ranks are pinned alike (the netns harness's).
-    ``comm_priority``: the ranks' gloo threads under SCHED_FIFO (:func:`raise_comm_threads`) while measuring,
+    ``comm_priority``: the ranks' gloo threads under SCHED_FIFO (``fxpar.host.raise_comm_threads``) while measuring,
     and the spec says so (``ClusterSpec.comm_priority``: the runtime then does the same); a ValueError where
     the OS refuses it."""
     import torch.multiprocessing as mp

@@ -94,7 +94,7 @@ class ClusterSpec:
     project's 2-core machine a 1 KiB all-reduce takes 0.14-0.35 ms with it, 0.9-1.2 ms on average without,
     with one in ten waiting a scheduler tick of 4 ms); it needs root or ``CAP_SYS_NICE`` (the runtime warns
     and runs without it otherwise). Plan such runs on ``ClusterSpec.calibrate(comm_priority=True)``, which
-    measures the link the same way (``cost_models.calibrate.raise_comm_threads``).
+    measures the link the same way (:func:`fxpar.host.raise_comm_threads`).
     """
     device: DeviceSpec = field(default_factory=DeviceSpec)
     nodes: int = 1
@@ -136,13 +136,15 @@ class ClusterSpec:
     def calibrate(cls, world_size: int = 2, **kwargs) -> "ClusterSpec":
         """Measure this machine (collective bandwidth/latency by size, op throughput:
         :func:`cost_models.calibrate.calibrate`, whose arguments it takes), and fxpar's runtime's own cost per
-        graph it calls (``device.action_overhead_s``: :func:`fxpar.runtime.measure.action_overhead_ops`, in
-        units of the calibration's per-op cost, so that it scales as the ops do where ranks share cores)."""
-        from cost_models.calibrate import calibrate  # cost models never import fxpar's runtime
-        from .runtime.measure import action_overhead_ops
+        graph it calls (``device.action_overhead_s``: :func:`fxpar.runtime.measure.action_overhead_s` over one tiny
+        op's cost in the same process, times the per-op cost the ranks measured, so that it scales as the ops do
+        where ranks share cores)."""
+        from cost_models.calibrate import calibrate, op_overhead  # cost models never import fxpar's runtime
+        from .runtime.measure import action_overhead_s
         out = calibrate(world_size=world_size, **kwargs)
         spec, raw = out if kwargs.get("return_measurements") else (out, {})
-        ops = action_overhead_ops(threads=kwargs.get("threads") or max(1, (os.cpu_count() or 1) // world_size))
+        threads = kwargs.get("threads") or max(1, (os.cpu_count() or 1) // world_size)
+        ops = action_overhead_s(threads=threads) / op_overhead()
         raw["action_overhead_ops"] = ops
         spec = replace(spec, device=replace(spec.device, action_overhead_s=ops * spec.device.op_overhead_s))
         return (spec, raw) if kwargs.get("return_measurements") else spec

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import fxpar
-from cost_models.calibrate import COMM_THREAD_NAMES, in_step_slots
+from cost_models.calibrate import in_step_slots
+from fxpar.host import COMM_THREAD_NAMES
 from fxpar.errors import ClusterSpecError
 from fxpar.testing import max_abs_diff, reference_training
 

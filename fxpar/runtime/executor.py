@@ -81,8 +81,8 @@ def group(ranks: tuple, name: str = "dp"):
 
 def comm_priority(rank: int) -> None:
     """``ClusterSpec.comm_priority``: this process's gloo threads, its groups' included, under SCHED_FIFO
-    (``cost_models.calibrate.raise_comm_threads``); a warning, once, where the OS refuses."""
-    from cost_models.calibrate import raise_comm_threads
+    (:func:`fxpar.host.raise_comm_threads`); a warning, once, where the OS refuses."""
+    from ..host import raise_comm_threads
     if raise_comm_threads() is None and not _REFUSED:
         _REFUSED.append(rank)
         import warnings

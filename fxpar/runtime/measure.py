@@ -36,7 +36,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["CommCounter", "MemoryTracker", "action_overhead_ops"]
+__all__ = ["CommCounter", "MemoryTracker", "action_overhead_s"]
 
 _KINDS = {
     "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "broadcast": "broadcast",
@@ -129,20 +129,18 @@ class MemoryTracker(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
-def action_overhead_ops(threads: int = 1, steps: int = 600) -> float:
-    """What fxpar's runtime costs per graph it calls, beyond the graph itself, in units of one tiny aten op's
-    dispatch (``cost_models.calibrate``'s mix of views, slices, copies and adds, timed here alike): the
-    median ``Executor.step`` of a one-rank program whose step is one graph (a 4x2 linear layer, MSE, SGD),
-    less the median time inside that graph. The Python around a graph call -- cutting the batch, assembling
-    the arguments, reading the results, the step's bookkeeping -- slows down as dispatch does where ranks
-    share cores, so ``ClusterSpec.calibrate`` multiplies it by the per-op cost it measured with every rank
-    running (``DeviceSpec.action_overhead_s``). About 35 ops (80 µs) on a 2-core machine."""
+def action_overhead_s(threads: int = 1, steps: int = 600) -> float:
+    """Seconds fxpar's runtime costs per graph it calls, beyond the graph itself: the median ``Executor.step``
+    of a one-rank program whose step is one graph (a 4x2 linear layer, MSE, SGD), less the median time inside
+    that graph -- cutting the batch, assembling the arguments, reading the results, the step's bookkeeping.
+    ``ClusterSpec.calibrate`` divides it by one tiny op's cost measured alike (``cost_models.calibrate.op_overhead``)
+    and multiplies by the per-op cost it measured with every rank running, so that it slows as dispatch does where
+    ranks share cores (``DeviceSpec.action_overhead_s``). About 15 ops (50 µs) on a 2-core machine."""
     import statistics
     import time
 
     import torch.nn.functional as F
 
-    from cost_models.calibrate import _time, _tiny_ops_graph
     from ..api import parallelize
     from ..cluster import ClusterSpec
     from .executor import Executor
@@ -166,8 +164,6 @@ def action_overhead_ops(threads: int = 1, steps: int = 600) -> float:
         for _ in range(steps):
             ex.step(b)
         half = steps // 2                       # the second half: warm
-        overhead = statistics.median(ex.step_times[half:]) - statistics.median(inside[half:])
-        ops, n_ops = _tiny_ops_graph()
-        return max(0.0, overhead) / (_time(ops, 5) / n_ops)
+        return max(0.0, statistics.median(ex.step_times[half:]) - statistics.median(inside[half:]))
     finally:
         torch.set_num_threads(before)
