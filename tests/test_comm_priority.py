@@ -78,28 +78,37 @@ def _policies():
     return may, pol
 
 
-@pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="SCHED_FIFO is Linux's")
-def test_comm_priority_raises_every_gloo_thread_and_matches_single_process():
-    """A program planned on ``ClusterSpec(comm_priority=True)``: each rank's Executor puts all of its gloo threads
-    (the world group's and the program's own groups') under SCHED_FIFO -- all or none: one left behind makes the
-    raised ones spin (``raise_comm_threads``) -- and training equals single-process training (float64)."""
+def _train_raised(spec, grad_sync, n_batches, seed):
+    """Train the table model on ``spec`` (comm_priority=True) on ranks of its own (the raised threads stay raised
+    for the ranks' life); check it equals single-process training (float64, 1e-10); return each rank's
+    :func:`_policies` and the program."""
     torch.manual_seed(0)
     model = _Table().double()
-    g = torch.Generator().manual_seed(1)
-    batches = [(torch.randint(0, 500, (8, 4), generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    g = torch.Generator().manual_seed(seed)
+    batches = [(torch.randint(0, 500, (8, 4), generator=g), torch.randint(0, 3, (8,), generator=g))
+               for _ in range(n_batches)]
     opt = (torch.optim.SGD, {"lr": 0.5})
-    spec = fxpar.ClusterSpec.local(2, comm_priority=True)
     prog = fxpar.parallelize(model, spec, batches[0], F.cross_entropy, opt,
-                             strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
-    lc = fxpar.LocalCluster(2)              # its own ranks: the raised threads stay raised for the ranks' life
+                             strategy=fxpar.Strategy(dp=2, grad_sync=grad_sync))
+    n = spec.world_size + spec.cpu_servers
+    lc = fxpar.LocalCluster(n)
     try:
         res = prog.run_local(batches, cluster=lc)
-        probes = lc.run(_policies, [()] * 2)
+        probes = lc.run(_policies, [()] * n)
     finally:
         lc.close()
     ref_losses, ref_state = reference_training(model, batches, F.cross_entropy, opt)
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
     assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
+    return probes, prog
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="SCHED_FIFO is Linux's")
+def test_comm_priority_raises_every_gloo_thread_and_matches_single_process():
+    """A program planned on ``ClusterSpec(comm_priority=True)``: each rank's Executor puts all of its gloo threads
+    (the world group's and the program's own groups') under SCHED_FIFO -- all or none: one left behind makes the
+    raised ones spin (``raise_comm_threads``) -- and training equals single-process training (float64)."""
+    probes, _ = _train_raised(fxpar.ClusterSpec.local(2, comm_priority=True), "parallax", 3, seed=1)
     for may, pol in probes:
         assert len(pol) >= 3                                    # the TCP loop and the world group's two workers
         assert set(pol) == ({os.SCHED_FIFO} if may else {os.SCHED_OTHER})
@@ -109,23 +118,9 @@ def test_comm_priority_raises_every_gloo_thread_and_matches_single_process():
 def test_comm_priority_with_a_byteps_server_raises_its_threads_too():
     """BytePS's CPU summation server joins the program's groups and raises its gloo threads as the workers do
     (one world barrier on every rank, workers and server alike), and training still equals single-process."""
-    torch.manual_seed(0)
-    model = _Table().double()
-    g = torch.Generator().manual_seed(2)
-    batches = [(torch.randint(0, 500, (8, 4), generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
-    opt = (torch.optim.SGD, {"lr": 0.5})
     spec = fxpar.ClusterSpec.local(2, cpu_servers=1, comm_priority=True)
-    prog = fxpar.parallelize(model, spec, batches[0], F.cross_entropy, opt,
-                             strategy=fxpar.Strategy(dp=2, grad_sync="byteps"))
+    probes, prog = _train_raised(spec, "byteps", 2, seed=2)
     assert all(s.extra == {"comm_priority": True} for s in prog.server_payloads())
-    lc = fxpar.LocalCluster(3)
-    try:
-        res = prog.run_local(batches, cluster=lc)
-        probes = lc.run(_policies, [()] * 3)
-    finally:
-        lc.close()
-    ref_losses, ref_state = reference_training(model, batches, F.cross_entropy, opt)
-    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
-    assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
+    assert len(probes) == 3
     for may, pol in probes:                        # the server's own group's threads too (two workers per group)
         assert len(pol) >= 5 and set(pol) == ({os.SCHED_FIFO} if may else {os.SCHED_OTHER})
