@@ -345,8 +345,11 @@ def run(sections, args):
 
 
 def report(sections, res, link_meas, args, closed):
-    """One table per model and world: median step (the slower rank), its quartiles, the prediction, the link's
-    bytes per step (measured on the veth, and by the method's formula), the ratio to fxpar all-reduce and DDP."""
+    """One table per model and world: median step (the slower rank), its quartiles and mean, the prediction (against
+    the median, and against the mean: ``estimate()`` predicts a run's time per step, and where steps are heavy-tailed
+    -- a few ms of small collectives, one in ten waiting a scheduler tick -- the mean is what a run takes), the
+    link's bytes per step (measured on the veth, and by the method's formula), the ratio to fxpar all-reduce and
+    DDP (of the medians)."""
     tables = {}
     for sec in sections:
         tables.setdefault(sec.table, []).append(sec)
@@ -355,7 +358,8 @@ def report(sections, res, link_meas, args, closed):
         pred = {k: v for sec in secs for k, v in sec.predicted.items()}
         formula = {k: v for sec in secs for k, v in sec.link_bytes.items()}
         print(f"\n{table}")
-        print(f"{'cap':>8} | {'method':>18} | {'step ms':>7} | {'quartiles':>9} | {'predicted':>9} | {'pred/meas':>9} | "
+        print(f"{'cap':>8} | {'method':>18} | {'step ms':>7} | {'quartiles':>9} | {'mean':>6} | {'predicted':>9} | "
+              f"{'pred/meas':>9} | {'pred/mean':>9} | "
               f"{'link MiB/step':>13} | {'formula':>7} | {'/allreduce':>10} | {'/DDP':>5}")
         for bps in args.rates:
             med = {nm: statistics.median(res[(table, nm, bps)]) for nm in names}
@@ -365,9 +369,11 @@ def report(sections, res, link_meas, args, closed):
                 p = pred.get(nm, {}).get(bps)
                 lm = link_meas.get((table, nm, bps))
                 mib = statistics.median(x["a_to_b"] + x["b_to_a"] for x in lm) / 2**20 if lm else float("nan")
+                mean = statistics.fmean(ts)
                 rel = lambda other: f"{med[nm] / med[other]:.3f}" if other in med else "-"   # noqa: E731
                 print(f"{format_rate(bps):>8} | {nm:>18} | {med[nm] * 1e3:7.1f} | {q[0] * 1e3:4.0f}-{q[2] * 1e3:<4.0f} | "
-                      + (f"{p * 1e3:9.1f} | {p / med[nm]:9.2f}" if p else f"{'-':>9} | {'-':>9}")
+                      f"{mean * 1e3:6.1f} | "
+                      + (f"{p * 1e3:9.1f} | {p / med[nm]:9.2f} | {p / mean:9.2f}" if p else f"{'-':>9} | {'-':>9} | {'-':>9}")
                       + f" | {mib:13.2f} | {formula.get(nm, float('nan')) / 2**20:7.2f} | "
                       f"{rel('fxpar allreduce'):>10} | {rel('DDP 25MB'):>5}")
     for n, per_rate in closed.items():

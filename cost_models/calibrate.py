@@ -60,7 +60,7 @@ from dataclasses import replace
 import torch
 
 from fxpar.cluster import ClusterSpec, LinkSpec
-from fxpar.host import COMM_THREAD_NAMES, raise_comm_threads
+from fxpar.host import COMM_THREAD_NAMES, raise_comm_threads, reuse_freed_memory
 
 __all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "in_step_slots", "late_recv_overhead",
            "link_spec", "measure_link", "op_overhead", "pin_rank", "rank_cores"]
@@ -410,6 +410,7 @@ def pin_rank(rank: int, world: int) -> None:
 
 def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False, comm_priority=False):
     import torch.distributed as dist
+    reuse_freed_memory()                 # as fxpar's ranks run (ClusterSpec.host_memory_reuse, on by default)
     if pin:
         pin_rank(rank, world_size)
     torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))

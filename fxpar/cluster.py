@@ -95,6 +95,11 @@ class ClusterSpec:
     with one in ten waiting a scheduler tick of 4 ms); it needs root or ``CAP_SYS_NICE`` (the runtime warns
     and runs without it otherwise). Plan such runs on ``ClusterSpec.calibrate(comm_priority=True)``, which
     measures the link the same way (:func:`fxpar.host.raise_comm_threads`).
+
+    ``host_memory_reuse`` (default True): every rank keeps the memory a step frees for the next step instead of
+    handing it back to the OS and faulting it in again (glibc's mmap and trim thresholds raised,
+    :func:`fxpar.host.reuse_freed_memory`; where the C library is not glibc, nothing changes). A rank then holds
+    its peak of freed host memory, as CUDA's caching allocator holds device memory. False: the C library's defaults.
     """
     device: DeviceSpec = field(default_factory=DeviceSpec)
     nodes: int = 1
@@ -105,6 +110,7 @@ class ClusterSpec:
     cpu_servers: int = 0
     server_nodes: tuple | None = None
     comm_priority: bool = False
+    host_memory_reuse: bool = True
 
     def __post_init__(self):
         self.validate()
@@ -178,6 +184,10 @@ class ClusterSpec:
             raise ClusterSpecError(f"ClusterSpec(comm_priority={self.comm_priority!r}): give True (gloo's "
                                    "communication threads under SCHED_FIFO on every rank) or False (as the OS "
                                    "schedules them).")
+        if not isinstance(self.host_memory_reuse, bool):
+            raise ClusterSpecError(f"ClusterSpec(host_memory_reuse={self.host_memory_reuse!r}): give True (every rank "
+                                   "keeps the memory a step frees for the next, fxpar.host.reuse_freed_memory) or False "
+                                   "(the C library's defaults).")
         for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s",
                      "collective_issue_s", "action_overhead_s", "comm_cpu_s", "comm_cpu_per_byte"):
             v = getattr(d, name)
@@ -253,7 +263,8 @@ class ClusterSpec:
                    intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
                    backend=d.get("backend", "gloo"), cpu_servers=int(d.get("cpu_servers", 0)),
                    server_nodes=None if d.get("server_nodes") is None else tuple(d["server_nodes"]),
-                   comm_priority=d.get("comm_priority", False))
+                   comm_priority=d.get("comm_priority", False),
+                   host_memory_reuse=d.get("host_memory_reuse", True))
 
     @classmethod
     def from_json(cls, text_or_path) -> "ClusterSpec":
@@ -324,7 +335,8 @@ _TOP_FIELDS = {"device": (dict, "an object {...} of DeviceSpec fields"), "nodes"
                "inter_node": (dict, "an object {bandwidth, latency}"), "backend": (str, "'gloo', 'nccl' or 'fake'"),
                "cpu_servers": (int, "an integer >= 0 (CPU summation servers)"),
                "server_nodes": ((list, tuple, type(None)), "null or a list of node indices, one per CPU server"),
-               "comm_priority": (bool, "true or false (gloo's threads under SCHED_FIFO)")}
+               "comm_priority": (bool, "true or false (gloo's threads under SCHED_FIFO)"),
+               "host_memory_reuse": (bool, "true or false (ranks keep the memory a step frees)")}
 _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "memory_bytes": (int, "an integer (bytes)"),
                   "peak_flops": (float, _NUMBER + " (FLOP/s)"), "mem_bandwidth": (float, _NUMBER + " (bytes/s)"),
                   "efficiency": (dict, "an object {op class: fraction}"), "op_overhead_s": (float, _NUMBER + " (seconds)"),

@@ -282,10 +282,15 @@ class Program:
         return f"<fxpar.Program {self.model_name} {self.strategy} on {self.world_size} ranks>"
 
     # ---- running ------------------------------------------------------------------------------
+    def _host_settings(self) -> dict:
+        """The ClusterSpec's settings each rank's process applies to itself (``fxpar.host``)."""
+        return {"comm_priority": bool(getattr(self.cluster, "comm_priority", False)),
+                "host_memory_reuse": bool(getattr(self.cluster, "host_memory_reuse", True))}
+
     def server_payloads(self) -> list:
         """One ``fxpar.runtime.server.ServerPayload`` per CPU summation server of the plan (BytePS), none else."""
         return server_payloads(self.plan, self.stages[0].joint.meta.get("fxpar_byteps"),
-                               {"comm_priority": bool(getattr(self.cluster, "comm_priority", False))})
+                               self._host_settings())
 
     def payload(self, rank: int, n_batches: int = 1, measure_comm: bool = False, record_weights: bool = False,
                 seed: int | None = 0, save_to=None, resume_from=None, measure_memory: bool = False) -> RankPayload:
@@ -296,7 +301,7 @@ class Program:
                  "measure_comm": measure_comm, "measure_memory": measure_memory, "aliases": dict(self.aliases),
                  "save_to": None if save_to is None else str(save_to),
                  "resume_from": None if resume_from is None else str(resume_from),
-                 "comm_priority": bool(getattr(self.cluster, "comm_priority", False))}
+                 **self._host_settings()}
         if self.asynchronous:
             from .planner import build_schedule
             resumed = resume_from is not None and self.plan.schedule == "2bw"

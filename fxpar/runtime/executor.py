@@ -167,6 +167,9 @@ class Executor(ShardState, CarryState, TensorParallelState):
         self.pipe_rank, self.inner = divmod(p.rank, self.width)
         self.dp_index, self.tp_index = divmod(self.inner, p.tp)
         seed_rank(p.extra, p.rank)
+        if p.extra.get("host_memory_reuse", True):     # ClusterSpec.host_memory_reuse: before the first allocation
+            from ..host import reuse_freed_memory
+            reuse_freed_memory()
         if dist.is_initialized():
             for name, ranks in p.groups:      # every rank creates every group, in one order
                 group(ranks, name)

@@ -48,7 +48,7 @@ class ServerPayload:
 def server_payloads(plan, byteps: dict | None, extra: dict | None = None) -> list:
     """One :class:`ServerPayload` per CPU server of ``plan`` (none without BytePS servers); ``byteps`` is the
     record ``passes.byteps`` left on the lowered graph (``gm.meta["fxpar_byteps"]``); ``extra``: runtime
-    settings every server gets (``comm_priority``)."""
+    settings every server gets (``comm_priority``, ``host_memory_reuse``)."""
     gs = plan.grad_sync or {}
     servers = list(gs.get("servers", ())) if gs.get("method") == "byteps" else []
     ops = (byteps or {}).get("ops", {})
@@ -77,6 +77,9 @@ def _a2a(pg, n: int, send: torch.Tensor, to_workers: int, from_workers: int, dty
 def join_groups(p: ServerPayload):
     """Create every group of the program, in the workers' order (a process group is made by all ranks); returns
     this server's group."""
+    if p.extra.get("host_memory_reuse", True):     # ClusterSpec.host_memory_reuse, as the workers' Executor does
+        from ..host import reuse_freed_memory
+        reuse_freed_memory()
     for name, ranks in p.groups:
         group(ranks, name)
     pg = group(p.ranks, p.name)

@@ -1,0 +1,114 @@
+"""ClusterSpec.host_memory_reuse: a rank keeps the memory a step frees instead of faulting it in again next step
+(fxpar.host.reuse_freed_memory, glibc's mmap and trim thresholds)."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar.errors import ClusterSpecError
+from fxpar.testing import max_abs_diff, reference_training
+
+_N = 200_000 * 32              # a [200000, 32] fp32 table: its gradient is 24.4 MiB
+_PAGES = _N * 4 // 4096         # one such buffer's pages
+
+
+def _fault_rounds(rounds: int = 6) -> list:
+    """Minor page faults of each round of the Bag's all-reduce step (benchmarks/bench_param_server.py) as its
+    graph allocates: the table's dense gradient (zeros), its bucket (a copy), the SGD step's temporary ``lr·g``,
+    a few small tensors; every one freed by the round's end."""
+    import resource
+    w, lr, out = torch.zeros(_N), torch.tensor(0.1), []
+    for _ in range(rounds):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        small = [torch.ones(1000) for _ in range(20)]
+        g = torch.zeros(_N)
+        bucket = torch.empty(_N).copy_(g)
+        del g
+        step = torch._foreach_mul([bucket], lr)
+        torch._foreach_sub_([w], step)
+        del step, small, bucket
+        out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    return out
+
+
+_PROBE = """
+import json, sys
+sys.path.insert(0, {root!r})
+import torch
+from tests.test_host_memory import _fault_rounds
+if {reuse}:
+    from fxpar.host import reuse_freed_memory
+    assert reuse_freed_memory()
+print(json.dumps(_fault_rounds()))
+"""
+
+
+def _probe(reuse: bool) -> list:
+    from pathlib import Path
+    root = str(Path(__file__).resolve().parent.parent)
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(root=root, reuse=reuse)], capture_output=True,
+                         text=True, timeout=120, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_reuse_freed_memory_keeps_the_pages_a_step_freed():
+    """With glibc's defaults, every step of that pattern takes the pages of two of its 24.4 MiB buffers again as
+    faults (12468 of 18750 here: the top of the heap is given back to the OS and the next block is a fresh mmap);
+    after reuse_freed_memory(), from the third step on, none."""
+    default, reused = _probe(False), _probe(True)
+    assert min(default[2:]) > 1.5 * _PAGES, (default, _PAGES)
+    assert max(reused[2:]) < 0.05 * _PAGES, (reused, _PAGES)
+
+
+def test_host_memory_reuse_round_trips_and_is_checked():
+    spec = fxpar.ClusterSpec.local(2)
+    assert spec.host_memory_reuse is True
+    off = fxpar.ClusterSpec.local(2, host_memory_reuse=False)
+    assert fxpar.ClusterSpec.from_json(off.to_json()).host_memory_reuse is False
+    older = json.loads(spec.to_json())
+    del older["host_memory_reuse"]                       # a ClusterSpec written before the field: the default
+    assert fxpar.ClusterSpec.from_json(json.dumps(older)).host_memory_reuse is True
+    with pytest.raises(ClusterSpecError, match=r"host_memory_reuse=1.*True"):
+        fxpar.ClusterSpec.local(2, host_memory_reuse=1)
+    bad = json.loads(spec.to_json())
+    bad["host_memory_reuse"] = "no"
+    with pytest.raises(ClusterSpecError, match="host_memory_reuse"):
+        fxpar.ClusterSpec.from_json(json.dumps(bad))
+
+
+def _model_and_batches():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(300, 8), torch.nn.Flatten(), torch.nn.Linear(32, 3)).double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randint(0, 300, (8, 4), generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    return model, batches
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_ranks_reuse_freed_memory_by_default_and_train_as_single_process(clusters):
+    """The payload carries the setting; a rank's Executor applies it (on fresh ranks: later steps take no page
+    faults for the buffers the earlier ones freed); off, the ranks train the same."""
+    model, batches = _model_and_batches()
+    opt = (torch.optim.SGD, {"lr": 0.1})
+    ref_losses, ref_state = reference_training(model, batches, F.cross_entropy, opt)
+    for reuse in (True, False):
+        spec = fxpar.ClusterSpec.local(2, host_memory_reuse=reuse)
+        prog = fxpar.parallelize(model, spec, batches[0], F.cross_entropy, opt, strategy=fxpar.Strategy(dp=2))
+        assert prog.payload(0).extra["host_memory_reuse"] is reuse
+        if reuse:
+            lc = fxpar.LocalCluster(2)                    # fresh processes: nothing applied before this program
+            try:
+                res = prog.run_local(batches, cluster=lc)
+                faults = lc.run(_fault_rounds, [()] * 2)
+            finally:
+                lc.close()
+            assert all(max(f[2:]) < 0.05 * _PAGES for f in faults), faults
+        else:
+            res = prog.run_local(batches, cluster=clusters.get(2))
+        assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
+        assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
