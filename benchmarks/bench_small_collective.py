@@ -10,9 +10,12 @@ work, as ``cost_models.calibrate._measure_in_step`` does):
   ``DeviceSpec.comm_cpu_s`` is set from), and its per-MiB figure;
 - ``in step``: {adds, all-reduce, wait} in a loop: wall per round, gloo's threads' CPU and the main thread's;
 - ``overlapped``: {all-reduce issued, 10× the adds while it is in flight, wait}: wall per round against
-  ``adds only`` (the 10× adds without the collective): what overlapping a small collective with compute saves.
+  ``adds only`` (the 10× adds without the collective): what overlapping a small collective with compute saves;
+- ``hidden behind compute``: an all-reduce of 1 KiB, 1 MiB and 4 MiB issued, then ``--compute-ms`` of 256×256
+  matmuls (far longer than the transfer), then its wait, against the matmuls alone: the step time a collective
+  costs when there is compute enough to hide all of it (on full cores: its CPU, taken from the compute).
 
-    python benchmarks/bench_small_collective.py [--reps 4] [--rounds 300] [--comm-priority]
+    python benchmarks/bench_small_collective.py [--reps 4] [--rounds 300] [--compute-ms 20] [--comm-priority]
 """
 import argparse
 import os
@@ -25,7 +28,47 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
 
-def _worker(rank, port, reps, rounds, comm_priority, queue):
+def _hidden(ops, name, compute_s: float, reps: int = 3, rounds: int = 40) -> list:
+    """(bytes, [step time added per collective, s], [gloo threads' CPU per collective, s]) for each size."""
+    import torch
+    import torch.distributed as dist
+
+    from cost_models import calibrate as C
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(50):
+        torch.mm(a, b)
+    k = max(1, int(compute_s / ((time.perf_counter() - t0) / 50)))
+    k = torch.tensor(k)
+    dist.all_reduce(k, op=dist.ReduceOp.MAX)         # the same compute on both ranks
+
+    def work():
+        for _ in range(int(k)):
+            torch.mm(a, b)
+    out = []
+    for size in (1 << 10, 1 << 20, 4 << 20):
+        t = torch.ones(size // 4)
+        added, cpu = [], []
+        for _ in range(reps):
+            dist.barrier()
+            w0 = time.perf_counter()
+            for _ in range(rounds):
+                work()
+            base = (time.perf_counter() - w0) / rounds
+            dist.barrier()
+            c0, w0 = C._comm_threads_cpu(), time.perf_counter()
+            for _ in range(rounds):
+                h = ops.all_reduce(t, "sum", name)
+                work()
+                ops.wait_tensor(h)
+            added.append((time.perf_counter() - w0) / rounds - base)
+            cpu.append((C._comm_threads_cpu() - c0) / rounds)
+        out.append((size, added, cpu))
+    return out
+
+
+def _worker(rank, port, reps, rounds, comm_priority, compute_ms, queue):
     import torch
     import torch.distributed as dist
 
@@ -73,6 +116,9 @@ def _worker(rank, port, reps, rounds, comm_priority, queue):
         if rank == 0:
             queue.put(row)
         time.sleep(1.0)
+    hidden = _hidden(ops, name, compute_ms * 1e-3)
+    if rank == 0:
+        queue.put(hidden)
     dist.destroy_process_group()
 
 
@@ -80,6 +126,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=4, help="measurements, about 1.5 s apart")
     ap.add_argument("--rounds", type=int, default=300)
+    ap.add_argument("--compute-ms", type=float, default=20.0, help="the compute a collective hides behind (last table)")
     ap.add_argument("--comm-priority", action="store_true", help="gloo's threads under SCHED_FIFO (needs root)")
     args = ap.parse_args()
     import torch.multiprocessing as mp
@@ -89,9 +136,10 @@ def main():
     queue = ctx.Queue()
     print(f"load average at start: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}; {os.cpu_count()} cores; "
           f"2 ranks, 1 torch thread each; 1 KiB all-reduces" + ("; gloo's threads SCHED_FIFO" if args.comm_priority else ""))
-    mp.start_processes(_worker, args=(free_port(), args.reps, args.rounds, args.comm_priority, queue), nprocs=2,
+    mp.start_processes(_worker, args=(free_port(), args.reps, args.rounds, args.comm_priority, args.compute_ms, queue), nprocs=2,
                        start_method="spawn")
     rows = [queue.get() for _ in range(args.reps)]
+    hidden = queue.get()
     us = lambda x: f"{x * 1e6:6.0f}"      # noqa: E731
     print(f"{'rep':>3} | {'blocking: gloo CPU/coll':>23} | {'ms/MiB':>6} | {'in step: wall':>13} | {'gloo CPU':>8} | "
           f"{'main CPU':>8} | {'overlapped: wall':>16} | {'adds only':>9} | {'added':>6}   (µs per round)")
@@ -105,6 +153,11 @@ def main():
           f"max {max(walls) * 1e6:.0f} µs (max/min {max(walls) / min(walls):.2f}); overlapped, the collective still adds "
           f"{min(added) * 1e6:.0f}-{max(added) * 1e6:.0f} µs to a round whose adds alone take "
           f"{min(r['adds'][0] for r in rows) * 1e6:.0f}-{max(r['adds'][0] for r in rows) * 1e6:.0f} µs")
+    print(f"hidden behind {args.compute_ms:g} ms of matmuls (3 measurements each): step time added per collective, "
+          f"and gloo's threads' CPU per collective (ms)")
+    for size, added, cpu in hidden:
+        print(f"  {size / 2**10:6.0f} KiB: added {', '.join(f'{x * 1e3:.2f}' for x in added)}; gloo CPU "
+              f"{', '.join(f'{x * 1e3:.2f}' for x in cpu)}")
     print(f"load average at end: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
 
 
