@@ -73,6 +73,8 @@ def test_host_memory_reuse_round_trips_and_is_checked():
     older = json.loads(spec.to_json())
     del older["host_memory_reuse"]                       # a ClusterSpec written before the field: the default
     assert fxpar.ClusterSpec.from_json(json.dumps(older)).host_memory_reuse is True
+    assert "host_memory_reuse=False" in str(off) and "host_memory_reuse" not in str(spec)   # explain()'s cluster line
+    assert "comm_priority" in str(fxpar.ClusterSpec.local(2, comm_priority=True)) and "comm_priority" not in str(spec)
     with pytest.raises(ClusterSpecError, match=r"host_memory_reuse=1.*True"):
         fxpar.ClusterSpec.local(2, host_memory_reuse=1)
     bad = json.loads(spec.to_json())
