@@ -40,28 +40,27 @@ import json, sys
 sys.path.insert(0, {root!r})
 import torch
 from tests.test_host_memory import _fault_rounds
-if {reuse}:
-    from fxpar.host import reuse_freed_memory
-    assert reuse_freed_memory()
+from fxpar.host import reuse_freed_memory
+assert reuse_freed_memory()
 print(json.dumps(_fault_rounds()))
 """
 
 
-def _probe(reuse: bool) -> list:
+def _probe() -> list:
     from pathlib import Path
     root = str(Path(__file__).resolve().parent.parent)
-    out = subprocess.run([sys.executable, "-c", _PROBE.format(root=root, reuse=reuse)], capture_output=True,
+    out = subprocess.run([sys.executable, "-c", _PROBE.format(root=root)], capture_output=True,
                          text=True, timeout=120, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_reuse_freed_memory_keeps_the_pages_a_step_freed():
-    """With glibc's defaults, every step of that pattern takes the pages of two of its 24.4 MiB buffers again as
-    faults (12468 of 18750 here: the top of the heap is given back to the OS and the next block is a fresh mmap);
-    after reuse_freed_memory(), from the third step on, none."""
-    default, reused = _probe(False), _probe(True)
-    assert min(default[2:]) > 1.5 * _PAGES, (default, _PAGES)
+    """After reuse_freed_memory(), from the third step of that pattern on, no page is faulted in again. (With glibc's
+    defaults how many are depends on the heap's history: 12468 of the 18750 pages every step in one process here,
+    none after the third step in a fresh virtualenv; the Bag's step of benchmarks/bench_param_server.py paid them
+    in every run, 1.27-1.57x DDP's step, and 0.99-1.17x with this.)"""
+    reused = _probe()
     assert max(reused[2:]) < 0.05 * _PAGES, (reused, _PAGES)
 
 
