@@ -54,8 +54,8 @@ def reuse_freed_memory(limit: int = _REUSE_BYTES) -> bool:
     torch's CPU tensors come from the C library's ``malloc``. glibc serves a large block (above its mmap threshold,
     at most 32 MiB by its own adjustment) with a fresh ``mmap``, and gives the top of its heap back to the OS once
     more than its trim threshold (twice that) is free. A step that frees a few buffers of tens of MiB -- a large
-    embedding's dense gradient, its bucket, the optimizer's temporary -- then takes every one of their pages again
-    as a page fault in the next step: on this project's 2-core machine a [200000, 32] table's step (three such
+    embedding's dense gradient, its bucket, the optimizer's temporary -- can then take their pages again as page
+    faults in every next step (how often depends on the heap's history): on this project's 2-core machine a [200000, 32] table's step (three such
     buffers) took 45 ms with glibc's defaults and 33 ms with this (torch DDP, which frees one, 29 ms). This sets both
     thresholds to ``limit`` (``mallopt(M_MMAP_THRESHOLD)``, ``mallopt(M_TRIM_THRESHOLD)``): blocks up to ``limit``
     come from the heap and the heap is not trimmed, so the process keeps its peak of freed memory (as CUDA's
