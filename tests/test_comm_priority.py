@@ -72,9 +72,12 @@ def _policies():
         may = False
     pol = []
     for tid in os.listdir("/proc/self/task"):
-        with open(f"/proc/self/task/{tid}/comm") as f:
-            if f.read().strip() in COMM_THREAD_NAMES:
-                pol.append(os.sched_getscheduler(int(tid)))
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() in COMM_THREAD_NAMES:
+                    pol.append(os.sched_getscheduler(int(tid)))
+        except (FileNotFoundError, ProcessLookupError):     # a thread (not gloo's: those live with their group) ended
+            continue
     return may, pol
 
 
