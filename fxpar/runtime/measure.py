@@ -149,7 +149,8 @@ def action_overhead_s(threads: int = 1, steps: int = 600) -> float:
     try:
         model, g = torch.nn.Linear(4, 2), torch.Generator().manual_seed(0)
         batch = (torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g))
-        prog = parallelize(model, ClusterSpec.local(1), batch, loss_fn=F.mse_loss,
+        # host_memory_reuse=False: this Executor runs in the caller's process, whose allocator is not ours to set
+        prog = parallelize(model, ClusterSpec.local(1, host_memory_reuse=False), batch, loss_fn=F.mse_loss,
                            optimizer=(torch.optim.SGD, {"lr": 1e-3}))
         ex, inside = Executor(prog.payload(0, n_batches=steps)), []
         for parts in ex.p.graphs.values():
