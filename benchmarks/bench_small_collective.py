@@ -81,6 +81,9 @@ def _worker(rank, port, reps, rounds, comm_priority, compute_ms, queue):
     gm = C._adds_graph(C._STEP_OPS)
     t = torch.ones(C._ISSUE_NUMEL)
     dist.all_reduce(t)
+    if C._comm_threads_cpu() is None:
+        raise SystemExit("bench_small_collective: gloo's threads' CPU is read from /proc/self/task/*/schedstat (Linux); "
+                         "this system has none: run it on Linux")
     if comm_priority:
         from fxpar.host import raise_comm_threads
         dist.barrier()
