@@ -18,8 +18,12 @@ the captured graph, and writes down what the rank does at each event of the step
   before the next step's forward first uses its parameters; without, at the optimizer. Its pieces not yet
   issued are issued (waiting for the oldest in flight while credit is short), then waited (the rank
   stalls until they end); then the queue is refilled.
+* ``("start", None)`` (cross-iteration overlap on a fused step: ``early``): the next step begins. Every bucket
+  whose pieces have landed by then is updated at once (``("update", b)`` ops), before the first forward op,
+  and a ``need`` event that must wait for its own pieces first updates the buckets that have landed meanwhile:
+  the optimizer's work moves into time the rank would otherwise spend waiting (:func:`_next_forward`).
 
-Each event's ops are ``("issue", piece)`` / ``("wait", piece)``, in order; the graph pass
+Each event's ops are ``("issue", piece)`` / ``("wait", piece)`` / ``("update", bucket)``, in order; the graph pass
 (``passes.comm_schedule``) materialises them. The link serves pieces in issue order (one process
 group: gloo and NCCL run one group's collectives in order). In-flight bytes (issued, not waited)
 never exceed the credit, by construction. The predicted step time is forward + backward + the stalls + the
@@ -57,11 +61,15 @@ class SimResult:
 
 
 def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cross: bool,
-             t_opt: float = 0.0, issue_s: float = 0.0, cpu_per_byte: float = 0.0) -> SimResult:
+             t_opt: float = 0.0, issue_s: float = 0.0, cpu_per_byte: float = 0.0, early: bool = False) -> SimResult:
     """Simulate one steady-state step and return its issue plan (see the module docstring). ``issue_s``: the
     rank's CPU seconds per piece issued (``DeviceSpec.collective_issue_s``, and ``comm_cpu_s`` where gloo's threads
     share the rank's cores), added to the step once per piece; ``cpu_per_byte``: what those threads take from
-    compute per byte moved (``DeviceSpec.comm_cpu_per_byte``), added once per byte of every piece."""
+    compute per byte moved (``DeviceSpec.comm_cpu_per_byte``), added once per byte of every piece. ``early`` (with
+    ``cross``; a fused step, whose graph can put an update anywhere before the first forward use): each bucket's update
+    runs as soon as its pieces have landed (:func:`_next_forward`), the next step's ``start`` event and ``("update",
+    bucket)`` ops say where; otherwise every update runs at its bucket's ``need`` event and the optimizer's time is
+    added after the stalls."""
     pieces = [(b, j, n) for b, bt in enumerate(buckets) for j, n in enumerate(bt.pieces)]
     pid = {(b, j): i for i, (b, j, _) in enumerate(pieces)}
     big = max((n for _, _, n in pieces), default=0)
@@ -113,36 +121,102 @@ def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cro
                 issue(p, x, ops)
             late = x - (t_fwd + buckets[b].ready_s)
         res.events.append(("ready", b, ops))
-    stall = late
-    base = t_fwd + t_bwd             # the optimizer (after the waits) or the next forward starts here
-    for b in sorted(range(len(buckets)), key=lambda b: (buckets[b].priority, b)):
-        x = base + (buckets[b].need_s if cross else 0.0) + stall
-        ops = []
-        retire(x, ops)
-        mine = [pid[(b, j)] for j in range(len(buckets[b].pieces))]
-        for p in mine:
+    def take(b, x, ops):       # bucket b's pieces not issued yet go now, waiting for the oldest in flight while credit is short
+        for p in [pid[(b, j)] for j in range(len(buckets[b].pieces))]:
             if any(q == p for _, q in queue):
                 queue.remove(next(e for e in queue if e[1] == p))
                 heapq.heapify(queue)
                 while used[0] + pieces[p][2] > credit:
                     x = max(x, wait(0, ops))
                 issue(p, x, ops)
-        for p in mine:
+        return x
+
+    def land(b, x, ops):       # bucket b's pieces still in flight are waited (the rank stalls until they end)
+        for p in [pid[(b, j)] for j in range(len(buckets[b].pieces))]:
             k = next((i for i, (q, _) in enumerate(inflight) if q == p), None)
             if k is not None:                 # not retired already
                 x = max(x, wait(k, ops))
-        retire(x, ops)
-        refill(x, ops)
-        stall = x - (base + (buckets[b].need_s if cross else 0.0))
-        res.events.append(("need", b, ops))
+        return x
+
+    if cross and early:
+        stall = _next_forward(buckets, pieces, t_fwd, t_bwd, t_opt, late, comm_s, queue, inflight, take, land, retire,
+                              refill, res.events)
+    else:
+        stall = late
+        base = t_fwd + t_bwd             # the optimizer (after the waits) or the next forward starts here
+        for b in sorted(range(len(buckets)), key=lambda b: (buckets[b].priority, b)):
+            x = base + (buckets[b].need_s if cross else 0.0) + stall
+            ops = []
+            retire(x, ops)
+            x = land(b, take(b, x, ops), ops)
+            retire(x, ops)
+            refill(x, ops)
+            stall = x - (base + (buckets[b].need_s if cross else 0.0))
+            res.events.append(("need", b, ops))
     res.stall_s = stall
     res.step_s = t_fwd + t_bwd + t_opt + stall + issue_s * len(pieces) + cpu_per_byte * sum(n for _, _, n in pieces)
     return res
 
 
+def _next_forward(buckets, pieces, t_fwd, t_bwd, t_opt, late, comm_s, queue, inflight, take, land, retire, refill,
+                  events) -> float:
+    """The next step's forward under cross-iteration overlap with early updates, on the rank's compute lane; returns
+    the step's stall (``late`` included). Each bucket's update costs the optimizer's time in proportion to its bytes
+    (the update is element-wise) and runs before the first forward use of its parameters, as soon as its pieces
+    have landed: at the step's ``start`` every bucket whose pieces are (predicted, with the margin) done is updated
+    first, in priority order, and while a ``need`` event waits for its own pieces it updates the buckets that have
+    landed meanwhile -- compute that would otherwise come later, moved into time the rank would spend waiting.
+    Each update is an ``("update", bucket)`` op of the event where it runs."""
+    total = sum(sum(bt.pieces) for bt in buckets) or 1
+    opt = [t_opt * sum(bt.pieces) / total for bt in buckets]
+    order = sorted(range(len(buckets)), key=lambda b: (buckets[b].priority, b))
+    mine = [{p for p, (pb, _, _) in enumerate(pieces) if pb == b} for b in range(len(buckets))]
+    updated: set = set()
+
+    def landed(b, x):
+        return (not any(q in mine[b] for _, q in queue)
+                and all(end + _MARGIN * comm_s(pieces[p][2]) <= x for p, end in inflight if p in mine[b]))
+
+    def update(b, x, ops):
+        x = land(b, x, ops)
+        ops.append(("update", b))
+        updated.add(b)
+        return x + opt[b]
+
+    def fill(x, ops, until=lambda x: False):
+        while not until(x):
+            c = next((c for c in order if c not in updated and landed(c, x)), None)
+            if c is None:
+                break
+            x = update(c, x, ops)
+        return x
+
+    x = t_fwd + t_bwd + late          # the step ends; the compute lane turns to the next step
+    ops: list = []
+    retire(x, ops)
+    x = fill(x, ops)
+    refill(x, ops)
+    events.append(("start", None, ops))
+    at = 0.0                          # forward seconds run so far
+    for b in order:
+        x += max(0.0, buckets[b].need_s - at)
+        at = max(at, buckets[b].need_s)
+        ops = []
+        retire(x, ops)
+        if b not in updated:
+            x = take(b, x, ops)
+            x = fill(x, ops, until=lambda x: landed(b, x))
+            x = update(b, x, ops)
+        retire(x, ops)
+        refill(x, ops)
+        events.append(("need", b, ops))
+    x += t_fwd - at
+    return x - (t_fwd + t_bwd) - t_fwd - t_opt
+
+
 def tune(make_buckets, t_fwd: float, t_bwd: float, comm_s, cross: bool, partitions: list, credit_factors: list,
          t_opt: float = 0.0, partition: int | None = None, credit: int | None = None, issue_s: float = 0.0,
-         cpu_per_byte: float = 0.0) -> tuple:
+         cpu_per_byte: float = 0.0, early: bool = False) -> tuple:
     """Grid search (ByteScheduler tunes with Bayesian optimisation over measured runs; here the simulation is
     cheap, so a grid suffices): ``make_buckets(partition) -> [BucketTiming]``. ``partition``/``credit`` given:
     that value is kept. Returns ``(partition, credit, SimResult, tried)``: among the settings predicted within
@@ -155,7 +229,7 @@ def tune(make_buckets, t_fwd: float, t_bwd: float, comm_s, cross: bool, partitio
         total = sum(n for bt in bts for n in bt.pieces)
         credits = [credit] if credit else sorted({max(biggest, int(part * f)) for f in credit_factors} | {total})
         for c in credits:
-            r = simulate(bts, t_fwd, t_bwd, comm_s, c, cross, t_opt, issue_s, cpu_per_byte)
+            r = simulate(bts, t_fwd, t_bwd, comm_s, c, cross, t_opt, issue_s, cpu_per_byte, early)
             tried.append((part, c, r.step_s))
             runs[(part, c)] = r
     least = min(t for _, _, t in tried)
@@ -222,7 +296,8 @@ _CREDIT_FACTORS = (1, 2, 4, 8)
 
 
 def plan_stage(tm: dict, buckets_at, shape_of, itemsize_of, comm_s, cross: bool, fifo_buckets: list,
-               partition: int | None = None, credit: int | None = None, shared=lambda keys: False) -> tuple:
+               partition: int | None = None, credit: int | None = None, shared=lambda keys: False,
+               early: bool = False) -> tuple:
     """ByteScheduler's decisions for one stage: ``(entry, buckets)``. ``tm``: :func:`stage_timings`;
     ``buckets_at(partition) -> [[key, ...]]`` (DDP's packing up to ``partition``); ``fifo_buckets``: the FIFO
     plan, simulated for comparison. ``entry`` holds the chosen partition and credit, how they were chosen
@@ -230,7 +305,8 @@ def plan_stage(tm: dict, buckets_at, shape_of, itemsize_of, comm_s, cross: bool,
     the whole bucket), the events with their ops, the simulated in-flight peak and step times. ``shared(keys)``:
     the bucket's group spans several stages (a tied parameter): every stage must make the same collectives, so it
     is cut only at the partition asked for (the same on every stage), never at a tuned one, and with cross-iteration
-    overlap issued whole in its own step (``eager``)."""
+    overlap issued whole in its own step (``eager``). ``early``: updates run as soon as their pieces land
+    (:func:`simulate`; a fused step's graph only)."""
     size = lambda k: _prod(shape_of(k)) * itemsize_of(k)        # noqa: E731
 
     def layout(buckets, part):
@@ -261,7 +337,7 @@ def plan_stage(tm: dict, buckets_at, shape_of, itemsize_of, comm_s, cross: bool,
     try:
         part, cred, sim, tried = tune(lambda p: layout(buckets_at(p), p)[0], tm["t_fwd"], tm["t_bwd"], comm_s, cross,
                                       list(_PARTITIONS), _CREDIT_FACTORS, tm["t_opt"], partition, credit,
-                                      tm.get("issue_s", 0.0), tm.get("cpu_per_byte", 0.0))
+                                      tm.get("issue_s", 0.0), tm.get("cpu_per_byte", 0.0), early and cross)
     except ValueError:
         part = partition or _PARTITIONS[0]
         bts = layout(buckets_at(part), part)[0]

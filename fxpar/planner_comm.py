@@ -95,7 +95,7 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster, fused: bool = 
                 lambda k: captured.param_shapes[k], lambda k: _itemsize(captured.param_dtypes[k]),
                 lambda n: collective_cost("all_reduce", n, ranks, cluster).time_s, bool(cs.get("cross_iteration")),
                 plan.buckets[stage], cs.get("partition_bytes"), cs.get("credit_bytes"),
-                shared=lambda keys: any(str(groups.get(k)).startswith("tied.") for k in keys))
+                shared=lambda keys: any(str(groups.get(k)).startswith("tied.") for k in keys), early=fused)
             entry["grad_order"] = {"mode": mode, "first": first, "keys": made if mode != "natural" else []}
             made_by[label] = (entry, buckets)
     except CreditError as e:

@@ -15,7 +15,10 @@ which are waited. This pass carries the plan out on a stage's joint graph, after
    steady-state step. Each bucket's wait and its parameters' update move into the *next* step, just before
    the first forward use of those parameters: the pieces cross the step boundary as ``("carry", piece)``
    inputs and outputs, the optimizer's ``_foreach`` ops are cut per bucket (element-wise: the same math),
-   and forward and backward read the updated parameters. ``split_graphs`` then derives ``FIRST`` (nothing
+   and forward and backward read the updated parameters. A bucket whose pieces the plan expects to have landed
+   earlier is updated earlier (an ``("update", bucket)`` op: at the next step's ``start``, before its first
+   forward op, or while another bucket's wait would stall), so the optimizer runs in time the rank would
+   otherwise spend waiting. ``split_graphs`` then derives ``FIRST`` (nothing
    carried in: no update) and ``DRAIN`` (the carried waits and updates only; before results, state_dict
    and checkpoints) from it by data flow (:func:`carry_variants`); the graphs the ranks run then make the
    update in place (``passes.reinplace``), as the other programs do.
@@ -173,8 +176,10 @@ def _place(gm, pieces, events, cross: bool) -> dict:
     need_at = min((u for _, w, _, _ in pieces for u in w.users), key=order.__getitem__)
     where = {}
     for kind, b, ops in events:
-        cursor = last_copy[b]
+        cursor = last_copy.get(b)
         for op, p in ops:
+            if op == "update":                       # an update's place (cross-iteration): _move_updates
+                continue
             ar, w = pieces[p][0], pieces[p][1]
             node = ar if op == "issue" else w
             where[(p, op)] = kind
@@ -333,7 +338,10 @@ def _ancestors(nodes, stop) -> set:
 
 def _move_updates(gm, keys, new_of, bucket_of_key, sig, events, carried_ops) -> None:
     """Each bucket's ``need`` event (its carried waits, and the issues and waits of others the plan puts there)
-    and its parameters' update go just before the first forward use of those parameters."""
+    and its parameters' update go just before the first forward use of those parameters. The plan may run a
+    bucket's update earlier, where its pieces have landed (``("update", bucket)`` ops): at the ``start`` event
+    (before the first forward op) or inside an earlier bucket's ``need`` event, while that one's pieces are still
+    on the wire (``cost_models.comm_tuning._next_forward``)."""
     g = gm.graph
     outs = g.find_nodes(op="output")[0].args[0]
     state_of = {}
@@ -350,20 +358,29 @@ def _move_updates(gm, keys, new_of, bucket_of_key, sig, events, carried_ops) -> 
     for k in keys:
         by_bucket.setdefault(bucket_of_key[k], []).append(k)
     placed: set = set()
-    for kind, b, ops in events:
-        if kind != "need":
-            continue
+
+    def update(b, anchor):                  # bucket b's update (and what it still needs) just before anchor
         ks = by_bucket.get(b, [])
+        chain = _ancestors([new_of[k] for k in ks] + [o for k in ks for o in state_of.get(k, [])], placed)
+        for n in sorted(chain, key=order.__getitem__):
+            anchor.prepend(n)
+        placed.update(chain)
+
+    for kind, b, ops in events:
+        if kind not in ("start", "need"):
+            continue
+        ks = by_bucket.get(b, []) if kind == "need" else []
         anchor = min((first_use[k] for k in ks), key=order.__getitem__) if ks else fwd
-        for op, p in ops:                   # the plan's order: issues and waits of this event first
+        for op, p in ops:                   # the plan's order: issues, waits and early updates of this event first
+            if op == "update":
+                update(p, anchor)
+                continue
             n = carried_ops.get((p, op))
             if n is not None and n not in placed:
                 anchor.prepend(n)
                 placed.add(n)
-        chain = _ancestors([new_of[k] for k in ks] + [o for k in ks for o in state_of.get(k, [])], placed)
-        for n in sorted(chain, key=order.__getitem__):
-            anchor.prepend(n)
-        placed |= chain
+        if kind == "need":
+            update(b, anchor)
     g.lint()
 
 

@@ -50,7 +50,8 @@ def _is_alias(n) -> bool:
 
 
 def _last_read(node, pos) -> int:
-    """Position of the last node that reads ``node`` or a view of it."""
+    """Position of the last node that reads ``node`` or a view of it. Making a view reads nothing: a view nobody
+    reads (a dead ``detach`` left where a pass moved the nodes around it) does not count."""
     last, stack, seen = -1, [node], set()
     while stack:
         x = stack.pop()
@@ -58,9 +59,10 @@ def _last_read(node, pos) -> int:
             continue
         seen.add(x)
         for u in x.users:
-            last = max(last, pos[u])
             if _is_alias(u):
                 stack.append(u)
+            else:
+                last = max(last, pos[u])
     return last
 
 

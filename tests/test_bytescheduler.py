@@ -470,11 +470,16 @@ def test_simulated_plan_keeps_its_invariants():
         for i, b in enumerate(sorted(range(n), key=lambda b: bts[b].need_s)):
             bts[b].priority = i
         credit = max(x for bt in bts for x in bt.pieces) * r.randint(1, 4)
-        res = simulate(bts, 0.05, 0.1, lambda x: 1e-4 + x / 1e6, credit, cross=bool(seed % 2))
-        used, issued, waited = 0, set(), set()
+        early = seed % 4 == 1                     # cross-iteration with early updates (a fused step)
+        res = simulate(bts, 0.05, 0.1, lambda x: 1e-4 + x / 1e6, credit, cross=bool(seed % 2), t_opt=0.01, early=early)
+        used, issued, waited, updated = 0, set(), set(), []
         for kind, b, ops in res.events:
             for op, p in ops:
-                if op == "issue":
+                if op == "update":                # a bucket is updated once, after all of its pieces are waited
+                    assert early and p not in updated
+                    assert {q for q, (pb, _, _) in enumerate(res.pieces) if pb == p} <= waited
+                    updated.append(p)
+                elif op == "issue":
                     assert p not in issued
                     issued.add(p)
                     used += res.pieces[p][2]
@@ -483,11 +488,14 @@ def test_simulated_plan_keeps_its_invariants():
                     assert p in issued and p not in waited
                     waited.add(p)
                     used -= res.pieces[p][2]
-            if kind == "need":      # every piece of the bucket is waited by its need event
+            if kind == "need":      # every piece of the bucket is waited by its need event (and it is updated)
                 assert {p for p, (pb, _, _) in enumerate(res.pieces) if pb == b} <= waited
-            elif bts[b].eager:      # ... and an eager bucket's are all issued at its ready event
+                assert not early or b in updated
+            elif kind == "ready" and bts[b].eager:      # ... and an eager bucket's are all issued at its ready event
                 assert {p for p, (pb, _, _) in enumerate(res.pieces) if pb == b} <= issued
         assert issued == waited == set(range(len(res.pieces)))
+        assert sorted(updated) == (list(range(n)) if early else [])
+        assert [k for k, _, _ in res.events].count("start") == (1 if early else 0)
 
 
 def test_issue_cost_is_paid_per_piece_and_steers_the_partition():
@@ -536,6 +544,57 @@ def test_tied_gradient_is_cut_alike_on_every_stage():
     for entry in (tuned, given):
         issued_at = {p: kind for kind, _, ops in entry["events"] for op, p in ops if op == "issue"}
         assert all(issued_at[p] == "ready" for p, piece in enumerate(entry["pieces"]) if piece[0] == 2)
+
+
+def test_early_update_runs_while_the_first_bucket_is_on_the_wire():
+    """Cross-iteration with early updates (a fused step): the bucket that landed during backward (a, needed late)
+    is updated at the next step's start, inside the time the rank would wait for the first-needed bucket (b, made
+    last in backward), so its share of the optimizer is hidden: the step is shorter by exactly that share."""
+    from cost_models.comm_tuning import BucketTiming, simulate
+    comm = lambda x: 0.02            # noqa: E731   each piece 20 ms on the link
+    a, b = BucketTiming(0.0, 0.04, [1000], priority=1), BucketTiming(0.1, 0.0, [1000], priority=0)
+    late = simulate([a, b], 0.05, 0.1, comm, 2000, True, t_opt=0.02)
+    early = simulate([a, b], 0.05, 0.1, comm, 2000, True, t_opt=0.02, early=True)
+    # b leaves at the end of backward (0.15) and lands at 0.17: 20 ms of stall; a's update (10 ms) fills half of it
+    assert late.step_s == pytest.approx(0.05 + 0.1 + 0.02 + 0.02)
+    assert early.step_s == pytest.approx(0.05 + 0.1 + 0.02 + 0.01)
+    start = next(ops for kind, _, ops in early.events if kind == "start")
+    assert ("update", 0) in start and all(op != "update" for kind, _, ops in late.events for op, _ in ops)
+
+
+def test_early_updates_in_the_graph():
+    """The plan's early updates are where the graph runs them: a bucket updated at ``start`` has its whole update
+    before the first forward op of the steady step (FULL), and one updated inside another's need event comes before
+    that event's first forward op; the updates write the parameters in place."""
+    _, _, _, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
+    entry = prog.plan.comm_schedule["stages"][0]
+    buckets = prog.plan.buckets[0]
+    at_start = [p for kind, _, ops in entry["events"] if kind == "start" for op, p in ops if op == "update"]
+    assert at_start, "the tiny plan updates some bucket early"
+    sg = prog.stages[0].graphs["FULL"]
+    nodes = list(sg.gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    phs = dict(zip(sg.gm.graph.find_nodes(op="placeholder"), sg.inputs))
+    first_fwd = min(pos[n] for n in nodes if n.op == "call_function" and n.meta.get("fxpar_phase") == "forward")
+    param = {key: n for n, (r, key) in phs.items() if r == "param"}
+    for b in at_start:
+        writes = [u for k in buckets[b] for u in param[k].users if u.meta.get("fxpar_phase") == "optimizer"]
+        assert writes and max(pos[u] for u in writes) < first_fwd, b
+
+
+def test_cross_iteration_update_runs_in_place_as_fifo_does():
+    """The steady step's optimizer, cut per bucket and moved into the next forward, runs in place wherever the FIFO
+    program's does: moving nodes leaves dead views (a ``detach`` nobody reads) behind at the end of the graph, which
+    must not count as a later read (they kept AdamW's ``_foreach_div`` on the sqrt out of place: a fresh
+    buffer a bucket a step)."""
+    def out_of_place(strategy):
+        _, _, _, prog = _program("gpt", ADAMW, strategy)
+        gm = prog.stages[0].graphs["FULL"].gm
+        return {str(n.target) for n in gm.graph.nodes if n.op == "call_function" and "_foreach_" in str(n.target)
+                and not str(n.target).split(".")[-2].endswith("_")}
+    fifo = out_of_place(fxpar.Strategy(dp=2))
+    bs = out_of_place(fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
+    assert bs <= fifo and "aten._foreach_div.Tensor" not in bs, (bs, fifo)
 
 
 def test_simulated_step_time_closed_forms():
