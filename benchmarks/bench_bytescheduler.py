@@ -8,7 +8,8 @@ visited once per round (``--rounds``):
 - fxpar ``Strategy(dp=2, comm_schedule="bytescheduler")``, partition and credit tuned by the cost model for
   *that* cap: the program is planned on ``ClusterSpec.calibrate()`` (this machine's compute) with the link set
   to the veth as ``netns_link.calibrate_link`` measures it at the cap's rate before the run (without the
-  harness: the nominal rate); each rank runs ``Executor(payload).step(batch)`` (cross-iteration overlap: each step's
+  harness: the nominal rate), and with what a transfer at that cap takes from the compute it overlaps
+  (``netns_link.at_cap``); each rank runs ``Executor(payload).step(batch)`` (cross-iteration overlap: each step's
   update is applied in the next);
 - the same with each ``grad_order`` of ``--orders`` forced (default ``natural``: backward as traced), to show what
   reordering backward adds (the tuned program may run backward in the next forward's need order,
@@ -41,7 +42,7 @@ import fxpar  # noqa: E402
 from bench_capped_link import ddp_bench_worker, fxpar_worker, per_step_max  # noqa: E402
 from fxpar.cluster import LinkSpec  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
-from netns_link import CappedLink, NetnsCluster, calibrate_link, format_rate, parse_rate  # noqa: E402
+from netns_link import CappedLink, NetnsCluster, at_cap, calibrate_link, format_rate, parse_rate  # noqa: E402
 
 
 def build(model, batches, opt, cluster, strategy, n):
@@ -81,9 +82,12 @@ def main():
     calibrated = fxpar.ClusterSpec.calibrate(world_size=w, threads=args.threads, pin=args.pin,
                                              comm_priority=args.comm_priority)
     rates = [parse_rate(r) for r in args.rates.split(",")]
-    links = calibrate_link(rates, threads=args.threads, pin=args.pin, comm_priority=args.comm_priority)      # the veth at each cap, as the ranks will cross it
+    raws: dict = {}
+    links = calibrate_link(rates, threads=args.threads, pin=args.pin, comm_priority=args.comm_priority, raw=raws)      # the veth at each cap, as the ranks will cross it
     for bps, lk in links.items():
-        print(f"veth measured at {format_rate(bps)}: {lk.bandwidth * 8 / 1e9:.2f} Gbit/s, α {lk.latency * 1e6:.0f} us")
+        print(f"veth measured at {format_rate(bps)}: {lk.bandwidth * 8 / 1e9:.2f} Gbit/s, α {lk.latency * 1e6:.0f} us, "
+              f"an overlapped transfer takes {at_cap(calibrated, raws.get(bps)).device.comm_cpu_per_byte * 2**20 * 1e3:.2f} "
+              "ms of compute per MiB")
     sweep = [float(x) for x in args.sweep_mb.split(",") if x]
     fifo, fifo_payloads = build(model, batches, opt, calibrated, fxpar.Strategy(dp=w, bucket_cap_mb=25), n)
     orders = [o for o in args.orders.split(",") if o]
@@ -91,7 +95,7 @@ def main():
     for bps in rates:       # planned for the link it will run on: the tuner sees the cap
         link = links.get(bps) or (calibrated.intra_node if bps is None else
                                   LinkSpec(bps / 8, calibrated.intra_node.latency))
-        cl = replace(calibrated, intra_node=link, inter_node=link)
+        cl = at_cap(replace(calibrated, intra_node=link, inter_node=link), raws.get(bps))
         bs[bps] = build(model, batches, opt, cl, fxpar.Strategy(dp=w, comm_schedule="bytescheduler"), n)
         for o in orders:
             forced[(bps, o)] = build(model, batches, opt, cl, fxpar.Strategy(dp=w, comm_schedule="bytescheduler",

@@ -53,7 +53,7 @@ from cost_models import byteps as B  # noqa: E402
 from fxpar.cluster import LinkSpec  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
 from bench_capped_link import ddp_steps  # noqa: E402
-from netns_link import CappedLink, NetnsCluster, calibrate_link, format_rate, parse_rate  # noqa: E402
+from netns_link import CappedLink, NetnsCluster, at_cap, calibrate_link, format_rate, parse_rate  # noqa: E402
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3})
 SGD = (torch.optim.SGD, {"lr": 0.1})
@@ -135,13 +135,15 @@ def ddp_cell(model, batches, loss_fn, optimizer, bucket_cap_mb, warmup, dev=None
 
 # ---- in the parent: programs, predictions ----------------------------------------------------------------
 _LINKS = {}              # bps -> LinkSpec of the veth measured at that cap (netns_link.calibrate_link)
+_RAW = {}                # bps -> that cap's raw figures (what an overlapped transfer takes from compute: at_cap)
 
 
 def capped(spec, bps):
     """``spec`` (2 nodes: the namespaces) with the link between them at ``bps`` (None: uncapped): the veth as
-    measured at that cap through the harness, else (no harness) the cap's nominal rate with the loopback's α."""
+    measured at that cap through the harness, with what a transfer there takes from the compute it overlaps, else
+    (no harness) the cap's nominal rate with the loopback's α."""
     if bps in _LINKS:
-        return replace(spec, inter_node=_LINKS[bps])
+        return at_cap(replace(spec, inter_node=_LINKS[bps]), _RAW.get(bps))
     return replace(spec, inter_node=spec.intra_node if bps is None else LinkSpec(bps / 8, spec.intra_node.latency))
 
 
@@ -419,7 +421,8 @@ def main():
     only = args.only.split(",")
     _THREADS[0], _PIN[0], _PRIO[0] = args.threads, args.pin, args.comm_priority
     print(f"load average at start: {loadavg()}", flush=True)
-    _LINKS.update(calibrate_link(args.rates, threads=args.threads, pin=args.pin, comm_priority=args.comm_priority))
+    _LINKS.update(calibrate_link(args.rates, threads=args.threads, pin=args.pin, comm_priority=args.comm_priority,
+                                 raw=_RAW))
     for bps, link in _LINKS.items():
         print(f"veth measured at {format_rate(bps)}: {link.bandwidth * 8 / 1e9:.2f} Gbit/s, α {link.latency * 1e6:.0f} us",
               flush=True)

@@ -48,7 +48,7 @@ from datetime import timedelta
 
 __all__ = ["CappedLink", "NetnsCluster", "LinkNames", "make_names", "parse_rate", "format_rate",
            "setup_commands", "rate_commands", "teardown_commands", "check_commands", "leftover_namespaces",
-           "preflight", "cleanup_leftovers", "enter_namespace", "tbf_burst_bytes", "calibrate_link"]
+           "preflight", "cleanup_leftovers", "enter_namespace", "tbf_burst_bytes", "calibrate_link", "at_cap"]
 
 CLONE_NEWNET = 0x40000000
 NETNS_DIR = "/var/run/netns"
@@ -496,13 +496,14 @@ class NetnsCluster:
 
 
 def calibrate_link(rates, threads: int | None = None, sizes=None, reps: int = 5, in_step_seconds: float = 1.0,
-                   pin: bool = False, comm_priority: bool = False) -> dict:
+                   pin: bool = False, comm_priority: bool = False, raw: dict | None = None) -> dict:
     """``{bps: LinkSpec}``: the veth measured at each rate (None: uncapped) by 2 ranks, one in each namespace,
     with ``cost_models.calibrate.measure_link`` and ``link_spec`` -- the same figures ``ClusterSpec.calibrate()``
     takes on ``lo`` (the bandwidth from a fit over all_reduce sizes, α from small collectives back to back), so
     a benchmark predicts each cap with what the ranks will cross, not the loopback. A tbf cap adds no latency
     (and this kernel has no netem), so α is one figure: the median of the rates' measurements (on 2 cores one
-    measurement moves by ±25%). ``{}`` when the harness cannot build the link (it says what is missing)."""
+    measurement moves by ±25%). ``{}`` when the harness cannot build the link (it says what is missing). ``raw``: a
+    dict that receives each rate's figures (``measure_link``'s, rank 0's), for :func:`at_cap`."""
     import statistics
     from dataclasses import replace
     from cost_models.calibrate import _SIZES, link_spec, measure_link
@@ -513,10 +514,24 @@ def calibrate_link(rates, threads: int | None = None, sizes=None, reps: int = 5,
         with NetnsCluster(2, link, threads=threads, pin=pin, comm_priority=comm_priority) as cl:
             for bps in rates:
                 link.set_rate(bps)
-                raw = cl.run(measure_link, [(tuple(sizes or _SIZES), reps, in_step_seconds)] * 2)[0]
-                out[bps] = link_spec(raw, 2)
+                got = cl.run(measure_link, [(tuple(sizes or _SIZES), reps, in_step_seconds)] * 2)[0]
+                out[bps] = link_spec(got, 2)
+                if raw is not None:
+                    raw[bps] = got
     alpha = statistics.median(v.latency for v in out.values())
     return {bps: replace(v, latency=alpha) for bps, v in out.items()}
+
+
+def at_cap(spec, raw: dict | None):
+    """``spec`` with what a transfer takes from the compute it overlaps (``DeviceSpec.comm_cpu_per_byte``) as
+    measured through the veth at one cap (``raw``: that rate's figures from :func:`calibrate_link`): the kernel's
+    tbf/veth path costs more CPU per byte at a low rate (on 2 cores 1.5-1.8 ms per MiB uncapped, 2-3 at 1 Gbit/s).
+    Unchanged where ``spec`` charges none (the cores are not full) or nothing was measured."""
+    from dataclasses import replace
+    from cost_models.calibrate import overlap_per_byte
+    if not raw or not spec.device.comm_cpu_per_byte:
+        return spec
+    return replace(spec, device=replace(spec.device, comm_cpu_per_byte=overlap_per_byte(raw)))
 
 
 def main(argv=None) -> int:

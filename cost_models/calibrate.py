@@ -23,6 +23,11 @@ more threads in all ranks than cores, without, so that the ranks share the cores
   wait): the mean of the two medians is ``device.collective_issue_s``, the CPU a rank spends per
   collective a graph issues (gloo's work setup and small copies on the caller's thread; 90-220 µs on
   a 2-core machine);
+- what a transfer takes from the compute it *overlaps* (:func:`_measure_overlap_cpu`: a block of matmuls and adds
+  timed alone and with an all_reduce of 1 and 4 MiB in flight; the ranks' mean) -> ``device.comm_cpu_per_byte``
+  where the ranks' threads fill the cores (gloo's threads and the kernel's socket and softirq work then run on
+  the cores compute needs: 1.5-1.8 ms per MiB on a 2-core machine's loopback, where a blocking all_reduce takes
+  0.8), with gloo's threads' own CPU per collective (:func:`_measure_comm_cpu`) -> ``device.comm_cpu_s``;
 - small collectives *as a step issues them* (two or more ranks; :func:`_measure_in_step`): rounds of 20 tiny
   adds, a functional ``all_reduce`` (or ``all_gather_into_tensor``) of 1 KiB and its wait, back to back
   without a barrier, less the same rounds without the collective: what one costs inside a step, the ranks'
@@ -63,7 +68,7 @@ from fxpar.cluster import ClusterSpec, LinkSpec
 from fxpar.host import COMM_THREAD_NAMES, raise_comm_threads, reuse_freed_memory
 
 __all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "in_step_slots", "late_recv_overhead",
-           "link_spec", "measure_link", "op_overhead", "pin_rank", "rank_cores"]
+           "link_spec", "measure_link", "op_overhead", "overlap_per_byte", "pin_rank", "rank_cores"]
 
 _SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -362,6 +367,64 @@ def _measure_comm_cpu() -> dict | None:
     return {"per_collective_s": max(0.0, t0 - per_byte * s0), "per_byte_s": per_byte, "samples": got}
 
 
+_OVERLAP_SIZES = (1 << 20, 4 << 20)   # bytes of the all_reduce that overlaps the compute block
+
+
+def _compute_block(n: int, a, b, x, y, z) -> None:
+    """A step's kind of compute: ``n`` rounds of a matmul and a memory-bound add (about 1.5 ms a round here)."""
+    for _ in range(n):
+        torch.mm(a, b)
+        torch.add(x, y, out=z)
+
+
+def _measure_overlap_cpu(sizes=_OVERLAP_SIZES, reps: int = 5) -> dict:
+    """What a transfer takes from the compute it overlaps, per collective and per byte: on every rank at once, a
+    block of compute (:func:`_compute_block`, three times as long as a blocking ``all_reduce`` of the size, 20 ms at
+    least) timed alone and, right after, with a functional ``all_reduce`` issued before it and waited after it; the
+    median of the differences over ``reps`` pairs, per size, fitted as ``per_collective_s + per_byte_s · bytes``.
+    Where the ranks' threads fill the cores, gloo's threads and the kernel's network path (sockets, softirq: not
+    all of it on gloo's threads, :func:`_measure_comm_cpu`) run on the cores the compute needs: on a 2-core machine
+    about 1.5 ms per MiB on loopback and 2-3 ms per MiB through a tbf-capped veth, where a blocking all_reduce takes
+    0.8 ms per MiB uncapped. ``hidden``: the median wait after a block (near zero: the block hid the transfer)."""
+    import torch.distributed as dist
+    name = dist.group.WORLD.group_name
+    ops = torch.ops._c10d_functional
+    a, b = torch.randn(256, 256), torch.randn(256, 1024)
+    x, y, z = torch.randn(1 << 20), torch.randn(1 << 20), torch.empty(1 << 20)
+    start = time.perf_counter()
+    _compute_block(4, a, b, x, y, z)
+    per_round = torch.tensor((time.perf_counter() - start) / 4)
+    dist.all_reduce(per_round, op=dist.ReduceOp.MAX)        # every rank runs the same blocks
+    got, waits = [], []
+    for size in sizes:
+        buf = torch.ones(size // 4)
+        blocking = _time(lambda: dist.all_reduce(buf), 3, dist.barrier, 0.0)
+        rounds = torch.tensor(max(0.02, 3 * blocking) / float(per_round)).ceil().int()
+        dist.all_reduce(rounds, op=dist.ReduceOp.MAX)
+        diffs = []
+        for _ in range(reps):
+            dist.barrier()
+            t = time.perf_counter()
+            _compute_block(int(rounds), a, b, x, y, z)
+            alone = time.perf_counter() - t
+            dist.barrier()
+            t = time.perf_counter()
+            handle = ops.all_reduce(buf, "sum", name)
+            _compute_block(int(rounds), a, b, x, y, z)
+            w = time.perf_counter()
+            ops.wait_tensor(handle)
+            end = time.perf_counter()
+            diffs.append((end - t) - alone)
+            waits.append(end - w)
+        mean = torch.tensor(statistics.median(diffs), dtype=torch.float64)
+        dist.all_reduce(mean)                              # every rank's figure: the ranks' mean
+        got.append((size, float(mean) / dist.get_world_size()))
+    (s0, t0), (s1, t1) = got
+    per_byte = max(0.0, (t1 - t0) / (s1 - s0))
+    return {"per_collective_s": max(0.0, t0 - per_byte * s0), "per_byte_s": per_byte, "samples": got,
+            "hidden": statistics.median(waits)}
+
+
 def measure_link(sizes=_SIZES, reps: int = 5, in_step_seconds: float = _MIN_SECONDS) -> dict:
     """Every rank of the current (gloo) process group calls it: the link's raw figures -- ``all_reduce``:
     (bytes, seconds) of a blocking all_reduce per size, after a barrier each time; ``collective_issue_s``
@@ -374,7 +437,15 @@ def measure_link(sizes=_SIZES, reps: int = 5, in_step_seconds: float = _MIN_SECO
         t = torch.ones(size // 4)
         comm.append((size, _time(lambda: dist.all_reduce(t), reps, dist.barrier)))
     return {"all_reduce": comm, "collective_issue_s": _measure_issue(),
-            "in_step": _measure_in_step(reps, in_step_seconds), "comm_cpu": _measure_comm_cpu()}
+            "in_step": _measure_in_step(reps, in_step_seconds), "comm_cpu": _measure_comm_cpu(),
+            "overlap_cpu": _measure_overlap_cpu(reps=reps)}
+
+
+def overlap_per_byte(raw: dict) -> float:
+    """``DeviceSpec.comm_cpu_per_byte`` from :func:`measure_link`'s figures: what a transfer took from the compute it
+    overlapped, per byte (:func:`_measure_overlap_cpu`); gloo's threads' own CPU per byte where that was not measured."""
+    over, cpu = raw.get("overlap_cpu"), raw.get("comm_cpu")
+    return over["per_byte_s"] if over else cpu["per_byte_s"] if cpu else 0.0
 
 
 def link_spec(raw: dict, n: int) -> LinkSpec:
@@ -483,11 +554,12 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
         spec = replace(spec, intra_node=link_spec(raw, world_size))
     if raw.get("collective_issue_s"):
         spec = replace(spec, device=replace(spec.device, collective_issue_s=raw["collective_issue_s"]))
-    cpu = raw.get("comm_cpu")
-    if cpu and world_size * raw.get("threads", 1) >= (os.cpu_count() or 1):
-        # the ranks' threads fill the cores: what gloo's threads run is taken from compute (DeviceSpec.comm_cpu_s)
-        spec = replace(spec, device=replace(spec.device, comm_cpu_s=cpu["per_collective_s"],
-                                            comm_cpu_per_byte=cpu["per_byte_s"]))
+    cpu, over = raw.get("comm_cpu"), raw.get("overlap_cpu")
+    if (cpu or over) and world_size * raw.get("threads", 1) >= (os.cpu_count() or 1):
+        # the ranks' threads fill the cores: what gloo's threads run per collective, and what a transfer takes from
+        # the compute it overlaps per byte, are compute's time (DeviceSpec.comm_cpu_s, comm_cpu_per_byte)
+        spec = replace(spec, device=replace(spec.device, comm_cpu_s=cpu["per_collective_s"] if cpu else 0.0,
+                                            comm_cpu_per_byte=overlap_per_byte(raw)))
     slots = in_step_slots(raw.get("in_step") or {}, raw.get("collective_issue_s", 0.0))
     if slots:
         raw["collective_slots"] = slots

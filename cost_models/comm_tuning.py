@@ -53,8 +53,8 @@ class BucketTiming:
 
 @dataclass
 class SimResult:
-    step_s: float                  # forward + backward + stalls (+ optimizer, when given)
-    stall_s: float
+    step_s: float                  # forward + backward (+ optimizer, when given) + stall_s
+    stall_s: float                 # the compute lane's time beyond compute: waits, and the CPU the pieces take
     events: list = field(default_factory=list)   # [(kind, bucket, [(op, piece id), ...]), ...]
     peak_inflight: int = 0
     pieces: list = field(default_factory=list)   # piece id -> (bucket, index within bucket, bytes)
@@ -64,12 +64,14 @@ def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cro
              t_opt: float = 0.0, issue_s: float = 0.0, cpu_per_byte: float = 0.0, early: bool = False) -> SimResult:
     """Simulate one steady-state step and return its issue plan (see the module docstring). ``issue_s``: the
     rank's CPU seconds per piece issued (``DeviceSpec.collective_issue_s``, and ``comm_cpu_s`` where gloo's threads
-    share the rank's cores), added to the step once per piece; ``cpu_per_byte``: what those threads take from
-    compute per byte moved (``DeviceSpec.comm_cpu_per_byte``), added once per byte of every piece. ``early`` (with
-    ``cross``; a fused step, whose graph can put an update anywhere before the first forward use): each bucket's update
-    runs as soon as its pieces have landed (:func:`_next_forward`), the next step's ``start`` event and ``("update",
-    bucket)`` ops say where; otherwise every update runs at its bucket's ``need`` event and the optimizer's time is
-    added after the stalls."""
+    share the rank's cores); ``cpu_per_byte``: what moving a byte takes from the rank's compute where it computes
+    meanwhile (``DeviceSpec.comm_cpu_per_byte``). Both run on the rank's compute lane when the piece is issued,
+    beside its transfer, as ``cost_models.simulate`` has it: a piece the rank then waits for costs
+    max(its CPU, its transfer), one that overlaps compute costs its CPU. ``early`` (with ``cross``; a fused step,
+    whose graph can put an update anywhere before the first forward use): each bucket's update runs as soon as its
+    pieces have landed (:func:`_next_forward`), the next step's ``start`` event and ``("update", bucket)`` ops say
+    where; otherwise every update runs at its bucket's ``need`` event and the optimizer's time is added after the
+    stalls."""
     pieces = [(b, j, n) for b, bt in enumerate(buckets) for j, n in enumerate(bt.pieces)]
     pid = {(b, j): i for i, (b, j, _) in enumerate(pieces)}
     big = max((n for _, _, n in pieces), default=0)
@@ -81,13 +83,14 @@ def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cro
     link = [0.0]                   # when the link is free
     used = [0]
 
-    def issue(p, x, ops):
+    def issue(p, x, ops):      # returns the compute lane's clock once the piece's CPU is paid
         start = max(x, link[0])
         link[0] = start + comm_s(pieces[p][2])
         inflight.append([p, link[0]])
         used[0] += pieces[p][2]
         res.peak_inflight = max(res.peak_inflight, used[0])
         ops.append(("issue", p))
+        return x + issue_s + cpu_per_byte * pieces[p][2]
 
     def wait(k, ops):
         p, end = inflight.pop(k)
@@ -101,26 +104,9 @@ def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cro
 
     def refill(x, ops):
         while queue and used[0] + pieces[queue[0][1]][2] <= credit:
-            issue(heapq.heappop(queue)[1], x, ops)
+            x = issue(heapq.heappop(queue)[1], x, ops)
+        return x
 
-    order = sorted(range(len(buckets)), key=lambda b: (buckets[b].ready_s, b))
-    late = 0.0                       # backward stalled by eager buckets' credit waits
-    for b in order:
-        x = t_fwd + buckets[b].ready_s + late
-        ops: list = []
-        for j in range(len(buckets[b].pieces)):
-            heapq.heappush(queue, (buckets[b].priority, pid[(b, j)]))
-        retire(x, ops)
-        refill(x, ops)
-        if buckets[b].eager:         # all of its pieces go now, waiting for the oldest in flight while credit is short
-            for p in sorted(q for _, q in queue if pieces[q][0] == b):
-                queue.remove(next(e for e in queue if e[1] == p))
-                heapq.heapify(queue)
-                while used[0] + pieces[p][2] > credit:
-                    x = max(x, wait(0, ops))
-                issue(p, x, ops)
-            late = x - (t_fwd + buckets[b].ready_s)
-        res.events.append(("ready", b, ops))
     def take(b, x, ops):       # bucket b's pieces not issued yet go now, waiting for the oldest in flight while credit is short
         for p in [pid[(b, j)] for j in range(len(buckets[b].pieces))]:
             if any(q == p for _, q in queue):
@@ -128,7 +114,7 @@ def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cro
                 heapq.heapify(queue)
                 while used[0] + pieces[p][2] > credit:
                     x = max(x, wait(0, ops))
-                issue(p, x, ops)
+                x = issue(p, x, ops)
         return x
 
     def land(b, x, ops):       # bucket b's pieces still in flight are waited (the rank stalls until they end)
@@ -138,6 +124,18 @@ def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cro
                 x = max(x, wait(k, ops))
         return x
 
+    late = 0.0                       # backward delayed: the pieces' CPU, eager buckets' credit waits
+    for b in sorted(range(len(buckets)), key=lambda b: (buckets[b].ready_s, b)):
+        x = t_fwd + buckets[b].ready_s + late
+        ops: list = []
+        for j in range(len(buckets[b].pieces)):
+            heapq.heappush(queue, (buckets[b].priority, pid[(b, j)]))
+        retire(x, ops)
+        x = refill(x, ops)
+        if buckets[b].eager:         # all of its pieces go now, waiting for the oldest in flight while credit is short
+            x = take(b, x, ops)
+        late = x - (t_fwd + buckets[b].ready_s)
+        res.events.append(("ready", b, ops))
     if cross and early:
         stall = _next_forward(buckets, pieces, t_fwd, t_bwd, t_opt, late, comm_s, queue, inflight, take, land, retire,
                               refill, res.events)
@@ -150,11 +148,11 @@ def simulate(buckets: list, t_fwd: float, t_bwd: float, comm_s, credit: int, cro
             retire(x, ops)
             x = land(b, take(b, x, ops), ops)
             retire(x, ops)
-            refill(x, ops)
+            x = refill(x, ops)
             stall = x - (base + (buckets[b].need_s if cross else 0.0))
             res.events.append(("need", b, ops))
     res.stall_s = stall
-    res.step_s = t_fwd + t_bwd + t_opt + stall + issue_s * len(pieces) + cpu_per_byte * sum(n for _, _, n in pieces)
+    res.step_s = t_fwd + t_bwd + t_opt + stall
     return res
 
 
@@ -194,8 +192,7 @@ def _next_forward(buckets, pieces, t_fwd, t_bwd, t_opt, late, comm_s, queue, inf
     x = t_fwd + t_bwd + late          # the step ends; the compute lane turns to the next step
     ops: list = []
     retire(x, ops)
-    x = fill(x, ops)
-    refill(x, ops)
+    x = refill(fill(x, ops), ops)
     events.append(("start", None, ops))
     at = 0.0                          # forward seconds run so far
     for b in order:
@@ -208,7 +205,7 @@ def _next_forward(buckets, pieces, t_fwd, t_bwd, t_opt, late, comm_s, queue, inf
             x = fill(x, ops, until=lambda x: landed(b, x))
             x = update(b, x, ops)
         retire(x, ops)
-        refill(x, ops)
+        x = refill(x, ops)
         events.append(("need", b, ops))
     x += t_fwd - at
     return x - (t_fwd + t_bwd) - t_fwd - t_opt

@@ -43,9 +43,10 @@ class DeviceSpec:
     # CPU seconds fxpar's runtime spends per graph it calls (an action: assembling the graph's arguments, reading
     # its results, the step's bookkeeping), on top of the graph's ops; from ClusterSpec.calibrate(). 0: not measured.
     action_overhead_s: float = 0.0
-    # CPU that a collective's own threads (gloo's) take from the rank's compute where the ranks' threads fill the
-    # cores: comm_cpu_s per collective + comm_cpu_per_byte per byte of its buffer, run beside the transfer once it
-    # is issued; from calibrate() (0 where the cores are not full: the threads get cores of their own). 0: free.
+    # CPU that a collective takes from the rank's compute where the ranks' threads fill the cores: comm_cpu_s per
+    # collective (gloo's threads) + comm_cpu_per_byte per byte of its buffer (gloo's threads and the kernel's network
+    # path: what a transfer took from the compute it overlapped, measured), run beside the transfer once it is
+    # issued; from calibrate() (0 where the cores are not full: the threads get cores of their own). 0: free.
     comm_cpu_s: float = 0.0
     comm_cpu_per_byte: float = 0.0
 

@@ -516,9 +516,25 @@ def test_issue_cost_is_paid_per_piece_and_steers_the_partition():
     free, dear = plan(0.0), plan(5e-3)
     assert len(dear["pieces"]) < len(free["pieces"])      # free issues: wte cut so its first rows go first
     n = len(dear["pieces"])
-    assert dear["predicted_step_s"] == pytest.approx(                     # the same plan without the issue cost + n of it
-        plan_stage(tm, lambda part: [["fc"], ["ln"], ["wte"]], shapes.get, lambda k: 8, lambda n: 1e-5 + n / 1e8, True,
-                   [["fc", "ln", "wte"]], dear["partition_bytes"], dear["credit_bytes"])[0]["predicted_step_s"] + n * 5e-3)
+    bare = plan_stage(tm, lambda part: [["fc"], ["ln"], ["wte"]], shapes.get, lambda k: 8, lambda n: 1e-5 + n / 1e8, True,
+                      [["fc", "ln", "wte"]], dear["partition_bytes"], dear["credit_bytes"])[0]["predicted_step_s"]
+    # the same plan pays each piece's CPU where the rank computes; where it waits for the piece the wait hides it
+    assert bare - 1e-12 <= dear["predicted_step_s"] <= bare + n * 5e-3 + 1e-12
+
+
+def test_a_pieces_cpu_runs_beside_its_transfer():
+    """``cpu_per_byte`` (what moving a byte takes from a rank's compute on full cores): on the compute lane from the
+    issue, beside the transfer. A piece the rank waits for at once costs max(its CPU, its transfer); one that
+    overlaps compute costs its CPU."""
+    from cost_models.comm_tuning import BucketTiming, simulate
+    comm = lambda x: x / 1e8        # noqa: E731   10 ms per MB
+    one = [BucketTiming(0.1, 0.0, [10**6])]           # made at the end of backward, waited at once (FIFO)
+    for cpb in (0.5e-8, 2e-8):                        # CPU 5 ms (under the 10 ms transfer) or 20 ms (over it)
+        got = simulate(one, 0.05, 0.1, comm, 10**6, False, cpu_per_byte=cpb).step_s
+        assert got == pytest.approx(0.15 + max(cpb * 10**6, 0.01))
+    early = [BucketTiming(0.0, 0.04, [10**6])]        # made first in backward, on the wire while backward runs
+    got = simulate(early, 0.05, 0.1, comm, 10**6, False, cpu_per_byte=0.5e-8).step_s
+    assert got == pytest.approx(0.15 + 0.005)
 
 
 def test_tied_gradient_is_cut_alike_on_every_stage():

@@ -175,3 +175,17 @@ def test_real_cleanup_of_a_dead_runs_leftovers():
         assert not os.path.exists(f"/var/run/netns/{name}")
     finally:
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_at_cap_charges_the_caps_measured_overlap_cost():
+    """``at_cap``: a spec that charges an overlapped transfer's CPU (the ranks fill the cores) takes the figure measured
+    through the veth at that cap; one that charges none (spare cores), or no figure, stays as it is."""
+    from dataclasses import replace
+
+    import fxpar
+    spec = fxpar.ClusterSpec.local(2)
+    full = replace(spec, device=replace(spec.device, comm_cpu_per_byte=1e-9))
+    raw = {"overlap_cpu": {"per_byte_s": 2.5e-9}, "comm_cpu": {"per_byte_s": 0.8e-9}}
+    assert nl.at_cap(full, raw).device.comm_cpu_per_byte == 2.5e-9
+    assert nl.at_cap(full, {"comm_cpu": {"per_byte_s": 0.8e-9}}).device.comm_cpu_per_byte == 0.8e-9   # older figures
+    assert nl.at_cap(spec, raw) == spec and nl.at_cap(full, None) == full

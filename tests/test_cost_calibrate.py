@@ -35,7 +35,11 @@ def test_calibrate_two_local_ranks():
     else:
         assert cpu["per_collective_s"] >= 0 and cpu["per_byte_s"] >= 0 and len(cpu["samples"]) == 2
         assert spec.device.comm_cpu_s == (cpu["per_collective_s"] if full else 0.0)
-        assert spec.device.comm_cpu_per_byte == (cpu["per_byte_s"] if full else 0.0)
+    # what a transfer took from the compute it overlapped: 1 and 4 MiB in flight beside a block of compute that hid them
+    over = raw["overlap_cpu"]
+    assert [s for s, _ in over["samples"]] == [1 << 20, 4 << 20] and over["per_byte_s"] >= 0
+    assert over["hidden"] < 1e-3                    # the block outlasted the transfer: the wait after it is free
+    assert spec.device.comm_cpu_per_byte == (over["per_byte_s"] if full else 0.0)
     # fxpar's runtime per graph call, in per-op units scaled by the per-op cost measured with every rank running
     assert raw["action_overhead_ops"] > 0
     assert spec.device.action_overhead_s == pytest.approx(raw["action_overhead_ops"] * spec.device.op_overhead_s)
