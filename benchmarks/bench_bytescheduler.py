@@ -18,7 +18,14 @@ visited once per round (``--rounds``):
 - torch DDP with 25 MB buckets (its default) and with each size of ``--sweep-mb``; the best of them;
 - DDP's compute alone (``no_sync()``), for the share of the step spent waiting on communication.
 
-Also the cost model's predicted ByteScheduler step (``Plan.comm_schedule['stages'][0]['predicted_step_s']``)
+Each round visits the cells of a cap in a rotated order (round r starts at the r-th), so that no method is always
+the first to run after the cap changes or after another method's memory was freed.
+
+Each cell is reported twice: its mean step (the timed steps' wall time, from the first rank to start them to the
+last to end them, over their number; the median over rounds: ``bench_capped_link.window_mean``) -- the throughput,
+and the fair figure for cross-iteration overlap, whose step begins by waiting for the previous step's pieces, so
+that per-step times alternate between ranks and steps while the window does not -- and the median of the per-step
+maxima over ranks. The ``compute`` cell (barriers between its steps) is the mean of its steps. Also the cost model's predicted ByteScheduler step (``Plan.comm_schedule['stages'][0]['predicted_step_s']``)
 against the measured one. The link adds bandwidth limits only (no netem: no latency).
 
     python benchmarks/bench_bytescheduler.py [--rates none,2gbit,1gbit,500mbit] [--steps 5] [--warmup 2] [--rounds 3]
@@ -39,7 +46,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import fxpar  # noqa: E402
-from bench_capped_link import ddp_bench_worker, fxpar_worker, per_step_max  # noqa: E402
+from bench_capped_link import ddp_bench_worker, fxpar_worker, per_step_max, window_mean  # noqa: E402
 from fxpar.cluster import LinkSpec  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
 from netns_link import CappedLink, NetnsCluster, at_cap, calibrate_link, format_rate, parse_rate  # noqa: E402
@@ -114,7 +121,7 @@ def main():
               + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in go.get("tried", {}).items())
               + f" ms (FIFO predicted {e['fifo_predicted_step_s'] * 1e3:.1f} ms)")
     t_start = time.perf_counter()
-    res = {}
+    res, runs = {}, {}
     with CappedLink() as link:
         print("link: " + (f"veth {link.names.dev_a} <-> {link.names.dev_b}, tbf per direction, no latency (no netem)"
                           if link.active else f"UNCAPPED 127.0.0.1 (missing: {link.missing})"))
@@ -122,23 +129,44 @@ def main():
             def cell(key, fn, argv):
                 outs = cl.run(fn, [argv(r) for r in range(w)])
                 res.setdefault(key, []).extend(per_step_max(outs))
+                runs.setdefault(key, []).append(window_mean(outs) if key[1] != "compute" else   # (its barriers)
+                                                max(sum(o["step_times"]) / len(o["step_times"]) for o in outs))
+
+            def cells(bps):           # (key, rank function, per-rank arguments) of every cell at a cap
+                out = [((bps, "bs"), fxpar_worker, lambda r: (bs[bps][1][r], batches, args.warmup))]
+                out += [((bps, f"bs_{o}"), fxpar_worker, lambda r, o=o: (forced[(bps, o)][1][r], batches, args.warmup))
+                        for o in orders]
+                out.append(((bps, "fifo"), fxpar_worker, lambda r: (fifo_payloads[r], batches, args.warmup)))
+                out += [((bps, f"ddp{mb:g}"), ddp_bench_worker,
+                         lambda r, mb=mb: (model, batches, gpt_loss, opt, mb, args.warmup, False)) for mb in [25.0] + sweep]
+                out.append(((bps, "compute"), ddp_bench_worker,
+                            lambda r: (model, batches, gpt_loss, opt, 25.0, args.warmup, True)))
+                return out
 
             for rnd in range(args.rounds):
                 for bps in rates:
                     link.set_rate(bps)
-                    pl = bs[bps][1]
-                    cell((bps, "bs"), fxpar_worker, lambda r: (pl[r], batches, args.warmup))
-                    for o in orders:
-                        cell((bps, f"bs_{o}"), fxpar_worker, lambda r: (forced[(bps, o)][1][r], batches, args.warmup))
-                    cell((bps, "fifo"), fxpar_worker, lambda r: (fifo_payloads[r], batches, args.warmup))
-                    for mb in [25.0] + sweep:
-                        cell((bps, f"ddp{mb:g}"), ddp_bench_worker,
-                             lambda r: (model, batches, gpt_loss, opt, mb, args.warmup, False))
-                    cell((bps, "compute"), ddp_bench_worker,
-                         lambda r: (model, batches, gpt_loss, opt, 25.0, args.warmup, True))
+                    todo = cells(bps)      # each round starts at another cell: none is always first after a cap change
+                    for key, fn, argv in todo[rnd % len(todo):] + todo[:rnd % len(todo)]:
+                        cell(key, fn, argv)
                 print(f"  round {rnd + 1}/{args.rounds} done ({time.perf_counter() - t_start:.0f} s)", flush=True)
-    med = {k: statistics.median(v) for k, v in res.items()}
-    print("\nmedian step time in ms (per step, the slower rank)")
+    for title, stat in (("mean step time in ms (a cell's timed steps' wall time, first rank to start to last to end, "
+                         "over their number; the median over rounds)", {k: statistics.median(v) for k, v in runs.items()}),
+                        ("median step time in ms (per step, the slower rank)",
+                         {k: statistics.median(v) for k, v in res.items()})):
+        table(title, stat, rates, orders, sweep, bs)
+    print("\nquartiles (q1-q3, ms) of the per-step times")
+    keys = ["bs"] + [f"bs_{o}" for o in orders] + ["fifo"] + [f"ddp{mb:g}" for mb in [25.0] + sweep] + ["compute"]
+    print(f"{'cap':>9} | " + " | ".join(f"{k:>11}" for k in keys))
+    for bps in rates:
+        qs = [statistics.quantiles(res[(bps, k)], n=4) for k in keys]
+        print(f"{format_rate(bps):>9} | " + " | ".join(f"{q[0] * 1e3:5.0f}-{q[2] * 1e3:<5.0f}" for q in qs))
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s; load average at end: "
+          f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])} (2 ranks of this run count about 2)")
+
+
+def table(title, med, rates, orders, sweep, bs):
+    print("\n" + title)
     print(f"{'cap':>9} | {'ByteSched':>9} | {'predicted':>9} | " + "".join(f"{'BS ' + o:>11} | " for o in orders) + f"{'fxpar FIFO':>10} | {'DDP 25MB':>8} | "
           f"{'best DDP':>14} | {'compute':>7} | {'BS/DDP25':>8} | {'BS/best':>7} | {'pred/meas':>9}")
     for bps in rates:
@@ -149,14 +177,6 @@ def main():
         pred = bs[bps][0].plan.comm_schedule["stages"][0]["predicted_step_s"]
         print(f"{format_rate(bps):>9} | {b * 1e3:9.1f} | {pred * 1e3:9.1f} | {bo}{f * 1e3:10.1f} | {d * 1e3:8.1f} | "
               f"{best * 1e3:7.1f} ({best_mb:g} MB) | {c * 1e3:7.1f} | {b / d:8.3f} | {b / best:7.3f} | {pred / b:9.3f}")
-    print("\nquartiles (q1-q3, ms) of the same per-step times")
-    keys = ["bs"] + [f"bs_{o}" for o in orders] + ["fifo"] + [f"ddp{mb:g}" for mb in [25.0] + sweep] + ["compute"]
-    print(f"{'cap':>9} | " + " | ".join(f"{k:>11}" for k in keys))
-    for bps in rates:
-        qs = [statistics.quantiles(res[(bps, k)], n=4) for k in keys]
-        print(f"{format_rate(bps):>9} | " + " | ".join(f"{q[0] * 1e3:5.0f}-{q[2] * 1e3:<5.0f}" for q in qs))
-    print(f"\ntotal {time.perf_counter() - t_start:.0f} s; load average at end: "
-          f"{' '.join(Path('/proc/loadavg').read_text().split()[:3])} (2 ranks of this run count about 2)")
 
 
 if __name__ == "__main__":

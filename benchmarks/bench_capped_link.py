@@ -42,15 +42,19 @@ def fxpar_worker(payload, batches, warmup):
     timed, as a run's end does."""
     from fxpar.runtime.executor import Executor
     ex = Executor(payload)
-    for b in batches:
+    for i, b in enumerate(batches):
+        if i == warmup:
+            t0 = time.perf_counter()
         ex.step(b)
+    t1 = time.perf_counter()
     ex.drain()
-    return {"step_times": ex.step_times[warmup:]}
+    return {"step_times": ex.step_times[warmup:], "window": (t0, t1)}
 
 
-def ddp_steps(m, opt, batches, loss_fn, warmup, no_sync=False) -> list:
+def ddp_steps(m, opt, batches, loss_fn, warmup, no_sync=False, window: list | None = None) -> list:
     """Timed DDP steps on this rank's shard of each global batch (the seconds of steps after ``warmup``);
-    ``no_sync``: the same step without the gradient all-reduce."""
+    ``no_sync``: the same step without the gradient all-reduce. ``window``: receives (start of the first timed
+    step, end of the last), ``time.perf_counter()`` (one clock for every process of this machine)."""
     import contextlib
 
     import torch.distributed as dist
@@ -70,6 +74,10 @@ def ddp_steps(m, opt, batches, loss_fn, warmup, no_sync=False) -> list:
         loss.item()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
+            if i == warmup and window is not None:
+                window.append(t0)
+    if window is not None:
+        window.append(time.perf_counter())
     return times
 
 
@@ -79,14 +87,23 @@ def ddp_bench_worker(model, batches, loss_fn, optimizer, bucket_cap_mb, warmup, 
     from torch.nn.parallel import DistributedDataParallel as DDP
     m = DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
     cls, kw = optimizer
-    times = ddp_steps(m, cls(m.parameters(), **kw), batches, loss_fn, warmup, no_sync)
+    window: list = []
+    times = ddp_steps(m, cls(m.parameters(), **kw), batches, loss_fn, warmup, no_sync, window)
     dist.barrier()
-    return {"step_times": times}
+    return {"step_times": times, "window": tuple(window)}
 
 
 def per_step_max(outs):
     """A step ends when its slowest rank ends: the per-step maximum over ranks."""
     return [max(o["step_times"][i] for o in outs) for i in range(len(outs[0]["step_times"]))]
+
+
+def window_mean(outs) -> float:
+    """A run's seconds per step: from the first rank to start the timed steps to the last rank to end them, over
+    their number (the ranks share this machine's ``time.perf_counter()`` clock). Under cross-iteration overlap a
+    step begins by waiting for the previous step's pieces, so its own time depends on where the previous one
+    ended -- per-step times alternate between steps and ranks -- while the window does not."""
+    return (max(o["window"][1] for o in outs) - min(o["window"][0] for o in outs)) / len(outs[0]["step_times"])
 
 
 def main():

@@ -119,7 +119,6 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
     out = []
     for s, captured in enumerate(stages):
         kinds = graph_kinds(schedule, s)
-        pm = PassManager(default_passes(plan, custom_passes, kinds, synchronous), keep_history=keep_history)
         gm = copy.deepcopy(captured.gm)
         gm.meta["fxpar_signature"] = captured.signature.copy()
         if (plan.recompute or {}).get("policy", "none") != "none":     # the planner decides, the pass carries it out
@@ -130,6 +129,8 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":   # buckets, pieces, issue plan of the stage
             from .planner_comm import plan_comm_schedule
             plan_comm_schedule(plan, s, captured, cluster, fused=kinds == ("FULL",))
+        # the pass list reads the decisions above (cross-iteration overlap is one)
+        pm = PassManager(default_passes(plan, custom_passes, kinds, synchronous), keep_history=keep_history)
         rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
                           signature=gm.meta["fxpar_signature"], captured=captured)

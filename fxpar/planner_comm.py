@@ -29,7 +29,8 @@ def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None, asy
     if strategy.comm_schedule == "fifo":
         return
     held = [sum(pr in rs for rs in plan.stage_to_rank) for pr in range(plan.pp)]
-    why = ("dp=1: no gradient is communicated" if plan.dp == 1 else
+    why = ("Strategy(cross_iteration=False)" if strategy.cross_iteration is False else
+           "dp=1: no gradient is communicated" if plan.dp == 1 else
            f"schedule {plan.schedule!r} is asynchronous: a stage steps inside the window, there is no next step's first "
            "forward to move it to" if asynchronous else
            f"schedule {plan.schedule!r} puts {max(held)} stages on one rank: a stage's update would have to wait for "
@@ -39,7 +40,7 @@ def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None, asy
     mb = lambda v: None if v is None else int(v * 2**20)      # noqa: E731
     plan.comm_schedule = {"method": strategy.comm_schedule, "partition_bytes": mb(strategy.partition_mb),
                           "credit_bytes": mb(strategy.credit_mb), "grad_order": strategy.grad_order,
-                          "cross_iteration": not why,
+                          "cross_iteration": not why, "cross_iteration_asked": strategy.cross_iteration,
                           "why_not_cross_iteration": why, "stages": []}
     if strategy.delayed_update:
         if why:
@@ -117,6 +118,24 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster, fused: bool = 
         fastest = "natural"
     entry, buckets = made_by[fastest]
     entry["grad_order"]["tried"] = step
+    if fused and cs.get("cross_iteration") and cs.get("cross_iteration_asked") is None \
+            and not cs.get("delayed_update") and asked != "priority":
+        within, within_buckets = plan_stage(       # the same tuning with every wait in its own step
+            tm0, lambda part: plan_buckets(captured, part, part, groups), lambda k: captured.param_shapes[k],
+            lambda k: _itemsize(captured.param_dtypes[k]), lambda n: collective_cost("all_reduce", n, ranks, cluster).time_s,
+            False, plan.buckets[stage], cs.get("partition_bytes"), cs.get("credit_bytes"))
+        if within["predicted_step_s"] <= entry["predicted_step_s"] * (1 + _CROSS_GAIN):
+            cs["cross_iteration"] = False
+            cs["why_not_cross_iteration"] = (
+                f"the cost model predicts the step within {_CROSS_GAIN:.0%} as fast without it on this cluster "
+                f"({within['predicted_step_s'] * 1e3:.3g} ms waiting every piece in its step vs "
+                f"{entry['predicted_step_s'] * 1e3:.3g} ms carrying them into the next): cross-iteration overlap is "
+                "not worth its cost here (Strategy(cross_iteration=True) forces it)")
+            within["grad_order"] = {"mode": "natural", "first": 0, "keys": [], "tried": {"natural": within["predicted_step_s"]},
+                                    "why_natural": "no cross-iteration overlap: the optimizer waits for every gradient at once"}
+            within["cross_iteration_predicted_step_s"] = entry["predicted_step_s"]
+            entry, buckets = within, within_buckets
+            why_not = None
     if why_not:
         entry["grad_order"]["why_natural"] = why_not
     plan.buckets[stage] = buckets
@@ -138,6 +157,7 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster, fused: bool = 
 
 
 _REORDER_GAIN = 0.02      # reorder backward only when predicted at least 2% faster (it keeps dY tensors longer)
+_CROSS_GAIN = 0.02        # carry waits and updates into the next step only when predicted at least 2% faster
 
 
 def _why_not_grad_order(plan: Plan, captured, fused: bool) -> str | None:

@@ -97,6 +97,12 @@ class Strategy:
         (``passes/grad_order.py``): ``"natural"`` (as traced), ``"priority"`` (the next forward's need order: the
         input gradients first, then each layer's weight gradients, first layers first), or None: the cost model
         simulates natural, priority and mixes of the two and keeps the fastest (natural unless 2% faster).
+    cross_iteration: under ByteScheduler, whether each step's gradient waits and updates move into the next step:
+        True wherever the program allows it (dp > 1, a traced optimizer, a synchronous schedule with one stage per
+        rank), False never (the issue plan then orders the pieces within the step), None (default): as True, except
+        that on a fused step (one stage, one microbatch) the cost model decides -- without it where the simulation
+        predicts the step within 2% as fast that way (on full CPU cores an overlapped transfer costs the compute
+        more CPU than a waited one, so a fast link's gradients are better waited; the Plan says so).
     """
     dp: int = 1
     tp: int = 1
@@ -123,6 +129,7 @@ class Strategy:
     credit_mb: float | None = None
     sharding: "str | dict" = "auto"
     grad_order: str | None = None
+    cross_iteration: bool | None = None
 
     def __post_init__(self):
         if self.delayed_update:
@@ -200,6 +207,20 @@ class Strategy:
             if self.comm_schedule != "bytescheduler":
                 raise StrategyError(f"Strategy(grad_order={self.grad_order!r}) is a ByteScheduler setting (the order "
                                     "backward makes the gradients it sends): add comm_schedule='bytescheduler' or drop it")
+        if self.cross_iteration is not None:
+            if not isinstance(self.cross_iteration, bool):
+                raise StrategyError(f"Strategy(cross_iteration={self.cross_iteration!r}): True, False, or None (the cost "
+                                    "model decides)")
+            if self.comm_schedule != "bytescheduler":
+                raise StrategyError(f"Strategy(cross_iteration={self.cross_iteration!r}) is a ByteScheduler setting (each "
+                                    "step's gradient waits and updates moved into the next step): add "
+                                    "comm_schedule='bytescheduler' or drop it")
+            if not self.cross_iteration and self.delayed_update:
+                raise StrategyError("Strategy(delayed_update=True, cross_iteration=False): the delayed update carries each "
+                                    "step's update into the next step, which is cross-iteration: drop cross_iteration")
+            if not self.cross_iteration and self.grad_order == "priority":
+                raise StrategyError("Strategy(grad_order='priority', cross_iteration=False): backward's need order serves "
+                                    "the next step's forward, which only cross-iteration overlap waits on: drop one of them")
         if self.comm_schedule == "bytescheduler" and getattr(self, "zero", 0):
             if not getattr(self, "delayed_update", False):
                 raise StrategyError(f"Strategy(comm_schedule='bytescheduler', zero={self.zero}): ByteScheduler's priority, "

@@ -47,10 +47,10 @@ def _batches(kind, n=3, batch=8):
 MODELS = {"gpt": (_gpt, gpt_loss), "mlp": (_mlp, F.mse_loss)}
 
 
-def _program(kind, opt, strategy, n=3, **kw):
+def _program(kind, opt, strategy, n=3, cluster=None, **kw):
     make, loss_fn = MODELS[kind]
     model, batches = make(), _batches(kind, n)
-    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy.size), batches[0], loss_fn=loss_fn,
+    prog = fxpar.parallelize(model, cluster or fxpar.ClusterSpec.local(strategy.size), batches[0], loss_fn=loss_fn,
                              optimizer=opt, strategy=strategy, **kw)
     return model, batches, loss_fn, prog
 
@@ -85,6 +85,30 @@ def test_cross_iteration_matches_single_process(clusters, kind, opt, dp):
     assert cs["cross_iteration"] and set(prog.stages[0].graphs) == {"FULL", "FIRST", "DRAIN"}
     assert any(r0 is not None for _, r0, _ in cs["stages"][0]["pieces"])       # some gradient is cut in rows
     _assert_matches(prog.run_local(batches, cluster=clusters.get(dp)), model, batches, loss_fn, opt)
+
+
+def test_cross_iteration_only_where_the_cost_model_says_it_pays(clusters):
+    """Where an overlapped transfer costs the compute more than a waited one (full CPU cores: ``comm_cpu_per_byte``)
+    and the link is fast, the planner keeps every wait in its own step -- cross-iteration overlap predicted no better
+    -- and says why; the program is then the in-step issue plan, updated in place, equal to single process.
+    ``Strategy(cross_iteration=True)`` keeps the overlap, ``False`` drops it whatever the cost model says."""
+    from dataclasses import replace
+    base = fxpar.ClusterSpec.local(2)
+    busy = replace(base, device=replace(base.device, comm_cpu_per_byte=2e-9))        # 2 ms of compute per MiB moved
+    model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler"),
+                                             cluster=busy)
+    cs, entry = prog.plan.comm_schedule, prog.plan.comm_schedule["stages"][0]
+    assert not cs["cross_iteration"] and "cost model predicts" in cs["why_not_cross_iteration"]
+    assert entry["predicted_step_s"] <= 1.02 * entry["cross_iteration_predicted_step_s"]
+    assert set(prog.stages[0].graphs) == {"FULL"} and "reinplace_optimizer" in [h.pass_name for h in prog.history(0)]
+    assert any("no cross-iteration overlap: the cost model predicts" in n for n in prog.plan.notes)
+    _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, ADAMW)
+    forced = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=True),
+                      cluster=busy)[3]
+    assert forced.plan.comm_schedule["cross_iteration"] and "DRAIN" in forced.stages[0].graphs
+    off = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=False))[3]
+    assert not off.plan.comm_schedule["cross_iteration"] and set(off.stages[0].graphs) == {"FULL"}
+    assert off.plan.comm_schedule["why_not_cross_iteration"] == "Strategy(cross_iteration=False)"
 
 
 def test_cross_iteration_with_lr_scheduler(clusters):
@@ -455,6 +479,14 @@ def test_bad_settings_are_refused():
         fxpar.Strategy(dp=2, comm_schedule="bytescheduler", partition_mb=0)
     with pytest.raises(StrategyError, match="choose one of"):
         fxpar.Strategy(dp=2, comm_schedule="lifo")
+    with pytest.raises(StrategyError, match=r"cross_iteration=True\) is a ByteScheduler setting"):
+        fxpar.Strategy(dp=2, cross_iteration=True)
+    with pytest.raises(StrategyError, match="True, False, or None"):
+        fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration="yes")
+    with pytest.raises(StrategyError, match="delayed update carries"):
+        fxpar.Strategy(dp=2, delayed_update=True, cross_iteration=False)
+    with pytest.raises(StrategyError, match="drop one of them"):
+        fxpar.Strategy(dp=2, comm_schedule="bytescheduler", grad_order="priority", cross_iteration=False)
 
 
 # ---- the simulation the plan comes from (cost_models/comm_tuning.py) ----------------------------------
