@@ -522,14 +522,16 @@ def calibrate_link(rates, threads: int | None = None, sizes=None, reps: int = 5,
     return {bps: replace(v, latency=alpha) for bps, v in out.items()}
 
 
-def at_cap(spec, raw: dict | None):
+def at_cap(spec, raw: dict | None, ranks: int = 2):
     """``spec`` with what a transfer takes from the compute it overlaps (``DeviceSpec.comm_cpu_per_byte``) as
-    measured through the veth at one cap (``raw``: that rate's figures from :func:`calibrate_link`): the kernel's
-    tbf/veth path costs more CPU per byte at a low rate (on 2 cores 1.5-1.8 ms per MiB uncapped, 2-3 at 1 Gbit/s).
-    Unchanged where ``spec`` charges none (the cores are not full) or nothing was measured."""
+    measured through the veth at one cap (``raw``: that rate's figures from :func:`calibrate_link`, by ``ranks``
+    processes): the kernel's tbf/veth path costs more CPU per byte at a low rate (on 2 cores 1.5-1.8 ms per MiB
+    uncapped, 2-3 at 1 Gbit/s). Unchanged where ``spec`` charges none (the cores are not full), nothing was measured,
+    or ``spec`` runs another number of processes (its workers and CPU servers) on these cores than measured it:
+    what a byte costs each rank's compute depends on how many share the cores (``spec`` keeps its own calibration)."""
     from dataclasses import replace
     from cost_models.calibrate import overlap_per_byte
-    if not raw or not spec.device.comm_cpu_per_byte:
+    if not raw or not spec.device.comm_cpu_per_byte or spec.world_size + spec.cpu_servers != ranks:
         return spec
     return replace(spec, device=replace(spec.device, comm_cpu_per_byte=overlap_per_byte(raw)))
 

@@ -6,7 +6,8 @@
 ``world_size`` processes are spawned (``torch.multiprocessing``, start method ``spawn``) and
 joined in a gloo group on 127.0.0.1 at a free port (a socket bound to port 0). While all ranks
 run at once, as they will in training, each times (with a barrier before each repetition; where there are
-more threads in all ranks than cores, without, so that the ranks share the cores as in training):
+more threads in all ranks than cores, a loop's mean over 1 s of wall time on every rank at once instead,
+:func:`_time_shared`, so that each rank measures its share of the cores as in training):
 
 - a GraphModule of 200 tiny aten ops (views, slices, copies, adds: :func:`_mixed_ops_graph`) ->
   ``device.op_overhead_s`` (per-op dispatch cost);
@@ -183,7 +184,31 @@ def op_overhead(reps: int = 5) -> float:
     return _time(ops, reps) / n_ops
 
 
-def _measure_compute(reps: int, sync=None) -> dict:
+def _time_shared(fn, seconds: float = 4 * _MIN_SECONDS) -> float:
+    """Seconds per call of ``fn`` where the ranks share the cores: every rank (from a barrier, all at once) calls
+    it for ``seconds`` of wall time; the wall time over the calls. One call is often shorter than the
+    scheduler's time slice and then runs on a core of its own, so the median of single calls reports a core per
+    rank (4 ranks on 2 cores: 58-125 GFLOP/s per rank from run to run); the loop's mean is each rank's share."""
+    import torch.distributed as dist
+    fn()
+    if dist.is_initialized():
+        dist.barrier()
+    count, start = 0, time.perf_counter()
+    while True:
+        fn()
+        count += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return elapsed / count
+
+
+def _measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
+    """The compute figures, each the median of single calls (a barrier before each with ``sync``), or where the
+    ranks share the cores (``shared``) each a loop's mean over the same wall time on every rank (:func:`_time_shared`)."""
+    if shared:
+        _time = lambda fn, reps, sync: _time_shared(fn)        # noqa: E731,F811
+    else:
+        _time = globals()["_time"]
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
     x, y = torch.randn(4 << 20), torch.randn(4 << 20)
@@ -389,6 +414,8 @@ def _measure_overlap_cpu(sizes=_OVERLAP_SIZES, reps: int = 5) -> dict:
     import torch.distributed as dist
     name = dist.group.WORLD.group_name
     ops = torch.ops._c10d_functional
+    if dist.get_world_size() * torch.get_num_threads() > (os.cpu_count() or 1):
+        reps *= 3                  # more ranks than cores: each block's time depends on the others' time slices
     a, b = torch.randn(256, 256), torch.randn(256, 1024)
     x, y, z = torch.randn(1 << 20), torch.randn(1 << 20), torch.empty(1 << 20)
     start = time.perf_counter()
@@ -497,7 +524,7 @@ def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False,
         # in training (a barrier staggers them: the first ranks out of it get the cores to themselves and the op
         # times as if alone -- 23-81 GFLOP/s per rank from run to run with 4 ranks on 2 cores)
         shared = world_size * torch.get_num_threads() > (os.cpu_count() or 1)
-        compute = _measure_compute(reps, None if shared else dist.barrier)
+        compute = _measure_compute(reps, None if shared else dist.barrier, shared)
         dist.barrier()
         link = measure_link(sizes, reps)
         late = _measure_late_recv(rank)

@@ -189,3 +189,5 @@ def test_at_cap_charges_the_caps_measured_overlap_cost():
     assert nl.at_cap(full, raw).device.comm_cpu_per_byte == 2.5e-9
     assert nl.at_cap(full, {"comm_cpu": {"per_byte_s": 0.8e-9}}).device.comm_cpu_per_byte == 0.8e-9   # older figures
     assert nl.at_cap(spec, raw) == spec and nl.at_cap(full, None) == full
+    four = replace(full, devices_per_node=4)         # 4 ranks share the cores: measured by 2, not theirs
+    assert nl.at_cap(four, raw) == four and nl.at_cap(replace(full, cpu_servers=1), raw).device.comm_cpu_per_byte == 1e-9
