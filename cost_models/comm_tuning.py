@@ -26,9 +26,12 @@ the captured graph, and writes down what the rank does at each event of the step
 Each event's ops are ``("issue", piece)`` / ``("wait", piece)`` / ``("update", bucket)``, in order; the graph pass
 (``passes.comm_schedule``) materialises them. The link serves pieces in issue order (one process
 group: gloo and NCCL run one group's collectives in order). In-flight bytes (issued, not waited)
-never exceed the credit, by construction. The predicted step time is forward + backward + the stalls + the
-rank's CPU for issuing each piece (``DeviceSpec.collective_issue_s``, measured by ``cost_models.calibrate``), which
-also keeps the tuner from cutting more pieces than they are worth.
+never exceed the credit, by construction. The predicted step time is forward + backward (+ the optimizer) + the
+compute lane's time beyond them: its stalls, and each piece's CPU (its issue, ``DeviceSpec.collective_issue_s``, and
+where the ranks fill the cores what its transfer takes from the compute it overlaps, ``comm_cpu_s`` +
+``comm_cpu_per_byte`` × its bytes, measured by ``cost_models.calibrate``), paid on the lane from the issue beside the
+transfer, so hidden where the rank waits for the piece anyway. That CPU also keeps the tuner from cutting more pieces
+than they are worth, and on full cores from overlapping a fast link's transfer at all.
 """
 from __future__ import annotations
 
@@ -192,7 +195,7 @@ def _next_forward(buckets, pieces, t_fwd, t_bwd, t_opt, late, comm_s, queue, inf
     x = t_fwd + t_bwd + late          # the step ends; the compute lane turns to the next step
     ops: list = []
     retire(x, ops)
-    x = refill(fill(x, ops), ops)
+    x = refill(fill(refill(x, ops), ops), ops)     # queued pieces onto the wire first, then the landed updates
     events.append(("start", None, ops))
     at = 0.0                          # forward seconds run so far
     for b in order:
