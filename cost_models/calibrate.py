@@ -205,23 +205,21 @@ def _time_shared(fn, seconds: float = 4 * _MIN_SECONDS) -> float:
 def _measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
     """The compute figures, each the median of single calls (a barrier before each with ``sync``), or where the
     ranks share the cores (``shared``) each a loop's mean over the same wall time on every rank (:func:`_time_shared`)."""
-    if shared:
-        _time = lambda fn, reps, sync: _time_shared(fn)        # noqa: E731,F811
-    else:
-        _time = globals()["_time"]
+    def timed(fn) -> float:
+        return _time_shared(fn) if shared else _time(fn, reps, sync)
     n = 512
     a, b = torch.randn(n, n), torch.randn(n, n)
     x, y = torch.randn(4 << 20), torch.randn(4 << 20)
     s = torch.randn(1024, 1024)
-    t_mm = _time(lambda: torch.mm(a, b), reps, sync)
-    t_add = _time(lambda: torch.add(x, y), reps, sync)
-    t_sm = _time(lambda: torch.softmax(s, -1), reps, sync)
-    t_ln = _time(lambda: torch.nn.functional.layer_norm(s, (1024,)), reps, sync)
+    t_mm = timed(lambda: torch.mm(a, b))
+    t_add = timed(lambda: torch.add(x, y))
+    t_sm = timed(lambda: torch.softmax(s, -1))
+    t_ln = timed(lambda: torch.nn.functional.layer_norm(s, (1024,)))
     ops, n_ops = _tiny_ops_graph()
-    t_op = _time(ops, reps, sync) / n_ops
-    t_gelu = _time(lambda: torch.nn.functional.gelu(s), reps, sync)
+    t_op = timed(ops) / n_ops
+    t_gelu = timed(lambda: torch.nn.functional.gelu(s))
     q, k, v = (torch.randn(*_SDPA_SHAPE) for _ in range(3))
-    t_sdpa = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True), reps, sync)
+    t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
     return {"gelu_s": t_gelu, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
             "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel()}
 
