@@ -441,9 +441,9 @@ def _measure_overlap_cpu(sizes=_OVERLAP_SIZES, reps: int = 5) -> dict:
             end = time.perf_counter()
             diffs.append((end - t) - alone)
             waits.append(end - w)
-        mean = torch.tensor(statistics.median(diffs), dtype=torch.float64)
-        dist.all_reduce(mean)                              # every rank's figure: the ranks' mean
-        got.append((size, float(mean) / dist.get_world_size()))
+        added = torch.tensor(statistics.median(diffs), dtype=torch.float64)
+        dist.all_reduce(added)                             # every rank's figure: the mean of the ranks' medians
+        got.append((size, float(added) / dist.get_world_size()))
     (s0, t0), (s1, t1) = got
     per_byte = max(0.0, (t1 - t0) / (s1 - s0))
     return {"per_collective_s": max(0.0, t0 - per_byte * s0), "per_byte_s": per_byte, "samples": got,
@@ -518,9 +518,10 @@ def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False,
         dist.destroy_process_group()
         return
     try:
-        # more ranks than cores: no barrier between repetitions, so every rank's loop runs beside the others' as
-        # in training (a barrier staggers them: the first ranks out of it get the cores to themselves and the op
-        # times as if alone -- 23-81 GFLOP/s per rank from run to run with 4 ranks on 2 cores)
+        # more ranks than cores: each figure a loop's mean over the same wall time on every rank (_time_shared), so
+        # every rank's loop runs beside the others' as in training (a barrier before each call staggers them, and a
+        # single call fits in a time slice: either way a rank times its ops as if alone -- 23-125 GFLOP/s per rank
+        # from run to run with 4 ranks on 2 cores)
         shared = world_size * torch.get_num_threads() > (os.cpu_count() or 1)
         compute = _measure_compute(reps, None if shared else dist.barrier, shared)
         dist.barrier()

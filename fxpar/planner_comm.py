@@ -85,18 +85,21 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster, fused: bool = 
     if asked == "priority" and why_not:
         raise StrategyError(f"Strategy(comm_schedule='bytescheduler', grad_order='priority'), stage {stage}: backward's "
                             f"gradient order cannot be changed here: {why_not}. Use grad_order=None or 'natural'.")
+    def tuned(tm, made, cross):          # ByteScheduler's tuning of this stage with backward making ``made`` in order
+        return plan_stage(
+            tm, lambda part: plan_buckets(captured, part, part, groups, made),
+            lambda k: captured.param_shapes[k], lambda k: _itemsize(captured.param_dtypes[k]),
+            lambda n: collective_cost("all_reduce", n, ranks, cluster).time_s, cross,
+            plan.buckets[stage], cs.get("partition_bytes"), cs.get("credit_bytes"),
+            shared=lambda keys: any(str(groups.get(k)).startswith("tied.") for k in keys), early=fused and cross)
+
     made_by = {}
     try:
         for label, mode, first, backward in _grad_order_candidates(captured, tm0, why_not, asked):
             tm = tm0 if backward is None else stage_timings(captured.gm, captured.signature, cluster.device,
                                                             backward=backward, times=times)
             made = sorted(tm["ready"], key=tm["ready"].__getitem__)
-            entry, buckets = plan_stage(
-                tm, lambda part: plan_buckets(captured, part, part, groups, made),
-                lambda k: captured.param_shapes[k], lambda k: _itemsize(captured.param_dtypes[k]),
-                lambda n: collective_cost("all_reduce", n, ranks, cluster).time_s, bool(cs.get("cross_iteration")),
-                plan.buckets[stage], cs.get("partition_bytes"), cs.get("credit_bytes"),
-                shared=lambda keys: any(str(groups.get(k)).startswith("tied.") for k in keys), early=fused)
+            entry, buckets = tuned(tm, made, bool(cs.get("cross_iteration")))
             entry["grad_order"] = {"mode": mode, "first": first, "keys": made if mode != "natural" else []}
             made_by[label] = (entry, buckets)
     except CreditError as e:
@@ -120,10 +123,7 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster, fused: bool = 
     entry["grad_order"]["tried"] = step
     if fused and cs.get("cross_iteration") and cs.get("cross_iteration_asked") is None \
             and not cs.get("delayed_update") and asked != "priority":
-        within, within_buckets = plan_stage(       # the same tuning with every wait in its own step
-            tm0, lambda part: plan_buckets(captured, part, part, groups), lambda k: captured.param_shapes[k],
-            lambda k: _itemsize(captured.param_dtypes[k]), lambda n: collective_cost("all_reduce", n, ranks, cluster).time_s,
-            False, plan.buckets[stage], cs.get("partition_bytes"), cs.get("credit_bytes"))
+        within, within_buckets = tuned(tm0, sorted(tm0["ready"], key=tm0["ready"].__getitem__), False)   # every wait in its step
         if within["predicted_step_s"] <= entry["predicted_step_s"] * (1 + _CROSS_GAIN):
             cs["cross_iteration"] = False
             cs["why_not_cross_iteration"] = (

@@ -318,6 +318,8 @@ class Strategy:
             parts.append(f"zero={self.zero}")
         if self.comm_schedule != "fifo":
             parts.append(f"comm_schedule={self.comm_schedule!r}")
+        if self.cross_iteration is not None:
+            parts.append(f"cross_iteration={self.cross_iteration}")
         if self.pp > 1:
             sched = self.schedule or "1f1b"
             if self._custom_schedule:

@@ -106,6 +106,7 @@ def test_cross_iteration_only_where_the_cost_model_says_it_pays(clusters):
     forced = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=True),
                       cluster=busy)[3]
     assert forced.plan.comm_schedule["cross_iteration"] and "DRAIN" in forced.stages[0].graphs
+    assert "cross_iteration=True" in forced.explain().splitlines()[0]                 # the user's setting, shown
     off = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=False))[3]
     assert not off.plan.comm_schedule["cross_iteration"] and set(off.stages[0].graphs) == {"FULL"}
     assert off.plan.comm_schedule["why_not_cross_iteration"] == "Strategy(cross_iteration=False)"
