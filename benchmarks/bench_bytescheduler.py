@@ -16,6 +16,9 @@ visited once per round (``--rounds``):
   ``passes/grad_order.py``);
 - fxpar FIFO: ``Strategy(dp=2, bucket_cap_mb=25)`` (DDP-style buckets);
 - torch DDP with 25 MB buckets (its default) and with each size of ``--sweep-mb``; the best of them;
+- torch DDP with 25 MB buckets and ``AdamW(fused=True)``: fxpar runs a traced Adam/AdamW update as ATen's fused
+  kernel on CPU (``passes/fuse_optimizer.py``), torch.optim's CPU default is one tensor at a time, so this cell
+  gives DDP the same kernel (``BS/DDPf``: fxpar against it);
 - DDP's compute alone (``no_sync()``), for the share of the step spent waiting on communication.
 
 Each round visits the cells of a cap in a rotated order (round r starts at the r-th), so that no method is always
@@ -85,6 +88,7 @@ def main():
     batches = [(torch.randint(0, args.vocab, (args.batch, args.seq)), torch.randint(0, args.vocab, (args.batch, args.seq)))
                for _ in range(n)]
     opt = (torch.optim.AdamW, {"lr": 1e-3})
+    opt_fused = (torch.optim.AdamW, {"lr": 1e-3, "fused": True})     # DDP with the kernel fxpar's update runs
     print(f"load average at start: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     calibrated = fxpar.ClusterSpec.calibrate(world_size=w, threads=args.threads, pin=args.pin,
                                              comm_priority=args.comm_priority)
@@ -139,6 +143,8 @@ def main():
                 out.append(((bps, "fifo"), fxpar_worker, lambda r: (fifo_payloads[r], batches, args.warmup)))
                 out += [((bps, f"ddp{mb:g}"), ddp_bench_worker,
                          lambda r, mb=mb: (model, batches, gpt_loss, opt, mb, args.warmup, False)) for mb in [25.0] + sweep]
+                out.append(((bps, "ddpf25"), ddp_bench_worker,
+                            lambda r: (model, batches, gpt_loss, opt_fused, 25.0, args.warmup, False)))
                 out.append(((bps, "compute"), ddp_bench_worker,
                             lambda r: (model, batches, gpt_loss, opt, 25.0, args.warmup, True)))
                 return out
@@ -156,7 +162,7 @@ def main():
                          {k: statistics.median(v) for k, v in res.items()})):
         table(title, stat, rates, orders, sweep, bs)
     print("\nquartiles (q1-q3, ms) of the per-step times")
-    keys = ["bs"] + [f"bs_{o}" for o in orders] + ["fifo"] + [f"ddp{mb:g}" for mb in [25.0] + sweep] + ["compute"]
+    keys = ["bs"] + [f"bs_{o}" for o in orders] + ["fifo"] + [f"ddp{mb:g}" for mb in [25.0] + sweep] + ["ddpf25", "compute"]
     print(f"{'cap':>9} | " + " | ".join(f"{k:>11}" for k in keys))
     for bps in rates:
         qs = [statistics.quantiles(res[(bps, k)], n=4) for k in keys]
@@ -168,15 +174,18 @@ def main():
 def table(title, med, rates, orders, sweep, bs):
     print("\n" + title)
     print(f"{'cap':>9} | {'ByteSched':>9} | {'predicted':>9} | " + "".join(f"{'BS ' + o:>11} | " for o in orders) + f"{'fxpar FIFO':>10} | {'DDP 25MB':>8} | "
-          f"{'best DDP':>14} | {'compute':>7} | {'BS/DDP25':>8} | {'BS/best':>7} | {'pred/meas':>9}")
+          f"{'best DDP':>14} | {'DDP fused':>9} | {'compute':>7} | {'BS/DDP25':>8} | {'BS/best':>7} | {'BS/DDPf':>7} | "
+          f"{'pred/meas':>9}")
     for bps in rates:
         b, f, d, c = med[(bps, "bs")], med[(bps, "fifo")], med[(bps, "ddp25")], med[(bps, "compute")]
+        df = med[(bps, "ddpf25")]
         bo = "".join(f"{med[(bps, f'bs_{o}')] * 1e3:11.1f} | " for o in orders)
         best_mb = min([25.0] + sweep, key=lambda mb: med[(bps, f"ddp{mb:g}")])
         best = med[(bps, f"ddp{best_mb:g}")]
         pred = bs[bps][0].plan.comm_schedule["stages"][0]["predicted_step_s"]
         print(f"{format_rate(bps):>9} | {b * 1e3:9.1f} | {pred * 1e3:9.1f} | {bo}{f * 1e3:10.1f} | {d * 1e3:8.1f} | "
-              f"{best * 1e3:7.1f} ({best_mb:g} MB) | {c * 1e3:7.1f} | {b / d:8.3f} | {b / best:7.3f} | {pred / b:9.3f}")
+              f"{best * 1e3:7.1f} ({best_mb:g} MB) | {df * 1e3:9.1f} | {c * 1e3:7.1f} | {b / d:8.3f} | {b / best:7.3f} | "
+              f"{b / df:7.3f} | {pred / b:9.3f}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ always works. Lookup order for a node's target:
    reported in :attr:`GraphCompute.defaulted` so ``explain()`` can show it.
 
 Bytes are every input and output, except for gathers and scatters (``BYTES_RULES``: ``embedding``,
-``index_select``, in-place ``index_add_``), which touch only the rows they index.
+``index_select``, in-place ``index_add_``), which touch only the rows they index, and the fused
+Adam/AdamW update (``_fused_adamw_``: four lists read, three written, once).
 
 FLOP formulas follow ``torch/utils/flop_counter.py`` (PyTorch): a matmul ``[m,k]@[k,n]`` is
 ``2mnk``; a convolution is ``2 * N * C_out * prod(out_spatial) * C_in/groups * prod(kernel)``
@@ -39,7 +40,7 @@ import torch
 import torch.fx
 
 __all__ = ["OpCost", "GraphCompute", "FLOP_RULES", "ZERO_COST_TARGETS", "node_cost", "node_time",
-           "graph_compute", "tensor_bytes", "numel", "concrete"]
+           "graph_compute", "tensor_bytes", "numel", "concrete", "fused_adam_cost"]
 
 aten = torch.ops.aten
 
@@ -251,8 +252,20 @@ def _scatter_add_bytes(a, out):     # index_add_(self, dim, ids, src, alpha): th
     return 3 * tensor_bytes(a[3]) + tensor_bytes(a[2])
 
 
+# The fused Adam/AdamW update (passes.fuse_optimizer): per element about 12 FLOPs (decay, two moments, the bias-
+# corrected square root, the step); memory: parameter, gradient and both moments read once, parameter and moments
+# written once (ATen's CPU kernel makes one pass; the foreach chain it replaces makes ten).
+def fused_adam_cost(params) -> tuple:
+    """(FLOPs, bytes) of one fused Adam/AdamW call over tensors shaped and typed as ``params``."""
+    return 12 * sum((numel(t) for t in params), 0), 7 * tensor_bytes(list(params))
+
+
+FLOP_RULES[aten._fused_adamw_] = FLOP_RULES[aten._fused_adam_] = (lambda a, out: fused_adam_cost(_tensors(a[0]))[0],
+                                                                  "elementwise")
 FLOP_RULES[aten.index_add_] = FLOP_RULES[aten.index_add] = (lambda a, out: numel(a[3]), "elementwise")   # one add per src element
-BYTES_RULES = {aten.embedding: _gather_bytes, aten.index_select: _gather_bytes, aten.index_add_: _scatter_add_bytes}
+BYTES_RULES = {aten.embedding: _gather_bytes, aten.index_select: _gather_bytes, aten.index_add_: _scatter_add_bytes,
+               aten._fused_adamw_: lambda a, out: fused_adam_cost(_tensors(a[0]))[1],
+               aten._fused_adam_: lambda a, out: fused_adam_cost(_tensors(a[0]))[1]}
 
 # Nodes that cost nothing on the compute lane (collectives are costed by cost_models.comm).
 ZERO_COST_TARGETS = {operator.getitem, aten._unsafe_view.default, aten._reshape_alias.default}

@@ -121,6 +121,7 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
         kinds = graph_kinds(schedule, s)
         gm = copy.deepcopy(captured.gm)
         gm.meta["fxpar_signature"] = captured.signature.copy()
+        gm.meta["fxpar_optimizer"] = dict(plan.optimizer or {})   # graphs cut later update as the plan says
         if (plan.recompute or {}).get("policy", "none") != "none":     # the planner decides, the pass carries it out
             from .planner import plan_recompute
             roles = {ph.name: role for ph, (role, _) in zip(gm.graph.find_nodes(op="placeholder"),

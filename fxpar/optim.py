@@ -5,7 +5,11 @@ default) with the learning rate and the step count as graph *inputs*, so that to
 schedulers drive the traced program: the runtime keeps a real ``torch.optim`` object only to
 hold ``param_groups[0]["lr"]`` for the scheduler.
 
-The step is traced with ``torch._foreach_*`` ops: one node per operation for all parameters.
+The step is traced with ``torch._foreach_*`` ops: one node per operation for all parameters, which
+every pass can cut, shard and move as element-wise ops. Where the update runs in place on CPU,
+``passes.fuse_optimizer`` then runs Adam/AdamW's chain as ATen's fused kernel (``_fused_adamw_``, what
+torch.optim's ``fused=True`` calls): :meth:`OptimizerSpec.kernel` decides, ``Plan.optimizer['kernel']``
+records it.
 
     SGD   (torch.optim.SGD): d = g + wd·p;  b = d (first step) else μ·b + (1−τ)·d;
           d = d + μ·b (nesterov) else b;  p ← p − lr·d
@@ -55,6 +59,32 @@ class OptimizerSpec:
     def init_state(self, p: torch.Tensor) -> list:
         return [torch.zeros_like(p) for _ in self.state_names]
 
+    def kernel(self, device_kind: str = "cpu", in_place: bool = True) -> tuple:
+        """``("fused" | "foreach", why)``: how the traced update runs. Adam and AdamW run as one fused kernel
+        (``passes.fuse_optimizer``) unless ``fused=False`` or ``foreach=True`` asks for the list ops, the device
+        is not a CPU (the CUDA fused kernel wants its step tensors on the device: not placed there yet), or the
+        schedule keeps old weight versions (the fused kernel is the in-place update)."""
+        fused, foreach = self.kwargs.get("fused"), self.kwargs.get("foreach")
+        if self.cls not in (torch.optim.Adam, torch.optim.AdamW):
+            return "foreach", f"fxpar fuses Adam and AdamW only; {self.name} runs as torch._foreach_* ops"
+        if fused is False or foreach:
+            return "foreach", f"{'fused=False' if fused is False else 'foreach=True'} asked for torch._foreach_* ops"
+        if device_kind != "cpu":
+            return "foreach", (f"the fused kernel is used on CPU only so far (device {device_kind!r}: its fused "
+                               "kernel wants the step tensors on the device, which fxpar does not place there yet)")
+        if not in_place:
+            return "foreach", ("this schedule keeps old weight versions (asynchronous): the update is not in place, "
+                               "and the fused kernel is the in-place update")
+        return "fused", ("fused=True asked" if fused else
+                         "fxpar's default for Adam/AdamW on CPU: one pass over memory instead of ten")
+
+    def adam_hyper(self) -> dict:
+        """Adam/AdamW's hyperparameters as the traced chain uses them (torch's defaults where not given)."""
+        b1, b2 = self.kwargs.get("betas", (0.9, 0.999))
+        decoupled = self.cls is torch.optim.AdamW
+        return {"beta1": float(b1), "beta2": float(b2), "eps": float(self.kwargs.get("eps", 1e-8)),
+                "weight_decay": float(self.kwargs.get("weight_decay", 1e-2 if decoupled else 0.0))}
+
     def step_all(self, params: list, grads: list, states: list, lr, step):
         """One update of every parameter with ``torch._foreach_*`` ops (a few graph nodes, not a few
         per parameter). ``states[j]`` is the list of state ``state_names[j]`` over the parameters;
@@ -65,7 +95,7 @@ class OptimizerSpec:
 
 
 TRACEABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
-_UNTRACED_OPTIONS = ("amsgrad", "maximize", "differentiable", "capturable", "fused")
+_UNTRACED_OPTIONS = ("amsgrad", "maximize", "differentiable", "capturable")
 
 
 def resolve_optimizer(optimizer) -> OptimizerSpec:
@@ -88,8 +118,8 @@ def resolve_optimizer(optimizer) -> OptimizerSpec:
         bad = [k for k in _UNTRACED_OPTIONS if kwargs.get(k)]
         if bad:
             spec.why_not_traced = f"{cls.__name__} option(s) {bad} are not traced"
-        elif kwargs.get("foreach") is not None:
-            spec.why_not_traced = ""  # foreach only changes the kernel, not the math
+        elif kwargs.get("foreach") is not None or kwargs.get("fused") is not None:
+            spec.why_not_traced = ""  # foreach / fused only change the kernel, not the math (OptimizerSpec.kernel)
     spec.traced = not spec.why_not_traced
     return spec
 

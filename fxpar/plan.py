@@ -183,7 +183,9 @@ class Plan:
                 f"; offload {' and '.join(self.offload['what'])} to {self.offload['to']}" if self.offload.get("what") else ""))
         opt = self.optimizer
         lines.append(f"optimizer: {opt.get('name')} " + ("traced into the graph" if opt.get("traced")
-                                                          else f"eager on each rank ({opt.get('why_not_traced')})"))
+                                                          else f"eager on each rank ({opt.get('why_not_traced')})")
+                     + (f"; {'one fused kernel per update' if opt['kernel'] == 'fused' else 'torch._foreach_* ops'} "
+                        f"({opt.get('why_kernel')})" if opt.get("kernel") else ""))
         if self.passes:
             lines.append(f"passes: {' -> '.join(self.passes)}")
         lines += [f"note: {n}" for n in self.notes]

@@ -164,6 +164,12 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     plan.broadcast_buffers = strategy.broadcast_buffers
     if optimizer is not None:
         plan.optimizer = {"name": optimizer.name, "traced": optimizer.traced, "why_not_traced": optimizer.why_not_traced}
+        if optimizer.traced:      # how the traced update runs: one fused kernel, or torch._foreach_* ops
+            kind = getattr(getattr(cluster, "device", None), "kind", "cpu")
+            k, why = optimizer.kernel(kind, in_place=plan.schedule not in ASYNC)
+            plan.optimizer.update({"kernel": k, "why_kernel": why})
+            if k == "fused":
+                plan.optimizer["hyper"] = optimizer.adam_hyper()
     plan.custom_passes = [p.name for p in strategy.passes]
     try:
         sched = build_schedule(plan)

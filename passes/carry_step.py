@@ -59,15 +59,16 @@ def carry_step(gm, pieces, events) -> list:
     return [p for kind, _, ops in events if kind == "need" for op, p in ops if op == "wait"]
 
 
-def carry_forward(f, step, need) -> dict:
+def carry_forward(f, step, need, optimizer: dict | None = None) -> dict:
     """``{"F_UPDATE": ..., "STEP": ...}`` (``SplitGraph``s) from the split ``F`` and ``STEP``: see
     :func:`_interleave`; both then update parameters and optimizer state in place (``passes.reinplace``), as the
     programs without overlap do (the interleaving needs the update's results as values, so it comes first)."""
     from .comm_schedule import _reinplaced
     from .split_graphs import SplitGraph
     gm, ins, outs = _interleave(f, step, need)
-    return {"F_UPDATE": SplitGraph("F_UPDATE", _reinplaced(gm, ins), ins, outs),
-            "STEP": SplitGraph("STEP", _reinplaced(step.gm, list(step.inputs)), list(step.inputs), list(step.outputs))}
+    return {"F_UPDATE": SplitGraph("F_UPDATE", _reinplaced(gm, ins, optimizer), ins, outs),
+            "STEP": SplitGraph("STEP", _reinplaced(step.gm, list(step.inputs), optimizer), list(step.inputs),
+                               list(step.outputs))}
 
 
 def _interleave(f, step, need) -> tuple:

@@ -456,19 +456,20 @@ def carry_variants(gm, sig) -> dict:
     drain_outs = [(o, rk) for o, rk in zip(outs, sig.outputs) if rk[0] in ("new_param", "new_opt_state")]
     need = _ancestors([o for o, _ in drain_outs], set())
     drain = _subgraph(gm, [n for n in g.nodes if n in need], role, drain_outs, {}, "DRAIN")
-    steady = _reinplaced(copy.deepcopy(gm), list(sig.inputs))
+    cfg = gm.meta.get("fxpar_optimizer")
+    steady = _reinplaced(copy.deepcopy(gm), list(sig.inputs), cfg)
     return {"FULL": (steady, list(sig.inputs), list(sig.outputs)), "FIRST": first,
-            "DRAIN": (_reinplaced(drain[0], drain[1]), drain[1], drain[2])}
+            "DRAIN": (_reinplaced(drain[0], drain[1], cfg), drain[1], drain[2])}
 
 
-def _reinplaced(gm, roles):
+def _reinplaced(gm, roles, optimizer: dict | None = None):
     """The update in place on the parameter and state buffers (``passes.reinplace``), once the cut by data flow
     is made: the steady step's forward then reads the updated parameter buffer, after the update."""
     from fxpar.pass_manager import PassContext
     from .reinplace import ReinplaceOptimizer
     for ph, (r, _) in zip(gm.graph.find_nodes(op="placeholder"), roles):
         M.set_meta(ph, M.ROLE, r)
-    ReinplaceOptimizer().run(gm, PassContext())
+    ReinplaceOptimizer(optimizer or {}).run(gm, PassContext())   # Plan.optimizer: fused where it says so
     gm.graph.lint()
     gm.recompile()
     return gm

@@ -67,10 +67,25 @@ def _last_read(node, pos) -> int:
 
 
 class ReinplaceOptimizer(Pass):
+    """``optimizer``: ``Plan.optimizer`` where no plan is at hand (``ctx.plan``'s otherwise); where its ``kernel``
+    is ``"fused"``, Adam/AdamW's chains become one fused in-place call first (``passes.fuse_optimizer``)."""
     name = "reinplace_optimizer"
+
+    def __init__(self, optimizer: dict | None = None):
+        self.optimizer = optimizer
 
     def run(self, gm, ctx: PassContext) -> PassResult:
         g = gm.graph
+        cfg = self.optimizer if self.optimizer is not None else getattr(ctx.plan, "optimizer", None) or {}
+        fused = 0
+        if cfg.get("kernel") == "fused":
+            from .fuse_optimizer import fuse_adam
+            fused, why_not = fuse_adam(gm, cfg)
+            if fused:
+                ctx.notes.append(f"reinplace_optimizer: {fused} {cfg.get('name')} update(s) run as one fused in-place "
+                                 "kernel each (passes.fuse_optimizer)")
+            for w in why_not:
+                ctx.notes.append(f"reinplace_optimizer: an {cfg.get('name')} update left as foreach ops: {w}")
         nodes = list(g.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
         out = g.find_nodes(op="output")[0]
@@ -113,10 +128,11 @@ class ReinplaceOptimizer(Pass):
                 rewritten += 1
         if rewritten:
             ctx.notes.append(f"reinplace_optimizer: {rewritten} optimizer foreach op(s) run in place on parameter/state buffers")
-        return PassResult(gm, rewritten > 0, {"rewritten": rewritten})
+        return PassResult(gm, rewritten + fused > 0, {"rewritten": rewritten, "fused": fused})
 
 
-def reinplace_step_graph(gm: torch.fx.GraphModule, n_params: int, n_state: int) -> torch.fx.GraphModule:
+def reinplace_step_graph(gm: torch.fx.GraphModule, n_params: int, n_state: int,
+                         optimizer: dict | None = None) -> torch.fx.GraphModule:
     """A pipeline stage's optimizer graph ``(params, grads, states, lr, step) -> (new params, new states)``
     (``fxpar.pipeline.autodiff.trace_step``), rewritten in place: its outputs are then its parameter and
     state inputs, updated. ``n_state``: state tensors per parameter. Returns a new GraphModule."""
@@ -133,7 +149,7 @@ def reinplace_step_graph(gm: torch.fx.GraphModule, n_params: int, n_state: int) 
     for n in gm.graph.nodes:
         if n.op == "call_function":
             M.set_meta(n, M.PHASE, "optimizer")
-    ReinplaceOptimizer().run(gm, PassContext(rank=0, plan=None, mesh=None, cluster=None))
+    ReinplaceOptimizer(optimizer or {}).run(gm, PassContext(rank=0, plan=None, mesh=None, cluster=None))
     gm.graph.lint()
     gm.recompile()
     return gm

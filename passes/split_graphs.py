@@ -187,7 +187,7 @@ def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
     check_no_read_after_inplace_write(out)
     if gm.meta.get("fxpar_carry_step"):   # cross-iteration overlap: STEP runs in the next step's first F (passes.carry_step)
         from .carry_step import carry_forward
-        out.update(carry_forward(out["F"], out["STEP"], gm.meta["fxpar_carry_step"]))
+        out.update(carry_forward(out["F"], out["STEP"], gm.meta["fxpar_carry_step"], gm.meta.get("fxpar_optimizer")))
     return out
 
 

@@ -115,7 +115,8 @@ def test_delayed_zero_structure(zero):
     carries_out = [o for o, (r, _) in zip(g.find_nodes(op="output")[0].args[0], sg.outputs) if r == "carry"]
     assert len(carries_in) == len(carries_out) == n_buckets
     assert all(o.target is C10D.wait_tensor.default and is_rs(o.args[0]) for o in carries_out)
-    updates = _nodes(sg, lambda n: M.get(n, M.PHASE) == "optimizer" and "_foreach_" in str(n.target))
+    updates = _nodes(sg, lambda n: M.get(n, M.PHASE) == "optimizer" and ("_foreach_" in str(n.target)
+                                                                          or "_fused_adamw_" in str(n.target)))
     # the model's backward (not the zero pass's gradient plumbing: slices of the chunks, the carried chunk's wait)
     last_bwd = max(_nodes(sg, lambda n: M.get(n, M.PHASE) == "backward" and M.get(n, M.PASS) != "zero"),
                    key=order.__getitem__)

@@ -1,0 +1,189 @@
+"""The traced Adam/AdamW update as one fused in-place kernel (``passes/fuse_optimizer.py``).
+
+Capture traces the update as ``torch._foreach_*`` ops; where the update runs in place on CPU, each chain becomes
+one ``_fused_adamw_`` / ``_fused_adam_`` call (torch.optim's ``fused=True`` kernel). Proven here: the kernel the
+plan chooses and why; the graphs every road makes (one stage, cross-iteration per bucket, dp x pp) carry one
+fused call per update and no list op; N gloo ranks equal single-process torch training (float64, 1e-10) for
+AdamW, Adam with L2 weight decay and ``fused=True``; a chain that is not the plan's is left alone; the cost model
+costs the fused call as one pass over memory.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar.optim import resolve_optimizer
+from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+ADAM_L2 = (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05, "betas": (0.8, 0.95), "eps": 1e-6})
+ADAMW_FUSED = (torch.optim.AdamW, {"lr": 1e-2, "fused": True})
+SMALL = dict(partition_mb=0.004, credit_mb=0.008)
+
+
+def _gpt_batches(n=3, batch=8):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 32, (batch, 8), generator=g), torch.randint(0, 32, (batch, 8), generator=g))
+            for _ in range(n)]
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(vocab=32, d=16, layers=2, heads=2).double()
+
+
+def _update_ops(gm):
+    return [str(n.target).split(".")[1] for n in gm.graph.nodes if n.op == "call_function"
+            and n.meta.get("fxpar_phase") == "optimizer" and ("_foreach_" in str(n.target) or "_fused_" in str(n.target))]
+
+
+def _assert_matches(res, model, batches, loss_fn, opt):
+    ref_losses, ref_state = reference_training(model, batches, loss_fn, opt)
+    for a, b in zip(res.losses, ref_losses):
+        assert abs(a - b) <= 1e-10 * max(1.0, abs(b))
+    assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
+
+
+# ---- the plan's choice ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("opt,device,asynchronous,kernel,why", [
+    (ADAMW, "cpu", False, "fused", "default"),
+    (ADAMW_FUSED, "cpu", False, "fused", "fused=True asked"),
+    ((torch.optim.Adam, {"lr": 1e-3, "fused": False}), "cpu", False, "foreach", "fused=False"),
+    ((torch.optim.AdamW, {"lr": 1e-3, "foreach": True}), "cpu", False, "foreach", "foreach=True"),
+    ((torch.optim.SGD, {"lr": 1e-3, "momentum": 0.9}), "cpu", False, "foreach", "Adam and AdamW only"),
+    (ADAMW, "cuda", False, "foreach", "CPU only"),
+    (ADAMW, "cpu", True, "foreach", "old weight versions"),
+])
+def test_kernel_choice_says_why(opt, device, asynchronous, kernel, why):
+    got, reason = resolve_optimizer(opt).kernel(device, in_place=not asynchronous)
+    assert got == kernel and why in reason, reason
+
+
+def test_fused_true_is_traced_now():
+    """``fused=True`` used to send the optimizer out of the graph (eager on each rank); it only picks a kernel."""
+    spec = resolve_optimizer(ADAMW_FUSED)
+    assert spec.traced and not spec.why_not_traced
+
+
+def test_plan_and_explain_name_the_kernel():
+    batches = _gpt_batches()
+    p = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
+    assert p.plan.optimizer["kernel"] == "fused" and p.plan.optimizer["hyper"]["weight_decay"] == 0.1
+    assert "one fused kernel per update" in p.explain()
+    off = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss,
+                            optimizer=(torch.optim.AdamW, {"lr": 1e-2, "fused": False}))
+    assert "torch._foreach_* ops (fused=False asked" in off.explain() and "hyper" not in off.plan.optimizer
+    mlp_batch = (torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64))
+    asyn = fxpar.parallelize(MLP().double(), fxpar.ClusterSpec.local(2), mlp_batch, loss_fn=F.mse_loss, optimizer=ADAMW,
+                             strategy=fxpar.Strategy(pp=2, schedule="pipedream", microbatches=2))
+    assert asyn.plan.optimizer["kernel"] == "foreach"
+    for s in range(2):       # weight stashing: the update stays functional, as list ops
+        assert "_fused_adamw_" not in _update_ops(asyn.stages[s].graphs["STEP"].gm)
+
+
+# ---- the graphs of every road ----------------------------------------------------------------------------
+def test_one_fused_call_per_bucket_under_cross_iteration():
+    """ByteScheduler with cross-iteration overlap cuts the update per bucket and moves each into the next step's
+    forward (``passes/comm_schedule.py``): each piece is one fused call there, and in the drain."""
+    batches = _gpt_batches()
+    p = fxpar.parallelize(_gpt(), fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
+                          strategy=fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=True, **SMALL))
+    n_buckets = len(p.plan.buckets[0])
+    assert n_buckets > 2
+    for kind in ("FULL", "DRAIN"):
+        ops = _update_ops(p.stages[0].graphs[kind].gm)
+        assert ops == ["_fused_adamw_"] * n_buckets, (kind, ops)
+    assert _update_ops(p.stages[0].graphs["FIRST"].gm) == []      # the first step updates nothing of its own
+
+
+def test_fused_in_pipeline_stage_graphs():
+    """dp=2 x pp=2 with cross-iteration overlap: F_UPDATE (the previous STEP inside the first forward) and STEP
+    carry fused calls only; plain 1F1B's STEP too."""
+    batches = _gpt_batches(batch=8)
+    p = fxpar.parallelize(_gpt(), fxpar.ClusterSpec.local(4), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
+                          strategy=fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL))
+    for s in range(2):
+        for kind in ("F_UPDATE", "STEP"):
+            ops = _update_ops(p.stages[s].graphs[kind].gm)
+            assert ops and set(ops) == {"_fused_adamw_"}, (s, kind, ops)
+    plain = fxpar.parallelize(_gpt(), fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
+                              strategy=fxpar.Strategy(pp=2, microbatches=2))
+    assert all(_update_ops(plain.stages[s].graphs["STEP"].gm) == ["_fused_adamw_"] for s in range(2))
+
+
+# ---- numerics: N gloo ranks equal single-process torch ---------------------------------------------------
+@pytest.mark.parametrize("opt", [ADAMW, ADAM_L2, ADAMW_FUSED], ids=["adamw", "adam_l2", "adamw_fused_true"])
+def test_dp2_cross_iteration_fused_matches_single_process(clusters, opt):
+    batches = _gpt_batches()
+    model = _gpt()
+    p = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=opt,
+                          strategy=fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=True, **SMALL))
+    name = "_fused_adamw_" if opt[0] is torch.optim.AdamW else "_fused_adam_"
+    assert set(_update_ops(p.stages[0].graphs["FULL"].gm)) == {name}
+    _assert_matches(p.run_local(batches, cluster=clusters.get(2)), model, batches, gpt_loss, opt)
+
+
+@pytest.mark.parametrize("zero", [1, 3])
+def test_dp2_zero_fused_on_chunks_matches_single_process(clusters, zero):
+    """ZeRO-3's parameters are this rank's chunks (``param`` inputs): the fused call takes the chunk lists. ZeRO-1's
+    update reads a chunk the runtime cuts out of the whole parameter (``param_shard``), not a buffer the update
+    may overwrite: its chain stays as list ops, and explain() says why."""
+    torch.manual_seed(0)
+    model = MLP().double()
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randn(8, 8, generator=g, dtype=torch.float64))
+               for _ in range(3)]
+    p = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=F.mse_loss, optimizer=ADAMW,
+                          strategy=fxpar.Strategy(dp=2, zero=zero))
+    ops = _update_ops(p.stages[0].graphs["FULL"].gm)
+    if zero == 3:
+        assert ops == ["_fused_adamw_"]
+    else:
+        assert "_fused_adamw_" not in ops and "_foreach_lerp_" in ops
+        assert "an AdamW update left as foreach ops: _foreach_sub: layers_0_weight_chunk is not a parameter or " \
+               "optimizer-state input" in p.explain()
+    _assert_matches(p.run_local(batches, cluster=clusters.get(2)), model, batches, F.mse_loss, ADAMW)
+
+
+# ---- the matcher and the cost model ------------------------------------------------------------------------
+def test_a_chain_the_plan_does_not_describe_is_left_alone():
+    """The matcher checks every constant of the chain against the plan's hyperparameters: with other betas it
+    finds nothing to fuse, and the graph is unchanged."""
+    from passes.fuse_optimizer import find_adam_chains, fuse_adam
+    batches = _gpt_batches()
+    p = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
+    cfg = p.plan.optimizer
+    assert len(find_adam_chains(p.captured.gm, cfg)) == 1
+    other = {**cfg, "hyper": {**cfg["hyper"], "beta2": 0.99}}
+    gm = copy.deepcopy(p.captured.gm)
+    before = gm.code
+    assert find_adam_chains(gm, other) == [] and fuse_adam(gm, other) == (0, []) and gm.code == before
+    adam = {**cfg, "name": "Adam"}            # the decoupled decay's p * (1 - lr * wd) is not Adam's L2 term
+    assert find_adam_chains(gm, adam) == []
+
+
+def test_fused_call_costs_one_pass_over_memory():
+    from cost_models.compute import graph_compute, node_cost
+    from passes.fuse_optimizer import fused_chain_times
+    batches = _gpt_batches()
+    p = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
+    gm = p.graphs(0)["step"]
+    (fused,) = [n for n in gm.graph.nodes if "_fused_adamw_" in str(n.target)]
+    param_bytes = sum(v.numel() * v.element_size() for v in p.payload(0).params.values())
+    c = node_cost(fused)
+    assert c.bytes == 7 * param_bytes and c.flops == 12 * param_bytes // 8 and c.op_class == "elementwise"
+    dev = replace(fxpar.ClusterSpec.local(1).device, op_overhead_s=0.0)     # memory traffic alone: 7 passes vs 25
+    chain = graph_compute(p.captured.gm, dev).times
+    as_fused = fused_chain_times(p.captured.gm, chain, dev, p.plan.optimizer)
+    opt_nodes = [n for n in p.captured.gm.graph.nodes if n.meta.get("fxpar_phase") == "optimizer"]
+    t_chain, t_fused = sum(chain[n] for n in opt_nodes), sum(as_fused[n] for n in opt_nodes)
+    assert t_fused < t_chain / 3
+    # the planner's figure is the graph's: the fused call in the lowered graph costs what the planner booked
+    final = graph_compute(gm, dev).times[fused]
+    chains_last = [n for n in opt_nodes if as_fused[n] > 0 and n.target == torch.ops.aten._foreach_sub.List]
+    assert len(chains_last) == 1 and abs(as_fused[chains_last[0]] - final) <= 1e-12
