@@ -16,9 +16,9 @@ visited once per round (``--rounds``):
   ``passes/grad_order.py``);
 - fxpar FIFO: ``Strategy(dp=2, bucket_cap_mb=25)`` (DDP-style buckets);
 - torch DDP with 25 MB buckets (its default) and with each size of ``--sweep-mb``; the best of them;
-- torch DDP with 25 MB buckets and ``AdamW(fused=True)``: fxpar runs a traced Adam/AdamW update as ATen's fused
-  kernel on CPU (``passes/fuse_optimizer.py``), torch.optim's CPU default is one tensor at a time, so this cell
-  gives DDP the same kernel (``BS/DDPf``: fxpar against it);
+- the same DDP cells with ``AdamW(fused=True)``: fxpar runs a traced Adam/AdamW update as ATen's fused kernel on
+  CPU (``passes/fuse_optimizer.py``) where torch.optim's CPU default updates one tensor at a time, so these cells
+  give DDP the same kernel (``DDPf``; ``BS/DDPf25``, ``BS/bestf``: fxpar against them);
 - DDP's compute alone (``no_sync()``), for the share of the step spent waiting on communication.
 
 Each round visits the cells of a cap in a rotated order (round r starts at the r-th), so that no method is always
@@ -143,8 +143,9 @@ def main():
                 out.append(((bps, "fifo"), fxpar_worker, lambda r: (fifo_payloads[r], batches, args.warmup)))
                 out += [((bps, f"ddp{mb:g}"), ddp_bench_worker,
                          lambda r, mb=mb: (model, batches, gpt_loss, opt, mb, args.warmup, False)) for mb in [25.0] + sweep]
-                out.append(((bps, "ddpf25"), ddp_bench_worker,
-                            lambda r: (model, batches, gpt_loss, opt_fused, 25.0, args.warmup, False)))
+                out += [((bps, f"ddpf{mb:g}"), ddp_bench_worker,
+                         lambda r, mb=mb: (model, batches, gpt_loss, opt_fused, mb, args.warmup, False))
+                        for mb in [25.0] + sweep]
                 out.append(((bps, "compute"), ddp_bench_worker,
                             lambda r: (model, batches, gpt_loss, opt, 25.0, args.warmup, True)))
                 return out
@@ -162,7 +163,8 @@ def main():
                          {k: statistics.median(v) for k, v in res.items()})):
         table(title, stat, rates, orders, sweep, bs)
     print("\nquartiles (q1-q3, ms) of the per-step times")
-    keys = ["bs"] + [f"bs_{o}" for o in orders] + ["fifo"] + [f"ddp{mb:g}" for mb in [25.0] + sweep] + ["ddpf25", "compute"]
+    keys = (["bs"] + [f"bs_{o}" for o in orders] + ["fifo"] + [f"ddp{mb:g}" for mb in [25.0] + sweep]
+            + [f"ddpf{mb:g}" for mb in [25.0] + sweep] + ["compute"])
     print(f"{'cap':>9} | " + " | ".join(f"{k:>11}" for k in keys))
     for bps in rates:
         qs = [statistics.quantiles(res[(bps, k)], n=4) for k in keys]
@@ -174,18 +176,20 @@ def main():
 def table(title, med, rates, orders, sweep, bs):
     print("\n" + title)
     print(f"{'cap':>9} | {'ByteSched':>9} | {'predicted':>9} | " + "".join(f"{'BS ' + o:>11} | " for o in orders) + f"{'fxpar FIFO':>10} | {'DDP 25MB':>8} | "
-          f"{'best DDP':>14} | {'DDP fused':>9} | {'compute':>7} | {'BS/DDP25':>8} | {'BS/best':>7} | {'BS/DDPf':>7} | "
-          f"{'pred/meas':>9}")
+          f"{'best DDP':>14} | {'DDPf 25MB':>9} | {'best DDPf':>14} | {'compute':>7} | {'BS/DDP25':>8} | {'BS/best':>7} | "
+          f"{'BS/DDPf25':>9} | {'BS/bestf':>8} | {'pred/meas':>9}")
     for bps in rates:
         b, f, d, c = med[(bps, "bs")], med[(bps, "fifo")], med[(bps, "ddp25")], med[(bps, "compute")]
         df = med[(bps, "ddpf25")]
+        bestf_mb = min([25.0] + sweep, key=lambda mb: med[(bps, f"ddpf{mb:g}")])
+        bestf = med[(bps, f"ddpf{bestf_mb:g}")]
         bo = "".join(f"{med[(bps, f'bs_{o}')] * 1e3:11.1f} | " for o in orders)
         best_mb = min([25.0] + sweep, key=lambda mb: med[(bps, f"ddp{mb:g}")])
         best = med[(bps, f"ddp{best_mb:g}")]
         pred = bs[bps][0].plan.comm_schedule["stages"][0]["predicted_step_s"]
         print(f"{format_rate(bps):>9} | {b * 1e3:9.1f} | {pred * 1e3:9.1f} | {bo}{f * 1e3:10.1f} | {d * 1e3:8.1f} | "
-              f"{best * 1e3:7.1f} ({best_mb:g} MB) | {df * 1e3:9.1f} | {c * 1e3:7.1f} | {b / d:8.3f} | {b / best:7.3f} | "
-              f"{b / df:7.3f} | {pred / b:9.3f}")
+              f"{best * 1e3:7.1f} ({best_mb:g} MB) | {df * 1e3:9.1f} | {bestf * 1e3:7.1f} ({bestf_mb:g} MB) | "
+              f"{c * 1e3:7.1f} | {b / d:8.3f} | {b / best:7.3f} | {b / df:9.3f} | {b / bestf:8.3f} | {pred / b:9.3f}")
 
 
 if __name__ == "__main__":

@@ -452,9 +452,10 @@ class NetnsCluster:
                 try:
                     kind, val = c.recv()
                 except (EOFError, OSError):
+                    self.procs[r].join(timeout=5)
+                    code = self.procs[r].exitcode          # before close(), which forgets the processes
                     self.close()
-                    raise RuntimeError(f"netns_link: rank {r} died while {what} (exit code "
-                                       f"{self.procs[r].exitcode})") from None
+                    raise RuntimeError(f"netns_link: rank {r} died while {what} (exit code {code})") from None
                 if kind == "err":
                     self.close()
                     raise RuntimeError(f"netns_link: rank {r} failed while {what}:\n{val}")

@@ -3,17 +3,18 @@
 Capture traces the optimizer as a chain of ``torch._foreach_*`` ops over the parameter lists
 (``fxpar.optim._adam``: ten list ops for AdamW), which every pass can cut, shard and move as
 element-wise ops. On a CPU each of them is a pass over memory: for the 4-layer GPT of
-``benchmarks/`` (3.7 M parameters, one thread) the chain takes 51 ms functional, against 2.6 ms
-for ATen's fused kernel, which reads parameter, gradient and both moments once and writes
-parameter and moments once (torch.optim's ``fused=True``; the same update, rounded once per step
-where the chain rounds per op: float64 results agree to 1e-16).
+``benchmarks/`` (3.7 M parameters, one thread) the chain takes about 16 ms a step in place (51 ms
+functional), against about 3 ms for ATen's fused kernel, which reads parameter, gradient and both
+moments once and writes parameter and moments once (torch.optim's ``fused=True``; the same update,
+rounded once per element where the chain rounds per op: float64 results agree to 1e-16).
 
 :func:`fuse_adam` runs where ``passes.reinplace`` makes the update in place (the pass list of a
 synchronous program, and the graphs the cross-iteration split makes), before it: each chain
-whose parameter and moment lists are the runtime's own buffers, read by nothing after the update,
-becomes one in-place fused call; its results' readers read those buffers instead. A chain that
-does not match exactly (other hyperparameters, a list another op reads later) is left to
-``reinplace``. Before / after (AdamW, one parameter; ``lr``, ``step`` graph inputs)::
+becomes one in-place fused call; its results' readers read those buffers instead. A parameter or
+moment the update may not overwrite (ZeRO-1/2's chunk cut from the whole parameter, a tensor read
+after the update) is copied first and the copy updated. A chain that does not match exactly
+(other hyperparameters, an intermediate another op reads) is left to ``reinplace``. Before / after
+(AdamW, one parameter; ``lr``, ``step`` graph inputs)::
 
     mul = mul(lr, 0.01); rsub = rsub(mul, 1); _foreach_mul = _foreach_mul([w], rsub)
     _foreach_lerp = _foreach_lerp([exp_avg_w], [g], 0.1); ... _foreach_sqrt(...); ... _foreach_div(...)
@@ -190,25 +191,55 @@ def _erase_dead_views(g, n) -> None:
         g.erase_node(u)
 
 
-def _why_not_in_place(c: AdamChain, pos: dict, out_node) -> str:
-    """Why the chain cannot update its buffers in place ('' if it can): every parameter and moment is the
-    runtime's own buffer (a placeholder of role param / opt_state), distinct, read by nothing after the update
-    and not returned as is; the chain's intermediate values are read by the chain alone; its new values are
-    read only after the update."""
+def _read_after(x, at: int, pos: dict, chain: set):
+    """A node other than the chain's that reads ``x``, or a view of it, after position ``at``; None if none."""
+    from .reinplace import _is_alias
+    stack, seen = [x], set()
+    while stack:
+        y = stack.pop()
+        if y in seen:
+            continue
+        seen.add(y)
+        for u in y.users:
+            if u in chain:
+                continue
+            if _is_alias(u):
+                stack.append(u)
+            elif pos[u] > at:
+                return u
+    return None
+
+
+def _copied(c: AdamChain, pos: dict, out_node) -> dict:
+    """``{list position: why}`` of the parameters and moments the fused call must not write in place, so it
+    updates a copy of them instead: not the runtime's own buffer (a placeholder of role param / opt_state: ZeRO-1/2
+    update a chunk the runtime cuts out of the whole parameter), returned as is, read (or a view of it read) after
+    the update, or listed twice. Positions count over params + exp_avgs + exp_avg_sqs."""
     chain = set(c.ops)
     at = pos[c.last]
     bufs = c.params + c.exp_avgs + c.exp_avg_sqs
-    if len(set(bufs)) != len(bufs) or set(bufs) & set(c.grads):
-        return "a buffer appears twice"
     returned = set(out_node.args[0]) if isinstance(out_node.args[0], (list, tuple)) else {out_node.args[0]}
-    for x in bufs:
+    out, seen = {}, set(c.grads)
+    for i, x in enumerate(bufs):
         if not (isinstance(x, torch.fx.Node) and x.op == "placeholder" and M.get(x, M.ROLE) in _OWNED_ROLES):
-            return f"{x} is not a parameter or optimizer-state input"
-        if x in returned:
-            return f"{x} is returned as is"
-        for u in x.users:
-            if u not in chain and pos[u] > at:
-                return f"{u.name} reads {x.name} after the update"
+            out[i] = "not a parameter or optimizer-state input"
+        elif x in returned:
+            out[i] = "returned as is"
+        elif x in seen:
+            out[i] = "listed twice"
+        else:
+            late = _read_after(x, at, pos, chain)
+            if late is not None:
+                out[i] = f"{late.name} reads it after the update"
+        seen.add(x)
+    return out
+
+
+def _why_not_fused(c: AdamChain, pos: dict) -> str:
+    """Why the chain cannot become one call ('' if it can): its intermediate values are read by the chain alone
+    and its new values only after the update, where the fused call puts them."""
+    chain = set(c.ops)
+    at = pos[c.last]
     results = set(c.results.values())
     for op in c.ops:
         for g in op.users:
@@ -225,33 +256,47 @@ def _why_not_in_place(c: AdamChain, pos: dict, out_node) -> str:
 
 
 def fuse_adam(gm, cfg: dict) -> tuple:
-    """Rewrite every traced Adam/AdamW chain of ``gm`` that can update in place into one fused in-place call.
-    ``cfg``: ``Plan.optimizer`` (its ``name`` and ``kwargs``). Returns (fused, [why not, per chain left])."""
+    """Rewrite every traced Adam/AdamW chain of ``gm`` into one fused in-place call. ``cfg``: ``Plan.optimizer``
+    (its ``name`` and ``hyper``). The call writes into the parameter and moment buffers where the update may
+    (:func:`_copied`), into a copy of them where not (one ``clone`` each: still one pass over memory against the
+    chain's ten). Returns (fused, notes): a note per chain left as list ops, and one per tensor copied."""
     g = gm.graph
     chains = find_adam_chains(gm, cfg)
     if not chains:
         return 0, []
-    nodes = list(g.nodes)
-    pos = {n: i for i, n in enumerate(nodes)}
+    pos = {n: i for i, n in enumerate(g.nodes)}
     out_node = g.find_nodes(op="output")[0]
-    fused, why = 0, []
+    fused, notes = 0, []
     for c in chains:
-        reason = _why_not_in_place(c, pos, out_node)
+        reason = _why_not_fused(c, pos)
         if reason:
-            why.append(f"{c.last.name}: {reason}")
+            notes.append(f"{c.last.name}: left as foreach ops: {reason}")
             continue
+        copied = _copied(c, pos, out_node)
+        bufs = c.params + c.exp_avgs + c.exp_avg_sqs
+        with g.inserting_before(c.last):
+            for i, why in copied.items():
+                x = bufs[i]
+                cl = g.call_function(aten.clone.default, (x,))
+                cl.meta.update({k: v for k, v in c.last.meta.items() if k in (M.PHASE.name, M.MODULE.name)})
+                if isinstance(x.meta.get("val"), torch.Tensor):
+                    cl.meta["val"] = x.meta["val"]
+                bufs[i] = cl
+                notes.append(f"{c.last.name}: updates a copy of {x.name} ({why})")
+        n = len(c.params)
+        params, exp_avgs, exp_avg_sqs = bufs[:n], bufs[n:2 * n], bufs[2 * n:]
         op = (aten._fused_adamw_ if c.decoupled else aten._fused_adam_).tensor_lr
         h = c.hyper
         with g.inserting_before(c.last):
-            m = g.call_function(op, (list(c.params), list(c.grads), list(c.exp_avgs), list(c.exp_avg_sqs), [],
-                                     [c.step] * len(c.params)),
+            m = g.call_function(op, (list(params), list(c.grads), list(exp_avgs), list(exp_avg_sqs), [],
+                                     [c.step] * n),
                                 {"lr": c.lr, "beta1": h["beta1"], "beta2": h["beta2"], "weight_decay": h["weight_decay"],
                                  "eps": h["eps"], "amsgrad": False, "maximize": False})
         m.meta.update({k: v for k, v in c.last.meta.items() if k in (M.PHASE.name, M.MODULE.name)})
         m.meta["val"] = None
-        for what, bufs in (("param", c.params), ("exp_avg", c.exp_avgs), ("exp_avg_sq", c.exp_avg_sqs)):
+        for what, lst in (("param", params), ("exp_avg", exp_avgs), ("exp_avg_sq", exp_avg_sqs)):
             for gi in list(c.results[what].users):
-                gi.replace_all_uses_with(bufs[gi.args[1]])
+                gi.replace_all_uses_with(lst[gi.args[1]])
         for op_node in reversed(c.ops):                 # consumers first: each op's getitems, then the op
             for gi in list(op_node.users):
                 _erase_dead_views(g, gi)
@@ -264,7 +309,7 @@ def fuse_adam(gm, cfg: dict) -> tuple:
         pos = {x: i for i, x in enumerate(g.nodes)}
     if fused:
         gm.recompile()
-    return fused, why
+    return fused, notes
 
 
 def fused_chain_times(gm, times: dict, device, cfg: dict) -> dict:

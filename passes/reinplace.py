@@ -80,12 +80,11 @@ class ReinplaceOptimizer(Pass):
         fused = 0
         if cfg.get("kernel") == "fused":
             from .fuse_optimizer import fuse_adam
-            fused, why_not = fuse_adam(gm, cfg)
+            fused, notes = fuse_adam(gm, cfg)
             if fused:
                 ctx.notes.append(f"reinplace_optimizer: {fused} {cfg.get('name')} update(s) run as one fused in-place "
                                  "kernel each (passes.fuse_optimizer)")
-            for w in why_not:
-                ctx.notes.append(f"reinplace_optimizer: an {cfg.get('name')} update left as foreach ops: {w}")
+            ctx.notes += [f"reinplace_optimizer: {cfg.get('name')} update {w}" for w in notes]
         nodes = list(g.nodes)
         pos = {n: i for i, n in enumerate(nodes)}
         out = g.find_nodes(op="output")[0]

@@ -125,7 +125,8 @@ def test_one_copy_per_bucket_each_way_and_the_update_on_host_values(zero, delaye
         assert nodes[pos[w] + 1].kwargs["device"] == torch.device("cpu")
         assert M.get(nodes[pos[w] + 1], M.PHASE) == "backward"            # streamed with backward
     host = _host_values(g, sg.inputs)
-    updates = [n for n in nodes if M.get(n, M.PHASE) == "optimizer" and "_foreach_" in str(n.target)]
+    updates = [n for n in nodes if M.get(n, M.PHASE) == "optimizer" and ("_foreach_" in str(n.target)
+                                                                     or "_fused_adam" in str(n.target))]
     assert updates
     for u in updates:                 # the update reads host values only
         assert all(a in host for a in u.all_input_nodes), (u.name, [a.name for a in u.all_input_nodes if a not in host])
