@@ -80,10 +80,7 @@ class OptimizerSpec:
 
     def adam_hyper(self) -> dict:
         """Adam/AdamW's hyperparameters as the traced chain uses them (torch's defaults where not given)."""
-        b1, b2 = self.kwargs.get("betas", (0.9, 0.999))
-        decoupled = self.cls is torch.optim.AdamW
-        return {"beta1": float(b1), "beta2": float(b2), "eps": float(self.kwargs.get("eps", 1e-8)),
-                "weight_decay": float(self.kwargs.get("weight_decay", 1e-2 if decoupled else 0.0))}
+        return _adam_hyper(self.kwargs, self.cls is torch.optim.AdamW)
 
     def step_all(self, params: list, grads: list, states: list, lr, step):
         """One update of every parameter with ``torch._foreach_*`` ops (a few graph nodes, not a few
@@ -197,10 +194,15 @@ def _sgd(kw, params, grads, states, lr, step):
     return F._foreach_sub(params, F._foreach_mul(d, lr)), new_states
 
 
+def _adam_hyper(kw, decoupled) -> dict:
+    b1, b2 = kw.get("betas", (0.9, 0.999))
+    return {"beta1": float(b1), "beta2": float(b2), "eps": float(kw.get("eps", 1e-8)),
+            "weight_decay": float(kw.get("weight_decay", 1e-2 if decoupled else 0.0))}
+
+
 def _adam(kw, params, grads, states, lr, step, decoupled):
-    beta1, beta2 = kw.get("betas", (0.9, 0.999))
-    eps = kw.get("eps", 1e-8)
-    wd = kw.get("weight_decay", 1e-2 if decoupled else 0.0)
+    h = _adam_hyper(kw, decoupled)        # the same figures passes.fuse_optimizer checks the traced chain against
+    beta1, beta2, eps, wd = h["beta1"], h["beta2"], h["eps"], h["weight_decay"]
     F = torch
     exp_avg, exp_avg_sq = states
     if wd:

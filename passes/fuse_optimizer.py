@@ -191,23 +191,11 @@ def _erase_dead_views(g, n) -> None:
         g.erase_node(u)
 
 
-def _read_after(x, at: int, pos: dict, chain: set):
-    """A node other than the chain's that reads ``x``, or a view of it, after position ``at``; None if none."""
-    from .reinplace import _is_alias
-    stack, seen = [x], set()
-    while stack:
-        y = stack.pop()
-        if y in seen:
-            continue
-        seen.add(y)
-        for u in y.users:
-            if u in chain:
-                continue
-            if _is_alias(u):
-                stack.append(u)
-            elif pos[u] > at:
-                return u
-    return None
+def _contiguous(x) -> bool:
+    """Whether ``x``'s traced value is contiguous. ATen's CPU fused kernel walks each tensor's memory in order,
+    whatever its strides: a transposed gradient beside a contiguous parameter gets the wrong elements paired."""
+    v = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+    return isinstance(v, torch.Tensor) and v.is_contiguous()
 
 
 def _copied(c: AdamChain, pos: dict, out_node) -> dict:
@@ -215,22 +203,26 @@ def _copied(c: AdamChain, pos: dict, out_node) -> dict:
     updates a copy of them instead: not the runtime's own buffer (a placeholder of role param / opt_state: ZeRO-1/2
     update a chunk the runtime cuts out of the whole parameter), returned as is, read (or a view of it read) after
     the update, or listed twice. Positions count over params + exp_avgs + exp_avg_sqs."""
+    from .reinplace import _last_read
     chain = set(c.ops)
     at = pos[c.last]
+    nodes = list(pos)
     bufs = c.params + c.exp_avgs + c.exp_avg_sqs
     returned = set(out_node.args[0]) if isinstance(out_node.args[0], (list, tuple)) else {out_node.args[0]}
     out, seen = {}, set(c.grads)
     for i, x in enumerate(bufs):
         if not (isinstance(x, torch.fx.Node) and x.op == "placeholder" and M.get(x, M.ROLE) in _OWNED_ROLES):
             out[i] = "not a parameter or optimizer-state input"
+        elif not _contiguous(x):
+            out[i] = "not contiguous"
         elif x in returned:
             out[i] = "returned as is"
         elif x in seen:
             out[i] = "listed twice"
         else:
-            late = _read_after(x, at, pos, chain)
-            if late is not None:
-                out[i] = f"{late.name} reads it after the update"
+            last = _last_read(x, pos, chain)
+            if last > at:
+                out[i] = f"{nodes[last].name} reads it after the update"
         seen.add(x)
     return out
 
@@ -274,21 +266,28 @@ def fuse_adam(gm, cfg: dict) -> tuple:
             continue
         copied = _copied(c, pos, out_node)
         bufs = c.params + c.exp_avgs + c.exp_avg_sqs
+        grads = list(c.grads)
+
+        def copy_of(x):                # a contiguous copy (the kernel ignores strides)
+            cl = g.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+            cl.meta.update({k: v for k, v in c.last.meta.items() if k in (M.PHASE.name, M.MODULE.name)})
+            if isinstance(x.meta.get("val"), torch.Tensor):
+                cl.meta["val"] = x.meta["val"].clone(memory_format=torch.contiguous_format)
+            return cl
         with g.inserting_before(c.last):
             for i, why in copied.items():
-                x = bufs[i]
-                cl = g.call_function(aten.clone.default, (x,))
-                cl.meta.update({k: v for k, v in c.last.meta.items() if k in (M.PHASE.name, M.MODULE.name)})
-                if isinstance(x.meta.get("val"), torch.Tensor):
-                    cl.meta["val"] = x.meta["val"]
-                bufs[i] = cl
-                notes.append(f"{c.last.name}: updates a copy of {x.name} ({why})")
+                notes.append(f"{c.last.name}: updates a copy of {bufs[i].name} ({why})")
+                bufs[i] = copy_of(bufs[i])
+            for i, x in enumerate(grads):
+                if not _contiguous(x):
+                    notes.append(f"{c.last.name}: reads a contiguous copy of gradient {x.name}")
+                    grads[i] = copy_of(x)
         n = len(c.params)
         params, exp_avgs, exp_avg_sqs = bufs[:n], bufs[n:2 * n], bufs[2 * n:]
         op = (aten._fused_adamw_ if c.decoupled else aten._fused_adam_).tensor_lr
         h = c.hyper
         with g.inserting_before(c.last):
-            m = g.call_function(op, (list(params), list(c.grads), list(exp_avgs), list(exp_avg_sqs), [],
+            m = g.call_function(op, (list(params), grads, list(exp_avgs), list(exp_avg_sqs), [],
                                      [c.step] * n),
                                 {"lr": c.lr, "beta1": h["beta1"], "beta2": h["beta2"], "weight_decay": h["weight_decay"],
                                  "eps": h["eps"], "amsgrad": False, "maximize": False})

@@ -49,9 +49,10 @@ def _is_alias(n) -> bool:
     return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
-def _last_read(node, pos) -> int:
-    """Position of the last node that reads ``node`` or a view of it. Making a view reads nothing: a view nobody
-    reads (a dead ``detach`` left where a pass moved the nodes around it) does not count."""
+def _last_read(node, pos, skip=frozenset()) -> int:
+    """Position of the last node that reads ``node`` or a view of it, other than the nodes of ``skip``. Making a
+    view reads nothing: a view nobody reads (a dead ``detach`` left where a pass moved the nodes around it) does
+    not count."""
     last, stack, seen = -1, [node], set()
     while stack:
         x = stack.pop()
@@ -59,6 +60,8 @@ def _last_read(node, pos) -> int:
             continue
         seen.add(x)
         for u in x.users:
+            if u in skip:
+                continue
             if _is_alias(u):
                 stack.append(u)
             else:

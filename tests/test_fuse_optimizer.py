@@ -232,3 +232,35 @@ def test_a_parameter_read_after_the_update_is_copied_first():
     a, b = gm(*inputs()), functional(*inputs())
     assert len(a) == len(b) and torch.equal(a[-1], b[-1])          # the late reader saw the old parameter
     assert max(((u - v).abs() / (v.abs() + 1)).max().item() for u, v in zip(a, b)) < 1e-15
+
+
+def test_a_gradient_that_is_not_contiguous_is_copied_first():
+    """ATen's CPU fused kernel walks each tensor's memory in order, whatever its strides: fed a transposed gradient
+    beside a contiguous parameter it pairs the wrong elements (shown here on the kernel itself). A gradient traced
+    with other strides (tensor parallelism's ``add`` of a tied weight's two gradients is one) is copied contiguous
+    first; tests/test_tensor_parallel.py's tp=4 Tofu GPT runs through it."""
+    from passes.fuse_optimizer import find_adam_chains, fuse_adam
+    torch.manual_seed(0)
+    p, gt, m, v = torch.randn(6, 8), torch.randn(8, 6).t(), torch.rand(6, 8), torch.rand(6, 8)
+    outs = []
+    for grad in (gt, gt.contiguous()):
+        bufs = [p.clone(), m.clone(), v.clone()]
+        torch.ops.aten._fused_adamw_.tensor_lr([bufs[0]], [grad], [bufs[1]], [bufs[2]], [], [torch.tensor(1.0)],
+                                               lr=torch.tensor(0.1), beta1=0.9, beta2=0.99, weight_decay=0.0,
+                                               eps=1e-8, amsgrad=False, maximize=False)
+        outs.append(bufs[0])
+    assert not torch.equal(outs[0], outs[1])           # the kernel ignores the strides: why the pass copies
+    batches = _gpt_batches()
+    p_ = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
+    gm = copy.deepcopy(p_.captured.gm)
+    (chain,) = find_adam_chains(gm, p_.plan.optimizer)
+    k, grad = next((i, x) for i, x in enumerate(chain.grads) if x.meta["val"].dim() == 2)
+    shape = tuple(grad.meta["val"].shape)
+    grad.meta["val"] = torch.empty(shape[::-1], dtype=grad.meta["val"].dtype, device="meta").t()   # as if transposed
+    fused, notes = fuse_adam(gm, p_.plan.optimizer)
+    (call,) = [n for n in gm.graph.nodes if "_fused_adamw_" in str(n.target)]
+    copied = call.args[1][k]
+    assert fused == 1 and copied.target is torch.ops.aten.clone.default and copied.args[0] is grad
+    assert copied.kwargs["memory_format"] == torch.contiguous_format
+    assert f"{chain.last.name}: reads a contiguous copy of gradient {grad.name}" in notes
+    assert all(x.target is not torch.ops.aten.clone.default for i, x in enumerate(call.args[1]) if i != k)
