@@ -201,8 +201,9 @@ def _contiguous(x) -> bool:
 def _copied(c: AdamChain, pos: dict, out_node) -> dict:
     """``{list position: why}`` of the parameters and moments the fused call must not write in place, so it
     updates a copy of them instead: not the runtime's own buffer (a placeholder of role param / opt_state: ZeRO-1/2
-    update a chunk the runtime cuts out of the whole parameter), returned as is, read (or a view of it read) after
-    the update, or listed twice. Positions count over params + exp_avgs + exp_avg_sqs."""
+    update a chunk the runtime cuts out of the whole parameter), not contiguous (:func:`_contiguous`), returned as
+    is, read (or a view of it read) after the update, or listed twice. Positions count over params + exp_avgs +
+    exp_avg_sqs."""
     from .reinplace import _last_read
     chain = set(c.ops)
     at = pos[c.last]
