@@ -80,7 +80,7 @@ def plan_comm_schedule(plan: Plan, stage: int, captured, cluster, fused: bool = 
     ranks = plan.group_of(names[0], plan.stage_to_rank[stage][0] * plan.width)
     times = graph_compute(captured.gm, cluster.device).times
     if (plan.optimizer or {}).get("kernel") == "fused":     # the update will run as one fused kernel per chain
-        from passes.fuse_optimizer import fused_chain_times
+        from passes.fuse_optimizer import fused_chain_times     # fxpar reaches passes only here and in lower
         times = fused_chain_times(captured.gm, times, cluster.device, plan.optimizer)
     tm0 = stage_timings(captured.gm, captured.signature, cluster.device, times=times)
     why_not = _why_not_grad_order(plan, captured, fused)
