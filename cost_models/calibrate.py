@@ -66,6 +66,7 @@ from dataclasses import replace
 import torch
 
 from fxpar.cluster import ClusterSpec, LinkSpec
+from fxpar.collectives import gloo_all_gather_into_tensor
 from fxpar.host import COMM_THREAD_NAMES, raise_comm_threads, reuse_freed_memory
 
 __all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "in_step_slots", "late_recv_overhead",
@@ -259,6 +260,16 @@ _ISSUE_NUMEL = 256
 _ISSUE_REPS = 30
 
 
+def _runtime_gather():
+    """The all-gather op fxpar's runtime runs on this process's default group: under gloo
+    ``fxpar.collectives.gloo_all_gather_into_tensor`` (``lower_for_backend``: the functional op can corrupt the
+    heap beside another collective in flight, as the in-step pair below has it), else the functional op."""
+    import torch.distributed as dist
+    if dist.get_backend() == "gloo":
+        return gloo_all_gather_into_tensor
+    return torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
 def _measure_issue(reps: int = _ISSUE_REPS) -> float:
     """Seconds from calling a functional collective to its return (its handle), before the wait: the mean of
     the medians for ``all_reduce`` and ``all_gather_into_tensor`` of 1 KiB. Every rank runs ``reps`` of each."""
@@ -266,8 +277,9 @@ def _measure_issue(reps: int = _ISSUE_REPS) -> float:
     name, n = dist.group.WORLD.group_name, dist.get_world_size()
     ops = torch.ops._c10d_functional
     t = torch.ones(_ISSUE_NUMEL)
+    gather = _runtime_gather()
     issue = {"all_reduce": lambda: ops.all_reduce(t, "sum", name),
-             "all_gather": lambda: ops.all_gather_into_tensor(t, n, name)}
+             "all_gather": lambda: gather(t, n, name)}
     medians = []
     for fn in issue.values():
         out = []
@@ -299,8 +311,9 @@ def _measure_in_step(reps: int = 5, min_seconds: float = _MIN_SECONDS) -> dict:
     ops = torch.ops._c10d_functional
     gm = _adds_graph(_STEP_OPS)
     t = torch.ones(_ISSUE_NUMEL)
+    gather = _runtime_gather()
     ar = lambda: ops.all_reduce(t, "sum", name)                  # noqa: E731
-    ag = lambda: ops.all_gather_into_tensor(t, n, name)          # noqa: E731
+    ag = lambda: gather(t, n, name)                              # noqa: E731
 
     def pair():
         a = ar()

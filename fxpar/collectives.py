@@ -14,7 +14,7 @@ import torch.fx
 from . import meta as M
 
 __all__ = ["group_tag", "axis_of_tag", "insert_all_reduce", "insert_broadcast", "is_collective", "is_wait",
-           "collective_nodes", "C10D"]
+           "collective_nodes", "C10D", "gloo_all_gather_into_tensor", "lower_for_backend"]
 
 C10D = torch.ops._c10d_functional
 _TAG = "fxpar:"
@@ -86,3 +86,59 @@ def insert_broadcast(graph: torch.fx.Graph, x: torch.fx.Node, axis: str, ranks: 
         w = graph.call_function(C10D.wait_tensor.default, (bc,))
     _stamp(w, x, x.meta.get("val"))
     return bc, w
+
+
+# --- the runtime's lowering for gloo -------------------------------------------------------------------------
+# torch 2.13's functional ``all_gather_into_tensor`` reaches gloo as ``allgather_into_tensor_coalesced``
+# (``AsyncAllgatherCoalescedWork``). With another collective of the same group in flight -- Parallax's pairs
+# beside the dense rest's all-reduce, ZeRO-3's prefetched gathers beside a reduce-scatter, Herring's gathers
+# beside its all-reduces -- that path corrupts the heap now and then: ``malloc(): unaligned tcache chunk
+# detected`` or a segfault, about once in 10-20 thousand steps of two ranks over a veth pair here
+# (docs/benchmarks.md, session 13). The same gather through ``dist.all_gather_into_tensor(async_op=True)``
+# (gloo's ``_allgather_base``) ran 100 thousand steps clean, as did the functional all-reduce,
+# reduce-scatter and all-to-all. So on a gloo group the runtime runs each gather through the latter, its work
+# registered for the graph's own ``wait_tensor``: the same bytes, the same order, the same graph otherwise.
+
+_LIB = torch.library.Library("fxpar", "FRAGMENT")
+_LIB.define("all_gather_into_tensor(Tensor input, int group_size, str group_name) -> Tensor")
+
+
+def _gather(input, group_size, group_name):
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    inp = input.contiguous()
+    out = inp.new_empty([group_size * inp.shape[0], *inp.shape[1:]])     # as the functional op: dim 0 x n
+    work = dist.all_gather_into_tensor(out, inp, group=_resolve_process_group(group_name), async_op=True)
+    torch._C._distributed_c10d._register_work(out, work)       # the graph's wait_tensor(out) waits for it
+    return out
+
+
+def _gather_fake(input, group_size, group_name):
+    return input.new_empty([group_size * input.shape[0], *input.shape[1:]])
+
+
+_LIB.impl("all_gather_into_tensor", _gather, "CompositeExplicitAutograd")
+torch.library.register_fake("fxpar::all_gather_into_tensor", _gather_fake, lib=_LIB)
+
+gloo_all_gather_into_tensor = torch.ops.fxpar.all_gather_into_tensor.default
+
+
+def lower_for_backend(gm: torch.fx.GraphModule) -> int:
+    """On a rank whose groups are bound (``bind_groups``): every ``all_gather_into_tensor`` over a gloo group
+    runs as :data:`gloo_all_gather_into_tensor` instead (see the note above). Returns how many nodes changed;
+    graphs over NCCL are left as they are."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    changed = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not C10D.all_gather_into_tensor.default:
+            continue
+        name = n.args[2]
+        if not isinstance(name, str) or name.startswith(_TAG):
+            continue                  # not bound to a process group (bind_groups first)
+        if dist.get_backend(_resolve_process_group(name)) == "gloo":
+            n.target = gloo_all_gather_into_tensor
+            changed += 1
+    if changed:
+        gm.recompile()
+    return changed

@@ -2,6 +2,7 @@
 graphs and their history, the cost models' estimate, and ways to run (``run_local``, ``runner``)."""
 from __future__ import annotations
 
+import pickle
 from dataclasses import dataclass
 
 import torch
@@ -515,7 +516,11 @@ class Program:
         if mine:
             from .runner import ServerRunner
             return ServerRunner(mine[0], self)
-        return RankRunner(Executor(self.payload(dist.get_rank(), seed=seed)), self)
+        payload = self.payload(dist.get_rank(), seed=seed)
+        # the executor binds each graph to this rank's groups and backend (group names, gloo's gather): on copies,
+        # as a rank of run_local gets them, so that program.graphs() keeps showing the program as planned
+        payload.graphs = pickle.loads(pickle.dumps(payload.graphs))
+        return RankRunner(Executor(payload), self)
 
     def _check_world(self, world: int, servers: list) -> None:
         """torchrun's process count against the program's: its workers, plus BytePS's CPU servers."""

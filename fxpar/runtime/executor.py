@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..collectives import axis_of_tag
+from ..collectives import axis_of_tag, lower_for_backend
 from ..schedule import ActionKind
 from ..zero import chunk
 from .carry import CarryState
@@ -177,6 +177,7 @@ class Executor(ShardState, CarryState, TensorParallelState):
             for parts in p.graphs.values():
                 for sg in parts.values():
                     bind_groups(sg.gm, names)
+                    lower_for_backend(sg.gm)      # gloo: the gathers that are safe beside other collectives
             if p.extra.get("comm_priority"):
                 dist.barrier()                    # every group's threads up (and named) before they are raised
                 comm_priority(p.rank)

@@ -36,6 +36,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
+from ..collectives import gloo_all_gather_into_tensor
+
 __all__ = ["CommCounter", "MemoryTracker", "action_overhead_s"]
 
 _KINDS = {
@@ -52,7 +54,7 @@ class CommCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace == "_c10d_functional":
+        if func.namespace == "_c10d_functional" or func is gloo_all_gather_into_tensor:
             name = func._schema.name.split("::")[-1]
             kind = _KINDS.get(name.rstrip("_"))        # in-place variants (all_reduce_) count alike
             if kind is not None:

@@ -1,0 +1,120 @@
+"""The runtime's all-gather under gloo (fxpar.collectives.lower_for_backend).
+
+torch 2.13's functional ``all_gather_into_tensor`` reaches gloo as ``allgather_into_tensor_coalesced``, which
+corrupted the heap about once in 10-20 thousand steps of two ranks over a veth pair when another collective of the
+group was in flight (docs/benchmarks.md, session 13; ``benchmarks/gloo_gather_stress.py`` reproduces it). On a gloo
+group the executor runs each gather as ``fxpar::all_gather_into_tensor`` (``dist.all_gather_into_tensor`` with
+``async_op=True``, its work registered for the graph's ``wait_tensor``). Here: the op equals the functional one, with
+and without a collective in flight; the executor's graphs hold it wherever the program's graphs hold the functional
+gather, and nowhere else; the comm counter counts it; a graph whose groups are not bound is left alone. Numerics of
+every program with gathers (Parallax, ZeRO-3, Herring, Tofu) go through it in their own tests.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar.collectives import C10D, gloo_all_gather_into_tensor, group_tag, lower_for_backend
+
+FUNCTIONAL = C10D.all_gather_into_tensor.default
+
+
+def _gather_both_ways(shape):
+    """On a rank: the functional gather and fxpar's, alone and with an all-reduce in flight; the counter's view."""
+    import torch.distributed as dist
+
+    from fxpar.runtime.measure import CommCounter
+    rank, n, name = dist.get_rank(), dist.get_world_size(), dist.group.WORLD.group_name
+    x = torch.arange(torch.Size(shape).numel(), dtype=torch.float64).reshape(shape) + 100 * rank
+    ref = C10D.wait_tensor.default(FUNCTIONAL(x, n, name))
+    alone = C10D.wait_tensor.default(gloo_all_gather_into_tensor(x, n, name))
+    busy = torch.full((7,), float(rank + 1))
+    ar = C10D.all_reduce.default(busy, "sum", name)                        # in flight during the gather
+    beside = C10D.wait_tensor.default(gloo_all_gather_into_tensor(x.t(), n, name))   # a non-contiguous input too
+    summed = C10D.wait_tensor.default(ar)
+    with CommCounter() as counter:
+        C10D.wait_tensor.default(gloo_all_gather_into_tensor(x, n, name))
+    return ref, alone, beside, summed, counter.calls
+
+
+def test_gloo_gather_equals_the_functional_gather(clusters):
+    out = clusters.get(2).run(_gather_both_ways, [((3, 4),)] * 2)
+    x = [torch.arange(12, dtype=torch.float64).reshape(3, 4) + 100 * r for r in range(2)]
+    for ref, alone, beside, summed, calls in out:
+        assert torch.equal(ref, torch.cat(x)) and ref.shape == (6, 4)
+        assert torch.equal(alone, ref)
+        assert torch.equal(beside, torch.cat([t.t() for t in x]))
+        assert torch.equal(summed, torch.full((7,), 3.0))
+        assert calls == [("all_gather", 12 * 8)]
+
+
+def _executor_gathers(payload):
+    from fxpar.runtime.executor import Executor
+    ex = Executor(payload)
+    count = {"functional": 0, "gloo": 0}
+    for parts in ex.p.graphs.values():
+        for sg in parts.values():
+            for n in sg.gm.graph.nodes:
+                if n.target is FUNCTIONAL:
+                    count["functional"] += 1
+                elif n.target is gloo_all_gather_into_tensor:
+                    count["gloo"] += 1
+    return count
+
+
+class Bag(torch.nn.Module):
+    def __init__(self, vocab=1000, d=16):
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, d)
+        self.head = torch.nn.Linear(d, 4)
+
+    def forward(self, ids):
+        return self.head(self.emb(ids).mean(1))
+
+
+def test_executor_runs_every_gather_of_a_program_through_gloo_safe_op(clusters):
+    """Parallax's pairs and ZeRO-3's parameter gathers: as many fxpar gathers on each rank as the program's graphs
+    hold functional ones, none left functional."""
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randint(0, 1000, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))
+    for strat in (fxpar.Strategy(dp=2, grad_sync="parallax"), fxpar.Strategy(dp=2, zero=3)):
+        prog = fxpar.parallelize(Bag(), 2, batch, F.cross_entropy, (torch.optim.SGD, {"lr": 0.1}), strategy=strat)
+        planned = sum(1 for gm in prog.graphs(0).values() for n in gm.graph.nodes if n.target is FUNCTIONAL)
+        assert planned > 0, strat
+        got = clusters.get(2).run(_executor_gathers, [(prog.payload(r),) for r in range(2)])
+        assert got == [{"functional": 0, "gloo": planned}] * 2, (strat, got)
+        # the program's own graphs (what program.graphs() shows) keep the functional op
+        assert sum(1 for gm in prog.graphs(0).values() for n in gm.graph.nodes if n.target is FUNCTIONAL) == planned
+
+
+def test_unbound_groups_are_left_alone():
+    """Before bind_groups a gather names a mesh axis, not a process group: nothing to lower (and no group needed)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    ag = g.call_function(FUNCTIONAL, (x, 2, group_tag("dp")))
+    g.output(g.call_function(C10D.wait_tensor.default, (ag,)))
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    assert lower_for_backend(gm) == 0
+    assert ag.target is FUNCTIONAL
+
+
+def _runner_keeps_program_graphs(strat_kwargs):
+    """On a rank of an initialised group: runner() binds and lowers its own copies of the graphs."""
+    g = torch.Generator().manual_seed(3)
+    batch = (torch.randint(0, 1000, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))
+    prog = fxpar.parallelize(Bag(), 2, batch, F.cross_entropy, (torch.optim.SGD, {"lr": 0.1}),
+                             strategy=fxpar.Strategy(**strat_kwargs))
+    before = [(n.target, n.args) for gm in prog.graphs(0).values() for n in gm.graph.nodes]
+    runner = prog.runner()
+    runner.step(batch)
+    mine = [n.target for parts in runner.executor.p.graphs.values() for sg in parts.values() for n in sg.gm.graph.nodes]
+    after = [(n.target, n.args) for gm in prog.graphs(0).values() for n in gm.graph.nodes]
+    return before == after, mine.count(gloo_all_gather_into_tensor), mine.count(FUNCTIONAL)
+
+
+def test_runner_binds_copies_not_the_programs_graphs(clusters):
+    """Under torchrun the program and the executor share a process: program.graphs() still shows the planned
+    graphs (group tags, the functional gather) after runner() bound and lowered the rank's copies."""
+    got = clusters.get(2).run(_runner_keeps_program_graphs, [({"dp": 2, "grad_sync": "parallax"},)] * 2)
+    assert got == [(True, 1, 0)] * 2, got
