@@ -6,7 +6,7 @@ all-gather issued and waited while it is in flight, then the all-reduce waited. 
 ``--iters`` such rounds per batch, ``--batches`` batches, on a fresh pair of ranks after any crash:
 
 - ``functional``: ``torch.ops._c10d_functional.all_gather_into_tensor`` (gloo: ``allgather_into_tensor_coalesced``);
-- ``fxpar``: ``fxpar::all_gather_into_tensor`` (``dist.all_gather_into_tensor(async_op=True)``, gloo's
+- ``fxpar``: ``fxpar::all_gather_into_tensor`` (``dist.all_gather_single(async_op=True)``, gloo's
   ``_allgather_base``), what fxpar's executor runs on gloo groups;
 - ``alone``: the functional gather with nothing in flight beside it.
 

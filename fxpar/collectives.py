@@ -94,7 +94,7 @@ def insert_broadcast(graph: torch.fx.Graph, x: torch.fx.Node, axis: str, ranks: 
 # beside the dense rest's all-reduce, ZeRO-3's prefetched gathers beside a reduce-scatter, Herring's gathers
 # beside its all-reduces -- that path corrupts the heap now and then: ``malloc(): unaligned tcache chunk
 # detected`` or a segfault, about once in 10-20 thousand steps of two ranks over a veth pair here
-# (docs/benchmarks.md, session 13). The same gather through ``dist.all_gather_into_tensor(async_op=True)``
+# (docs/benchmarks.md, session 13). The same gather through ``dist.all_gather_single(async_op=True)``
 # (gloo's ``_allgather_base``) ran 100 thousand steps clean, as did the functional all-reduce,
 # reduce-scatter and all-to-all. So on a gloo group the runtime runs each gather through the latter, its work
 # registered for the graph's own ``wait_tensor``: the same bytes, the same order, the same graph otherwise.
@@ -106,9 +106,11 @@ _LIB.define("all_gather_into_tensor(Tensor input, int group_size, str group_name
 def _gather(input, group_size, group_name):
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
+    # torch 2.13's all_gather_into_tensor is all_gather_single under a deprecation warning; older torch has only it
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     inp = input.contiguous()
     out = inp.new_empty([group_size * inp.shape[0], *inp.shape[1:]])     # as the functional op: dim 0 x n
-    work = dist.all_gather_into_tensor(out, inp, group=_resolve_process_group(group_name), async_op=True)
+    work = gather(out, inp, group=_resolve_process_group(group_name), async_op=True)
     torch._C._distributed_c10d._register_work(out, work)       # the graph's wait_tensor(out) waits for it
     return out
 
