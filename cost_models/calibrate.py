@@ -265,7 +265,7 @@ def _runtime_gather():
     ``fxpar.collectives.gloo_all_gather_into_tensor`` (``lower_for_backend``: the functional op can corrupt the
     heap beside another collective in flight, as the in-step pair below has it), else the functional op."""
     import torch.distributed as dist
-    if dist.get_backend() == "gloo":
+    if "gloo" in str(dist.get_backend()):
         return gloo_all_gather_into_tensor
     return torch.ops._c10d_functional.all_gather_into_tensor.default
 

@@ -127,8 +127,9 @@ gloo_all_gather_into_tensor = torch.ops.fxpar.all_gather_into_tensor.default
 
 def lower_for_backend(gm: torch.fx.GraphModule) -> int:
     """On a rank whose groups are bound (``bind_groups``): every ``all_gather_into_tensor`` over a gloo group
-    runs as :data:`gloo_all_gather_into_tensor` instead (see the note above). Returns how many nodes changed;
-    graphs over NCCL are left as they are."""
+    runs as :data:`gloo_all_gather_into_tensor` instead (see the note above; on a group with gloo for CPU and NCCL
+    for CUDA too: the op calls ``dist``, which picks the backend by device). Returns how many nodes changed; graphs
+    over NCCL alone are left as they are."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
     changed = 0
@@ -138,7 +139,7 @@ def lower_for_backend(gm: torch.fx.GraphModule) -> int:
         name = n.args[2]
         if not isinstance(name, str) or name.startswith(_TAG):
             continue                  # not bound to a process group (bind_groups first)
-        if dist.get_backend(_resolve_process_group(name)) == "gloo":
+        if "gloo" in str(dist.get_backend(_resolve_process_group(name))):     # "gloo", or "cpu:gloo,cuda:nccl"
             n.target = gloo_all_gather_into_tensor
             changed += 1
     if changed:
