@@ -11,7 +11,7 @@ ops between the collectives, each issue call, each wait. ``estimate()``'s timeli
 identity), called in a loop in one process: back to back, after a 0.3 ms sleep, after reading 4 MiB of other
 tensors (what the graph's ops cost alone, and after a thread slept or its caches were used).
 
-    python benchmarks/step_anatomy.py [--mode step|ops] [--steps 1000] [--comm-priority] [--veth] [--all-nodes]
+    python benchmarks/step_anatomy.py [--mode step|ops] [--steps 1000] [--comm-priority] [--pin] [--veth] [--all-nodes]
 """
 import argparse
 import statistics
@@ -112,10 +112,10 @@ def step_mode(args):
     if not args.veth:
         link.missing = "127.0.0.1 asked for (--veth for the namespaces)"
     with link:
-        with NetnsCluster(2, link, comm_priority=args.comm_priority) as cl:
+        with NetnsCluster(2, link, comm_priority=args.comm_priority, pin=args.pin) as cl:
             outs = cl.run(rank_steps, [(p, batches, args.warmup, args.all_nodes) for p in payloads])
     print(f"Parallax on Bag, 2 ranks on {'the veth' if link.active else '127.0.0.1'}, comm_priority="
-          f"{args.comm_priority}, {args.steps} steps after {args.warmup}; ms per step (median, mean)")
+          f"{args.comm_priority}, pin={args.pin}, {args.steps} steps after {args.warmup}; ms per step (median, mean)")
     for r, steps in enumerate(outs):
         parts = {}
         for t0, log, t1 in steps:
@@ -129,7 +129,7 @@ def step_mode(args):
         for k, v in parts.items():
             print(f"  {k:70} {statistics.median(v):7.3f} {statistics.fmean(v):7.3f}")
     if not args.no_estimate:
-        cal = fxpar.ClusterSpec.calibrate(world_size=2, threads=1, comm_priority=args.comm_priority)
+        cal = fxpar.ClusterSpec.calibrate(world_size=2, threads=1, comm_priority=args.comm_priority, pin=args.pin)
         est = _program(cal, _batches(1)[0]).estimate()
         sim = est._sims[0]
         print(f"estimate(): step {est.step_time_s * 1e3:.3f} ms; rank 0's compute lane (start, ms) and comm lane:")
@@ -189,6 +189,7 @@ def main():
     ap.add_argument("--comm-priority", action="store_true")
     ap.add_argument("--veth", action="store_true")
     ap.add_argument("--all-nodes", action="store_true")
+    ap.add_argument("--pin", action="store_true", help="each rank on its own core (NetnsCluster(pin=True))")
     ap.add_argument("--no-estimate", action="store_true")
     args = ap.parse_args()
     step_mode(args) if args.mode == "step" else ops_mode(args)
