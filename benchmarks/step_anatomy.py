@@ -2,8 +2,9 @@
 
 ``--mode step`` (default): each rank builds fxpar's Executor for the program, then puts a timestamp before and
 after every collective and ``wait_tensor`` of its own copy of the graph (``--all-nodes``: after every node too),
-runs ``--steps`` steps and reports the median and mean of each part: the executor before and after the graph, the
-ops between the collectives, each issue call, each wait. ``estimate()``'s timeline for the same program on
+runs ``--steps`` steps and reports the median and mean of each part (wall time, and the main thread's CPU time:
+where the CPU is less than the wall, the thread was waiting or another thread had its core): the executor before
+and after the graph, the ops between the collectives, each issue call, each wait. ``estimate()``'s timeline for the same program on
 ``ClusterSpec.calibrate()`` is printed beside it (``--no-estimate`` to skip the calibration). The ranks run on
 127.0.0.1 (``--veth``: one in each namespace of benchmarks/netns_link.py, uncapped).
 
@@ -35,7 +36,7 @@ _LOG = []
 
 
 def _stamp(name):
-    _LOG.append((name, time.perf_counter()))
+    _LOG.append((name, time.perf_counter(), time.thread_time()))
 
 
 _WATCH = {C10D.all_reduce_.default, C10D.all_reduce.default, C10D.all_gather_into_tensor.default,
@@ -75,11 +76,11 @@ def rank_steps(payload, batches, warmup, all_nodes):
     out = []
     for i, b in enumerate(batches):
         _LOG.clear()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         ex.step(b)
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         if i >= warmup:
-            out.append((t0, list(_LOG), t1))
+            out.append(((t0, c0), list(_LOG), (t1, c1)))
     ex.drain()
     return out
 
@@ -118,16 +119,18 @@ def step_mode(args):
           f"{args.comm_priority}, pin={args.pin}, {args.steps} steps after {args.warmup}; ms per step (median, mean)")
     for r, steps in enumerate(outs):
         parts = {}
-        for t0, log, t1 in steps:
-            prev, pt = "step start", t0
-            for name, t in log:
-                parts.setdefault(f"{prev} -> {name}", []).append((t - pt) * 1e3)
-                prev, pt = name, t
-            parts.setdefault(f"{prev} -> step end", []).append((t1 - pt) * 1e3)
-            parts.setdefault("STEP", []).append((t1 - t0) * 1e3)
-        print(f"rank {r}:")
+        for (t0, c0), log, (t1, c1) in steps:
+            prev, pt, pc = "step start", t0, c0
+            for name, t, c in log:
+                parts.setdefault(f"{prev} -> {name}", []).append(((t - pt) * 1e3, (c - pc) * 1e3))
+                prev, pt, pc = name, t, c
+            parts.setdefault(f"{prev} -> step end", []).append(((t1 - pt) * 1e3, (c1 - pc) * 1e3))
+            parts.setdefault("STEP", []).append(((t1 - t0) * 1e3, (c1 - c0) * 1e3))
+        print(f"rank {r}: {'wall median':>82} {'mean':>7} | main thread's CPU median, mean")
         for k, v in parts.items():
-            print(f"  {k:70} {statistics.median(v):7.3f} {statistics.fmean(v):7.3f}")
+            wall, cpu = [w for w, _ in v], [c for _, c in v]
+            print(f"  {k:70} {statistics.median(wall):7.3f} {statistics.fmean(wall):7.3f} | "
+                  f"{statistics.median(cpu):7.3f} {statistics.fmean(cpu):7.3f}")
     if not args.no_estimate:
         cal = fxpar.ClusterSpec.calibrate(world_size=2, threads=1, comm_priority=args.comm_priority, pin=args.pin)
         est = _program(cal, _batches(1)[0]).estimate()

@@ -8,13 +8,16 @@ ranks that differ only in their dp coordinate share one graph.
 """
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx
 
 from . import meta as M
 
 __all__ = ["group_tag", "axis_of_tag", "insert_all_reduce", "insert_broadcast", "is_collective", "is_wait",
-           "collective_nodes", "C10D", "gloo_all_gather_into_tensor", "lower_for_backend"]
+           "collective_nodes", "C10D", "gloo_all_gather_into_tensor", "lower_for_backend", "gathers_beside_collectives",
+           "in_flight_across_graphs"]
 
 C10D = torch.ops._c10d_functional
 _TAG = "fxpar:"
@@ -96,8 +99,10 @@ def insert_broadcast(graph: torch.fx.Graph, x: torch.fx.Node, axis: str, ranks: 
 # detected`` or a segfault, about once in 10-20 thousand steps of two ranks over a veth pair here
 # (docs/benchmarks.md, session 13). The same gather through ``dist.all_gather_single(async_op=True)``
 # (gloo's ``_allgather_base``) ran 100 thousand steps clean, as did the functional all-reduce,
-# reduce-scatter and all-to-all. So on a gloo group the runtime runs each gather through the latter, its work
-# registered for the graph's own ``wait_tensor``: the same bytes, the same order, the same graph otherwise.
+# reduce-scatter and all-to-all, and the functional gather with nothing beside it. So on a gloo group the runtime
+# runs each gather that is in flight at once with another collective through the latter, its work registered for
+# the graph's own ``wait_tensor``: the same bytes, the same order, the same graph otherwise. A gather alone keeps the
+# functional op (it frees its buffers as it always did: the memory tests measure those programs to the byte).
 
 _LIB = torch.library.Library("fxpar", "FRAGMENT")
 _LIB.define("all_gather_into_tensor(Tensor input, int group_size, str group_name) -> Tensor")
@@ -125,17 +130,63 @@ torch.library.register_fake("fxpar::all_gather_into_tensor", _gather_fake, lib=_
 gloo_all_gather_into_tensor = torch.ops.fxpar.all_gather_into_tensor.default
 
 
-def lower_for_backend(gm: torch.fx.GraphModule) -> int:
-    """On a rank whose groups are bound (``bind_groups``): every ``all_gather_into_tensor`` over a gloo group
-    runs as :data:`gloo_all_gather_into_tensor` instead (see the note above; on a group with gloo for CPU and NCCL
-    for CUDA too: the op calls ``dist``, which picks the backend by device). Returns how many nodes changed; graphs
-    over NCCL alone are left as they are."""
+def _in_flight(gm: torch.fx.GraphModule) -> tuple:
+    """Each collective's span in graph order, ``{node: (issued, first wait)}`` (a collective not waited in the graph
+    spans to its end; a wait on a placeholder, a collective an earlier graph issued, spans from its start), and
+    whether anything is in flight across the graph's boundary (issued and not waited here, or waited here on a
+    placeholder)."""
+    nodes = list(gm.graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    spans, across = {}, False
+    for n in nodes:
+        if n.op != "call_function" or getattr(n.target, "namespace", None) not in ("_c10d_functional", "fxpar"):
+            continue
+        if n.target is C10D.wait_tensor.default:
+            src = n.args[0]
+            while isinstance(src, torch.fx.Node) and src.target is operator.getitem:
+                src = src.args[0]
+            if isinstance(src, torch.fx.Node) and src.op == "placeholder":
+                spans[src] = (-1, min(pos[n], spans.get(src, (-1, len(nodes)))[1]))
+                across = True
+            elif src in spans:
+                spans[src] = (spans[src][0], min(pos[n], spans[src][1]))
+        elif n.target is gloo_all_gather_into_tensor or (n.target.namespace == "_c10d_functional" and
+                                                         n.target._schema.name.split("::")[-1] in _COLLECTIVE_OPS):
+            spans[n] = (pos[n], len(nodes))
+    if any(end == len(nodes) for node, (_, end) in spans.items() if node.op != "placeholder"):
+        across = True
+    return spans, across
+
+
+_COLLECTIVE_OPS = {"all_reduce", "all_reduce_", "all_gather_into_tensor", "reduce_scatter_tensor",
+                   "all_to_all_single", "broadcast", "broadcast_", "all_reduce_coalesced", "all_reduce_coalesced_",
+                   "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced"}
+
+
+def gathers_beside_collectives(gm: torch.fx.GraphModule, anywhere: bool = False) -> list:
+    """The ``all_gather_into_tensor`` nodes of ``gm`` in flight at once with another collective of the graph (their
+    spans overlap: see :func:`_in_flight`); every gather where ``anywhere`` (the rank has collectives in flight
+    across its graphs' boundaries, which no one graph shows)."""
+    spans, _ = _in_flight(gm)
+    out = []
+    for n, (a, b) in spans.items():
+        if n.op == "placeholder" or n.target is not C10D.all_gather_into_tensor.default:
+            continue
+        if anywhere or any(m is not n and c < b and a < d for m, (c, d) in spans.items()):
+            out.append(n)
+    return out
+
+
+def lower_for_backend(gm: torch.fx.GraphModule, anywhere: bool = False) -> int:
+    """On a rank whose groups are bound (``bind_groups``): every ``all_gather_into_tensor`` over a gloo group that
+    is in flight at once with another collective (:func:`gathers_beside_collectives`; ``anywhere``: every one) runs as
+    :data:`gloo_all_gather_into_tensor` instead (see the note above; on a group with gloo for CPU and NCCL for CUDA
+    too: the op calls ``dist``, which picks the backend by device). A gather alone keeps the functional op, which ran
+    clean alone. Returns how many nodes changed; graphs over NCCL alone are left as they are."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
     changed = 0
-    for n in gm.graph.nodes:
-        if n.op != "call_function" or n.target is not C10D.all_gather_into_tensor.default:
-            continue
+    for n in gathers_beside_collectives(gm, anywhere):
         name = n.args[2]
         if not isinstance(name, str) or name.startswith(_TAG):
             continue                  # not bound to a process group (bind_groups first)
@@ -145,3 +196,9 @@ def lower_for_backend(gm: torch.fx.GraphModule) -> int:
     if changed:
         gm.recompile()
     return changed
+
+
+def in_flight_across_graphs(gms) -> bool:
+    """Whether any of a rank's graphs leaves a collective in flight past its end or waits one an earlier graph
+    issued: then a gather may run beside a collective no one graph shows."""
+    return any(_in_flight(gm)[1] for gm in gms)

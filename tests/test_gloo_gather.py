@@ -3,10 +3,11 @@
 torch 2.13's functional ``all_gather_into_tensor`` reaches gloo as ``allgather_into_tensor_coalesced``, which
 corrupted the heap about once in 10-20 thousand steps of two ranks over a veth pair when another collective of the
 group was in flight (docs/benchmarks.md, session 13; ``benchmarks/gloo_gather_stress.py`` reproduces it). On a gloo
-group the executor runs each gather as ``fxpar::all_gather_into_tensor`` (``dist.all_gather_single`` with
+group the executor runs each gather in flight beside another collective as ``fxpar::all_gather_into_tensor`` (``dist.all_gather_single`` with
 ``async_op=True``, its work registered for the graph's ``wait_tensor``). Here: the op equals the functional one, with
-and without a collective in flight; the executor's graphs hold it wherever the program's graphs hold the functional
-gather, and nowhere else; the comm counter counts it; a graph whose groups are not bound is left alone. Numerics of
+and without a collective in flight; the executor's graphs hold it where a gather overlaps another collective and
+nowhere else; the overlap is read from the graph; the comm counter counts it; a graph whose groups are not bound is
+left alone. Numerics of
 every program with gathers (Parallax, ZeRO-3, Herring, Tofu) go through it in their own tests.
 """
 from __future__ import annotations
@@ -15,7 +16,8 @@ import torch
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.collectives import C10D, gloo_all_gather_into_tensor, group_tag, lower_for_backend
+from fxpar.collectives import (C10D, gathers_beside_collectives, gloo_all_gather_into_tensor, group_tag,
+                               in_flight_across_graphs, lower_for_backend)
 
 FUNCTIONAL = C10D.all_gather_into_tensor.default
 
@@ -73,19 +75,56 @@ class Bag(torch.nn.Module):
         return self.head(self.emb(ids).mean(1))
 
 
-def test_executor_runs_every_gather_of_a_program_through_gloo_safe_op(clusters):
-    """Parallax's pairs and ZeRO-3's parameter gathers: as many fxpar gathers on each rank as the program's graphs
-    hold functional ones, none left functional."""
+def test_executor_lowers_the_gathers_that_run_beside_another_collective(clusters):
+    """Parallax's pairs are gathered while the dense rest's all-reduce is in flight: lowered on every rank. ZeRO-3's
+    parameter gathers run one at a time (one collective in flight per graph): they keep the functional op."""
     g = torch.Generator().manual_seed(3)
     batch = (torch.randint(0, 1000, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))
-    for strat in (fxpar.Strategy(dp=2, grad_sync="parallax"), fxpar.Strategy(dp=2, zero=3)):
+    for strat, lowered in ((fxpar.Strategy(dp=2, grad_sync="parallax"), True), (fxpar.Strategy(dp=2, zero=3), False)):
         prog = fxpar.parallelize(Bag(), 2, batch, F.cross_entropy, (torch.optim.SGD, {"lr": 0.1}), strategy=strat)
         planned = sum(1 for gm in prog.graphs(0).values() for n in gm.graph.nodes if n.target is FUNCTIONAL)
         assert planned > 0, strat
         got = clusters.get(2).run(_executor_gathers, [(prog.payload(r),) for r in range(2)])
-        assert got == [{"functional": 0, "gloo": planned}] * 2, (strat, got)
+        want = {"functional": 0, "gloo": planned} if lowered else {"functional": planned, "gloo": 0}
+        assert got == [want] * 2, (strat, got)
         # the program's own graphs (what program.graphs() shows) keep the functional op
         assert sum(1 for gm in prog.graphs(0).values() for n in gm.graph.nodes if n.target is FUNCTIONAL) == planned
+
+
+def _graph(ops):
+    """A graph of ``ops``: ("issue", name, kind) starts a collective on the running value, ("wait", name) waits it,
+    ("wait_input",) waits a placeholder (a collective an earlier graph issued)."""
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    pending = g.placeholder("pending")
+    made = {}
+    for op in ops:
+        if op[0] == "issue":
+            kind = {"gather": (FUNCTIONAL, (x, 2, "0")), "reduce": (C10D.all_reduce.default, (x, "sum", "0"))}[op[2]]
+            made[op[1]] = g.call_function(*kind)
+        elif op[0] == "wait":
+            g.call_function(C10D.wait_tensor.default, (made[op[1]],))
+        else:
+            g.call_function(C10D.wait_tensor.default, (pending,))
+    g.output(x)
+    return torch.fx.GraphModule(torch.nn.Module(), g), made
+
+
+def test_which_gathers_run_beside_another_collective():
+    """Spans in graph order: a gather overlapping an all-reduce either way is found; one alone is not; one after a
+    placeholder's wait is alone, one before it is not; a collective left in flight marks the rank's graphs."""
+    gm, m = _graph([("issue", "ar", "reduce"), ("issue", "ag", "gather"), ("wait", "ag"), ("wait", "ar")])
+    assert gathers_beside_collectives(gm) == [m["ag"]] and not in_flight_across_graphs([gm])
+    gm, m = _graph([("issue", "ag", "gather"), ("issue", "ar", "reduce"), ("wait", "ar"), ("wait", "ag")])
+    assert gathers_beside_collectives(gm) == [m["ag"]]
+    gm, m = _graph([("issue", "ar", "reduce"), ("wait", "ar"), ("issue", "ag", "gather"), ("wait", "ag")])
+    assert gathers_beside_collectives(gm) == [] and gathers_beside_collectives(gm, anywhere=True) == [m["ag"]]
+    gm, m = _graph([("wait_input",), ("issue", "ag", "gather"), ("wait", "ag")])
+    assert gathers_beside_collectives(gm) == [] and in_flight_across_graphs([gm])
+    gm, m = _graph([("issue", "ag", "gather"), ("wait_input",), ("wait", "ag")])
+    assert gathers_beside_collectives(gm) == [m["ag"]]
+    gm, m = _graph([("issue", "ar", "reduce"), ("issue", "ag", "gather"), ("wait", "ag")])    # ar left in flight
+    assert gathers_beside_collectives(gm) == [m["ag"]] and in_flight_across_graphs([gm])
 
 
 def test_unbound_groups_are_left_alone():

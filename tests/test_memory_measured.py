@@ -125,14 +125,20 @@ def test_held_state_is_the_papers_formula_and_the_peak_falls_with_zero(clusters)
     expect = {0: 3 * b * psi, 1: b * psi + 2 * b * psi // n, 2: b * psi + 2 * b * psi // n, 3: 3 * b * psi // n}
     peak = {}
     for zero, state in expect.items():
-        _, res = _run(clusters, zero, "none")
+        prog, res = _run(clusters, zero, "none")
         assert res.held_memory_bytes == {0: state + micro, 1: state + micro}, zero
         peak[zero] = res.peak_memory_bytes[0]
         assert res.peak_memory_bytes[1] == pytest.approx(peak[zero], rel=0.1)
+        if zero == 1:
+            # ZeRO-1 all-gathers the updated copy of the rank's chunk; gloo's worker thread holds that copy until it
+            # drops the collective, which may be after wait_tensor has returned (_check_peak): in some runs the
+            # next step's reduce-scatter then meets it alive, and the peak is there, up to one chunk higher
+            late = max(c.nbytes for c in prog.collectives(0) if c.kind == "all_gather")
     # one microbatch: gradients live inside the fused step, so stage 2 holds what stage 1 holds at its peak
     assert peak[0] > peak[1] > peak[3] and peak[2] < peak[0], peak
-    # the optimizer state ZeRO-1 shards (bΨ of fp64 Adam state at N=2) is at least what the peak loses
-    assert peak[0] - peak[1] >= b * psi, peak
+    # the optimizer state ZeRO-1 shards (bΨ of fp64 Adam state at N=2) is what the peak loses: bΨ exactly where the
+    # chunk was freed in time, less at most that chunk where it was not
+    assert b * psi - late <= peak[0] - peak[1] <= b * psi, (peak, late)
 
 
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])

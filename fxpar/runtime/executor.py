@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..collectives import axis_of_tag, lower_for_backend
+from ..collectives import axis_of_tag, in_flight_across_graphs, lower_for_backend
 from ..schedule import ActionKind
 from ..zero import chunk
 from .carry import CarryState
@@ -174,10 +174,11 @@ class Executor(ShardState, CarryState, TensorParallelState):
             for name, ranks in p.groups:      # every rank creates every group, in one order
                 group(ranks, name)
             names = {name: group(ranks, name).group_name for name, ranks in p.bindings.items() if len(ranks) > 1}
-            for parts in p.graphs.values():
-                for sg in parts.values():
-                    bind_groups(sg.gm, names)
-                    lower_for_backend(sg.gm)      # gloo: the gathers that are safe beside other collectives
+            gms = [sg.gm for parts in p.graphs.values() for sg in parts.values()]
+            across = in_flight_across_graphs(gms)
+            for gm in gms:
+                bind_groups(gm, names)
+                lower_for_backend(gm, anywhere=across)   # gloo: a gather beside another collective, through dist
             if p.extra.get("comm_priority"):
                 dist.barrier()                    # every group's threads up (and named) before they are raised
                 comm_priority(p.rank)
