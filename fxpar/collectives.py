@@ -93,9 +93,9 @@ def insert_broadcast(graph: torch.fx.Graph, x: torch.fx.Node, axis: str, ranks: 
 
 # --- the runtime's lowering for gloo -------------------------------------------------------------------------
 # torch 2.13's functional ``all_gather_into_tensor`` reaches gloo as ``allgather_into_tensor_coalesced``
-# (``AsyncAllgatherCoalescedWork``). With another collective of the same group in flight -- Parallax's pairs
-# beside the dense rest's all-reduce, ZeRO-3's prefetched gathers beside a reduce-scatter, Herring's gathers
-# beside its all-reduces -- that path corrupts the heap now and then: ``malloc(): unaligned tcache chunk
+# (``AsyncAllgatherCoalescedWork``). With another collective in flight -- Parallax's pairs beside the dense
+# rest's all-reduce, a pipeline rank's gathers while another graph's collectives are out, Herring's gathers with
+# several buckets -- that path corrupts the heap now and then: ``malloc(): unaligned tcache chunk
 # detected`` or a segfault, about once in 10-20 thousand steps of two ranks over a veth pair here
 # (docs/benchmarks.md, session 13). The same gather through ``dist.all_gather_single(async_op=True)``
 # (gloo's ``_allgather_base``) ran 100 thousand steps clean, as did the functional all-reduce,
