@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar.collectives import (C10D, gathers_beside_collectives, gloo_all_gather_into_tensor, group_tag,
                                in_flight_across_graphs, lower_for_backend)
+from test_parallax import Bag            # a large table Parallax routes sparse, a small one, a head
 
 FUNCTIONAL = C10D.all_gather_into_tensor.default
 
@@ -63,16 +64,6 @@ def _executor_gathers(payload):
                 elif n.target is gloo_all_gather_into_tensor:
                     count["gloo"] += 1
     return count
-
-
-class Bag(torch.nn.Module):
-    def __init__(self, vocab=1000, d=16):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, d)
-        self.head = torch.nn.Linear(d, 4)
-
-    def forward(self, ids):
-        return self.head(self.emb(ids).mean(1))
 
 
 def test_executor_lowers_the_gathers_that_run_beside_another_collective(clusters):
