@@ -6,13 +6,13 @@ runs ``--steps`` steps and reports the median and mean of each part (wall time, 
 where the CPU is less than the wall, the thread was waiting or another thread had its core): the executor before
 and after the graph, the ops between the collectives, each issue call, each wait. ``estimate()``'s timeline for the same program on
 ``ClusterSpec.calibrate()`` is printed beside it (``--no-estimate`` to skip the calibration). The ranks run on
-127.0.0.1 (``--veth``: one in each namespace of benchmarks/netns_link.py, uncapped).
+127.0.0.1 (``--veth``: one in each namespace of benchmarks/netns_link.py, uncapped; ``--rate R``: that veth capped at R).
 
 ``--mode ops``: the program's graph with its collectives stubbed out (the gather a concatenation, the rest the
 identity), called in a loop in one process: back to back, after a 0.3 ms sleep, after reading 4 MiB of other
 tensors (what the graph's ops cost alone, and after a thread slept or its caches were used).
 
-    python benchmarks/step_anatomy.py [--mode step|ops] [--steps 1000] [--comm-priority] [--pin] [--veth] [--all-nodes]
+    python benchmarks/step_anatomy.py [--mode step|ops] [--steps 1000] [--comm-priority] [--pin] [--veth] [--rate R] [--all-nodes]
 """
 import argparse
 import statistics
@@ -101,7 +101,7 @@ def _batches(n):
 
 
 def step_mode(args):
-    from netns_link import CappedLink, NetnsCluster
+    from netns_link import CappedLink, NetnsCluster, parse_rate
     batches = _batches(args.steps + args.warmup)
     spec = replace(fxpar.ClusterSpec.local(2), comm_priority=args.comm_priority)
     prog = _program(spec, batches[0])
@@ -110,12 +110,15 @@ def step_mode(args):
         batches = [prepare_batch(prog, b, f"batches[{i}]") for i, b in enumerate(batches)]
     payloads = [prog.payload(r, n_batches=len(batches)) for r in range(2)]
     link = CappedLink(verbose=False)
-    if not args.veth:
+    if not args.veth and not args.rate:
         link.missing = "127.0.0.1 asked for (--veth for the namespaces)"
     with link:
+        if args.rate:
+            link.set_rate(parse_rate(args.rate))
         with NetnsCluster(2, link, comm_priority=args.comm_priority, pin=args.pin) as cl:
             outs = cl.run(rank_steps, [(p, batches, args.warmup, args.all_nodes) for p in payloads])
-    print(f"Parallax on Bag, 2 ranks on {'the veth' if link.active else '127.0.0.1'}, comm_priority="
+    print(f"Parallax on Bag, 2 ranks on {'the veth' if link.active else '127.0.0.1'}"
+          f"{' capped at ' + args.rate if link.active and args.rate else ''}, comm_priority="
           f"{args.comm_priority}, pin={args.pin}, {args.steps} steps after {args.warmup}; ms per step (median, mean)")
     for r, steps in enumerate(outs):
         parts = {}
@@ -192,6 +195,7 @@ def main():
     ap.add_argument("--comm-priority", action="store_true")
     ap.add_argument("--veth", action="store_true")
     ap.add_argument("--all-nodes", action="store_true")
+    ap.add_argument("--rate", default=None, help="through the veth capped at this rate (e.g. 500mbit; implies --veth)")
     ap.add_argument("--pin", action="store_true", help="each rank on its own core (NetnsCluster(pin=True))")
     ap.add_argument("--no-estimate", action="store_true")
     args = ap.parse_args()

@@ -34,6 +34,12 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
   without a barrier, less the same rounds without the collective: what one costs inside a step, the ranks'
   skew and the wake-up of gloo's threads included, which a barrier before each one hides (on a 2-core
   machine 0.9-1.5 ms per all_reduce back to back against 0.4-0.6 ms after a barrier);
+- ops *after a collective* (two or more ranks; :func:`_measure_cold_ops`): a graph of 20 kinds of training op
+  (:func:`_training_ops_graph`) timed back to back and with a 1 KiB all_reduce issued and waited between calls;
+  the difference over the kinds is ``device.cold_op_s``, what an op costs more the first time its kind runs after
+  the rank's communication (4-6 µs on a 2-core machine, where the ops run 2-3x as long right after a collective:
+  what ran on the core meanwhile pushed their code and data out of its caches); the in-step loops above have their
+  adds' share taken off (``raw["in_step_measured"]`` keeps what was timed);
 - a *late receive* (two or more ranks): rank 0 posts an ``isend`` of 128 KiB (a pipeline
   activation of this size class) to rank 1 and goes on computing (matmuls, 20 ms); rank 1
   computes 5 ms, then receives. The receive's wait, averaged (the mean: idle time adds up,
@@ -334,6 +340,68 @@ def _measure_in_step(reps: int = 5, min_seconds: float = _MIN_SECONDS) -> dict:
     return {k: max(0.0, v - (base2 if k == "pair" else base)) for k, v in out.items()}
 
 
+_COLD_ROUNDS = 600      # rounds of the cold-op measurement (each rank the same count: the collectives must match)
+
+
+def _training_ops_graph():
+    """A GraphModule of 20 kinds of aten op a training step is made of, one of each, on tensors of 8-64 elements
+    (an embedding lookup and its ``index_add_`` update, ``addmm``, ``mm``, ``_log_softmax``, reductions, views,
+    copies, a ``_foreach`` op, ...), its arguments, and how many kinds: the unit of :func:`_measure_cold_ops`."""
+    aten = torch.ops.aten
+    g = torch.fx.Graph()
+    x, w, ids, tab, acc = (g.placeholder(name) for name in ("x", "w", "ids", "tab", "acc"))
+
+    def op(target, *args, **kwargs):
+        return g.call_function(target, args, kwargs)
+    e = op(aten.embedding.default, tab, ids)                                   # [8, 8]
+    m = op(aten.mean.dim, e, [0])                                              # [8]
+    v = op(aten.view.default, m, [1, 8])
+    logits = op(aten.addmm.default, x, v, w)
+    ls = op(aten._log_softmax.default, logits, 1, False)
+    s = op(aten.sum.dim_IntList, ls, [0], True)
+    mm = op(aten.mm.default, v, op(aten.t.default, w))
+    d = op(aten.div.Scalar, op(aten.expand.default, op(aten.unsqueeze.default, mm, 0), [2, 1, 8]), 8)
+    flat = op(aten.slice.Tensor, op(aten.reshape.default, op(aten.clone.default, d), [-1]), 0, 0, 8)
+    buf = op(aten.empty.memory_format, [16], dtype=torch.float32)
+    cp = op(aten.copy_.default, buf, op(aten.cat.default, [flat, flat]))
+    fm = op(aten._foreach_mul.Scalar, [cp, m], 0.5)
+    acc2 = op(aten.index_add_.default, acc, 0, ids, op(aten.mul.Tensor, e, 0.1))   # into a buffer, not the table:
+    g.output((fm, s, acc2))                                                        # the rows read stay the same
+    gm = torch.fx.GraphModule(torch.nn.Module(), g)
+    args = (torch.randn(1, 8), torch.randn(8, 8), torch.randint(0, 1000, (8,)), torch.randn(1000, 8),
+            torch.zeros(1000, 8))
+    kinds = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    return gm, args, len(kinds)
+
+
+def _measure_cold_ops(rounds: int = _COLD_ROUNDS) -> dict:
+    """``device.cold_op_s``: what a kind of op costs more the first time it runs after the rank issued or waited on a
+    collective. Every rank runs :func:`_training_ops_graph` ``rounds`` times back to back, then ``rounds`` times
+    with a functional ``all_reduce`` of 1 KiB issued and waited between calls, timing only the graph; the
+    difference of the medians (the first sixth of each dropped) over the graph's kinds of op. On a 2-core machine a
+    step's ops take 2-3x as long right after its collectives as back to back (4-6 µs more per kind): what the core
+    ran meanwhile (gloo's threads, the kernel's network path, other processes while it idled) has pushed the ops'
+    code and data out of its caches."""
+    import torch.distributed as dist
+    name = dist.group.WORLD.group_name
+    ops = torch.ops._c10d_functional
+    gm, args, kinds = _training_ops_graph()
+    t = torch.ones(_ISSUE_NUMEL)
+    medians = {}
+    for key in ("back_to_back", "after_collective"):
+        dist.barrier()
+        out = []
+        for _ in range(rounds):
+            start = time.perf_counter()
+            gm(*args)
+            out.append(time.perf_counter() - start)
+            if key == "after_collective":
+                ops.wait_tensor(ops.all_reduce(t, "sum", name))
+        medians[key] = statistics.median(out[rounds // 6:])
+    return {**medians, "kinds": kinds,
+            "cold_op_s": max(0.0, medians["after_collective"] - medians["back_to_back"]) / kinds}
+
+
 def in_step_slots(in_step: dict, issue_s: float) -> int | None:
     """How many small collectives a rank progresses at once, as :func:`_measure_in_step` found. With issue
     ``i`` on the rank's thread and the rest on the link, the simulator puts the ``pair`` (all_reduce issued,
@@ -474,8 +542,14 @@ def measure_link(sizes=_SIZES, reps: int = 5, in_step_seconds: float = _MIN_SECO
     for size in sizes:
         t = torch.ones(size // 4)
         comm.append((size, _time(lambda: dist.all_reduce(t), reps, dist.barrier)))
-    return {"all_reduce": comm, "collective_issue_s": _measure_issue(),
-            "in_step": _measure_in_step(reps, in_step_seconds), "comm_cpu": _measure_comm_cpu(),
+    cold = _measure_cold_ops()
+    measured = _measure_in_step(reps, in_step_seconds)
+    # the in-step loops' adds after each collective ran cold (one kind of op; twice a round in the pair's loop),
+    # which the simulator charges on the ops (cold_op_s), not on the collective
+    c = cold["cold_op_s"]
+    in_step = {k: max(0.0, v - (2 if k == "pair" else 1) * c) for k, v in measured.items()}
+    return {"all_reduce": comm, "collective_issue_s": _measure_issue(), "cold_ops": cold, "cold_op_s": c,
+            "in_step": in_step, "in_step_measured": measured, "comm_cpu": _measure_comm_cpu(),
             "overlap_cpu": _measure_overlap_cpu(reps=reps)}
 
 
@@ -593,6 +667,8 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
         spec = replace(spec, intra_node=link_spec(raw, world_size))
     if raw.get("collective_issue_s"):
         spec = replace(spec, device=replace(spec.device, collective_issue_s=raw["collective_issue_s"]))
+    if raw.get("cold_op_s"):
+        spec = replace(spec, device=replace(spec.device, cold_op_s=raw["cold_op_s"]))
     cpu, over = raw.get("comm_cpu"), raw.get("overlap_cpu")
     if (cpu or over) and world_size * raw.get("threads", 1) >= (os.cpu_count() or 1):
         # the ranks' threads fill the cores: what gloo's threads run per collective, and what a transfer takes from

@@ -24,7 +24,8 @@ Point-to-point messages (``send``/``recv``) do not queue behind collectives: eac
 n-th send src->dst matches the n-th recv at dst from src and starts once both are issued and
 the channel is free. Lanes and channels share no bandwidth in this model. A message whose
 receive is posted after its send while the sender computes takes ``DeviceSpec.late_recv_s``
-longer (measured by :mod:`cost_models.calibrate`; see :func:`simulate`). A comm node that no
+longer (measured by :mod:`cost_models.calibrate`; see :func:`simulate`). An op that is the first of its kind since
+the rank's last communication runs cold and pays ``DeviceSpec.cold_op_s`` more (:func:`cold_ops`). A comm node that no
 ``wait_tensor`` reads blocks at once. When no rank can move, or a comm is never matched, the
 programs deadlock and the error names who waits on whom.
 
@@ -39,10 +40,10 @@ from bisect import bisect_right
 
 import torch.fx
 
-from .compute import graph_compute
+from .compute import graph_compute, pays_dispatch
 from .memory import liveness
 
-__all__ = ["Program", "compile_program", "simulate", "SimResult", "DeadlockError"]
+__all__ = ["Program", "cold_ops", "compile_program", "simulate", "SimResult", "DeadlockError"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _P2P = ("send", "recv")
@@ -74,6 +75,8 @@ class Program:
         seg: list = []
         comm_cpu_s = 0.0
         returned = _returned_nodes(gm)
+        cold_s = getattr(cluster.device, "cold_op_s", 0.0)
+        cold = cold_ops(gm, cluster.device) if cold_s > 0 else {}
 
         def flush():
             if seg:
@@ -118,8 +121,10 @@ class Program:
                 t = gc.times.get(n, 0.0)
                 if t > 0:
                     seg.append((n.name, t))
+                if n in cold:                # its kind's first run since the rank's last communication
+                    seg.append((f"{n.name} (cold)", cold[n] * cold_s))
         flush()
-        self.compute_time_s = gc.time_s + comm_cpu_s
+        self.compute_time_s = gc.time_s + comm_cpu_s + cold_s * sum(cold.values())
         self.liveness = liveness(gm)
         self.infos = [n.meta["fxpar_comm"] for n in self.comm_nodes]
         self.comm_names = [n.name for n in self.comm_nodes]
@@ -128,6 +133,39 @@ class Program:
     def class_key(self):
         """Equal for programs that run the same steps (the same code on the same shapes)."""
         return id(self.compute)
+
+
+def cold_ops(gm, device=None) -> dict:
+    """The nodes of ``gm`` that run cold, each with how many ``DeviceSpec.cold_op_s`` it pays on top of its cost.
+
+    An aten op runs cold (1) where it is the first of its kind (its target) since the rank issued or waited on a
+    communication (a node with ``fxpar_comm`` meta, a ``wait_tensor``). The graph runs every step, so a kind's
+    first node counts from its last node in the previous call: it is warm only where no communication lies between
+    them, around the end. The runtime's own work around the graph (``device.action_overhead_s``, charged on the
+    output node) runs once a step, after the graph's communication, so all of it runs cold: the output node pays
+    as many as the ops that work is worth (``action_overhead_s / op_overhead_s``, the unit calibrate() measures
+    it in). Empty for a graph without communication."""
+    epoch, seen, out_node = 0, {}, None
+    for n in gm.graph.nodes:
+        if "fxpar_comm" in n.meta or (n.op == "call_function" and n.target is _WAIT):
+            epoch += 1
+        elif n.op == "call_function" and pays_dispatch(n):
+            seen.setdefault(n.target, []).append((epoch, n))
+        elif n.op == "output":
+            out_node = n
+    out: dict = {}
+    if epoch == 0:
+        return out
+    for runs in seen.values():
+        prev = runs[-1][0] - epoch           # the kind's last run in the previous call, in this call's count
+        for e, n in runs:
+            if e > prev:
+                out[n] = 1.0
+            prev = e
+    action, op = getattr(device, "action_overhead_s", 0.0), getattr(device, "op_overhead_s", 0.0)
+    if out_node is not None and action > 0 and op > 0:
+        out[out_node] = action / op
+    return out
 
 
 def comm_cpu(info, device) -> float:

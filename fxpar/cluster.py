@@ -49,6 +49,11 @@ class DeviceSpec:
     # issued; from calibrate() (0 where the cores are not full: the threads get cores of their own). 0: free.
     comm_cpu_s: float = 0.0
     comm_cpu_per_byte: float = 0.0
+    # seconds an op costs more the first time its kind runs after the rank issued or waited on a communication (what
+    # ran on the core meanwhile -- gloo's threads, the network path, others while it idled -- pushed the op's code and
+    # data out of its caches): charged once per kind of op between two such events (a graph runs every step, so
+    # from its last call too); from calibrate(). 0: not measured.
+    cold_op_s: float = 0.0
 
     def __hash__(self):
         return hash((self.kind, self.name, self.memory_bytes, self.peak_flops, self.mem_bandwidth))
@@ -190,7 +195,7 @@ class ClusterSpec:
                                    "keeps the memory a step frees for the next, fxpar.host.reuse_freed_memory) or False "
                                    "(the C library's defaults).")
         for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s",
-                     "collective_issue_s", "action_overhead_s", "comm_cpu_s", "comm_cpu_per_byte"):
+                     "collective_issue_s", "action_overhead_s", "comm_cpu_s", "comm_cpu_per_byte", "cold_op_s"):
             v = getattr(d, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise ClusterSpecError(f"DeviceSpec({name}={v!r}): {name} must be a number.")
@@ -215,7 +220,7 @@ class ClusterSpec:
             problems.append(f"device.collective_issue_s={d.collective_issue_s}: must be >= 0 seconds")
         if d.action_overhead_s < 0:
             problems.append(f"device.action_overhead_s={d.action_overhead_s}: must be >= 0 seconds")
-        for name in ("comm_cpu_s", "comm_cpu_per_byte"):
+        for name in ("comm_cpu_s", "comm_cpu_per_byte", "cold_op_s"):
             if getattr(d, name) < 0:
                 problems.append(f"device.{name}={getattr(d, name)}: must be >= 0 seconds")
         if not isinstance(d.collective_slots, int) or isinstance(d.collective_slots, bool) or d.collective_slots < 0:
@@ -346,7 +351,8 @@ _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "
                   "late_recv_s": (float, _NUMBER + " (seconds)"), "collective_issue_s": (float, _NUMBER + " (seconds)"),
                   "collective_slots": (int, "an integer >= 0 (0: the backend's)"),
                   "action_overhead_s": (float, _NUMBER + " (seconds)"), "comm_cpu_s": (float, _NUMBER + " (seconds)"),
-                  "comm_cpu_per_byte": (float, _NUMBER + " (seconds per byte)")}
+                  "comm_cpu_per_byte": (float, _NUMBER + " (seconds per byte)"),
+                  "cold_op_s": (float, _NUMBER + " (seconds)")}
 _LINK_FIELDS = {"bandwidth": (float, _NUMBER + " (bytes/s)"), "latency": (float, _NUMBER + " (seconds)")}
 
 

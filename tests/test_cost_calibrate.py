@@ -44,6 +44,12 @@ def test_calibrate_two_local_ranks():
     assert raw["action_overhead_ops"] > 0
     assert spec.device.action_overhead_s == pytest.approx(raw["action_overhead_ops"] * spec.device.op_overhead_s)
     assert spec.intra_node.latency == raw["alpha"] and raw["alpha_fit"] >= 0   # α as a step sees it, the fit kept
+    # ops after a collective against back to back, per kind of op; the in-step loops' adds ran cold, not the collective
+    cold = raw["cold_ops"]
+    assert cold["kinds"] == 20 and cold["back_to_back"] > 0
+    assert spec.device.cold_op_s == raw["cold_op_s"] == pytest.approx(
+        max(0.0, cold["after_collective"] - cold["back_to_back"]) / 20)
+    assert raw["in_step"]["pair"] == pytest.approx(max(0.0, raw["in_step_measured"]["pair"] - 2 * raw["cold_op_s"]))
 
 
 def test_alpha_is_what_a_small_collective_costs_in_a_step():

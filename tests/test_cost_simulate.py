@@ -194,6 +194,39 @@ def test_comm_cpu_is_taken_from_compute_and_the_runtime_costs_each_graph():
     assert estimate({0: gm, 1: gm}, act).step_time_s == pytest.approx(base.step_time_s + 0.25e-3)
 
 
+def test_ops_run_cold_after_communication():
+    """``DeviceSpec.cold_op_s``: the first op of each kind after the rank issued or waited on a communication pays it
+    (the graph runs every step: a kind repeated with no communication between, around the end too, is warm), and the
+    runtime's work around the graph runs cold in the op units of ``action_overhead_s``."""
+    from dataclasses import replace
+
+    from cost_models.simulate import cold_ops
+
+    def cold(steps, device=None):
+        return {n.name: k for n, k in cold_ops(_program(steps), device).items()}
+    mm, mm_1, add = "mm_default", "mm_default_1", "add_tensor"
+    # mm | all_reduce | mm_1 | wait | add: every op follows a communication since its kind last ran
+    assert cold(["mm", "ar", "mm", "wait"]) == {mm: 1, mm_1: 1, add: 1}
+    assert cold(["mm", "mm", "ar", "wait"]) == {mm: 1, add: 1}             # mm_1 follows mm with nothing between
+    assert cold(["mm", "ar", "wait", "mm"]) == {add: 1, mm_1: 1}           # mm follows the last call's mm_1
+    assert cold(["mm", "mm"]) == {}                                         # no communication: nothing runs cold
+    dev = replace(_cluster().device, op_overhead_s=0.05e-3, action_overhead_s=0.25e-3)
+    assert cold(["mm", "ar", "mm", "wait"], dev)["output"] == pytest.approx(5.0)   # the runtime's 5 ops' worth
+
+    c = 0.1e-3
+    cl, gm = _cluster(), _program(["mm", "ar", "mm", "wait"])
+    est = estimate({0: gm, 1: gm}, replace(cl, device=replace(cl.device, cold_op_s=c)))
+    assert est.step_time_s == pytest.approx((MM + c) + max(MM + c, AR) + ADD + c)
+    assert est.ranks[0].compute_time_s == pytest.approx(2 * MM + ADD + 3 * c)
+    both = replace(cl, device=replace(dev, cold_op_s=c))
+    plain = replace(cl, device=dev)
+    assert (estimate({0: gm, 1: gm}, both).ranks[0].compute_time_s
+            == pytest.approx(estimate({0: gm, 1: gm}, plain).ranks[0].compute_time_s + 3 * c + 5 * c))
+    flat = _program(["mm", "mm"])                                            # one rank, no communication
+    assert estimate({0: flat}, replace(cl, device=replace(cl.device, cold_op_s=c))).step_time_s == \
+        pytest.approx(estimate({0: flat}, cl).step_time_s)
+
+
 def test_bytescheduler_tuner_charges_comm_cpu_per_piece_and_byte():
     from cost_models.comm_tuning import BucketTiming, simulate
     bts = [BucketTiming(1e-3, 0.0, [1000, 1000], 0)]
