@@ -37,7 +37,7 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
 - ops *after a collective* (two or more ranks; :func:`_measure_cold_ops`): a graph of 20 kinds of training op
   (:func:`_training_ops_graph`) timed back to back and with a 1 KiB all_reduce issued and waited between calls;
   the difference over the kinds is ``device.cold_op_s``, what an op costs more the first time its kind runs after
-  the rank's communication (4-6 µs on a 2-core machine, where the ops run 2-3x as long right after a collective:
+  the rank's communication (3-6 µs on a 2-core machine, where the ops run 2-3x as long right after a collective:
   what ran on the core meanwhile pushed their code and data out of its caches); the in-step loops above have their
   adds' share taken off (``raw["in_step_measured"]`` keeps what was timed);
 - a *late receive* (two or more ranks): rank 0 posts an ``isend`` of 128 KiB (a pipeline
@@ -379,7 +379,7 @@ def _measure_cold_ops(rounds: int = _COLD_ROUNDS) -> dict:
     collective. Every rank runs :func:`_training_ops_graph` ``rounds`` times back to back, then ``rounds`` times
     with a functional ``all_reduce`` of 1 KiB issued and waited between calls, timing only the graph; the
     difference of the medians (the first sixth of each dropped) over the graph's kinds of op. On a 2-core machine a
-    step's ops take 2-3x as long right after its collectives as back to back (4-6 µs more per kind): what the core
+    step's ops take 2-3x as long right after its collectives as back to back (3-6 µs more per kind): what the core
     ran meanwhile (gloo's threads, the kernel's network path, other processes while it idled) has pushed the ops'
     code and data out of its caches."""
     import torch.distributed as dist
