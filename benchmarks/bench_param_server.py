@@ -30,7 +30,8 @@ whose ``inter_node`` link is the veth as ``netns_link.calibrate_link`` measures 
 form of ``cost_models.byteps.predict`` (communication alone).
 
     python benchmarks/bench_param_server.py [--rates none,2gbit,1gbit,500mbit] [--steps 4] [--warmup 2] [--rounds 2]
-        [--only herring,byteps4,byteps,parallax] [--bucket-mb MB] [--bag-steps 30] [--threads T] [--pin]
+        [--only herring,byteps4,byteps,parallax] [--bucket-mb MB] [--bag-steps 30] [--bag-warmup 12] [--threads T] [--pin]
+        [--bag-batch 256] [--bag-seq 16] [--bag-hidden 512] [--comm-priority]
     python benchmarks/netns_link.py --cleanup      # leftovers of a run that was killed hard
 """
 import argparse
@@ -60,18 +61,25 @@ SGD = (torch.optim.SGD, {"lr": 0.1})
 
 
 class Bag(torch.nn.Module):
-    """tests/test_parallax.py's model: a large embedding (few rows touched per step), a small one, a dense head.
-    ``sparse=True`` gives torch's sparse embedding gradient (for DDP's own sparse route)."""
+    """tests/test_parallax.py's model: a large embedding (few rows touched per step), a small one, a dense head;
+    with ``hidden`` > 0 a per-token MLP (d -> hidden -> d, GELU, residual) before the mean, the dense compute a
+    real model has beside its table. ``sparse=True`` gives torch's sparse embedding gradient (for DDP's own
+    sparse route)."""
 
-    def __init__(self, vocab=1000, small=6, d=16, classes=4, sparse=False):
+    def __init__(self, vocab=1000, small=6, d=16, classes=4, sparse=False, hidden=0):
         super().__init__()
         self.emb = torch.nn.Embedding(vocab, d, sparse=sparse)
         self.pos = torch.nn.Embedding(small, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, hidden), torch.nn.GELU(),
+                                       torch.nn.Linear(hidden, d)) if hidden else None
         self.head = torch.nn.Linear(d, classes)
 
     def forward(self, ids):
         pos = torch.arange(ids.shape[1]).expand_as(ids)
-        return self.head((self.emb(ids) + self.pos(pos)).mean(1))
+        x = self.emb(ids) + self.pos(pos)
+        if self.mlp is not None:
+            x = x + self.mlp(x)
+        return self.head(x.mean(1))
 
 
 # ---- on the ranks ----------------------------------------------------------------------------------------
@@ -268,10 +276,10 @@ def parallax_section(args):
     """Parallax on Bag, 2 ranks: the sparse route gathers each rank's T token ids (int64) and T rows; the dense
     rest is all-reduced (2 ranks: V each way). torch's sparse embedding gradient goes the same way in gloo."""
     torch.manual_seed(0)
-    model = Bag(vocab=args.vocab_big, small=args.bag_seq, d=args.bag_d)
+    model = Bag(vocab=args.vocab_big, small=args.bag_seq, d=args.bag_d, hidden=args.bag_hidden)
     sparse = copy.deepcopy(model)
     sparse.emb.sparse = True
-    n = args.warmup + args.bag_steps          # a step is ms: more of them, for a median that holds still
+    n = args.bag_warmup + args.bag_steps          # a step is ms: more of them, for a median that holds still
     g = torch.Generator().manual_seed(3)
     batches = [(torch.randint(0, args.vocab_big, (args.bag_batch, args.bag_seq), generator=g),
                 torch.randint(0, 4, (args.bag_batch,), generator=g)) for _ in range(n)]
@@ -284,22 +292,22 @@ def parallax_section(args):
             route = prog.plan.grad_sync["routes"]["emb.weight"]
             update = prog.plan.grad_sync["sparse_update"]["emb.weight"]["route"]   # plain SGD: "rows"
             assert prog.plan.grad_sync["sparse"] == ["emb.weight"], prog.plan.grad_sync
-        methods[f"fxpar {name}"] = fx_method(prog, batches, args.warmup, 2)
+        methods[f"fxpar {name}"] = fx_method(prog, batches, args.bag_warmup, 2)
         predicted[f"fxpar {name}"] = predicted_steps(prog, model, batches[0], F.cross_entropy, SGD, st, spec, args.rates)
         if name == "parallax":       # the same pairs, the update through a dense [V, d] gradient (the route before rows)
             plan = fxpar.Plan.from_json(prog.plan.to_json())
             plan.grad_sync["sparse_update"]["emb.weight"]["route"] = "dense"
             dense_upd = fxpar.parallelize(model, spec, batches[0], loss_fn=F.cross_entropy, optimizer=SGD, strategy=st,
                                           plan=plan)
-            methods["parallax dense upd"] = fx_method(dense_upd, batches, args.warmup, 2)
-    methods["DDP 25MB"] = ddp_method(model, batches, F.cross_entropy, SGD, args.warmup, 2)
-    methods["DDP sparse emb"] = ddp_method(sparse, batches, F.cross_entropy, SGD, args.warmup, 2)
+            methods["parallax dense upd"] = fx_method(dense_upd, batches, args.bag_warmup, 2)
+    methods["DDP 25MB"] = ddp_method(model, batches, F.cross_entropy, SGD, args.bag_warmup, 2)
+    methods["DDP sparse emb"] = ddp_method(sparse, batches, F.cross_entropy, SGD, args.bag_warmup, 2)
     v = _nbytes(model)
     dense = v - model.emb.weight.numel() * 4
     t = args.bag_batch // 2 * args.bag_seq
     pairs = 2 * (t * 8 + t * args.bag_d * 4 + dense)
     table = (f"Parallax: Bag, table {args.vocab_big}x{args.bag_d} ({model.emb.weight.numel() * 4 / 2**20:.1f} MiB), "
-             f"{t} tokens per rank, 2 ranks (A | B), plain SGD; the plan's routes for emb.weight: sparse "
+             f"{t} tokens per rank" + (f", MLP {args.bag_d}-{args.bag_hidden}-{args.bag_d}" if args.bag_hidden else "") + ", 2 ranks (A | B), plain SGD; the plan's routes for emb.weight: sparse "
              f"{route['sparse_bytes'] / 2**10:.1f} KiB vs dense {route['dense_bytes'] / 2**20:.1f} MiB per rank, "
              f"update route {update!r}")
     return Section(table, 2, methods, predicted, {"fxpar parallax": pairs, "parallax dense upd": pairs,
@@ -402,8 +410,12 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--vocab-big", type=int, default=200_000)
     ap.add_argument("--bag-d", type=int, default=32)
-    ap.add_argument("--bag-seq", type=int, default=8)
-    ap.add_argument("--bag-batch", type=int, default=16)
+    ap.add_argument("--bag-seq", type=int, default=16)
+    ap.add_argument("--bag-batch", type=int, default=256)
+    ap.add_argument("--bag-hidden", type=int, default=512, help="the Bag's per-token MLP width (0: none)")
+    ap.add_argument("--bag-warmup", type=int, default=12,
+                    help="warm-up steps of the Parallax section (the first cell on fresh ranks ran 30-40%% slower for "
+                         "tens of steps)")
     ap.add_argument("--bag-steps", type=int, default=30,
                     help="timed steps per round of the Parallax section (its steps take milliseconds: the median of "
                          "a few is noise)")
@@ -452,7 +464,7 @@ def main():
         print(f"calibrated ({w} ranks): {spec.intra_node.bandwidth * 8 / 1e9:.2f} Gbit/s all-reduce bus, "
               f"α {spec.intra_node.latency * 1e6:.0f} us, {spec.device.peak_flops / 1e9:.1f} GFLOP/s matmul per rank")
     print(f"planned {len(sections)} sections; load average {loadavg()}; {args.steps} timed steps ({args.bag_steps} for Parallax) after "
-          f"{args.warmup} warm-up, x {args.rounds} rounds per cell", flush=True)
+          f"{args.warmup} warm-up ({args.bag_warmup} for Parallax), x {args.rounds} rounds per cell", flush=True)
     res, link_meas, loads, total = run(sections, args)
     report(sections, res, link_meas, args, closed)
     print(f"\ntotal {total:.0f} s; load average after each round: {'; '.join(loads)} (this run's own ranks, "

@@ -13,6 +13,7 @@ identity), called in a loop in one process: back to back, after a 0.3 ms sleep, 
 tensors (what the graph's ops cost alone, and after a thread slept or its caches were used).
 
     python benchmarks/step_anatomy.py [--mode step|ops] [--steps 1000] [--comm-priority] [--pin] [--veth] [--rate R] [--all-nodes]
+        [--bag-batch 16] [--bag-seq 8] [--bag-hidden 0]
 """
 import argparse
 import statistics
@@ -90,14 +91,18 @@ def _program(spec, batch):
                              strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
 
 
+_SIZE = {"batch": 16, "seq": 8, "hidden": 0}      # --bag-batch, --bag-seq, --bag-hidden (bench_param_server's)
+
+
 def _bag():
     torch.manual_seed(0)
-    return Bag(vocab=200_000, small=8, d=32)
+    return Bag(vocab=200_000, small=_SIZE["seq"], d=32, hidden=_SIZE["hidden"])
 
 
 def _batches(n):
     g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, 200_000, (16, 8), generator=g), torch.randint(0, 4, (16,), generator=g)) for _ in range(n)]
+    b, s = _SIZE["batch"], _SIZE["seq"]
+    return [(torch.randint(0, 200_000, (b, s), generator=g), torch.randint(0, 4, (b,), generator=g)) for _ in range(n)]
 
 
 def step_mode(args):
@@ -198,7 +203,11 @@ def main():
     ap.add_argument("--rate", default=None, help="through the veth capped at this rate (e.g. 500mbit; implies --veth)")
     ap.add_argument("--pin", action="store_true", help="each rank on its own core (NetnsCluster(pin=True))")
     ap.add_argument("--no-estimate", action="store_true")
+    ap.add_argument("--bag-batch", type=int, default=16, help="global batch (bench_param_server.py's --bag-batch)")
+    ap.add_argument("--bag-seq", type=int, default=8)
+    ap.add_argument("--bag-hidden", type=int, default=0, help="the Bag's per-token MLP width (0: none)")
     args = ap.parse_args()
+    _SIZE.update(batch=args.bag_batch, seq=args.bag_seq, hidden=args.bag_hidden)
     step_mode(args) if args.mode == "step" else ops_mode(args)
 
 

@@ -11,13 +11,18 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
 
 - a GraphModule of 200 tiny aten ops (views, slices, copies, adds: :func:`_mixed_ops_graph`) ->
   ``device.op_overhead_s`` (per-op dispatch cost);
-- ``torch.mm`` on fp32 ``n x n`` matrices -> ``device.peak_flops`` (efficiency ``matmul`` = 1);
+- ``torch.mm`` on fp32 ``n x n`` matrices, cycling over 32 MiB of operand pairs so that each call reads them from
+  memory as a step's matmuls do (:func:`_rotating`) -> ``device.peak_flops`` (efficiency ``matmul`` = 1);
 - an fp32 ``add`` over 4M elements (12 bytes per element moved) -> ``device.mem_bandwidth``;
 - softmax and layer_norm -> ``efficiency["softmax"]``, ``efficiency["norm"]``: the fraction of
   peak that makes the roofline of :mod:`cost_models.compute` give the measured time; likewise
   gelu (1M elements) -> ``efficiency["transcendental"]`` (erf, exp, tanh, ... pointwise ops) and
-  causal scaled-dot-product attention (q, k, v of ``4 x 8 x 128 x 64``, a GPT-sized head) ->
+  causal scaled-dot-product attention (q, k, v of ``4 x 8 x 128 x 64``, a GPT-sized head; operands cycled as the
+  matmul's) ->
   ``efficiency["attention"]`` (forward and backward);
+- ``index_add_`` of 4096 rows of 32 at fresh random indices into a 200000 x 32 table -> ``device.index_row_s``, what
+  it takes per row beyond its bytes at that bandwidth (ATen's CPU kernel adds the rows one by one, each a random
+  access: 0.15-0.25 µs a row on a 2-core machine, 3-10x the bytes' time; :func:`index_row_overhead`);
 - ``all_reduce`` of sizes 4 KiB .. 16 MiB (after a barrier each time);
 - the *issue* of a small collective (two or more ranks; a functional ``all_reduce`` and an
   ``all_gather_into_tensor`` of 1 KiB after a barrier, timed from the call to its return, before the
@@ -76,7 +81,7 @@ from fxpar.collectives import gloo_all_gather_into_tensor
 from fxpar.host import COMM_THREAD_NAMES, raise_comm_threads, reuse_freed_memory
 
 __all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "in_step_slots", "late_recv_overhead",
-           "link_spec", "measure_link", "op_overhead", "overlap_per_byte", "pin_rank", "rank_cores"]
+           "index_row_overhead", "link_spec", "measure_link", "op_overhead", "overlap_per_byte", "pin_rank", "rank_cores"]
 
 _SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
@@ -209,26 +214,67 @@ def _time_shared(fn, seconds: float = 4 * _MIN_SECONDS) -> float:
             return elapsed / count
 
 
+_COLD_BYTES = 32 << 20      # more than a core's L2 (1-2 MiB on current x86 and Arm server cores) by far
+
+
+def _sets(nbytes: int) -> int:
+    """How many operand sets of ``nbytes`` each :func:`_rotating` cycles over so that they fill ``_COLD_BYTES``."""
+    return max(2, -(-_COLD_BYTES // max(1, nbytes)))
+
+
+def _rotating(sets: list, fn):
+    """A call that runs ``fn`` on the next of ``sets`` each time: a training step's matmuls and attention read
+    operands that other ops have since pushed out of the core's caches, and the same small operands timed back to
+    back stay in L2 (a 512x512 fp32 matmul on one core here: 157 GFLOP/s on one pair, 148 cycling over 16; the
+    4-layer GPT's mm and addmm ran 8-10% slower in the step than the calibration's figure had them)."""
+    i = [0]
+
+    def call():
+        j = i[0] % len(sets)
+        i[0] += 1
+        return fn(sets[j])
+    return call
+
+
 def _measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
     """The compute figures, each the median of single calls (a barrier before each with ``sync``), or where the
     ranks share the cores (``shared``) each a loop's mean over the same wall time on every rank (:func:`_time_shared`)."""
     def timed(fn) -> float:
         return _time_shared(fn) if shared else _time(fn, reps, sync)
     n = 512
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    mm = _rotating([(torch.randn(n, n), torch.randn(n, n)) for _ in range(_sets(2 * n * n * 4))],
+                   lambda ab: torch.mm(*ab))
     x, y = torch.randn(4 << 20), torch.randn(4 << 20)
     s = torch.randn(1024, 1024)
-    t_mm = timed(lambda: torch.mm(a, b))
+    t_mm = timed(mm)
     t_add = timed(lambda: torch.add(x, y))
     t_sm = timed(lambda: torch.softmax(s, -1))
     t_ln = timed(lambda: torch.nn.functional.layer_norm(s, (1024,)))
     ops, n_ops = _tiny_ops_graph()
     t_op = timed(ops) / n_ops
     t_gelu = timed(lambda: torch.nn.functional.gelu(s))
-    q, k, v = (torch.randn(*_SDPA_SHAPE) for _ in range(3))
-    t_sdpa = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+    qkv = [tuple(torch.randn(*_SDPA_SHAPE) for _ in range(3))
+           for _ in range(_sets(3 * 4 * torch.Size(_SDPA_SHAPE).numel()))]
+    t_sdpa = timed(_rotating(qkv, lambda t: torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True)))
+    table = torch.zeros(*_INDEX_TABLE)
+    rows = torch.randn(_INDEX_ROWS, _INDEX_TABLE[1])
+    ids = [torch.randint(0, _INDEX_TABLE[0], (_INDEX_ROWS,)) for _ in range(64)]
+    t_index = timed(_rotating(ids, lambda i: table.index_add_(0, i, rows)))
     return {"gelu_s": t_gelu, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
-            "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel()}
+            "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel(), "index_add_s": t_index}
+
+
+_INDEX_TABLE = (200_000, 32)     # 24.4 MiB: larger than a core's caches, as an embedding table is
+_INDEX_ROWS = 4096
+
+
+def index_row_overhead(compute: dict) -> float:
+    """``device.index_row_s``: the measured ``index_add_`` of :data:`_INDEX_ROWS` rows at fresh random indices into a
+    :data:`_INDEX_TABLE` table, less what its bytes take at the measured bandwidth (the cost model's roofline,
+    ``cost_models.compute``: each row read and written, the source read, the indices), per row."""
+    r, d = _INDEX_ROWS, _INDEX_TABLE[1]
+    nbytes = 3 * r * d * 4 + r * 8
+    return max(0.0, compute["index_add_s"] - nbytes / compute["add_bytes_per_s"]) / r
 
 
 _LATE_BYTES = 128 << 10
@@ -661,7 +707,8 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
         eff["transcendental"] = min(1.0, numel / (peak * c["gelu_s"]))
         eff["attention"] = min(1.0, 4 * b * h * s_ * s_ * d / (peak * c["sdpa_s"]))
     device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
-                     op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s))
+                     op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s),
+                     index_row_s=index_row_overhead(c) if "index_add_s" in c else 0.0)
     spec = replace(base, device=device, comm_priority=bool(comm_priority))
     if raw["all_reduce"]:
         spec = replace(spec, intra_node=link_spec(raw, world_size))

@@ -52,6 +52,7 @@ class OpCost:
     bytes: object
     op_class: str            # "matmul", "conv", "attention", "norm", "softmax", "elementwise", ...
     rule: str                # "table", "pointwise", "reduction", "view", "free", "default"
+    rows: object = 0         # indices a row-by-row scatter adds (index_add): each pays DeviceSpec.index_row_s
 
 
 @dataclass
@@ -264,8 +265,12 @@ FLOP_RULES[aten._fused_adamw_] = FLOP_RULES[aten._fused_adam_] = (lambda a, out:
                                                                   "elementwise")
 FLOP_RULES[aten.index_add_] = FLOP_RULES[aten.index_add] = (lambda a, out: numel(a[3]), "elementwise")   # one add per src element
 BYTES_RULES = {aten.embedding: _gather_bytes, aten.index_select: _gather_bytes, aten.index_add_: _scatter_add_bytes,
+               aten.index_add: lambda a, out: 2 * tensor_bytes(out) + _scatter_add_bytes(a, out),   # a copy first
                aten._fused_adamw_: lambda a, out: fused_adam_cost(_tensors(a[0]))[1],
                aten._fused_adam_: lambda a, out: fused_adam_cost(_tensors(a[0]))[1]}
+
+# Scatters ATen's CPU kernel runs one index at a time (a slice add per index): OpCost.rows, DeviceSpec.index_row_s.
+_ROW_BY_ROW = {aten.index_add_, aten.index_add}
 
 # Nodes that cost nothing on the compute lane (collectives are costed by cost_models.comm).
 ZERO_COST_TARGETS = {operator.getitem, aten._unsafe_view.default, aten._reshape_alias.default}
@@ -317,7 +322,8 @@ def node_cost(node: torch.fx.Node) -> OpCost:
         flops = rule(args, out)
     if packet in BYTES_RULES:
         try:
-            return OpCost(flops, BYTES_RULES[packet](args, out), cls, how)
+            rows = numel(args[2]) if packet in _ROW_BY_ROW else 0
+            return OpCost(flops, BYTES_RULES[packet](args, out), cls, how, rows)
         except (AttributeError, IndexError, TypeError):
             pass
     out_b = tensor_bytes(out) if _tensors(out) or not args else tensor_bytes(args[0])   # in place: rewrites arg 0
@@ -333,7 +339,7 @@ def node_time(cost: OpCost, device) -> float:
         return 0.0
     t_flop = f / (device.peak_flops * eff.get(cost.op_class, eff.get("compute", 1.0)))
     t_mem = b / (device.mem_bandwidth * eff.get("memory", 1.0))
-    return max(t_flop, t_mem)
+    return max(t_flop, t_mem) + concrete(cost.rows) * getattr(device, "index_row_s", 0.0)
 
 
 def pays_dispatch(n: torch.fx.Node) -> bool:

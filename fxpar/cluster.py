@@ -54,6 +54,10 @@ class DeviceSpec:
     # data out of its caches): charged once per kind of op between two such events (a graph runs every step, so
     # from its last call too); from calibrate(). 0: not measured.
     cold_op_s: float = 0.0
+    # seconds an ``index_add`` / ``index_add_`` costs per index beyond its bytes (ATen's CPU kernel adds the rows one at
+    # a time, each a random access into a table larger than the caches: 0.15-0.25 us a row here, 3-10x what the
+    # bytes take at 32-wide rows); from calibrate(). 0: not measured (a GPU's kernel runs the rows in parallel).
+    index_row_s: float = 0.0
 
     def __hash__(self):
         return hash((self.kind, self.name, self.memory_bytes, self.peak_flops, self.mem_bandwidth))
@@ -195,7 +199,7 @@ class ClusterSpec:
                                    "keeps the memory a step frees for the next, fxpar.host.reuse_freed_memory) or False "
                                    "(the C library's defaults).")
         for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s",
-                     "collective_issue_s", "action_overhead_s", "comm_cpu_s", "comm_cpu_per_byte", "cold_op_s"):
+                     "collective_issue_s", "action_overhead_s", "comm_cpu_s", "comm_cpu_per_byte", "cold_op_s", "index_row_s"):
             v = getattr(d, name)
             if not isinstance(v, (int, float)) or isinstance(v, bool):
                 raise ClusterSpecError(f"DeviceSpec({name}={v!r}): {name} must be a number.")
@@ -220,7 +224,7 @@ class ClusterSpec:
             problems.append(f"device.collective_issue_s={d.collective_issue_s}: must be >= 0 seconds")
         if d.action_overhead_s < 0:
             problems.append(f"device.action_overhead_s={d.action_overhead_s}: must be >= 0 seconds")
-        for name in ("comm_cpu_s", "comm_cpu_per_byte", "cold_op_s"):
+        for name in ("comm_cpu_s", "comm_cpu_per_byte", "cold_op_s", "index_row_s"):
             if getattr(d, name) < 0:
                 problems.append(f"device.{name}={getattr(d, name)}: must be >= 0 seconds")
         if not isinstance(d.collective_slots, int) or isinstance(d.collective_slots, bool) or d.collective_slots < 0:
@@ -352,7 +356,7 @@ _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "
                   "collective_slots": (int, "an integer >= 0 (0: the backend's)"),
                   "action_overhead_s": (float, _NUMBER + " (seconds)"), "comm_cpu_s": (float, _NUMBER + " (seconds)"),
                   "comm_cpu_per_byte": (float, _NUMBER + " (seconds per byte)"),
-                  "cold_op_s": (float, _NUMBER + " (seconds)")}
+                  "cold_op_s": (float, _NUMBER + " (seconds)"), "index_row_s": (float, _NUMBER + " (seconds)")}
 _LINK_FIELDS = {"bandwidth": (float, _NUMBER + " (bytes/s)"), "latency": (float, _NUMBER + " (seconds)")}
 
 

@@ -37,7 +37,7 @@ Before / after, route ``rows``::
     _foreach_mul = _foreach_mul([grad, g_pos, ...], lr); _foreach_sub([emb, pos, ...], [_foreach_mul[0], ...])
 
     _foreach_mul = _foreach_mul([g_pos, ...], lr);       _foreach_sub([pos, ...], [_foreach_mul[0], ...])
-    index_add_(emb, 0, wa, mul(wr, lr), alpha=-1)                             # only the gathered rows move
+    index_add_(emb, 0, wa, mul(wr, neg(lr)))                                  # only the gathered rows move
 """
 from __future__ import annotations
 
@@ -270,7 +270,7 @@ def _read_after(g, param, node, skip) -> list:
 
 
 def _row_update(gm, ctx, key, chain, wa, wr, mod):
-    """Route ``rows``: ``index_add_(p, 0, ids, lr * rows, alpha=-1)`` in place of the parameter's share of the
+    """Route ``rows``: ``index_add_(p, 0, ids, -lr * rows)`` in place of the parameter's share of the
     optimizer's foreach ops; its gradient leaves the graph's outputs (nothing makes it any more)."""
     g, avg = gm.graph, chain[3]
     param = _param_node(gm, key)
@@ -285,9 +285,14 @@ def _row_update(gm, ctx, key, chain, wa, wr, mod):
                         f"{ctx.store['kinds']} (microbatches > 1: the runtime sums the gradients densely); {fix}, or "
                         "use microbatches=1")
     mul, sub, i = found
+    lr = mul.args[1]
     with g.inserting_before(sub):
-        scaled = g.call_function(aten.mul.Tensor, (wr, mul.args[1]))
-        upd = g.call_function(aten.index_add_.default, (param, 0, wa, scaled), {"alpha": -1})
+        # -lr * rows added with alpha 1: ATen's CPU index_add_ takes a slower path per row for any other alpha
+        # (4096 rows of 32 into a 200000-row table: 0.63 ms with alpha=-1, 0.19 ms with 1)
+        neg = g.call_function(aten.neg.default, (lr,))
+        scaled = g.call_function(aten.mul.Tensor, (wr, neg))
+        upd = g.call_function(aten.index_add_.default, (param, 0, wa, scaled))
+    _meta(neg, lr.meta["val"].new_empty(lr.meta["val"].shape), mod, "optimizer")
     _meta(scaled, wr.meta["val"].new_empty(wr.meta["val"].shape), mod, "optimizer")
     _meta(upd, param.meta["val"], mod, "optimizer")
     late = _read_after(g, param, upd, skip=(sub, upd))

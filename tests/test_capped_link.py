@@ -68,14 +68,14 @@ def test_rate_commands_tbf_each_direction():
     n = nl.make_names(77)
     cmds = nl.rate_commands(n, "1gbit")
     assert cmds == [
-        ["tc", "-n", n.ns_a, "qdisc", "replace", "dev", n.dev_a, "root", "tbf", "rate", "1gbit", "burst", "500000",
+        ["tc", "-n", n.ns_a, "qdisc", "replace", "dev", n.dev_a, "root", "tbf", "rate", "1gbit", "burst", "125000",
          "latency", "50ms"],
-        ["tc", "-n", n.ns_b, "qdisc", "replace", "dev", n.dev_b, "root", "tbf", "rate", "1gbit", "burst", "500000",
+        ["tc", "-n", n.ns_b, "qdisc", "replace", "dev", n.dev_b, "root", "tbf", "rate", "1gbit", "burst", "125000",
          "latency", "50ms"]]
     assert nl.rate_commands(n, None) == [["tc", "-n", n.ns_a, "qdisc", "del", "dev", n.dev_a, "root"],
                                          ["tc", "-n", n.ns_b, "qdisc", "del", "dev", n.dev_b, "root"]]
     assert nl.tbf_burst_bytes(10**6) == 64 * 1024        # never below one GSO packet
-    assert nl.tbf_burst_bytes(2 * 10**9) == 10**6
+    assert nl.tbf_burst_bytes(2 * 10**9) == 250_000      # 1 ms of traffic
 
 
 def test_teardown_commands():

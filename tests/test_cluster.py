@@ -31,6 +31,10 @@ def test_impossible_numbers_are_rejected():
         dataclasses.replace(spec, device=dataclasses.replace(spec.device, memory_bytes=0))
     with pytest.raises(ClusterSpecError, match=r"world_size must be a positive int"):
         ClusterSpec.local(0)
+    with pytest.raises(ClusterSpecError, match=r"device.index_row_s=-1e-07: must be >= 0 seconds"):
+        dataclasses.replace(spec, device=dataclasses.replace(spec.device, index_row_s=-1e-7))
+    rows = dataclasses.replace(spec, device=dataclasses.replace(spec.device, index_row_s=2e-7))
+    assert ClusterSpec.from_json(rows.to_json()) == rows and ClusterSpec.from_json(rows.to_json()).device.index_row_s == 2e-7
     small = dataclasses.replace(spec, device=dataclasses.replace(spec.device, memory_bytes=1024))
     with pytest.raises(ClusterSpecError, match=r"embedding needs 4096 bytes.*1024 bytes"):
         small.check_fits(4096, "embedding")

@@ -1,7 +1,7 @@
 """cost_models.calibrate: two gloo ranks on 127.0.0.1 give a valid ClusterSpec."""
 import pytest
 
-from cost_models.calibrate import fit_alpha_beta
+from cost_models.calibrate import fit_alpha_beta, index_row_overhead
 from fxpar.cluster import ClusterSpec
 
 
@@ -50,6 +50,12 @@ def test_calibrate_two_local_ranks():
     assert spec.device.cold_op_s == raw["cold_op_s"] == pytest.approx(
         max(0.0, cold["after_collective"] - cold["back_to_back"]) / 20)
     assert raw["in_step"]["pair"] == pytest.approx(max(0.0, raw["in_step_measured"]["pair"] - 2 * raw["cold_op_s"]))
+    # index_add_ of random rows into a table larger than the caches: its time beyond the bytes, per row
+    from cost_models.calibrate import _INDEX_ROWS, _INDEX_TABLE
+    c = raw["compute"]
+    beyond = c["index_add_s"] - (3 * _INDEX_ROWS * _INDEX_TABLE[1] * 4 + _INDEX_ROWS * 8) / c["add_bytes_per_s"]
+    assert c["index_add_s"] > 0 and spec.device.index_row_s == index_row_overhead(c) == \
+        pytest.approx(max(0.0, beyond) / _INDEX_ROWS)
 
 
 def test_alpha_is_what_a_small_collective_costs_in_a_step():

@@ -1,4 +1,5 @@
 """cost_models.compute: FLOPs per op against closed forms and torch.utils.flop_counter."""
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -91,3 +92,26 @@ def test_symbolic_shapes_give_symbolic_flops():
     assert isinstance(c.flops, torch.SymInt)
     assert node_time(c, ClusterSpec.local(1).device) > 0            # hints make it concrete
     assert int(c.flops.node.hint) == 2 * 6 * 5 * 3
+
+
+def test_index_add_pays_per_row_beyond_its_bytes():
+    """``index_add_`` (Parallax's row update) and ``index_add`` (its dense route, into zeros): the touched rows read
+    and written, the source and indices read; the out-of-place one copies its table first. Each index pays
+    ``DeviceSpec.index_row_s`` on top of the roofline (ATen's CPU kernel adds the rows one at a time)."""
+    V, d, r = 1000, 16, 40
+    ids, rows = torch.randint(0, V, (r,)), torch.randn(r, d)
+    scatter = 3 * r * d * 4 + r * 8
+    inplace = _costs(_trace(lambda w, i, s: w.index_add_(0, i, s), torch.zeros(V, d), ids, rows),
+                     torch.ops.aten.index_add_.default)[0]
+    assert (inplace.bytes, inplace.rows, inplace.flops) == (scatter, r, r * d)
+    copy = _costs(_trace(lambda w, i, s: torch.index_add(w, 0, i, s), torch.zeros(V, d), ids, rows),
+                  torch.ops.aten.index_add.default)[0]
+    assert (copy.bytes, copy.rows) == (2 * V * d * 4 + scatter, r)
+    dev = DeviceSpec(peak_flops=1e12, mem_bandwidth=1e9)
+    assert node_time(inplace, dev) == scatter / 1e9                # not measured: the roofline alone
+    slow = DeviceSpec(peak_flops=1e12, mem_bandwidth=1e9, index_row_s=2e-7)
+    assert node_time(inplace, slow) == pytest.approx(scatter / 1e9 + r * 2e-7)
+    assert node_time(copy, slow) == pytest.approx((2 * V * d * 4 + scatter) / 1e9 + r * 2e-7)
+    # other gathers and scatters pay no per-row figure
+    emb = _costs(_trace(lambda i, w: F.embedding(i, w), ids, torch.zeros(V, d)), torch.ops.aten.embedding.default)[0]
+    assert emb.rows == 0 and node_time(emb, slow) == node_time(emb, dev)

@@ -112,9 +112,11 @@ def _assert_rows_update(gm, dp):
                    and x.meta.get("val") is not None and x.meta["val"].shape[0] == 1000 for x in nodes)
     # one update node for the table, in place, of the gathered rows scaled by lr; the foreach ops never see it
     upd = [x for x in nodes if x.target is aten.index_add_.default]
-    assert len(upd) == 1 and upd[0].args[0] is emb and upd[0].kwargs == {"alpha": -1}
+    assert len(upd) == 1 and upd[0].args[0] is emb and upd[0].kwargs == {}      # alpha 1: ATen's fast path
     ids, scaled = upd[0].args[2], upd[0].args[3]
-    assert scaled.target is aten.mul.Tensor and scaled.args[1].op == "placeholder" and scaled.args[1].name == "lr"
+    neg = scaled.args[1]
+    assert scaled.target is aten.mul.Tensor and neg.target is aten.neg.default
+    assert neg.args[0].op == "placeholder" and neg.args[0].name == "lr"
     # ids and rows: the two halves of one gathered byte buffer, cut apart and viewed back to int64 / float64
     gathers = [_gathered_by(ids), _gathered_by(scaled.args[0])]
     assert gathers[0] is gathers[1] and gathers[0].target is C10D.all_gather_into_tensor.default
