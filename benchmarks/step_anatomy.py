@@ -120,10 +120,11 @@ def step_mode(args):
     with link:
         if args.rate:
             link.set_rate(parse_rate(args.rate))
+        on_veth = link.active                      # (the link is down again after the with)
         with NetnsCluster(2, link, comm_priority=args.comm_priority, pin=args.pin) as cl:
             outs = cl.run(rank_steps, [(p, batches, args.warmup, args.all_nodes) for p in payloads])
-    print(f"Parallax on Bag, 2 ranks on {'the veth' if link.active else '127.0.0.1'}"
-          f"{' capped at ' + args.rate if link.active and args.rate else ''}, comm_priority="
+    print(f"Parallax on Bag, 2 ranks on {'the veth' if on_veth else '127.0.0.1'}"
+          f"{' capped at ' + args.rate if on_veth and args.rate else ''}, comm_priority="
           f"{args.comm_priority}, pin={args.pin}, {args.steps} steps after {args.warmup}; ms per step (median, mean)")
     for r, steps in enumerate(outs):
         parts = {}
