@@ -16,7 +16,8 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
 - an fp32 ``add`` over 4M elements (12 bytes per element moved) -> ``device.mem_bandwidth``;
 - softmax and layer_norm -> ``efficiency["softmax"]``, ``efficiency["norm"]``: the fraction of
   peak that makes the roofline of :mod:`cost_models.compute` give the measured time; likewise
-  gelu (1M elements) -> ``efficiency["transcendental"]`` (erf, exp, tanh, ... pointwise ops) and
+  gelu (1M elements) -> ``efficiency["transcendental"]`` (erf, exp, tanh, ... pointwise ops), gelu_backward ->
+  ``efficiency["transcendental_backward"]`` (their backward ops: 1.8-2x the forward's time per element), and
   causal scaled-dot-product attention (q, k, v of ``4 x 8 x 128 x 64``, a GPT-sized head; operands cycled as the
   matmul's) ->
   ``efficiency["attention"]`` (forward and backward);
@@ -253,6 +254,7 @@ def _measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
     ops, n_ops = _tiny_ops_graph()
     t_op = timed(ops) / n_ops
     t_gelu = timed(lambda: torch.nn.functional.gelu(s))
+    t_gelu_bwd = timed(lambda: torch.ops.aten.gelu_backward(s, s))
     qkv = [tuple(torch.randn(*_SDPA_SHAPE) for _ in range(3))
            for _ in range(_sets(3 * 4 * torch.Size(_SDPA_SHAPE).numel()))]
     t_sdpa = timed(_rotating(qkv, lambda t: torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True)))
@@ -260,7 +262,7 @@ def _measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
     rows = torch.randn(_INDEX_ROWS, _INDEX_TABLE[1])
     ids = [torch.randint(0, _INDEX_TABLE[0], (_INDEX_ROWS,)) for _ in range(64)]
     t_index = timed(_rotating(ids, lambda i: table.index_add_(0, i, rows)))
-    return {"gelu_s": t_gelu, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
+    return {"gelu_s": t_gelu, "gelu_backward_s": t_gelu_bwd, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
             "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel(), "index_add_s": t_index}
 
 
@@ -705,6 +707,8 @@ def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measureme
     if "gelu_s" in c:                      # 1 FLOP per element; attention 4·b·h·s²·d FLOPs (cost_models.compute)
         b, h, s_, d = _SDPA_SHAPE
         eff["transcendental"] = min(1.0, numel / (peak * c["gelu_s"]))
+        if "gelu_backward_s" in c:
+            eff["transcendental_backward"] = min(1.0, numel / (peak * c["gelu_backward_s"]))
         eff["attention"] = min(1.0, 4 * b * h * s_ * s_ * d / (peak * c["sdpa_s"]))
     device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
                      op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s),

@@ -22,6 +22,9 @@ def test_calibrate_two_local_ranks():
     assert 1e8 < spec.intra_node.bandwidth < 1e12 and 0 <= spec.intra_node.latency < 5e-3
     assert 1e8 < spec.device.peak_flops < 1e13 and spec.device.mem_bandwidth > 1e8
     assert 0 < spec.device.efficiency["softmax"] <= 1 and spec.device.efficiency["matmul"] == 1.0
+    eff, c = spec.device.efficiency, raw["compute"]
+    assert eff["transcendental_backward"] == pytest.approx(min(1.0, c["softmax_numel"] / (spec.device.peak_flops *
+                                                                                     c["gelu_backward_s"])))
     assert ClusterSpec.from_json(spec.to_json()) == spec
     assert 0 <= spec.device.late_recv_s < 0.1
     assert 0 < spec.device.collective_issue_s < 0.05       # measured: a functional collective's call, before its wait

@@ -115,3 +115,18 @@ def test_index_add_pays_per_row_beyond_its_bytes():
     # other gathers and scatters pay no per-row figure
     emb = _costs(_trace(lambda i, w: F.embedding(i, w), ids, torch.zeros(V, d)), torch.ops.aten.embedding.default)[0]
     assert emb.rows == 0 and node_time(emb, slow) == node_time(emb, dev)
+
+
+def test_transcendental_backward_has_its_own_class_with_the_forward_as_fallback():
+    """gelu / gelu_backward: one FLOP per element each, in the classes ``transcendental`` and
+    ``transcendental_backward`` (calibrate() measures both); a device calibrated before the backward class existed
+    costs it as the forward."""
+    x = torch.randn(64, 32)
+    fwd = _costs(_trace(lambda t: F.gelu(t), x), torch.ops.aten.gelu.default)[0]
+    bwd = _costs(_trace(lambda g, t: torch.ops.aten.gelu_backward(g, t), x, x), torch.ops.aten.gelu_backward.default)[0]
+    assert (fwd.flops, fwd.op_class) == (64 * 32, "transcendental")
+    assert (bwd.flops, bwd.op_class) == (64 * 32, "transcendental_backward")
+    both = DeviceSpec(peak_flops=1e9, mem_bandwidth=1e15, efficiency={"transcendental": 0.1, "transcendental_backward": 0.05})
+    assert node_time(fwd, both) == pytest.approx(2048 / 1e8) and node_time(bwd, both) == pytest.approx(2048 / 5e7)
+    old = DeviceSpec(peak_flops=1e9, mem_bandwidth=1e15, efficiency={"transcendental": 0.1})
+    assert node_time(bwd, old) == node_time(fwd, old)
