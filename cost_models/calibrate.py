@@ -23,7 +23,7 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
   ``efficiency["attention"]`` (forward and backward);
 - ``index_add_`` of 4096 rows of 32 at fresh random indices into a 200000 x 32 table -> ``device.index_row_s``, what
   it takes per row beyond its bytes at that bandwidth (ATen's CPU kernel adds the rows one by one, each a random
-  access: 0.15-0.25 µs a row on a 2-core machine, 3-10x the bytes' time; :func:`index_row_overhead`);
+  access: 20-40 ns a row on a 2-core machine, 1.5-2x the bytes' time; :func:`index_row_overhead`);
 - ``all_reduce`` of sizes 4 KiB .. 16 MiB (after a barrier each time);
 - the *issue* of a small collective (two or more ranks; a functional ``all_reduce`` and an
   ``all_gather_into_tensor`` of 1 KiB after a barrier, timed from the call to its return, before the

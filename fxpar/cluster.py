@@ -55,8 +55,8 @@ class DeviceSpec:
     # from its last call too); from calibrate(). 0: not measured.
     cold_op_s: float = 0.0
     # seconds an ``index_add`` / ``index_add_`` costs per index beyond its bytes (ATen's CPU kernel adds the rows one at
-    # a time, each a random access into a table larger than the caches: 0.15-0.25 us a row here, 3-10x what the
-    # bytes take at 32-wide rows); from calibrate(). 0: not measured (a GPU's kernel runs the rows in parallel).
+    # a time, each a random access into a table larger than the caches: 20-40 ns a row here at alpha 1, 1.5-2x what
+    # the bytes take at 32-wide rows); from calibrate(). 0: not measured (a GPU's kernel runs the rows in parallel).
     index_row_s: float = 0.0
 
     def __hash__(self):
