@@ -55,7 +55,6 @@ def test_calibrate_two_local_ranks():
     assert raw["in_step"]["pair"] == pytest.approx(max(0.0, raw["in_step_measured"]["pair"] - 2 * raw["cold_op_s"]))
     # index_add_ of random rows into a table larger than the caches: its time beyond the bytes, per row
     from cost_models.calibrate import _INDEX_ROWS, _INDEX_TABLE
-    c = raw["compute"]
     beyond = c["index_add_s"] - (3 * _INDEX_ROWS * _INDEX_TABLE[1] * 4 + _INDEX_ROWS * 8) / c["add_bytes_per_s"]
     assert c["index_add_s"] > 0 and spec.device.index_row_s == index_row_overhead(c) == \
         pytest.approx(max(0.0, beyond) / _INDEX_ROWS)
