@@ -12,6 +12,7 @@ from .cluster import ClusterSpec, DeviceSpec, LinkSpec
 from .collectives import insert_all_reduce, insert_broadcast
 from .errors import (CaptureError, ClusterSpecError, FxparError, InputError, NonFiniteLossError, PassError,
                      RankFailedError, StrategyError)
+from .feature import Feature, Option, PlanSection, RankState, Slot, register_feature
 from .mesh import Mesh
 from .pass_manager import Pass, PassContext, PassManager, PassResult, graph_pass
 from .plan import Plan
@@ -27,4 +28,5 @@ __all__ = ["parallelize", "ClusterSpec", "DeviceSpec", "LinkSpec", "Strategy", "
            "RankRunner", "Mesh", "Pass", "PassResult", "PassContext", "PassManager", "graph_pass", "LocalCluster",
            "CapturedStep", "StepSignature", "capture_training_step", "trace_forward", "insert_all_reduce", "insert_broadcast", "meta",
            "FxparError", "CaptureError", "StrategyError", "ClusterSpecError", "PassError", "RankFailedError",
-           "InputError", "NonFiniteLossError", "shard", "Sharding", "ShardingError"]
+           "InputError", "NonFiniteLossError", "shard", "Sharding", "ShardingError", "Feature", "Option", "PlanSection",
+           "RankState", "Slot", "register_feature"]

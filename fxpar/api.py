@@ -19,6 +19,7 @@ from .capture import capture_training_step
 from .cluster import ClusterSpec
 from ._tracing import BatchLayout
 from .errors import InputError, StrategyError
+from .feature import get_feature
 from .losses import choose_loss
 from .lower import lower
 from .optim import resolve_optimizer
@@ -99,6 +100,9 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     _without_gradient(plan, captured, model)
     _check_parameters_fit(captured, cluster, model)
     _plan_buckets(plan, captured, cluster)
+    for name, section in plan.features.items():       # the features' decisions that need each stage's graph
+        for s, cap in enumerate(captured):
+            get_feature(name).plan_stage(section, plan, s, cap, cluster)
     lowered = lower(captured, plan, sched, cluster, strategy.passes, synchronous=plan.schedule not in ASYNC)
     plan.passes = [h.pass_name for h in lowered[0][2][1:] if not h.pass_name.startswith("split_graphs:")]
     stages = [Stage(s, cap, parts, gm, hist, notes, stage_messages(cap))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from .feature import get_feature
+
 __all__ = ["explain_program", "fmt_bytes"]
 
 
@@ -127,6 +129,8 @@ def explain_program(prog) -> str:
             lines += ["", "asynchronous: the schedule above covers 2 batches; a run covers all its batches in one "
                           f"window with no flush. Weight versions held at once per stage (dry run): {sim.peak_versions}; "
                           "each forward's saved tensors keep the version its backward needs."]
+    for name, section in plan.features.items():       # each enabled feature in its own words
+        lines += ["", f"{name}:"] + ["  " + ln for ln in get_feature(name).explain(section, prog)]
     comms = prog.collectives(0)
     lines += ["", f"communication per step on rank 0: {len(comms)} operation(s), "
                   f"{fmt_bytes(sum(c.nbytes for c in comms))} handed to them"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+from .feature import Slot, get_feature
 from .pass_manager import HistoryEntry, PassContext, PassManager
 
 __all__ = ["default_passes", "lower", "graph_kinds"]
@@ -49,59 +50,67 @@ def _cross(plan) -> bool:
 
 
 def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
+    """The one pass list, read top to bottom: each pass in its :class:`~fxpar.feature.Slot`, the enabled features'
+    passes in theirs (in registration order within a slot), the user's passes, and the split last."""
     from passes import (BucketGradients, DataParallelGradSync, ReinplaceOptimizer,  # fxpar reaches passes only here
                         SplitGraphs, SyncBuffers)
+    S = Slot
     pipeline = []
     if plan.shardings:
         from passes.tensor_parallel import TensorParallel
         # first: every later pass (recompute, data_parallel, bucket, ...) works on the rank's local pieces
-        pipeline.append(TensorParallel())
+        pipeline.append((S.PARTITION, TensorParallel()))
     if (plan.recompute or {}).get("policy", "none") != "none":
         from passes import Recompute
         # first: data_parallel/bucket place collectives by backward's node order, which must hold the copies already
-        pipeline.append(Recompute())
+        pipeline.append((S.REMAT, Recompute()))
     if (plan.offload or {}).get("activations"):
         from passes import OffloadActivations
-        pipeline.append(OffloadActivations())   # what backward still reads from forward goes to host memory and back
+        # what backward still reads from forward goes to host memory and back
+        pipeline.append((S.REMAT, OffloadActivations()))
     if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":
             from passes.grad_order import GradOrder
             # first: backward makes the gradients in the planned order, which every later pass then follows
-            pipeline.append(GradOrder())
-        pipeline += [
-            DataParallelGradSync(),  # each gradient summed over the ranks the planner named (dp replicas, tied stages)
-        ]
+            pipeline.append((S.GRAD_ORDER, GradOrder()))
+        # each gradient summed over the ranks the planner named (dp replicas, tied stages)
+        pipeline.append((S.GRAD_SYNC, DataParallelGradSync()))
         if (plan.grad_sync or {}).get("sparse"):
             from passes import SparseGradSync
-            pipeline.append(SparseGradSync())  # Parallax: sparse embedding gradients as (row index, row) pairs
-        pipeline += [
-            BucketGradients(),       # fuse those collectives into DDP-style buckets, issued as backward produces them
-        ]
+            # Parallax: sparse embedding gradients as (row index, row) pairs
+            pipeline.append((S.GRAD_ROUTE, SparseGradSync()))
+        # fuse those collectives into DDP-style buckets, issued as backward produces them
+        pipeline.append((S.BUCKET, BucketGradients()))
         if (plan.grad_sync or {}).get("method") == "herring":
             from passes import HierarchicalReduce
-            pipeline.append(HierarchicalReduce())   # Herring: reduce-scatter in the node, sum across nodes, gather
+            # Herring: reduce-scatter in the node, sum across nodes, gather
+            pipeline.append((S.BUCKET_SUM, HierarchicalReduce()))
         if (plan.grad_sync or {}).get("method") == "byteps":
             from passes import ServerSum
-            pipeline.append(ServerSum())   # BytePS: the CPU servers' share pushed and pulled, the rest all-reduced
+            # BytePS: the CPU servers' share pushed and pulled, the rest all-reduced
+            pipeline.append((S.BUCKET_SUM, ServerSum()))
         if getattr(plan, "zero", 0):
             from passes import ZeroOffload, ZeroShard
-            pipeline.append(ZeroShard())   # ZeRO: reduce-scatter into chunks, optimizer on chunks, gather parameters
+            # ZeRO: reduce-scatter into chunks, optimizer on chunks, gather parameters
+            pipeline.append((S.SHARD_STATE, ZeroShard()))
             if (plan.offload or {}).get("what"):   # ZeRO-Offload/-Infinity: update on the host, disk read-ahead
-                pipeline.append(ZeroOffload())
+                pipeline.append((S.SHARD_OFFLOAD, ZeroOffload()))
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":
             from passes import CommSchedule
             # after bucket: pieces of its buckets issued by priority under a credit; with cross-iteration the
             # waits and updates move into the next step's forward
-            pipeline.append(CommSchedule(cross_iteration=_cross(plan)))
-        pipeline += [
-            SyncBuffers(),           # buffers (BatchNorm stats) follow dp-rank 0, as DDP's broadcast_buffers
-        ]
+            pipeline.append((S.COMM_ORDER, CommSchedule(cross_iteration=_cross(plan))))
+        # buffers (BatchNorm stats) follow dp-rank 0, as DDP's broadcast_buffers
+        pipeline.append((S.BUFFERS, SyncBuffers()))
     if plan.optimizer.get("traced") and synchronous and not _cross(plan):
         # (under cross-iteration overlap not here: the split cuts the first-step and drain graphs by data flow,
         # which an in-place update would hide; passes.comm_schedule and passes.carry_step update in place)
         # write the update into the parameter/state buffers, as torch.optim does (not where weight
         # stashing keeps old versions alive: asynchronous schedules)
-        pipeline.append(ReinplaceOptimizer())
+        pipeline.append((S.OPTIMIZER, ReinplaceOptimizer()))
+    for name, section in plan.features.items():      # the enabled features' passes, each in its slot
+        pipeline += get_feature(name).make_passes(section)
+    pipeline = [p for _, p in sorted(pipeline, key=lambda sp: sp[0])]     # stable: the order above within a slot
     # The user's passes see the finished distributed graph, unless one declares ``before=(...)``
     # naming one of ours: then it goes just ahead of the earliest pass it names.
     for p in custom:

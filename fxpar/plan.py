@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+from .feature import section_from_dict
 from .mesh import Mesh
 
 __all__ = ["Plan"]
@@ -55,6 +56,12 @@ class Plan:
     offload: dict = field(default_factory=dict)        # {"what": ["params", "optimizer"], "to": "disk", "dir": path}
     recompute: dict = field(default_factory=dict)
     comm_schedule: dict = field(default_factory=dict)
+    # the enabled features' sections (fxpar.Feature): feature name -> its PlanSection dataclass
+    features: dict = field(default_factory=dict)
+
+    def section(self, name: str):
+        """Feature ``name``'s Plan section, or None when the feature is off."""
+        return self.features.get(name)
 
     @property
     def mesh(self) -> Mesh:
@@ -127,7 +134,9 @@ class Plan:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"Plan.from_json: unknown field(s) {unknown}; known: {sorted(known)}")
+            raise ValueError(f"Plan.from_json: unknown field(s) {unknown}; known: {sorted(known)} (a feature's "
+                             "decisions go under \"features\": {section name: {...}})")
+        data["features"] = {name: section_from_dict(name, sec) for name, sec in data.get("features", {}).items()}
         plan = cls(**data)
         plan.tied = {k: list(v) for k, v in plan.tied.items()}
         return plan
@@ -186,6 +195,8 @@ class Plan:
                                                           else f"eager on each rank ({opt.get('why_not_traced')})")
                      + (f"; {'one fused kernel per update' if opt['kernel'] == 'fused' else 'torch._foreach_* ops'} "
                         f"({opt.get('why_kernel')})" if opt.get("kernel") else ""))
+        for name, sec in self.features.items():
+            lines += [f"{name}: {ln}" for ln in sec.lines()]
         if self.passes:
             lines.append(f"passes: {' -> '.join(self.passes)}")
         lines += [f"note: {n}" for n in self.notes]

@@ -9,9 +9,11 @@ Communication decisions (buckets, ByteScheduler, Herring / BytePS / Parallax) li
 """
 from __future__ import annotations
 
+import copy
 import json
 
 from .errors import StrategyError
+from .feature import enabled_features
 from .plan import Plan
 from .planner_comm import _record_comm_schedule, _record_grad_sync, plan_buckets, plan_comm_schedule, plan_sparse_routes
 from .schedule import Schedule, ScheduleError, get_schedule
@@ -211,6 +213,11 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
         sched = add_unshard(sched, [s for s in range(plan.n_stages) if zero_keys(plan, s)])
     _record_recompute(plan, strategy, base)
     _record_comm_schedule(plan, strategy, base, asynchronous=plan.schedule in ASYNC)
+    for f in enabled_features(strategy):       # each enabled feature decides its section (a handed-back Plan's stays)
+        given = base.section(f.name) if base is not None else None
+        section = copy.deepcopy(given) if given is not None else f.plan(strategy, plan, cluster)
+        if section is not None:
+            plan.features[f.name] = section
     return plan, sched, trace, split
 
 

@@ -12,6 +12,7 @@ from . import meta as M
 from .collectives import collective_nodes
 from .runtime.executor import Executor, RankPayload, train
 from .errors import InputError
+from .feature import get_feature
 from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard, init_from_env
 from .runtime.server import run_rank, server_payloads, stop_messages
 from .runner import RankRunner, RunResult
@@ -272,6 +273,12 @@ class Program:
                 est = cost_models.estimate(calls, self.cluster, server_nodes=getattr(self.cluster, "server_nodes", None))
                 # the runtime's bubble (RunResult.bubble) counts the compute actions only: RG and STEP are not work
                 est.bubble = est.idle_fraction_where(is_compute_label)
+            for r in est.ranks:      # what the features hold per rank beside the graphs (error-feedback residuals ...)
+                for name, section in self.plan.features.items():
+                    extra = get_feature(name).state_bytes(section, self, r.rank)
+                    if extra:
+                        r.peak_memory_bytes += extra
+                        r.memory_breakdown[f"feature {name}"] = extra
             self._estimate = est
         return self._estimate
 
@@ -331,7 +338,13 @@ class Program:
         for name, ranks in all_groups:       # only groups every rank creates (a process group is made by all)
             if rank in ranks:
                 bindings[name] = tuple(ranks)
-        return RankPayload(rank=rank, dp=self.dp, tp=self.plan.tp, actions=list(sched.actions[pr]),
+        features = {}                    # the enabled features' per-rank state: name -> (RankState class, its info)
+        for name, section in self.plan.features.items():
+            feat = get_feature(name)
+            info = feat.rank_info(section, self, rank) if feat.state is not None else None
+            if info is not None:
+                features[name] = (feat.state, info)
+        return RankPayload(rank=rank, dp=self.dp, tp=self.plan.tp, actions=list(sched.actions[pr]), features=features,
                            stage_to_rank=[tuple(r) for r in self.plan.stage_to_rank],
                            microbatches=self.plan.microbatches,
                            graphs={s: self.stages[s].graphs for s in held},

@@ -1,9 +1,11 @@
 """Strategy: what the user asks for. The planner turns it into a Plan (what will be done)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Callable
 
+from . import feature as _feature_registry
 from .errors import StrategyError
 
 if TYPE_CHECKING:
@@ -130,6 +132,7 @@ class Strategy:
     sharding: "str | dict" = "auto"
     grad_order: str | None = None
     cross_iteration: bool | None = None
+    options: dict = field(default_factory=dict)    # options of registered features (fxpar.Feature), by name
 
     def __post_init__(self):
         if self.delayed_update:
@@ -185,6 +188,38 @@ class Strategy:
         if self.schedule is not None and not self._custom_schedule and self.schedule not in _SCHEDULES:
             raise StrategyError(f"Strategy(schedule={self.schedule!r}): choose one of {_SCHEDULES}, or pass a "
                                 "fxpar.schedule.Schedule or its text (starting with its '# schedule ...' header)")
+        self._check_options()
+        _feature_registry.check_strategy(self)      # each enabled feature's options, requires and conflicts
+
+    def _check_options(self) -> None:
+        """Every key of ``options`` is an option a registered feature owns."""
+        owned = _feature_registry.option_defaults()
+        for k in self.options:
+            if k not in owned:
+                near = difflib.get_close_matches(k, list(owned) + [f.name for f in fields(self)], n=1)
+                raise StrategyError(f"Strategy({k}=...): no registered feature owns option {k!r}"
+                                    + (f" (did you mean {near[0]!r}?)" if near else "")
+                                    + "; register the Feature that declares it (fxpar.register_feature) before making "
+                                    f"the Strategy. Feature options: {sorted(owned) or 'none'}")
+
+    def option(self, name: str):
+        """The value of option ``name``: a Strategy field, or a registered feature's option (its default if unset)."""
+        if name in _FIELDS:
+            return getattr(self, name)
+        if name in self.options:
+            return self.options[name]
+        owned = _feature_registry.option_defaults()
+        if name not in owned:
+            raise AttributeError(f"Strategy has no option {name!r}")
+        return owned[name]
+
+    def __getattr__(self, name: str):       # a registered feature's option reads like a field: strategy.my_option
+        if name.startswith("_") or name == "options":
+            raise AttributeError(name)
+        try:
+            return self.option(name)
+        except AttributeError:
+            raise AttributeError(f"'Strategy' object has no attribute {name!r}") from None
 
     def _check_comm_schedule(self) -> None:
         if self.comm_schedule not in _COMM_SCHEDULES:
@@ -326,3 +361,20 @@ class Strategy:
                 sched = f"<hand-written {sched.name!r}: {sched.n_ranks} ranks, {sched.n_stages} stages>"
             parts += [f"schedule={sched}", f"microbatches={self.microbatches}"]
         return "Strategy(" + ", ".join(parts) + ")"
+
+
+_FIELDS = {f.name for f in fields(Strategy)}
+_feature_registry._CORE_OPTIONS.update(_FIELDS - {"options"})
+_dataclass_init = Strategy.__init__
+
+
+def _init(self, *args, **kwargs):
+    """``Strategy(dp=2, my_option=...)``: keywords that are not Strategy fields are registered features' options."""
+    extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in _FIELDS}
+    if extra:
+        kwargs["options"] = {**kwargs.get("options", {}), **extra}
+    _dataclass_init(self, *args, **kwargs)
+
+
+_init.__doc__ = Strategy.__doc__
+Strategy.__init__ = _init

@@ -63,8 +63,9 @@ __all__ = ["SplitGraph", "split_graphs", "SplitGraphs"]
 
 _ORDER = {"UNSHARD": -1, "F": 0, "B": 1, "I": 1, "W": 2, "REDUCE_GRAD": 3, "STEP": 4}
 _PER_MB = ("F", "B", "I", "W")
-_DIRECT = {"UNSHARD": ("param",), "F": ("param", "buffer", "input", "target", "act"), "B": ("tangent",), "I": ("tangent",),
-           "W": ("tangent",), "REDUCE_GRAD": (), "STEP": ("param", "param_shard", "buffer", "opt_state", "lr", "step")}
+_DIRECT = {"UNSHARD": ("param",), "F": ("param", "buffer", "input", "target", "act", "state"),
+           "B": ("tangent", "state"), "I": ("tangent", "state"), "W": ("tangent", "state"), "REDUCE_GRAD": ("state",),
+           "STEP": ("param", "param_shard", "buffer", "opt_state", "lr", "step", "state")}   # "state": a feature's
 
 
 @dataclass
@@ -332,7 +333,7 @@ def check_no_read_after_inplace_write(parts: dict) -> None:
 
 
 _ROLE_RANK = {"param": 0, "param_shard": 0.5, "buffer": 1, "opt_state": 2, "lr": 3, "step": 4, "input": 5, "target": 6, "act": 7,
-              "tangent": 8, "unsharded": 8.5, "saved": 9, "grad": 10, "pending": 11}
+              "tangent": 8, "unsharded": 8.5, "saved": 9, "grad": 10, "pending": 11, "state": 12}
 
 
 def _input_rank(rk):

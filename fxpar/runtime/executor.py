@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives import axis_of_tag, in_flight_across_graphs, lower_for_backend
+from ..feature import NEW_STATE_ROLE, STATE_ROLE, split_state_key
 from ..schedule import ActionKind
 from ..zero import chunk
 from .carry import CarryState
@@ -63,6 +64,7 @@ class RankPayload:
     bindings: dict                 # group name -> this rank's ranks in it
     lr_scheduler: object = None    # (SchedulerClass, kwargs), callable(torch optimizer) -> scheduler, or None
     extra: dict = field(default_factory=dict)
+    features: dict = field(default_factory=dict)   # feature name -> (its RankState class, the rank's info)
     tp: int = 1                    # tensor-parallel ranks per dp replica: rank = (pipe rank * dp + dp index) * tp + tp index
 
 
@@ -183,6 +185,8 @@ class Executor(ShardState, CarryState, TensorParallelState):
                 dist.barrier()                    # every group's threads up (and named) before they are raised
                 comm_priority(p.rank)
         self.params = {s: {k: p.params[k].detach().clone() for k in keys} for s, keys in p.stage_params.items()}
+        # the enabled features' per-rank state (fxpar.feature.RankState): graph inputs of role "state"
+        self.features = {name: cls(info, p.rank) for name, (cls, info) in p.features.items()}
         self.buffers = {k: v.detach().clone() for k, v in p.buffers.items()}
         # ZeRO (passes/zero.py): per held stage {"stage": 1|2|3, "n": dp, "keys": {key: [shape, chunk numel]}};
         # optimizer state of those keys is this rank's chunk, and under stage 3 the parameters are too
@@ -418,13 +422,16 @@ class Executor(ShardState, CarryState, TensorParallelState):
         sg = self.p.graphs[s].get("REDUCE_GRAD")
         if sg is None:
             return
-        res = sg.gm(*[self._grad(w, s, key) for _, key in sg.inputs])
+        res = sg.gm(*[self._feature_state(key, s) if role == STATE_ROLE else self._grad(w, s, key)
+                      for role, key in sg.inputs])
         pend = w.pending.setdefault(s, {})
         for (role, key), v in zip(sg.outputs, res):
             if role == "pending":
                 pend[key] = v
             elif role == "grad":
                 w.synced[key] = v
+            elif role == NEW_STATE_ROLE:
+                self._take_feature_state(key, v, s)
 
     def _step(self, a, w, idx):
         s = a.stage
@@ -449,6 +456,8 @@ class Executor(ShardState, CarryState, TensorParallelState):
                 args.append(cnt)
             elif role == "grad":
                 args.append(self._step_grad(w, s, key))
+            elif role == STATE_ROLE:
+                args.append(self._feature_state(key, s))
             elif key in pend:
                 args.append(pend[key])
             else:
@@ -467,6 +476,8 @@ class Executor(ShardState, CarryState, TensorParallelState):
                 w.synced[key] = v
             elif role == "new_buffer":
                 self.buffers[key] = v
+            elif role == NEW_STATE_ROLE:
+                self._take_feature_state(key, v, s)
         if a.version is not None:
             self.prev_params[s] = self.params[s]
         self.params[s] = new
@@ -514,6 +525,8 @@ class Executor(ShardState, CarryState, TensorParallelState):
                 self.state[s][key] = v
             elif role == "grad":
                 grads[key] = v
+            elif role == NEW_STATE_ROLE:
+                self._take_feature_state(key, v, s)
         if not self.spec.traced:
             self._eager_step(s, grads)
         self._settle(s)
@@ -531,7 +544,22 @@ class Executor(ShardState, CarryState, TensorParallelState):
             return mb[self.n_inputs + int(key)]
         if role == "act":
             return acts[key]
+        if role == STATE_ROLE:
+            return self._feature_state(key, s)
         raise RuntimeError(f"stage {s}: no value for graph input ({role}, {key})")
+
+    def _feature_state(self, key, s):
+        """Graph input ``("state", "<feature>.<name>")``: from that feature's RankState."""
+        feature, name = split_state_key(key)
+        if feature not in self.features:
+            raise RuntimeError(f"rank {self.rank}: a graph of stage {s} reads state {key!r} of feature {feature!r}, "
+                               f"which keeps no state on this rank (features with state: {sorted(self.features)})")
+        return self.features[feature].provide(name, s)
+
+    def _take_feature_state(self, key, v, s) -> None:
+        """Graph output ``("new_state", "<feature>.<name>")``: back to that feature's RankState."""
+        feature, name = split_state_key(key)
+        self.features[feature].take(name, v, s)
 
     def _send(self, a, w, idx):
         s, i = a.stage, a.microbatch

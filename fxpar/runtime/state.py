@@ -73,7 +73,8 @@ def save_rank_state(ex, path, aliases: dict) -> None:
             tensors[_STASH + k] = v
     extra = {"rng": rng_state(), "step": max(ex.step_count.values(), default=0),
              "lr": [g["lr"] for g in ex.torch_opt.param_groups], "optim": rest,
-             "scheduler": ex.scheduler.state_dict() if ex.scheduler is not None else None}
+             "scheduler": ex.scheduler.state_dict() if ex.scheduler is not None else None,
+             "features": {name: st.save() for name, st in ex.features.items()}}    # per-rank feature state
     rank, world, pg = _workers(ex)
     save_checkpoint(path, tensors, extra, rank=rank, world_size=world, process_group=pg)
 
@@ -120,6 +121,16 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
         g["lr"] = lr
     if ex.scheduler is not None and extra.get("scheduler") is not None:
         ex.scheduler.load_state_dict(extra["scheduler"])
+    saved_features = extra.get("features") or {}
+    for name, st in ex.features.items():       # a feature's per-rank state resumes on the rank that saved it
+        if name not in saved_features:
+            continue                           # saved without that feature: its state starts as a fresh run's
+        if manifest.get("world_size") != world:
+            raise RuntimeError(f"checkpoint {path} holds feature {name!r}'s per-rank state of "
+                               f"{manifest.get('world_size')} ranks, and this program has {world}: that state "
+                               "(e.g. error-feedback residuals) belongs to each saving rank. Resume on as many "
+                               "ranks, or without that feature.")
+        st.load(saved_features[name])
     if manifest.get("world_size") == world:
         set_rng_state(extra["rng"])
     else:   # another world: rank r got saved rank r % saved's RNG, which replicas would share -- seed afresh

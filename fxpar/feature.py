@@ -1,0 +1,343 @@
+"""Features: one strategy, one object, one module.
+
+A strategy (a gradient-sync method, a way to shard state, a schedule of communication ...) is a
+:class:`Feature`. It declares, in its own module:
+
+* the :class:`Strategy <fxpar.Strategy>` options it owns (:class:`Option`), with ``requires`` and
+  ``conflicts_with`` naming other features -- checked when the Strategy is made;
+* its typed Plan section (a :class:`PlanSection` dataclass: JSON round-trip, prints itself);
+* its planning function (:meth:`Feature.plan`, and :meth:`Feature.plan_stage` once each stage is
+  captured): the decision, written into its section;
+* its passes, each in a :class:`Slot` of the one pass list (``fxpar.lower``);
+* its per-rank runtime state (:class:`RankState`): the graph inputs it provides (role ``state``),
+  the outputs it takes back (role ``new_state``), what it saves in a checkpoint;
+* its cost-model effect (:meth:`Feature.state_bytes`: bytes each rank holds beside the graphs);
+* its lines in ``explain()`` (:meth:`Feature.explain`).
+
+The core (planner, lowering, executor, checkpoints, ``Plan.__str__``) loops over the enabled features
+and names none. A user registers a Feature of their own the same way, from their own file::
+
+    @fxpar.register_feature
+    class MyMethod(fxpar.Feature):
+        name = "my_method"
+        options = {"my_method": fxpar.Option(None, "what it does")}
+        section = MySection
+        ...
+
+    fxpar.Strategy(dp=2, my_method=...)
+
+See ``examples/custom_strategy.py`` for a whole one (a gradient-sync method with per-rank state).
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import importlib
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch.fx
+
+from . import meta as M
+from .errors import StrategyError
+
+__all__ = ["Feature", "Option", "Slot", "PlanSection", "RankState", "register_feature", "registered_features",
+           "unregister_feature", "get_feature", "enabled_features", "check_strategy", "section_from_dict", "option_owner", "option_defaults",
+           "add_state_input", "add_state_output", "BUILTIN_FEATURES", "STATE_ROLE", "NEW_STATE_ROLE", "state_key",
+           "split_state_key"]
+
+# The graph roles of a feature's per-rank state: an input ("state", "<feature>.<name>") the rank's RankState
+# provides, and an output ("new_state", "<feature>.<name>") it takes back after the graph ran.
+STATE_ROLE = "state"
+NEW_STATE_ROLE = "new_state"
+
+# The package whose modules register fxpar's own features, imported the first time the registry is read (a
+# plug-in discovery by name, as entry points do: the floor never imports the features' layer itself).
+BUILTIN_FEATURES = "fxpar.features"
+
+
+def state_key(feature: str, name: str) -> str:
+    """The key of a feature's state tensor in graph roles and checkpoints: ``"<feature>.<name>"``."""
+    return f"{feature}.{name}"
+
+
+def split_state_key(key: str) -> tuple:
+    """``"<feature>.<name>"`` -> ``(feature, name)``."""
+    feature, _, name = key.partition(".")
+    return feature, name
+
+
+class Slot(enum.IntEnum):
+    """Where a feature's pass sits in the one pass list; ``fxpar.lower`` runs the slots top to bottom."""
+    PARTITION = 10       # split operators over tp: every later pass works on the rank's local pieces
+    REMAT = 20           # recompute / activation offload: copies placed before collectives follow backward's order
+    GRAD_ORDER = 30      # the order backward makes the gradients in
+    GRAD_SYNC = 40       # each gradient summed over the ranks the planner named
+    GRAD_ROUTE = 45      # gradients that travel another way than dense buckets (sparse pairs)
+    BUCKET = 50          # per-gradient collectives fused into buckets
+    BUCKET_SUM = 60      # how a bucket is summed: hierarchically, through servers, compressed
+    SHARD_STATE = 70     # optimizer state, gradients, parameters sharded over dp
+    SHARD_OFFLOAD = 75   # sharded state kept on the host or on disk
+    COMM_ORDER = 80      # the order and overlap of the gradient communication
+    BUFFERS = 90         # buffers synchronised across replicas
+    OPTIMIZER = 100      # the update written into the parameters' own storage
+    USER = 110           # the user's passes (Strategy(passes=[...])) see the finished distributed graph
+
+
+@dataclass(frozen=True)
+class Option:
+    """A Strategy option a feature owns: its default and one line of what it does."""
+    default: Any = None
+    doc: str = ""
+
+
+class PlanSection:
+    """Base of a feature's Plan section. Subclass it as a ``@dataclass`` whose fields are JSON values (numbers,
+    strings, lists, dicts); ``Plan.to_json`` writes ``dataclasses.asdict`` of it under the feature's name, and
+    ``Plan.from_json`` reads it back through :func:`section_from_dict`, refusing unknown fields by name."""
+
+    def to_dict(self) -> dict:
+        return json.loads(json.dumps(dataclasses.asdict(self)))
+
+    def lines(self) -> list:
+        """What ``print(plan)`` shows of this section (default: its fields)."""
+        return [", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))]
+
+
+class RankState:
+    """A feature's state on one rank (error-feedback residuals, warm-start factors, a clock ...).
+
+    The executor makes one per enabled feature that declares ``state``, from the feature's
+    :meth:`Feature.rank_info` (picklable: it travels to the spawned ranks). Its tensors are graph inputs of role
+    ``("state", "<feature>.<name>")`` and come back as outputs ``("new_state", "<feature>.<name>")``; they are saved
+    in checkpoints per rank (:meth:`save` / :meth:`load`) and resumed bitwise."""
+
+    def __init__(self, info, rank: int):
+        self.info, self.rank = info, rank
+        self.tensors: dict = {}
+
+    def provide(self, name: str, stage: int):
+        """The value of graph input ``("state", "<feature>.<name>")`` for a graph of ``stage``."""
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise RuntimeError(f"rank {self.rank}: a graph of stage {stage} reads feature state {name!r}, which "
+                               f"{type(self).__name__} does not hold (it holds {sorted(self.tensors)}): the "
+                               "feature's pass and its rank_info() disagree") from None
+
+    def take(self, name: str, value, stage: int) -> None:
+        """Graph output ``("new_state", "<feature>.<name>")``: the value for the next step."""
+        self.tensors[name] = value
+
+    def save(self) -> dict:
+        """This rank's state for a checkpoint (picklable; tensors are copied)."""
+        return {k: v.clone() for k, v in self.tensors.items()}
+
+    def load(self, saved: dict) -> None:
+        missing = sorted(set(self.tensors) - set(saved))
+        if missing:
+            raise RuntimeError(f"rank {self.rank}: the checkpoint holds no {type(self).__name__} state for "
+                               f"{missing}: it was saved by a program with other buckets or stages")
+        self.tensors = {k: saved[k].clone() for k in self.tensors}
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+class Feature:
+    """A strategy. Subclass, set the class attributes, override what the strategy needs, and register it
+    (:func:`register_feature`). Every method has a default that does nothing, so a feature is as small as the
+    strategy it is."""
+    name: ClassVar[str] = ""
+    doc: ClassVar[str] = ""                         # one line: the strategy and its paper
+    options: ClassVar[dict] = {}                    # Strategy option name -> Option
+    section: ClassVar[type | None] = None           # its PlanSection dataclass
+    requires: ClassVar[tuple] = ()                  # features that must be enabled with it
+    conflicts_with: ClassVar[tuple] = ()            # features that must not be
+    passes: ClassVar[tuple] = ()                    # (Slot, Pass class or factory) pairs
+    state: ClassVar[type | None] = None             # its RankState class, if it keeps state per rank
+
+    # ---- the decision ------------------------------------------------------------------------------
+    def enabled(self, strategy) -> bool:
+        """Whether ``strategy`` asks for this feature: by default, any option it owns is set off its default."""
+        return any(strategy.option(k) != o.default for k, o in self.options.items())
+
+    def validate(self, strategy) -> None:
+        """Refuse option values this feature cannot carry out (raise :class:`fxpar.StrategyError` naming them)."""
+
+    def plan(self, strategy, plan, cluster):
+        """Before capture: return this feature's Plan section (or None to leave it off)."""
+        return self.section() if self.section is not None else None
+
+    def plan_stage(self, section, plan, stage: int, captured, cluster) -> None:
+        """After capture, once per stage: decisions that need the stage's joint graph, into ``section``."""
+
+    # ---- the mechanism -----------------------------------------------------------------------------
+    def make_passes(self, section) -> list:
+        """``[(Slot, Pass)]``: this feature's passes and where each sits in the pass list."""
+        return [(slot, make()) for slot, make in self.passes]
+
+    def rank_info(self, section, program, rank: int):
+        """What rank ``rank``'s :class:`RankState` starts from (picklable), or None: no state on that rank."""
+        return None
+
+    # ---- what it costs and what it says --------------------------------------------------------------
+    def state_bytes(self, section, program, rank: int) -> int:
+        """Bytes rank ``rank`` holds for this feature beside what its graphs hold (per-rank state)."""
+        return 0
+
+    def explain(self, section, program) -> list:
+        """Plain-language lines for ``program.explain()``."""
+        return [] if section is None else section.lines()
+
+
+# ---- the registry -------------------------------------------------------------------------------------
+_REGISTRY: dict = {}          # name -> Feature instance, in registration order (the order within a Slot)
+_OWNER: dict = {}             # option name -> feature name
+_LOADED: list = []
+
+
+def _load_builtin() -> None:
+    if not _LOADED:
+        _LOADED.append(True)
+        importlib.import_module(BUILTIN_FEATURES)
+
+
+def register_feature(cls):
+    """Register a :class:`Feature` subclass (usable as a class decorator). Refuses a name already taken and an
+    option another feature owns, naming both."""
+    _load_builtin()
+    if not (isinstance(cls, type) and issubclass(cls, Feature)):
+        raise TypeError(f"register_feature({cls!r}): pass a subclass of fxpar.Feature")
+    if not cls.name or not cls.name.isidentifier():
+        raise StrategyError(f"feature {cls.__name__}: set `name` to an identifier (it keys the Plan section, the "
+                            f"graph roles of its state and its checkpoint entries); got {cls.name!r}")
+    old = _REGISTRY.get(cls.name)
+    if old is not None and type(old) is not cls:
+        if type(old).__qualname__ == cls.__qualname__ and type(old).__module__ == cls.__module__:
+            _unregister(cls.name)          # the same class defined again (a re-run script or notebook cell)
+        else:
+            raise StrategyError(f"feature {cls.__module__}.{cls.__qualname__} is named {cls.name!r}, which "
+                                f"{type(old).__module__}.{type(old).__qualname__} already registered; pick another name")
+    for opt in cls.options:
+        owner = _OWNER.get(opt)
+        if owner is not None and owner != cls.name:
+            raise StrategyError(f"feature {cls.name!r} ({cls.__module__}.{cls.__qualname__}) declares Strategy option "
+                                f"{opt!r}, which feature {owner!r} ({type(_REGISTRY[owner]).__module__}) owns; "
+                                "name your option differently")
+        if opt in _CORE_OPTIONS and not cls.__module__.startswith(BUILTIN_FEATURES + "."):
+            raise StrategyError(f"feature {cls.name!r} declares Strategy option {opt!r}, which the core Strategy "
+                                f"owns ({', '.join(sorted(_CORE_OPTIONS))}); name your option differently")
+    for other in tuple(cls.requires) + tuple(cls.conflicts_with):
+        if not isinstance(other, str):
+            raise StrategyError(f"feature {cls.name!r}: requires/conflicts_with list feature names (str), got {other!r}")
+    _REGISTRY[cls.name] = cls()
+    for opt in cls.options:
+        _OWNER[opt] = cls.name
+    return cls
+
+
+def unregister_feature(name: str) -> None:
+    """Remove feature ``name`` from the registry (a test's or a notebook's own feature); unknown names are ignored."""
+    _unregister(name)
+
+
+def _unregister(name: str) -> None:
+    feat = _REGISTRY.pop(name, None)
+    for opt in getattr(feat, "options", {}):
+        _OWNER.pop(opt, None)
+
+
+# the options the core Strategy owns itself (its dataclass fields that no feature declares)
+_CORE_OPTIONS: set = set()
+
+
+def registered_features() -> list:
+    """Every registered feature, in registration order."""
+    _load_builtin()
+    return list(_REGISTRY.values())
+
+
+def get_feature(name: str) -> Feature:
+    _load_builtin()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise KeyError(f"no feature named {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def option_owner(option: str) -> str | None:
+    _load_builtin()
+    return _OWNER.get(option)
+
+
+def option_defaults() -> dict:
+    """Every feature-owned option and its default."""
+    _load_builtin()
+    return {k: o.default for f in _REGISTRY.values() for k, o in f.options.items()}
+
+
+def enabled_features(strategy) -> list:
+    """The features ``strategy`` enables, in registration order."""
+    return [f for f in registered_features() if f.enabled(strategy)]
+
+
+def check_strategy(strategy) -> list:
+    """Validate every enabled feature's options and the declared ``requires`` / ``conflicts_with`` between them;
+    returns the enabled features. Errors name both features and the options that enabled them."""
+    on = enabled_features(strategy)
+    names = {f.name for f in on}
+
+    def why(f) -> str:
+        set_ = [f"{k}={strategy.option(k)!r}" for k, o in f.options.items() if strategy.option(k) != o.default]
+        return f"{f.name!r} ({', '.join(set_) or 'enabled'})"
+    for f in on:
+        f.validate(strategy)
+        for other in f.conflicts_with:
+            if other in names:
+                raise StrategyError(f"{strategy}: feature {why(f)} conflicts with feature "
+                                    f"{why(_REGISTRY[other])}: use one of them")
+        for other in f.requires:
+            if other not in names:
+                need = _REGISTRY.get(other)
+                how = (f" (set one of its options: {', '.join(need.options)})" if need is not None and need.options
+                       else "")
+                raise StrategyError(f"{strategy}: feature {why(f)} requires feature {other!r}{how}")
+    return on
+
+
+def section_from_dict(name: str, data: dict):
+    """A Plan section back from its JSON form; unknown sections and fields are refused by name."""
+    _load_builtin()
+    feat = _REGISTRY.get(name)
+    if feat is None or feat.section is None:
+        known = sorted(n for n, f in _REGISTRY.items() if f.section is not None)
+        raise ValueError(f"Plan.from_json: unknown feature section {name!r}; the sections that exist: {known} "
+                         "(a section of your own Feature needs fxpar.register_feature(...) before loading)")
+    fields = {f.name for f in dataclasses.fields(feat.section)}
+    unknown = sorted(set(data) - fields)
+    if unknown:
+        raise ValueError(f"Plan.from_json: section {name!r} has unknown field(s) {unknown}; its fields: {sorted(fields)}")
+    return feat.section(**data)
+
+
+# ---- graph helpers for a feature's pass ------------------------------------------------------------------
+def add_state_input(gm: torch.fx.GraphModule, feature: str, name: str, val) -> torch.fx.Node:
+    """A new placeholder ``("state", "<feature>.<name>")`` after the last one (``val``: a tensor of its shape and
+    dtype, e.g. ``torch.empty(n)`` or a fake); the graph's signature lists it. The rank's RankState provides it."""
+    g = gm.graph
+    key = state_key(feature, name)
+    with g.inserting_after(g.find_nodes(op="placeholder")[-1]):
+        ph = g.placeholder(f"state_{feature}_{name}".replace(".", "_"))
+    ph.meta["val"] = val
+    M.set_meta(ph, M.ROLE, STATE_ROLE)
+    gm.meta["fxpar_signature"].inputs.append((STATE_ROLE, key))
+    return ph
+
+
+def add_state_output(gm: torch.fx.GraphModule, feature: str, name: str, node: torch.fx.Node) -> None:
+    """Make ``node`` the graph output ``("new_state", "<feature>.<name>")``: the state's value for the next step."""
+    out = gm.graph.find_nodes(op="output")[0]
+    out.args = (tuple(out.args[0]) + (node,),)
+    gm.meta["fxpar_signature"].outputs.append((NEW_STATE_ROLE, state_key(feature, name)))

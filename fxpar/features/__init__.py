@@ -1,0 +1,4 @@
+"""fxpar's own features: one module per strategy, each registered with :func:`fxpar.feature.register_feature`.
+
+Importing this package registers them (``fxpar.feature`` imports it the first time its registry is read).
+"""
