@@ -106,12 +106,26 @@ class PlanSection:
 
 
 class RankState:
-    """A feature's state on one rank (error-feedback residuals, warm-start factors, a clock ...).
+    """A feature's state on one rank (error-feedback residuals, ZeRO's chunks, a clock ...).
 
     The executor makes one per enabled feature that declares ``state``, from the feature's
-    :meth:`Feature.rank_info` (picklable: it travels to the spawned ranks). Its tensors are graph inputs of role
-    ``("state", "<feature>.<name>")`` and come back as outputs ``("new_state", "<feature>.<name>")``; they are saved
-    in checkpoints per rank (:meth:`save` / :meth:`load`) and resumed bitwise."""
+    :meth:`Feature.rank_info` (picklable: it travels to the spawned ranks), and calls its hooks at fixed points
+    of a rank's life; every hook has a default that does nothing, so a RankState is as small as its state:
+
+    * ``tensors``: its own tensors, graph inputs ``("state", "<feature>.<name>")`` (:meth:`provide`) that come
+      back as outputs ``("new_state", "<feature>.<name>")`` (:meth:`take`), saved per rank in checkpoints
+      (:meth:`save` / :meth:`load`) and resumed bitwise;
+    * :meth:`setup`: once the rank holds its parameters, optimizer state and buffers (cut them into chunks or
+      pieces, map them to files);
+    * ``input_roles`` / :meth:`provide_role`: graph inputs of other roles it provides (``"param_shard"``);
+    * :meth:`handlers`: schedule actions it runs itself, ``{ActionKind: handler(action, window, index)}``;
+    * :meth:`whole`: whole tensors from what the rank holds, for ``state_dict()`` and checkpoints (a collective
+      where ``collective`` is True: then every rank calls it);
+    * :meth:`after_update`, :meth:`after_load`, :meth:`drain`: after a stage's update, after a checkpoint
+      replaced the state with whole tensors, before results and checkpoints are taken.
+    """
+    input_roles: ClassVar[tuple] = ()
+    collective: ClassVar[bool] = False
 
     def __init__(self, info, rank: int):
         self.info, self.rank = info, rank
@@ -129,6 +143,30 @@ class RankState:
     def take(self, name: str, value, stage: int) -> None:
         """Graph output ``("new_state", "<feature>.<name>")``: the value for the next step."""
         self.tensors[name] = value
+
+    def setup(self, ex) -> None:
+        """Once the executor ``ex`` holds the rank's parameters, optimizer state and buffers."""
+
+    def provide_role(self, ex, role: str, key: str, stage: int, weights: dict):
+        """A graph input of one of ``input_roles``."""
+        raise NotImplementedError(f"{type(self).__name__} lists role {role!r} in input_roles but does not provide it")
+
+    def handlers(self, ex) -> dict:
+        """``{ActionKind: handler(action, window, index)}``: actions this state runs in place of the executor."""
+        return {}
+
+    def whole(self, ex, params: dict, state: dict) -> tuple:
+        """``(params, state)`` per held stage with whole tensors (copies of the dicts may be changed)."""
+        return params, state
+
+    def after_update(self, ex, stage: int) -> None:
+        """After ``stage``'s update wrote new parameters and optimizer state."""
+
+    def after_load(self, ex) -> None:
+        """After a checkpoint load put whole tensors back into the executor."""
+
+    def drain(self, ex) -> None:
+        """Before results, ``state_dict()`` and checkpoints: finish what is in flight (a collective)."""
 
     def save(self) -> dict:
         """This rank's state for a checkpoint (picklable; tensors are copied)."""

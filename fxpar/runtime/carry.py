@@ -122,4 +122,6 @@ class CarryState:
                 self._take(s, role, key, v)
             self._settle(s)
         self.__dict__["carry"] = {}
+        for st in self.features.values():          # the features' own work in flight
+            st.drain(self)
 

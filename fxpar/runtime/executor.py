@@ -199,6 +199,8 @@ class Executor(ShardState, CarryState, TensorParallelState):
         self._rechunk()
         self.offload = p.extra.get("offload") or {}
         self._offload()
+        for st in self.features.values():        # the features' state: chunks, pieces, files, residuals
+            st.setup(self)
         # torch's optimizer: it steps an untraced optimizer; for a traced one it only holds the LR the scheduler
         # moves, so its parameters are empty placeholders (a copy of every weight would cost Ψ per rank)
         self._leaves = {(s, k): torch.nn.Parameter(v.clone() if not spec.traced else v.new_empty(0))
@@ -231,6 +233,8 @@ class Executor(ShardState, CarryState, TensorParallelState):
                          _K.SEND_F: self._send, _K.SEND_B: self._send, _K.RECV_F: self._recv, _K.RECV_B: self._recv,
                          _K.REDUCE_GRAD: self._reduce_grad, _K.STEP: self._step, _K.FULL: self._full,
                          _K.UNSHARD: self._unshard, _K.RESHARD: self._reshard}
+        for st in self.features.values():        # actions a feature's state runs itself
+            self.handlers.update(st.handlers(self))
 
     # ---- running ---------------------------------------------------------------------------------
     def microbatches(self, batch) -> list:
@@ -546,6 +550,9 @@ class Executor(ShardState, CarryState, TensorParallelState):
             return acts[key]
         if role == STATE_ROLE:
             return self._feature_state(key, s)
+        for st in self.features.values():
+            if role in st.input_roles:
+                return st.provide_role(self, role, key, s, weights)
         raise RuntimeError(f"stage {s}: no value for graph input ({role}, {key})")
 
     def _feature_state(self, key, s):

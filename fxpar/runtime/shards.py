@@ -61,7 +61,9 @@ class ShardState:
 
     def _settle(self, s: int) -> None:
         """After an update: a new tensor the graph made for an offloaded one is written into its file (an update
-        made in place already is)."""
+        made in place already is); then the features' own hook."""
+        for st in self.features.values():
+            st.after_update(self, s)
         if self.offload.get("to") != "disk":
             return
         for (st, kind, k), f in self._on_disk.items():
@@ -93,7 +95,10 @@ class ShardState:
                     params[s][k] = self._whole(s, k, self.params[s][k])
                 for name in self.spec.state_names:
                     state[s][f"{name}:{k}"] = self._whole(s, k, self.state[s][f"{name}:{k}"])
-        return self._tp_whole(params, state)       # tensor parallelism: pieces gathered over tp
+        params, state = self._tp_whole(params, state)       # tensor parallelism: pieces gathered over tp
+        for st in self.features.values():                   # the features' own whole tensors
+            params, state = st.whole(self, params, state)
+        return params, state
 
     def _note_state_bytes(self, w, s) -> None:
         """Model-state bytes this rank holds when a step updates (the paper's accounting): parameters, gradient

@@ -110,6 +110,8 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     ex._tp_slice()                        # tensor parallelism: back to this rank's pieces
     ex._rechunk()                         # ZeRO: back to this rank's chunks
     ex._offload()                         # ZeRO-Infinity: back into their files
+    for st in ex.features.values():       # the features' own layout of what was loaded whole
+        st.after_load(ex)
     if need_stash:
         missing = [k for k in held if _STASH + k not in got]
         if missing:
