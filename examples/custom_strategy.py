@@ -145,7 +145,7 @@ class ErrorFeedback(fxpar.Feature):
     def plan(self, strategy, plan, cluster):
         return ErrorFeedbackSection(dtype=strategy.ef_dtype)
 
-    def plan_stage(self, section, plan, stage, captured, cluster):
+    def plan_stage(self, section, plan, stage, captured, cluster, schedule):
         numel = lambda k: int(torch.Size(captured.param_shapes[k]).numel())      # noqa: E731
         while len(section.bucket_numels) <= stage:
             section.bucket_numels.append([])

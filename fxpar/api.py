@@ -102,7 +102,7 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     _plan_buckets(plan, captured, cluster)
     for name, section in plan.features.items():       # the features' decisions that need each stage's graph
         for s, cap in enumerate(captured):
-            get_feature(name).plan_stage(section, plan, s, cap, cluster)
+            get_feature(name).plan_stage(section, plan, s, cap, cluster, sched)
     lowered = lower(captured, plan, sched, cluster, strategy.passes, synchronous=plan.schedule not in ASYNC)
     plan.passes = [h.pass_name for h in lowered[0][2][1:] if not h.pass_name.startswith("split_graphs:")]
     stages = [Stage(s, cap, parts, gm, hist, notes, stage_messages(cap))

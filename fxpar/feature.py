@@ -208,8 +208,10 @@ class Feature:
         """Before capture: return this feature's Plan section (or None to leave it off)."""
         return self.section() if self.section is not None else None
 
-    def plan_stage(self, section, plan, stage: int, captured, cluster) -> None:
-        """After capture, once per stage: decisions that need the stage's joint graph, into ``section``."""
+    def plan_stage(self, section, plan, stage: int, captured, cluster, schedule) -> None:
+        """After capture (and the gradient buckets), once per stage: decisions that need the stage's joint graph
+        (``captured``: its ``fxpar.capture.CapturedStep``) or the schedule (``fxpar.schedule.Schedule``), into
+        ``section``."""
 
     # ---- the mechanism -----------------------------------------------------------------------------
     def make_passes(self, section) -> list:
