@@ -315,7 +315,7 @@ def check_no_read_after_inplace_write(parts: dict) -> None:
                                                                                     "stage)")
                                + ": a tensor handed to another graph must not change once made, or what the "
                                "reader sees depends on the schedule (an in-place op cut across the graphs, as a "
-                               "recurrent cell's sigmoid_, gives wrong gradients); capture the model functionalized")
+                               "recurrent cell's sigmoid_, gives wrong gradients)")
                 else:
                     later = readers(role_in[r], k, later_only=True) if r in role_in else []
                     if later:
