@@ -1,4 +1,4 @@
-"""fxpar ByteScheduler vs torch DDP vs fxpar FIFO buckets over a bandwidth-capped link (issue 11, part 2).
+"""fxpar ByteScheduler vs torch DDP vs fxpar FIFO buckets over a bandwidth-capped link.
 
 Two gloo ranks in two network namespaces joined by a tbf-capped veth pair (benchmarks/netns_link.py; needs
 root and ``ip netns``, otherwise it says what is missing and runs uncapped). The 4-layer GPT of

@@ -1,4 +1,4 @@
-"""fxpar data parallel vs torch DDP over a bandwidth-capped link (issue 11, part 1: the first measurement).
+"""fxpar data parallel vs torch DDP over a bandwidth-capped link.
 
 Two gloo ranks, one in each of two network namespaces joined by a veth pair capped with tbf
 (benchmarks/netns_link.py; needs root and ``ip netns``, otherwise it says what is missing and runs

@@ -1,4 +1,4 @@
-"""What moving gradients over the capped link costs the CPU (issue 11: why overlap gains less on 2 cores).
+"""What moving gradients over the capped link costs the CPU (why overlap gains less on 2 cores).
 
 Two gloo ranks in the netns harness (benchmarks/netns_link.py) all-reduce a buffer back to back at each
 cap; meanwhile the machine's CPU time (``/proc/stat``: user, system, softirq, ... of every core) and each

@@ -1,4 +1,4 @@
-"""Herring, Parallax and BytePS vs flat all-reduce vs torch DDP over a bandwidth-capped link (issue 11, part 3).
+"""Herring, Parallax and BytePS vs flat all-reduce vs torch DDP over a bandwidth-capped link.
 
 Every rank runs in one of two network namespaces joined by a tbf-capped veth pair (benchmarks/netns_link.py;
 needs root and ``ip netns``, otherwise it says what is missing and runs uncapped). One run visits every cap

@@ -1,4 +1,4 @@
-"""What one small collective costs inside a step, and how much that moves from second to second (issue 11).
+"""What one small collective costs inside a step, and how much that moves from second to second.
 
 A step made of a handful of small collectives (Parallax's: the pairs' all-gather, the dense rest's all-reduce,
 ≈ 75 small ops) is predicted by ``Program.estimate()`` from what ``ClusterSpec.calibrate()`` measured a small

@@ -1,6 +1,6 @@
 """fxpar tensor parallelism (tp=2, ``sharding="megatron"`` and ``"auto"``) vs torch DTensor tensor parallelism
 (``parallelize_module`` with ``ColwiseParallel``/``RowwiseParallel``), and a 1-process baseline: step time, same
-model, same batches, same ranks (gloo, CPU), side by side in one run (issue 9, Benchmark).
+model, same batches, same ranks (gloo, CPU), side by side in one run.
 
     python benchmarks/bench_tp_vs_dtensor.py [--d 256] [--layers 4] [--seq 128] [--batch 8] [--steps 8] [--rounds 2]
 

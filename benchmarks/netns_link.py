@@ -1,4 +1,4 @@
-"""A bandwidth-capped link between ranks on this one machine, for benchmarks (issue 11, part 1).
+"""A bandwidth-capped link between ranks on this one machine, for benchmarks.
 
 The harness creates two network namespaces of its own (``fxcap<pid>a`` and ``fxcap<pid>b``), joins them with
 a veth pair that carries loopback-range addresses (127.77.0.1 in A, 127.77.0.2 in B; ``route_localnet=1`` on
@@ -118,8 +118,8 @@ def format_rate(bps: int | None) -> str:
 def tbf_burst_bytes(bps: int) -> int:
     """tbf's bucket: 1 ms of traffic at the rate, at least 64 KiB (one GSO super-packet from the veth). A message up
     to the bucket's size leaves an idle link at the veth's own speed, so the bucket is as small as keeps the rate:
-    with 1 ms the veth measures 1.92 / 0.94 / 0.47 Gbit/s at 2 / 1 / 0.5 Gbit/s (1.94 / 0.96 / 0.48 with the 4 ms
-    used until session 14, which let Parallax's 0.4 MiB of pairs per step cross at 500 Mbit/s in 2 ms instead of 7;
+    with 1 ms the veth measures 1.92 / 0.94 / 0.47 Gbit/s at 2 / 1 / 0.5 Gbit/s (1.94 / 0.96 / 0.48 with a 4 ms
+    bucket, which lets Parallax's 0.4 MiB of pairs per step cross at 500 Mbit/s in 2 ms instead of 7;
     with 64 KiB at every rate, 1.46 / 0.71 Gbit/s at 2 / 1)."""
     return max(bps // 8 // 1000, 64 * 1024)
 

@@ -97,7 +97,7 @@ def insert_broadcast(graph: torch.fx.Graph, x: torch.fx.Node, axis: str, ranks: 
 # rest's all-reduce, a pipeline rank's gathers while another graph's collectives are out, Herring's gathers with
 # several buckets -- that path corrupts the heap now and then: ``malloc(): unaligned tcache chunk
 # detected`` or a segfault, about once in 10-20 thousand steps of two ranks over a veth pair here
-# (docs/benchmarks.md, session 13). The same gather through ``dist.all_gather_single(async_op=True)``
+# (``benchmarks/gloo_gather_stress.py`` reproduces it). The same gather through ``dist.all_gather_single(async_op=True)``
 # (gloo's ``_allgather_base``) ran 100 thousand steps clean, as did the functional all-reduce,
 # reduce-scatter and all-to-all, and the functional gather with nothing beside it. So on a gloo group the runtime
 # runs each gather that is in flight at once with another collective through the latter, its work registered for

@@ -1,4 +1,4 @@
-"""``fxpar::prefetch``: ask the kernel to read a disk-resident tensor ahead of its use (ZeRO-Infinity, issue 10).
+"""``fxpar::prefetch``: ask the kernel to read a disk-resident tensor ahead of its use (ZeRO-Infinity).
 
 ZeRO-Infinity (Rajbhandari et al., SC'21, §6.2 "overlap-centric design") keeps parameters and optimizer state
 on NVMe and hides the read of the next layer's parameters behind the current layer's compute. In fxpar a

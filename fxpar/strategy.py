@@ -25,7 +25,7 @@ class Strategy:
 
     dp, tp, pp: sizes of the data-, tensor- and pipeline-parallel mesh axes; their product must
         equal the ClusterSpec's world size.
-    sharding: with ``tp > 1``, how each operator's tensors are split over the tp ranks (docs/tensor-parallel.md):
+    sharding: with ``tp > 1``, how each operator's tensors are split over the tp ranks (docs/strategies/tensor-parallel.md):
         ``"auto"`` (default: Tofu's search, Wang et al. EuroSys'19, picks every operator's split by the cost
         model; tp a power of two), ``"megatron"`` (column-parallel then row-parallel Linear pairs found in the
         graph, attention split by heads; Shoeybi et al. 2019), ``"annotations"`` (only the model's

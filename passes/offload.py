@@ -1,5 +1,5 @@
 """offload_activations: saved activations leave the device after their last forward use and come back
-just ahead of their backward use (issue 10 part 2; as ZeRO-Offload/ZeRO-Infinity and torch's
+just ahead of their backward use (as ZeRO-Offload/ZeRO-Infinity and torch's
 ``save_on_cpu`` do for activations).
 
 For each forward value that backward reads (an *activation*: not a parameter or something made from

@@ -210,8 +210,8 @@ def check_no_read_after_inplace_write(parts: dict) -> None:
        placeholders (parameters, the batch, received activations, tangents, another graph's saved values:
        tensors the other graphs and the other microbatches also read) or one of its outputs (a saved value,
        gradient, activation or loss a later graph, the next stage or the runtime reads). The reader sees
-       whatever the last-run write left, which depends on the schedule. This is the old road's GRU bug:
-       ``F`` saved ``x`` for ``B`` and then ran ``x.sigmoid_()``. A per-microbatch graph may write in place
+       whatever the last-run write left, which depends on the schedule. A GRU shows it when in-place ops are
+       cut apart: ``F`` saves ``x`` for ``B`` and then runs ``x.sigmoid_()``. A per-microbatch graph may write in place
        only into tensors it made itself and hands to no one.
     2. In a per-step graph, a write to one of its inputs that a graph running later in the step takes too,
        under the same ``(role, key)`` (``REDUCE_GRAD`` reducing its ``("grad", w)`` in place while ``STEP``
@@ -315,8 +315,8 @@ def check_no_read_after_inplace_write(parts: dict) -> None:
                                + (f" and the {', '.join(to)} graph reads" if to else " to the runtime (or the next "
                                                                                     "stage)")
                                + ": a tensor handed to another graph must not change once made, or what the "
-                               "reader sees depends on the schedule (in-place ops across a graph split gave the "
-                               "old road's GRU wrong gradients)")
+                               "reader sees depends on the schedule (an in-place op cut across the graphs, as a "
+                               "recurrent cell's sigmoid_, gives wrong gradients)")
                 else:
                     later = readers(role_in[r], k, later_only=True) if r in role_in else []
                     if later:

@@ -1,4 +1,4 @@
-"""tensor_parallel: split each operator's tensors over the tp mesh axes (issue 9), first on the one road.
+"""tensor_parallel: split each operator's tensors over the tp mesh axes, on each stage's joint graph.
 
 The stage's joint graph (forward, backward, optimizer) is decided and lowered in one go: every
 node's sharding comes from the Plan's mode (``Plan.shardings``) --

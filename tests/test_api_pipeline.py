@@ -1,4 +1,4 @@
-"""fxpar.parallelize with pp > 1 returns a program of pipeline stages (the issue's contract)."""
+"""fxpar.parallelize with pp > 1 returns a program of pipeline stages."""
 import pytest
 import torch
 
@@ -25,8 +25,8 @@ def test_parallelize_pipeline_matches_single_process(clusters, dp, schedule):
 
 
 def test_user_split_points_and_plan():
-    """Split points reach the plan and explain(). A Plan is now accepted for pipelines as for every strategy
-    (issue 7; before the one road ``plan=`` was refused with pp > 1): a round-tripped plan gives the same cut
+    """Split points reach the plan and explain(). A Plan is accepted for pipelines as for every strategy:
+    a round-tripped plan gives the same cut
     and stages, and a plan that does not fit the strategy (a blank one-stage Plan for pp=2) is refused."""
     model = GPT(layers=4)
     x = torch.randint(0, 64, (8, 16))

@@ -1,4 +1,4 @@
-"""A corpus of common mistakes (issue 8 parts 4 and 8). Each must raise a clear fxpar error before any rank
+"""A corpus of common mistakes. Each must raise a clear fxpar error before any rank
 starts, whose message names the user's object (the batch and tensor, the module, the setting, the file)
 AND says what to do. Each case asserts both, as two patterns."""
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""BytePS (issue 11 part 3): k CPU summation servers take a 2(n-1)/(n²+kn-2k) share of every bucket."""
+"""BytePS: k CPU summation servers take a 2(n-1)/(n²+kn-2k) share of every bucket."""
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,4 @@
-"""ByteScheduler as a graph pass (issue 11 part 2): priority, partitions, credit, cross-iteration overlap.
+"""ByteScheduler as a graph pass: priority, partitions, credit, cross-iteration overlap.
 
 Numerics: N gloo ranks with cross-iteration overlap (each bucket's wait and update in the next step) equal
 single-process training in float64 to 1e-10; under dp x pp too (priority, partitions, credit in REDUCE_GRAD, and

@@ -1,4 +1,4 @@
-"""benchmarks/netns_link.py: the capped-link harness of issue 11 (part 1).
+"""benchmarks/netns_link.py: the capped-link harness.
 
 The command construction and clean-up logic are pure functions, tested without root. One short real check
 (two ranks in the two namespaces exchange a tensor over gloo; the namespaces are gone afterwards) runs

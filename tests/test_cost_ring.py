@@ -1,4 +1,4 @@
-"""cost_models.comm across nodes (issue 11): gloo's flat ring hop by hop, Herring's collectives on their links,
+"""cost_models.comm across nodes: gloo's flat ring hop by hop, Herring's collectives on their links,
 BytePS's store-and-forward through its CPU servers -- against hand computations, and in estimate()."""
 import os
 import statistics

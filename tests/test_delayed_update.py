@@ -1,4 +1,4 @@
-"""ZeRO-Offload's one-step delayed parameter update (issue 10 part 4): W(t+1) = W(t) - lr·grad f(W(t-1)),
+"""ZeRO-Offload's one-step delayed parameter update: W(t+1) = W(t) - lr·grad f(W(t-1)),
 checked against a single-process reference of that rule (fxpar.testing.async_reference, PipeDream-2BW's), with
 plain data parallelism and composed with ZeRO stages 1-3 (ZeRO-Offload's layout: the update on each rank's chunks)."""
 from __future__ import annotations

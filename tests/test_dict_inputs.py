@@ -1,4 +1,4 @@
-"""Keyword inputs (issue 8 part 7): ``example_inputs`` as a dict (Hugging Face style ``input_ids=``,
+"""Keyword inputs: ``example_inputs`` as a dict (Hugging Face style ``input_ids=``,
 ``attention_mask=``, ``labels=``), or positional tensors plus a dict; batch dim 0 in every tensor. The model
 is called with the keyword arguments, ``run_local`` batches take the same structure, and training matches
 single-process training under dp, pp and dp x pp."""

@@ -205,7 +205,7 @@ def test_graph_without_a_loss_seed_divides_the_bucket_in_place(clusters):
 
     @graph_pass(name="unseed", before=("data_parallel",))
     def unseed(gm, ctx):
-        # capture seeds backward with full_like(loss, 1/m) (ones_like before the one road); data_parallel
+        # capture seeds backward with full_like(loss, 1/m) (or ones_like); data_parallel
         # recognises both, so the seed is rewritten into a form it does not: new_full(loss, [], c)
         seeds = [n for n in gm.graph.nodes if n.target in (torch.ops.aten.ones_like.default,
                                                             torch.ops.aten.full_like.default)

@@ -65,7 +65,7 @@ def test_kernel_choice_says_why(opt, device, asynchronous, kernel, why):
 
 
 def test_fused_true_is_traced_now():
-    """``fused=True`` used to send the optimizer out of the graph (eager on each rank); it only picks a kernel."""
+    """``fused=True`` keeps the optimizer in the graph (not eager on each rank); it only picks a kernel."""
     spec = resolve_optimizer(ADAMW_FUSED)
     assert spec.traced and not spec.why_not_traced
 

@@ -2,7 +2,7 @@
 
 torch 2.13's functional ``all_gather_into_tensor`` reaches gloo as ``allgather_into_tensor_coalesced``, which
 corrupted the heap about once in 10-20 thousand steps of two ranks over a veth pair when another collective of the
-group was in flight (docs/benchmarks.md, session 13; ``benchmarks/gloo_gather_stress.py`` reproduces it). On a gloo
+group was in flight (``benchmarks/gloo_gather_stress.py`` reproduces it). On a gloo
 group the executor runs each gather in flight beside another collective as ``fxpar::all_gather_into_tensor`` (``dist.all_gather_single`` with
 ``async_op=True``, its work registered for the graph's ``wait_tensor``). Here: the op equals the functional one, with
 and without a collective in flight; the executor's graphs hold it where a gather overlaps another collective and

@@ -1,4 +1,4 @@
-"""Herring (issue 11 part 3): hierarchical, balanced gradient sums on 2 simulated nodes x 2 ranks."""
+"""Herring: hierarchical, balanced gradient sums on 2 simulated nodes x 2 ranks."""
 from __future__ import annotations
 
 import pytest

@@ -1,7 +1,7 @@
 """Hugging Face models (built from tiny configs, no download) capture and train like eager PyTorch.
 
 transformers 5.x asks ``is_tracing(tensor)`` before value-dependent mask shortcuts; under fxpar's
-``make_fx(functionalize(...))`` capture it used to answer False and the capture failed with a
+``make_fx(functionalize(...))`` capture it would answer False and the capture would fail with a
 data-dependent guard error. ``fxpar._tracing.capture_context`` makes it answer True while tracing.
 Also here: what a user can do when the value-dependent check is in library code (nn.Transformer).
 """

@@ -1,4 +1,4 @@
-"""Loss semantics across shards and microbatches (docs/semantics.md, issue 8 part 6).
+"""Loss semantics across shards and microbatches (docs/semantics.md).
 
 The global batch is cut into dp shards x m microbatches. With ``ignore_index`` spread unevenly over
 those pieces, averaging each piece's mean is not single-process training; fxpar's default for a loss

@@ -1,4 +1,4 @@
-"""Measured memory per rank (issue 10): the dispatch-level tracker, ZeRO's state bytes on real ranks, and the
+"""Measured memory per rank: the dispatch-level tracker, ZeRO's state bytes on real ranks, and the
 measured peak against ``program.estimate()``'s prediction.
 
 Tracker: on hand-made ops the peak is exact (views count once, a storage is freed when its last view dies,
@@ -6,7 +6,7 @@ held state counts from the start, a microbatch counts its own slice). Ranks (dp=
 one microbatch): training with the tracker on still matches single-process training; the bytes a rank holds
 when a step starts are the paper's formulas for ZeRO stages 0-3 (Rajbhandari et al. SC'20 §5.1, fp64 weights,
 Adam's two states) plus the rank's microbatch; the measured peak falls from stage 0 to 1 and 3; and for every
-ZeRO stage and recompute policy the measured peak is within 10% of the prediction (the issue's goal), with one
+ZeRO stage and recompute policy the measured peak is within 10% of the prediction (the goal), with one
 microbatch, with two (F, B, REDUCE_GRAD, STEP) and under pp=2 x dp=2 with 4 microbatches (1F1B, and ZB-H1's I/W
 split once); the model in fact holds to 1%, which the tests also check.
 """
@@ -157,7 +157,7 @@ def test_two_microbatches_measured_peak_is_the_predicted_one(clusters, zero, rec
     what the executor holds between graphs -- saved activations until their backward, the gradient accumulator
     from the first backward to the end of the step, REDUCE_GRAD's buffer until STEP and its views after,
     ZeRO-3's gathered parameters from UNSHARD to RESHARD -- each storage once however many views a graph takes
-    of it. The issue's goal is 10%; the model holds to 1% (measured: exact to the byte)."""
+    of it. The goal is 10%; the model holds to 1% (measured: exact to the byte)."""
     prog, res = _run(clusters, zero, recompute, steps=1, microbatches=2)
     assert {"F", "B", "STEP"} <= set(prog.stages[0].graphs) and "FULL" not in prog.stages[0].graphs
     _assert_predicted(prog, res, 0.1, (zero, recompute, "mb=2"))

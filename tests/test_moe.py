@@ -1,4 +1,4 @@
-"""GShard's mixture of experts (issue 9, part 6): ``fxpar.nn.MoE``, experts sharded over a mesh axis.
+"""GShard's mixture of experts : ``fxpar.nn.MoE``, experts sharded over a mesh axis.
 
 * single device, float64, to 1e-10 -- output, l_aux and every gradient:
   - without dropping, the layer equals a per-token loop (each token to its top-2 experts, gate-weighted);

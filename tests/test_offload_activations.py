@@ -1,4 +1,4 @@
-"""Activation offload (issue 10 part 2): what backward reads from forward goes to host memory after its last
+"""Activation offload: what backward reads from forward goes to host memory after its last
 forward use and comes back one backward use ahead; the math is unchanged."""
 from __future__ import annotations
 

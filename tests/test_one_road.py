@@ -1,4 +1,4 @@
-"""One road (issue 7): every strategy is a Plan of stages, one pass list over each stage's joint graph,
+"""One road: every strategy is a Plan of stages, one pass list over each stage's joint graph,
 split into the graphs its schedule calls, run by one executor. These tests check that the road is
 one: a user's pass runs on pipeline stages as on dp programs, gradient sync under dp x pp is the
 bucket pass's collectives, a Plan edited by hand drives a pipeline, every strategy has the same

@@ -1,4 +1,4 @@
-"""Parallax (issue 11 part 3): sparse embedding gradients as (row index, row) pairs, dense ones all-reduced; under
+"""Parallax: sparse embedding gradients as (row index, row) pairs, dense ones all-reduced; under
 plain SGD the pairs update the touched rows directly, under other optimizers they are summed into a dense gradient."""
 from __future__ import annotations
 

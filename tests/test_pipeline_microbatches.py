@@ -1,4 +1,4 @@
-"""m = 8 microbatches (issue 4): every synchronous schedule at pp=2 and pp=4, on the tied GPT and on the
+"""m = 8 microbatches: every synchronous schedule at pp=2 and pp=4, on the tied GPT and on the
 skip-connection model, reproduces single-process training (float64, 1e-10); and the activation memory the
 ranks measured per stage -- the most microbatches whose saved tensors were alive at once, and the bytes
 those tensors held -- equals the simulator's ``peak_activations``, the papers' counts (GPipe: m on every

@@ -266,10 +266,9 @@ def test_history_and_collectives_of_a_pipeline_rank():
     assert [(c.kind, c.ranks, c.nbytes) for c in comms[:4]] == \
         [("send", (1, 3), act), ("send", (1, 3), act), ("recv", (3, 1), act), ("send", (1, 3), act)]
     assert sum(c.kind == "send" for c in comms) == 4 and sum(c.kind == "recv" for c in comms) == 4
-    # Gradient sync is now the bucket pass's collectives in REDUCE_GRAD, one per bucket of stage 0, in the plan's
-    # order. Before the one road it was an eager dp all_reduce of all of stage 0 (wte included) over (0, 1), then
-    # one of wte over the pipeline ranks holding it, (1, 3). Now the tied wte gradient is summed once, over every
-    # rank holding a stage that uses it (both stages x both replicas), and the dp buckets leave it out.
+    # Gradient sync is the bucket pass's collectives in REDUCE_GRAD, one per bucket of stage 0, in the plan's
+    # order. The tied wte gradient is summed once, over every rank holding a stage that uses it (both stages x
+    # both replicas), and the dp buckets leave it out.
     nbytes = lambda k: prog._params[k].numel() * 8   # noqa: E731
     stage0 = sum(nbytes(k) for k in prog.stages[0].param_keys)
     wte = 32 * 16 * 8

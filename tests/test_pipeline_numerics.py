@@ -135,9 +135,7 @@ def test_stage_step_runs_in_place_bitwise():
     weights *are* the old buffers) and is bitwise equal to the functional update (the optimizer's traced
     foreach step, ``OptimizerSpec.step_all``, run eagerly on the same values). AdamW with ``fused=False``: its
     list ops run in place (the default, one fused call per update, is tests/test_fuse_optimizer.py's).
-
-    (Before the one road this checked ``passes.reinplace.reinplace_step_graph`` on the separate step graph
-    of ``fxpar.pipeline.autodiff.trace_step``; both are gone: the step is part of each stage's joint graph.)"""
+    The step is part of each stage's joint graph."""
     from fxpar.optim import resolve_optimizer
     for opt in [(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": False}),
                 (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True})]:

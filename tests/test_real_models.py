@@ -1,4 +1,4 @@
-"""Real models end to end (issue 8): Hugging Face GPT-2, Llama, BERT (masked LM) and T5, built from tiny
+"""Real models end to end: Hugging Face GPT-2, Llama, BERT (masked LM) and T5, built from tiny
 configs (no download, float64, dropout off), trained by fxpar under dp=2, pp=2 (1f1b and gpipe) and
 dp=2 x pp=2, against single-process training of the same model on the same global batches: losses
 and every parameter to 1e-10 (they meet ~1e-14).
@@ -11,7 +11,7 @@ balance the stages to within one block's FLOPs. A cut forced before ``lm_head`` 
 
 Loss weights: every row of these batches counts the same number of label positions
 (``fxpar.testing.hf.hf_batch``), so the mean of per-shard means is the global mean; uneven
-``ignore_index`` counts are another test's subject (issue 8, part 6).
+``ignore_index`` counts are another test's subject (tests/test_loss_semantics.py).
 """
 from __future__ import annotations
 

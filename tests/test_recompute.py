@@ -1,4 +1,4 @@
-"""Activation checkpointing (issue 10, part 1): ``passes/recompute.py`` on the one road.
+"""Activation checkpointing : ``passes/recompute.py`` on every stage's joint graph.
 
 Numerics: every policy trains as single-process training (float64, 1e-10) alone (one stage: dp=2, and two
 microbatches) and with pp=2; with dropout, recompute is bit for bit the program without it (masks are saved,

@@ -1,4 +1,4 @@
-"""Checkpoint and resume (issue 7): training 6 steps equals training 3, saving, resuming and training 3
+"""Checkpoint and resume: training 6 steps equals training 3, saving, resuming and training 3
 more, bitwise; a checkpoint taken under one strategy loads under another and in plain PyTorch; a
 half-written checkpoint is refused and the previous one stays intact."""
 from __future__ import annotations

@@ -1,10 +1,9 @@
 """Recurrent models under every pipeline schedule, and the check that keeps in-place ops from crossing a split.
 
-The old pipeline road trained ``nn.GRU`` with wrong gradients (per-gradient relative error ~1, even on
-one stage): its stage graphs held the in-place ops of the recurrent cells' decompositions (``sigmoid_``,
-``tanh_``, ``add_``), and once the joint graph was cut into forward and backward graphs a backward read
-tensors a forward had changed after saving them. The one road captures under functionalization, so no
-graph holds an in-place op from the model; here GRU, LSTM and RNN stacks train under gpipe, 1f1b,
+A stage graph that held the in-place ops of the recurrent cells' decompositions (``sigmoid_``, ``tanh_``,
+``add_``) would give ``nn.GRU`` wrong gradients (per-gradient relative error ~1, even on one stage): once the
+joint graph is cut into forward and backward graphs, a backward reads tensors a forward changed after saving
+them. Capture runs under functionalization, so no graph holds an in-place op from the model; here GRU, LSTM and RNN stacks train under gpipe, 1f1b,
 interleaved, zb1p and chimera (pp=2) and with gradient accumulation (pp=1, microbatches=2), equal to
 single-process training to 1e-10 (they meet ~1e-15), and no per-microbatch graph holds an in-place op.
 

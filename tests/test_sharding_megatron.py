@@ -1,4 +1,4 @@
-"""Operator partitioning (issue 9), graph level: Megatron's tensor parallelism from layouts alone.
+"""Operator partitioning, graph level: Megatron's tensor parallelism from layouts alone.
 
 Layouts (Mesh-TensorFlow style) split the column-parallel weights (q, k, v, fc1) by rows and the
 row-parallel ones (o, fc2) by columns; propagation (GShard) decides every other node of the joint

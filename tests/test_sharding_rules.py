@@ -1,4 +1,4 @@
-"""The sharding-rule table (issue 9, part 2) on the joint steps of every test model.
+"""The sharding-rule table on the joint steps of every test model.
 
 * coverage: every op of the captured training step (forward, backward, traced optimizer) of the tied
   GPT, the MLP, the CNN and Hugging Face GPT-2, Llama, BERT and T5 has a rule, or is in the documented
@@ -189,7 +189,7 @@ def test_redistribution_bytes_are_ring_closed_forms(n):
     assert redistribute_bytes(0, 0, L, n) == 0
 
 
-# --- candidates exact only as another local computation (issue 9 part 7: the vocabulary-parallel embedding) ---
+# --- candidates exact only as another local computation (the vocabulary-parallel embedding) ---
 
 _LOCAL_RUNS = []
 

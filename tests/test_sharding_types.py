@@ -1,4 +1,4 @@
-"""Sharding type, ``fxpar.shard`` annotations and propagation's errors (issue 9, parts 1 and 4)."""
+"""Sharding type, ``fxpar.shard`` annotations and propagation's errors."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Tensor parallelism on the one road (issue 9): ``Strategy(tp=, sharding=...)`` through fxpar.parallelize.
+"""Tensor parallelism: ``Strategy(tp=, sharding=...)`` through fxpar.parallelize.
 
 Numerics: tp ranks (and dp x tp, tp x pp, dp x tp x pp) reproduce single-process training of the same model on
 the same global batch (float64, 1e-10) for every sharding mode: Tofu's search (``auto``), the Megatron preset,

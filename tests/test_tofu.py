@@ -1,4 +1,4 @@
-"""Tofu's search (issue 9 part 5): exact per level, at least as good as Megatron, and it lowers and runs.
+"""Tofu's search: exact per level, at least as good as Megatron, and it lowers and runs.
 
 * exactness: the DP (variable elimination) equals brute force -- every combination of every node's
   legal layouts -- on random problems and on a 2-layer MLP's graph, under the same cost model; its

@@ -1,4 +1,4 @@
-"""Parameters the loss never reaches (issue 8 part 5): torch.optim skips a parameter whose ``.grad`` is None
+"""Parameters the loss never reaches: torch.optim skips a parameter whose ``.grad`` is None
 -- no weight decay, no momentum, no optimizer state -- and so must every fxpar strategy. They stay in
 ``state_dict()`` (so ``load_state_dict(strict=True)`` works) and in checkpoints, unchanged.
 

@@ -1,4 +1,4 @@
-"""Megatron's vocabulary-parallel embedding under a tied LM head (issue 9 part 7; Shoeybi et al. 2019, §3).
+"""Megatron's vocabulary-parallel embedding under a tied LM head (Shoeybi et al. 2019, §3).
 
 The tied GPT's ``wte.weight`` (also ``head.weight``) split over the vocabulary: each rank holds V/tp rows,
 looks up the indices it holds (``fxpar.vocab_embedding``: a partial sum, one all_reduce of b·s·h

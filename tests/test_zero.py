@@ -1,4 +1,4 @@
-"""ZeRO-1/2/3 (issue 10 part 3): the ``zero`` pass on the one road.
+"""ZeRO-1/2/3: the ``zero`` pass on every stage's joint graph.
 
 Numerics: dp ranks with ZeRO reproduce single-process training (float64, 1e-10) on the tied GPT and an
 MLP, with SGD-momentum and AdamW, at dp=2 and 4, with gradient accumulation, under pp=2 x dp=2, and with

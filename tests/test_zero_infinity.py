@@ -1,4 +1,4 @@
-"""ZeRO-Infinity (issue 10 part 5): parameters and optimizer state in memory-mapped files under ``offload_dir``,
+"""ZeRO-Infinity: parameters and optimizer state in memory-mapped files under ``offload_dir``,
 and memory-centric tiling (``fxpar.nn.TiledLinear``)."""
 from __future__ import annotations
 

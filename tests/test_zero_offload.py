@@ -1,4 +1,4 @@
-"""ZeRO-Offload (issue 10 part 4): the ``zero_offload`` pass (passes/zero_offload.py) after ``zero``.
+"""ZeRO-Offload: the ``zero_offload`` pass (passes/zero_offload.py) after ``zero``.
 
 Numerics: ``Strategy(dp=N, zero=1|2, offload=("optimizer",))`` trains like one process (float64, 1e-10) at dp=2
 and dp=4, and with ``delayed_update=True`` follows the one-step delayed update rule. Structure: per bucket one
