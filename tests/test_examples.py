@@ -67,3 +67,11 @@ def test_tensor_parallel_example_splits_and_matches_pytorch():
     for _, n_split, comm, dloss, dparam in rows:
         assert int(n_split) > 0 and float(dloss) < 1e-10 and float(dparam) < 1e-10
     assert "forward all_reduce" in rows[0][2]          # the Megatron preset's row-parallel all-reduce
+
+
+def test_custom_strategy_example_matches_its_reference():
+    text = _run("examples/custom_strategy.py")
+    assert "ef16:" in text and "error_feedback_sum" in text
+    got = [float(x) for x in re.search(r"losses    : \[(.*)\]", text).group(1).split(",")]
+    ref = [float(x) for x in re.search(r"reference : \[(.*)\]", text).group(1).split(",")]
+    assert len(got) == 4 and got == ref
