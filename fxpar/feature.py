@@ -41,6 +41,7 @@ import torch.fx
 
 from . import meta as M
 from .errors import StrategyError
+from .roles import Role
 
 __all__ = ["Feature", "Option", "Slot", "PlanSection", "RankState", "register_feature", "registered_features",
            "unregister_feature", "get_feature", "enabled_features", "check_strategy", "section_from_dict", "option_owner", "option_defaults",
@@ -49,8 +50,8 @@ __all__ = ["Feature", "Option", "Slot", "PlanSection", "RankState", "register_fe
 
 # The graph roles of a feature's per-rank state: an input ("state", "<feature>.<name>") the rank's RankState
 # provides, and an output ("new_state", "<feature>.<name>") it takes back after the graph ran.
-STATE_ROLE = "state"
-NEW_STATE_ROLE = "new_state"
+STATE_ROLE = Role.STATE
+NEW_STATE_ROLE = Role.NEW_STATE
 
 # The package whose modules register fxpar's own features, imported the first time the registry is read (a
 # plug-in discovery by name, as entry points do: the floor never imports the features' layer itself).
