@@ -420,7 +420,7 @@ def main():
                     help="timed steps per round of the Parallax section (its steps take milliseconds: the median of "
                          "a few is noise)")
     ap.add_argument("--pin", action="store_true",
-                    help="pin every rank to its own cores (cost_models.calibrate.rank_cores), in the calibration too")
+                    help="pin every rank to its own cores (fxpar.tools.calibrate.rank_cores), in the calibration too")
     ap.add_argument("--comm-priority", action="store_true",
                     help="every rank's gloo threads under SCHED_FIFO (ClusterSpec.comm_priority), torch DDP's too, in "
                          "the calibration too")

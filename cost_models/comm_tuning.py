@@ -29,7 +29,7 @@ group: gloo and NCCL run one group's collectives in order). In-flight bytes (iss
 never exceed the credit, by construction. The predicted step time is forward + backward (+ the optimizer) + the
 compute lane's time beyond them: its stalls, and each piece's CPU (its issue, ``DeviceSpec.collective_issue_s``, and
 where the ranks fill the cores what its transfer takes from the compute it overlaps, ``comm_cpu_s`` +
-``comm_cpu_per_byte`` × its bytes, measured by ``cost_models.calibrate``), paid on the lane from the issue beside the
+``comm_cpu_per_byte`` × its bytes, measured by ``fxpar.tools.calibrate``), paid on the lane from the issue beside the
 transfer, so hidden where the rank waits for the piece anyway. That CPU also keeps the tuner from cutting more pieces
 than they are worth, and on full cores from overlapping a fast link's transfer at all.
 """

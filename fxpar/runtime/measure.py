@@ -38,7 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..collectives import gloo_all_gather_into_tensor
 
-__all__ = ["CommCounter", "MemoryTracker", "action_overhead_s"]
+__all__ = ["CommCounter", "MemoryTracker"]
 
 _KINDS = {
     "all_reduce": "all_reduce", "all_reduce_coalesced": "all_reduce", "broadcast": "broadcast",
@@ -129,44 +129,3 @@ class MemoryTracker(TorchDispatchMode):
             fin.detach()
         self._live.clear()
         return super().__exit__(*exc)
-
-
-def action_overhead_s(threads: int = 1, steps: int = 600) -> float:
-    """Seconds fxpar's runtime costs per graph it calls, beyond the graph itself: the median ``Executor.step``
-    of a one-rank program whose step is one graph (a 4x2 linear layer, MSE, SGD), less the median time inside
-    that graph -- cutting the batch, assembling the arguments, reading the results, the step's bookkeeping.
-    ``ClusterSpec.calibrate`` divides it by one tiny op's cost measured alike (``cost_models.calibrate.op_overhead``)
-    and multiplies by the per-op cost it measured with every rank running, so that it slows as dispatch does where
-    ranks share cores (``DeviceSpec.action_overhead_s``). About 15 ops (50 µs) on a 2-core machine."""
-    import statistics
-    import time
-
-    import torch.nn.functional as F
-
-    from ..api import parallelize
-    from ..cluster import ClusterSpec
-    from .executor import Executor
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        model, g = torch.nn.Linear(4, 2), torch.Generator().manual_seed(0)
-        batch = (torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g))
-        # host_memory_reuse=False: this Executor runs in the caller's process, whose allocator is not ours to set
-        prog = parallelize(model, ClusterSpec.local(1, host_memory_reuse=False), batch, loss_fn=F.mse_loss,
-                           optimizer=(torch.optim.SGD, {"lr": 1e-3}))
-        ex, inside = Executor(prog.payload(0, n_batches=steps)), []
-        for parts in ex.p.graphs.values():
-            for sg in parts.values():
-                def timed(*args, _gm=sg.gm):
-                    t = time.perf_counter()
-                    out = _gm(*args)
-                    inside.append(time.perf_counter() - t)
-                    return out
-                sg.gm = timed
-        b = prog._prepare(batch, "batch")
-        for _ in range(steps):
-            ex.step(b)
-        half = steps // 2                       # the second half: warm
-        return max(0.0, statistics.median(ex.step_times[half:]) - statistics.median(inside[half:]))
-    finally:
-        torch.set_num_threads(before)
