@@ -38,10 +38,11 @@ import torch
 
 from fxpar import meta as M
 
+from .graph_utils import OWNED_ROLES, is_alias, last_read
+
 __all__ = ["AdamChain", "find_adam_chains", "fuse_adam", "fused_chain_times"]
 
 aten = torch.ops.aten
-_OWNED_ROLES = ("param", "opt_state")
 
 
 @dataclass
@@ -181,8 +182,7 @@ def find_adam_chains(gm, cfg: dict) -> list:
 
 def _dead_view(n) -> bool:
     """A view nobody reads, through views (capture leaves a dead ``detach`` per optimizer result)."""
-    from .reinplace import _is_alias
-    return _is_alias(n) and all(_dead_view(u) for u in n.users)
+    return is_alias(n) and all(_dead_view(u) for u in n.users)
 
 
 def _erase_dead_views(g, n) -> None:
@@ -204,7 +204,6 @@ def _copied(c: AdamChain, pos: dict, out_node) -> dict:
     update a chunk the runtime cuts out of the whole parameter), not contiguous (:func:`_contiguous`), returned as
     is, read (or a view of it read) after the update, or listed twice. Positions count over params + exp_avgs +
     exp_avg_sqs."""
-    from .reinplace import _last_read
     chain = set(c.ops)
     at = pos[c.last]
     nodes = list(pos)
@@ -212,7 +211,7 @@ def _copied(c: AdamChain, pos: dict, out_node) -> dict:
     returned = set(out_node.args[0]) if isinstance(out_node.args[0], (list, tuple)) else {out_node.args[0]}
     out, seen = {}, set(c.grads)
     for i, x in enumerate(bufs):
-        if not (isinstance(x, torch.fx.Node) and x.op == "placeholder" and M.get(x, M.ROLE) in _OWNED_ROLES):
+        if not (isinstance(x, torch.fx.Node) and x.op == "placeholder" and M.get(x, M.ROLE) in OWNED_ROLES):
             out[i] = "not a parameter or optimizer-state input"
         elif not _contiguous(x):
             out[i] = "not contiguous"
@@ -221,7 +220,7 @@ def _copied(c: AdamChain, pos: dict, out_node) -> dict:
         elif x in seen:
             out[i] = "listed twice"
         else:
-            last = _last_read(x, pos, chain)
+            last = last_read(x, pos, chain)
             if last > at:
                 out[i] = f"{nodes[last].name} reads it after the update"
         seen.add(x)
