@@ -57,7 +57,7 @@ class BucketGradients(Pass):
     def run(self, gm, ctx: PassContext) -> PassResult:
         buckets = ctx.plan.buckets[ctx.stage] if ctx.plan.buckets else []
         groups = ctx.plan.grad_groups[ctx.stage] if ctx.plan.grad_groups else {}
-        from fxpar.zero import zero_keys
+        from fxpar.zero_layout import zero_keys
         sharded = set(zero_keys(ctx.plan, ctx.stage))        # passes.zero reduce-scatters these buckets instead
         buckets = [b for b in buckets if not sharded.intersection(b)]
         dp = ctx.mesh.axis_size("dp")

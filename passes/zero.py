@@ -1,7 +1,7 @@
 """ZeRO-1/2/3 (Rajbhandari et al., SC'20) as one pass over a stage's joint graph.
 
-Each parameter whose gradient is summed over dp (``fxpar.zero.zero_keys``) is cut into dp chunks
-(``fxpar.zero``: flattened, zero-padded to a multiple of dp; rank i owns chunk i). The pass:
+Each parameter whose gradient is summed over dp (``fxpar.zero_layout.zero_keys``) is cut into dp chunks
+(``fxpar.zero_layout``: flattened, zero-padded to a multiple of dp; rank i owns chunk i). The pass:
 
 1. replaces ``data_parallel``'s per-gradient ``all_reduce`` by one ``reduce_scatter`` per bucket of
    ``Plan.buckets``: every gradient of the bucket is copied into an interleaved buffer ``[dp, C]``
@@ -41,7 +41,7 @@ import torch
 from fxpar import meta as M
 from fxpar.collectives import C10D, group_tag
 from fxpar.pass_manager import Pass, PassContext, PassResult
-from fxpar.zero import chunk_numel, zero_keys
+from fxpar.zero_layout import chunk_numel, zero_keys
 
 from .graph_utils import grad_sync_chains, one_collective_in_flight
 

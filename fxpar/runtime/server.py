@@ -14,7 +14,7 @@ under torchrun ``program.runner()`` on a server rank is a :class:`fxpar.runner.S
 ``step(batch)`` serves one step (:func:`serve_step`, the loop's body), so no stop is sent: every rank calls
 ``step`` as often. A server holds no state: checkpoints are the workers' alone, written over their ``dp`` group
 (:mod:`fxpar.runtime.state`), the same files as without servers. The server counts what it receives and sends
-per step (``RunResult.servers``), the measured side of ``cost_models.byteps.bytes_per_server``::
+per step (``RunResult.servers``), the measured side of ``cost_models.byteps_traffic.bytes_per_server``::
 
     worker 0 ── push P ──▶ ┌────────────┐ ── sum P ──▶ worker 0
     worker 1 ── push P ──▶ │ server j:  │ ── sum P ──▶ worker 1
