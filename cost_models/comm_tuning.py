@@ -38,6 +38,10 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+from fxpar import meta as M
+
+from .compute import graph_compute
+
 __all__ = ["BucketTiming", "SimResult", "simulate", "tune"]
 
 _NEAR = 0.02      # tuning: settings predicted within 2% of the best count as equally good
@@ -243,8 +247,6 @@ def stage_timings(gm, signature, device, backward: list | None = None, times: di
     forward). The times place the events of :func:`simulate`; the node order is the order the step runs, or with
     ``backward`` (``passes.grad_order.reordered_backward``) backward's nodes run in that order. ``times``: the
     per-node seconds, when already computed."""
-    from fxpar import meta as M
-    from .compute import graph_compute
     times = times if times is not None else graph_compute(gm, device).times
     key_of = {ph: k for ph, (r, k) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs) if r == "param"}
     clock = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}

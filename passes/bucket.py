@@ -36,6 +36,7 @@ from fxpar.collectives import insert_all_reduce
 from fxpar.pass_manager import Pass, PassContext, PassResult
 
 from .graph_utils import grad_sync_chains
+from fxpar.zero_layout import zero_keys
 
 __all__ = ["BucketGradients"]
 
@@ -57,7 +58,6 @@ class BucketGradients(Pass):
     def run(self, gm, ctx: PassContext) -> PassResult:
         buckets = ctx.plan.buckets[ctx.stage] if ctx.plan.buckets else []
         groups = ctx.plan.grad_groups[ctx.stage] if ctx.plan.grad_groups else {}
-        from fxpar.zero_layout import zero_keys
         sharded = set(zero_keys(ctx.plan, ctx.stage))        # passes.zero reduce-scatters these buckets instead
         buckets = [b for b in buckets if not sharded.intersection(b)]
         dp = ctx.mesh.axis_size("dp")

@@ -38,6 +38,7 @@ import torch
 from fxpar import meta as M
 from fxpar.collectives import C10D, group_tag
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from cost_models.byteps_traffic import split_bucket
 
 __all__ = ["ServerSum", "server_group"]
 
@@ -113,7 +114,6 @@ class ServerSum(Pass):
     requires = ("bucket",)
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        from cost_models.byteps_traffic import split_bucket       # the partition sizes: whole elements of the share
         gs = ctx.plan.grad_sync or {}
         if gs.get("method") != "byteps" or not gs.get("servers"):
             return PassResult(gm, False)

@@ -39,6 +39,7 @@ import torch
 from fxpar import meta as M
 
 from .graph_utils import OWNED_ROLES, is_alias, last_read
+from cost_models.compute import OpCost, fused_adam_cost, node_time
 
 __all__ = ["AdamChain", "find_adam_chains", "fuse_adam", "fused_chain_times"]
 
@@ -315,7 +316,6 @@ def fused_chain_times(gm, times: dict, device, cfg: dict) -> dict:
     """``times`` (``cost_models.compute.graph_compute(gm).times``) as the program will run where it fuses: each
     chain's list ops cost one fused call (``cost_models.compute``'s rule for ``_fused_adamw_``), booked on its last
     op. For planning on the captured (functional) graph before the passes fuse it."""
-    from cost_models.compute import OpCost, fused_adam_cost, node_time
     times = dict(times)
     for c in find_adam_chains(gm, cfg):
         vals = [x.meta.get("val") for x in c.params]

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .executor import comm_priority, group, train
+from ..host import reuse_freed_memory
 
 __all__ = ["ServerPayload", "server_payloads", "stop_messages", "join_groups", "serve_step", "serve_sums",
            "run_rank"]
@@ -78,7 +79,6 @@ def join_groups(p: ServerPayload):
     """Create every group of the program, in the workers' order (a process group is made by all ranks); returns
     this server's group."""
     if p.extra.get("host_memory_reuse", True):     # ClusterSpec.host_memory_reuse, as the workers' Executor does
-        from ..host import reuse_freed_memory
         reuse_freed_memory()
     for name, ranks in p.groups:
         group(ranks, name)
