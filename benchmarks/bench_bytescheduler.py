@@ -74,7 +74,7 @@ def main():
     ap.add_argument("--sweep-mb", default="1,5")
     ap.add_argument("--orders", default="natural", help="forced grad_order cells besides the tuned one: natural,priority")
     ap.add_argument("--pin", action="store_true",
-                    help="pin every rank to its own cores (cost_models.calibrate.rank_cores), in the calibration too")
+                    help="pin every rank to its own cores (fxpar.tools.calibrate.rank_cores), in the calibration too")
     ap.add_argument("--comm-priority", action="store_true",
                     help="every rank's gloo threads under SCHED_FIFO (ClusterSpec.comm_priority), torch DDP's too, in "
                          "the calibration too")

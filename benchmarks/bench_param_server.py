@@ -27,7 +27,7 @@ read from the veth's counters (``/proc/net/dev`` inside namespace A, rank 0; bot
 included; every step, warm-up ones too, over the number of steps). Predicted: ``Program.estimate()`` of the program
 that runs, on ``ClusterSpec.calibrate()`` (this machine's compute and loopback) as 2 nodes -- the namespaces --
 whose ``inter_node`` link is the veth as ``netns_link.calibrate_link`` measures it at each cap before the run; the link's bytes from each method's traffic formula; for BytePS also the closed
-form of ``cost_models.byteps.predict`` (communication alone).
+form of ``cost_models.byteps_traffic.predict`` (communication alone).
 
     python benchmarks/bench_param_server.py [--rates none,2gbit,1gbit,500mbit] [--steps 4] [--warmup 2] [--rounds 2]
         [--only herring,byteps4,byteps,parallax] [--bucket-mb MB] [--bag-steps 30] [--bag-warmup 12] [--threads T] [--pin]
@@ -50,7 +50,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import fxpar  # noqa: E402
-from cost_models import byteps as B  # noqa: E402
+from cost_models import byteps_traffic as B  # noqa: E402
 from fxpar.cluster import LinkSpec  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
 from bench_capped_link import ddp_steps  # noqa: E402
@@ -387,7 +387,7 @@ def report(sections, res, link_meas, args, closed):
                       + f" | {mib:13.2f} | {formula.get(nm, float('nan')) / 2**20:7.2f} | "
                       f"{rel('fxpar allreduce'):>10} | {rel('DDP 25MB'):>5}")
     for n, per_rate in closed.items():
-        print(f"\nBytePS closed form, n={n} workers, k=1 (cost_models.byteps.predict; communication alone, no overlap):")
+        print(f"\nBytePS closed form, n={n} workers, k=1 (cost_models.byteps_traffic.predict; communication alone, no overlap):")
         for bps, c in per_rate.items():
             print(f"  {format_rate(bps):>8}: byteps {c['time_s'] * 1e3:7.1f} ms vs ring all-reduce "
                   f"{c['allreduce_time_s'] * 1e3:7.1f} ms (gain {c['gain']:.2f}; per worker "
@@ -420,7 +420,7 @@ def main():
                     help="timed steps per round of the Parallax section (its steps take milliseconds: the median of "
                          "a few is noise)")
     ap.add_argument("--pin", action="store_true",
-                    help="pin every rank to its own cores (cost_models.calibrate.rank_cores), in the calibration too")
+                    help="pin every rank to its own cores (fxpar.tools.calibrate.rank_cores), in the calibration too")
     ap.add_argument("--comm-priority", action="store_true",
                     help="every rank's gloo threads under SCHED_FIFO (ClusterSpec.comm_priority), torch DDP's too, in "
                          "the calibration too")

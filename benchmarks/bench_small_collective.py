@@ -4,7 +4,7 @@ A step made of a handful of small collectives (Parallax's: the pairs' all-gather
 ≈ 75 small ops) is predicted by ``Program.estimate()`` from what ``ClusterSpec.calibrate()`` measured a small
 collective to cost. This measures that cost several times in one pair of processes, a few seconds apart, four
 ways, on 2 gloo ranks over loopback (1 KiB functional all-reduces; ``_STEP_OPS`` tiny adds as the step's other
-work, as ``cost_models.calibrate._measure_in_step`` does):
+work, as ``fxpar.tools.probes._measure_in_step`` does):
 
 - ``blocking``: all-reduces back to back, gloo's threads' CPU per collective (``_measure_comm_cpu``, what
   ``DeviceSpec.comm_cpu_s`` is set from), and its per-MiB figure;
@@ -33,7 +33,7 @@ def _hidden(ops, name, compute_s: float, reps: int = 3, rounds: int = 40) -> lis
     import torch
     import torch.distributed as dist
 
-    from cost_models import calibrate as C
+    from fxpar.tools import probes as C
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     dist.barrier()
     t0 = time.perf_counter()
@@ -72,7 +72,7 @@ def _worker(rank, port, reps, rounds, comm_priority, compute_ms, queue):
     import torch
     import torch.distributed as dist
 
-    from cost_models import calibrate as C
+    from fxpar.tools import probes as C
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -134,7 +134,7 @@ def main():
     args = ap.parse_args()
     import torch.multiprocessing as mp
 
-    from cost_models.calibrate import free_port
+    from fxpar.tools.calibrate import free_port
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     print(f"load average at start: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}; {os.cpu_count()} cores; "

@@ -369,8 +369,8 @@ class CappedLink:
 def _worker(rank: int, world: int, ns: str | None, ifname: str | None, master: str, port: int, conn,
             threads: int, timeout_s: float, pin: bool = False, comm_priority: bool = False) -> None:
     try:
-        if pin:                                          # its own cores (cost_models.calibrate.rank_cores)
-            from cost_models.calibrate import pin_rank
+        if pin:                                          # its own cores (fxpar.tools.calibrate.rank_cores)
+            from fxpar.tools.calibrate import pin_rank
             pin_rank(rank, world)
         if ns is not None:
             enter_namespace(ns)                          # before any socket exists
@@ -400,7 +400,7 @@ class NetnsCluster:
     of the default namespace when the link is not active). ``run(fn, per_rank_args)`` calls ``fn(*args)`` on
     every rank and returns the results in rank order; a rank that raises or dies stops every rank and
     raises RuntimeError with its traceback. ``pin``: each rank pinned to its own cores
-    (``cost_models.calibrate.rank_cores``; on 2 cores an unpinned step of a few ms moves by 2x from run to run,
+    (``fxpar.tools.calibrate.rank_cores``; on 2 cores an unpinned step of a few ms moves by 2x from run to run,
     a pinned one by 5%), torch DDP's ranks and fxpar's alike; plan such runs on ``ClusterSpec.calibrate(pin=True)``.
     ``comm_priority``: every rank's gloo threads under SCHED_FIFO (``fxpar.host.raise_comm_threads``),
     torch DDP's and fxpar's alike (fxpar's later groups: ``ClusterSpec(comm_priority=True)``)."""
@@ -503,7 +503,7 @@ class NetnsCluster:
 def calibrate_link(rates, threads: int | None = None, sizes=None, reps: int = 5, in_step_seconds: float = 1.0,
                    pin: bool = False, comm_priority: bool = False, raw: dict | None = None) -> dict:
     """``{bps: LinkSpec}``: the veth measured at each rate (None: uncapped) by 2 ranks, one in each namespace,
-    with ``cost_models.calibrate.measure_link`` and ``link_spec`` -- the same figures ``ClusterSpec.calibrate()``
+    with ``fxpar.tools.probes.measure_link`` and ``link_spec`` -- the same figures ``ClusterSpec.calibrate()``
     takes on ``lo`` (the bandwidth from a fit over all_reduce sizes, α from small collectives back to back), so
     a benchmark predicts each cap with what the ranks will cross, not the loopback. A tbf cap adds no latency
     (and this kernel has no netem), so α is one figure: the median of the rates' measurements (on 2 cores one
@@ -511,7 +511,8 @@ def calibrate_link(rates, threads: int | None = None, sizes=None, reps: int = 5,
     dict that receives each rate's figures (``measure_link``'s, rank 0's), for :func:`at_cap`."""
     import statistics
     from dataclasses import replace
-    from cost_models.calibrate import _SIZES, link_spec, measure_link
+    from fxpar.tools.calibrate import link_spec
+    from fxpar.tools.probes import SIZES as _SIZES, measure_link
     out = {}
     with CappedLink(verbose=False) as link:
         if not link.active:
@@ -535,7 +536,7 @@ def at_cap(spec, raw: dict | None, ranks: int = 2):
     or ``spec`` runs another number of processes (its workers and CPU servers) on these cores than measured it:
     what a byte costs each rank's compute depends on how many share the cores (``spec`` keeps its own calibration)."""
     from dataclasses import replace
-    from cost_models.calibrate import overlap_per_byte
+    from fxpar.tools.calibrate import overlap_per_byte
     if not raw or not spec.device.comm_cpu_per_byte or spec.world_size + spec.cpu_servers != ranks:
         return spec
     return replace(spec, device=replace(spec.device, comm_cpu_per_byte=overlap_per_byte(raw)))

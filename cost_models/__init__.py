@@ -1,6 +1,6 @@
 """Cost models of fxpar: compute (FLOPs/bytes per aten op, roofline), comm (α–β per collective
 algorithm and link), memory (liveness and closed forms), simulate (per-rank compute/comm lanes),
-sequence (a rank's step as a list of graphs and messages), calibrate (measure this machine),
+sequence (a rank's step as a list of graphs and messages),
 symbolic (sympy expressions in batch/sequence sizes).
 
 Cost models import neither ``passes`` nor ``fxpar.runtime``. The entry point is::

@@ -29,7 +29,7 @@ group: gloo and NCCL run one group's collectives in order). In-flight bytes (iss
 never exceed the credit, by construction. The predicted step time is forward + backward (+ the optimizer) + the
 compute lane's time beyond them: its stalls, and each piece's CPU (its issue, ``DeviceSpec.collective_issue_s``, and
 where the ranks fill the cores what its transfer takes from the compute it overlaps, ``comm_cpu_s`` +
-``comm_cpu_per_byte`` × its bytes, measured by ``cost_models.calibrate``), paid on the lane from the issue beside the
+``comm_cpu_per_byte`` × its bytes, measured by ``fxpar.tools.calibrate``), paid on the lane from the issue beside the
 transfer, so hidden where the rank waits for the piece anyway. That CPU also keeps the tuner from cutting more pieces
 than they are worth, and on full cores from overlapping a fast link's transfer at all.
 """
@@ -37,6 +37,10 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+
+from fxpar import meta as M
+
+from .compute import graph_compute
 
 __all__ = ["BucketTiming", "SimResult", "simulate", "tune"]
 
@@ -243,8 +247,6 @@ def stage_timings(gm, signature, device, backward: list | None = None, times: di
     forward). The times place the events of :func:`simulate`; the node order is the order the step runs, or with
     ``backward`` (``passes.grad_order.reordered_backward``) backward's nodes run in that order. ``times``: the
     per-node seconds, when already computed."""
-    from fxpar import meta as M
-    from .compute import graph_compute
     times = times if times is not None else graph_compute(gm, device).times
     key_of = {ph: k for ph, (r, k) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs) if r == "param"}
     clock = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}

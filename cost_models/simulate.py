@@ -24,7 +24,7 @@ Point-to-point messages (``send``/``recv``) do not queue behind collectives: eac
 n-th send src->dst matches the n-th recv at dst from src and starts once both are issued and
 the channel is free. Lanes and channels share no bandwidth in this model. A message whose
 receive is posted after its send while the sender computes takes ``DeviceSpec.late_recv_s``
-longer (measured by :mod:`cost_models.calibrate`; see :func:`simulate`). An op that is the first of its kind since
+longer (measured by :mod:`fxpar.tools.calibrate`; see :func:`simulate`). An op that is the first of its kind since
 the rank's last communication runs cold and pays ``DeviceSpec.cold_op_s`` more (:func:`cold_ops`). A comm node that no
 ``wait_tensor`` reads blocks at once. When no rank can move, or a comm is never matched, the
 programs deadlock and the error names who waits on whom.
@@ -243,7 +243,7 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False, late_recv
     alone: its collectives start when its own lane is free, which is exact when every member of
     each group runs the same program.
 
-    ``late_recv_s`` (``DeviceSpec.late_recv_s``, measured by :mod:`cost_models.calibrate`): a
+    ``late_recv_s`` (``DeviceSpec.late_recv_s``, measured by :mod:`fxpar.tools.calibrate`): a
     send/recv pair whose receive is issued after its send *while the sender is computing* takes that
     much longer on both ends: the receiver was not reading when the send was posted, and gloo
     finishes the write on the sender's CPU, which must be scheduled beside the sender's compute.

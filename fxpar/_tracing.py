@@ -16,7 +16,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 
 from . import meta as M
-from .errors import CaptureError
+from .errors import CaptureError, InputError
 
 __all__ = ["ModuleTracker", "batch_parts", "split_batch", "call_model", "BatchLayout", "explain_trace_error",
            "clean_name", "capture_context", "TRACING_PREDICATES"]
@@ -197,7 +197,6 @@ class BatchLayout:
 
     @classmethod
     def of(cls, batch, loss_fn, what: str = "example_inputs") -> "BatchLayout":
-        from .errors import InputError
         pos, kw, form = _structure(batch)
         n_t = _n_targets(loss_fn)
         for k in kw:
@@ -249,7 +248,6 @@ class BatchLayout:
 
     def flatten(self, batch, what: str = "batch") -> tuple:
         """The batch's tensors in flat order; raises :class:`InputError` naming the element that does not fit."""
-        from .errors import InputError
         pos, kw, form = _structure(batch)
         same_form = form == self.form or {form, self.form} <= {"tensor", "tuple"}
         if not same_form or len(pos) != self.n_args + self.n_targets or sorted(kw) != sorted(self.kwargs):

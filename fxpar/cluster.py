@@ -151,19 +151,13 @@ class ClusterSpec:
     @classmethod
     def calibrate(cls, world_size: int = 2, **kwargs) -> "ClusterSpec":
         """Measure this machine (collective bandwidth/latency by size, op throughput:
-        :func:`cost_models.calibrate.calibrate`, whose arguments it takes), and fxpar's runtime's own cost per
-        graph it calls (``device.action_overhead_s``: :func:`fxpar.runtime.measure.action_overhead_s` over one tiny
-        op's cost in the same process, times the per-op cost the ranks measured, so that it scales as the ops do
-        where ranks share cores)."""
-        from cost_models.calibrate import calibrate, op_overhead  # cost models never import fxpar's runtime
-        from .runtime.measure import action_overhead_s
-        out = calibrate(world_size=world_size, **kwargs)
-        spec, raw = out if kwargs.get("return_measurements") else (out, {})
-        threads = kwargs.get("threads") or max(1, (os.cpu_count() or 1) // world_size)
-        ops = action_overhead_s(threads=threads) / op_overhead()
-        raw["action_overhead_ops"] = ops
-        spec = replace(spec, device=replace(spec.device, action_overhead_s=ops * spec.device.op_overhead_s))
-        return (spec, raw) if kwargs.get("return_measurements") else spec
+        :func:`fxpar.tools.calibrate.calibrate`, whose arguments it takes), and fxpar's runtime's own cost per
+        graph it calls (``device.action_overhead_s``: :func:`fxpar.tools.runtime_cost.action_overhead_s` over one
+        tiny op's cost in the same process, times the per-op cost the ranks measured, so that it scales as the ops
+        do where ranks share cores). Runs :func:`fxpar.tools.runtime_cost.calibrate_cluster`."""
+        # the one upward import of the floor: measuring needs the compiler and runtime, ClusterSpec is plain data
+        from fxpar.tools.runtime_cost import calibrate_cluster
+        return calibrate_cluster(world_size, **kwargs)
 
     # ---- queries ----------------------------------------------------------------------
     @property

@@ -1,7 +1,7 @@
 """This process on its host: the scheduling of the communication threads torch.distributed starts, and what
 the C allocator does with memory a step frees.
 
-Both sides use them: ``cost_models.calibrate`` measures with them, and fxpar's runtime applies them
+Both sides use them: ``fxpar.tools.calibrate`` measures with them, and fxpar's runtime applies them
 (``ClusterSpec.comm_priority``, ``ClusterSpec.host_memory_reuse``)."""
 from __future__ import annotations
 

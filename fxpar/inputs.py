@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from .errors import InputError
+from .errors import NonFiniteLossError
 
 __all__ = ["check_tensor", "batch_list", "check_materialized", "prepare_batch", "check_nonfinite"]
 
@@ -96,7 +97,6 @@ def check_nonfinite(res, mode: str) -> None:
             "the learning rate, or clip gradients; run_local(on_nonfinite='raise') stops with an error, 'ignore' "
             "says nothing.")
     if mode == "raise":
-        from .errors import NonFiniteLossError
         raise NonFiniteLossError("run_local(on_nonfinite='raise'): " + text, i, ranks)
     import warnings
     warnings.warn(text, RuntimeWarning, stacklevel=3)

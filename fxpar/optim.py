@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import InputError
+
 __all__ = ["OptimizerSpec", "resolve_optimizer", "TRACEABLE"]
 
 
@@ -122,7 +124,6 @@ def resolve_optimizer(optimizer) -> OptimizerSpec:
 
 
 def _check_optimizer(optimizer) -> None:
-    from .errors import InputError
     example = "pass (torch.optim.X, {'lr': ...}), e.g. (torch.optim.AdamW, {'lr': 1e-3})"
     if isinstance(optimizer, torch.optim.Optimizer) or (isinstance(optimizer, tuple) and optimizer
                                                         and isinstance(optimizer[0], torch.optim.Optimizer)):

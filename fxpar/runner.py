@@ -7,6 +7,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .runtime.launch import shutdown_env_group
+from .runtime.server import join_groups, serve_step
+
 if TYPE_CHECKING:
     from .program import Program
     from .runtime.executor import Executor
@@ -74,7 +77,6 @@ class GroupExit:
 
     def close(self) -> None:
         """Wait for every rank, then leave the process group. Also runs at interpreter exit."""
-        from .runtime.launch import shutdown_env_group
         shutdown_env_group()
 
     def __enter__(self):
@@ -128,7 +130,6 @@ class ServerRunner(GroupExit):
     :class:`RankRunner`, so one script runs unchanged on every rank. It holds no parameter and takes no batch."""
 
     def __init__(self, payload: ServerPayload, program: Program):
-        from .runtime.server import join_groups
         self.payload, self.program = payload, program
         self._pg = join_groups(payload)       # every group, in the workers' order
         self.per_step: list = []              # per step the bytes received and sent (RunResult.servers' fields)
@@ -141,7 +142,6 @@ class ServerRunner(GroupExit):
         """Serve one step (``batch`` is ignored: the workers push their gradients); then join the workers' loss
         all-reduce with 0 and return the same global-batch loss they do."""
         import torch.distributed as dist
-        from .runtime.server import serve_step
         stat = serve_step(self.payload, self._pg)
         if stat is None:
             raise RuntimeError(f"BytePS server rank {self.rank} ({self.payload.name}): runner.step() got the workers' "

@@ -32,33 +32,15 @@ from __future__ import annotations
 import torch
 
 from fxpar import meta as M
-from fxpar.collectives import C10D, insert_all_reduce
+from fxpar.collectives import insert_all_reduce
 from fxpar.pass_manager import Pass, PassContext, PassResult
+
+from .graph_utils import grad_sync_chains
+from fxpar.zero_layout import zero_keys
 
 __all__ = ["BucketGradients"]
 
 aten = torch.ops.aten
-
-
-def _chains(gm) -> dict:
-    """param key -> (raw grad, all_reduce, wait, averaged grad) as made by data_parallel.
-    The averaged grad is a ``div`` of the wait, or the wait itself when backward was pre-scaled."""
-    out = {}
-    for avg in gm.graph.nodes:
-        key = M.get(avg, M.GRAD_OF)
-        if key is None or avg.op != "call_function":
-            continue
-        if avg.target is aten.div.Tensor:
-            w = avg.args[0]
-        elif avg.target is C10D.wait_tensor.default:
-            w = avg
-        else:
-            continue
-        if w.op != "call_function" or w.target is not C10D.wait_tensor.default:
-            continue
-        ar = w.args[0]
-        out[key] = (ar.args[0], ar, w, avg)
-    return out
 
 
 def _meta(node, val, src, **extra):
@@ -76,14 +58,13 @@ class BucketGradients(Pass):
     def run(self, gm, ctx: PassContext) -> PassResult:
         buckets = ctx.plan.buckets[ctx.stage] if ctx.plan.buckets else []
         groups = ctx.plan.grad_groups[ctx.stage] if ctx.plan.grad_groups else {}
-        from fxpar.zero import zero_keys
         sharded = set(zero_keys(ctx.plan, ctx.stage))        # passes.zero reduce-scatters these buckets instead
         buckets = [b for b in buckets if not sharded.intersection(b)]
         dp = ctx.mesh.axis_size("dp")
         if not buckets:
             return PassResult(gm, False)
         g = gm.graph
-        chains = _chains(gm)
+        chains = grad_sync_chains(gm)
         missing = [k for b in buckets for k in b if k not in chains]
         if missing:
             raise ValueError(f"Plan.buckets names {missing}, which have no synchronised gradient in this graph; "

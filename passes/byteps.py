@@ -2,7 +2,7 @@
 
 ``ClusterSpec(cpu_servers=k)`` adds ``k`` CPU-only ranks after the ``n`` workers; each sums one partition of
 every bucket. The planner records each server's share, ``2(n-1)/(n²+kn-2k)`` (``Plan.grad_sync``; the
-derivation is in :mod:`cost_models.byteps`): it balances the bytes a worker sends (its pushes plus the workers'
+derivation is in :mod:`cost_models.byteps_traffic`): it balances the bytes a worker sends (its pushes plus the workers'
 all-reduce of the rest) against the bytes a server sends (the sums pulled by every worker). A bucket of ``V``
 elements keeps its first ``W = V - k·P`` elements on the workers' all-reduce and cuts the rest into ``k``
 partitions of ``P = round(V·share)`` elements, one per server. For server ``j`` the workers
@@ -38,6 +38,7 @@ import torch
 from fxpar import meta as M
 from fxpar.collectives import C10D, group_tag
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from cost_models.byteps_traffic import split_bucket
 
 __all__ = ["ServerSum", "server_group"]
 
@@ -113,7 +114,6 @@ class ServerSum(Pass):
     requires = ("bucket",)
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        from cost_models.byteps import split_bucket       # the partition sizes: whole elements of the share
         gs = ctx.plan.grad_sync or {}
         if gs.get("method") != "byteps" or not gs.get("servers"):
             return PassResult(gm, False)

@@ -38,10 +38,12 @@ import torch
 
 from fxpar import meta as M
 
+from .graph_utils import OWNED_ROLES, is_alias, last_read
+from cost_models.compute import OpCost, fused_adam_cost, node_time
+
 __all__ = ["AdamChain", "find_adam_chains", "fuse_adam", "fused_chain_times"]
 
 aten = torch.ops.aten
-_OWNED_ROLES = ("param", "opt_state")
 
 
 @dataclass
@@ -181,8 +183,7 @@ def find_adam_chains(gm, cfg: dict) -> list:
 
 def _dead_view(n) -> bool:
     """A view nobody reads, through views (capture leaves a dead ``detach`` per optimizer result)."""
-    from .reinplace import _is_alias
-    return _is_alias(n) and all(_dead_view(u) for u in n.users)
+    return is_alias(n) and all(_dead_view(u) for u in n.users)
 
 
 def _erase_dead_views(g, n) -> None:
@@ -204,7 +205,6 @@ def _copied(c: AdamChain, pos: dict, out_node) -> dict:
     update a chunk the runtime cuts out of the whole parameter), not contiguous (:func:`_contiguous`), returned as
     is, read (or a view of it read) after the update, or listed twice. Positions count over params + exp_avgs +
     exp_avg_sqs."""
-    from .reinplace import _last_read
     chain = set(c.ops)
     at = pos[c.last]
     nodes = list(pos)
@@ -212,7 +212,7 @@ def _copied(c: AdamChain, pos: dict, out_node) -> dict:
     returned = set(out_node.args[0]) if isinstance(out_node.args[0], (list, tuple)) else {out_node.args[0]}
     out, seen = {}, set(c.grads)
     for i, x in enumerate(bufs):
-        if not (isinstance(x, torch.fx.Node) and x.op == "placeholder" and M.get(x, M.ROLE) in _OWNED_ROLES):
+        if not (isinstance(x, torch.fx.Node) and x.op == "placeholder" and M.get(x, M.ROLE) in OWNED_ROLES):
             out[i] = "not a parameter or optimizer-state input"
         elif not _contiguous(x):
             out[i] = "not contiguous"
@@ -221,7 +221,7 @@ def _copied(c: AdamChain, pos: dict, out_node) -> dict:
         elif x in seen:
             out[i] = "listed twice"
         else:
-            last = _last_read(x, pos, chain)
+            last = last_read(x, pos, chain)
             if last > at:
                 out[i] = f"{nodes[last].name} reads it after the update"
         seen.add(x)
@@ -316,7 +316,6 @@ def fused_chain_times(gm, times: dict, device, cfg: dict) -> dict:
     """``times`` (``cost_models.compute.graph_compute(gm).times``) as the program will run where it fuses: each
     chain's list ops cost one fused call (``cost_models.compute``'s rule for ``_fused_adamw_``), booked on its last
     op. For planning on the captured (functional) graph before the passes fuse it."""
-    from cost_models.compute import OpCost, fused_adam_cost, node_time
     times = dict(times)
     for c in find_adam_chains(gm, cfg):
         vals = [x.meta.get("val") for x in c.params]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from fxpar.backward_order import backward_region, reordered_backward, why_not_reorder
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.errors import PassError
 
 __all__ = ["GradOrder", "backward_region", "reordered_backward", "why_not_reorder"]
 
@@ -43,7 +44,6 @@ class GradOrder(Pass):
             return PassResult(gm, False, {"mode": "natural"})
         why = why_not_reorder(gm)
         if why:
-            from fxpar.errors import PassError
             raise PassError(f"grad_order: Plan.comm_schedule['stages'][{ctx.stage}]['grad_order'] is "
                             f"{entry['mode']!r}, but backward of stage {ctx.stage} cannot be reordered: {why}. Plan "
                             "again (drop Plan.comm_schedule['stages']) and the planner keeps the natural order.")

@@ -21,7 +21,7 @@ equal within noise). Edit a Plan to False for the old placement:
 - ``overlap=False``: steps 2-3 run where the bucket's wait was (before the optimizer); no cross-node byte
   moves while backward computes.
 - ``overlap=True``: each bucket's chain moves along backward. The in-node collectives are one at a time
-  (gloo; ``passes.zero._one_in_flight``), so the node group is a channel with two slots per bucket of backward:
+  (gloo; ``passes.graph_utils.one_collective_in_flight``), so the node group is a channel with two slots per bucket of backward:
   R_b .. M_b .. R_{b+1}, where M_b is the middle node of the backward between bucket b's reduce-scatter and
   bucket b+1's copies. At M_b: wait the reduce-scatter of b, issue its cross-node all-reduce (it runs over the
   rest of backward), wait the cross-node all-reduce of b-1 (issued a segment earlier) and issue its all-gather;
@@ -66,6 +66,8 @@ import torch
 from fxpar import meta as M
 from fxpar.collectives import C10D, group_tag
 from fxpar.pass_manager import Pass, PassContext, PassResult
+
+from .graph_utils import one_collective_in_flight
 
 __all__ = ["HierarchicalReduce"]
 
@@ -193,8 +195,7 @@ class HierarchicalReduce(Pass):
                              "gather start during backward) or False (both after backward)")
         if overlap:
             _chain_early(g, chains)
-        from .zero import _one_in_flight       # gloo: one gather / reduce-scatter in flight (see passes/zero.py)
-        _one_in_flight(g)
+        one_collective_in_flight(g)       # gloo: one gather / reduce-scatter in flight (see passes/graph_utils.py)
         g.lint()
         where = ("the cross-node all-reduce from the middle of the next bucket's backward, the all-gather one "
                  "bucket later" if overlap else "the cross-node all-reduce and the all-gather at the optimizer")

@@ -50,7 +50,7 @@ from fxpar.collectives import C10D, group_tag
 from fxpar.errors import PassError
 from fxpar.pass_manager import Pass, PassContext, PassResult
 
-from .bucket import _chains
+from .graph_utils import grad_sync_chains, is_alias, one_collective_in_flight
 
 __all__ = ["classify", "update_routes", "SparseGradSync"]
 
@@ -253,7 +253,6 @@ def _dense_grad(g, key, chain, wa, wr, mod):
 
 def _read_after(g, param, node, skip) -> list:
     """Nodes after ``node`` that read ``param`` or a view of it (an in-place write at ``node`` would change them)."""
-    from .reinplace import _is_alias
     order = {x: j for j, x in enumerate(g.nodes)}
     late, stack, seen = [], [param], set()
     while stack:
@@ -264,7 +263,7 @@ def _read_after(g, param, node, skip) -> list:
             seen.add(u)
             if order[u] > order[node]:
                 late.append(u.name)
-            if _is_alias(u):
+            if is_alias(u):
                 stack.append(u)
     return late
 
@@ -323,7 +322,7 @@ class SparseGradSync(Pass):
         g = gm.graph
         n = ctx.plan.dp
         ranks = ctx.plan.group_of("dp", ctx.rank)
-        chains = _chains(gm)
+        chains = grad_sync_chains(gm)
         routes = {k: (gs.get("sparse_update") or {}).get(k, {}).get("route", "dense") for k in keys}
         for key in keys:
             chain = chains[key]
@@ -339,8 +338,7 @@ class SparseGradSync(Pass):
             for dead in dict.fromkeys((raw, edb)):
                 if not dead.users and dead.op == "call_function":
                     g.erase_node(dead)
-        from .zero import _one_in_flight        # gloo: one gather / reduce-scatter in flight (see passes/zero.py)
-        _one_in_flight(g)
+        one_collective_in_flight(g)        # gloo: one gather / reduce-scatter in flight (see passes/graph_utils.py)
         g.lint()
         rows = [k for k in keys if routes[k] == "rows"]
         ctx.notes.append(f"parallax: {len(keys)} sparse gradient(s) {keys} sent as (row index, row) pairs; "

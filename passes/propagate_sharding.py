@@ -51,7 +51,7 @@ from fxpar.sharding import P, R, Sharding, axis_sizes, fmt_placement, redistribu
 from .sharding import OpInfo, groups_of, has_rule, tensor_leaves
 from .sharding.layouts import ShardingConflict, describe, fixed_shardings
 
-__all__ = ["propagate_shardings", "ShardingResult", "ShardingConflict"]
+__all__ = ["propagate_shardings", "ShardingResult", "ShardingConflict", "placement_fits"]
 
 
 @dataclass
@@ -102,10 +102,10 @@ def _val(node):
 def _fits(info: OpInfo, g, cand, n: int, taken_in: tuple, taken_out: tuple) -> bool:
     """Every split divides its dim, no dim is split by another axis already, partial sums only on floats."""
     for j, pl in zip(g.ins, cand[0]):
-        if not _ok(info.in_shapes[j], pl, n, taken_in[j] if taken_in else (), _is_float_in(info, j)):
+        if not placement_fits(info.in_shapes[j], pl, n, taken_in[j] if taken_in else (), _is_float_in(info, j)):
             return False
     for o, pl in zip(g.outs, cand[1]):
-        if not _ok(info.out_shapes[o], pl, n, taken_out[o] if taken_out else (), True):
+        if not placement_fits(info.out_shapes[o], pl, n, taken_out[o] if taken_out else (), True):
             return False
     return True
 
@@ -115,7 +115,9 @@ def _is_float_in(info, j) -> bool:
     return node.meta["val"].dtype.is_floating_point
 
 
-def _ok(shape, pl, n, taken, is_float) -> bool:
+def placement_fits(shape, pl, n, taken, is_float) -> bool:
+    """Whether placement ``pl`` (a dim split ``n`` ways, or partial ``P``) suits a tensor of ``shape``: the dim
+    exists, divides by ``n`` and is not in ``taken``; a partial sum only for a floating-point tensor."""
     if pl == P:
         return is_float
     if isinstance(pl, int):

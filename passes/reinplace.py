@@ -18,6 +18,7 @@ Before / after (AdamW, one parameter shown)::
 """
 from __future__ import annotations
 
+import copy
 import operator
 
 import torch
@@ -25,9 +26,11 @@ import torch
 from fxpar import meta as M
 from fxpar.pass_manager import Pass, PassContext, PassResult
 
+from .fuse_optimizer import fuse_adam
+from .graph_utils import OWNED_ROLES, last_read
+
 __all__ = ["ReinplaceOptimizer", "reinplace_step_graph"]
 
-_OWNED_ROLES = ("param", "opt_state")
 
 
 def _inplace_variant(target):
@@ -38,35 +41,6 @@ def _inplace_variant(target):
         return None
     packet = getattr(torch.ops.aten, name + "_", None)
     return getattr(packet, target._overloadname, None) if packet is not None else None
-
-
-def _is_alias(n) -> bool:
-    if n.op != "call_function":
-        return False
-    if n.target is operator.getitem:
-        return False
-    schema = getattr(n.target, "_schema", None)
-    return schema is not None and any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
-
-
-def _last_read(node, pos, skip=frozenset()) -> int:
-    """Position of the last node that reads ``node`` or a view of it, other than the nodes of ``skip``. Making a
-    view reads nothing: a view nobody reads (a dead ``detach`` left where a pass moved the nodes around it) does
-    not count."""
-    last, stack, seen = -1, [node], set()
-    while stack:
-        x = stack.pop()
-        if x in seen:
-            continue
-        seen.add(x)
-        for u in x.users:
-            if u in skip:
-                continue
-            if _is_alias(u):
-                stack.append(u)
-            else:
-                last = max(last, pos[u])
-    return last
 
 
 class ReinplaceOptimizer(Pass):
@@ -82,7 +56,6 @@ class ReinplaceOptimizer(Pass):
         cfg = self.optimizer if self.optimizer is not None else getattr(ctx.plan, "optimizer", None) or {}
         fused = 0
         if cfg.get("kernel") == "fused":
-            from .fuse_optimizer import fuse_adam
             fused, notes = fuse_adam(gm, cfg)
             if fused:
                 ctx.notes.append(f"reinplace_optimizer: {fused} {cfg.get('name')} update(s) run as one fused in-place "
@@ -105,8 +78,8 @@ class ReinplaceOptimizer(Pass):
             flat_others = {y for a in others for y in (a if isinstance(a, (list, tuple)) else [a])}
             ok = all(
                 isinstance(x, torch.fx.Node) and x not in flat_others
-                and ((x.op == "placeholder" and M.get(x, M.ROLE) in _OWNED_ROLES) or x in fresh)
-                and _last_read(x, pos) <= pos[n] and x not in out.args[0]
+                and ((x.op == "placeholder" and M.get(x, M.ROLE) in OWNED_ROLES) or x in fresh)
+                and last_read(x, pos) <= pos[n] and x not in out.args[0]
                 for x in xs)
             if not ok or len(set(xs)) != len(xs):
                 if n.op == "call_function":
@@ -138,8 +111,6 @@ def reinplace_step_graph(gm: torch.fx.GraphModule, n_params: int, n_state: int,
     """A pipeline stage's optimizer graph ``(params, grads, states, lr, step) -> (new params, new states)``
     (``fxpar.pipeline.autodiff.trace_step``), rewritten in place: its outputs are then its parameter and
     state inputs, updated. ``n_state``: state tensors per parameter. Returns a new GraphModule."""
-    import copy
-    from fxpar.pass_manager import PassContext
     gm = copy.deepcopy(gm)
     roles = ["param"] * n_params + ["grad"] * n_params + ["opt_state"] * (n_params * n_state) + ["lr", "step"]
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]

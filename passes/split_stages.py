@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from cost_models.compute import concrete, node_cost
 from fxpar import meta as M
 from fxpar.errors import StrategyError
 from fxpar.pass_manager import Pass, PassResult
@@ -89,7 +90,6 @@ class StageSplit:
 
 def _node_flops(n: torch.fx.Node) -> int:
     try:
-        from cost_models.compute import concrete, node_cost
         return int(concrete(node_cost(n).flops))
     except Exception:  # noqa: BLE001 - a node the cost model cannot read counts as free
         return 0

@@ -43,6 +43,7 @@ from fxpar.sharding import Sharding, ShardingError
 
 from .lower_sharding import lower_shardings
 from .propagate_sharding import ShardingResult, propagate_shardings
+from .tofu import TofuCost, plan_cost, tofu_search
 
 __all__ = ["TensorParallel", "megatron_layouts", "linears"]
 
@@ -224,7 +225,6 @@ def _tied_layouts(ctx, sig) -> dict:
 def _versus_megatron(gm, ctx, mesh, sig, found, cost) -> str:
     """Tofu's choice against Megatron's split of the same graph, by the same cost model (Tofu, §6: the search
     finds Megatron's split or a cheaper one)."""
-    from .tofu import plan_cost
     try:
         layouts = megatron_layouts(gm, mesh.size, "tp")
         if not layouts:
@@ -290,7 +290,6 @@ class TensorParallel(Pass):
             return result_from_plan(entry["auto"], mesh), {}
         tied = _tied_layouts(ctx, sig)
         if sh["mode"] == "auto":
-            from .tofu import TofuCost, tofu_search
             cost = TofuCost()
             if ctx.cluster is not None:
                 cost = TofuCost(link_bytes_per_s=ctx.cluster.intra_node.bandwidth,

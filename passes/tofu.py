@@ -48,7 +48,7 @@ from cost_models.compute import concrete, node_cost
 from fxpar import meta as M
 from fxpar.sharding import R, Sharding, ShardingError, collective_bytes, redistribute_bytes, redistribute_steps
 
-from .propagate_sharding import ShardingResult, _ok
+from .propagate_sharding import ShardingResult, placement_fits
 from .sharding import OpInfo, groups_of, tensor_leaves
 from .sharding.search import Problem
 from .tofu_blocks import assign_blocks, block_lists
@@ -416,10 +416,10 @@ def _fits_group(info, grp, cand, g_in, g_out, floats) -> bool:
     """``propagate_sharding._fits`` for one group on a size-2 axis, given the dims earlier levels split of the
     group's own inputs/outputs only (a ``_foreach`` op has hundreds of groups: per-node tuples are quadratic)."""
     for i, (j, pl) in enumerate(zip(grp.ins, cand[0])):
-        if not _ok(info.in_shapes[j], pl, 2, g_in[i] if g_in else (), floats[j]):
+        if not placement_fits(info.in_shapes[j], pl, 2, g_in[i] if g_in else (), floats[j]):
             return False
     for i, (o, pl) in enumerate(zip(grp.outs, cand[1])):
-        if not _ok(info.out_shapes[o], pl, 2, g_out[i] if g_out else (), True):
+        if not placement_fits(info.out_shapes[o], pl, 2, g_out[i] if g_out else (), True):
             return False
     return True
 

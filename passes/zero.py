@@ -1,7 +1,7 @@
 """ZeRO-1/2/3 (Rajbhandari et al., SC'20) as one pass over a stage's joint graph.
 
-Each parameter whose gradient is summed over dp (``fxpar.zero.zero_keys``) is cut into dp chunks
-(``fxpar.zero``: flattened, zero-padded to a multiple of dp; rank i owns chunk i). The pass:
+Each parameter whose gradient is summed over dp (``fxpar.zero_layout.zero_keys``) is cut into dp chunks
+(``fxpar.zero_layout``: flattened, zero-padded to a multiple of dp; rank i owns chunk i). The pass:
 
 1. replaces ``data_parallel``'s per-gradient ``all_reduce`` by one ``reduce_scatter`` per bucket of
    ``Plan.buckets``: every gradient of the bucket is copied into an interleaved buffer ``[dp, C]``
@@ -41,9 +41,9 @@ import torch
 from fxpar import meta as M
 from fxpar.collectives import C10D, group_tag
 from fxpar.pass_manager import Pass, PassContext, PassResult
-from fxpar.zero import chunk_numel, zero_keys
+from fxpar.zero_layout import chunk_numel, zero_keys
 
-from .bucket import _chains
+from .graph_utils import grad_sync_chains, one_collective_in_flight
 
 __all__ = ["ZeroShard"]
 
@@ -68,7 +68,7 @@ class ZeroShard(Pass):
     def run(self, gm, ctx: PassContext) -> PassResult:
         plan = ctx.plan
         z = getattr(plan, "zero", 0)
-        chains = _chains(gm)
+        chains = grad_sync_chains(gm)
         keys = [k for k in zero_keys(plan, ctx.stage) if k in chains]
         if not z or not keys:
             return PassResult(gm, False)
@@ -116,7 +116,7 @@ class ZeroShard(Pass):
                 stats["all_gather"] += 2
         if z == 3 and not per_step:
             _prefetch(g)
-        _one_in_flight(g)
+        one_collective_in_flight(g)
         if z < 3:
             stats["all_gather"] += self._gather_updates(g, sig, buckets, sizes, numels, shapes, n, ranks)
         _refresh_vals(gm)
@@ -330,24 +330,6 @@ def _prefetch(g) -> None:
                    and M.get(x, M.PHASE) == phase and x.args[0].op == "placeholder"]
         for prev, cur in zip(gathers, gathers[1:]):
             next(iter(prev.users)).append(cur)
-
-
-def _one_in_flight(g) -> None:
-    """At most one gather or reduce-scatter of a graph in flight at a time: each waits for the one before it.
-    With a gather started before the previous one was waited on, our runs (torch 2.13, gloo, CPU) hung once in a
-    40-run loop and aborted with heap corruption in 3 of about 12 test-file runs; one at a time, 270 runs and
-    the test file passed every time. A minimal two-collective script did not reproduce it, so the cause (gloo's
-    all-gather/reduce-scatter on two worker threads) is a guess. Compute still overlaps every collective."""
-    kinds = (C10D.all_gather_into_tensor.default, C10D.reduce_scatter_tensor.default)
-    colls = [x for x in g.nodes if x.op == "call_function" and x.target in kinds]
-    order = {x: i for i, x in enumerate(g.nodes)}
-    for prev, cur in zip(colls, colls[1:]):
-        w = next(iter(prev.users))
-        if order[w] > order[cur]:
-            cur.prepend(w)
-            if M.get(cur, M.REDUCE_GRAD) == "issue":     # stage 1: the earlier wait joins REDUCE_GRAD's graph
-                M.set_meta(w, M.REDUCE_GRAD, "issue")
-            order = {x: i for i, x in enumerate(g.nodes)}
 
 
 def _refresh_vals(gm) -> None:

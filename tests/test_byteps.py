@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import fxpar
-from cost_models import byteps as B
+from cost_models import byteps_traffic as B
 from fxpar.collectives import collective_nodes
 from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training, token_batches
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import fxpar
-from cost_models.calibrate import in_step_slots
+from fxpar.tools.calibrate import in_step_slots
 from fxpar.host import COMM_THREAD_NAMES
 from fxpar.errors import ClusterSpecError
 from fxpar.testing import max_abs_diff, reference_training

@@ -1,7 +1,7 @@
-"""cost_models.calibrate: two gloo ranks on 127.0.0.1 give a valid ClusterSpec."""
+"""fxpar.tools.calibrate: two gloo ranks on 127.0.0.1 give a valid ClusterSpec."""
 import pytest
 
-from cost_models.calibrate import fit_alpha_beta, index_row_overhead
+from fxpar.tools.calibrate import fit_alpha_beta, index_row_overhead
 from fxpar.cluster import ClusterSpec
 
 
@@ -54,7 +54,7 @@ def test_calibrate_two_local_ranks():
         max(0.0, cold["after_collective"] - cold["back_to_back"]) / 20)
     assert raw["in_step"]["pair"] == pytest.approx(max(0.0, raw["in_step_measured"]["pair"] - 2 * raw["cold_op_s"]))
     # index_add_ of random rows into a table larger than the caches: its time beyond the bytes, per row
-    from cost_models.calibrate import _INDEX_ROWS, _INDEX_TABLE
+    from fxpar.tools.probes import INDEX_ROWS as _INDEX_ROWS, INDEX_TABLE as _INDEX_TABLE
     beyond = c["index_add_s"] - (3 * _INDEX_ROWS * _INDEX_TABLE[1] * 4 + _INDEX_ROWS * 8) / c["add_bytes_per_s"]
     assert c["index_add_s"] > 0 and spec.device.index_row_s == index_row_overhead(c) == \
         pytest.approx(max(0.0, beyond) / _INDEX_ROWS)
@@ -67,7 +67,7 @@ def test_alpha_is_what_a_small_collective_costs_in_a_step():
     import torch
 
     from cost_models import estimate
-    from cost_models.calibrate import in_step_alpha, link_spec
+    from fxpar.tools.calibrate import in_step_alpha, link_spec
     from dataclasses import replace
     from fxpar.meta import CommInfo
     n, issue, a, bw, fit_alpha = 2, 80e-6, 400e-6, 1e9, 30e-6
@@ -98,7 +98,7 @@ def test_alpha_is_what_a_small_collective_costs_in_a_step():
 
 
 def test_late_recv_overhead_is_the_mean_wait_less_the_transfer():
-    from cost_models.calibrate import late_recv_overhead
+    from fxpar.tools.calibrate import late_recv_overhead
     from fxpar.cluster import LinkSpec
     link = LinkSpec(1e9, 50e-6)
     waits = [0.2e-3, 0.4e-3, 6.0e-3]                   # heavy-tailed: the mean, not the median
@@ -144,7 +144,7 @@ def test_collective_issue_cost_is_on_the_compute_lane_once_per_collective():
 def test_rank_cores_split_the_machine_evenly():
     """``calibrate(pin=True)`` and the netns harness's ``pin``: rank r gets the r-th equal run of cores, or core
     r % cores when there are more ranks than cores."""
-    from cost_models.calibrate import rank_cores
+    from fxpar.tools.calibrate import rank_cores
     assert [rank_cores(r, 2, cores=16) for r in range(2)] == [set(range(8)), set(range(8, 16))]
     assert [rank_cores(r, 2, cores=2) for r in range(2)] == [{0}, {1}]
     assert [rank_cores(r, 4, cores=2) for r in range(4)] == [{0}, {1}, {0}, {1}]
@@ -158,7 +158,7 @@ def test_shared_cores_time_a_loop_not_single_calls():
     import itertools
     import time
 
-    from cost_models.calibrate import _time_shared
+    from fxpar.tools.probes import time_shared as _time_shared
     turns = itertools.cycle([0.001, 0.005])
     got = _time_shared(lambda: time.sleep(next(turns)), seconds=0.3)
     assert 0.0028 < got < 0.0045        # the mean (3 ms, plus sleep's overshoot); a median would be 1 or 5 ms

@@ -41,7 +41,7 @@ if {reuse}:
     from fxpar.host import reuse_freed_memory
     assert reuse_freed_memory()
 if {measure}:       # ClusterSpec.calibrate times an Executor in the caller's process: it must not set its allocator
-    from fxpar.runtime.measure import action_overhead_s
+    from fxpar.tools.runtime_cost import action_overhead_s
     action_overhead_s(steps=5)
 print(json.dumps(_kept_after_free()))
 """

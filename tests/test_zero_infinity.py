@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar.nn import TiledLinear, tile_linears
 from fxpar.testing import MLP, max_abs_diff, reference_training
-from fxpar.zero import chunk
+from fxpar.zero_layout import chunk
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 TOL = 1e-10

@@ -14,7 +14,7 @@ under torchrun ``program.runner()`` on a server rank is a :class:`fxpar.runner.S
 ``step(batch)`` serves one step (:func:`serve_step`, the loop's body), so no stop is sent: every rank calls
 ``step`` as often. A server holds no state: checkpoints are the workers' alone, written over their ``dp`` group
 (:mod:`fxpar.runtime.state`), the same files as without servers. The server counts what it receives and sends
-per step (``RunResult.servers``), the measured side of ``cost_models.byteps.bytes_per_server``::
+per step (``RunResult.servers``), the measured side of ``cost_models.byteps_traffic.bytes_per_server``::
 
     worker 0 ── push P ──▶ ┌────────────┐ ── sum P ──▶ worker 0
     worker 1 ── push P ──▶ │ server j:  │ ── sum P ──▶ worker 1
@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .executor import comm_priority, group, train
+from ..host import reuse_freed_memory
 
 __all__ = ["ServerPayload", "server_payloads", "stop_messages", "join_groups", "serve_step", "serve_sums",
            "run_rank"]
@@ -78,7 +79,6 @@ def join_groups(p: ServerPayload):
     """Create every group of the program, in the workers' order (a process group is made by all ranks); returns
     this server's group."""
     if p.extra.get("host_memory_reuse", True):     # ClusterSpec.host_memory_reuse, as the workers' Executor does
-        from ..host import reuse_freed_memory
         reuse_freed_memory()
     for name, ranks in p.groups:
         group(ranks, name)

@@ -28,7 +28,7 @@ from __future__ import annotations
 from fxpar.schedule._build import finish
 from fxpar.schedule.exceptions import ScheduleError
 from fxpar.schedule.ir import Action, ActionKind, Schedule
-from fxpar.schedule.synchronous import _one_f_one_b_lists
+from fxpar.schedule.synchronous import one_f_one_b_lists
 
 __all__ = ["pipedream", "pipedream_2bw"]
 
@@ -52,7 +52,7 @@ def pipedream(p: int, m: int) -> Schedule:
     def version(s: int, i: int) -> int:
         return max(0, i - (p - s - 1))
 
-    lists = _one_f_one_b_lists(p, m, version, lambda s, k: _reduce_and_step(s, k + 1))
+    lists = one_f_one_b_lists(p, m, version, lambda s, k: _reduce_and_step(s, k + 1))
     return finish(lists, p, m, {s: (s,) for s in range(p)}, "pipedream", synchronous=False)
 
 
@@ -87,6 +87,6 @@ def pipedream_2bw(p: int, m: int, n_batches: int = 2, resumed: bool = False) -> 
     def step_after(s: int, k: int):
         return _reduce_and_step(s, k // m + 1 + shift) if k % m == m - 1 else None
 
-    lists = _one_f_one_b_lists(p, total, version, step_after)
+    lists = one_f_one_b_lists(p, total, version, step_after)
     return finish(lists, p, total, {s: (s,) for s in range(p)}, "2bw", synchronous=False,
                   batch=m, n_batches=n_batches, **({"resumed": 1} if resumed else {}))

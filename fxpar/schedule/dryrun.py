@@ -50,6 +50,7 @@ from typing import Mapping, Union
 
 from fxpar.schedule.exceptions import ScheduleValidationError
 from fxpar.schedule.ir import Action, ActionKind, Schedule
+from fxpar.schedule._diagnose import deadlock_error
 
 __all__ = ["simulate", "SimResult"]
 
@@ -245,7 +246,6 @@ def simulate(schedule: Schedule, *, F: Dur = 1.0, B: Dur = 2.0, I: Dur | None = 
     if problems:
         raise ScheduleValidationError(problems)
     if any(ptr[r] < len(acts[r]) for r in ranks):
-        from fxpar.schedule._diagnose import deadlock_error
         raise deadlock_error(schedule, ptr, blocking_sends)
     return _measure(schedule, timelines, created, uses)
 

@@ -21,15 +21,17 @@ from fxpar.schedule._build import compute, finish
 from fxpar.schedule.exceptions import ScheduleError
 from fxpar.schedule.ir import Schedule
 
-__all__ = ["single", "gpipe", "one_f_one_b", "interleaved"]
+__all__ = ["single", "gpipe", "one_f_one_b", "interleaved", "check_pm", "too_few_microbatches", "one_f_one_b_lists"]
 
 
-def _check_pm(name: str, p: int, m: int) -> None:
+def check_pm(name: str, p: int, m: int) -> None:
+    """Raise a ScheduleError unless there is at least one stage and one microbatch."""
     if p < 1 or m < 1:
         raise ScheduleError(f"{name}: need p >= 1 stages and m >= 1 microbatches, got p={p}, m={m}")
 
 
-def _too_few_microbatches(name: str, p: int, m: int, v: int = 1) -> ScheduleError:
+def too_few_microbatches(name: str, p: int, m: int, v: int = 1) -> ScheduleError:
+    """The error for a schedule that needs ``m >= p`` microbatches, with the bubble it would have and the fix."""
     bubble = (p - 1) / (v * m + p - 1)
     return ScheduleError(
         f"{name}(p={p}, m={m}) needs m >= p: with fewer microbatches than stages it never reaches its "
@@ -62,7 +64,7 @@ def gpipe(p: int, m: int) -> Schedule:
 
     Stage s lives on rank s. Peak activations: m microbatches on every stage.
     """
-    _check_pm("gpipe", p, m)
+    check_pm("gpipe", p, m)
     lists = {s: [compute(s, "F", s, i) for i in range(m)] + [compute(s, "B", s, i) for i in range(m)]
              for s in range(p)}
     return finish(lists, p, m, {s: (s,) for s in range(p)}, "gpipe")
@@ -76,13 +78,13 @@ def one_f_one_b(p: int, m: int) -> Schedule:
     then drains the remaining backwards, then STEP. At most ``p-s`` microbatches are in flight on
     stage s (p on stage 0), against m for GPipe; the bubble is the same, (p-1)/(m+p-1).
     """
-    _check_pm("1f1b", p, m)
+    check_pm("1f1b", p, m)
     if m < p:
-        raise _too_few_microbatches("1f1b", p, m)
-    return finish(_one_f_one_b_lists(p, m), p, m, {s: (s,) for s in range(p)}, "1f1b")
+        raise too_few_microbatches("1f1b", p, m)
+    return finish(one_f_one_b_lists(p, m), p, m, {s: (s,) for s in range(p)}, "1f1b")
 
 
-def _one_f_one_b_lists(p: int, m: int, version=None, step_after=None) -> dict:
+def one_f_one_b_lists(p: int, m: int, version=None, step_after=None) -> dict:
     """The 1F1B compute order; ``version(s, i)`` labels F/B, ``step_after(s, i)`` returns the actions
     to put after ``B s.i`` (a list: ``[RG s, STEP s@v]``) or None."""
     lists = {}
@@ -111,11 +113,11 @@ def interleaved(p: int, m: int, v: int = 2) -> Schedule:
     The bubble shrinks by v: t_bubble / t_ideal = (p-1)/(v*m) with uniform chunk times, i.e. a bubble
     fraction idle/(idle+busy) of (p-1)/(v*m+p-1). Megatron's condition: m a multiple of p.
     """
-    _check_pm("interleaved", p, m)
+    check_pm("interleaved", p, m)
     if v < 1:
         raise ScheduleError(f"interleaved: v (model chunks per rank) must be >= 1, got v={v}")
     if m < p:
-        raise _too_few_microbatches("interleaved", p, m, v)
+        raise too_few_microbatches("interleaved", p, m, v)
     if m % p:
         lo, hi = (m // p) * p, (m // p + 1) * p
         raise ScheduleError(f"interleaved(p={p}, m={m}, v={v}) needs m to be a multiple of p={p}: microbatches go "

@@ -44,7 +44,7 @@ from __future__ import annotations
 from fxpar.schedule._build import compute, finish
 from fxpar.schedule.exceptions import ScheduleError
 from fxpar.schedule.ir import Schedule
-from fxpar.schedule.synchronous import _check_pm, _too_few_microbatches
+from fxpar.schedule.synchronous import check_pm, too_few_microbatches
 
 __all__ = ["zb1p"]
 
@@ -74,12 +74,12 @@ def zb1p(p: int, m: int, in_flight: str = "p") -> Schedule:
     reached on every stage instead of stage 0 only), the bubble (p-1)(F+I-W);
     ``in_flight="1f1b"`` keeps every stage at 1F1B's activation count (p-s on stage s), bubble (p-1)(F+I).
     """
-    _check_pm("zb1p", p, m)
+    check_pm("zb1p", p, m)
     if in_flight not in ("1f1b", "p"):
         raise ScheduleError(f"zb1p: in_flight must be '1f1b' (at most p-s microbatches in flight on stage s, as "
                             f"1F1B) or 'p' (the paper's ZB-H1 order, p on every stage); got {in_flight!r}")
     if m < p:
-        raise _too_few_microbatches("zb1p", p, m)
+        raise too_few_microbatches("zb1p", p, m)
     lists = {}
     for s in range(p):
         lag = 0 if in_flight == "1f1b" else s

@@ -5,6 +5,8 @@ import copy
 
 import torch
 
+from fxpar.runtime.executor import make_scheduler
+
 __all__ = ["reference_training", "ddp_reference", "ddp_worker", "max_abs_diff"]
 
 
@@ -19,7 +21,6 @@ def reference_training(model, batches, loss_fn, optimizer, lr_scheduler=None):
     m = copy.deepcopy(model)
     cls, kw = optimizer
     opt = cls(m.parameters(), **kw)
-    from fxpar.runtime.executor import make_scheduler
     sched = make_scheduler(lr_scheduler, opt)
     losses = []
     for b in batches:

@@ -1,122 +1,27 @@
-"""Measure this machine and return a :class:`~fxpar.cluster.ClusterSpec` with its own figures.
-
-    >>> spec = ClusterSpec.calibrate(world_size=2)          # about 10 s on a 2-core machine
-    >>> spec, raw = calibrate(world_size=2, return_measurements=True)
-
-``world_size`` processes are spawned (``torch.multiprocessing``, start method ``spawn``) and
-joined in a gloo group on 127.0.0.1 at a free port (a socket bound to port 0). While all ranks
-run at once, as they will in training, each times (with a barrier before each repetition; where there are
-more threads in all ranks than cores, a loop's mean over 1 s of wall time on every rank at once instead,
-:func:`_time_shared`, so that each rank measures its share of the cores as in training):
-
-- a GraphModule of 200 tiny aten ops (views, slices, copies, adds: :func:`_mixed_ops_graph`) ->
-  ``device.op_overhead_s`` (per-op dispatch cost);
-- ``torch.mm`` on fp32 ``n x n`` matrices, cycling over 32 MiB of operand pairs so that each call reads them from
-  memory as a step's matmuls do (:func:`_rotating`) -> ``device.peak_flops`` (efficiency ``matmul`` = 1);
-- an fp32 ``add`` over 4M elements (12 bytes per element moved) -> ``device.mem_bandwidth``;
-- softmax and layer_norm -> ``efficiency["softmax"]``, ``efficiency["norm"]``: the fraction of
-  peak that makes the roofline of :mod:`cost_models.compute` give the measured time; likewise
-  gelu (1M elements) -> ``efficiency["transcendental"]`` (erf, exp, tanh, ... pointwise ops), gelu_backward ->
-  ``efficiency["transcendental_backward"]`` (their backward ops: 1.8-2x the forward's time per element), and
-  causal scaled-dot-product attention (q, k, v of ``4 x 8 x 128 x 64``, a GPT-sized head; operands cycled as the
-  matmul's) ->
-  ``efficiency["attention"]`` (forward and backward);
-- ``index_add_`` of 4096 rows of 32 at fresh random indices into a 200000 x 32 table -> ``device.index_row_s``, what
-  it takes per row beyond its bytes at that bandwidth (ATen's CPU kernel adds the rows one by one, each a random
-  access: 20-40 ns a row on a 2-core machine, 1.5-2x the bytes' time; :func:`index_row_overhead`);
-- ``all_reduce`` of sizes 4 KiB .. 16 MiB (after a barrier each time);
-- the *issue* of a small collective (two or more ranks; a functional ``all_reduce`` and an
-  ``all_gather_into_tensor`` of 1 KiB after a barrier, timed from the call to its return, before the
-  wait): the mean of the two medians is ``device.collective_issue_s``, the CPU a rank spends per
-  collective a graph issues (gloo's work setup and small copies on the caller's thread; 90-220 µs on
-  a 2-core machine);
-- what a transfer takes from the compute it *overlaps* (:func:`_measure_overlap_cpu`: a block of matmuls and adds
-  timed alone and with an all_reduce of 1 and 4 MiB in flight; the ranks' mean) -> ``device.comm_cpu_per_byte``
-  where the ranks' threads fill the cores (gloo's threads and the kernel's socket and softirq work then run on
-  the cores compute needs: 1.5-1.8 ms per MiB on a 2-core machine's loopback, where a blocking all_reduce takes
-  0.8), with gloo's threads' own CPU per collective (:func:`_measure_comm_cpu`) -> ``device.comm_cpu_s``;
-- small collectives *as a step issues them* (two or more ranks; :func:`_measure_in_step`): rounds of 20 tiny
-  adds, a functional ``all_reduce`` (or ``all_gather_into_tensor``) of 1 KiB and its wait, back to back
-  without a barrier, less the same rounds without the collective: what one costs inside a step, the ranks'
-  skew and the wake-up of gloo's threads included, which a barrier before each one hides (on a 2-core
-  machine 0.9-1.5 ms per all_reduce back to back against 0.4-0.6 ms after a barrier);
-- ops *after a collective* (two or more ranks; :func:`_measure_cold_ops`): a graph of 20 kinds of training op
-  (:func:`_training_ops_graph`) timed back to back and with a 1 KiB all_reduce issued and waited between calls;
-  the difference over the kinds is ``device.cold_op_s``, what an op costs more the first time its kind runs after
-  the rank's communication (3-6 µs on a 2-core machine, where the ops run 2-3x as long right after a collective:
-  what ran on the core meanwhile pushed their code and data out of its caches); the in-step loops above have their
-  adds' share taken off (``raw["in_step_measured"]`` keeps what was timed);
-- a *late receive* (two or more ranks): rank 0 posts an ``isend`` of 128 KiB (a pipeline
-  activation of this size class) to rank 1 and goes on computing (matmuls, 20 ms); rank 1
-  computes 5 ms, then receives. The receive's wait, averaged (the mean: idle time adds up,
-  and the wait is heavy-tailed, a median hides it) over ``late_reps`` repeats, less the
-  message's own transfer time, is ``device.late_recv_s``: on CPU ranks that share cores,
-  gloo finishes a write the receiver was not yet reading on the sender's CPU, which must be
-  scheduled beside the sender's compute (0.2-13 ms per receive on a 2-core machine).
-
-Each figure is the median over at least ``reps`` runs and at least 0.25 s of running, so that a
-burst of other load on a shared host moves a few samples rather than the figure.
-
-The all_reduce times are fitted by least squares to ``T(S) = a + b·S`` and read as the ring
-model ``T = 2(N-1)α + 2(N-1)/N · S/B`` (Patarasuk & Yuan 2009), so ``B = 2(N-1) / (N·b)``; α is
-taken from the small collectives in a step (:func:`in_step_alpha`: the model's issue + ``2(N-1)α``
-for the all_reduce and issue + ``(N-1)α`` for the all_gather equal to what was measured), not from
-the fit's intercept ``a / (2(N-1))`` (kept as ``raw["alpha_fit"]``), which the large sizes decide and
-which came out 66, 437 and 729 µs in three runs within an hour here. Both become ``intra_node``
-(:func:`measure_link` and :func:`link_spec`, which the netns harness of ``benchmarks/`` also uses to
-measure its veth). Each rank uses ``cores // world_size``
-threads so ranks do not fight for cores.
+"""What each rank of the calibration times: compute (matmul, bandwidth, per-op dispatch, softmax, norms, gelu,
+attention, ``index_add_``), and, in a gloo group, the link (all_reduce by size, a collective's issue, small collectives
+as a step issues them, ops after a collective, gloo's threads' CPU, what a transfer takes from overlapped compute, a
+late receive). :mod:`fxpar.tools.calibrate` spawns the ranks and turns these figures into a ClusterSpec; the netns
+harness of ``benchmarks/`` calls :func:`measure_link` on ranks it starts itself.
 """
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 
-from fxpar.cluster import ClusterSpec, LinkSpec
 from fxpar.collectives import gloo_all_gather_into_tensor
-from fxpar.host import COMM_THREAD_NAMES, raise_comm_threads, reuse_freed_memory
+from fxpar.host import COMM_THREAD_NAMES
 
-__all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "in_step_slots", "late_recv_overhead",
-           "index_row_overhead", "link_spec", "measure_link", "op_overhead", "overlap_per_byte", "pin_rank", "rank_cores"]
-
-_SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def fit_alpha_beta(sizes, times, n: int) -> tuple[float, float]:
-    """(α seconds, B bytes/s) of the ring all_reduce model fitted to (size, seconds) pairs."""
-    k = len(sizes)
-    mx, my = sum(sizes) / k, sum(times) / k
-    sxx = sum((x - mx) ** 2 for x in sizes)
-    b = sum((x - mx) * (y - my) for x, y in zip(sizes, times)) / sxx if sxx else 0.0
-    a = my - b * mx
-    b = max(b, 1e-15)
-    a = max(a, 0.0)
-    steps = max(1, 2 * (n - 1))
-    return a / steps, steps / n / b if n > 1 else 1.0 / b
-
-
-def late_recv_overhead(waits, nbytes: int, link) -> float:
-    """``device.late_recv_s``: the mean of the measured late-receive waits less the transfer the cost
-    model already charges for the message (``link.latency + nbytes / link.bandwidth``), at least 0."""
-    if not waits:
-        return 0.0
-    return max(0.0, sum(waits) / len(waits) - (link.latency + nbytes / link.bandwidth))
+__all__ = ["INDEX_ROWS", "INDEX_TABLE", "LATE_BYTES", "SDPA_SHAPE", "SIZES", "measure_compute", "measure_late_recv",
+           "measure_link", "op_overhead", "time_shared"]
 
 
 _MIN_SECONDS = 0.25     # time each measurement over at least this long: a short burst of other load
 _MAX_REPS = 400         # on a shared host then moves the median of many samples, not the figure
+SIZES = (4 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20)
 
 
 def _time(fn, reps: int, sync=None, min_seconds: float = _MIN_SECONDS) -> float:
@@ -148,7 +53,7 @@ def _agree(flag: bool) -> bool:
 
 
 _TINY_OPS = 200
-_SDPA_SHAPE = (4, 8, 128, 64)        # batch, heads, sequence, head dim
+SDPA_SHAPE = (4, 8, 128, 64)        # batch, heads, sequence, head dim
 
 
 def _adds_graph(n: int) -> torch.fx.GraphModule:
@@ -192,12 +97,12 @@ def _tiny_ops_graph():
 
 def op_overhead(reps: int = 5) -> float:
     """Seconds one tiny aten op of :func:`_mixed_ops_graph` costs in this process, alone (the unit in which
-    ``fxpar.runtime.measure.action_overhead_s`` is scaled to the ranks' per-op cost)."""
+    ``fxpar.tools.runtime_cost.action_overhead_s`` is scaled to the ranks' per-op cost)."""
     ops, n_ops = _tiny_ops_graph()
     return _time(ops, reps) / n_ops
 
 
-def _time_shared(fn, seconds: float = 4 * _MIN_SECONDS) -> float:
+def time_shared(fn, seconds: float = 4 * _MIN_SECONDS) -> float:
     """Seconds per call of ``fn`` where the ranks share the cores: every rank (from a barrier, all at once) calls
     it for ``seconds`` of wall time; the wall time over the calls. One call is often shorter than the
     scheduler's time slice and then runs on a core of its own, so the median of single calls reports a core per
@@ -237,11 +142,11 @@ def _rotating(sets: list, fn):
     return call
 
 
-def _measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
+def measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
     """The compute figures, each the median of single calls (a barrier before each with ``sync``), or where the
-    ranks share the cores (``shared``) each a loop's mean over the same wall time on every rank (:func:`_time_shared`)."""
+    ranks share the cores (``shared``) each a loop's mean over the same wall time on every rank (:func:`time_shared`)."""
     def timed(fn) -> float:
-        return _time_shared(fn) if shared else _time(fn, reps, sync)
+        return time_shared(fn) if shared else _time(fn, reps, sync)
     n = 512
     mm = _rotating([(torch.randn(n, n), torch.randn(n, n)) for _ in range(_sets(2 * n * n * 4))],
                    lambda ab: torch.mm(*ab))
@@ -255,31 +160,20 @@ def _measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
     t_op = timed(ops) / n_ops
     t_gelu = timed(lambda: torch.nn.functional.gelu(s))
     t_gelu_bwd = timed(lambda: torch.ops.aten.gelu_backward(s, s))
-    qkv = [tuple(torch.randn(*_SDPA_SHAPE) for _ in range(3))
-           for _ in range(_sets(3 * 4 * torch.Size(_SDPA_SHAPE).numel()))]
+    qkv = [tuple(torch.randn(*SDPA_SHAPE) for _ in range(3))
+           for _ in range(_sets(3 * 4 * torch.Size(SDPA_SHAPE).numel()))]
     t_sdpa = timed(_rotating(qkv, lambda t: torch.nn.functional.scaled_dot_product_attention(*t, is_causal=True)))
-    table = torch.zeros(*_INDEX_TABLE)
-    rows = torch.randn(_INDEX_ROWS, _INDEX_TABLE[1])
-    ids = [torch.randint(0, _INDEX_TABLE[0], (_INDEX_ROWS,)) for _ in range(64)]
+    table = torch.zeros(*INDEX_TABLE)
+    rows = torch.randn(INDEX_ROWS, INDEX_TABLE[1])
+    ids = [torch.randint(0, INDEX_TABLE[0], (INDEX_ROWS,)) for _ in range(64)]
     t_index = timed(_rotating(ids, lambda i: table.index_add_(0, i, rows)))
     return {"gelu_s": t_gelu, "gelu_backward_s": t_gelu_bwd, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
             "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel(), "index_add_s": t_index}
 
 
-_INDEX_TABLE = (200_000, 32)     # 24.4 MiB: larger than a core's caches, as an embedding table is
-_INDEX_ROWS = 4096
-
-
-def index_row_overhead(compute: dict) -> float:
-    """``device.index_row_s``: the measured ``index_add_`` of :data:`_INDEX_ROWS` rows at fresh random indices into a
-    :data:`_INDEX_TABLE` table, less what its bytes take at the measured bandwidth (the cost model's roofline,
-    ``cost_models.compute``: each row read and written, the source read, the indices), per row."""
-    r, d = _INDEX_ROWS, _INDEX_TABLE[1]
-    nbytes = 3 * r * d * 4 + r * 8
-    return max(0.0, compute["index_add_s"] - nbytes / compute["add_bytes_per_s"]) / r
-
-
-_LATE_BYTES = 128 << 10
+INDEX_TABLE = (200_000, 32)     # 24.4 MiB: larger than a core's caches, as an embedding table is
+INDEX_ROWS = 4096
+LATE_BYTES = 128 << 10
 _LATE_REPS = 40
 
 
@@ -289,7 +183,7 @@ def _busy(seconds: float, a, b) -> None:
         torch.mm(a, b)
 
 
-def _measure_late_recv(rank: int, reps: int = _LATE_REPS, nbytes: int = _LATE_BYTES) -> list:
+def measure_late_recv(rank: int, reps: int = _LATE_REPS, nbytes: int = LATE_BYTES) -> list:
     """Rank 1's receive waits (seconds) for messages rank 0 posted 5 ms earlier and then computed
     past (ranks 0 and 1 only; other ranks just join the barriers)."""
     import torch.distributed as dist
@@ -450,31 +344,6 @@ def _measure_cold_ops(rounds: int = _COLD_ROUNDS) -> dict:
             "cold_op_s": max(0.0, medians["after_collective"] - medians["back_to_back"]) / kinds}
 
 
-def in_step_slots(in_step: dict, issue_s: float) -> int | None:
-    """How many small collectives a rank progresses at once, as :func:`_measure_in_step` found. With issue
-    ``i`` on the rank's thread and the rest on the link, the simulator puts the ``pair`` (all_reduce issued,
-    then the all_gather issued and waited) at ``max(ar, i + ag)`` with two slots (gloo's two worker threads,
-    ``cost_models.comm.GLOO_THREADS``: the transfers overlap) and at ``max(2i, ar) + ag - i`` with one (the
-    all_gather's transfer waits for the all_reduce's); the nearer to the measured pair wins, two on a tie.
-    Where the ranks' threads fill the cores, a small collective's time is CPU work (thread hand-offs, socket
-    calls), which two at once share: one slot; where it is waiting (for a wake-up, for the peer), they overlap.
-    None when ``pair`` was not measured."""
-    if not {"pair", "all_reduce", "all_gather"} <= set(in_step):
-        return None
-    ar, ag, pair, i = in_step["all_reduce"], in_step["all_gather"], in_step["pair"], issue_s
-    two, one = max(ar, i + ag), max(2 * i, ar) + ag - i
-    return 2 if abs(pair - two) <= abs(pair - one) else 1
-
-
-def in_step_alpha(in_step: dict, issue_s: float, n: int) -> float:
-    """The ring's per-step latency α that makes the cost model's small collectives take what
-    :func:`_measure_in_step` measured: ``issue_s + 2(N-1)α`` for the all_reduce and ``issue_s + (N-1)α`` for
-    the all_gather (:mod:`cost_models.comm`); the mean of the two."""
-    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1}
-    got = [max(0.0, t - issue_s) / steps[k] for k, t in in_step.items() if k in steps and n > 1]
-    return sum(got) / len(got) if got else 0.0
-
-
 def _comm_threads_cpu() -> float | None:
     """CPU seconds this process's gloo threads (:data:`COMM_THREAD_NAMES`) have run so far, from
     ``/proc/self/task/*/schedstat`` (Linux); None where there is none."""
@@ -579,7 +448,7 @@ def _measure_overlap_cpu(sizes=_OVERLAP_SIZES, reps: int = 5) -> dict:
             "hidden": statistics.median(waits)}
 
 
-def measure_link(sizes=_SIZES, reps: int = 5, in_step_seconds: float = _MIN_SECONDS) -> dict:
+def measure_link(sizes=SIZES, reps: int = 5, in_step_seconds: float = _MIN_SECONDS) -> dict:
     """Every rank of the current (gloo) process group calls it: the link's raw figures -- ``all_reduce``:
     (bytes, seconds) of a blocking all_reduce per size, after a barrier each time; ``collective_issue_s``
     (:func:`_measure_issue`); ``in_step``: seconds per small collective back to back (:func:`_measure_in_step`).
@@ -599,138 +468,3 @@ def measure_link(sizes=_SIZES, reps: int = 5, in_step_seconds: float = _MIN_SECO
     return {"all_reduce": comm, "collective_issue_s": _measure_issue(), "cold_ops": cold, "cold_op_s": c,
             "in_step": in_step, "in_step_measured": measured, "comm_cpu": _measure_comm_cpu(),
             "overlap_cpu": _measure_overlap_cpu(reps=reps)}
-
-
-def overlap_per_byte(raw: dict) -> float:
-    """``DeviceSpec.comm_cpu_per_byte`` from :func:`measure_link`'s figures: what a transfer took from the compute it
-    overlapped, per byte (:func:`_measure_overlap_cpu`); gloo's threads' own CPU per byte where that was not measured."""
-    over, cpu = raw.get("overlap_cpu"), raw.get("comm_cpu")
-    return over["per_byte_s"] if over else cpu["per_byte_s"] if cpu else 0.0
-
-
-def link_spec(raw: dict, n: int) -> LinkSpec:
-    """The :class:`LinkSpec` of :func:`measure_link`'s figures on ``n`` ranks: the bandwidth from the slope of
-    the ring fit over the sizes (:func:`fit_alpha_beta`), the latency α as a step sees it (:func:`in_step_alpha`)
-    when measured, else the fit's intercept (written into ``raw`` as ``alpha``, ``alpha_fit``, ``bandwidth``)."""
-    sizes, times = zip(*raw["all_reduce"])
-    alpha, beta = fit_alpha_beta(sizes, times, n)
-    raw["alpha_fit"], raw["bandwidth"] = alpha, beta
-    if raw.get("in_step"):     # α as a step sees it (small collectives back to back), not the fit's intercept
-        alpha = in_step_alpha(raw["in_step"], raw.get("collective_issue_s", 0.0), n)
-    raw["alpha"] = alpha
-    return LinkSpec(beta, alpha)
-
-
-def rank_cores(rank: int, world: int, cores: int | None = None) -> set:
-    """The cores rank ``rank`` of ``world`` is pinned to when ranks are pinned: the machine's cores cut into
-    ``world`` equal runs (rank r gets the r-th), or core ``r % cores`` when there are more ranks than cores.
-    Unpinned, a 2-core machine moves a 2 ms step between 2.1 and 4.4 ms from run to run (the scheduler puts
-    both ranks, and gloo's threads, on one core or not); pinned, 2.29-2.41 ms in four runs."""
-    cores = cores or os.cpu_count() or 1
-    if world > cores:
-        return {rank % cores}
-    k = cores // world
-    return set(range(rank * k, (rank + 1) * k))
-
-
-def pin_rank(rank: int, world: int) -> None:
-    """Pin this process (and the threads it starts) to :func:`rank_cores`; nothing where the OS cannot."""
-    if hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, rank_cores(rank, world))
-
-
-def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False, comm_priority=False):
-    import torch.distributed as dist
-    reuse_freed_memory()                 # as fxpar's ranks run (ClusterSpec.host_memory_reuse, on by default)
-    if pin:
-        pin_rank(rank, world_size)
-    torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
-    dist.barrier()                       # the group's threads are up (and have named themselves)
-    if comm_priority and raise_comm_threads() is None:     # the same machine: every rank is refused alike
-        if rank == 0:
-            queue.put({"comm_priority_refused": True})
-        dist.destroy_process_group()
-        return
-    try:
-        # more ranks than cores: each figure a loop's mean over the same wall time on every rank (_time_shared), so
-        # every rank's loop runs beside the others' as in training (a barrier before each call staggers them, and a
-        # single call fits in a time slice: either way a rank times its ops as if alone -- 23-125 GFLOP/s per rank
-        # from run to run with 4 ranks on 2 cores)
-        shared = world_size * torch.get_num_threads() > (os.cpu_count() or 1)
-        compute = _measure_compute(reps, None if shared else dist.barrier, shared)
-        dist.barrier()
-        link = measure_link(sizes, reps)
-        late = _measure_late_recv(rank)
-        if rank == 1:
-            queue.put({"late_recv": late})
-        if rank == 0:
-            queue.put({"compute": compute, "threads": torch.get_num_threads(), **link})
-    finally:
-        dist.destroy_process_group()
-
-
-def calibrate(world_size: int = 2, sizes=_SIZES, reps: int = 5, return_measurements: bool = False,
-              threads: int | None = None, pin: bool = False, comm_priority: bool = False):
-    """Measure ``world_size`` local gloo ranks; a ClusterSpec (and the raw figures if asked).
-
-    ``threads``: torch's intra-op threads per rank while measuring (default: this machine's cores split
-    evenly over the ranks); set it to what the ranks of the run being planned will use. ``pin``: each rank
-    pinned to its own cores (:func:`rank_cores`), for runs whose ranks are pinned alike (the netns harness's).
-    ``comm_priority``: the ranks' gloo threads under SCHED_FIFO (``fxpar.host.raise_comm_threads``) while measuring,
-    and the spec says so (``ClusterSpec.comm_priority``: the runtime then does the same); a ValueError where
-    the OS refuses it."""
-    import torch.multiprocessing as mp
-    base = ClusterSpec.local(world_size)
-    if world_size == 1:
-        raw = {"compute": _measure_compute(reps), "all_reduce": []}
-    else:
-        ctx = mp.get_context("spawn")
-        queue = ctx.SimpleQueue()
-        mp.start_processes(_worker, args=(world_size, free_port(), tuple(sizes), reps, queue, threads, pin,
-                                          comm_priority),
-                           nprocs=world_size, join=True, start_method="spawn")
-        raw = {}
-        while not queue.empty():
-            raw.update(queue.get())
-        if raw.get("comm_priority_refused"):
-            raise ValueError("ClusterSpec.calibrate(comm_priority=True): this process may not put gloo's threads "
-                             "under SCHED_FIFO (it needs root or CAP_SYS_NICE, on Linux). Run as a user who may, or "
-                             "calibrate (and run) with comm_priority=False.")
-    c = raw["compute"]
-    peak, bw = c["mm_flops"], c["add_bytes_per_s"]
-    numel = c["softmax_numel"]
-    eff = {"matmul": 1.0, "conv": 1.0, "attention": 1.0, "elementwise": 1.0, "memory": 1.0,
-           # roofline: flops/(peak*eff) = measured time; 5 FLOPs/element as cost_models.compute counts
-           "softmax": min(1.0, 5 * numel / (peak * c["softmax_s"])),
-           "norm": min(1.0, 5 * numel / (peak * c["layer_norm_s"]))}
-    if "gelu_s" in c:                      # 1 FLOP per element; attention 4·b·h·s²·d FLOPs (cost_models.compute)
-        b, h, s_, d = _SDPA_SHAPE
-        eff["transcendental"] = min(1.0, numel / (peak * c["gelu_s"]))
-        if "gelu_backward_s" in c:
-            eff["transcendental_backward"] = min(1.0, numel / (peak * c["gelu_backward_s"]))
-        eff["attention"] = min(1.0, 4 * b * h * s_ * s_ * d / (peak * c["sdpa_s"]))
-    device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
-                     op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s),
-                     index_row_s=index_row_overhead(c) if "index_add_s" in c else 0.0)
-    spec = replace(base, device=device, comm_priority=bool(comm_priority))
-    if raw["all_reduce"]:
-        spec = replace(spec, intra_node=link_spec(raw, world_size))
-    if raw.get("collective_issue_s"):
-        spec = replace(spec, device=replace(spec.device, collective_issue_s=raw["collective_issue_s"]))
-    if raw.get("cold_op_s"):
-        spec = replace(spec, device=replace(spec.device, cold_op_s=raw["cold_op_s"]))
-    cpu, over = raw.get("comm_cpu"), raw.get("overlap_cpu")
-    if (cpu or over) and world_size * raw.get("threads", 1) >= (os.cpu_count() or 1):
-        # the ranks' threads fill the cores: what gloo's threads run per collective, and what a transfer takes from
-        # the compute it overlaps per byte, are compute's time (DeviceSpec.comm_cpu_s, comm_cpu_per_byte)
-        spec = replace(spec, device=replace(spec.device, comm_cpu_s=cpu["per_collective_s"] if cpu else 0.0,
-                                            comm_cpu_per_byte=overlap_per_byte(raw)))
-    slots = in_step_slots(raw.get("in_step") or {}, raw.get("collective_issue_s", 0.0))
-    if slots:
-        raw["collective_slots"] = slots
-        spec = replace(spec, device=replace(spec.device, collective_slots=slots))
-    if raw.get("late_recv"):
-        raw["late_recv_s"] = late_recv_overhead(raw["late_recv"], _LATE_BYTES, spec.intra_node)
-        spec = replace(spec, device=replace(spec.device, late_recv_s=raw["late_recv_s"]))
-    return (spec, raw) if return_measurements else spec
