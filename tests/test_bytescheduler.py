@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fxpar
 from fxpar.errors import StrategyError
 from fxpar.runtime.executor import train
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import (MLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt,
+                           token_pairs)
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
@@ -27,24 +28,11 @@ SMALL = dict(partition_mb=0.004, credit_mb=0.008)     # pieces of <= 4 KiB (8 Ki
 C10D = torch.ops._c10d_functional
 
 
-def _gpt():
-    return GPT(vocab=32, d=16, layers=2, heads=2).double()
-
-
-def _mlp():
-    return MLP().double()
-
-
 def _batches(kind, n=3, batch=8):
-    g = torch.Generator().manual_seed(3)
-    if kind == "mlp":
-        return [(torch.randn(batch, 16, generator=g, dtype=torch.float64),
-                 torch.randn(batch, 8, generator=g, dtype=torch.float64)) for _ in range(n)]
-    return [(torch.randint(0, 32, (batch, 8), generator=g), torch.randint(0, 32, (batch, 8), generator=g))
-            for _ in range(n)]
+    return regression_batches(n, batch, seed=3) if kind == "mlp" else token_pairs(n, batch)
 
 
-MODELS = {"gpt": (_gpt, gpt_loss), "mlp": (_mlp, F.mse_loss)}
+MODELS = {"gpt": (lambda: tiny_gpt(seed=None), gpt_loss), "mlp": (lambda: MLP().double(), F.mse_loss)}
 
 
 def _program(kind, opt, strategy, n=3, cluster=None, **kw):

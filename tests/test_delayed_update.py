@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar import meta as M
 from fxpar.collectives import C10D
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
+from fxpar.testing import MLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt, token_batches
 from fxpar.testing.async_reference import pipedream_2bw_reference
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
@@ -19,17 +19,12 @@ TOL = 1e-10
 
 
 def _gpt_data(n):
-    torch.manual_seed(0)
-    model = GPT(vocab=32, d=16, layers=2, heads=2).double()
-    out = token_batches(n)
-    return model, out, gpt_loss
+    return tiny_gpt(), token_batches(n), gpt_loss
 
 
 def _mlp_data(n):
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(2)
-    return MLP().double(), [(torch.randn(8, 16, generator=g, dtype=torch.float64),
-                             torch.randn(8, 8, generator=g, dtype=torch.float64)) for _ in range(n)], F.mse_loss
+    return MLP().double(), regression_batches(n), F.mse_loss
 
 
 @pytest.mark.parametrize("dp", [2, 4])

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar.collectives import (C10D, gathers_beside_collectives, gloo_all_gather_into_tensor, group_tag,
                                in_flight_across_graphs, lower_for_backend)
-from test_parallax import Bag            # a large table Parallax routes sparse, a small one, a head
+from fxpar.testing import Bag, bag_batches     # a large table Parallax routes sparse, a small one, a head
 
 FUNCTIONAL = C10D.all_gather_into_tensor.default
 
@@ -69,8 +69,7 @@ def _executor_gathers(payload):
 def test_executor_lowers_the_gathers_that_run_beside_another_collective(clusters):
     """Parallax's pairs are gathered while the dense rest's all-reduce is in flight: lowered on every rank. ZeRO-3's
     parameter gathers run one at a time (one collective in flight per graph): they keep the functional op."""
-    g = torch.Generator().manual_seed(3)
-    batch = (torch.randint(0, 1000, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))
+    batch = bag_batches(1)[0]
     for strat, lowered in ((fxpar.Strategy(dp=2, grad_sync="parallax"), True), (fxpar.Strategy(dp=2, zero=3), False)):
         prog = fxpar.parallelize(Bag(), 2, batch, F.cross_entropy, (torch.optim.SGD, {"lr": 0.1}), strategy=strat)
         planned = sum(1 for gm in prog.graphs(0).values() for n in gm.graph.nodes if n.target is FUNCTIONAL)
@@ -131,8 +130,7 @@ def test_unbound_groups_are_left_alone():
 
 def _runner_keeps_program_graphs(strat_kwargs):
     """On a rank of an initialised group: runner() binds and lowers its own copies of the graphs."""
-    g = torch.Generator().manual_seed(3)
-    batch = (torch.randint(0, 1000, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))
+    batch = bag_batches(1)[0]
     prog = fxpar.parallelize(Bag(), 2, batch, F.cross_entropy, (torch.optim.SGD, {"lr": 0.1}),
                              strategy=fxpar.Strategy(**strat_kwargs))
     before = [(n.target, n.args) for gm in prog.graphs(0).values() for n in gm.graph.nodes]

@@ -20,26 +20,18 @@ from fxpar import meta as M
 from fxpar.cluster import LinkSpec
 from fxpar.errors import StrategyError
 from fxpar.pass_manager import PassContext
-from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_pairs
 from passes.grad_order import GradOrder, backward_region, reordered_backward, why_not_reorder
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 C10D = torch.ops._c10d_functional
 
 
-def _batches(n=3, batch=8):
-    g = torch.Generator().manual_seed(5)
-    return [(torch.randint(0, 32, (batch, 8), generator=g), torch.randint(0, 32, (batch, 8), generator=g))
-            for _ in range(n)]
-
-
 SMALL = dict(partition_mb=0.004, credit_mb=0.008)     # pieces of <= 4 KiB, as in test_bytescheduler.py
 
 
 def _program(order, dp=2, cluster=None, **kw):
-    torch.manual_seed(0)
-    model = GPT(vocab=32, d=16, layers=3, heads=2).double()
-    batches = _batches()
+    model, batches = tiny_gpt(layers=3), token_pairs(3, seed=5)
     prog = fxpar.parallelize(model, cluster or fxpar.ClusterSpec.local(dp), batches[0], loss_fn=gpt_loss,
                              optimizer=ADAMW, strategy=fxpar.Strategy(dp=dp, comm_schedule="bytescheduler",
                                                                       grad_order=order, **kw))
@@ -153,9 +145,7 @@ def test_bad_settings_are_refused_with_the_fix():
         fxpar.Strategy(dp=2, comm_schedule="bytescheduler", grad_order="reverse")._check_comm_schedule()
     with pytest.raises(StrategyError, match="add comm_schedule='bytescheduler'"):
         fxpar.Strategy(dp=2, grad_order="priority")._check_comm_schedule()
-    torch.manual_seed(0)
-    model = GPT(vocab=32, d=16, layers=2, heads=2).double()
-    batches = _batches()
+    model, batches = tiny_gpt(), token_pairs(3, seed=5)
     with pytest.raises(StrategyError, match="REDUCE_GRAD after its last backward"):
         fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
                           strategy=fxpar.Strategy(dp=2, microbatches=2, comm_schedule="bytescheduler",

@@ -7,16 +7,12 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.collectives import collective_nodes
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
+from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt, token_batches
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 TWO_NODES = dict(nodes=2, devices_per_node=2)
 TOL = 1e-10
-
-
-def _gpt_batches(n, batch=8):
-    return token_batches(n, batch=batch)
 
 
 def _run(clusters, model, batches, loss_fn, opt, **kw):
@@ -30,8 +26,7 @@ def _run(clusters, model, batches, loss_fn, opt, **kw):
 
 
 def test_herring_gpt_adamw_matches_single_process(clusters):
-    torch.manual_seed(0)
-    _run(clusters, GPT(vocab=32, d=16, layers=2, heads=2).double(), _gpt_batches(3), gpt_loss, ADAMW,
+    _run(clusters, tiny_gpt(), token_batches(3), gpt_loss, ADAMW,
          bucket_cap_mb=0.01)
 
 
@@ -73,9 +68,7 @@ def test_herring_mlp_structure_and_bytes(clusters):
 def _mlp_and_batches():
     torch.manual_seed(0)
     model = MLP(d_in=15, hidden=33, d_out=7).double()
-    g = torch.Generator().manual_seed(2)
-    return model, [(torch.randn(8, 15, generator=g, dtype=torch.float64),
-                    torch.randn(8, 7, generator=g, dtype=torch.float64)) for _ in range(2)]
+    return model, regression_batches(2, d_in=15, d_out=7)
 
 
 def _steps_per_bucket(gm):

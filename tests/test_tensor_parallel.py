@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.testing import CNN, GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
-from fxpar.testing.models import MegatronBlock
+from fxpar.testing import (CNN, MLP, MegatronBlock, gpt_loss, max_abs_diff, reference_training, regression_batches,
+                           tiny_gpt, token_batches)
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -51,17 +51,6 @@ class AnnotatedMLP(nn.Module):
         return self.fc2(fxpar.shard(torch.tanh(self.fc1(x)), (None, "tp")))
 
 
-def _gpt(heads=2):
-    torch.manual_seed(0)
-    return GPT(vocab=32, d=16, layers=2, heads=heads).double()
-
-
-def _mlp_batches(n, batch=8, d_in=16, d_out=8):
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(batch, d_in, generator=g, dtype=torch.float64),
-             torch.randn(batch, d_out, generator=g, dtype=torch.float64)) for _ in range(n)]
-
-
 def _cnn_batches(n, batch=8):
     g = torch.Generator().manual_seed(3)
     return [(torch.randn(batch, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 10, (batch,), generator=g))
@@ -69,11 +58,11 @@ def _cnn_batches(n, batch=8):
 
 
 MODELS = {
-    "gpt": lambda: (_gpt(), token_batches(3, batch=8), gpt_loss, ADAMW),
-    "gpt4": lambda: (_gpt(heads=4), token_batches(3, batch=8), gpt_loss, ADAMW),
-    "mlp": lambda: (MLP().double(), _mlp_batches(3), F.mse_loss, SGD_M),
+    "gpt": lambda: (tiny_gpt(), token_batches(3, batch=8), gpt_loss, ADAMW),
+    "gpt4": lambda: (tiny_gpt(heads=4), token_batches(3, batch=8), gpt_loss, ADAMW),
+    "mlp": lambda: (MLP().double(), regression_batches(3), F.mse_loss, SGD_M),
     "cnn": lambda: (CNN().double(), _cnn_batches(3), F.cross_entropy, SGD_M),
-    "annotated": lambda: (AnnotatedMLP().double(), _mlp_batches(3), F.mse_loss, ADAMW),
+    "annotated": lambda: (AnnotatedMLP().double(), regression_batches(3), F.mse_loss, ADAMW),
     "splitqkv": lambda: (SplitQKVLM().double(), token_batches(3, batch=4), gpt_loss, ADAMW),
 }
 LAYOUTS = {"gpt": {"blocks.*.fc.weight": ("tp", None), "blocks.*.fc.bias": ("tp",), "blocks.*.fc2.weight": (None, "tp")},
@@ -194,7 +183,7 @@ class Annot(nn.Module):
 
 
 def test_bad_inputs_name_the_tensor_and_the_fix():
-    x, y = _mlp_batches(1)[0]
+    x, y = regression_batches(1)[0]
     with pytest.raises(fxpar.errors.PassError, match=r"parameter 'layers.0.weight'.*does not divide|"
                                                      r"layers.0.weight.*tp=3"):
         _bad(MLP(hidden=32).double(), (x, y), F.mse_loss, tp=3, sharding={"layers.0.weight": ("tp", None)})
@@ -204,7 +193,7 @@ def test_bad_inputs_name_the_tensor_and_the_fix():
         _bad(Annot((None, "tp"), ("tp", None)).double(), (x, y), F.mse_loss, tp=2, sharding="annotations")
     ids, tgt = token_batches(1, batch=4)[0]
     with pytest.raises(fxpar.errors.PassError, match=r"attention in 'blocks.0' has 2 heads, which tp=4 does not divide"):
-        _bad(_gpt(heads=2), (ids, tgt), gpt_loss, tp=4, sharding="megatron")
+        _bad(tiny_gpt(heads=2), (ids, tgt), gpt_loss, tp=4, sharding="megatron")
     with pytest.raises(fxpar.StrategyError, match=r"mesh axis 'dp' is not a tensor-parallel axis"):
         fxpar.Strategy(tp=2, sharding={"fc.weight": ("dp", None)})
     with pytest.raises(fxpar.StrategyError, match=r"not yet composed with zero"):
@@ -223,7 +212,7 @@ class Flipped(nn.Module):
 
 
 def test_an_op_without_a_rule_runs_whole_and_explain_names_it(clusters):
-    MODELS["flipped"] = lambda: (Flipped().double(), _mlp_batches(3), F.mse_loss, SGD_M)
+    MODELS["flipped"] = lambda: (Flipped().double(), regression_batches(3), F.mse_loss, SGD_M)
     LAYOUTS["flipped"] = {"fc1.weight": ("tp", None), "fc1.bias": ("tp",)}
     prog, _ = _run(clusters, "flipped", "layouts", tp=2)
     text = prog.explain()
