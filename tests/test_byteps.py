@@ -35,6 +35,7 @@ def _expected_split(v, n, k):
     return v - k * p, p
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp,k", [(2, 0), (2, 1), (2, 2), (4, 2)])
 def test_byteps_matches_single_process_and_the_formula(clusters, dp, k):
     model, batches = tiny_gpt(), token_batches(2, batch=8)
@@ -86,6 +87,7 @@ def test_byteps_matches_single_process_and_the_formula(clusters, dp, k):
     assert server == pytest.approx(B.bytes_per_server(m, dp, k), abs=slack)
 
 
+@pytest.mark.structure
 def test_byteps_structure_pushes_and_pulls_per_bucket_in_order():
     """dp=4, k=2, no processes: per bucket the all-reduce of the workers' part over dp, then for each server its
     push and its pull over that server's group (go first, once per step and server); the bucket's result
@@ -128,6 +130,7 @@ def test_byteps_structure_pushes_and_pulls_per_bucket_in_order():
     assert prog.plan.groups["server0"] == [[0, 1, 2, 3, 4]] and prog.plan.groups["server1"] == [[0, 1, 2, 3, 5]]
 
 
+@pytest.mark.structure
 def test_byteps_cost_model_closed_forms():
     # k=0 is the ring all-reduce; k=n the non-colocated parameter server (M per worker); in between both sides equal
     for n in (2, 4, 8, 16):
@@ -146,6 +149,7 @@ def test_byteps_cost_model_closed_forms():
     assert pred["gain"] == pytest.approx(1.25) and pred["worker_bytes"] == pytest.approx(pred["server_bytes"])
 
 
+@pytest.mark.structure
 def test_byteps_bad_input():
     model, batches = tiny_gpt(), token_batches(1, batch=8)
     with pytest.raises(fxpar.ClusterSpecError, match=r"cpu_servers=-1.*int >= 0"):
@@ -166,6 +170,7 @@ def test_byteps_bad_input():
                           strategy=fxpar.Strategy(dp=1, grad_sync="byteps"))
 
 
+@pytest.mark.structure
 def test_byteps_runner_on_the_wrong_world_size_names_workers_and_servers(monkeypatch):
     """torchrun with n processes for n workers + k servers: refused before the rendezvous, naming n + k."""
     import torch.distributed as dist
@@ -187,6 +192,7 @@ def _checkpoint_values(path) -> dict:
     return load_checkpoint(path, templates, rank=0, world_size=1)[0]
 
 
+@pytest.mark.numerics
 def test_byteps_checkpoint_is_the_workers_and_resumes_under_any_grad_sync(clusters, tmp_path):
     """dp=2 + 1 server: save after one step, resume for two more == one process on all three batches; the
     checkpoint equals the one grad_sync='allreduce' writes (same keys, world 2, same values), and each resumes

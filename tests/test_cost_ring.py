@@ -16,6 +16,8 @@ from fxpar.cluster import ClusterSpec, LinkSpec
 from fxpar.meta import CommInfo
 from fxpar.testing import MLP
 
+pytestmark = pytest.mark.cost
+
 BI, AI = 2e9, 40e-6          # intra-node link (the calibrated loopback, say)
 BE, AE = 62.5e6, 100e-6      # inter-node link: 500 Mbit/s
 SGD = (torch.optim.SGD, {"lr": 0.1})

@@ -8,6 +8,8 @@ import fxpar
 from cost_models import PeakMemoryTracker, collective_cost
 from fxpar.testing import GPT, MLP, gpt_loss
 
+pytestmark = pytest.mark.cost
+
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3})
 
 

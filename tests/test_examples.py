@@ -1,8 +1,11 @@
 """The examples a newcomer starts from keep running and keep saying what they claim."""
+import pytest
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.numerics
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -39,6 +39,7 @@ def _assert_matches(res, model, batches, loss_fn, opt):
 
 
 # ---- the plan's choice ---------------------------------------------------------------------------------
+@pytest.mark.structure
 @pytest.mark.parametrize("opt,device,asynchronous,kernel,why", [
     (ADAMW, "cpu", False, "fused", "default"),
     (ADAMW_FUSED, "cpu", False, "fused", "fused=True asked"),
@@ -53,12 +54,14 @@ def test_kernel_choice_says_why(opt, device, asynchronous, kernel, why):
     assert got == kernel and why in reason, reason
 
 
+@pytest.mark.structure
 def test_fused_true_is_traced_now():
     """``fused=True`` used to send the optimizer out of the graph (eager on each rank); it only picks a kernel."""
     spec = resolve_optimizer(ADAMW_FUSED)
     assert spec.traced and not spec.why_not_traced
 
 
+@pytest.mark.structure
 def test_plan_and_explain_name_the_kernel():
     batches = token_pairs(3)
     p = fxpar.parallelize(tiny_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
@@ -76,6 +79,7 @@ def test_plan_and_explain_name_the_kernel():
 
 
 # ---- the graphs of every road ----------------------------------------------------------------------------
+@pytest.mark.structure
 def test_one_fused_call_per_bucket_under_cross_iteration():
     """ByteScheduler with cross-iteration overlap cuts the update per bucket and moves each into the next step's
     forward (``passes/comm_schedule.py``): each piece is one fused call there, and in the drain."""
@@ -90,6 +94,7 @@ def test_one_fused_call_per_bucket_under_cross_iteration():
     assert _update_ops(p.stages[0].graphs["FIRST"].gm) == []      # the first step updates nothing of its own
 
 
+@pytest.mark.structure
 def test_fused_in_pipeline_stage_graphs():
     """dp=2 x pp=2 with cross-iteration overlap: F_UPDATE (the previous STEP inside the first forward) and STEP
     carry fused calls only; plain 1F1B's STEP too."""
@@ -106,6 +111,7 @@ def test_fused_in_pipeline_stage_graphs():
 
 
 # ---- numerics: N gloo ranks equal single-process torch ---------------------------------------------------
+@pytest.mark.numerics
 @pytest.mark.parametrize("opt", [ADAMW, ADAM_L2, ADAMW_FUSED], ids=["adamw", "adam_l2", "adamw_fused_true"])
 def test_dp2_cross_iteration_fused_matches_single_process(clusters, opt):
     batches = token_pairs(3)
@@ -117,6 +123,7 @@ def test_dp2_cross_iteration_fused_matches_single_process(clusters, opt):
     _assert_matches(p.run_local(batches, cluster=clusters.get(2)), model, batches, gpt_loss, opt)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 3])
 def test_dp2_zero_fused_on_chunks_matches_single_process(clusters, zero):
     """ZeRO-3's parameters are this rank's chunks (``param`` inputs): the fused call updates them in place. ZeRO-1's
@@ -142,6 +149,7 @@ def test_dp2_zero_fused_on_chunks_matches_single_process(clusters, zero):
 
 
 # ---- the matcher and the cost model ------------------------------------------------------------------------
+@pytest.mark.structure
 def test_a_chain_the_plan_does_not_describe_is_left_alone():
     """The matcher checks every constant of the chain against the plan's hyperparameters: with other betas it
     finds nothing to fuse, and the graph is unchanged."""
@@ -158,6 +166,7 @@ def test_a_chain_the_plan_does_not_describe_is_left_alone():
     assert find_adam_chains(gm, adam) == []
 
 
+@pytest.mark.structure
 def test_fused_call_costs_one_pass_over_memory():
     from cost_models.compute import graph_compute, node_cost
     from passes.fuse_optimizer import fused_chain_times
@@ -180,6 +189,7 @@ def test_fused_call_costs_one_pass_over_memory():
     assert len(chains_last) == 1 and abs(as_fused[chains_last[0]] - final) <= 1e-12
 
 
+@pytest.mark.structure
 def test_a_parameter_read_after_the_update_is_copied_first():
     """The in-place call would change what a view of the old parameter shows: a parameter read (here through a
     view) after the update is copied first, the copy updated, and the reader sees the old values, as in the
@@ -223,6 +233,7 @@ def test_a_parameter_read_after_the_update_is_copied_first():
     assert max(((u - v).abs() / (v.abs() + 1)).max().item() for u, v in zip(a, b)) < 1e-15
 
 
+@pytest.mark.structure
 def test_a_gradient_that_is_not_contiguous_is_copied_first():
     """ATen's CPU fused kernel walks each tensor's memory in order, whatever its strides: fed a transposed gradient
     beside a contiguous parameter it pairs the wrong elements (shown here on the kernel itself). A gradient traced

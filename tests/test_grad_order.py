@@ -47,6 +47,7 @@ def _cached(order, dp=2):
     return _PROGS[(order, dp)]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 def test_priority_order_matches_single_process_and_natural_bitwise(clusters, dp):
     model, batches, prio = _cached("priority", dp)
@@ -71,6 +72,7 @@ def _joint(prog):
     return gm, PassContext(plan=prog.plan, stage=0, signature=st.captured.signature, captured=st.captured)
 
 
+@pytest.mark.structure
 def test_pass_only_moves_nodes_and_makes_the_gradients_in_need_order():
     _, _, prog = _cached("priority")
     gm, ctx = _joint(prog)
@@ -94,6 +96,7 @@ def test_pass_only_moves_nodes_and_makes_the_gradients_in_need_order():
     assert first_block < last_block
 
 
+@pytest.mark.structure
 def test_natural_order_leaves_the_graph_alone():
     _, _, prog = _cached("natural")
     gm, ctx = _joint(prog)
@@ -101,6 +104,7 @@ def test_natural_order_leaves_the_graph_alone():
     assert not GradOrder().run(gm, ctx).modified and gm.code == code
 
 
+@pytest.mark.structure
 def test_the_collectives_follow_the_new_order():
     """In this step's backward the first piece issued is the embedding's (the next forward's first need), where
     the natural order issues the last layers' first."""
@@ -123,6 +127,7 @@ def test_the_collectives_follow_the_new_order():
     assert nat_order[0] in {b for k, b in nat_bucket_of.items() if k.startswith(("blocks.2.", "ln_f."))}
 
 
+@pytest.mark.structure
 def test_planner_simulates_the_orders_and_keeps_the_fastest():
     """On a slow link the planner tries natural, need order and mixes, records each predicted step, and keeps
     natural unless another is predicted at least 2% faster (cross-iteration forced: on so small a model the cost
@@ -140,6 +145,7 @@ def test_planner_simulates_the_orders_and_keeps_the_fastest():
     assert any("backward makes the gradients in" in n for n in prog.plan.notes)
 
 
+@pytest.mark.structure
 def test_bad_settings_are_refused_with_the_fix():
     with pytest.raises(StrategyError, match="choose 'natural', 'priority', or None"):
         fxpar.Strategy(dp=2, comm_schedule="bytescheduler", grad_order="reverse")._check_comm_schedule()
@@ -152,6 +158,7 @@ def test_bad_settings_are_refused_with_the_fix():
                                                   grad_order="priority"))
 
 
+@pytest.mark.structure
 def test_why_not_reorder_names_in_place_writes():
     _, _, prog = _cached("natural")
     gm = copy.deepcopy(prog.stages[0].captured.gm)

@@ -25,11 +25,13 @@ def _run(clusters, model, batches, loss_fn, opt, **kw):
     return prog, res
 
 
+@pytest.mark.numerics
 def test_herring_gpt_adamw_matches_single_process(clusters):
     _run(clusters, tiny_gpt(), token_batches(3), gpt_loss, ADAMW,
          bucket_cap_mb=0.01)
 
 
+@pytest.mark.numerics
 def test_herring_mlp_structure_and_bytes(clusters):
     """Per bucket of V elements over L=2 ranks per node: reduce_scatter in the node (L·ceil(V/L) elements handed),
     all_reduce across nodes of one shard (ceil(V/L)), all_gather in the node (ceil(V/L) handed): in that order.
@@ -88,6 +90,7 @@ def _backward_compute(gm):
     return [x for x in gm.graph.nodes if x.meta.get("fxpar_phase") == "backward" and "fxpar_pass" not in x.meta]
 
 
+@pytest.mark.structure
 def test_herring_cross_node_sum_overlaps_backward():
     """Plan.grad_sync["overlap"] (the planner's default): every bucket but the last has its cross-node all-reduce
     issued before the last backward node and before the next bucket's reduce-scatter, with backward compute
@@ -136,6 +139,7 @@ def _comm(gm):
     return sorted((c.kind, c.axis, c.nbytes) for c in (x.meta["fxpar_comm"] for x in collective_nodes(gm)))
 
 
+@pytest.mark.numerics
 def test_herring_microbatches_matches_single_process(clusters):
     """Two microbatches: the moved steps run in REDUCE_GRAD (after the step's backwards), the rest in STEP."""
     model, batches = _mlp_and_batches()
@@ -145,6 +149,7 @@ def test_herring_microbatches_matches_single_process(clusters):
     assert kinds.count("all_reduce") == len(prog.plan.buckets[0]) - 1 and "all_gather" in kinds
 
 
+@pytest.mark.structure
 def test_herring_needs_several_nodes():
     torch.manual_seed(0)
     b = (torch.randn(8, 16), torch.randn(8, 8))
@@ -155,6 +160,7 @@ def test_herring_needs_several_nodes():
         fxpar.Strategy(dp=2, pp=2, grad_sync="herring")
 
 
+@pytest.mark.structure
 def test_herring_bucket_size_is_chosen_on_the_cost_model():
     """Strategy(bucket_cap_mb=None) under Herring: the planner simulates each size of HERRING_BUCKET_MB (the chain
     of three collectives per bucket overlapping backward) and keeps the least predicted step (the larger size

@@ -19,6 +19,8 @@ import fxpar
 from fxpar.runtime.measure import MemoryTracker
 from fxpar.testing import gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
 
+pytestmark = pytest.mark.cost
+
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 F64 = 8
 

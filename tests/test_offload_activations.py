@@ -13,6 +13,7 @@ TOL = 1e-10
 COPY = torch.ops.aten._to_copy.default
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(dp=2), dict(pp=2, microbatches=2), dict(dp=2, recompute="selective")],
                          ids=["dp2", "pp2", "dp2_selective"])
 def test_offloaded_activations_leave_the_math_alone(clusters, strategy):
@@ -25,6 +26,7 @@ def test_offloaded_activations_leave_the_math_alone(clusters, strategy):
     assert max_abs_diff(res.state_dict(), ref_state) < TOL
 
 
+@pytest.mark.structure
 def test_forward_saves_host_copies_and_backward_fetches_them_one_use_ahead():
     model, batches = tiny_gpt(), token_batches(1)
     prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW,

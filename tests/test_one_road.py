@@ -58,6 +58,7 @@ class TagLoss(fxpar.Pass):
         return fxpar.PassResult(gm, modified=bool(idx))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(pp=2, microbatches=4), dict(pp=2, dp=2, microbatches=2),
                                       dict(dp=2)], ids=["pp2", "dp2xpp2", "dp2"])
 def test_custom_passes_run_on_every_stage_graph(clusters, strategy):
@@ -78,6 +79,7 @@ def test_custom_passes_run_on_every_stage_graph(clusters, strategy):
 
 
 # ---- gradient sync under dp x pp: the bucket pass's collectives, in REDUCE_GRAD ------------------------
+@pytest.mark.numerics
 def test_dp_pp_gradient_sync_is_the_bucket_collectives_in_backward_order(clusters):
     strategy = dict(pp=2, dp=2, microbatches=2, bucket_cap_mb=0.004)   # small buckets: several per stage
     prog, res = _check(clusters, tiny_gpt(layers=4), token_batches(2, batch=8), gpt_loss, ADAMW, **strategy)
@@ -108,6 +110,7 @@ def test_dp_pp_gradient_sync_is_the_bucket_collectives_in_backward_order(cluster
     assert sum(c.axis == "tied.wte.weight" for c in rank0) == 1
 
 
+@pytest.mark.numerics
 def test_measured_collectives_equal_the_graphs(clusters):
     prog = fxpar.parallelize(tiny_gpt(layers=4), 4, token_batches(1)[0], gpt_loss, SGD_M,
                              strategy=fxpar.Strategy(pp=2, dp=2, microbatches=2))
@@ -118,6 +121,7 @@ def test_measured_collectives_equal_the_graphs(clusters):
 
 
 # ---- a Plan edited by hand drives a pipeline -----------------------------------------------------------
+@pytest.mark.numerics
 def test_plan_round_trip_with_an_edited_cut(clusters):
     model, batches = tiny_gpt(layers=4), token_batches(2)
     prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, SGD_M, strategy=fxpar.Strategy(pp=2, microbatches=4))
@@ -134,6 +138,7 @@ def test_plan_round_trip_with_an_edited_cut(clusters):
 
 
 # ---- the same API for every strategy ------------------------------------------------------------------
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(dp=2), dict(pp=2, microbatches=4), dict(pp=2, schedule="zb1p", microbatches=4),
                                       dict(pp=2, schedule="chimera", microbatches=4), dict(microbatches=2)],
                          ids=["dp2", "1f1b", "zb1p", "chimera", "accumulate"])
@@ -150,6 +155,7 @@ def test_lr_scheduler_tuple_and_same_api_everywhere(clusters, strategy):
     assert fxpar.Plan.from_json(prog.plan.to_json()) == prog.plan
 
 
+@pytest.mark.numerics
 def test_2bw_plan_and_estimate(clusters):
     prog = fxpar.parallelize(SkipMLP().double(), 2, (torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 4, (8,))),
                              CE, SGD_M, strategy=fxpar.Strategy(pp=2, schedule="2bw", microbatches=2))
@@ -157,6 +163,7 @@ def test_2bw_plan_and_estimate(clusters):
 
 
 # ---- the runtime reads no node.meta ------------------------------------------------------------------
+@pytest.mark.numerics
 def test_runtime_needs_no_node_meta(clusters):
     model, batches = tiny_gpt(layers=4), token_batches(2)
     prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=fxpar.Strategy(pp=2, schedule="zb1p",
@@ -172,6 +179,7 @@ def test_runtime_needs_no_node_meta(clusters):
 
 
 # ---- zero bubble and gradient accumulation reproduce single-process training -----------------------------
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(pp=2), dict(pp=4), dict(pp=2, dp=2)], ids=["pp2", "pp4", "pp2xdp2"])
 def test_zb1p_matches_single_process(clusters, strategy):
     batch = 16 if strategy.get("dp") else 8
@@ -181,6 +189,7 @@ def test_zb1p_matches_single_process(clusters, strategy):
     assert kinds == {"F", "I", "W", "REDUCE_GRAD", "STEP"}
 
 
+@pytest.mark.numerics
 def test_zb1p_skip_connection_and_untraced_optimizer(clusters):
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randint(0, 4, (8,), generator=g))
@@ -190,16 +199,19 @@ def test_zb1p_skip_connection_and_untraced_optimizer(clusters):
            microbatches=2)
 
 
+@pytest.mark.numerics
 def test_gradient_accumulation_without_a_pipeline(clusters):
     prog, _ = _check(clusters, tiny_gpt(layers=4), token_batches(2, batch=16), gpt_loss, ADAMW, dp=2, microbatches=4)
     assert str(prog.schedule(0)).startswith("rank 0: F0.0 B0.0 F0.1 B0.1")
 
 
+@pytest.mark.structure
 def test_one_microbatch_dp_is_one_fused_graph():
     prog = fxpar.parallelize(tiny_gpt(layers=4), 2, token_batches(1)[0], gpt_loss, ADAMW, strategy=fxpar.Strategy(dp=2))
     assert list(prog.graphs(0)) == ["step"] and [a.short() for a in prog.schedule(0)] == ["FULL0.0"]
 
 
+@pytest.mark.structure
 def test_schedule_needs_a_pipeline():
     with pytest.raises(fxpar.StrategyError, match="needs a pipeline"):
         fxpar.parallelize(tiny_gpt(layers=4), 1, token_batches(1)[0], gpt_loss, SGD_M,
@@ -222,6 +234,7 @@ class _TwoTied(torch.nn.Module):
         return self.a(torch.tanh(self.b(torch.tanh(self.l1(h)))))
 
 
+@pytest.mark.numerics
 def test_several_tied_parameters_meet_in_the_same_order(clusters):
     torch.manual_seed(0)
     prog, _ = _check(clusters, _TwoTied().double(), regression_batches(3, d_in=8, seed=1), torch.nn.functional.mse_loss,
@@ -240,6 +253,7 @@ class _Normed(torch.nn.Module):
         return self.l1(torch.tanh(self.bn(self.l0(x))))
 
 
+@pytest.mark.numerics
 def test_batchnorm_with_gradient_accumulation_matches_torch():
     """torch accumulating over 2 microbatches: each forward updates the running statistics in turn."""
     import copy
@@ -264,6 +278,7 @@ def test_batchnorm_with_gradient_accumulation_matches_torch():
     assert max_abs_diff(res.state_dict(), ref.state_dict()) < TOL       # running statistics included
 
 
+@pytest.mark.numerics
 def test_a_hand_written_step_order_that_would_use_an_unreduced_tied_gradient_is_refused(clusters):
     from fxpar.schedule import get_schedule
 

@@ -17,6 +17,7 @@ aten = torch.ops.aten
 TOL = 1e-10
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("opt", [ADAMW, SGD_M], ids=["adamw", "sgd_momentum"])
 def test_parallax_matches_single_process(clusters, dp, opt):
@@ -50,6 +51,7 @@ def test_parallax_matches_single_process(clusters, dp, opt):
             assert sum(n for k, n in calls if k == "all_reduce") == (6 * 16 + 4 * 16 + 4) * 8
 
 
+@pytest.mark.numerics
 def test_parallax_all_dense_when_the_table_is_small(clusters):
     torch.manual_seed(0)
     model, batches = Bag(vocab=8).double(), bag_batches(2, vocab=8)
@@ -62,6 +64,7 @@ def test_parallax_all_dense_when_the_table_is_small(clusters):
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL
 
 
+@pytest.mark.structure
 def test_parallax_refuses_pipelines():
     with pytest.raises(fxpar.StrategyError, match="data parallelism alone"):
         fxpar.Strategy(dp=2, pp=2, grad_sync="parallax")
@@ -125,6 +128,7 @@ def _gathered_by(x):
     return x.args[0]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 def test_parallax_sgd_updates_only_the_touched_rows(clusters, dp):
     torch.manual_seed(0)
@@ -159,6 +163,7 @@ def test_parallax_sgd_updates_only_the_touched_rows(clusters, dp):
             assert [n for k, n in calls if k == "all_gather"] == [t * 8 + t * 16 * 8]
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("opt, why", [((torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.01}), "weight_decay=0.01"),
                                       ((torch.optim.Adam, {"lr": 0.1}), "Adam keeps per-row state"),
                                       ((torch.optim.Adagrad, {"lr": 0.1}), "runs eagerly")],
@@ -174,6 +179,7 @@ def test_parallax_dense_update_for_other_optimizers(opt, why):
     assert ("grad", "emb.weight") in step.meta["fxpar_signature"].outputs
 
 
+@pytest.mark.numerics
 def test_parallax_microbatches_keep_the_dense_update(clusters):
     torch.manual_seed(0)
     model, batches = Bag().double(), _dup_batches(2)
@@ -187,6 +193,7 @@ def test_parallax_microbatches_keep_the_dense_update(clusters):
     assert max_abs_diff(res.state_dict(), ref_state) < TOL
 
 
+@pytest.mark.structure
 def test_parallax_refuses_a_rows_update_the_optimizer_does_not_allow():
     model, batches = Bag().double(), bag_batches(1)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M,
@@ -207,6 +214,7 @@ class StridedBag(Bag):
         return self.head((self.emb(ids) + self.pos(pos)).mean(1))
 
 
+@pytest.mark.numerics
 def test_parallax_packs_a_strided_index(clusters):
     torch.manual_seed(0)
     model, batches = StridedBag().double(), bag_batches(3, seq=6)

@@ -23,6 +23,7 @@ def _program(model, batch, optimizer, **strategy):
     return fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy.size), batch, CE, optimizer, strategy=strategy)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("pp,optimizer", [(2, SGD_M), (4, ADAMW)])
 def test_pipedream_weight_stashing_math(clusters, pp, optimizer):
     model, batches, m = SkipNet().double(), class_batches(3), 4
@@ -41,6 +42,7 @@ def test_pipedream_weight_stashing_math(clusters, pp, optimizer):
     assert res.peak_versions == sim.peak_versions == {s: pp - s for s in range(pp)}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipedream_2bw_math(clusters, pp):
     model, batches, m = SkipNet().double(), class_batches(4), 4
@@ -57,12 +59,14 @@ def test_pipedream_2bw_math(clusters, pp):
     assert res.peak_version_bytes == 2 * max(stage_bytes)   # the version store's own count of what it held
 
 
+@pytest.mark.structure
 def test_async_schedule_refuses_tied_parameters():
     with pytest.raises(fxpar.StrategyError, match=r"wte.weight.*Untie it"):
         fxpar.parallelize(TinyGPT().double(), fxpar.ClusterSpec.local(2), tiny_gpt_batches(1)[0], flat_gpt_loss, SGD_M,
                           strategy=fxpar.Strategy(pp=2, schedule="pipedream", microbatches=4))
 
 
+@pytest.mark.numerics
 def test_pipedream_with_data_parallel_replicas(clusters):
     """pp=2 x dp=2: each per-microbatch update averages that microbatch over both replicas."""
     model, batches, m = SkipNet().double(), class_batches(2, batch=16), 4
@@ -83,6 +87,7 @@ def _stash_pairs(res):
     return pairs
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("schedule,pp", [("pipedream", 2), ("2bw", 2)])
 def test_forward_and_backward_use_bitwise_the_same_weights(clusters, schedule, pp):
     """Weight stashing, checked on the bytes: for every microbatch, the weight tensors its B differentiates

@@ -25,6 +25,7 @@ rank 1: RF1.1<0 F1.1 RF1.0<0 F1.0 RF1.3<0 F1.3 RF1.2<0 F1.2 B1.3 SB1.3>0 B1.1 SB
 """
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("form", ["text", "object", "grid"])
 def test_hand_permuted_gpipe_matches_single_process(clusters, form):
     text = _permuted_gpipe()
@@ -42,6 +43,7 @@ def test_hand_permuted_gpipe_matches_single_process(clusters, form):
     assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
 
 
+@pytest.mark.structure
 def test_deadlocking_schedule_fails_at_parallelize_time_naming_step_ranks_and_waits():
     # rank 0 waits for a gradient of microbatch 0 before it has sent microbatch 0's activations
     text = get_schedule("1f1b", 2, 2).format_lists()
@@ -57,6 +59,7 @@ def test_deadlocking_schedule_fails_at_parallelize_time_naming_step_ranks_and_wa
     assert set(info.value.stuck) == {0, 1} and info.value.step == 0
 
 
+@pytest.mark.structure
 def test_schedule_that_does_not_fit_the_strategy():
     text = get_schedule("gpipe", 2, 4).format_lists()
     with pytest.raises(fxpar.StrategyError, match=r"covers 4 microbatches but microbatches=2.*microbatches=4"):

@@ -14,6 +14,8 @@ from fxpar.schedule import simulate
 from fxpar.testing import (SkipNet, TinyGPT, class_batches, flat_gpt_loss, max_abs_diff, reference_training,
                            tiny_gpt_batches)
 
+pytestmark = pytest.mark.numerics
+
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 CE = torch.nn.functional.cross_entropy
 TOL, M = 1e-10, 8

@@ -10,6 +10,8 @@ from fxpar.capture import trace_forward
 from fxpar.testing import SkipNet, TinyGPT, class_batches, flat_gpt_loss, tiny_gpt_batches
 from passes.split_stages import cut_candidates, split_stages
 
+pytestmark = pytest.mark.structure
+
 SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 
 

@@ -30,6 +30,7 @@ def _check(clusters, model, batches, loss_fn, optimizer, lr_scheduler=None, **st
     return prog, res
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb1p", "chimera"])
 def test_tied_gpt_pp2_matches_single_process(clusters, schedule):
     _, res = _check(clusters, TinyGPT().double(), tiny_gpt_batches(3), flat_gpt_loss, SGD_M,
@@ -37,6 +38,7 @@ def test_tied_gpt_pp2_matches_single_process(clusters, schedule):
     assert res.state_dict()["head.weight"] is res.state_dict()["wte.weight"]
 
 
+@pytest.mark.numerics
 def test_skip_connection_across_the_cut_pp2_adamw(clusters):
     prog, res = _check(clusters, SkipNet().double(), class_batches(3), CE, ADAMW,
                        pp=2, schedule="1f1b", microbatches=4, split_points=["layers.2"])
@@ -50,39 +52,46 @@ def test_skip_connection_across_the_cut_pp2_adamw(clusters):
         assert res.comm[r]["sent_bytes"] == 12 * 2 * (2 * 16 * 8)
 
 
+@pytest.mark.numerics
 def test_lead_gpt_with_adamw_and_lr_scheduler(clusters):
     model, batches = tiny_gpt(), token_batches(3)
     sched = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)   # picklable for the ranks
     _check(clusters, model, batches, gpt_loss, ADAMW, sched, pp=2, schedule="gpipe", microbatches=4)
 
 
+@pytest.mark.numerics
 def test_untraced_optimizer_runs_eagerly_per_stage(clusters):
     _check(clusters, SkipMLP().double(), class_batches(3), CE, (torch.optim.RMSprop, {"lr": 1e-2}),
            pp=2, schedule="1f1b", microbatches=2)
 
 
+@pytest.mark.numerics
 def test_gpt_pp2_dp2(clusters):
     _check(clusters, TinyGPT().double(), tiny_gpt_batches(3, batch=16), flat_gpt_loss, SGD_M,
            pp=2, dp=2, schedule="1f1b", microbatches=4)
 
 
+@pytest.mark.numerics
 def test_gpt_pp4_1f1b_tied_first_and_last_stage(clusters):
     prog, _ = _check(clusters, TinyGPT().double(), tiny_gpt_batches(3), flat_gpt_loss, ADAMW,
                      pp=4, schedule="1f1b", microbatches=4)
     assert prog.split.shared_params == {"wte.weight": [0, 3]}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("schedule", ["gpipe", "chimera"])
 def test_skip_pp4(clusters, schedule):
     _check(clusters, SkipNet().double(), class_batches(3), CE, SGD_M, pp=4, schedule=schedule, microbatches=4)
 
 
+@pytest.mark.numerics
 def test_gpt_pp4_interleaved_eight_stages(clusters):
     prog, _ = _check(clusters, TinyGPT().double(), tiny_gpt_batches(3), flat_gpt_loss, SGD_M,
                      pp=4, schedule="interleaved", microbatches=4)
     assert len(prog.stages) == 8 and prog.split.shared_params == {"wte.weight": [0, 7]}
 
 
+@pytest.mark.numerics
 def test_chimera_pp2_dp2_replicated_stages_and_tied_weights(clusters):
     """Chimera holds every stage twice per pipeline; with dp=2 gradients meet over both kinds of replica."""
     prog, _ = _check(clusters, TinyGPT().double(), tiny_gpt_batches(2, batch=16), flat_gpt_loss, ADAMW,
@@ -91,6 +100,7 @@ def test_chimera_pp2_dp2_replicated_stages_and_tied_weights(clusters):
     assert prog.plan.stage_to_rank == [[0, 1], [0, 1]]
 
 
+@pytest.mark.numerics
 def test_model_returning_its_own_loss(clusters):
     class WithLoss(torch.nn.Module):
         def __init__(self):
@@ -110,6 +120,7 @@ def _runner_job(program, batches):
     return losses, runner.state_dict()
 
 
+@pytest.mark.numerics
 def test_rank_runner_the_torchrun_path(clusters):
     model, batches = TinyGPT().double(), tiny_gpt_batches(2)
     ref_losses, ref_state = reference_training(model, batches, flat_gpt_loss, SGD_M)
@@ -121,6 +132,7 @@ def test_rank_runner_the_torchrun_path(clusters):
         assert max_abs_diff(state, ref_state) < TOL
 
 
+@pytest.mark.structure
 def test_stage_step_runs_in_place_bitwise():
     """Synchronous schedules update a stage's weights and moments in place: the STEP graph, cut out of the
     stage's joint graph after reinplace_optimizer, writes into its own parameter and state inputs (the new

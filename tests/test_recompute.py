@@ -62,6 +62,7 @@ LAYOUTS = {"dp2": dict(dp=2), "mb2": dict(microbatches=2), "pp2": dict(pp=2, mic
 _CASES = [(p, lay) for p in POLICIES for lay in LAYOUTS if p != "none" or lay == "mb2"]   # none: the baseline elsewhere
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("policy,layout", _CASES,
                          ids=[f"{p if isinstance(p, str) else 'callable'}-{lay}" for p, lay in _CASES])
 def test_every_policy_matches_single_process_training(clusters, policy, layout):
@@ -81,6 +82,7 @@ def test_every_policy_matches_single_process_training(clusters, policy, layout):
             assert b <= rc["budget_bytes"], (s, b, rc)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_skip_connection_model_with_pp2(clusters, policy):
     torch.manual_seed(0)
@@ -89,6 +91,7 @@ def test_skip_connection_model_with_pp2(clusters, policy):
 
 
 # ---- dropout: masks saved, never redrawn --------------------------------------------------------------------
+@pytest.mark.numerics
 @pytest.mark.parametrize("layout", ["mb2", "pp2"])
 def test_dropout_recompute_is_bitwise_the_program_without_it(clusters, layout):
     batches = token_batches(2, own_storage=True)
@@ -108,6 +111,7 @@ def test_dropout_recompute_is_bitwise_the_program_without_it(clusters, layout):
 
 
 # ---- structure: full keeps the block boundaries; measured bytes equal the prediction -----------------------
+@pytest.mark.numerics
 def test_full_saves_block_boundaries_and_measured_bytes_equal_predicted():
     layers, batches = 4, token_batches(2, own_storage=True)
     figures = {}
@@ -139,6 +143,7 @@ def test_full_saves_block_boundaries_and_measured_bytes_equal_predicted():
 
 
 # ---- auto: meets the budget; refuses one below the smallest feasible plan ------------------------------------
+@pytest.mark.numerics
 def test_auto_meets_budget_with_least_recompute():
     batches = token_batches(2, own_storage=True)
     prog, res = _run(None, tiny_gpt(layers=4), batches, gpt_loss, SGD_M,
@@ -155,6 +160,7 @@ def test_auto_meets_budget_with_least_recompute():
     assert json.loads(prog.plan.to_json())["recompute"]["policy"] == "auto"
 
 
+@pytest.mark.structure
 def test_auto_refuses_a_budget_below_the_smallest_plan_and_names_it():
     batches = token_batches(1, own_storage=True)
     with pytest.raises(StrategyError, match="below the smallest feasible plan") as e:
@@ -166,6 +172,7 @@ def test_auto_refuses_a_budget_below_the_smallest_plan_and_names_it():
     assert prog.plan.recompute["stages"][0]["saved_bytes"] == smallest
 
 
+@pytest.mark.structure
 def test_bad_recompute_arguments_are_refused():
     with pytest.raises(StrategyError, match="choose one of"):
         fxpar.Strategy(recompute="everything")
@@ -176,6 +183,7 @@ def test_bad_recompute_arguments_are_refused():
                           strategy=fxpar.Strategy(recompute=lambda n: "offload", microbatches=2))
 
 
+@pytest.mark.numerics
 def test_callable_policy_is_recorded_by_name_and_the_plan_drives_a_rebuild():
     batches = token_batches(2, own_storage=True)
     prog, res = _run(None, tiny_gpt(), batches, gpt_loss, SGD_M, _strategy(_save_matmuls_and_norms, microbatches=2))
@@ -200,6 +208,7 @@ def _brute_force(n: int, c: int) -> int:
     return min(j + _brute_force(n - j, c - 1) + _brute_force(j, c) for j in range(1, n))
 
 
+@pytest.mark.structure
 def test_revolve_closed_form_equals_brute_force():
     for c in range(1, 7):
         for n in range(1, 61):

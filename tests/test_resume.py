@@ -13,6 +13,8 @@ import fxpar
 from fxpar.runtime.checkpoint import CheckpointError
 from fxpar.testing import SkipMLP, class_batches, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
 
+pytestmark = pytest.mark.numerics
+
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 CE = torch.nn.functional.cross_entropy
 

@@ -29,6 +29,8 @@ from passes.propagate_sharding import propagate_shardings
 from passes.sharding import REPLICATE, OpInfo, groups_of, has_rule, tensor_leaves
 from passes.sharding.core import LOCAL_OPS
 
+pytestmark = pytest.mark.structure
+
 ADAMW = resolve_optimizer((torch.optim.AdamW, {"lr": 1e-2}))
 
 

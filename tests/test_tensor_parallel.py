@@ -86,6 +86,7 @@ def _run(clusters, name, mode, cluster_kw=None, **strategy):
     return prog, res
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name,mode,tp", [
     ("gpt", "megatron", 2), ("gpt4", "megatron", 4), ("gpt", "auto", 2), ("gpt", "auto", 4), ("gpt", "layouts", 2),
     ("gpt4", "layouts", 4), ("mlp", "megatron", 2), ("mlp", "megatron", 4), ("mlp", "auto", 4), ("cnn", "layouts", 2), ("cnn", "layouts", 4),
@@ -96,6 +97,7 @@ def test_tp_equals_single_process(clusters, name, mode, tp):
         assert prog.plan.shardings["stages"][0]["params"]["conv1.weight"] == ["tp", None, None, None]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["megatron", "auto", "layouts", "annotations"])
 @pytest.mark.parametrize("mesh", ["dp2xtp2", "tp2xpp2"])
 def test_tp_composes_with_dp_and_pp(clusters, mode, mesh):
@@ -107,11 +109,13 @@ def test_tp_composes_with_dp_and_pp(clusters, mode, mesh):
     assert prog.plan.tp == 2 and prog.world_size == 4
 
 
+@pytest.mark.numerics
 def test_dp_tp_pp_on_8_ranks(clusters):
     prog, _ = _run(clusters, "gpt", "megatron", dp=2, tp=2, pp=2, microbatches=2, schedule="1f1b")
     assert prog.plan.mesh_axes == [["pp", 2], ["dp", 2], ["tp", 2]]
 
 
+@pytest.mark.structure
 def test_megatron_structure_on_a_gpt_with_separate_qkv():
     """2 all_reduces of b·s·h elements per layer in forward and 2 in backward, and nothing else over tp."""
     import fxpar.meta as M
@@ -133,6 +137,7 @@ def test_megatron_structure_on_a_gpt_with_separate_qkv():
     assert split["blocks.1.fc1.weight"] == ["tp", None] and split["blocks.1.fc2.weight"] == [None, "tp"]
 
 
+@pytest.mark.numerics
 def test_one_graph_for_every_tp_rank_and_explain_bytes_are_what_ranks_sent(clusters):
     prog, res = _run(clusters, "gpt", "megatron", dp=2, tp=2)
     codes = {prog.graphs(r)["step"].code for r in range(4)}
@@ -149,6 +154,7 @@ def test_one_graph_for_every_tp_rank_and_explain_bytes_are_what_ranks_sent(clust
     assert str(shown.get("blocks_0_fc_weight")) == "P('tp', None)" and "blocks.0.fc" in str(shown)
 
 
+@pytest.mark.numerics
 def test_auto_is_no_dearer_than_megatron_and_a_handed_back_plan_is_reused(clusters):
     model, batches, loss_fn, opt = MODELS["gpt"]()
     spec = fxpar.ClusterSpec.local(2, **FAST)
@@ -182,6 +188,7 @@ class Annot(nn.Module):
         return self.out(a + b)
 
 
+@pytest.mark.structure
 def test_bad_inputs_name_the_tensor_and_the_fix():
     x, y = regression_batches(1)[0]
     with pytest.raises(fxpar.errors.PassError, match=r"parameter 'layers.0.weight'.*does not divide|"
@@ -211,6 +218,7 @@ class Flipped(nn.Module):
         return self.fc2(torch.flip(torch.tanh(self.fc1(x)), [1]))
 
 
+@pytest.mark.numerics
 def test_an_op_without_a_rule_runs_whole_and_explain_names_it(clusters):
     MODELS["flipped"] = lambda: (Flipped().double(), regression_batches(3), F.mse_loss, SGD_M)
     LAYOUTS["flipped"] = {"fc1.weight": ("tp", None), "fc1.bias": ("tp",)}
@@ -220,6 +228,7 @@ def test_an_op_without_a_rule_runs_whole_and_explain_names_it(clusters):
     assert "all_gather" in text                      # fc1's split output is gathered for the flip
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("mesh", [dict(dp=2, tp=2), dict(tp=2, pp=2, microbatches=2, schedule="1f1b")])
 def test_measured_peak_memory_is_the_predicted_one(clusters, mesh):
     """Each rank's measured peak (dispatch-level tracker) against ``estimate()``'s, on the local graphs it runs."""

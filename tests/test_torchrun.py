@@ -8,6 +8,8 @@ import torch
 
 from fxpar.testing import GPT, gpt_loss, reference_training
 
+pytestmark = pytest.mark.numerics
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

@@ -40,6 +40,7 @@ def _model():
     return WithUnused().double()
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
 @pytest.mark.parametrize("opt", list(OPTIMIZERS.values()), ids=list(OPTIMIZERS))
 def test_unused_parameters_follow_torch_optim(clusters, strategy, opt):
@@ -62,6 +63,7 @@ def test_unused_parameters_follow_torch_optim(clusters, strategy, opt):
         assert not {k for r, k in stage.captured.signature.outputs if r == "grad"} & set(NEVER)
 
 
+@pytest.mark.numerics
 def test_an_eager_optimizer_skips_them_too(clusters):
     opt = (torch.optim.RMSprop, {"lr": 1e-2, "weight_decay": 0.1})       # not traced: torch's own step per rank
     model, batches = _model(), class_batches(2, d=8, classes=5, seed=1)
@@ -71,6 +73,7 @@ def test_an_eager_optimizer_skips_them_too(clusters):
     assert max_abs_diff(res.state_dict(), ref_state) < TOL
 
 
+@pytest.mark.numerics
 def test_checkpoint_under_pp_holds_them_and_loads_in_plain_pytorch(clusters, tmp_path):
     import torch.distributed.checkpoint as dcp
     model, batches = _model(), class_batches(2, d=8, classes=5, seed=1)
@@ -84,6 +87,7 @@ def test_checkpoint_under_pp_holds_them_and_loads_in_plain_pytorch(clusters, tmp
     assert max_abs_diff(fresh.state_dict(), res.state_dict()) == 0
 
 
+@pytest.mark.structure
 def test_a_loss_that_reaches_no_parameter_is_refused_by_name():
     class Constant(nn.Module):
         def __init__(self):

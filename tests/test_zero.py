@@ -46,12 +46,14 @@ def _check(clusters, model, batches, loss_fn, optimizer, **strategy):
 
 
 # ---- numerics -----------------------------------------------------------------------------------------
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2, 3])
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_gpt_adamw_matches_single_process(clusters, zero, dp):
     _check(clusters, tiny_gpt(), token_batches(3), gpt_loss, ADAMW, dp=dp, zero=zero, bucket_cap_mb=0.005)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2, 3])
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_mlp_sgd_momentum_matches_single_process(clusters, zero, dp):
@@ -59,6 +61,7 @@ def test_zero_mlp_sgd_momentum_matches_single_process(clusters, zero, dp):
     _check(clusters, MLP().double(), regression_batches(3), F.mse_loss, SGD_M, dp=dp, zero=zero)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_with_gradient_accumulation(clusters, zero):
     """microbatches=2: F, B, RG, STEP graphs; stage 1 accumulates whole gradients, 2 and 3 their chunks."""
@@ -70,6 +73,7 @@ def test_zero_with_gradient_accumulation(clusters, zero):
     assert (rs_in["REDUCE_GRAD"] > 0) == (zero == 1) and (rs_in["B"] > 0) == (zero >= 2)
 
 
+@pytest.mark.numerics
 def test_zero_padding_when_dp_does_not_divide_a_parameter(clusters):
     torch.manual_seed(0)
     model = Odd().double()
@@ -81,6 +85,7 @@ def test_zero_padding_when_dp_does_not_divide_a_parameter(clusters):
         _check(clusters, model, batches, F.mse_loss, ADAMW, dp=4, zero=zero)
 
 
+@pytest.mark.numerics
 def test_zero1_under_pp2_dp2_tied_gpt(clusters):
     """The tied embedding/LM head is summed over the stages using it and stays whole; the rest is chunked."""
     model = tiny_gpt(layers=4)
@@ -92,6 +97,7 @@ def test_zero1_under_pp2_dp2_tied_gpt(clusters):
     assert tied and not tied & {k for m in meta for k in m["keys"]}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("schedule", ["1f1b", "zb1p"])
 def test_zero3_under_pp2_dp2_gathers_once_per_stage_and_step(clusters, schedule):
     """Under a pipeline stage 3 gathers in the schedule's UNSHARD s (before the stage's first forward) and drops
@@ -114,6 +120,7 @@ def test_zero3_under_pp2_dp2_gathers_once_per_stage_and_step(clusters, schedule)
 
 
 # ---- bytes per rank: the paper's formulas -------------------------------------------------------------
+@pytest.mark.numerics
 def test_state_bytes_equal_the_papers_formulas(clusters):
     """Ψ parameters of b bytes, Adam's two states (K = 2b): dp alone (b + b + 2b)Ψ; stage 1 2bΨ + 2bΨ/N;
     stage 2 bΨ + 3bΨ/N; stage 3 4bΨ/N (Rajbhandari et al. SC'20 §5.1, with fp32 weights and no fp16 copy).
@@ -155,6 +162,7 @@ def _read_by_backward(captured) -> set:
     return out
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_communication_per_step_is_2psi_or_3psi(clusters, zero):
     """Measured on the ranks: reduce-scatter hands Ψ elements, each all-gather returns Ψ (N times its chunk):
@@ -186,6 +194,7 @@ def test_communication_per_step_is_2psi_or_3psi(clusters, zero):
     assert "all_reduce" not in coll and "all_reduce_" not in coll
 
 
+@pytest.mark.structure
 def test_zero3_graph_gathers_before_forward_and_again_before_backward():
     torch.manual_seed(0)
     prog = fxpar.parallelize(MLP().double(), fxpar.ClusterSpec.local(2), regression_batches(1)[0], F.mse_loss, ADAMW,
@@ -209,6 +218,7 @@ def test_zero3_graph_gathers_before_forward_and_again_before_backward():
 
 
 # ---- checkpoints hold whole tensors ----------------------------------------------------------------------
+@pytest.mark.numerics
 def test_zero3_resume_is_bitwise_and_loads_without_zero(clusters, tmp_path):
     model, batches = tiny_gpt(), token_batches(4)
     strat = fxpar.Strategy(dp=2, zero=3)
@@ -226,6 +236,7 @@ def test_zero3_resume_is_bitwise_and_loads_without_zero(clusters, tmp_path):
 
 
 # ---- bad input ---------------------------------------------------------------------------------------
+@pytest.mark.structure
 def test_zero_refuses_what_it_cannot_shard():
     b = regression_batches(1)[0]
     with pytest.raises(fxpar.StrategyError, match="dp=1"):

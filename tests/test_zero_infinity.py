@@ -17,6 +17,7 @@ ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 TOL = 1e-10
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("extra", [dict(), dict(microbatches=2)], ids=["fused", "accumulated"])
 def test_zero3_state_on_disk_matches_single_process(clusters, tmp_path, extra):
     torch.manual_seed(0)
@@ -41,6 +42,7 @@ def test_zero3_state_on_disk_matches_single_process(clusters, tmp_path, extra):
             assert torch.equal(on_disk, c), k
 
 
+@pytest.mark.numerics
 def test_offload_without_zero_and_resume(clusters, tmp_path):
     """Whole parameters and optimizer state on disk (zero=0); a checkpoint resumes into the files bitwise."""
     torch.manual_seed(0)
@@ -54,6 +56,7 @@ def test_offload_without_zero_and_resume(clusters, tmp_path):
     assert max_abs_diff(rest.state_dict(), whole.state_dict()) == 0
 
 
+@pytest.mark.structure
 def test_offload_dir_that_cannot_be_written(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -66,6 +69,7 @@ def test_offload_dir_that_cannot_be_written(tmp_path):
 
 
 # ---- memory-centric tiling ---------------------------------------------------------------------------
+@pytest.mark.structure
 def test_tiled_linear_equals_linear_output_and_every_gradient():
     torch.manual_seed(0)
     lin = torch.nn.Linear(12, 10).double()
@@ -83,6 +87,7 @@ def test_tiled_linear_equals_linear_output_and_every_gradient():
     assert torch.equal(lin.bias.grad, torch.cat([t.bias.grad for t in tiled.tiles]))
 
 
+@pytest.mark.numerics
 def test_tiled_model_under_zero3_gathers_one_tile_at_a_time(clusters):
     torch.manual_seed(0)
     model = MLP().double()
@@ -121,6 +126,7 @@ def _first_compute(node, pos):
     return best
 
 
+@pytest.mark.numerics
 def test_prefetch_reads_the_next_layer_while_this_one_gathers_and_computes(clusters, tmp_path):
     """Stage 3, parameters and optimizer state on disk: in forward and in backward, the read-ahead of the next
     gathered parameter's file comes after this parameter's gather starts and before this layer computes with it;
@@ -159,6 +165,7 @@ def test_prefetch_reads_the_next_layer_while_this_one_gathers_and_computes(clust
     assert all(res.state_bytes[r]["prefetched"] == len(batches) * per_step for r in range(2))
 
 
+@pytest.mark.structure
 def test_prefetch_goes_where_its_graph_reads_the_files(tmp_path):
     """Microbatches (UNSHARD, F, B, REDUCE_GRAD, STEP): the parameters' read-ahead runs in UNSHARD, which gathers
     them once per step; the optimizer state's at the top of STEP, the only graph given the state."""
@@ -176,6 +183,7 @@ def test_prefetch_goes_where_its_graph_reads_the_files(tmp_path):
     assert len(count["STEP"]) == 3 * n_params          # each parameter's chunk and its two Adam moments
 
 
+@pytest.mark.structure
 def test_prefetch_op_advises_the_range_of_a_tracked_file(tmp_path):
     from fxpar import prefetch as P
     path = str(tmp_path / "w.bin")
