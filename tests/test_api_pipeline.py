@@ -8,6 +8,7 @@ from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("dp,schedule", [(1, "gpipe"), (2, "1f1b")])
 def test_parallelize_pipeline_matches_single_process(clusters, dp, schedule):

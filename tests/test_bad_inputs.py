@@ -332,6 +332,7 @@ program.run_local([(x, y)])
 """
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_a_script_without_main_guard_is_told_to_add_one(tmp_path):
     script = tmp_path / "train.py"
@@ -348,6 +349,7 @@ def test_a_script_without_main_guard_is_told_to_add_one(tmp_path):
     assert "the script comes from '<stdin>'" in out.stderr and "Save it to a file" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_a_guarded_script_runs(tmp_path):
     script = tmp_path / "train.py"

@@ -35,6 +35,7 @@ def _expected_split(v, n, k):
     return v - k * p, p
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("dp,k", [(2, 0), (2, 1), (2, 2), (4, 2)])
 def test_byteps_matches_single_process_and_the_formula(clusters, dp, k):
@@ -192,6 +193,7 @@ def _checkpoint_values(path) -> dict:
     return load_checkpoint(path, templates, rank=0, world_size=1)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_byteps_checkpoint_is_the_workers_and_resumes_under_any_grad_sync(clusters, tmp_path):
     """dp=2 + 1 server: save after one step, resume for two more == one process on all three batches; the

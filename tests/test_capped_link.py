@@ -158,6 +158,7 @@ def _fail_on_rank1():
     return 0
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.skipif(not _can_build_link(), reason="needs root and a working `ip netns` (a capped link is built)")
 def test_real_link_exchange_and_cleanup():

@@ -108,6 +108,7 @@ def _train_raised(spec, grad_sync, n_batches, seed):
     return probes, prog
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="SCHED_FIFO is Linux's")
 def test_comm_priority_raises_every_gloo_thread_and_matches_single_process():
@@ -120,6 +121,7 @@ def test_comm_priority_raises_every_gloo_thread_and_matches_single_process():
         assert set(pol) == ({os.SCHED_FIFO} if may else {os.SCHED_OTHER})
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="SCHED_FIFO is Linux's")
 def test_comm_priority_with_a_byteps_server_raises_its_threads_too():

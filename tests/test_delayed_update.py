@@ -69,6 +69,7 @@ def _check_rule(clusters, prog, model, batches, loss_fn, opt, dp):
     assert abs(res.losses[1] - sync_losses[1]) > 1e-8          # not synchronous training
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("zero,dp,case", [
     (1, 2, "gpt_adamw"), (1, 4, "gpt_adamw"), (2, 2, "gpt_adamw"), (2, 4, "gpt_adamw"),
@@ -88,6 +89,7 @@ def _nodes(sg, pred):
     return [n for n in sg.gm.graph.nodes if pred(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_delayed_zero_structure(zero):

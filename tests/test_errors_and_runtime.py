@@ -54,6 +54,7 @@ def _explode_on_rank1(payload, batches):
     return train(payload, batches)    # rank 0 would block forever in the all_reduce
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_failing_rank_stops_all_ranks_and_shows_its_traceback():
     p = fxpar.parallelize(Explode(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss)
@@ -66,6 +67,7 @@ def test_failing_rank_stops_all_ranks_and_shows_its_traceback():
     assert not lc.alive and all(not proc.is_alive() for proc in lc.procs)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_stuck_ranks_time_out_with_their_names():
     def _sleep_on_rank0(x):

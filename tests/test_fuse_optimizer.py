@@ -94,6 +94,7 @@ def test_one_fused_call_per_bucket_under_cross_iteration():
     assert _update_ops(p.stages[0].graphs["FIRST"].gm) == []      # the first step updates nothing of its own
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 def test_fused_in_pipeline_stage_graphs():
     """dp=2 x pp=2 with cross-iteration overlap: F_UPDATE (the previous STEP inside the first forward) and STEP
@@ -111,6 +112,7 @@ def test_fused_in_pipeline_stage_graphs():
 
 
 # ---- numerics: N gloo ranks equal single-process torch ---------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("opt", [ADAMW, ADAM_L2, ADAMW_FUSED], ids=["adamw", "adam_l2", "adamw_fused_true"])
 def test_dp2_cross_iteration_fused_matches_single_process(clusters, opt):
@@ -149,6 +151,7 @@ def test_dp2_zero_fused_on_chunks_matches_single_process(clusters, zero):
 
 
 # ---- the matcher and the cost model ------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.structure
 def test_a_chain_the_plan_does_not_describe_is_left_alone():
     """The matcher checks every constant of the chain against the plan's hyperparameters: with other betas it

@@ -47,6 +47,7 @@ def _cached(order, dp=2):
     return _PROGS[(order, dp)]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 def test_priority_order_matches_single_process_and_natural_bitwise(clusters, dp):

@@ -160,6 +160,7 @@ def test_herring_needs_several_nodes():
         fxpar.Strategy(dp=2, pp=2, grad_sync="herring")
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 def test_herring_bucket_size_is_chosen_on_the_cost_model():
     """Strategy(bucket_cap_mb=None) under Herring: the planner simulates each size of HERRING_BUCKET_MB (the chain

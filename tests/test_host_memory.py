@@ -55,6 +55,7 @@ def _probe(reuse: bool, measure: bool = False) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_reuse_freed_memory_keeps_what_a_step_frees():
@@ -94,6 +95,7 @@ def _model_and_batches():
     return model, batches
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_ranks_reuse_freed_memory_by_default_and_train_as_single_process(clusters):

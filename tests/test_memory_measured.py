@@ -97,6 +97,7 @@ def _assert_predicted(prog, res, within: float, what) -> None:
         assert (1 - within) * pred <= got <= (1 + within) * pred + late, (what, r, got, pred, late)
 
 
+@pytest.mark.slow
 def test_measuring_memory_leaves_the_math_alone(clusters):
     ref_losses, ref_state = reference_training(tiny_gpt(**_GPT), token_batches(2, seq=16, vocab=64), gpt_loss, ADAMW)
     for zero in (0, 3):
@@ -105,6 +106,7 @@ def test_measuring_memory_leaves_the_math_alone(clusters):
         assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
 
 
+@pytest.mark.slow
 def test_held_state_is_the_papers_formula_and_the_peak_falls_with_zero(clusters):
     """At a step's start a rank holds parameters and Adam's two states (no gradients yet): (b + 2b)Ψ at stage 0,
     bΨ + 2bΨ/N at 1 and 2, 3bΨ/N at 3 -- plus its microbatch (4 x 16 tokens and targets, int64)."""
@@ -130,6 +132,7 @@ def test_held_state_is_the_papers_formula_and_the_peak_falls_with_zero(clusters)
     assert b * psi - late <= peak[0] - peak[1] <= b * psi, (peak, late)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_measured_peak_within_10pct_of_the_estimate(clusters, zero, recompute):
@@ -139,6 +142,7 @@ def test_measured_peak_within_10pct_of_the_estimate(clusters, zero, recompute):
     _assert_predicted(prog, res, 0.01, (zero, recompute))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_two_microbatches_measured_peak_is_the_predicted_one(clusters, zero, recompute):
@@ -153,6 +157,7 @@ def test_two_microbatches_measured_peak_is_the_predicted_one(clusters, zero, rec
     _assert_predicted(prog, res, 0.01, (zero, recompute, "mb=2"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero,recompute,schedule", [
     (0, "full", "1f1b"), (1, "selective", "1f1b"), (2, "none", "1f1b"), (3, "selective", "1f1b"), (0, "none", "zb1p")])
 def test_pipeline_measured_peak_is_the_predicted_one(clusters, zero, recompute, schedule):

@@ -244,6 +244,7 @@ def _full_inputs(model, batch, cap):
     return [by_role[r](k) for r, k in cap.signature.inputs]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("n,cf", [(2, None), (2, 0.5), (4, None), (4, 0.5)])
 def test_experts_on_n_ranks_equal_unsharded_step(clusters, n, cf):

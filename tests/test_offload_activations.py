@@ -13,6 +13,7 @@ TOL = 1e-10
 COPY = torch.ops.aten._to_copy.default
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(dp=2), dict(pp=2, microbatches=2), dict(dp=2, recompute="selective")],
                          ids=["dp2", "pp2", "dp2_selective"])

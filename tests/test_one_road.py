@@ -79,6 +79,7 @@ def test_custom_passes_run_on_every_stage_graph(clusters, strategy):
 
 
 # ---- gradient sync under dp x pp: the bucket pass's collectives, in REDUCE_GRAD ------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_dp_pp_gradient_sync_is_the_bucket_collectives_in_backward_order(clusters):
     strategy = dict(pp=2, dp=2, microbatches=2, bucket_cap_mb=0.004)   # small buckets: several per stage
@@ -110,6 +111,7 @@ def test_dp_pp_gradient_sync_is_the_bucket_collectives_in_backward_order(cluster
     assert sum(c.axis == "tied.wte.weight" for c in rank0) == 1
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_measured_collectives_equal_the_graphs(clusters):
     prog = fxpar.parallelize(tiny_gpt(layers=4), 4, token_batches(1)[0], gpt_loss, SGD_M,
@@ -121,6 +123,7 @@ def test_measured_collectives_equal_the_graphs(clusters):
 
 
 # ---- a Plan edited by hand drives a pipeline -----------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_plan_round_trip_with_an_edited_cut(clusters):
     model, batches = tiny_gpt(layers=4), token_batches(2)
@@ -138,6 +141,7 @@ def test_plan_round_trip_with_an_edited_cut(clusters):
 
 
 # ---- the same API for every strategy ------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(dp=2), dict(pp=2, microbatches=4), dict(pp=2, schedule="zb1p", microbatches=4),
                                       dict(pp=2, schedule="chimera", microbatches=4), dict(microbatches=2)],
@@ -163,6 +167,7 @@ def test_2bw_plan_and_estimate(clusters):
 
 
 # ---- the runtime reads no node.meta ------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_runtime_needs_no_node_meta(clusters):
     model, batches = tiny_gpt(layers=4), token_batches(2)
@@ -179,6 +184,7 @@ def test_runtime_needs_no_node_meta(clusters):
 
 
 # ---- zero bubble and gradient accumulation reproduce single-process training -----------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(pp=2), dict(pp=4), dict(pp=2, dp=2)], ids=["pp2", "pp4", "pp2xdp2"])
 def test_zb1p_matches_single_process(clusters, strategy):

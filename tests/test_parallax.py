@@ -17,6 +17,7 @@ aten = torch.ops.aten
 TOL = 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("opt", [ADAMW, SGD_M], ids=["adamw", "sgd_momentum"])

@@ -23,6 +23,7 @@ def _program(model, batch, optimizer, **strategy):
     return fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy.size), batch, CE, optimizer, strategy=strategy)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("pp,optimizer", [(2, SGD_M), (4, ADAMW)])
 def test_pipedream_weight_stashing_math(clusters, pp, optimizer):
@@ -42,6 +43,7 @@ def test_pipedream_weight_stashing_math(clusters, pp, optimizer):
     assert res.peak_versions == sim.peak_versions == {s: pp - s for s in range(pp)}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipedream_2bw_math(clusters, pp):

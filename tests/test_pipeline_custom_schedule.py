@@ -25,6 +25,7 @@ rank 1: RF1.1<0 F1.1 RF1.0<0 F1.0 RF1.3<0 F1.3 RF1.2<0 F1.2 B1.3 SB1.3>0 B1.1 SB
 """
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("form", ["text", "object", "grid"])
 def test_hand_permuted_gpipe_matches_single_process(clusters, form):

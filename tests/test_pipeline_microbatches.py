@@ -42,6 +42,7 @@ CASES = [(model, pp, sched) for model in ("gpt", "skip") for pp in (2, 4)
          for sched in ("gpipe", "1f1b", "interleaved", "zb1p", "chimera")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,pp,schedule", CASES)
 def test_eight_microbatches_match_single_process(clusters, model, pp, schedule):
     m, batches, loss_fn = _model(model, 2 * pp if schedule == "interleaved" else pp)

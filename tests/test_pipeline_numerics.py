@@ -30,6 +30,7 @@ def _check(clusters, model, batches, loss_fn, optimizer, lr_scheduler=None, **st
     return prog, res
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb1p", "chimera"])
 def test_tied_gpt_pp2_matches_single_process(clusters, schedule):
@@ -65,12 +66,14 @@ def test_untraced_optimizer_runs_eagerly_per_stage(clusters):
            pp=2, schedule="1f1b", microbatches=2)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_gpt_pp2_dp2(clusters):
     _check(clusters, TinyGPT().double(), tiny_gpt_batches(3, batch=16), flat_gpt_loss, SGD_M,
            pp=2, dp=2, schedule="1f1b", microbatches=4)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_gpt_pp4_1f1b_tied_first_and_last_stage(clusters):
     prog, _ = _check(clusters, TinyGPT().double(), tiny_gpt_batches(3), flat_gpt_loss, ADAMW,
@@ -91,6 +94,7 @@ def test_gpt_pp4_interleaved_eight_stages(clusters):
     assert len(prog.stages) == 8 and prog.split.shared_params == {"wte.weight": [0, 7]}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_chimera_pp2_dp2_replicated_stages_and_tied_weights(clusters):
     """Chimera holds every stage twice per pipeline; with dp=2 gradients meet over both kinds of replica."""
@@ -120,6 +124,7 @@ def _runner_job(program, batches):
     return losses, runner.state_dict()
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_rank_runner_the_torchrun_path(clusters):
     model, batches = TinyGPT().double(), tiny_gpt_batches(2)

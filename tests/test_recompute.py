@@ -62,6 +62,7 @@ LAYOUTS = {"dp2": dict(dp=2), "mb2": dict(microbatches=2), "pp2": dict(pp=2, mic
 _CASES = [(p, lay) for p in POLICIES for lay in LAYOUTS if p != "none" or lay == "mb2"]   # none: the baseline elsewhere
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("policy,layout", _CASES,
                          ids=[f"{p if isinstance(p, str) else 'callable'}-{lay}" for p, lay in _CASES])
@@ -91,6 +92,7 @@ def test_skip_connection_model_with_pp2(clusters, policy):
 
 
 # ---- dropout: masks saved, never redrawn --------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("layout", ["mb2", "pp2"])
 def test_dropout_recompute_is_bitwise_the_program_without_it(clusters, layout):
@@ -111,6 +113,7 @@ def test_dropout_recompute_is_bitwise_the_program_without_it(clusters, layout):
 
 
 # ---- structure: full keeps the block boundaries; measured bytes equal the prediction -----------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_full_saves_block_boundaries_and_measured_bytes_equal_predicted():
     layers, batches = 4, token_batches(2, own_storage=True)
@@ -143,6 +146,7 @@ def test_full_saves_block_boundaries_and_measured_bytes_equal_predicted():
 
 
 # ---- auto: meets the budget; refuses one below the smallest feasible plan ------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_auto_meets_budget_with_least_recompute():
     batches = token_batches(2, own_storage=True)
@@ -183,6 +187,7 @@ def test_bad_recompute_arguments_are_refused():
                           strategy=fxpar.Strategy(recompute=lambda n: "offload", microbatches=2))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_callable_policy_is_recorded_by_name_and_the_plan_drives_a_rebuild():
     batches = token_batches(2, own_storage=True)

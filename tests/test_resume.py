@@ -27,6 +27,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_resume_is_bitwise(clusters, tmp_path, case):
     make, batches_of, loss_fn, strategy = CASES[case]

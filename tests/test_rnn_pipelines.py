@@ -120,6 +120,7 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("sid", list(STRATEGIES))
 @pytest.mark.parametrize("cell", CELLS)
@@ -149,6 +150,7 @@ def test_recurrent_stack_matches_single_process(clusters, cases, cell, sid):
 # tensor in the whole-model trace, but it travels (and is captured) contiguous. Stage graphs therefore run
 # their views as reshapes (fxpar/capture.py ``_StageRunner``) and the runtime hands every received or
 # locally passed activation over contiguous. The planner itself picks such cuts (GRU, LSTM: rnns.3).
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("cell", CELLS)
 def test_cut_between_bare_recurrent_layers(clusters, cell):

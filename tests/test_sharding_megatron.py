@@ -178,6 +178,7 @@ CASES = {   # name: (model builder -> (model, batch, loss) or a module class, la
 }
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("case", list(CASES))
 def test_lowered_graphs_on_n_ranks_equal_unsharded_step(clusters, case):

@@ -86,6 +86,7 @@ def _run(clusters, name, mode, cluster_kw=None, **strategy):
     return prog, res
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("name,mode,tp", [
     ("gpt", "megatron", 2), ("gpt4", "megatron", 4), ("gpt", "auto", 2), ("gpt", "auto", 4), ("gpt", "layouts", 2),
@@ -97,6 +98,7 @@ def test_tp_equals_single_process(clusters, name, mode, tp):
         assert prog.plan.shardings["stages"][0]["params"]["conv1.weight"] == ["tp", None, None, None]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["megatron", "auto", "layouts", "annotations"])
 @pytest.mark.parametrize("mesh", ["dp2xtp2", "tp2xpp2"])
@@ -109,6 +111,7 @@ def test_tp_composes_with_dp_and_pp(clusters, mode, mesh):
     assert prog.plan.tp == 2 and prog.world_size == 4
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_dp_tp_pp_on_8_ranks(clusters):
     prog, _ = _run(clusters, "gpt", "megatron", dp=2, tp=2, pp=2, microbatches=2, schedule="1f1b")
@@ -137,6 +140,7 @@ def test_megatron_structure_on_a_gpt_with_separate_qkv():
     assert split["blocks.1.fc1.weight"] == ["tp", None] and split["blocks.1.fc2.weight"] == [None, "tp"]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_one_graph_for_every_tp_rank_and_explain_bytes_are_what_ranks_sent(clusters):
     prog, res = _run(clusters, "gpt", "megatron", dp=2, tp=2)
@@ -154,6 +158,7 @@ def test_one_graph_for_every_tp_rank_and_explain_bytes_are_what_ranks_sent(clust
     assert str(shown.get("blocks_0_fc_weight")) == "P('tp', None)" and "blocks.0.fc" in str(shown)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_auto_is_no_dearer_than_megatron_and_a_handed_back_plan_is_reused(clusters):
     model, batches, loss_fn, opt = MODELS["gpt"]()
@@ -228,6 +233,7 @@ def test_an_op_without_a_rule_runs_whole_and_explain_names_it(clusters):
     assert "all_gather" in text                      # fc1's split output is gathered for the flip
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("mesh", [dict(dp=2, tp=2), dict(tp=2, pp=2, microbatches=2, schedule="1f1b")])
 def test_measured_peak_memory_is_the_predicted_one(clusters, mesh):

@@ -157,6 +157,7 @@ def _run_rank(packed, inputs, axis_ranks):
     return [o.detach() for o in gm(*inputs)]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_gpt_search_lowers_and_equals_unsharded_step_on_2_ranks(clusters, gpt):
     from fxpar.runtime.portable import pack_graph_module

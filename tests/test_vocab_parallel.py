@@ -152,6 +152,7 @@ def test_megatron_leaves_a_vocabulary_tp_does_not_divide_whole():
     assert not prog.graphs(0)["step"].graph.find_nodes(op="call_function", target=vocab_embedding)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_handed_back_plan_runs_the_vocabulary_backward_on_4_ranks(setup, clusters):
     """Tofu's choice under its default costs splits wte.weight over the vocabulary on one level and over h on the

@@ -46,6 +46,7 @@ def _check(clusters, model, batches, loss_fn, optimizer, **strategy):
 
 
 # ---- numerics -----------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2, 3])
 @pytest.mark.parametrize("dp", [2, 4])
@@ -61,6 +62,7 @@ def test_zero_mlp_sgd_momentum_matches_single_process(clusters, zero, dp):
     _check(clusters, MLP().double(), regression_batches(3), F.mse_loss, SGD_M, dp=dp, zero=zero)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_with_gradient_accumulation(clusters, zero):
@@ -85,6 +87,7 @@ def test_zero_padding_when_dp_does_not_divide_a_parameter(clusters):
         _check(clusters, model, batches, F.mse_loss, ADAMW, dp=4, zero=zero)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero1_under_pp2_dp2_tied_gpt(clusters):
     """The tied embedding/LM head is summed over the stages using it and stays whole; the rest is chunked."""
@@ -97,6 +100,7 @@ def test_zero1_under_pp2_dp2_tied_gpt(clusters):
     assert tied and not tied & {k for m in meta for k in m["keys"]}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("schedule", ["1f1b", "zb1p"])
 def test_zero3_under_pp2_dp2_gathers_once_per_stage_and_step(clusters, schedule):
@@ -120,6 +124,7 @@ def test_zero3_under_pp2_dp2_gathers_once_per_stage_and_step(clusters, schedule)
 
 
 # ---- bytes per rank: the paper's formulas -------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_state_bytes_equal_the_papers_formulas(clusters):
     """Ψ parameters of b bytes, Adam's two states (K = 2b): dp alone (b + b + 2b)Ψ; stage 1 2bΨ + 2bΨ/N;
@@ -218,6 +223,7 @@ def test_zero3_graph_gathers_before_forward_and_again_before_backward():
 
 
 # ---- checkpoints hold whole tensors ----------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero3_resume_is_bitwise_and_loads_without_zero(clusters, tmp_path):
     model, batches = tiny_gpt(), token_batches(4)

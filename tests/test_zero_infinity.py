@@ -87,6 +87,7 @@ def test_tiled_linear_equals_linear_output_and_every_gradient():
     assert torch.equal(lin.bias.grad, torch.cat([t.bias.grad for t in tiled.tiles]))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_tiled_model_under_zero3_gathers_one_tile_at_a_time(clusters):
     torch.manual_seed(0)

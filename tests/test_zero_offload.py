@@ -38,6 +38,7 @@ def _run(clusters, model, batches, loss_fn, opt, reference, **strategy):
 
 
 # ---- numerics ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("dp", [2, 4])
@@ -45,6 +46,7 @@ def test_zero_offload_matches_single_process(clusters, zero, dp):
     _run(clusters, tiny_gpt(), token_batches(3, batch=8), gpt_loss, ADAMW, reference_training, dp=dp, zero=zero, **SMALL)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("zero,dp", [(1, 2), (2, 4)])
 def test_zero_offload_delayed_update_follows_its_rule(clusters, zero, dp):
@@ -66,6 +68,7 @@ def test_zero_offload_mlp_sgd_momentum_and_accumulation(clusters):
          dp=2, zero=2, microbatches=2)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_zero3_with_optimizer_offload_matches_single_process(clusters):
     """Stage 3: the updated chunk stays on the host (the master); each gather copies it to the device first."""
@@ -94,6 +97,7 @@ def _host_values(g, inputs) -> set:
     return host
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 @pytest.mark.parametrize("zero,delayed", [(1, False), (2, False), (2, True)], ids=["1", "2", "2-delayed"])
 def test_one_copy_per_bucket_each_way_and_the_update_on_host_values(zero, delayed):
@@ -137,6 +141,7 @@ def test_one_copy_per_bucket_each_way_and_the_update_on_host_values(zero, delaye
         assert sum(n.target is COPY for n in first.nodes) == n_buckets   # FIRST streams, no update, nothing back
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 def test_split_graphs_keep_the_copies_with_their_wait():
     """microbatches=2, stage 1: the reduce-scatter and its wait run in REDUCE_GRAD and STEP; the copy to the host goes
