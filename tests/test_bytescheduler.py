@@ -64,6 +64,7 @@ def _assert_matches(res, model, batches, loss_fn, opt, **kw):
 
 
 # ---- numerics ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("opt", [SGD_M, ADAMW], ids=["sgd_momentum", "adamw"])
@@ -112,6 +113,7 @@ def test_cross_iteration_with_lr_scheduler(clusters):
                     lr_scheduler=sched)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.parametrize("opt,m", [(SGD_M, 2), (ADAMW, 4)], ids=["sgd_momentum-m2", "adamw-m4"])
 def test_dp2_pp2_matches_single_process(clusters, opt, m):
@@ -196,6 +198,7 @@ def test_untraced_optimizer_falls_back_and_says_so(clusters):
     _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, opt)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_resume_with_cross_iteration_is_exact(clusters, tmp_path):
     model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL),

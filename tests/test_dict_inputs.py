@@ -140,6 +140,7 @@ def test_keyword_names_are_checked_against_forward():
         fxpar.parallelize(model, 1, bad, None, ADAMW)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_hugging_face_gpt2_with_a_dict_batch(clusters):
     pytest.importorskip("transformers")
