@@ -31,3 +31,15 @@ def clusters():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+TIERS = ("structure", "numerics", "cost")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test belongs to one tier (tests/README.md): say which ones carry none or several."""
+    wrong = [item.nodeid for item in items if sum(item.get_closest_marker(t) is not None for t in TIERS) != 1]
+    if wrong:
+        config.issue_config_time_warning(pytest.PytestWarning(
+            f"{len(wrong)} test(s) need exactly one tier mark ({', '.join(TIERS)}; tests/README.md), e.g. "
+            f"{wrong[0]}: add `pytestmark = pytest.mark.<tier>` to the module or a mark to the test"), stacklevel=2)

@@ -8,6 +8,8 @@ from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp,schedule", [(1, "gpipe"), (2, "1f1b")])
 def test_parallelize_pipeline_matches_single_process(clusters, dp, schedule):
     model = GPT(layers=4).double()
@@ -24,6 +26,7 @@ def test_parallelize_pipeline_matches_single_process(clusters, dp, schedule):
     assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
 
 
+@pytest.mark.structure
 def test_user_split_points_and_plan():
     """Split points reach the plan and explain(). A Plan is accepted for pipelines as for every strategy:
     a round-tripped plan gives the same cut

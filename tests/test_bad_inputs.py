@@ -288,6 +288,7 @@ CASES = {
 }
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("case", list(CASES))
 def test_mistake_is_named_with_a_fix(case):
     fn, exc, names_it, says_fix = CASES[case]
@@ -299,10 +300,12 @@ def test_mistake_is_named_with_a_fix(case):
     assert re.search(says_fix, msg, re.S), f"does not say what to do ({says_fix!r}):\n{msg}"
 
 
+@pytest.mark.structure
 def test_the_corpus_is_large():
     assert len(CASES) >= 40
 
 
+@pytest.mark.numerics
 def test_nan_loss_warns_by_default_and_ignore_is_silent(recwarn):
     res = _run("one", [(NAN_X, Y), (X, Y)])
     warns = [w for w in recwarn if issubclass(w.category, RuntimeWarning) and "loss is nan" in str(w.message)]
@@ -313,6 +316,7 @@ def test_nan_loss_warns_by_default_and_ignore_is_silent(recwarn):
     assert not [w for w in recwarn if "loss is nan" in str(w.message)]
 
 
+@pytest.mark.structure
 def test_many_ranks_on_few_cores_warns(monkeypatch):
     from fxpar.runtime import launch
     monkeypatch.setattr(launch.os, "cpu_count", lambda: 1)
@@ -328,6 +332,8 @@ program.run_local([(x, y)])
 """
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_a_script_without_main_guard_is_told_to_add_one(tmp_path):
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(_SCRIPT))
@@ -343,6 +349,8 @@ def test_a_script_without_main_guard_is_told_to_add_one(tmp_path):
     assert "the script comes from '<stdin>'" in out.stderr and "Save it to a file" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_a_guarded_script_runs(tmp_path):
     script = tmp_path / "train.py"
     body = textwrap.indent(textwrap.dedent(_SCRIPT).replace("program.run_local", "print(program.run_local")

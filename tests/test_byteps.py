@@ -7,7 +7,7 @@ import torch
 import fxpar
 from cost_models import byteps_traffic as B
 from fxpar.collectives import collective_nodes
-from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training, token_batches
+from fxpar.testing import gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 TOL = 1e-10
@@ -35,10 +35,11 @@ def _expected_split(v, n, k):
     return v - k * p, p
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp,k", [(2, 0), (2, 1), (2, 2), (4, 2)])
 def test_byteps_matches_single_process_and_the_formula(clusters, dp, k):
-    torch.manual_seed(0)
-    model, batches = GPT(vocab=32, d=16, layers=2, heads=2).double(), token_batches(2, batch=8)
+    model, batches = tiny_gpt(), token_batches(2, batch=8)
     prog = _build(dp, k, batches, model)
     res = prog.run_local(batches, cluster=clusters.get(dp + k), measure_comm=True)
     ref_losses, ref_state = reference_training(model, batches, gpt_loss, ADAMW)
@@ -87,12 +88,12 @@ def test_byteps_matches_single_process_and_the_formula(clusters, dp, k):
     assert server == pytest.approx(B.bytes_per_server(m, dp, k), abs=slack)
 
 
+@pytest.mark.structure
 def test_byteps_structure_pushes_and_pulls_per_bucket_in_order():
     """dp=4, k=2, no processes: per bucket the all-reduce of the workers' part over dp, then for each server its
     push and its pull over that server's group (go first, once per step and server); the bucket's result
     concatenates the all-reduced part and the servers' sums in server order."""
-    torch.manual_seed(0)
-    model, batches = GPT(vocab=32, d=16, layers=2, heads=2).double(), token_batches(1, batch=8)
+    model, batches = tiny_gpt(), token_batches(1, batch=8)
     n, k = 4, 2
     prog = _build(n, k, batches, model)
     gm = prog.graphs(0)["step"]
@@ -130,6 +131,7 @@ def test_byteps_structure_pushes_and_pulls_per_bucket_in_order():
     assert prog.plan.groups["server0"] == [[0, 1, 2, 3, 4]] and prog.plan.groups["server1"] == [[0, 1, 2, 3, 5]]
 
 
+@pytest.mark.structure
 def test_byteps_cost_model_closed_forms():
     # k=0 is the ring all-reduce; k=n the non-colocated parameter server (M per worker); in between both sides equal
     for n in (2, 4, 8, 16):
@@ -148,9 +150,9 @@ def test_byteps_cost_model_closed_forms():
     assert pred["gain"] == pytest.approx(1.25) and pred["worker_bytes"] == pytest.approx(pred["server_bytes"])
 
 
+@pytest.mark.structure
 def test_byteps_bad_input():
-    torch.manual_seed(0)
-    model, batches = GPT(vocab=32, d=16, layers=2, heads=2).double(), token_batches(1, batch=8)
+    model, batches = tiny_gpt(), token_batches(1, batch=8)
     with pytest.raises(fxpar.ClusterSpecError, match=r"cpu_servers=-1.*int >= 0"):
         fxpar.ClusterSpec.local(2, cpu_servers=-1)
     with pytest.raises(fxpar.ClusterSpecError, match=r"cpu_servers=2, backend='nccl'.*CUDA tensors only.*gloo"):
@@ -169,11 +171,11 @@ def test_byteps_bad_input():
                           strategy=fxpar.Strategy(dp=1, grad_sync="byteps"))
 
 
+@pytest.mark.structure
 def test_byteps_runner_on_the_wrong_world_size_names_workers_and_servers(monkeypatch):
     """torchrun with n processes for n workers + k servers: refused before the rendezvous, naming n + k."""
     import torch.distributed as dist
-    torch.manual_seed(0)
-    model, batches = GPT(vocab=32, d=16, layers=2, heads=2).double(), token_batches(1, batch=8)
+    model, batches = tiny_gpt(), token_batches(1, batch=8)
     prog = _build(2, 1, batches, model)
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert not dist.is_initialized()            # the check runs before any group is joined
@@ -191,13 +193,14 @@ def _checkpoint_values(path) -> dict:
     return load_checkpoint(path, templates, rank=0, world_size=1)[0]
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_byteps_checkpoint_is_the_workers_and_resumes_under_any_grad_sync(clusters, tmp_path):
     """dp=2 + 1 server: save after one step, resume for two more == one process on all three batches; the
     checkpoint equals the one grad_sync='allreduce' writes (same keys, world 2, same values), and each resumes
     under the other."""
     from fxpar.runtime.checkpoint import read_manifest
-    torch.manual_seed(0)
-    model, batches = GPT(vocab=32, d=16, layers=2, heads=2).double(), token_batches(3, batch=8)
+    model, batches = tiny_gpt(), token_batches(3, batch=8)
     ref_losses, ref_state = reference_training(model, batches, gpt_loss, ADAMW)
     bps = _build(2, 1, batches, model)
     ar = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], gpt_loss, ADAMW,

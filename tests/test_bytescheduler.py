@@ -19,7 +19,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fxpar
 from fxpar.errors import StrategyError
 from fxpar.runtime.executor import train
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import (MLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt,
+                           token_pairs)
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
@@ -27,24 +28,11 @@ SMALL = dict(partition_mb=0.004, credit_mb=0.008)     # pieces of <= 4 KiB (8 Ki
 C10D = torch.ops._c10d_functional
 
 
-def _gpt():
-    return GPT(vocab=32, d=16, layers=2, heads=2).double()
-
-
-def _mlp():
-    return MLP().double()
-
-
 def _batches(kind, n=3, batch=8):
-    g = torch.Generator().manual_seed(3)
-    if kind == "mlp":
-        return [(torch.randn(batch, 16, generator=g, dtype=torch.float64),
-                 torch.randn(batch, 8, generator=g, dtype=torch.float64)) for _ in range(n)]
-    return [(torch.randint(0, 32, (batch, 8), generator=g), torch.randint(0, 32, (batch, 8), generator=g))
-            for _ in range(n)]
+    return regression_batches(n, batch, seed=3) if kind == "mlp" else token_pairs(n, batch)
 
 
-MODELS = {"gpt": (_gpt, gpt_loss), "mlp": (_mlp, F.mse_loss)}
+MODELS = {"gpt": (lambda: tiny_gpt(seed=None), gpt_loss), "mlp": (lambda: MLP().double(), F.mse_loss)}
 
 
 def _program(kind, opt, strategy, n=3, cluster=None, **kw):
@@ -76,6 +64,8 @@ def _assert_matches(res, model, batches, loss_fn, opt, **kw):
 
 
 # ---- numerics ---------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("opt", [SGD_M, ADAMW], ids=["sgd_momentum", "adamw"])
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
@@ -87,6 +77,7 @@ def test_cross_iteration_matches_single_process(clusters, kind, opt, dp):
     _assert_matches(prog.run_local(batches, cluster=clusters.get(dp)), model, batches, loss_fn, opt)
 
 
+@pytest.mark.numerics
 def test_cross_iteration_only_where_the_cost_model_says_it_pays(clusters):
     """Where an overlapped transfer costs the compute more than a waited one (full CPU cores: ``comm_cpu_per_byte``)
     and the link is fast, the planner keeps every wait in its own step -- cross-iteration overlap predicted no better
@@ -112,6 +103,7 @@ def test_cross_iteration_only_where_the_cost_model_says_it_pays(clusters):
     assert off.plan.comm_schedule["why_not_cross_iteration"] == "Strategy(cross_iteration=False)"
 
 
+@pytest.mark.numerics
 def test_cross_iteration_with_lr_scheduler(clusters):
     """The deferred update uses its own step's learning rate and count, not the next step's."""
     sched = (torch.optim.lr_scheduler.StepLR, {"step_size": 1, "gamma": 0.5})
@@ -121,6 +113,8 @@ def test_cross_iteration_with_lr_scheduler(clusters):
                     lr_scheduler=sched)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("opt,m", [(SGD_M, 2), (ADAMW, 4)], ids=["sgd_momentum-m2", "adamw-m4"])
 def test_dp2_pp2_matches_single_process(clusters, opt, m):
     """dp=2 x pp=2, 1F1B, the tied GPT (embedding and LM head share a weight across the stages, summed over all four
@@ -134,6 +128,7 @@ def test_dp2_pp2_matches_single_process(clusters, opt, m):
     _assert_matches(prog.run_local(batches, cluster=clusters.get(4)), model, batches, loss_fn, opt)
 
 
+@pytest.mark.numerics
 def test_microbatches_without_a_pipeline(clusters):
     """One stage, two microbatches (graphs F, B, REDUCE_GRAD, STEP): the same move of STEP into the next first F."""
     model, batches, loss_fn, prog = _program("gpt", SGD_M, fxpar.Strategy(dp=2, microbatches=2,
@@ -142,6 +137,7 @@ def test_microbatches_without_a_pipeline(clusters):
     _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, SGD_M)
 
 
+@pytest.mark.numerics
 def test_resume_under_dp_x_pp_is_exact(clusters, tmp_path):
     model, _, loss_fn, prog = _pp_program(ADAMW, 4)
     batches = _batches("gpt", 4)
@@ -154,6 +150,7 @@ def test_resume_under_dp_x_pp_is_exact(clusters, tmp_path):
     _assert_matches(whole, model, batches, loss_fn, ADAMW)
 
 
+@pytest.mark.numerics
 def test_tuned_partition_and_credit_are_recorded(clusters):
     model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler"))
     entry = prog.plan.comm_schedule["stages"][0]
@@ -168,6 +165,7 @@ def test_tuned_partition_and_credit_are_recorded(clusters):
     _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, ADAMW)
 
 
+@pytest.mark.numerics
 def test_batchnorm_and_a_handed_back_plan(clusters):
     """BatchNorm buffers (broadcast from dp-rank 0 after each step, as DDP) come out exactly as FIFO's; a Plan handed
     back (its JSON) rebuilds the same graphs and trains the same."""
@@ -190,6 +188,7 @@ def test_batchnorm_and_a_handed_back_plan(clusters):
     assert max_abs_diff(ours.state_dict(), back.state_dict()) == 0.0
 
 
+@pytest.mark.numerics
 def test_untraced_optimizer_falls_back_and_says_so(clusters):
     opt = (torch.optim.RMSprop, {"lr": 1e-2})
     model, batches, loss_fn, prog = _program("mlp", opt, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
@@ -199,6 +198,8 @@ def test_untraced_optimizer_falls_back_and_says_so(clusters):
     _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, opt)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_resume_with_cross_iteration_is_exact(clusters, tmp_path):
     model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL),
                                              n=4)
@@ -230,6 +231,7 @@ def _sim_pieces(prog, stage=0):
     return out
 
 
+@pytest.mark.structure
 def test_issue_order_follows_priority():
     _, _, _, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
     entry = prog.plan.comm_schedule["stages"][0]
@@ -290,6 +292,7 @@ def _measured_train(payload, batches):
     return {"peak": m.peak, "issued": m.issued, "losses": out["loss_sums"]}
 
 
+@pytest.mark.numerics
 def test_inflight_bytes_never_exceed_credit(clusters):
     _, batches, _, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
     entry = prog.plan.comm_schedule["stages"][0]
@@ -314,6 +317,7 @@ def _measured_steps(payload, batches):
     return {"peak": m.peak, "issued": m.issued, "carried": carried, "drained": m.now}
 
 
+@pytest.mark.numerics
 def test_inflight_bytes_under_dp_x_pp(clusters):
     """dp=2 x pp=2: each stage keeps the plan's credit, measured on all four ranks; the pieces REDUCE_GRAD issues and
     the plan waits at a need event are still in flight when the step ends (cross-iteration), none after the drain."""
@@ -331,6 +335,7 @@ def test_inflight_bytes_under_dp_x_pp(clusters):
         assert crossing > 0 and r["carried"] == [crossing] * len(batches) and r["drained"] == 0
 
 
+@pytest.mark.structure
 def test_first_forward_op_of_a_layer_depends_only_on_its_wait():
     _, _, _, prog = _program("mlp", SGD_M, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
     entry = prog.plan.comm_schedule["stages"][0]
@@ -393,6 +398,7 @@ def test_first_forward_op_of_a_layer_depends_only_on_its_wait():
     assert any(i > first_use for i in carried)       # others' waits come after it: the reduction overlaps forward
 
 
+@pytest.mark.structure
 def test_pipeline_first_forward_op_of_a_layer_depends_only_on_its_wait():
     """dp=2 x pp=2: in each stage's F_UPDATE (its first forward of step t+1; the update runs in place, as without
     overlap) a bucket's update reads that bucket's step-t pieces and no other bucket's wait, and runs before the first
@@ -462,6 +468,7 @@ def _chain(n):
 
 
 # ---- bad input --------------------------------------------------------------------------------------
+@pytest.mark.structure
 def test_credit_below_the_largest_piece_is_refused():
     # pieces of 2 KiB at most, but a row of blocks.*.fc2.weight (16 x 64 float64) is 512 bytes: indivisible
     with pytest.raises(StrategyError, match=r"credit_mb=.*largest piece, 512 bytes: the gradient "
@@ -471,6 +478,7 @@ def test_credit_below_the_largest_piece_is_refused():
         _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", partition_mb=1, credit_mb=0.001))
 
 
+@pytest.mark.structure
 def test_bad_settings_are_refused():
     with pytest.raises(StrategyError, match="not yet composed"):
         fxpar.Strategy(dp=2, zero=1, comm_schedule="bytescheduler")
@@ -491,6 +499,7 @@ def test_bad_settings_are_refused():
 
 
 # ---- the simulation the plan comes from (cost_models/comm_tuning.py) ----------------------------------
+@pytest.mark.structure
 def test_simulated_plan_keeps_its_invariants():
     import random
 
@@ -531,6 +540,7 @@ def test_simulated_plan_keeps_its_invariants():
         assert [k for k, _, _ in res.events].count("start") == (1 if early else 0)
 
 
+@pytest.mark.structure
 def test_issue_cost_is_paid_per_piece_and_steers_the_partition():
     """``DeviceSpec.collective_issue_s`` (the rank's CPU per collective issued): the simulated step pays it once per
     piece, and when it is dear the tuner cuts fewer pieces (here the same step otherwise)."""
@@ -555,6 +565,7 @@ def test_issue_cost_is_paid_per_piece_and_steers_the_partition():
     assert bare - 1e-12 <= dear["predicted_step_s"] <= bare + n * 5e-3 + 1e-12
 
 
+@pytest.mark.structure
 def test_a_pieces_cpu_runs_beside_its_transfer():
     """``cpu_per_byte`` (what moving a byte takes from a rank's compute on full cores): on the compute lane from the
     issue, beside the transfer. A piece the rank waits for at once costs max(its CPU, its transfer); one that
@@ -570,6 +581,7 @@ def test_a_pieces_cpu_runs_beside_its_transfer():
     assert got == pytest.approx(0.15 + 0.005)
 
 
+@pytest.mark.structure
 def test_tied_gradient_is_cut_alike_on_every_stage():
     """A bucket on a group several stages share (a tied weight) is cut only at the partition asked for, never at one
     tuned per stage (each stage must make the same collectives), and under cross-iteration issued in its own step."""
@@ -595,6 +607,7 @@ def test_tied_gradient_is_cut_alike_on_every_stage():
         assert all(issued_at[p] == "ready" for p, piece in enumerate(entry["pieces"]) if piece[0] == 2)
 
 
+@pytest.mark.structure
 def test_early_update_runs_while_the_first_bucket_is_on_the_wire():
     """Cross-iteration with early updates (a fused step): the bucket that landed during backward (a, needed late)
     is updated at the next step's start, inside the time the rank would wait for the first-needed bucket (b, made
@@ -611,6 +624,7 @@ def test_early_update_runs_while_the_first_bucket_is_on_the_wire():
     assert ("update", 0) in start and all(op != "update" for kind, _, ops in late.events for op, _ in ops)
 
 
+@pytest.mark.structure
 def test_early_updates_in_the_graph():
     """The plan's early updates are where the graph runs them: a bucket updated at ``start`` has its whole update
     before the first forward op of the steady step (FULL), and one updated inside another's need event comes before
@@ -631,6 +645,7 @@ def test_early_updates_in_the_graph():
         assert writes and max(pos[u] for u in writes) < first_fwd, b
 
 
+@pytest.mark.structure
 def test_cross_iteration_update_runs_in_place_as_fifo_does():
     """The steady step's optimizer, cut per bucket and moved into the next forward, runs in place wherever the FIFO
     program's does: moving nodes leaves dead views (a ``detach`` nobody reads) behind at the end of the graph, which
@@ -646,6 +661,7 @@ def test_cross_iteration_update_runs_in_place_as_fifo_does():
     assert fifo and bs <= fifo and "aten._foreach_div.Tensor" not in bs, (bs, fifo)
 
 
+@pytest.mark.structure
 def test_simulated_step_time_closed_forms():
     from cost_models.comm_tuning import BucketTiming, simulate
     comm = lambda x: 1e-3 + x / 1e8       # noqa: E731   alpha + bytes / beta

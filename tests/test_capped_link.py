@@ -17,6 +17,7 @@ import netns_link as nl  # noqa: E402
 ALL_RATES = [None, "2gbit", "1gbit", "500mbit", 123_000_000]
 
 
+@pytest.mark.structure
 def test_names_unique_per_pid_and_short():
     a, b = nl.make_names(4242), nl.make_names(4243)
     assert a.ns_a != a.ns_b and a.dev_a != a.dev_b
@@ -28,6 +29,7 @@ def test_names_unique_per_pid_and_short():
     assert nl.make_names().ns_a == f"fxcap{os.getpid()}a"
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("text,bps", [(None, None), ("none", None), ("0", None), (0, None), ("2gbit", 2 * 10**9),
                                       ("1gbit", 10**9), ("500mbit", 500 * 10**6), ("1.5g", 15 * 10**8),
                                       (250_000_000, 250_000_000), ("64kbit", 64_000)])
@@ -35,18 +37,21 @@ def test_parse_rate(text, bps):
     assert nl.parse_rate(text) == bps
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("bad", ["fast", "1tb", "-5mbit", -3])
 def test_parse_rate_refuses(bad):
     with pytest.raises(ValueError):
         nl.parse_rate(bad)
 
 
+@pytest.mark.structure
 def test_format_rate_round_trips():
     for r in ("2gbit", "1gbit", "500mbit", "64kbit", "1500bit"):
         assert nl.format_rate(nl.parse_rate(r)) == r
     assert nl.format_rate(None) == "none"
 
 
+@pytest.mark.structure
 def test_setup_commands():
     n = nl.make_names(77)
     cmds = nl.setup_commands(n)
@@ -64,6 +69,7 @@ def test_setup_commands():
     nl.check_commands(cmds, n)
 
 
+@pytest.mark.structure
 def test_rate_commands_tbf_each_direction():
     n = nl.make_names(77)
     cmds = nl.rate_commands(n, "1gbit")
@@ -78,11 +84,13 @@ def test_rate_commands_tbf_each_direction():
     assert nl.tbf_burst_bytes(2 * 10**9) == 250_000      # 1 ms of traffic
 
 
+@pytest.mark.structure
 def test_teardown_commands():
     n = nl.make_names(77)
     assert nl.teardown_commands(n) == [["ip", "netns", "del", n.ns_a], ["ip", "netns", "del", n.ns_b]]
 
 
+@pytest.mark.structure
 def test_no_command_touches_the_default_namespace():
     n = nl.make_names(77)
     cmds = nl.setup_commands(n) + nl.teardown_commands(n)
@@ -101,6 +109,7 @@ def test_no_command_touches_the_default_namespace():
             nl.check_commands([bad], n)
 
 
+@pytest.mark.structure
 def test_leftover_namespaces():
     me = os.getpid()
     listing = (f"fxcap111a (id: 3)\nfxcap111b\nfxcap222a (id: 5)\nfxcap{me}a\nfxcap{me}b\n"
@@ -112,6 +121,7 @@ def test_leftover_namespaces():
     assert nl.leftover_namespaces("") == []
 
 
+@pytest.mark.structure
 def test_without_root_it_says_what_is_missing_and_runs_uncapped(monkeypatch):
     monkeypatch.setattr(nl, "preflight", lambda: "root (test)")
     link = nl.CappedLink()
@@ -123,6 +133,7 @@ def test_without_root_it_says_what_is_missing_and_runs_uncapped(monkeypatch):
     link.down()
 
 
+@pytest.mark.structure
 def test_preflight_reports_root(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     assert "root" in nl.preflight()
@@ -147,6 +158,8 @@ def _fail_on_rank1():
     return 0
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.skipif(not _can_build_link(), reason="needs root and a working `ip netns` (a capped link is built)")
 def test_real_link_exchange_and_cleanup():
     lo_before = subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout
@@ -164,6 +177,7 @@ def test_real_link_exchange_and_cleanup():
     assert subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout == lo_before
 
 
+@pytest.mark.numerics
 @pytest.mark.skipif(not _can_build_link(), reason="needs root and a working `ip netns`")
 def test_real_cleanup_of_a_dead_runs_leftovers():
     dead = subprocess.Popen(["true"])
@@ -177,6 +191,7 @@ def test_real_cleanup_of_a_dead_runs_leftovers():
         subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
+@pytest.mark.cost
 def test_at_cap_charges_the_caps_measured_overlap_cost():
     """``at_cap``: a spec that charges an overlapped transfer's CPU (the ranks fill the cores) takes the figure measured
     through the veth at that cap; one that charges none (spare cores), or no figure, stays as it is."""

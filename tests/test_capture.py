@@ -20,6 +20,7 @@ def _run_single(model, batches, loss_fn, opt):
     return p, p.run_local(batches)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("opt", OPTS, ids=lambda o: f"{o[0].__name__}{sorted(o[1].items())}" if isinstance(o, tuple) else "")
 def test_traced_optimizer_equals_torch(opt):
     model = GPT().double()
@@ -31,6 +32,7 @@ def test_traced_optimizer_equals_torch(opt):
     assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
 
 
+@pytest.mark.structure
 def test_tied_parameter_is_one_placeholder_with_roles_and_phases():
     x = torch.randint(0, 64, (2, 8))
     cap = capture_training_step(GPT(), (x, x), gpt_loss, resolve_optimizer((torch.optim.AdamW, {"lr": 1e-3})))
@@ -53,6 +55,7 @@ def test_tied_parameter_is_one_placeholder_with_roles_and_phases():
     assert any("scaled_dot_product" in str(n.target) for n in cap.gm.graph.nodes)
 
 
+@pytest.mark.numerics
 def test_transformer_encoder_layer_trains():
     model = EncoderModel().double()
     batches = [(torch.randn(4, 6, 32, dtype=torch.float64), torch.randint(0, 5, (4,))) for _ in range(2)]
@@ -62,6 +65,7 @@ def test_transformer_encoder_layer_trains():
     assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
 
 
+@pytest.mark.structure
 def test_batchnorm_buffers_are_outputs():
     x = torch.randn(4, 3, 8, 8)
     cap = capture_training_step(BNConvNet(), (x, torch.zeros(4, dtype=torch.long)), F.cross_entropy,
@@ -69,6 +73,7 @@ def test_batchnorm_buffers_are_outputs():
     assert cap.signature.keys("new_buffer", outputs=True) == ["bn.running_mean", "bn.running_var", "bn.num_batches_tracked"]
 
 
+@pytest.mark.structure
 def test_data_dependent_control_flow_names_the_module():
     class Gate(nn.Module):
         def __init__(self):
@@ -92,12 +97,14 @@ def test_data_dependent_control_flow_names_the_module():
         fxpar.parallelize(Net(), 1, (torch.randn(2, 4), torch.randn(2, 4)), loss_fn=F.mse_loss)
 
 
+@pytest.mark.structure
 def test_non_scalar_loss_is_rejected():
     with pytest.raises(fxpar.CaptureError, match=r"loss of Linear is not a scalar: got \(2, 3\).*reduction='mean'"):
         fxpar.parallelize(nn.Linear(4, 3), 1, (torch.randn(2, 4), torch.randn(2, 3)),
                           loss_fn=lambda o, t: F.mse_loss(o, t, reduction="none"))
 
 
+@pytest.mark.structure
 def test_optimizer_instance_is_rejected_with_advice():
     model = nn.Linear(4, 3)
     with pytest.raises(TypeError, match=r"pass \(torch.optim.X"):

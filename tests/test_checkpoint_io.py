@@ -113,6 +113,7 @@ def saved(clusters, tmp_path_factory):
     return path, state, nxt
 
 
+@pytest.mark.numerics
 def test_manifest_and_layout(saved):
     path, state, _ = saved
     assert is_complete(path)
@@ -123,6 +124,7 @@ def test_manifest_and_layout(saved):
     assert not os.path.exists(path + ".fxpar-partial") and not os.path.exists(path + ".fxpar-old")
 
 
+@pytest.mark.numerics
 def test_load_in_one_process_without_group(saved):
     path, state, _ = saved
     assert not dist.is_initialized()
@@ -135,6 +137,7 @@ def test_load_in_one_process_without_group(saved):
     assert extra["rank"] == 0 and extra["step"] == 7 and extra["scheduler"]["last_epoch"] == 7
 
 
+@pytest.mark.numerics
 def test_load_on_two_ranks_with_another_split_and_rng_per_rank(saved, clusters):
     path, state, nxt = saved
     keys = sorted(state)
@@ -149,6 +152,7 @@ def test_load_on_two_ranks_with_another_split_and_rng_per_rank(saved, clusters):
     assert not torch.equal(nxt[0], nxt[1])
 
 
+@pytest.mark.numerics
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_plain_pytorch_dcp_load_into_module(saved):
     path, state, _ = saved
@@ -161,6 +165,7 @@ def test_plain_pytorch_dcp_load_into_module(saved):
     assert int(m.norm.num_batches_tracked) == 5
 
 
+@pytest.mark.numerics
 def test_missing_key_and_wrong_shape_are_refused(saved):
     path, state, _ = saved
     with pytest.raises(CheckpointError) as e:
@@ -170,6 +175,7 @@ def test_missing_key_and_wrong_shape_are_refused(saved):
         load_checkpoint(path, {"head.weight": torch.zeros(3, 4)}, rank=0, world_size=1)
 
 
+@pytest.mark.numerics
 def test_one_rank_missing_a_key_fails_every_rank(saved, clusters):
     path, state, _ = saved
     res = clusters.get(2).run(_rank_load, [(path, {"head.weight": state["head.weight"]}),
@@ -179,6 +185,7 @@ def test_one_rank_missing_a_key_fails_every_rank(saved, clusters):
     assert "'head.wieght'" in res[1][1]
 
 
+@pytest.mark.structure
 def test_killed_save_keeps_previous_and_refuses_half_written(tmp_path, monkeypatch):
     path = str(tmp_path / "ck")
     v1, v2 = _model_state(1), _model_state(2)
@@ -215,6 +222,7 @@ def test_killed_save_keeps_previous_and_refuses_half_written(tmp_path, monkeypat
     assert sorted(os.listdir(tmp_path)) == ["broken", "ck"]
 
 
+@pytest.mark.numerics
 def test_killed_save_on_two_ranks(tmp_path, clusters):
     path = str(tmp_path / "ck")
     v1, v2 = _model_state(1), _model_state(2)
@@ -228,6 +236,7 @@ def test_killed_save_on_two_ranks(tmp_path, clusters):
     assert extra["step"] == 1 and all(_bitwise_equal(tensors[k], v1[k]) for k in v1)
 
 
+@pytest.mark.numerics
 def test_overwrite_and_world_size_change(tmp_path, clusters):
     path = str(tmp_path / "ck")
     v1, v2 = _model_state(1), _model_state(2)
@@ -251,6 +260,7 @@ def _rank_load_no_rng(path, templates):
     return load_checkpoint(path, templates, rank=dist.get_rank(), world_size=dist.get_world_size())
 
 
+@pytest.mark.structure
 def test_torch_optimizer_round_trip(tmp_path):
     torch.manual_seed(0)
     m = _Tiny()

@@ -3,6 +3,8 @@ import pytest
 import fxpar
 from fxpar import ClusterSpec, ClusterSpecError
 
+pytestmark = pytest.mark.structure
+
 
 def test_local_and_json_round_trip(tmp_path):
     spec = ClusterSpec.local(4)

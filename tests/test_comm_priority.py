@@ -16,6 +16,7 @@ from fxpar.errors import ClusterSpecError
 from fxpar.testing import max_abs_diff, reference_training
 
 
+@pytest.mark.structure
 def test_comm_priority_round_trips_and_is_checked():
     spec = fxpar.ClusterSpec.local(2, comm_priority=True)
     assert fxpar.ClusterSpec.from_json(spec.to_json()).comm_priority is True
@@ -29,6 +30,7 @@ def test_comm_priority_round_trips_and_is_checked():
     assert fxpar.ClusterSpec.from_json(slotted.to_json()).device.collective_slots == 1
 
 
+@pytest.mark.cost
 def test_in_step_slots_is_the_model_nearer_the_pair():
     """With issue i, two slots put the pair at max(ar, i + ag), one at max(2i, ar) + ag - i; ``calibrate`` keeps
     the nearer. Figures measured on this project's 2-core machine (seconds): gloo's threads raised, 0.365 /
@@ -106,6 +108,8 @@ def _train_raised(spec, grad_sync, n_batches, seed):
     return probes, prog
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="SCHED_FIFO is Linux's")
 def test_comm_priority_raises_every_gloo_thread_and_matches_single_process():
     """A program planned on ``ClusterSpec(comm_priority=True)``: each rank's Executor puts all of its gloo threads
@@ -117,6 +121,8 @@ def test_comm_priority_raises_every_gloo_thread_and_matches_single_process():
         assert set(pol) == ({os.SCHED_FIFO} if may else {os.SCHED_OTHER})
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="SCHED_FIFO is Linux's")
 def test_comm_priority_with_a_byteps_server_raises_its_threads_too():
     """BytePS's CPU summation server joins the program's groups and raises its gloo threads as the workers do

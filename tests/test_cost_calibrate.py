@@ -4,6 +4,8 @@ import pytest
 from fxpar.tools.calibrate import fit_alpha_beta, index_row_overhead
 from fxpar.cluster import ClusterSpec
 
+pytestmark = pytest.mark.cost
+
 
 def test_fit_recovers_ring_alpha_beta():
     n, alpha, bw = 4, 20e-6, 2e9

@@ -6,6 +6,8 @@ import pytest
 from cost_models.comm import collective_cost, ring_all_reduce_time
 from fxpar.cluster import ClusterSpec, LinkSpec
 
+pytestmark = pytest.mark.cost
+
 
 def _cluster(nodes=1, per_node=8, intra=(100e9, 2e-6), inter=(10e9, 10e-6)):
     return ClusterSpec(device=ClusterSpec.preset("a100-80gb").device, nodes=nodes, devices_per_node=per_node,

@@ -8,6 +8,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from cost_models.compute import graph_compute, node_cost, node_time
 from fxpar.cluster import ClusterSpec, DeviceSpec
 
+pytestmark = pytest.mark.cost
+
 
 def _trace(fn, *args, mode="fake"):
     return make_fx(fn, tracing_mode=mode)(*args)

@@ -11,6 +11,8 @@ from cost_models.memory import (infer_phases, korthikanti_activation_bytes, live
                                 zero_model_state_bytes)
 from cost_models.tracker import PeakMemoryTracker
 
+pytestmark = pytest.mark.cost
+
 
 def _roles(gm, roles):
     """Stand in for fxpar.capture: set fxpar_role on placeholders by name prefix."""

@@ -16,6 +16,8 @@ from fxpar.cluster import ClusterSpec, LinkSpec
 from fxpar.meta import CommInfo
 from fxpar.testing import MLP
 
+pytestmark = pytest.mark.cost
+
 BI, AI = 2e9, 40e-6          # intra-node link (the calibrated loopback, say)
 BE, AE = 62.5e6, 100e-6      # inter-node link: 500 Mbit/s
 SGD = (torch.optim.SGD, {"lr": 0.1})
@@ -236,6 +238,7 @@ def _flat_then_herring(numel, dev, reps=5):
     return flat, herring
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or nl.preflight() is not None,
                     reason="needs root and a working `ip netns` (benchmarks/netns_link.py builds the link)")
 def test_cut_bytes_match_the_veth():

@@ -12,6 +12,8 @@ from cost_models import DeadlockError, Item, estimate
 from fxpar.cluster import ClusterSpec, DeviceSpec, LinkSpec
 from fxpar.meta import CommInfo
 
+pytestmark = pytest.mark.cost
+
 N = 64
 MM = 1e-3                                   # one 64x64 matmul: 2*64**3 FLOPs at 2*64**3*1e3 FLOP/s
 ADD = N * N / (2 * N**3 * 1e3)              # one FLOP per element of a 64x64 add, same peak

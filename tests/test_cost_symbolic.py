@@ -11,6 +11,8 @@ from cost_models.memory import korthikanti_activation_bytes, liveness, zero_mode
 from cost_models.symbolic import B, S, largest_microbatch, symbolic_cost, transformer_memory_expr
 from fxpar.cluster import ClusterSpec
 
+pytestmark = pytest.mark.cost
+
 _m = nn.Sequential(nn.Linear(48, 160), nn.ReLU(), nn.Linear(160, 10))
 _params = {k: v.detach() for k, v in _m.named_parameters()}
 

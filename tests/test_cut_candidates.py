@@ -14,6 +14,8 @@ from fxpar.testing import GPT, MLP, SkipMLP, gpt_loss
 from passes.split_stages import (IMBALANCE_WARN, cut_candidates, imbalance_warning, split_stages,
                                  stage_imbalance)
 
+pytestmark = pytest.mark.structure
+
 try:                                   # the one-road capture holds the forward trace ...
     from fxpar.capture import trace_forward
 except ImportError:                    # ... the pipeline package held it before

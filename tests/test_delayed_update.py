@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar import meta as M
 from fxpar.collectives import C10D
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
+from fxpar.testing import MLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt, token_batches
 from fxpar.testing.async_reference import pipedream_2bw_reference
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
@@ -19,19 +19,15 @@ TOL = 1e-10
 
 
 def _gpt_data(n):
-    torch.manual_seed(0)
-    model = GPT(vocab=32, d=16, layers=2, heads=2).double()
-    out = token_batches(n)
-    return model, out, gpt_loss
+    return tiny_gpt(), token_batches(n), gpt_loss
 
 
 def _mlp_data(n):
     torch.manual_seed(0)
-    g = torch.Generator().manual_seed(2)
-    return MLP().double(), [(torch.randn(8, 16, generator=g, dtype=torch.float64),
-                             torch.randn(8, 8, generator=g, dtype=torch.float64)) for _ in range(n)], F.mse_loss
+    return MLP().double(), regression_batches(n), F.mse_loss
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("case", [("gpt", ADAMW), ("mlp", SGD_M)], ids=["gpt_adamw", "mlp_sgd_momentum"])
 def test_delayed_update_follows_its_rule(clusters, case, dp):
@@ -47,6 +43,7 @@ def test_delayed_update_follows_its_rule(clusters, case, dp):
     assert abs(res.losses[0] - sync_losses[0]) < TOL and abs(res.losses[1] - sync_losses[1]) > 1e-8
 
 
+@pytest.mark.structure
 def test_steady_step_computes_with_the_parameters_before_the_update():
     model, batches, loss_fn = _mlp_data(1)
     prog = fxpar.parallelize(model, 2, batches[0], loss_fn, SGD_M, strategy=fxpar.Strategy(dp=2, delayed_update=True))
@@ -72,6 +69,8 @@ def _check_rule(clusters, prog, model, batches, loss_fn, opt, dp):
     assert abs(res.losses[1] - sync_losses[1]) > 1e-8          # not synchronous training
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero,dp,case", [
     (1, 2, "gpt_adamw"), (1, 4, "gpt_adamw"), (2, 2, "gpt_adamw"), (2, 4, "gpt_adamw"),
     (1, 4, "mlp_sgd_momentum"), (2, 4, "mlp_sgd_momentum"), (3, 2, "gpt_adamw"), (3, 4, "mlp_sgd_momentum")])
@@ -90,6 +89,8 @@ def _nodes(sg, pred):
     return [n for n in sg.gm.graph.nodes if pred(n)]
 
 
+@pytest.mark.slow
+@pytest.mark.structure
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_delayed_zero_structure(zero):
     """The steady step keeps one reduce-scatter per bucket, waited in its step and handed on as the carry; the update
@@ -148,6 +149,7 @@ def test_delayed_zero_structure(zero):
     assert any("delayed_update with zero" in note for note in prog.plan.notes)
 
 
+@pytest.mark.structure
 def test_delayed_update_refuses_what_it_cannot_carry():
     with pytest.raises(fxpar.StrategyError, match="data parallelism"):
         fxpar.Strategy(dp=2, pp=2, delayed_update=True)

@@ -82,6 +82,7 @@ def _close(res, ref):
 STRATEGIES = {"dp2": dict(dp=2), "pp2": dict(pp=2, microbatches=2), "dp2_pp2": dict(dp=2, pp=2, microbatches=2)}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
 def test_a_dict_batch_with_labels_and_the_models_own_loss(clusters, strategy):
     model, batches = _model(), _hf_batches()
@@ -91,6 +92,7 @@ def test_a_dict_batch_with_labels_and_the_models_own_loss(clusters, strategy):
     assert prog.layout.kwargs == ("input_ids", "attention_mask", "labels")
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(dp=2), dict(pp=2, microbatches=2)], ids=["dp2", "pp2"])
 def test_positional_target_plus_keyword_inputs_with_a_loss_fn(clusters, strategy):
     def loss_fn(out, y):
@@ -104,6 +106,7 @@ def test_positional_target_plus_keyword_inputs_with_a_loss_fn(clusters, strategy
     _close(res, ref)
 
 
+@pytest.mark.numerics
 def test_positional_inputs_then_a_trailing_dict(clusters):
     """``(input_ids, target, {"attention_mask": ...})``: positional inputs, the target last, keywords after."""
     def loss_fn(out, y):
@@ -119,6 +122,7 @@ def test_positional_inputs_then_a_trailing_dict(clusters):
     assert prog.layout.describe(2, "batches[0]") == "batches[0][1] (the target)"
 
 
+@pytest.mark.numerics
 def test_keys_in_another_order_are_the_same_batch(clusters):
     model, batches = _model(), _hf_batches(2)
     shuffled = [{k: b[k] for k in ("labels", "attention_mask", "input_ids")} for b in batches]
@@ -127,6 +131,7 @@ def test_keys_in_another_order_are_the_same_batch(clusters):
     _close(prog.run_local(shuffled, cluster=clusters.get(2)), ref)
 
 
+@pytest.mark.structure
 def test_keyword_names_are_checked_against_forward():
     model, batches = _model(), _hf_batches(1)
     bad = {"input_id": batches[0]["input_ids"], "labels": batches[0]["labels"]}
@@ -135,6 +140,8 @@ def test_keyword_names_are_checked_against_forward():
         fxpar.parallelize(model, 1, bad, None, ADAMW)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_hugging_face_gpt2_with_a_dict_batch(clusters):
     pytest.importorskip("transformers")
     from transformers import GPT2Config, GPT2LMHeadModel

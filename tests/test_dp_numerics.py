@@ -6,6 +6,8 @@ import torch.nn.functional as F
 import fxpar
 from fxpar.testing import CNN, GPT, MLP, BNConvNet, ddp_reference, ddp_worker, gpt_loss, max_abs_diff, reference_training
 
+pytestmark = pytest.mark.numerics
+
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 

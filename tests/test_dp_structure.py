@@ -25,6 +25,7 @@ def _nbytes(key, cap):
     return n * torch.empty((), dtype=cap.param_dtypes[key]).element_size()
 
 
+@pytest.mark.structure
 def test_collectives_match_bucket_plan():
     p = _gpt_program()
     gm = p.graphs(0)["step"]
@@ -48,6 +49,7 @@ def test_collectives_match_bucket_plan():
     assert sorted(flat) == sorted(p.captured.param_names)
 
 
+@pytest.mark.structure
 def test_buckets_follow_backward_order_and_waits_are_late():
     p = _gpt_program()
     gm = p.graphs(0)["step"]
@@ -71,17 +73,20 @@ def test_buckets_follow_backward_order_and_waits_are_late():
         assert all(M.PASS.name in n.meta or is_wait(n) for n in between)
 
 
+@pytest.mark.structure
 def test_zero_cap_means_one_collective_per_gradient():
     p = _gpt_program(cap_mb=0)
     assert len(p.collectives(0)) == len(p.captured.param_names)
     assert [c.nbytes for c in p.collectives(0)] == [_nbytes(b[0], p.captured) for b in p.plan.buckets[0]]
 
 
+@pytest.mark.structure
 def test_ddp_default_bucket_is_one_for_a_small_model():
     p = _gpt_program(cap_mb=25)
     assert len(p.plan.buckets[0]) == 1 and len(p.collectives(0)) == 1
 
 
+@pytest.mark.structure
 def test_first_bucket_is_small_like_ddp():
     """DDP caps the first bucket backward fills at 1 MiB (its rebuilt buckets), so that all_reduce
     starts early; fxpar's planner does the same by default, and the cap is a Strategy setting."""
@@ -96,6 +101,7 @@ def test_first_bucket_is_small_like_ddp():
     assert "the first 1 MiB" in str(default.plan)
 
 
+@pytest.mark.structure
 def test_buffers_broadcast_from_rank0():
     x = torch.randn(4, 3, 8, 8)
     p = fxpar.parallelize(BNConvNet(), fxpar.ClusterSpec.local(2), (x, torch.zeros(4, dtype=torch.long)),
@@ -105,6 +111,7 @@ def test_buffers_broadcast_from_rank0():
     assert kinds[-2:] == ["broadcast", "broadcast"]
 
 
+@pytest.mark.structure
 def test_dp1_inserts_nothing_and_ranks_share_graphs():
     x = torch.randn(4, 16)
     p1 = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(1), (x, torch.randn(4, 8)), loss_fn=F.mse_loss)
@@ -113,6 +120,7 @@ def test_dp1_inserts_nothing_and_ranks_share_graphs():
     assert p4.graphs(0)["step"] is p4.graphs(3)["step"]   # collectives name the axis; runtime binds the group
 
 
+@pytest.mark.numerics
 def test_measured_collectives_equal_the_graphs(clusters):
     """What ranks run (recorded at dispatch) is exactly what the graph's collectives say."""
     x = torch.randint(0, 64, (8, 16))
@@ -124,6 +132,7 @@ def test_measured_collectives_equal_the_graphs(clusters):
         assert res.comm_calls[r] == [expected, expected]
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("fused", [False, None])
 def test_optimizer_runs_in_place_on_its_own_buffers(fused):
     """reinplace_optimizer: parameters and moments are updated in place (the outputs *are* the input
@@ -171,6 +180,7 @@ def test_optimizer_runs_in_place_on_its_own_buffers(fused):
         assert worst < 1e-15 and not all(torch.equal(u, v) for u, v in zip(a, b)), worst
 
 
+@pytest.mark.structure
 def test_gradient_sync_is_one_copy_like_ddp():
     """Per bucket: one flat buffer, one copy_ of each gradient into its slot (the only pass over
     the gradients, whatever their layout), an in-place all_reduce_, its wait, then views. The 1/dp
@@ -198,6 +208,7 @@ def test_gradient_sync_is_one_copy_like_ddp():
     assert gm.meta["fxpar_grad_prescale"] == 4
 
 
+@pytest.mark.numerics
 def test_graph_without_a_loss_seed_divides_the_bucket_in_place(clusters):
     """A graph whose backward is not seeded by ones_like(loss) (here: the seed removed by a user
     pass before data_parallel) still averages, with one in-place div_ per bucket."""
@@ -236,6 +247,7 @@ def test_graph_without_a_loss_seed_divides_the_bucket_in_place(clusters):
     assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
 
 
+@pytest.mark.structure
 def test_buckets_hold_one_dtype():
     """As DDP, a bucket never mixes dtypes (its gradients share one flat buffer)."""
     from types import SimpleNamespace

@@ -14,17 +14,20 @@ def _batch(n=4):
     return (torch.randn(n, 16), torch.randn(n, 8))
 
 
+@pytest.mark.structure
 def test_batch_not_divisible_by_dp():
     with pytest.raises(fxpar.StrategyError, match=r"example_inputs\[0\] has batch 6 \(shape \(6, 16\)\), which dp=4 does not divide"):
         fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(4), _batch(6), loss_fn=F.mse_loss)
 
 
+@pytest.mark.structure
 def test_strategy_size_differs_from_cluster():
     with pytest.raises(fxpar.StrategyError, match=r"dp\*tp\*pp = 2 ranks but the ClusterSpec has 4"):
         fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(4), _batch(), loss_fn=F.mse_loss,
                           strategy=fxpar.Strategy(dp=2))
 
 
+@pytest.mark.structure
 def test_strategy_values_are_checked():
     with pytest.raises(fxpar.StrategyError, match=r"dp=0"):
         fxpar.Strategy(dp=0)
@@ -51,6 +54,8 @@ def _explode_on_rank1(payload, batches):
     return train(payload, batches)    # rank 0 would block forever in the all_reduce
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_failing_rank_stops_all_ranks_and_shows_its_traceback():
     p = fxpar.parallelize(Explode(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss)
     lc = fxpar.LocalCluster(2)
@@ -62,6 +67,8 @@ def test_failing_rank_stops_all_ranks_and_shows_its_traceback():
     assert not lc.alive and all(not proc.is_alive() for proc in lc.procs)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_stuck_ranks_time_out_with_their_names():
     def _sleep_on_rank0(x):
         import torch.distributed as dist

@@ -8,9 +8,12 @@ import fxpar
 from cost_models import PeakMemoryTracker, collective_cost
 from fxpar.testing import GPT, MLP, gpt_loss
 
+pytestmark = pytest.mark.cost
+
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3})
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dp", [2, 4])
 def test_predicted_bytes_per_rank_equal_measured(clusters, dp):
     """Bytes each rank hands to its collectives, measured at dispatch, equal the graph's prediction;
@@ -52,6 +55,7 @@ def test_predicted_peak_memory_matches_a_tracked_run():
     assert abs(predicted - tracker.peak_bytes) <= 0.05 * tracker.peak_bytes
 
 
+@pytest.mark.slow
 def test_meta_device_model_is_planned_without_memory():
     """A model on the meta device (no storage) is captured, planned and estimated."""
     with torch.device("meta"):

@@ -1,8 +1,11 @@
 """The examples a newcomer starts from keep running and keep saying what they claim."""
+import pytest
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+pytestmark = pytest.mark.numerics
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -13,6 +16,7 @@ def _run(*args, timeout=240):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_quickstart_trains_and_matches_pytorch():
     text = _run("examples/quickstart.py", "--steps", "3")
     # explain() is one text for every strategy now; its "collectives per step" section became
@@ -24,11 +28,13 @@ def test_quickstart_trains_and_matches_pytorch():
     assert loss_diff < 1e-5
 
 
+@pytest.mark.slow
 def test_custom_pass_example_shows_its_nodes():
     text = _run("examples/custom_pass.py")
     assert "clip_grad_values" in text and "aten.clamp.default" in text and "losses:" in text
 
 
+@pytest.mark.slow
 def test_pipeline_example_trains_through_parallelize_and_matches_pytorch():
     text = _run("examples/pipeline.py", "--steps", "2", "--show-graphs")
     assert "schedule 1f1b" in text and "# ---- stage0.F (rank 0) ----" in text and "# ---- stage0.B (rank 0) ----" in text
@@ -37,6 +43,7 @@ def test_pipeline_example_trains_through_parallelize_and_matches_pytorch():
     assert m and float(m.group(1)) < 1e-10 and float(m.group(2)) < 1e-10      # float64: synchronous 1F1B is exact
 
 
+@pytest.mark.slow
 def test_hugging_face_example_trains_gpt2_as_a_pipeline():
     import pytest
     pytest.importorskip("transformers")
@@ -47,6 +54,7 @@ def test_hugging_face_example_trains_gpt2_as_a_pipeline():
     assert max(abs(float(a) - float(b)) for a, b in pairs) <= 2e-6
 
 
+@pytest.mark.slow
 def test_zero_example_holds_what_the_formulas_say_and_matches_pytorch():
     text = _run("examples/zero.py", "--steps", "2")
     rows = re.findall(r"ZeRO-(\d): rank 0 holds .* = (\d+) B \(formula (\d+) B\); max \|loss - single-process\| = "
@@ -59,6 +67,7 @@ def test_zero_example_holds_what_the_formulas_say_and_matches_pytorch():
     assert disk and int(disk.group(1)) > 0 and float(disk.group(2)) < 1e-10
 
 
+@pytest.mark.slow
 def test_tensor_parallel_example_splits_and_matches_pytorch():
     text = _run("examples/tensor_parallel.py", "--steps", "2", "--mode", "megatron")   # the other modes: test_tensor_parallel
     rows = re.findall(r"== Strategy\((.*?)\): (\d+) parameters split.*\n.*tp collectives per step: (.*)\n.*"

@@ -18,23 +18,12 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.optim import resolve_optimizer
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import MLP, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_pairs
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 ADAM_L2 = (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.05, "betas": (0.8, 0.95), "eps": 1e-6})
 ADAMW_FUSED = (torch.optim.AdamW, {"lr": 1e-2, "fused": True})
 SMALL = dict(partition_mb=0.004, credit_mb=0.008)
-
-
-def _gpt_batches(n=3, batch=8):
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, 32, (batch, 8), generator=g), torch.randint(0, 32, (batch, 8), generator=g))
-            for _ in range(n)]
-
-
-def _gpt():
-    torch.manual_seed(0)
-    return GPT(vocab=32, d=16, layers=2, heads=2).double()
 
 
 def _update_ops(gm):
@@ -50,6 +39,7 @@ def _assert_matches(res, model, batches, loss_fn, opt):
 
 
 # ---- the plan's choice ---------------------------------------------------------------------------------
+@pytest.mark.structure
 @pytest.mark.parametrize("opt,device,asynchronous,kernel,why", [
     (ADAMW, "cpu", False, "fused", "default"),
     (ADAMW_FUSED, "cpu", False, "fused", "fused=True asked"),
@@ -64,18 +54,20 @@ def test_kernel_choice_says_why(opt, device, asynchronous, kernel, why):
     assert got == kernel and why in reason, reason
 
 
+@pytest.mark.structure
 def test_fused_true_is_traced_now():
     """``fused=True`` keeps the optimizer in the graph (not eager on each rank); it only picks a kernel."""
     spec = resolve_optimizer(ADAMW_FUSED)
     assert spec.traced and not spec.why_not_traced
 
 
+@pytest.mark.structure
 def test_plan_and_explain_name_the_kernel():
-    batches = _gpt_batches()
-    p = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
+    batches = token_pairs(3)
+    p = fxpar.parallelize(tiny_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
     assert p.plan.optimizer["kernel"] == "fused" and p.plan.optimizer["hyper"]["weight_decay"] == 0.1
     assert "one fused kernel per update" in p.explain()
-    off = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss,
+    off = fxpar.parallelize(tiny_gpt(), 1, batches[0], loss_fn=gpt_loss,
                             optimizer=(torch.optim.AdamW, {"lr": 1e-2, "fused": False}))
     assert "torch._foreach_* ops (fused=False asked" in off.explain() and "hyper" not in off.plan.optimizer
     mlp_batch = (torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64))
@@ -87,11 +79,12 @@ def test_plan_and_explain_name_the_kernel():
 
 
 # ---- the graphs of every road ----------------------------------------------------------------------------
+@pytest.mark.structure
 def test_one_fused_call_per_bucket_under_cross_iteration():
     """ByteScheduler with cross-iteration overlap cuts the update per bucket and moves each into the next step's
     forward (``passes/comm_schedule.py``): each piece is one fused call there, and in the drain."""
-    batches = _gpt_batches()
-    p = fxpar.parallelize(_gpt(), fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
+    batches = token_pairs(3)
+    p = fxpar.parallelize(tiny_gpt(), fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
                           strategy=fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=True, **SMALL))
     n_buckets = len(p.plan.buckets[0])
     assert n_buckets > 2
@@ -101,26 +94,30 @@ def test_one_fused_call_per_bucket_under_cross_iteration():
     assert _update_ops(p.stages[0].graphs["FIRST"].gm) == []      # the first step updates nothing of its own
 
 
+@pytest.mark.slow
+@pytest.mark.structure
 def test_fused_in_pipeline_stage_graphs():
     """dp=2 x pp=2 with cross-iteration overlap: F_UPDATE (the previous STEP inside the first forward) and STEP
     carry fused calls only; plain 1F1B's STEP too."""
-    batches = _gpt_batches(batch=8)
-    p = fxpar.parallelize(_gpt(), fxpar.ClusterSpec.local(4), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
+    batches = token_pairs(3, batch=8)
+    p = fxpar.parallelize(tiny_gpt(), fxpar.ClusterSpec.local(4), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
                           strategy=fxpar.Strategy(dp=2, pp=2, microbatches=2, comm_schedule="bytescheduler", **SMALL))
     for s in range(2):
         for kind in ("F_UPDATE", "STEP"):
             ops = _update_ops(p.stages[s].graphs[kind].gm)
             assert ops and set(ops) == {"_fused_adamw_"}, (s, kind, ops)
-    plain = fxpar.parallelize(_gpt(), fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
+    plain = fxpar.parallelize(tiny_gpt(), fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
                               strategy=fxpar.Strategy(pp=2, microbatches=2))
     assert all(_update_ops(plain.stages[s].graphs["STEP"].gm) == ["_fused_adamw_"] for s in range(2))
 
 
 # ---- numerics: N gloo ranks equal single-process torch ---------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("opt", [ADAMW, ADAM_L2, ADAMW_FUSED], ids=["adamw", "adam_l2", "adamw_fused_true"])
 def test_dp2_cross_iteration_fused_matches_single_process(clusters, opt):
-    batches = _gpt_batches()
-    model = _gpt()
+    batches = token_pairs(3)
+    model = tiny_gpt()
     p = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=opt,
                           strategy=fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=True, **SMALL))
     name = "_fused_adamw_" if opt[0] is torch.optim.AdamW else "_fused_adam_"
@@ -128,6 +125,7 @@ def test_dp2_cross_iteration_fused_matches_single_process(clusters, opt):
     _assert_matches(p.run_local(batches, cluster=clusters.get(2)), model, batches, gpt_loss, opt)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 3])
 def test_dp2_zero_fused_on_chunks_matches_single_process(clusters, zero):
     """ZeRO-3's parameters are this rank's chunks (``param`` inputs): the fused call updates them in place. ZeRO-1's
@@ -153,12 +151,14 @@ def test_dp2_zero_fused_on_chunks_matches_single_process(clusters, zero):
 
 
 # ---- the matcher and the cost model ------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.structure
 def test_a_chain_the_plan_does_not_describe_is_left_alone():
     """The matcher checks every constant of the chain against the plan's hyperparameters: with other betas it
     finds nothing to fuse, and the graph is unchanged."""
     from passes.fuse_optimizer import find_adam_chains, fuse_adam
-    batches = _gpt_batches()
-    p = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
+    batches = token_pairs(3)
+    p = fxpar.parallelize(tiny_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
     cfg = p.plan.optimizer
     assert len(find_adam_chains(p.captured.gm, cfg)) == 1
     other = {**cfg, "hyper": {**cfg["hyper"], "beta2": 0.99}}
@@ -169,11 +169,12 @@ def test_a_chain_the_plan_does_not_describe_is_left_alone():
     assert find_adam_chains(gm, adam) == []
 
 
+@pytest.mark.structure
 def test_fused_call_costs_one_pass_over_memory():
     from cost_models.compute import graph_compute, node_cost
     from passes.fuse_optimizer import fused_chain_times
-    batches = _gpt_batches()
-    p = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
+    batches = token_pairs(3)
+    p = fxpar.parallelize(tiny_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
     gm = p.graphs(0)["step"]
     (fused,) = [n for n in gm.graph.nodes if "_fused_adamw_" in str(n.target)]
     param_bytes = sum(v.numel() * v.element_size() for v in p.payload(0).params.values())
@@ -191,13 +192,14 @@ def test_fused_call_costs_one_pass_over_memory():
     assert len(chains_last) == 1 and abs(as_fused[chains_last[0]] - final) <= 1e-12
 
 
+@pytest.mark.structure
 def test_a_parameter_read_after_the_update_is_copied_first():
     """The in-place call would change what a view of the old parameter shows: a parameter read (here through a
     view) after the update is copied first, the copy updated, and the reader sees the old values, as in the
     functional graph (float64, 1e-15); the other parameters are updated in place."""
     from passes.fuse_optimizer import find_adam_chains, fuse_adam
-    batches = _gpt_batches()
-    p = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
+    batches = token_pairs(3)
+    p = fxpar.parallelize(tiny_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
     gm = copy.deepcopy(p.captured.gm)
     g = gm.graph
     (chain,) = find_adam_chains(gm, p.plan.optimizer)
@@ -234,6 +236,7 @@ def test_a_parameter_read_after_the_update_is_copied_first():
     assert max(((u - v).abs() / (v.abs() + 1)).max().item() for u, v in zip(a, b)) < 1e-15
 
 
+@pytest.mark.structure
 def test_a_gradient_that_is_not_contiguous_is_copied_first():
     """ATen's CPU fused kernel walks each tensor's memory in order, whatever its strides: fed a transposed gradient
     beside a contiguous parameter it pairs the wrong elements (shown here on the kernel itself). A gradient traced
@@ -250,8 +253,8 @@ def test_a_gradient_that_is_not_contiguous_is_copied_first():
                                                eps=1e-8, amsgrad=False, maximize=False)
         outs.append(bufs[0])
     assert not torch.equal(outs[0], outs[1])           # the kernel ignores the strides: why the pass copies
-    batches = _gpt_batches()
-    p_ = fxpar.parallelize(_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
+    batches = token_pairs(3)
+    p_ = fxpar.parallelize(tiny_gpt(), 1, batches[0], loss_fn=gpt_loss, optimizer=ADAMW)
     gm = copy.deepcopy(p_.captured.gm)
     (chain,) = find_adam_chains(gm, p_.plan.optimizer)
     k, grad = next((i, x) for i, x in enumerate(chain.grads) if x.meta["val"].dim() == 2)

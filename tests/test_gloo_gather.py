@@ -12,13 +12,14 @@ every program with gathers (Parallax, ZeRO-3, Herring, Tofu) go through it in th
 """
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 import fxpar
 from fxpar.collectives import (C10D, gathers_beside_collectives, gloo_all_gather_into_tensor, group_tag,
                                in_flight_across_graphs, lower_for_backend)
-from test_parallax import Bag            # a large table Parallax routes sparse, a small one, a head
+from fxpar.testing import Bag, bag_batches     # a large table Parallax routes sparse, a small one, a head
 
 FUNCTIONAL = C10D.all_gather_into_tensor.default
 
@@ -41,6 +42,7 @@ def _gather_both_ways(shape):
     return ref, alone, beside, summed, counter.calls
 
 
+@pytest.mark.numerics
 def test_gloo_gather_equals_the_functional_gather(clusters):
     out = clusters.get(2).run(_gather_both_ways, [((3, 4),)] * 2)
     x = [torch.arange(12, dtype=torch.float64).reshape(3, 4) + 100 * r for r in range(2)]
@@ -66,11 +68,11 @@ def _executor_gathers(payload):
     return count
 
 
+@pytest.mark.numerics
 def test_executor_lowers_the_gathers_that_run_beside_another_collective(clusters):
     """Parallax's pairs are gathered while the dense rest's all-reduce is in flight: lowered on every rank. ZeRO-3's
     parameter gathers run one at a time (one collective in flight per graph): they keep the functional op."""
-    g = torch.Generator().manual_seed(3)
-    batch = (torch.randint(0, 1000, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))
+    batch = bag_batches(1)[0]
     for strat, lowered in ((fxpar.Strategy(dp=2, grad_sync="parallax"), True), (fxpar.Strategy(dp=2, zero=3), False)):
         prog = fxpar.parallelize(Bag(), 2, batch, F.cross_entropy, (torch.optim.SGD, {"lr": 0.1}), strategy=strat)
         planned = sum(1 for gm in prog.graphs(0).values() for n in gm.graph.nodes if n.target is FUNCTIONAL)
@@ -101,6 +103,7 @@ def _graph(ops):
     return torch.fx.GraphModule(torch.nn.Module(), g), made
 
 
+@pytest.mark.structure
 def test_which_gathers_run_beside_another_collective():
     """Spans in graph order: a gather overlapping an all-reduce either way is found; one alone is not; one after a
     placeholder's wait is alone, one before it is not; a collective left in flight marks the rank's graphs."""
@@ -118,6 +121,7 @@ def test_which_gathers_run_beside_another_collective():
     assert gathers_beside_collectives(gm) == [m["ag"]] and in_flight_across_graphs([gm])
 
 
+@pytest.mark.structure
 def test_unbound_groups_are_left_alone():
     """Before bind_groups a gather names a mesh axis, not a process group: nothing to lower (and no group needed)."""
     g = torch.fx.Graph()
@@ -131,8 +135,7 @@ def test_unbound_groups_are_left_alone():
 
 def _runner_keeps_program_graphs(strat_kwargs):
     """On a rank of an initialised group: runner() binds and lowers its own copies of the graphs."""
-    g = torch.Generator().manual_seed(3)
-    batch = (torch.randint(0, 1000, (8, 5), generator=g), torch.randint(0, 4, (8,), generator=g))
+    batch = bag_batches(1)[0]
     prog = fxpar.parallelize(Bag(), 2, batch, F.cross_entropy, (torch.optim.SGD, {"lr": 0.1}),
                              strategy=fxpar.Strategy(**strat_kwargs))
     before = [(n.target, n.args) for gm in prog.graphs(0).values() for n in gm.graph.nodes]
@@ -143,6 +146,7 @@ def _runner_keeps_program_graphs(strat_kwargs):
     return before == after, mine.count(gloo_all_gather_into_tensor), mine.count(FUNCTIONAL)
 
 
+@pytest.mark.numerics
 def test_runner_binds_copies_not_the_programs_graphs(clusters):
     """Under torchrun the program and the executor share a process: program.graphs() still shows the planned
     graphs (group tags, the functional gather) after runner() bound and lowered the rank's copies."""

@@ -20,26 +20,18 @@ from fxpar import meta as M
 from fxpar.cluster import LinkSpec
 from fxpar.errors import StrategyError
 from fxpar.pass_manager import PassContext
-from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_pairs
 from passes.grad_order import GradOrder, backward_region, reordered_backward, why_not_reorder
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 C10D = torch.ops._c10d_functional
 
 
-def _batches(n=3, batch=8):
-    g = torch.Generator().manual_seed(5)
-    return [(torch.randint(0, 32, (batch, 8), generator=g), torch.randint(0, 32, (batch, 8), generator=g))
-            for _ in range(n)]
-
-
 SMALL = dict(partition_mb=0.004, credit_mb=0.008)     # pieces of <= 4 KiB, as in test_bytescheduler.py
 
 
 def _program(order, dp=2, cluster=None, **kw):
-    torch.manual_seed(0)
-    model = GPT(vocab=32, d=16, layers=3, heads=2).double()
-    batches = _batches()
+    model, batches = tiny_gpt(layers=3), token_pairs(3, seed=5)
     prog = fxpar.parallelize(model, cluster or fxpar.ClusterSpec.local(dp), batches[0], loss_fn=gpt_loss,
                              optimizer=ADAMW, strategy=fxpar.Strategy(dp=dp, comm_schedule="bytescheduler",
                                                                       grad_order=order, **kw))
@@ -55,6 +47,8 @@ def _cached(order, dp=2):
     return _PROGS[(order, dp)]
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 def test_priority_order_matches_single_process_and_natural_bitwise(clusters, dp):
     model, batches, prio = _cached("priority", dp)
@@ -79,6 +73,7 @@ def _joint(prog):
     return gm, PassContext(plan=prog.plan, stage=0, signature=st.captured.signature, captured=st.captured)
 
 
+@pytest.mark.structure
 def test_pass_only_moves_nodes_and_makes_the_gradients_in_need_order():
     _, _, prog = _cached("priority")
     gm, ctx = _joint(prog)
@@ -102,6 +97,7 @@ def test_pass_only_moves_nodes_and_makes_the_gradients_in_need_order():
     assert first_block < last_block
 
 
+@pytest.mark.structure
 def test_natural_order_leaves_the_graph_alone():
     _, _, prog = _cached("natural")
     gm, ctx = _joint(prog)
@@ -109,6 +105,7 @@ def test_natural_order_leaves_the_graph_alone():
     assert not GradOrder().run(gm, ctx).modified and gm.code == code
 
 
+@pytest.mark.structure
 def test_the_collectives_follow_the_new_order():
     """In this step's backward the first piece issued is the embedding's (the next forward's first need), where
     the natural order issues the last layers' first."""
@@ -131,6 +128,7 @@ def test_the_collectives_follow_the_new_order():
     assert nat_order[0] in {b for k, b in nat_bucket_of.items() if k.startswith(("blocks.2.", "ln_f."))}
 
 
+@pytest.mark.structure
 def test_planner_simulates_the_orders_and_keeps_the_fastest():
     """On a slow link the planner tries natural, need order and mixes, records each predicted step, and keeps
     natural unless another is predicted at least 2% faster (cross-iteration forced: on so small a model the cost
@@ -148,20 +146,20 @@ def test_planner_simulates_the_orders_and_keeps_the_fastest():
     assert any("backward makes the gradients in" in n for n in prog.plan.notes)
 
 
+@pytest.mark.structure
 def test_bad_settings_are_refused_with_the_fix():
     with pytest.raises(StrategyError, match="choose 'natural', 'priority', or None"):
         fxpar.Strategy(dp=2, comm_schedule="bytescheduler", grad_order="reverse")._check_comm_schedule()
     with pytest.raises(StrategyError, match="add comm_schedule='bytescheduler'"):
         fxpar.Strategy(dp=2, grad_order="priority")._check_comm_schedule()
-    torch.manual_seed(0)
-    model = GPT(vocab=32, d=16, layers=2, heads=2).double()
-    batches = _batches()
+    model, batches = tiny_gpt(), token_pairs(3, seed=5)
     with pytest.raises(StrategyError, match="REDUCE_GRAD after its last backward"):
         fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
                           strategy=fxpar.Strategy(dp=2, microbatches=2, comm_schedule="bytescheduler",
                                                   grad_order="priority"))
 
 
+@pytest.mark.structure
 def test_why_not_reorder_names_in_place_writes():
     _, _, prog = _cached("natural")
     gm = copy.deepcopy(prog.stages[0].captured.gm)

@@ -7,16 +7,12 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.collectives import collective_nodes
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
+from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt, token_batches
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 TWO_NODES = dict(nodes=2, devices_per_node=2)
 TOL = 1e-10
-
-
-def _gpt_batches(n, batch=8):
-    return token_batches(n, batch=batch)
 
 
 def _run(clusters, model, batches, loss_fn, opt, **kw):
@@ -29,12 +25,13 @@ def _run(clusters, model, batches, loss_fn, opt, **kw):
     return prog, res
 
 
+@pytest.mark.numerics
 def test_herring_gpt_adamw_matches_single_process(clusters):
-    torch.manual_seed(0)
-    _run(clusters, GPT(vocab=32, d=16, layers=2, heads=2).double(), _gpt_batches(3), gpt_loss, ADAMW,
+    _run(clusters, tiny_gpt(), token_batches(3), gpt_loss, ADAMW,
          bucket_cap_mb=0.01)
 
 
+@pytest.mark.numerics
 def test_herring_mlp_structure_and_bytes(clusters):
     """Per bucket of V elements over L=2 ranks per node: reduce_scatter in the node (L·ceil(V/L) elements handed),
     all_reduce across nodes of one shard (ceil(V/L)), all_gather in the node (ceil(V/L) handed): in that order.
@@ -73,9 +70,7 @@ def test_herring_mlp_structure_and_bytes(clusters):
 def _mlp_and_batches():
     torch.manual_seed(0)
     model = MLP(d_in=15, hidden=33, d_out=7).double()
-    g = torch.Generator().manual_seed(2)
-    return model, [(torch.randn(8, 15, generator=g, dtype=torch.float64),
-                    torch.randn(8, 7, generator=g, dtype=torch.float64)) for _ in range(2)]
+    return model, regression_batches(2, d_in=15, d_out=7)
 
 
 def _steps_per_bucket(gm):
@@ -95,6 +90,7 @@ def _backward_compute(gm):
     return [x for x in gm.graph.nodes if x.meta.get("fxpar_phase") == "backward" and "fxpar_pass" not in x.meta]
 
 
+@pytest.mark.structure
 def test_herring_cross_node_sum_overlaps_backward():
     """Plan.grad_sync["overlap"] (the planner's default): every bucket but the last has its cross-node all-reduce
     issued before the last backward node and before the next bucket's reduce-scatter, with backward compute
@@ -143,6 +139,7 @@ def _comm(gm):
     return sorted((c.kind, c.axis, c.nbytes) for c in (x.meta["fxpar_comm"] for x in collective_nodes(gm)))
 
 
+@pytest.mark.numerics
 def test_herring_microbatches_matches_single_process(clusters):
     """Two microbatches: the moved steps run in REDUCE_GRAD (after the step's backwards), the rest in STEP."""
     model, batches = _mlp_and_batches()
@@ -152,6 +149,7 @@ def test_herring_microbatches_matches_single_process(clusters):
     assert kinds.count("all_reduce") == len(prog.plan.buckets[0]) - 1 and "all_gather" in kinds
 
 
+@pytest.mark.structure
 def test_herring_needs_several_nodes():
     torch.manual_seed(0)
     b = (torch.randn(8, 16), torch.randn(8, 8))
@@ -162,6 +160,8 @@ def test_herring_needs_several_nodes():
         fxpar.Strategy(dp=2, pp=2, grad_sync="herring")
 
 
+@pytest.mark.slow
+@pytest.mark.structure
 def test_herring_bucket_size_is_chosen_on_the_cost_model():
     """Strategy(bucket_cap_mb=None) under Herring: the planner simulates each size of HERRING_BUCKET_MB (the chain
     of three collectives per bucket overlapping backward) and keeps the least predicted step (the larger size

@@ -19,6 +19,8 @@ from fxpar.capture import capture_training_step
 from fxpar.optim import resolve_optimizer
 from fxpar.testing.hf import HF_MODELS, hf_example
 
+pytestmark = pytest.mark.structure
+
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 
 

@@ -55,6 +55,8 @@ def _probe(reuse: bool, measure: bool = False) -> float:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_reuse_freed_memory_keeps_what_a_step_frees():
     """With glibc's defaults a freed 40 MiB block goes back to the OS (its pages come back as page faults when the
@@ -66,6 +68,7 @@ def test_reuse_freed_memory_keeps_what_a_step_frees():
     assert _probe(False, measure=True) < 0.1      # calibrate's in-process Executor leaves the caller's allocator be
 
 
+@pytest.mark.structure
 def test_host_memory_reuse_round_trips_and_is_checked():
     spec = fxpar.ClusterSpec.local(2)
     assert spec.host_memory_reuse is True
@@ -92,6 +95,8 @@ def _model_and_batches():
     return model, batches
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_ranks_reuse_freed_memory_by_default_and_train_as_single_process(clusters):
     """The payload carries the setting; a rank's Executor applies it (fresh ranks keep what they free after a run);

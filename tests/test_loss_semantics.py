@@ -58,6 +58,7 @@ STRATEGIES = {"dp2": dict(dp=2), "pp2_m2": dict(pp=2, microbatches=2), "accum_m4
               "dp2_pp2": dict(dp=2, pp=2, microbatches=2)}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
 def test_uneven_ignore_index_trains_like_single_process_by_default(clusters, strategy):
     model, batches = _model(), _batches()
@@ -67,6 +68,7 @@ def test_uneven_ignore_index_trains_like_single_process_by_default(clusters, str
     assert any("global-batch mean" in n for n in prog.plan.notes), prog.plan.notes
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(dp=2), dict(pp=2, microbatches=2)], ids=["dp2", "pp2_m2"])
 def test_per_shard_is_ddp_mean_of_piece_means_and_differs_from_single_process(clusters, strategy):
     model, batches = _model(), _batches()
@@ -81,6 +83,7 @@ def test_per_shard_is_ddp_mean_of_piece_means_and_differs_from_single_process(cl
     assert any("per_shard" in n for n in prog.plan.notes)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(dp=2), dict(pp=2, microbatches=2)], ids=["dp2", "pp2_m2"])
 def test_reduction_sum_reports_and_trains_the_global_sum(clusters, strategy):
     model, batches = _model(), _batches()
@@ -101,6 +104,7 @@ LOSSES = {
 }
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", list(LOSSES))
 def test_every_visible_loss_option_is_global_under_dp(clusters, name):
     loss_fn, ignore = LOSSES[name]
@@ -114,6 +118,7 @@ def test_every_visible_loss_option_is_global_under_dp(clusters, name):
     _close(res, ref_losses, ref_state)
 
 
+@pytest.mark.numerics
 def test_probability_targets_are_global(clusters):
     model = _model()
     g = torch.Generator().manual_seed(3)
@@ -124,6 +129,7 @@ def test_probability_targets_are_global(clusters):
     _close(res, ref_losses, ref_state)
 
 
+@pytest.mark.numerics
 def test_a_shard_with_no_counted_target_is_fine(clusters):
     """Every target of dp-rank 0's shard ignored: its own mean would be 0/0 = NaN; the global mean is not."""
     model, batches = _model(), _batches(ignored=(0, 1, 2, 3))
@@ -132,6 +138,7 @@ def test_a_shard_with_no_counted_target_is_fine(clusters):
     _close(res, ref_losses, ref_state)
 
 
+@pytest.mark.structure
 def test_a_loss_fxpar_cannot_see_is_per_shard_with_a_note_and_global_is_refused():
     model, batches = _model(), _batches()
 
@@ -144,6 +151,7 @@ def test_a_loss_fxpar_cannot_see_is_per_shard_with_a_note_and_global_is_refused(
         fxpar.parallelize(model, 2, batches[0], my_loss, SGD_M, strategy=fxpar.Strategy(dp=2, loss_average="global"))
 
 
+@pytest.mark.structure
 def test_graph_takes_the_global_count_as_a_target_column():
     model, batches = _model(), _batches()
     prog = fxpar.parallelize(model, 2, batches[0], CE, SGD_M, strategy=fxpar.Strategy(dp=2))

@@ -17,7 +17,9 @@ import torch
 
 import fxpar
 from fxpar.runtime.measure import MemoryTracker
-from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
+
+pytestmark = pytest.mark.cost
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 F64 = 8
@@ -65,20 +67,7 @@ def test_tracker_stops_counting_when_the_mode_exits():
 
 
 # ---- ranks ------------------------------------------------------------------------------------------
-def _gpt():
-    torch.manual_seed(0)
-    return GPT(vocab=64, d=32, layers=2, heads=2).double()      # every parameter has an even size: no padding
-
-
-def _batches(n, batch=8, seq=16):
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, 64, (batch, seq + 1), generator=g)
-        out.append((idx[:, :-1], idx[:, 1:]))
-    return out
-
-
+_GPT = dict(vocab=64, d=32)        # every parameter has an even size: no padding
 _RUNS: dict = {}
 
 
@@ -87,9 +76,9 @@ def _run(clusters, zero: int, recompute: str, steps: int = 2, **layout):
     each configuration runs once per session."""
     key = (zero, recompute, steps, tuple(sorted(layout.items())))
     if key not in _RUNS:
-        batches = _batches(steps)
+        batches = token_batches(steps, seq=16, vocab=64)
         world = 2 * layout.get("pp", 1)
-        prog = fxpar.parallelize(_gpt(), fxpar.ClusterSpec.local(world), batches[0], gpt_loss, ADAMW,
+        prog = fxpar.parallelize(tiny_gpt(**_GPT), fxpar.ClusterSpec.local(world), batches[0], gpt_loss, ADAMW,
                                  strategy=fxpar.Strategy(dp=2, zero=zero, recompute=recompute, **layout))
         _RUNS[key] = (prog, prog.run_local(batches, cluster=clusters.get(world), measure_memory=True))
     return _RUNS[key]
@@ -108,18 +97,20 @@ def _assert_predicted(prog, res, within: float, what) -> None:
         assert (1 - within) * pred <= got <= (1 + within) * pred + late, (what, r, got, pred, late)
 
 
+@pytest.mark.slow
 def test_measuring_memory_leaves_the_math_alone(clusters):
-    ref_losses, ref_state = reference_training(_gpt(), _batches(2), gpt_loss, ADAMW)
+    ref_losses, ref_state = reference_training(tiny_gpt(**_GPT), token_batches(2, seq=16, vocab=64), gpt_loss, ADAMW)
     for zero in (0, 3):
         _, res = _run(clusters, zero, "none")
         assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
         assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
 
 
+@pytest.mark.slow
 def test_held_state_is_the_papers_formula_and_the_peak_falls_with_zero(clusters):
     """At a step's start a rank holds parameters and Adam's two states (no gradients yet): (b + 2b)Ψ at stage 0,
     bΨ + 2bΨ/N at 1 and 2, 3bΨ/N at 3 -- plus its microbatch (4 x 16 tokens and targets, int64)."""
-    psi = sum(p.numel() for p in _gpt().parameters())
+    psi = sum(p.numel() for p in tiny_gpt(**_GPT).parameters())
     n, b = 2, F64
     micro = 2 * 4 * 16 * 8
     expect = {0: 3 * b * psi, 1: b * psi + 2 * b * psi // n, 2: b * psi + 2 * b * psi // n, 3: 3 * b * psi // n}
@@ -141,6 +132,7 @@ def test_held_state_is_the_papers_formula_and_the_peak_falls_with_zero(clusters)
     assert b * psi - late <= peak[0] - peak[1] <= b * psi, (peak, late)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_measured_peak_within_10pct_of_the_estimate(clusters, zero, recompute):
@@ -150,6 +142,7 @@ def test_measured_peak_within_10pct_of_the_estimate(clusters, zero, recompute):
     _assert_predicted(prog, res, 0.01, (zero, recompute))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recompute", ["none", "full", "selective"])
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])
 def test_two_microbatches_measured_peak_is_the_predicted_one(clusters, zero, recompute):
@@ -164,6 +157,7 @@ def test_two_microbatches_measured_peak_is_the_predicted_one(clusters, zero, rec
     _assert_predicted(prog, res, 0.01, (zero, recompute, "mb=2"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("zero,recompute,schedule", [
     (0, "full", "1f1b"), (1, "selective", "1f1b"), (2, "none", "1f1b"), (3, "selective", "1f1b"), (0, "none", "zb1p")])
 def test_pipeline_measured_peak_is_the_predicted_one(clusters, zero, recompute, schedule):

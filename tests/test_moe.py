@@ -118,12 +118,14 @@ def _layer(capacity_factor):
         torch.randn(B, T, D, dtype=torch.float64)
 
 
+@pytest.mark.structure
 def test_capacity_is_gshards_rule():
     assert expert_capacity(8, 4, 1.0) == 4                    # 2S/E
     assert expert_capacity(8, 4, 0.5) == 2 and expert_capacity(8, 4, 0.3) == 2     # rounded up
     assert expert_capacity(8, 4, None) == 8 and expert_capacity(8, 4, 10.0) == 8    # never above S
 
 
+@pytest.mark.structure
 def test_no_dropping_equals_per_token_loop():
     moe, x = _layer(None)
     y, aux, grads = _grads(moe, x, lambda m, v: m(v))
@@ -138,6 +140,7 @@ def test_no_dropping_equals_per_token_loop():
     assert all(g.abs().sum() > 0 for g in grads)             # x, wg (through gates and l_aux), wi, wo
 
 
+@pytest.mark.structure
 def test_dropping_equals_gshard_capacity_loop():
     moe, x = _layer(0.5)                                     # C = 1 place per expert per group of 4
     assert moe.capacity == 1
@@ -151,6 +154,7 @@ def test_dropping_equals_gshard_capacity_loop():
     assert (y - y_free).abs().max() > 1e-3                   # dropping changed the output
 
 
+@pytest.mark.structure
 def test_first_choices_fill_before_second_choices():
     """Two tokens, two experts, one place each: both first choices get their places and both second choices
     are dropped (token-by-token filling would give token 0's second choice the place of token 1's first)."""
@@ -163,6 +167,7 @@ def test_first_choices_fill_before_second_choices():
     assert abs(aux.item() - (0.5 * 0.55 + 0.5 * 0.45) / 2) <= 1e-15     # 1/E Σ_e (c_e/S) m_e
 
 
+@pytest.mark.structure
 def test_bad_group_size_names_the_layer_and_fix():
     moe = fxpar.nn.MoE(D, H, E, 5)
     with pytest.raises(ValueError, match=r"group_size=5.*16 tokens.*dividing 16"):
@@ -186,6 +191,7 @@ def _all_to_alls(low):
             if M.get(c, M.COMM).kind == "all_to_all"]
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("n,cf", [(2, None), (4, None), (4, 0.5)])
 def test_four_all_to_alls_of_the_closed_form(n, cf):
     model, _, cap = _capture(cf)
@@ -212,6 +218,7 @@ def test_four_all_to_alls_of_the_closed_form(n, cf):
     assert [r[-1] for r in moves] == [(n - 1) / n * E * G * C * D * 8 / n] * 4    # bytes each rank sends (ring)
 
 
+@pytest.mark.structure
 def test_experts_not_divisible_by_the_axis_names_the_annotation():
     _, _, cap = _capture(None, experts=3)
     with pytest.raises(ShardingError, match=r"fxpar\.shard.*in moe.*tp"):
@@ -237,6 +244,8 @@ def _full_inputs(model, batch, cap):
     return [by_role[r](k) for r, k in cap.signature.inputs]
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("n,cf", [(2, None), (2, 0.5), (4, None), (4, 0.5)])
 def test_experts_on_n_ranks_equal_unsharded_step(clusters, n, cf):
     from fxpar.runtime.portable import pack_graph_module
@@ -274,6 +283,7 @@ def _batches(n=3):
     return [tuple(torch.randn(4, T, D, dtype=torch.float64, generator=g) for _ in range(2)) for _ in range(n)]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(dp=2), dict(tp=2, sharding="annotations"),
                                       dict(tp=4, sharding="annotations"), dict(dp=2, tp=2, sharding="annotations"),
                                       dict(tp=2, pp=2, microbatches=2, sharding="annotations")])

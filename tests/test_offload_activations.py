@@ -6,24 +6,19 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training, token_batches
+from fxpar.testing import gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 TOL = 1e-10
 COPY = torch.ops.aten._to_copy.default
 
 
-def _data(n):
-    torch.manual_seed(0)
-    model = GPT(vocab=32, d=16, layers=2, heads=2).double()
-    out = token_batches(n)
-    return model, out
-
-
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(dp=2), dict(pp=2, microbatches=2), dict(dp=2, recompute="selective")],
                          ids=["dp2", "pp2", "dp2_selective"])
 def test_offloaded_activations_leave_the_math_alone(clusters, strategy):
-    model, batches = _data(3)
+    model, batches = tiny_gpt(), token_batches(3)
     st = fxpar.Strategy(offload_activations=True, **strategy)
     prog = fxpar.parallelize(model, st.size, batches[0], gpt_loss, ADAMW, strategy=st)
     res = prog.run_local(batches, cluster=clusters.get(st.size))
@@ -32,8 +27,9 @@ def test_offloaded_activations_leave_the_math_alone(clusters, strategy):
     assert max_abs_diff(res.state_dict(), ref_state) < TOL
 
 
+@pytest.mark.structure
 def test_forward_saves_host_copies_and_backward_fetches_them_one_use_ahead():
-    model, batches = _data(1)
+    model, batches = tiny_gpt(), token_batches(1)
     prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW,
                              strategy=fxpar.Strategy(pp=2, microbatches=2, offload_activations=True))
     for st in prog.stages:

@@ -11,27 +11,13 @@ import torch
 
 import fxpar
 from fxpar.collectives import collective_nodes
-from fxpar.testing.models import GPT, SkipMLP, gpt_loss
-from fxpar.testing.reference import max_abs_diff, reference_training
+from fxpar.testing import (SkipMLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt,
+                           token_batches)
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 CE = torch.nn.functional.cross_entropy
 TOL = 1e-10
-
-
-def _gpt():
-    torch.manual_seed(0)
-    return GPT(vocab=32, d=16, layers=4, heads=2).double()
-
-
-def _gpt_batches(n, batch=8, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, 32, (batch, 9), generator=g)
-        out.append((idx[:, :-1], idx[:, 1:]))
-    return out
 
 
 def _check(clusters, model, batches, loss_fn, optimizer, lr_scheduler=None, plan=None, **strategy):
@@ -72,10 +58,11 @@ class TagLoss(fxpar.Pass):
         return fxpar.PassResult(gm, modified=bool(idx))
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(pp=2, microbatches=4), dict(pp=2, dp=2, microbatches=2),
                                       dict(dp=2)], ids=["pp2", "dp2xpp2", "dp2"])
 def test_custom_passes_run_on_every_stage_graph(clusters, strategy):
-    prog, _ = _check(clusters, _gpt(), _gpt_batches(2, batch=8), gpt_loss, SGD_M,
+    prog, _ = _check(clusters, tiny_gpt(layers=4), token_batches(2, batch=8), gpt_loss, SGD_M,
                      passes=[CountNodes(), TagLoss()], **strategy)
     for rank in range(prog.world_size):
         hist = prog.history(rank)
@@ -92,9 +79,11 @@ def test_custom_passes_run_on_every_stage_graph(clusters, strategy):
 
 
 # ---- gradient sync under dp x pp: the bucket pass's collectives, in REDUCE_GRAD ------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_dp_pp_gradient_sync_is_the_bucket_collectives_in_backward_order(clusters):
     strategy = dict(pp=2, dp=2, microbatches=2, bucket_cap_mb=0.004)   # small buckets: several per stage
-    prog, res = _check(clusters, _gpt(), _gpt_batches(2, batch=8), gpt_loss, ADAMW, **strategy)
+    prog, res = _check(clusters, tiny_gpt(layers=4), token_batches(2, batch=8), gpt_loss, ADAMW, **strategy)
     plan = prog.plan
     for s, stage in enumerate(prog.stages):
         rg = stage.graphs["REDUCE_GRAD"].gm
@@ -122,18 +111,22 @@ def test_dp_pp_gradient_sync_is_the_bucket_collectives_in_backward_order(cluster
     assert sum(c.axis == "tied.wte.weight" for c in rank0) == 1
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_measured_collectives_equal_the_graphs(clusters):
-    prog = fxpar.parallelize(_gpt(), 4, _gpt_batches(1)[0], gpt_loss, SGD_M,
+    prog = fxpar.parallelize(tiny_gpt(layers=4), 4, token_batches(1)[0], gpt_loss, SGD_M,
                              strategy=fxpar.Strategy(pp=2, dp=2, microbatches=2))
-    res = prog.run_local(_gpt_batches(2), cluster=clusters.get(4), measure_comm=True)
+    res = prog.run_local(token_batches(2), cluster=clusters.get(4), measure_comm=True)
     for r in range(4):
         want = [(c.kind, c.nbytes) for c in prog.collectives(r) if c.kind not in ("send", "recv")]
         assert res.comm_calls[r] == [want, want]
 
 
 # ---- a Plan edited by hand drives a pipeline -----------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_plan_round_trip_with_an_edited_cut(clusters):
-    model, batches = _gpt(), _gpt_batches(2)
+    model, batches = tiny_gpt(layers=4), token_batches(2)
     prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, SGD_M, strategy=fxpar.Strategy(pp=2, microbatches=4))
     assert prog.plan.cuts == ["blocks.2"]
     text = prog.plan.to_json().replace('"blocks.2"', '"blocks.1"', 1)
@@ -148,12 +141,14 @@ def test_plan_round_trip_with_an_edited_cut(clusters):
 
 
 # ---- the same API for every strategy ------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(dp=2), dict(pp=2, microbatches=4), dict(pp=2, schedule="zb1p", microbatches=4),
                                       dict(pp=2, schedule="chimera", microbatches=4), dict(microbatches=2)],
                          ids=["dp2", "1f1b", "zb1p", "chimera", "accumulate"])
 def test_lr_scheduler_tuple_and_same_api_everywhere(clusters, strategy):
     sched = (torch.optim.lr_scheduler.StepLR, {"step_size": 1, "gamma": 0.5})
-    prog, res = _check(clusters, _gpt(), _gpt_batches(3), gpt_loss, ADAMW, lr_scheduler=sched, **strategy)
+    prog, res = _check(clusters, tiny_gpt(layers=4), token_batches(3), gpt_loss, ADAMW, lr_scheduler=sched, **strategy)
     est = prog.estimate()
     assert est.step_time_s > 0 and len(est.ranks) == prog.world_size
     text = prog.explain()
@@ -164,6 +159,7 @@ def test_lr_scheduler_tuple_and_same_api_everywhere(clusters, strategy):
     assert fxpar.Plan.from_json(prog.plan.to_json()) == prog.plan
 
 
+@pytest.mark.numerics
 def test_2bw_plan_and_estimate(clusters):
     prog = fxpar.parallelize(SkipMLP().double(), 2, (torch.randn(8, 16, dtype=torch.float64), torch.randint(0, 4, (8,))),
                              CE, SGD_M, strategy=fxpar.Strategy(pp=2, schedule="2bw", microbatches=2))
@@ -171,8 +167,10 @@ def test_2bw_plan_and_estimate(clusters):
 
 
 # ---- the runtime reads no node.meta ------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_runtime_needs_no_node_meta(clusters):
-    model, batches = _gpt(), _gpt_batches(2)
+    model, batches = tiny_gpt(layers=4), token_batches(2)
     prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=fxpar.Strategy(pp=2, schedule="zb1p",
                                                                                             microbatches=4))
     ref = prog.run_local(batches, cluster=clusters.get(2))
@@ -186,15 +184,18 @@ def test_runtime_needs_no_node_meta(clusters):
 
 
 # ---- zero bubble and gradient accumulation reproduce single-process training -----------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(pp=2), dict(pp=4), dict(pp=2, dp=2)], ids=["pp2", "pp4", "pp2xdp2"])
 def test_zb1p_matches_single_process(clusters, strategy):
     batch = 16 if strategy.get("dp") else 8
-    prog, res = _check(clusters, _gpt(), _gpt_batches(3, batch=batch), gpt_loss, ADAMW, schedule="zb1p",
+    prog, res = _check(clusters, tiny_gpt(layers=4), token_batches(3, batch=batch), gpt_loss, ADAMW, schedule="zb1p",
                        microbatches=4, **strategy)
     kinds = {k for s in prog.stages for k in s.graphs}
     assert kinds == {"F", "I", "W", "REDUCE_GRAD", "STEP"}
 
 
+@pytest.mark.numerics
 def test_zb1p_skip_connection_and_untraced_optimizer(clusters):
     g = torch.Generator().manual_seed(2)
     batches = [(torch.randn(8, 16, generator=g, dtype=torch.float64), torch.randint(0, 4, (8,), generator=g))
@@ -204,19 +205,22 @@ def test_zb1p_skip_connection_and_untraced_optimizer(clusters):
            microbatches=2)
 
 
+@pytest.mark.numerics
 def test_gradient_accumulation_without_a_pipeline(clusters):
-    prog, _ = _check(clusters, _gpt(), _gpt_batches(2, batch=16), gpt_loss, ADAMW, dp=2, microbatches=4)
+    prog, _ = _check(clusters, tiny_gpt(layers=4), token_batches(2, batch=16), gpt_loss, ADAMW, dp=2, microbatches=4)
     assert str(prog.schedule(0)).startswith("rank 0: F0.0 B0.0 F0.1 B0.1")
 
 
+@pytest.mark.structure
 def test_one_microbatch_dp_is_one_fused_graph():
-    prog = fxpar.parallelize(_gpt(), 2, _gpt_batches(1)[0], gpt_loss, ADAMW, strategy=fxpar.Strategy(dp=2))
+    prog = fxpar.parallelize(tiny_gpt(layers=4), 2, token_batches(1)[0], gpt_loss, ADAMW, strategy=fxpar.Strategy(dp=2))
     assert list(prog.graphs(0)) == ["step"] and [a.short() for a in prog.schedule(0)] == ["FULL0.0"]
 
 
+@pytest.mark.structure
 def test_schedule_needs_a_pipeline():
     with pytest.raises(fxpar.StrategyError, match="needs a pipeline"):
-        fxpar.parallelize(_gpt(), 1, _gpt_batches(1)[0], gpt_loss, SGD_M,
+        fxpar.parallelize(tiny_gpt(layers=4), 1, token_batches(1)[0], gpt_loss, SGD_M,
                           strategy=fxpar.Strategy(schedule="1f1b", microbatches=2))
 
 
@@ -236,15 +240,10 @@ class _TwoTied(torch.nn.Module):
         return self.a(torch.tanh(self.b(torch.tanh(self.l1(h)))))
 
 
-def _regression_batches(n=3):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randn(8, 8, generator=g, dtype=torch.float64))
-            for _ in range(n)]
-
-
+@pytest.mark.numerics
 def test_several_tied_parameters_meet_in_the_same_order(clusters):
     torch.manual_seed(0)
-    prog, _ = _check(clusters, _TwoTied().double(), _regression_batches(), torch.nn.functional.mse_loss,
+    prog, _ = _check(clusters, _TwoTied().double(), regression_batches(3, d_in=8, seed=1), torch.nn.functional.mse_loss,
                      (torch.optim.SGD, {"lr": 0.1}), pp=2, microbatches=2, split_points=["l1"])
     assert len(prog.plan.tied) == 4
     # each tied group is its own process group, so its one collective per rank pairs with the right tensor
@@ -260,11 +259,12 @@ class _Normed(torch.nn.Module):
         return self.l1(torch.tanh(self.bn(self.l0(x))))
 
 
+@pytest.mark.numerics
 def test_batchnorm_with_gradient_accumulation_matches_torch():
     """torch accumulating over 2 microbatches: each forward updates the running statistics in turn."""
     import copy
     torch.manual_seed(0)
-    model, batches, mse = _Normed().double(), _regression_batches(), torch.nn.functional.mse_loss
+    model, batches, mse = _Normed().double(), regression_batches(3, d_in=8, seed=1), torch.nn.functional.mse_loss
     ref = copy.deepcopy(model)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     ref_losses = []
@@ -284,6 +284,7 @@ def test_batchnorm_with_gradient_accumulation_matches_torch():
     assert max_abs_diff(res.state_dict(), ref.state_dict()) < TOL       # running statistics included
 
 
+@pytest.mark.numerics
 def test_a_hand_written_step_order_that_would_use_an_unreduced_tied_gradient_is_refused(clusters):
     from fxpar.schedule import get_schedule
 
@@ -304,8 +305,8 @@ def test_a_hand_written_step_order_that_would_use_an_unreduced_tied_gradient_is_
     swapped = text.replace("STEP0    STEP1", "STEP0    STEPX").replace("STEP2    STEP3", "STEP2    STEP1").replace(
         "STEPX", "STEP3")
     assert swapped != text
-    prog = fxpar.parallelize(Shared().double(), 2, _regression_batches(1)[0], torch.nn.functional.mse_loss,
+    prog = fxpar.parallelize(Shared().double(), 2, regression_batches(1, d_in=8, seed=1)[0], torch.nn.functional.mse_loss,
                              (torch.optim.SGD, {"lr": 0.1}), strategy=fxpar.Strategy(
                                  pp=2, schedule=swapped, microbatches=4, split_points=["l.1", "l.2", "l.3"]))
     with pytest.raises(fxpar.RankFailedError, match=r"STEP3 needs the reduced gradient of 'a.weight'.*STEP1 before STEP3"):
-        prog.run_local(_regression_batches(), cluster=clusters.get(2))
+        prog.run_local(regression_batches(3, d_in=8, seed=1), cluster=clusters.get(2))

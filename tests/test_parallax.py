@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.collectives import C10D, collective_nodes
-from fxpar.testing import max_abs_diff, reference_training
+from fxpar.testing import Bag, bag_batches, max_abs_diff, reference_training
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -17,31 +17,13 @@ aten = torch.ops.aten
 TOL = 1e-10
 
 
-class Bag(torch.nn.Module):
-    """A large embedding (the sparse candidate), a small one, and a dense head."""
-
-    def __init__(self, vocab=1000, small=6, d=16, classes=4):
-        super().__init__()
-        self.emb = torch.nn.Embedding(vocab, d)
-        self.pos = torch.nn.Embedding(small, d)
-        self.head = torch.nn.Linear(d, classes)
-
-    def forward(self, ids):
-        pos = torch.arange(ids.shape[1]).expand_as(ids)
-        return self.head((self.emb(ids) + self.pos(pos)).mean(1))
-
-
-def _batches(n, batch=8, seq=5, vocab=1000):
-    g = torch.Generator().manual_seed(3)
-    return [(torch.randint(0, vocab, (batch, seq), generator=g), torch.randint(0, 4, (batch,), generator=g))
-            for _ in range(n)]
-
-
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 @pytest.mark.parametrize("opt", [ADAMW, SGD_M], ids=["adamw", "sgd_momentum"])
 def test_parallax_matches_single_process(clusters, dp, opt):
     torch.manual_seed(0)
-    model, batches = Bag().double(), _batches(3)
+    model, batches = Bag().double(), bag_batches(3)
     prog = fxpar.parallelize(model, dp, batches[0], F.cross_entropy, opt,
                              strategy=fxpar.Strategy(dp=dp, grad_sync="parallax"))
     res = prog.run_local(batches, cluster=clusters.get(dp), measure_comm=True)
@@ -70,9 +52,10 @@ def test_parallax_matches_single_process(clusters, dp, opt):
             assert sum(n for k, n in calls if k == "all_reduce") == (6 * 16 + 4 * 16 + 4) * 8
 
 
+@pytest.mark.numerics
 def test_parallax_all_dense_when_the_table_is_small(clusters):
     torch.manual_seed(0)
-    model, batches = Bag(vocab=8).double(), _batches(2, vocab=8)
+    model, batches = Bag(vocab=8).double(), bag_batches(2, vocab=8)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M,
                              strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
     assert prog.plan.grad_sync["sparse"] == []
@@ -82,6 +65,7 @@ def test_parallax_all_dense_when_the_table_is_small(clusters):
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL
 
 
+@pytest.mark.structure
 def test_parallax_refuses_pipelines():
     with pytest.raises(fxpar.StrategyError, match="data parallelism alone"):
         fxpar.Strategy(dp=2, pp=2, grad_sync="parallax")
@@ -89,7 +73,7 @@ def test_parallax_refuses_pipelines():
 
 def _dup_batches(n, batch=8, seq=5, vocab=1000):
     """Token 7 in every sequence (repeated within each rank's shard and across ranks), and one more repeat."""
-    out = _batches(n, batch, seq, vocab)
+    out = bag_batches(n, batch, seq, vocab)
     for ids, _ in out:
         ids[:, 0] = 7
         ids[0, 2] = ids[0, 1]
@@ -145,6 +129,7 @@ def _gathered_by(x):
     return x.args[0]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("dp", [2, 4])
 def test_parallax_sgd_updates_only_the_touched_rows(clusters, dp):
     torch.manual_seed(0)
@@ -179,12 +164,13 @@ def test_parallax_sgd_updates_only_the_touched_rows(clusters, dp):
             assert [n for k, n in calls if k == "all_gather"] == [t * 8 + t * 16 * 8]
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("opt, why", [((torch.optim.SGD, {"lr": 0.1, "weight_decay": 0.01}), "weight_decay=0.01"),
                                       ((torch.optim.Adam, {"lr": 0.1}), "Adam keeps per-row state"),
                                       ((torch.optim.Adagrad, {"lr": 0.1}), "runs eagerly")],
                          ids=["sgd_wd", "adam", "eager"])
 def test_parallax_dense_update_for_other_optimizers(opt, why):
-    model, batches = Bag().double(), _batches(1)
+    model, batches = Bag().double(), bag_batches(1)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, opt,
                              strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
     upd = prog.plan.grad_sync["sparse_update"]["emb.weight"]
@@ -194,6 +180,7 @@ def test_parallax_dense_update_for_other_optimizers(opt, why):
     assert ("grad", "emb.weight") in step.meta["fxpar_signature"].outputs
 
 
+@pytest.mark.numerics
 def test_parallax_microbatches_keep_the_dense_update(clusters):
     torch.manual_seed(0)
     model, batches = Bag().double(), _dup_batches(2)
@@ -207,8 +194,9 @@ def test_parallax_microbatches_keep_the_dense_update(clusters):
     assert max_abs_diff(res.state_dict(), ref_state) < TOL
 
 
+@pytest.mark.structure
 def test_parallax_refuses_a_rows_update_the_optimizer_does_not_allow():
-    model, batches = Bag().double(), _batches(1)
+    model, batches = Bag().double(), bag_batches(1)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M,
                              strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
     plan = fxpar.Plan.from_json(prog.plan.to_json())
@@ -227,9 +215,10 @@ class StridedBag(Bag):
         return self.head((self.emb(ids) + self.pos(pos)).mean(1))
 
 
+@pytest.mark.numerics
 def test_parallax_packs_a_strided_index(clusters):
     torch.manual_seed(0)
-    model, batches = StridedBag().double(), _batches(3, seq=6)
+    model, batches = StridedBag().double(), bag_batches(3, seq=6)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD, strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
     assert prog.plan.grad_sync["sparse"] == ["emb.weight"]
     copies = [x for x in prog.graphs(0)["step"].graph.nodes

@@ -20,6 +20,7 @@ class CountMatmuls(fxpar.Pass):
         return fxpar.PassResult(gm, modified=False, info={"matmuls": n})
 
 
+@pytest.mark.structure
 def test_custom_pass_runs_last_and_history_is_kept():
     p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss,
                           strategy=fxpar.Strategy(dp=2, passes=[CountMatmuls()]))
@@ -34,6 +35,7 @@ def test_custom_pass_runs_last_and_history_is_kept():
     assert "# after bucket" in str(p.history(0)[2])
 
 
+@pytest.mark.structure
 def test_new_nodes_record_the_pass_that_made_them():
     p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss)
     gm = p.graphs(0)["step"]
@@ -46,6 +48,7 @@ def test_new_nodes_record_the_pass_that_made_them():
     assert all(n.meta.get("fxpar_pass") == "bucket" for n in gm.graph.nodes if "c10d" in str(n.target))
 
 
+@pytest.mark.numerics
 def test_function_pass_that_edits_the_graph():
     @fxpar.graph_pass("double_lr")
     def double_lr(gm, ctx):
@@ -67,6 +70,7 @@ def test_function_pass_that_edits_the_graph():
     assert all(torch.allclose(a[k], b[k], atol=1e-14, rtol=0) for k in a)
 
 
+@pytest.mark.structure
 def test_order_constraints_are_checked_before_running():
     class NeedsBucket(fxpar.Pass):
         name = "needs_bucket"
@@ -79,6 +83,7 @@ def test_order_constraints_are_checked_before_running():
         fxpar.PassManager([NeedsBucket()])
 
 
+@pytest.mark.structure
 def test_a_pass_that_breaks_the_signature_is_named():
     @fxpar.graph_pass("drop_output")
     def drop_output(gm, ctx):
@@ -91,6 +96,7 @@ def test_a_pass_that_breaks_the_signature_is_named():
                           strategy=fxpar.Strategy(dp=2, passes=[drop_output]))
 
 
+@pytest.mark.structure
 def test_a_failing_pass_names_itself_and_the_passes_before():
     @fxpar.graph_pass("boom")
     def boom(gm, ctx):
@@ -101,6 +107,7 @@ def test_a_failing_pass_names_itself_and_the_passes_before():
                           strategy=fxpar.Strategy(dp=2, passes=[boom]))
 
 
+@pytest.mark.structure
 def test_plan_round_trips_and_an_edited_plan_is_used():
     p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss)
     plan = fxpar.Plan.from_json(p.plan.to_json())

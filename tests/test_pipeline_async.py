@@ -9,9 +9,9 @@ import torch
 import fxpar
 from fxpar.schedule import simulate
 from fxpar.schedule.registry import get_schedule
+from fxpar.testing import (SkipNet, TinyGPT, class_batches, flat_gpt_loss, max_abs_diff, reference_training,
+                           tiny_gpt_batches)
 from fxpar.testing.async_reference import pipedream_2bw_reference, pipedream_reference
-from fxpar.testing.reference import max_abs_diff, reference_training
-from test_pipeline_models import SkipNet, TinyGPT, gpt_batches, gpt_loss, skip_batches
 
 CE = torch.nn.functional.cross_entropy
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -23,9 +23,11 @@ def _program(model, batch, optimizer, **strategy):
     return fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy.size), batch, CE, optimizer, strategy=strategy)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("pp,optimizer", [(2, SGD_M), (4, ADAMW)])
 def test_pipedream_weight_stashing_math(clusters, pp, optimizer):
-    model, batches, m = SkipNet().double(), skip_batches(3), 4
+    model, batches, m = SkipNet().double(), class_batches(3), 4
     prog = _program(model, batches[0], optimizer, pp=pp, schedule="pipedream", microbatches=m)
     res = prog.run_local(batches, cluster=clusters.get(pp))
     ref_losses, ref_state = pipedream_reference(model, [sp.param_keys for sp in prog.stages], batches, CE,
@@ -41,9 +43,11 @@ def test_pipedream_weight_stashing_math(clusters, pp, optimizer):
     assert res.peak_versions == sim.peak_versions == {s: pp - s for s in range(pp)}
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("pp", [2, 4])
 def test_pipedream_2bw_math(clusters, pp):
-    model, batches, m = SkipNet().double(), skip_batches(4), 4
+    model, batches, m = SkipNet().double(), class_batches(4), 4
     prog = _program(model, batches[0], ADAMW, pp=pp, schedule="2bw", microbatches=m)
     res = prog.run_local(batches, cluster=clusters.get(pp))
     ref_losses, ref_state = pipedream_2bw_reference(model, batches, CE, ADAMW)
@@ -57,15 +61,17 @@ def test_pipedream_2bw_math(clusters, pp):
     assert res.peak_version_bytes == 2 * max(stage_bytes)   # the version store's own count of what it held
 
 
+@pytest.mark.structure
 def test_async_schedule_refuses_tied_parameters():
     with pytest.raises(fxpar.StrategyError, match=r"wte.weight.*Untie it"):
-        fxpar.parallelize(TinyGPT().double(), fxpar.ClusterSpec.local(2), gpt_batches(1)[0], gpt_loss, SGD_M,
+        fxpar.parallelize(TinyGPT().double(), fxpar.ClusterSpec.local(2), tiny_gpt_batches(1)[0], flat_gpt_loss, SGD_M,
                           strategy=fxpar.Strategy(pp=2, schedule="pipedream", microbatches=4))
 
 
+@pytest.mark.numerics
 def test_pipedream_with_data_parallel_replicas(clusters):
     """pp=2 x dp=2: each per-microbatch update averages that microbatch over both replicas."""
-    model, batches, m = SkipNet().double(), skip_batches(2, batch=16), 4
+    model, batches, m = SkipNet().double(), class_batches(2, batch=16), 4
     prog = _program(model, batches[0], SGD_M, pp=2, dp=2, schedule="pipedream", microbatches=m)
     res = prog.run_local(batches, cluster=clusters.get(4))
     ref_losses, ref_state = pipedream_reference(model, [sp.param_keys for sp in prog.stages], batches, CE,
@@ -83,12 +89,13 @@ def _stash_pairs(res):
     return pairs
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("schedule,pp", [("pipedream", 2), ("2bw", 2)])
 def test_forward_and_backward_use_bitwise_the_same_weights(clusters, schedule, pp):
     """Weight stashing, checked on the bytes: for every microbatch, the weight tensors its B differentiates
     through (the ones its F saved) hash equal to those its F computed with, and carry F's version, even when
     the stage stepped in between -- then they differ from the stage's newest weights (not vacuous)."""
-    model, batches, m = SkipNet().double(), skip_batches(3), 4
+    model, batches, m = SkipNet().double(), class_batches(3), 4
     prog = _program(model, batches[0], SGD_M, pp=pp, schedule=schedule, microbatches=m)
     res = prog.run_local(batches, cluster=clusters.get(pp), record_weights=True)
     pairs = _stash_pairs(res)

@@ -10,8 +10,8 @@ import torch
 
 import fxpar
 from fxpar.schedule import Schedule, ScheduleDeadlockError, ScheduleValidationError, get_schedule
-from fxpar.testing.reference import max_abs_diff, reference_training
-from test_pipeline_models import SkipNet, TinyGPT, gpt_batches, gpt_loss, skip_batches
+from fxpar.testing import (SkipNet, TinyGPT, class_batches, flat_gpt_loss, max_abs_diff, reference_training,
+                           tiny_gpt_batches)
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 CE = torch.nn.functional.cross_entropy
@@ -25,13 +25,15 @@ rank 1: RF1.1<0 F1.1 RF1.0<0 F1.0 RF1.3<0 F1.3 RF1.2<0 F1.2 B1.3 SB1.3>0 B1.1 SB
 """
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("form", ["text", "object", "grid"])
 def test_hand_permuted_gpipe_matches_single_process(clusters, form):
     text = _permuted_gpipe()
     sched = {"text": text, "object": Schedule.parse(text), "grid": str(Schedule.parse(text))}[form]
-    model, batches = TinyGPT(layers=2).double(), gpt_batches(2)
-    ref_losses, ref_state = reference_training(model, batches, gpt_loss, SGD_M)
-    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], gpt_loss, SGD_M,
+    model, batches = TinyGPT(layers=2).double(), tiny_gpt_batches(2)
+    ref_losses, ref_state = reference_training(model, batches, flat_gpt_loss, SGD_M)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], flat_gpt_loss, SGD_M,
                              strategy=fxpar.Strategy(pp=2, schedule=sched, microbatches=4))
     assert str(prog.schedule(0)).startswith("rank 0: F0.1 SF0.1>1 F0.0")
     assert "hand-written 'mine'" in prog.explain()
@@ -42,11 +44,12 @@ def test_hand_permuted_gpipe_matches_single_process(clusters, form):
     assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
 
 
+@pytest.mark.structure
 def test_deadlocking_schedule_fails_at_parallelize_time_naming_step_ranks_and_waits():
     # rank 0 waits for a gradient of microbatch 0 before it has sent microbatch 0's activations
     text = get_schedule("1f1b", 2, 2).format_lists()
     text = text.replace("rank 0: F0.0 SF0.0>1 F0.1 SF0.1>1 RB0.0<1", "rank 0: RB0.0<1 F0.0 SF0.0>1 F0.1 SF0.1>1")
-    batches = skip_batches(1)
+    batches = class_batches(1)
     with pytest.raises(ScheduleDeadlockError) as info:
         fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), batches[0], CE, SGD_M,
                           strategy=fxpar.Strategy(pp=2, schedule=text, microbatches=2))
@@ -57,13 +60,14 @@ def test_deadlocking_schedule_fails_at_parallelize_time_naming_step_ranks_and_wa
     assert set(info.value.stuck) == {0, 1} and info.value.step == 0
 
 
+@pytest.mark.structure
 def test_schedule_that_does_not_fit_the_strategy():
     text = get_schedule("gpipe", 2, 4).format_lists()
     with pytest.raises(fxpar.StrategyError, match=r"covers 4 microbatches but microbatches=2.*microbatches=4"):
-        fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), skip_batches(1)[0], CE, SGD_M,
+        fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), class_batches(1)[0], CE, SGD_M,
                           strategy=fxpar.Strategy(pp=2, schedule=text, microbatches=2))
     with pytest.raises(fxpar.StrategyError, match=r"Strategy\(schedule=<text>\): cannot read action 'X0.1'"):
         fxpar.Strategy(pp=2, schedule=text.replace("F0.1", "X0.1"), microbatches=4)
     with pytest.raises(ScheduleValidationError, match=r"hand-written schedule 'gpipe': B0.3 appears 0 times"):
-        fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), skip_batches(1)[0], CE, SGD_M,
+        fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), class_batches(1)[0], CE, SGD_M,
                           strategy=fxpar.Strategy(pp=2, schedule=text.replace(" B0.3", ""), microbatches=4))

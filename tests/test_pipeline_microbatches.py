@@ -11,8 +11,10 @@ import torch
 import fxpar
 from fxpar.explain import fmt_bytes
 from fxpar.schedule import simulate
-from fxpar.testing.reference import max_abs_diff, reference_training
-from test_pipeline_models import SkipNet, TinyGPT, gpt_batches, gpt_loss, skip_batches
+from fxpar.testing import (SkipNet, TinyGPT, class_batches, flat_gpt_loss, max_abs_diff, reference_training,
+                           tiny_gpt_batches)
+
+pytestmark = pytest.mark.numerics
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 CE = torch.nn.functional.cross_entropy
@@ -32,14 +34,15 @@ def _run(clusters, model, batches, loss_fn, **strategy):
 
 def _model(name, stages):
     if name == "gpt":            # LM head tied to the embedding: first and last stage share it
-        return TinyGPT(layers=2 if stages <= 4 else 4).double(), gpt_batches(2), gpt_loss
-    return SkipNet(layers=6).double(), skip_batches(2), CE
+        return TinyGPT(layers=2 if stages <= 4 else 4).double(), tiny_gpt_batches(2), flat_gpt_loss
+    return SkipNet(layers=6).double(), class_batches(2), CE
 
 
 CASES = [(model, pp, sched) for model in ("gpt", "skip") for pp in (2, 4)
          for sched in ("gpipe", "1f1b", "interleaved", "zb1p", "chimera")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model,pp,schedule", CASES)
 def test_eight_microbatches_match_single_process(clusters, model, pp, schedule):
     m, batches, loss_fn = _model(model, 2 * pp if schedule == "interleaved" else pp)
@@ -63,7 +66,7 @@ def test_eight_microbatches_match_single_process(clusters, model, pp, schedule):
 
 
 def test_eight_microbatches_pp2_dp2(clusters):
-    prog, res = _run(clusters, TinyGPT(layers=2).double(), gpt_batches(2, batch=16), gpt_loss,
+    prog, res = _run(clusters, TinyGPT(layers=2).double(), tiny_gpt_batches(2, batch=16), flat_gpt_loss,
                      pp=2, dp=2, schedule="1f1b")
     assert res.peak_activations == {0: 2, 1: 1}
     for r in range(4):           # what collectives(rank) lists is what the rank sent, over 2 steps

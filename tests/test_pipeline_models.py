@@ -1,107 +1,23 @@
-"""Small models for the pipeline tests (and structure tests of stage cutting that need no ranks)."""
+"""Stage cutting on the pipeline tests' small models (fxpar.testing.pipeline_models): structure tests that need no
+ranks."""
 from __future__ import annotations
 
+import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
+import fxpar
+from fxpar.capture import trace_forward
+from fxpar.testing import SkipNet, TinyGPT, class_batches, flat_gpt_loss, tiny_gpt_batches
+from passes.split_stages import cut_candidates, split_stages
 
-class Block(nn.Module):
-    def __init__(self, d: int, heads: int = 2):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
-        self.heads = heads
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
-class TinyGPT(nn.Module):
-    """GPT with the LM head tied to the token embedding (one parameter used by the first and last stage)."""
-
-    def __init__(self, vocab: int = 32, d: int = 16, layers: int = 4, seq: int = 8):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(vocab, d), nn.Embedding(seq, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
-        self.ln_f = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.wte.weight
-
-    def forward(self, idx):
-        pos = torch.arange(idx.shape[1], device=idx.device)
-        x = self.wte(idx) + self.wpe(pos)
-        for blk in self.blocks:
-            x = blk(x)
-        return self.head(self.ln_f(x))
-
-
-class SkipNet(nn.Module):
-    """An MLP whose first hidden state is added back three layers later (crosses every stage cut)."""
-
-    def __init__(self, d: int = 16, layers: int = 4):
-        super().__init__()
-        self.inp = nn.Linear(d, d)
-        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(d, d), nn.Tanh()) for _ in range(layers)])
-        self.out = nn.Linear(d, 4)
-
-    def forward(self, x):
-        h = self.inp(x)
-        return self.out(self.layers(h) + h)
-
-
-def gpt_loss(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def gpt_batches(n: int, batch: int = 8, seq: int = 8, vocab: int = 32, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-        out.append((idx[:, :-1].contiguous(), idx[:, 1:].contiguous()))
-    return out
-
-
-def skip_batches(n: int, batch: int = 8, d: int = 16, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, d, generator=g, dtype=torch.float64), torch.randint(0, 4, (batch,), generator=g))
-            for _ in range(n)]
-
-
-def reference_train(model: nn.Module, loss_fn, batches, optimizer) -> tuple:
-    """Single-process training: the losses and final state every pipeline run must reproduce."""
-    cls, kw = optimizer
-    opt = cls(model.parameters(), **kw)
-    losses = []
-    for b in batches:
-        opt.zero_grad()
-        loss = loss_fn(model(*b[:-1]), b[-1])
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
-    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-# ---- structure tests: no ranks, fake tensors only -------------------------------------------------
-import pytest  # noqa: E402
-
-import fxpar  # noqa: E402
-from fxpar.capture import trace_forward  # noqa: E402
-from passes.split_stages import cut_candidates, split_stages  # noqa: E402
+pytestmark = pytest.mark.structure
 
 SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 
 
 def _gpt_trace(batch=2):
     torch.manual_seed(0)
-    return trace_forward(TinyGPT().double(), gpt_batches(1, batch=batch)[0], gpt_loss)
+    return trace_forward(TinyGPT().double(), tiny_gpt_batches(1, batch=batch)[0], flat_gpt_loss)
 
 
 def test_cut_candidates_are_blocks_in_order():
@@ -129,7 +45,7 @@ def test_user_split_points_assign_modules_and_tie_the_embedding():
 
 def test_skip_connection_is_forwarded_through_middle_stages():
     torch.manual_seed(0)
-    ft = trace_forward(SkipNet().double(), skip_batches(1)[0], torch.nn.functional.cross_entropy)
+    ft = trace_forward(SkipNet().double(), class_batches(1)[0], torch.nn.functional.cross_entropy)
     split = split_stages(ft.gm, ft.roles, 4, ["layers.1", "layers.2", "layers.3"], ft.module_types)
     h = split.stages[0].outputs[0][1]          # the output of `inp`, added back at the end
     for st in split.stages[1:]:
@@ -149,7 +65,7 @@ def test_balanced_cut_splits_the_blocks_evenly():
 
 def test_too_many_stages_names_the_candidates():
     torch.manual_seed(0)
-    ft = trace_forward(SkipNet(layers=2).double(), skip_batches(1)[0], torch.nn.functional.cross_entropy)
+    ft = trace_forward(SkipNet(layers=2).double(), class_batches(1)[0], torch.nn.functional.cross_entropy)
     with pytest.raises(fxpar.StrategyError, match=r"only 3 place\(s\) to cut, before \['layers.0', 'layers.1', 'out'\]"):
         split_stages(ft.gm, ft.roles, 5, None, ft.module_types)
     with pytest.raises(fxpar.StrategyError, match="not a module the forward runs"):
@@ -164,7 +80,7 @@ def _build(model, batch, loss_fn, **strategy):
 def test_1f1b_with_fewer_microbatches_than_stages_states_the_bubble():
     torch.manual_seed(0)
     with pytest.raises(fxpar.StrategyError, match=r"m >= p.*50%.*\(p-1\)/\(v\*m\+p-1\)"):
-        _build(SkipNet().double(), skip_batches(1)[0], torch.nn.functional.cross_entropy,
+        _build(SkipNet().double(), class_batches(1)[0], torch.nn.functional.cross_entropy,
                pp=2, schedule="1f1b", microbatches=1)
 
 
@@ -173,13 +89,13 @@ def test_batch_not_divisible_by_microbatches_times_dp():
     # one batch check for every strategy now (fxpar.planner.check_batch), which names the tensor and its shape
     with pytest.raises(fxpar.StrategyError, match=r"example_inputs\[0\] has batch 8.*which dp=2 x microbatches=3 = 6 "
                                                   r"does not divide"):
-        _build(SkipNet().double(), skip_batches(1, batch=8)[0], torch.nn.functional.cross_entropy,
+        _build(SkipNet().double(), class_batches(1, batch=8)[0], torch.nn.functional.cross_entropy,
                pp=2, dp=2, schedule="gpipe", microbatches=3)
 
 
 def test_program_graphs_schedule_and_sends():
     torch.manual_seed(0)
-    prog = _build(TinyGPT().double(), gpt_batches(1)[0], gpt_loss, pp=2, dp=2, schedule="1f1b", microbatches=4)
+    prog = _build(TinyGPT().double(), tiny_gpt_batches(1)[0], flat_gpt_loss, pp=2, dp=2, schedule="1f1b", microbatches=4)
     assert prog.world_size == 4
     # the graphs split_graphs cut out of each stage's joint graph (were stage{s}.forward/.backward/.step)
     assert set(prog.graphs(0)) == {"stage0.F", "stage0.B", "stage0.REDUCE_GRAD", "stage0.STEP"}
@@ -200,8 +116,8 @@ def test_stage_graphs_compose_to_autograd_gradients():
     carries its (role, key), which is all that wires them together (as in the runtime)."""
     torch.manual_seed(0)
     model = TinyGPT().double()
-    x, y = gpt_batches(1, batch=2)[0]
-    prog = _build(model, (x, y), gpt_loss, pp=2, schedule="gpipe", microbatches=1)
+    x, y = tiny_gpt_batches(1, batch=2)[0]
+    prog = _build(model, (x, y), flat_gpt_loss, pp=2, schedule="gpipe", microbatches=1)
     params = dict(model.named_parameters())
     batch = {"input": [x], "target": [y]}
     acts, saved, measured, loss = {}, [], [], None
@@ -228,7 +144,7 @@ def test_stage_graphs_compose_to_autograd_gradients():
                 grads[k] = grads.get(k, 0) + g
             elif r == "act_grad":
                 tangents[k] = g
-    ref = gpt_loss(model(x), y)
+    ref = flat_gpt_loss(model(x), y)
     ref.backward()
     assert measured == [st.saved_bytes for st in prog.stages]
     assert abs(float(loss) - float(ref.detach())) < 1e-12
@@ -248,7 +164,7 @@ def test_history_and_collectives_of_a_pipeline_rank():
     """history(rank): each pass's graph per held stage, ending in the graphs the rank runs;
     collectives(rank): its sends/recvs in schedule order, then the dp and tied-weight all-reduces of REDUCE_GRAD."""
     torch.manual_seed(0)
-    prog = _build(TinyGPT().double(), gpt_batches(1, batch=16)[0], gpt_loss, pp=2, dp=2, schedule="1f1b",
+    prog = _build(TinyGPT().double(), tiny_gpt_batches(1, batch=16)[0], flat_gpt_loss, pp=2, dp=2, schedule="1f1b",
                   microbatches=4)
     hist = prog.history(0)
     # one pass list on each stage's joint graph (as for dp), then one entry per graph split_graphs cut out

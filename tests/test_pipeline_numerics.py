@@ -8,10 +8,8 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.testing.models import GPT, SkipMLP
-from fxpar.testing.models import gpt_loss as lead_gpt_loss
-from fxpar.testing.reference import max_abs_diff, reference_training
-from test_pipeline_models import SkipNet, TinyGPT, gpt_batches, gpt_loss, skip_batches
+from fxpar.testing import (SkipMLP, SkipNet, TinyGPT, class_batches, flat_gpt_loss, gpt_loss, max_abs_diff,
+                           reference_training, tiny_gpt, tiny_gpt_batches, token_batches)
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
@@ -32,15 +30,18 @@ def _check(clusters, model, batches, loss_fn, optimizer, lr_scheduler=None, **st
     return prog, res
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved", "zb1p", "chimera"])
 def test_tied_gpt_pp2_matches_single_process(clusters, schedule):
-    _, res = _check(clusters, TinyGPT().double(), gpt_batches(3), gpt_loss, SGD_M,
+    _, res = _check(clusters, TinyGPT().double(), tiny_gpt_batches(3), flat_gpt_loss, SGD_M,
                     pp=2, schedule=schedule, microbatches=4)
     assert res.state_dict()["head.weight"] is res.state_dict()["wte.weight"]
 
 
+@pytest.mark.numerics
 def test_skip_connection_across_the_cut_pp2_adamw(clusters):
-    prog, res = _check(clusters, SkipNet().double(), skip_batches(3), CE, ADAMW,
+    prog, res = _check(clusters, SkipNet().double(), class_batches(3), CE, ADAMW,
                        pp=2, schedule="1f1b", microbatches=4, split_points=["layers.2"])
     assert [k for r, k in prog.split.stages[1].inputs if r == "act"] == \
         [k for r, k in prog.split.stages[0].outputs]      # the skip tensor and the stream cross together
@@ -52,53 +53,58 @@ def test_skip_connection_across_the_cut_pp2_adamw(clusters):
         assert res.comm[r]["sent_bytes"] == 12 * 2 * (2 * 16 * 8)
 
 
+@pytest.mark.numerics
 def test_lead_gpt_with_adamw_and_lr_scheduler(clusters):
-    torch.manual_seed(0)
-    model = GPT(vocab=32, d=16, layers=2, heads=2).double()
-    g = torch.Generator().manual_seed(1)
-    batches = []
-    for _ in range(3):
-        idx = torch.randint(0, 32, (8, 9), generator=g)
-        batches.append((idx[:, :-1], idx[:, 1:]))
+    model, batches = tiny_gpt(), token_batches(3)
     sched = functools.partial(torch.optim.lr_scheduler.StepLR, step_size=1, gamma=0.5)   # picklable for the ranks
-    _check(clusters, model, batches, lead_gpt_loss, ADAMW, sched, pp=2, schedule="gpipe", microbatches=4)
+    _check(clusters, model, batches, gpt_loss, ADAMW, sched, pp=2, schedule="gpipe", microbatches=4)
 
 
+@pytest.mark.numerics
 def test_untraced_optimizer_runs_eagerly_per_stage(clusters):
-    _check(clusters, SkipMLP().double(), skip_batches(3), CE, (torch.optim.RMSprop, {"lr": 1e-2}),
+    _check(clusters, SkipMLP().double(), class_batches(3), CE, (torch.optim.RMSprop, {"lr": 1e-2}),
            pp=2, schedule="1f1b", microbatches=2)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_gpt_pp2_dp2(clusters):
-    _check(clusters, TinyGPT().double(), gpt_batches(3, batch=16), gpt_loss, SGD_M,
+    _check(clusters, TinyGPT().double(), tiny_gpt_batches(3, batch=16), flat_gpt_loss, SGD_M,
            pp=2, dp=2, schedule="1f1b", microbatches=4)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_gpt_pp4_1f1b_tied_first_and_last_stage(clusters):
-    prog, _ = _check(clusters, TinyGPT().double(), gpt_batches(3), gpt_loss, ADAMW,
+    prog, _ = _check(clusters, TinyGPT().double(), tiny_gpt_batches(3), flat_gpt_loss, ADAMW,
                      pp=4, schedule="1f1b", microbatches=4)
     assert prog.split.shared_params == {"wte.weight": [0, 3]}
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("schedule", ["gpipe", "chimera"])
 def test_skip_pp4(clusters, schedule):
-    _check(clusters, SkipNet().double(), skip_batches(3), CE, SGD_M, pp=4, schedule=schedule, microbatches=4)
+    _check(clusters, SkipNet().double(), class_batches(3), CE, SGD_M, pp=4, schedule=schedule, microbatches=4)
 
 
+@pytest.mark.numerics
 def test_gpt_pp4_interleaved_eight_stages(clusters):
-    prog, _ = _check(clusters, TinyGPT().double(), gpt_batches(3), gpt_loss, SGD_M,
+    prog, _ = _check(clusters, TinyGPT().double(), tiny_gpt_batches(3), flat_gpt_loss, SGD_M,
                      pp=4, schedule="interleaved", microbatches=4)
     assert len(prog.stages) == 8 and prog.split.shared_params == {"wte.weight": [0, 7]}
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_chimera_pp2_dp2_replicated_stages_and_tied_weights(clusters):
     """Chimera holds every stage twice per pipeline; with dp=2 gradients meet over both kinds of replica."""
-    prog, _ = _check(clusters, TinyGPT().double(), gpt_batches(2, batch=16), gpt_loss, ADAMW,
+    prog, _ = _check(clusters, TinyGPT().double(), tiny_gpt_batches(2, batch=16), flat_gpt_loss, ADAMW,
                      pp=2, dp=2, schedule="chimera", microbatches=4)
     assert prog.pipe_schedule.stage_to_rank == {0: (0, 1), 1: (0, 1)}
     assert prog.plan.stage_to_rank == [[0, 1], [0, 1]]
 
 
+@pytest.mark.numerics
 def test_model_returning_its_own_loss(clusters):
     class WithLoss(torch.nn.Module):
         def __init__(self):
@@ -108,7 +114,7 @@ def test_model_returning_its_own_loss(clusters):
         def forward(self, x, y):
             return CE(self.net(x), y)
 
-    _check(clusters, WithLoss(), skip_batches(2), None, SGD_M, pp=2, schedule="1f1b", microbatches=2,
+    _check(clusters, WithLoss(), class_batches(2), None, SGD_M, pp=2, schedule="1f1b", microbatches=2,
            split_points=["net.layers.2"])
 
 
@@ -118,17 +124,20 @@ def _runner_job(program, batches):
     return losses, runner.state_dict()
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_rank_runner_the_torchrun_path(clusters):
-    model, batches = TinyGPT().double(), gpt_batches(2)
-    ref_losses, ref_state = reference_training(model, batches, gpt_loss, SGD_M)
+    model, batches = TinyGPT().double(), tiny_gpt_batches(2)
+    ref_losses, ref_state = reference_training(model, batches, flat_gpt_loss, SGD_M)
     strategy = fxpar.Strategy(pp=2, schedule="1f1b", microbatches=4)
-    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], gpt_loss, SGD_M, strategy=strategy)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], flat_gpt_loss, SGD_M, strategy=strategy)
     out = clusters.get(2).run(_runner_job, [(prog, batches)] * 2)
     for losses, state in out:               # every rank gets the global loss and the whole state
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < TOL
         assert max_abs_diff(state, ref_state) < TOL
 
 
+@pytest.mark.structure
 def test_stage_step_runs_in_place_bitwise():
     """Synchronous schedules update a stage's weights and moments in place: the STEP graph, cut out of the
     stage's joint graph after reinplace_optimizer, writes into its own parameter and state inputs (the new
@@ -141,7 +150,7 @@ def test_stage_step_runs_in_place_bitwise():
                 (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True})]:
         spec = resolve_optimizer(opt)
         torch.manual_seed(0)
-        prog = fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), skip_batches(1)[0], CE, opt,
+        prog = fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), class_batches(1)[0], CE, opt,
                                  strategy=fxpar.Strategy(pp=2, schedule="1f1b", microbatches=2))
         for st in prog.stages:
             sg = st.graphs["STEP"]

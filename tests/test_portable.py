@@ -4,6 +4,7 @@ torch.fx's own GraphModule pickling re-traces the code, which runs every call wi
 inputs once and freezes its result: dropout's mask would be drawn once, at unpickling, and reused
 in every step. These tests pin the fix down.
 """
+import pytest
 import pickle
 
 import torch
@@ -25,6 +26,7 @@ def _random_ops(gm):
     return [n.name for n in gm.graph.nodes if n.op == "call_function" and "bernoulli" in str(n.target)]
 
 
+@pytest.mark.structure
 def test_torch_fx_pickling_would_freeze_dropout():
     """The failure this module exists for: plain pickle drops the random op from the graph (a
     single-rank graph here: a dp graph does not even unpickle, since the re-trace runs the bucket's
@@ -34,6 +36,7 @@ def test_torch_fx_pickling_would_freeze_dropout():
     assert _random_ops(gm) and not _random_ops(pickle.loads(pickle.dumps(gm)))
 
 
+@pytest.mark.structure
 def test_round_trip_keeps_every_node_and_the_code():
     p, x = _dropout_program(dp=2)
     gm = p.graphs(0)["step"]
@@ -46,6 +49,7 @@ def test_round_trip_keeps_every_node_and_the_code():
     assert comm == p.collectives(0) and comm
 
 
+@pytest.mark.structure
 def test_payloads_send_their_graphs_node_by_node():
     p, _ = _dropout_program(dp=2)
     payload = pickle.loads(pickle.dumps(p.payload(0)))
@@ -62,6 +66,7 @@ def test_payloads_send_their_graphs_node_by_node():
                str(n.target).split(".")[1].endswith("_") for n in step.graph.nodes)
 
 
+@pytest.mark.numerics
 def test_dropout_masks_change_every_step_on_spawned_ranks(clusters):
     """Same batch, same weights (lr 0): with a frozen mask every step's loss would be equal."""
     x = torch.randint(0, 64, (4, 16))
@@ -71,6 +76,7 @@ def test_dropout_masks_change_every_step_on_spawned_ranks(clusters):
     assert len(set(res.losses)) == 3
 
 
+@pytest.mark.numerics
 def test_pipeline_dropout_is_seeded_and_redrawn(clusters):
     """pp=2 with dropout: the same seed gives the same run, another seed another one, and with a
     zero learning rate every step still draws new masks (the graph kept its random op)."""

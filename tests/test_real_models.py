@@ -96,6 +96,8 @@ def _assert_balanced_cut(case: _Case, prog: fxpar.Program) -> None:
 
 
 # gpipe runs the same stage graphs as 1f1b in another order: marked slow to keep the default run short
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("sid", [pytest.param(s, marks=pytest.mark.slow) if s == "pp2-gpipe" else s
                                  for s in STRATEGIES])
 @pytest.mark.parametrize("name", HF_MODELS)
@@ -113,6 +115,8 @@ def test_hf_model_matches_single_process(clusters, cases, name, sid):
         _assert_balanced_cut(case, prog)
 
 
+@pytest.mark.slow
+@pytest.mark.structure
 def test_cut_forced_before_lm_head_is_reported_unbalanced(cases):
     case = cases("gpt2")
     auto = case.parallelize(pp=2, microbatches=2)

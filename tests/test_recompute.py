@@ -16,8 +16,8 @@ import torch
 
 import fxpar
 from fxpar.errors import StrategyError
-from fxpar.testing.models import GPT, SkipMLP, gpt_loss
-from fxpar.testing.reference import max_abs_diff, reference_training
+from fxpar.testing import (SkipMLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt,
+                           token_batches)
 from passes import recompute as R
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -25,26 +25,6 @@ ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 MSE = torch.nn.functional.mse_loss
 TOL = 1e-10
 BUDGET_GB = 60e-6          # between the smallest feasible plan and keeping everything, for the test GPT
-
-
-def _gpt(dropout=0.0, layers=2):
-    torch.manual_seed(0)
-    return GPT(vocab=32, d=16, layers=layers, heads=2, dropout=dropout).double()
-
-
-def _gpt_batches(n, batch=8, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, 32, (batch, 9), generator=g)
-        out.append((idx[:, :-1].clone(), idx[:, 1:].clone()))     # own storages: measured bytes count each
-    return out
-
-
-def _mlp_batches(n, batch=8, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    return [(torch.randn(batch, 16, generator=g, dtype=torch.float64),
-             torch.randn(batch, 4, generator=g, dtype=torch.float64)) for _ in range(n)]
 
 
 def _save_matmuls_and_norms(node):
@@ -82,11 +62,13 @@ LAYOUTS = {"dp2": dict(dp=2), "mb2": dict(microbatches=2), "pp2": dict(pp=2, mic
 _CASES = [(p, lay) for p in POLICIES for lay in LAYOUTS if p != "none" or lay == "mb2"]   # none: the baseline elsewhere
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("policy,layout", _CASES,
                          ids=[f"{p if isinstance(p, str) else 'callable'}-{lay}" for p, lay in _CASES])
 def test_every_policy_matches_single_process_training(clusters, policy, layout):
     strategy = _strategy(policy, **LAYOUTS[layout])
-    prog, res = _check(clusters, _gpt(), _gpt_batches(2), gpt_loss, ADAMW, strategy)
+    prog, res = _check(clusters, tiny_gpt(), token_batches(2, own_storage=True), gpt_loss, ADAMW, strategy)
     rc = prog.plan.recompute
     if policy == "none":
         assert rc == {} and "recompute" not in prog.plan.passes
@@ -101,20 +83,23 @@ def test_every_policy_matches_single_process_training(clusters, policy, layout):
             assert b <= rc["budget_bytes"], (s, b, rc)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("policy", ["full", "selective"])
 def test_skip_connection_model_with_pp2(clusters, policy):
     torch.manual_seed(0)
-    prog, _ = _check(clusters, SkipMLP().double(), _mlp_batches(2), MSE, SGD_M, _strategy(policy, pp=2, microbatches=2))
+    prog, _ = _check(clusters, SkipMLP().double(), regression_batches(2, d_out=4), MSE, SGD_M, _strategy(policy, pp=2, microbatches=2))
     assert any("fxpar_recompute_of" in n.meta for st in prog.stages for n in st.joint.graph.nodes)
 
 
 # ---- dropout: masks saved, never redrawn --------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("layout", ["mb2", "pp2"])
 def test_dropout_recompute_is_bitwise_the_program_without_it(clusters, layout):
-    batches = _gpt_batches(2)
-    _, base = _run(clusters, _gpt(dropout=0.1), batches, gpt_loss, SGD_M, _strategy("none", **LAYOUTS[layout]))
+    batches = token_batches(2, own_storage=True)
+    _, base = _run(clusters, tiny_gpt(dropout=0.1), batches, gpt_loss, SGD_M, _strategy("none", **LAYOUTS[layout]))
     for policy in ("full", "selective", "auto"):
-        prog, res = _run(clusters, _gpt(dropout=0.1), batches, gpt_loss, SGD_M, _strategy(policy, **LAYOUTS[layout]))
+        prog, res = _run(clusters, tiny_gpt(dropout=0.1), batches, gpt_loss, SGD_M, _strategy(policy, **LAYOUTS[layout]))
         assert res.losses == base.losses, policy
         assert max_abs_diff(res.state_dict(), base.state_dict()) == 0.0, policy
         for st in prog.stages:
@@ -128,11 +113,13 @@ def test_dropout_recompute_is_bitwise_the_program_without_it(clusters, layout):
 
 
 # ---- structure: full keeps the block boundaries; measured bytes equal the prediction -----------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_full_saves_block_boundaries_and_measured_bytes_equal_predicted():
-    layers, batches = 4, _gpt_batches(2)
+    layers, batches = 4, token_batches(2, own_storage=True)
     figures = {}
     for policy in ("none", "full", "selective"):
-        prog, res = _run(None, _gpt(layers=layers), batches, gpt_loss, SGD_M, _strategy(policy, microbatches=2))
+        prog, res = _run(None, tiny_gpt(layers=layers), batches, gpt_loss, SGD_M, _strategy(policy, microbatches=2))
         st = prog.stages[0]
         roles = {ph.name: r for ph, (r, _) in zip(st.captured.gm.graph.find_nodes(op="placeholder"),
                                                   st.captured.signature.inputs)}
@@ -159,14 +146,16 @@ def test_full_saves_block_boundaries_and_measured_bytes_equal_predicted():
 
 
 # ---- auto: meets the budget; refuses one below the smallest feasible plan ------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_auto_meets_budget_with_least_recompute():
-    batches = _gpt_batches(2)
-    prog, res = _run(None, _gpt(layers=4), batches, gpt_loss, SGD_M,
+    batches = token_batches(2, own_storage=True)
+    prog, res = _run(None, tiny_gpt(layers=4), batches, gpt_loss, SGD_M,
                      fxpar.Strategy(recompute="auto", memory_budget_gb=100e-6, microbatches=2))
     entry = prog.plan.recompute["stages"][0]
     assert res.peak_activation_bytes[0] == entry["saved_bytes"] <= prog.plan.recompute["budget_bytes"]
     assert entry["smallest_bytes"] <= entry["saved_bytes"]
-    full, _ = _run(None, _gpt(layers=4), batches, gpt_loss, SGD_M, _strategy("full", microbatches=2))
+    full, _ = _run(None, tiny_gpt(layers=4), batches, gpt_loss, SGD_M, _strategy("full", microbatches=2))
     full_entry = full.plan.recompute["stages"][0]
     # the budget is above full's bytes: auto buys less recompute than full with it, and keeps fewer bytes than none
     assert full_entry["saved_bytes"] <= prog.plan.recompute["budget_bytes"]
@@ -175,33 +164,37 @@ def test_auto_meets_budget_with_least_recompute():
     assert json.loads(prog.plan.to_json())["recompute"]["policy"] == "auto"
 
 
+@pytest.mark.structure
 def test_auto_refuses_a_budget_below_the_smallest_plan_and_names_it():
-    batches = _gpt_batches(1)
+    batches = token_batches(1, own_storage=True)
     with pytest.raises(StrategyError, match="below the smallest feasible plan") as e:
-        fxpar.parallelize(_gpt(), 1, batches[0], gpt_loss, SGD_M,
+        fxpar.parallelize(tiny_gpt(), 1, batches[0], gpt_loss, SGD_M,
                           strategy=fxpar.Strategy(recompute="auto", memory_budget_gb=1e-9, microbatches=2))
     smallest = int(re.search(r"plan: (\d+) bytes", str(e.value)).group(1))
-    prog = fxpar.parallelize(_gpt(), 1, batches[0], gpt_loss, SGD_M,        # exactly that budget is feasible
+    prog = fxpar.parallelize(tiny_gpt(), 1, batches[0], gpt_loss, SGD_M,        # exactly that budget is feasible
                              strategy=fxpar.Strategy(recompute="auto", memory_budget_gb=smallest / 1e9, microbatches=2))
     assert prog.plan.recompute["stages"][0]["saved_bytes"] == smallest
 
 
+@pytest.mark.structure
 def test_bad_recompute_arguments_are_refused():
     with pytest.raises(StrategyError, match="choose one of"):
         fxpar.Strategy(recompute="everything")
     with pytest.raises(StrategyError, match="needs memory_budget_gb"):
         fxpar.Strategy(recompute="auto")
     with pytest.raises(fxpar.errors.PassError, match="returned 'offload' for node"):
-        fxpar.parallelize(_gpt(), 1, _gpt_batches(1)[0], gpt_loss, SGD_M,
+        fxpar.parallelize(tiny_gpt(), 1, token_batches(1, own_storage=True)[0], gpt_loss, SGD_M,
                           strategy=fxpar.Strategy(recompute=lambda n: "offload", microbatches=2))
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_callable_policy_is_recorded_by_name_and_the_plan_drives_a_rebuild():
-    batches = _gpt_batches(2)
-    prog, res = _run(None, _gpt(), batches, gpt_loss, SGD_M, _strategy(_save_matmuls_and_norms, microbatches=2))
+    batches = token_batches(2, own_storage=True)
+    prog, res = _run(None, tiny_gpt(), batches, gpt_loss, SGD_M, _strategy(_save_matmuls_and_norms, microbatches=2))
     plan = fxpar.Plan.from_json(prog.plan.to_json())
     assert plan.recompute["policy"] == "callable:_save_matmuls_and_norms"
-    again = fxpar.parallelize(_gpt(), 1, batches[0], gpt_loss, SGD_M, strategy=fxpar.Strategy(microbatches=2), plan=plan)
+    again = fxpar.parallelize(tiny_gpt(), 1, batches[0], gpt_loss, SGD_M, strategy=fxpar.Strategy(microbatches=2), plan=plan)
     assert again.plan.recompute["stages"] == prog.plan.recompute["stages"]
     res2 = again.run_local(batches)
     assert res2.losses == res.losses and res2.peak_activation_bytes == res.peak_activation_bytes
@@ -220,6 +213,7 @@ def _brute_force(n: int, c: int) -> int:
     return min(j + _brute_force(n - j, c - 1) + _brute_force(j, c) for j in range(1, n))
 
 
+@pytest.mark.structure
 def test_revolve_closed_form_equals_brute_force():
     for c in range(1, 7):
         for n in range(1, 61):

@@ -11,41 +11,23 @@ import torch.distributed.checkpoint as dcp
 
 import fxpar
 from fxpar.runtime.checkpoint import CheckpointError
-from fxpar.testing.models import GPT, SkipMLP, gpt_loss
-from fxpar.testing.reference import max_abs_diff, reference_training
+from fxpar.testing import SkipMLP, class_batches, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
+
+pytestmark = pytest.mark.numerics
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 CE = torch.nn.functional.cross_entropy
 
 
-def _gpt_batches(n, batch=8):
-    g = torch.Generator().manual_seed(1)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, 32, (batch, 9), generator=g)
-        out.append((idx[:, :-1], idx[:, 1:]))
-    return out
-
-
-def _skip_batches(n, batch=8):
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(batch, 16, generator=g, dtype=torch.float64), torch.randint(0, 4, (batch,), generator=g))
-            for _ in range(n)]
-
-
-def _gpt(dropout=0.0):
-    torch.manual_seed(0)
-    return GPT(vocab=32, d=16, layers=2, heads=2, dropout=dropout).double()
-
-
 CASES = {
-    "dp": (lambda: _gpt(dropout=0.1), _gpt_batches, gpt_loss, dict(dp=2)),     # dropout: the RNG resumes too
-    "1f1b": (_gpt, _gpt_batches, gpt_loss, dict(pp=2, microbatches=4)),
-    "zb1p": (_gpt, _gpt_batches, gpt_loss, dict(pp=2, schedule="zb1p", microbatches=4)),
-    "2bw": (lambda: SkipMLP().double(), _skip_batches, CE, dict(pp=2, schedule="2bw", microbatches=4)),
+    "dp": (lambda: tiny_gpt(dropout=0.1), token_batches, gpt_loss, dict(dp=2)),     # dropout: the RNG resumes too
+    "1f1b": (tiny_gpt, token_batches, gpt_loss, dict(pp=2, microbatches=4)),
+    "zb1p": (tiny_gpt, token_batches, gpt_loss, dict(pp=2, schedule="zb1p", microbatches=4)),
+    "2bw": (lambda: SkipMLP().double(), lambda n: class_batches(n, seed=2), CE, dict(pp=2, schedule="2bw", microbatches=4)),
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(CASES))
 def test_resume_is_bitwise(clusters, tmp_path, case):
     make, batches_of, loss_fn, strategy = CASES[case]
@@ -67,7 +49,7 @@ def test_resume_is_bitwise(clusters, tmp_path, case):
 
 
 def test_checkpoint_moves_between_strategies_and_into_plain_pytorch(clusters, tmp_path):
-    model, batches = SkipMLP().double(), _skip_batches(6)
+    model, batches = SkipMLP().double(), class_batches(6, seed=2)
     ref_losses, ref_state = reference_training(model, batches, CE, ADAMW)
     dp = fxpar.parallelize(model, 2, batches[0], CE, ADAMW, strategy=fxpar.Strategy(dp=2))
     dp.run_local(batches[:3], cluster=clusters.get(2), save_to=tmp_path / "ck")
@@ -85,17 +67,17 @@ def test_checkpoint_moves_between_strategies_and_into_plain_pytorch(clusters, tm
 
 
 def test_tied_weights_load_in_plain_pytorch(clusters, tmp_path):
-    model, batches = _gpt(), _gpt_batches(2)
+    model, batches = tiny_gpt(), token_batches(2)
     prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=fxpar.Strategy(pp=2, microbatches=2))
     res = prog.run_local(batches, cluster=clusters.get(2), save_to=tmp_path / "ck")
-    fresh = _gpt()
+    fresh = tiny_gpt()
     sd = fresh.state_dict()
     dcp.load(sd, checkpoint_id=str(tmp_path / "ck"))           # every key, the tied alias included
     assert max_abs_diff(sd, res.state_dict()) == 0
 
 
 def test_half_written_checkpoint_is_refused_and_the_previous_one_stays(clusters, tmp_path, monkeypatch):
-    model, batches = SkipMLP().double(), _skip_batches(4)
+    model, batches = SkipMLP().double(), class_batches(4, seed=2)
     prog = fxpar.parallelize(model, 1, batches[0], CE, ADAMW, strategy=fxpar.Strategy())
     good = prog.run_local(batches[:2], save_to=tmp_path / "ck")
     import fxpar.runtime.checkpoint as ckpt

@@ -119,6 +119,8 @@ STRATEGIES = {
 }
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("sid", list(STRATEGIES))
 @pytest.mark.parametrize("cell", CELLS)
 def test_recurrent_stack_matches_single_process(clusters, cases, cell, sid):
@@ -147,6 +149,8 @@ def test_recurrent_stack_matches_single_process(clusters, cases, cell, sid):
 # tensor in the whole-model trace, but it travels (and is captured) contiguous. Stage graphs therefore run
 # their views as reshapes (fxpar/capture.py ``_StageRunner``) and the runtime hands every received or
 # locally passed activation over contiguous. The planner itself picks such cuts (GRU, LSTM: rnns.3).
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("cell", CELLS)
 def test_cut_between_bare_recurrent_layers(clusters, cell):
     torch.manual_seed(0)
@@ -205,6 +209,7 @@ def _linear_stage(mutate_saved: bool):
     return j.gm([(loss, ("loss", "loss")), (gw, ("grad", "w"))])
 
 
+@pytest.mark.structure
 def test_forward_that_mutates_a_saved_tensor_is_refused_by_name():
     parts = split_graphs(_linear_stage(mutate_saved=False), ("F", "B"))      # the functional form splits
     assert set(parts) == {"F", "B"} and ("saved", "h") in parts["B"].inputs
@@ -217,11 +222,13 @@ def test_forward_that_mutates_a_saved_tensor_is_refused_by_name():
     assert "out of place" in msg                             # what to do
 
 
+@pytest.mark.structure
 def test_zero_bubble_split_with_a_mutated_saved_tensor_is_refused():
     with pytest.raises(PassError, match=r"node s \(aten.sigmoid_.default\) in the F graph writes in place into h"):
         split_graphs(_linear_stage(mutate_saved=True), ("F", "I", "W"))
 
 
+@pytest.mark.structure
 def test_forward_writing_a_parameter_is_refused():
     j = _Joint([("param", "w"), ("input", "0")])
     upd = j.op("scale_w", aten.mul_.Tensor, j.ph["w"], 2.0, phase="forward")
@@ -262,6 +269,7 @@ def _bucketed_stage(reduce_in_place_on_grad: bool = False, step_reads_bucket_by_
 KINDS = ("F", "B", "REDUCE_GRAD", "STEP")
 
 
+@pytest.mark.structure
 def test_bucket_written_in_reduce_grad_and_read_in_step_is_allowed():
     parts = split_graphs(_bucketed_stage(), KINDS)
     assert _writes(parts["REDUCE_GRAD"].gm) == ["copy_", "all_reduce_"]
@@ -269,6 +277,7 @@ def test_bucket_written_in_reduce_grad_and_read_in_step_is_allowed():
     check_no_read_after_inplace_write(parts)                  # and directly: nothing to refuse
 
 
+@pytest.mark.structure
 def test_step_reading_the_bucket_by_its_name_before_the_reduction_is_refused():
     with pytest.raises(PassError, match=r"node copy_ \(aten.copy_.default\) in the REDUCE_GRAD graph writes in "
                                         r"place into slot \(a view of bucket\), which REDUCE_GRAD exports as "
@@ -277,6 +286,7 @@ def test_step_reading_the_bucket_by_its_name_before_the_reduction_is_refused():
         split_graphs(_bucketed_stage(step_reads_bucket_by_old_name=True), KINDS)
 
 
+@pytest.mark.structure
 def test_reduce_grad_reducing_a_gradient_step_also_reads_is_refused():
     with pytest.raises(PassError, match=r"node all_reduce_ .* in the REDUCE_GRAD graph writes in place into "
                                         r"grad_grad_w, which is its input \('grad', 'w'\); the STEP graph, run "
@@ -284,6 +294,7 @@ def test_reduce_grad_reducing_a_gradient_step_also_reads_is_refused():
         split_graphs(_bucketed_stage(reduce_in_place_on_grad=True), KINDS)
 
 
+@pytest.mark.structure
 def test_write_to_a_constant_is_refused():
     j = _Joint([("param", "w"), ("input", "0")])
     const = j.g.get_attr("scale")

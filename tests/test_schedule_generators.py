@@ -6,6 +6,8 @@ import pytest
 from fxpar.schedule import (Action, ActionKind, Schedule, ScheduleError, ScheduleValidationError, ensure_reduce_grad,
                             find_problems, get_schedule, pipedream_2bw, single, validate)
 
+pytestmark = pytest.mark.structure
+
 K = ActionKind
 
 

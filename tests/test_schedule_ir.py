@@ -4,6 +4,8 @@ import pytest
 from fxpar.schedule import (Action, ActionKind, Schedule, ScheduleParseError, chimera, get_schedule,
                             parse_action)
 
+pytestmark = pytest.mark.structure
+
 K = ActionKind
 
 ACTIONS = [

@@ -13,6 +13,8 @@ import pytest
 from fxpar.schedule import (Schedule, ScheduleDeadlockError, ScheduleValidationError, get_schedule,
                             simulate)
 
+pytestmark = pytest.mark.cost
+
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 4), (4, 8), (3, 7), (8, 16)])

@@ -16,6 +16,8 @@ import pytest
 from fxpar.schedule import (Action, ActionKind, Schedule, ScheduleDeadlockError, find_problems, get_schedule,
                             simulate, single, validate, zb1p)
 
+pytestmark = pytest.mark.structure
+
 K = ActionKind
 FIGURES = {  # (p, m): (1f1b makespan, bubble), (zb1p makespan, bubble), (paper order makespan, bubble)
     (2, 4): ((15, 0.2), (14, 1 / 7), (13, 1 / 13)),

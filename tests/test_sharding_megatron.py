@@ -92,6 +92,7 @@ def _collectives(gm, phase=None):
     return [n for n in collective_nodes(gm) if phase is None or M.get(n, M.PHASE) == phase]
 
 
+@pytest.mark.structure
 def test_megatron_mlp_one_all_reduce_forward():
     _, _, cap = _capture(MLPBlock())
     res = propagate_shardings(cap.gm, TP, layouts=MLP_LAYOUT)
@@ -105,6 +106,7 @@ def test_megatron_mlp_one_all_reduce_forward():
         assert M.get(fwd[0], M.COMM).ranks == (0, 1)
 
 
+@pytest.mark.structure
 def test_megatron_block_two_all_reduces_forward_two_backward():
     _, _, cap = _capture(MegatronBlock())
     res = propagate_shardings(cap.gm, TP, layouts=BLOCK_LAYOUT)
@@ -176,6 +178,8 @@ CASES = {   # name: (model builder -> (model, batch, loss) or a module class, la
 }
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("case", list(CASES))
 def test_lowered_graphs_on_n_ranks_equal_unsharded_step(clusters, case):
     from fxpar.runtime.portable import pack_graph_module

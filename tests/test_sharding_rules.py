@@ -29,6 +29,8 @@ from passes.propagate_sharding import propagate_shardings
 from passes.sharding import REPLICATE, OpInfo, groups_of, has_rule, tensor_leaves
 from passes.sharding.core import LOCAL_OPS
 
+pytestmark = pytest.mark.structure
+
 ADAMW = resolve_optimizer((torch.optim.AdamW, {"lr": 1e-2}))
 
 
@@ -63,6 +65,7 @@ def _ops(cap):
     return [n for n in cap.gm.graph.nodes if n.op == "call_function" and n.target is not operator.getitem]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "mlp", "cnn", "moe", "gpt2", "llama", "bert", "t5"])
 def test_every_op_of_every_test_model_has_a_rule(name):
     if name in ("gpt", "mlp", "cnn", "moe"):
@@ -123,6 +126,7 @@ def _local_args(node, env):
     return args, kwargs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt", "mlp", "cnn", "moe"])
 def test_every_candidate_is_exact_on_two_ranks(name):
     model, batch, loss = _native(name)

@@ -18,6 +18,8 @@ from fxpar.sharding import P, R, Sharding, ShardingError
 from passes.lower_sharding import lower_shardings
 from passes.propagate_sharding import ShardingConflict, propagate_shardings
 
+pytestmark = pytest.mark.structure
+
 SGD = resolve_optimizer((torch.optim.SGD, {"lr": 0.1}))
 
 

@@ -16,8 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.testing import CNN, GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
-from fxpar.testing.models import MegatronBlock
+from fxpar.testing import (CNN, MLP, MegatronBlock, gpt_loss, max_abs_diff, reference_training, regression_batches,
+                           tiny_gpt, token_batches)
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -51,17 +51,6 @@ class AnnotatedMLP(nn.Module):
         return self.fc2(fxpar.shard(torch.tanh(self.fc1(x)), (None, "tp")))
 
 
-def _gpt(heads=2):
-    torch.manual_seed(0)
-    return GPT(vocab=32, d=16, layers=2, heads=heads).double()
-
-
-def _mlp_batches(n, batch=8, d_in=16, d_out=8):
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(batch, d_in, generator=g, dtype=torch.float64),
-             torch.randn(batch, d_out, generator=g, dtype=torch.float64)) for _ in range(n)]
-
-
 def _cnn_batches(n, batch=8):
     g = torch.Generator().manual_seed(3)
     return [(torch.randn(batch, 3, 8, 8, generator=g, dtype=torch.float64), torch.randint(0, 10, (batch,), generator=g))
@@ -69,11 +58,11 @@ def _cnn_batches(n, batch=8):
 
 
 MODELS = {
-    "gpt": lambda: (_gpt(), token_batches(3, batch=8), gpt_loss, ADAMW),
-    "gpt4": lambda: (_gpt(heads=4), token_batches(3, batch=8), gpt_loss, ADAMW),
-    "mlp": lambda: (MLP().double(), _mlp_batches(3), F.mse_loss, SGD_M),
+    "gpt": lambda: (tiny_gpt(), token_batches(3, batch=8), gpt_loss, ADAMW),
+    "gpt4": lambda: (tiny_gpt(heads=4), token_batches(3, batch=8), gpt_loss, ADAMW),
+    "mlp": lambda: (MLP().double(), regression_batches(3), F.mse_loss, SGD_M),
     "cnn": lambda: (CNN().double(), _cnn_batches(3), F.cross_entropy, SGD_M),
-    "annotated": lambda: (AnnotatedMLP().double(), _mlp_batches(3), F.mse_loss, ADAMW),
+    "annotated": lambda: (AnnotatedMLP().double(), regression_batches(3), F.mse_loss, ADAMW),
     "splitqkv": lambda: (SplitQKVLM().double(), token_batches(3, batch=4), gpt_loss, ADAMW),
 }
 LAYOUTS = {"gpt": {"blocks.*.fc.weight": ("tp", None), "blocks.*.fc.bias": ("tp",), "blocks.*.fc2.weight": (None, "tp")},
@@ -97,6 +86,8 @@ def _run(clusters, name, mode, cluster_kw=None, **strategy):
     return prog, res
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("name,mode,tp", [
     ("gpt", "megatron", 2), ("gpt4", "megatron", 4), ("gpt", "auto", 2), ("gpt", "auto", 4), ("gpt", "layouts", 2),
     ("gpt4", "layouts", 4), ("mlp", "megatron", 2), ("mlp", "megatron", 4), ("mlp", "auto", 4), ("cnn", "layouts", 2), ("cnn", "layouts", 4),
@@ -107,6 +98,8 @@ def test_tp_equals_single_process(clusters, name, mode, tp):
         assert prog.plan.shardings["stages"][0]["params"]["conv1.weight"] == ["tp", None, None, None]
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("mode", ["megatron", "auto", "layouts", "annotations"])
 @pytest.mark.parametrize("mesh", ["dp2xtp2", "tp2xpp2"])
 def test_tp_composes_with_dp_and_pp(clusters, mode, mesh):
@@ -118,11 +111,14 @@ def test_tp_composes_with_dp_and_pp(clusters, mode, mesh):
     assert prog.plan.tp == 2 and prog.world_size == 4
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_dp_tp_pp_on_8_ranks(clusters):
     prog, _ = _run(clusters, "gpt", "megatron", dp=2, tp=2, pp=2, microbatches=2, schedule="1f1b")
     assert prog.plan.mesh_axes == [["pp", 2], ["dp", 2], ["tp", 2]]
 
 
+@pytest.mark.structure
 def test_megatron_structure_on_a_gpt_with_separate_qkv():
     """2 all_reduces of b·s·h elements per layer in forward and 2 in backward, and nothing else over tp."""
     import fxpar.meta as M
@@ -144,6 +140,8 @@ def test_megatron_structure_on_a_gpt_with_separate_qkv():
     assert split["blocks.1.fc1.weight"] == ["tp", None] and split["blocks.1.fc2.weight"] == [None, "tp"]
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_one_graph_for_every_tp_rank_and_explain_bytes_are_what_ranks_sent(clusters):
     prog, res = _run(clusters, "gpt", "megatron", dp=2, tp=2)
     codes = {prog.graphs(r)["step"].code for r in range(4)}
@@ -160,6 +158,8 @@ def test_one_graph_for_every_tp_rank_and_explain_bytes_are_what_ranks_sent(clust
     assert str(shown.get("blocks_0_fc_weight")) == "P('tp', None)" and "blocks.0.fc" in str(shown)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_auto_is_no_dearer_than_megatron_and_a_handed_back_plan_is_reused(clusters):
     model, batches, loss_fn, opt = MODELS["gpt"]()
     spec = fxpar.ClusterSpec.local(2, **FAST)
@@ -193,8 +193,9 @@ class Annot(nn.Module):
         return self.out(a + b)
 
 
+@pytest.mark.structure
 def test_bad_inputs_name_the_tensor_and_the_fix():
-    x, y = _mlp_batches(1)[0]
+    x, y = regression_batches(1)[0]
     with pytest.raises(fxpar.errors.PassError, match=r"parameter 'layers.0.weight'.*does not divide|"
                                                      r"layers.0.weight.*tp=3"):
         _bad(MLP(hidden=32).double(), (x, y), F.mse_loss, tp=3, sharding={"layers.0.weight": ("tp", None)})
@@ -204,7 +205,7 @@ def test_bad_inputs_name_the_tensor_and_the_fix():
         _bad(Annot((None, "tp"), ("tp", None)).double(), (x, y), F.mse_loss, tp=2, sharding="annotations")
     ids, tgt = token_batches(1, batch=4)[0]
     with pytest.raises(fxpar.errors.PassError, match=r"attention in 'blocks.0' has 2 heads, which tp=4 does not divide"):
-        _bad(_gpt(heads=2), (ids, tgt), gpt_loss, tp=4, sharding="megatron")
+        _bad(tiny_gpt(heads=2), (ids, tgt), gpt_loss, tp=4, sharding="megatron")
     with pytest.raises(fxpar.StrategyError, match=r"mesh axis 'dp' is not a tensor-parallel axis"):
         fxpar.Strategy(tp=2, sharding={"fc.weight": ("dp", None)})
     with pytest.raises(fxpar.StrategyError, match=r"not yet composed with zero"):
@@ -222,8 +223,9 @@ class Flipped(nn.Module):
         return self.fc2(torch.flip(torch.tanh(self.fc1(x)), [1]))
 
 
+@pytest.mark.numerics
 def test_an_op_without_a_rule_runs_whole_and_explain_names_it(clusters):
-    MODELS["flipped"] = lambda: (Flipped().double(), _mlp_batches(3), F.mse_loss, SGD_M)
+    MODELS["flipped"] = lambda: (Flipped().double(), regression_batches(3), F.mse_loss, SGD_M)
     LAYOUTS["flipped"] = {"fc1.weight": ("tp", None), "fc1.bias": ("tp",)}
     prog, _ = _run(clusters, "flipped", "layouts", tp=2)
     text = prog.explain()
@@ -231,6 +233,8 @@ def test_an_op_without_a_rule_runs_whole_and_explain_names_it(clusters):
     assert "all_gather" in text                      # fc1's split output is gathered for the flip
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("mesh", [dict(dp=2, tp=2), dict(tp=2, pp=2, microbatches=2, schedule="1f1b")])
 def test_measured_peak_memory_is_the_predicted_one(clusters, mesh):
     """Each rank's measured peak (dispatch-level tracker) against ``estimate()``'s, on the local graphs it runs."""

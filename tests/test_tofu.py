@@ -58,6 +58,7 @@ def _brute(p: Problem):
     return float(total[best]), [int(i) for i in best]
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("seed", range(6))
 def test_elimination_equals_brute_force_on_random_graphs(seed):
     rng = np.random.default_rng(seed)
@@ -82,6 +83,7 @@ class MLP2(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("cost", [TofuCost(), TofuCost(flops_per_s=1e9, mem_s_per_byte=0.0)])
 def test_mlp_level_equals_brute_force_over_every_layout(cost):
     torch.manual_seed(0)
@@ -111,6 +113,7 @@ def gpt():
     return _gpt_step()
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("g", [2, 4])
 def test_gpt_search_is_megatron_or_cheaper(gpt, g):
     _, _, cap = gpt
@@ -130,6 +133,7 @@ def test_gpt_search_is_megatron_or_cheaper(gpt, g):
     assert plan["mesh"] == {a: 2 for a in res.levels} and len(plan["shardings"]) == len(res.sharding.out)
 
 
+@pytest.mark.structure
 def test_bad_device_count_names_the_fix(gpt):
     with pytest.raises(ShardingError, match="power of two"):
         tofu_search(gpt[2].gm, 6)
@@ -153,6 +157,8 @@ def _run_rank(packed, inputs, axis_ranks):
     return [o.detach() for o in gm(*inputs)]
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_gpt_search_lowers_and_equals_unsharded_step_on_2_ranks(clusters, gpt):
     from fxpar.runtime.portable import pack_graph_module
     model, batch, cap = gpt
@@ -216,6 +222,7 @@ def _chain(seed, n_blocks=4, ties=False, odd=None):
     return p, blocks
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("seed,ties", [(s, t) for s in range(3) for t in (False, True)])
 def test_block_elimination_equals_brute_force_with_and_without_reuse(seed, ties):
     for odd, distinct in ((None, 3), (1, 4)):
@@ -233,6 +240,7 @@ def test_block_elimination_equals_brute_force_with_and_without_reuse(seed, ties)
         assert got[False][1] == {"blocks": 4, "solved": 4, "wide": 0}
 
 
+@pytest.mark.structure
 def test_block_too_wide_is_left_to_the_flat_pass(monkeypatch):
     import passes.sharding.search as search
     p, blocks = _chain(0)
@@ -253,6 +261,7 @@ def gpt4():
     return model, batch, capture_training_step(model, batch, gpt_loss, resolve_optimizer(ADAMW))
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("layers,distinct", [(2, 2), (4, 3)])
 @pytest.mark.parametrize("g", [2, 4])
 @pytest.mark.parametrize("whole_io", [False, True])
@@ -292,6 +301,7 @@ def _params_read(g, n, gi):
     return keys
 
 
+@pytest.mark.structure
 def test_blocks_follow_data_flow_not_stale_labels(gpt4):
     cap = gpt4[2]
     g = _Graph(cap.gm, cap.signature)
@@ -318,6 +328,7 @@ def test_blocks_follow_data_flow_not_stale_labels(gpt4):
     assert stale > 0           # some backward nodes' fxpar_module names another block; data flow overrides it
 
 
+@pytest.mark.structure
 def test_bad_blocks_mode_names_the_choices(gpt):
     with pytest.raises(ValueError, match="reuse"):
         tofu_search(gpt[2].gm, 2, blocks="once")

@@ -8,6 +8,8 @@ import torch
 
 from fxpar.testing import GPT, gpt_loss, reference_training
 
+pytestmark = pytest.mark.numerics
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -34,11 +36,13 @@ def _assert_single_process(lines: dict) -> None:
     return ref_state
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_torchrun_two_ranks_match_single_process(tp):
     _assert_single_process(_run_example(2, "--tp", str(tp)))
 
 
+@pytest.mark.slow
 def test_torchrun_byteps_two_workers_and_a_cpu_server_match_single_process(tmp_path):
     """3 processes, dp=2 + 1 BytePS server (rank 2): the unchanged loop on every rank equals one process, and the
     server summed each of the 3 steps (the go and the workers' pushes arrived at it); the checkpoint every rank
@@ -74,6 +78,7 @@ runner.step((x, y))        # rank 0 blocks here on rank 1's all_reduce until tor
 '''
 
 
+@pytest.mark.slow
 def test_torchrun_rank_failure_stops_everyone_quickly(tmp_path):
     """A rank that raises exits at once (no wait at exit for the others), so torchrun reports it
     and stops the rest, instead of everyone hanging until the gloo timeout."""

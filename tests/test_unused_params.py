@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.testing.reference import max_abs_diff, reference_training
+from fxpar.testing import class_batches, max_abs_diff, reference_training
 
 TOL = 1e-10
 OPTIMIZERS = {"adamw_wd": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
@@ -40,16 +40,11 @@ def _model():
     return WithUnused().double()
 
 
-def _batches(n=3):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(8, 8, generator=g, dtype=torch.float64), torch.randint(0, 5, (8,), generator=g))
-            for _ in range(n)]
-
-
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", list(STRATEGIES.values()), ids=list(STRATEGIES))
 @pytest.mark.parametrize("opt", list(OPTIMIZERS.values()), ids=list(OPTIMIZERS))
 def test_unused_parameters_follow_torch_optim(clusters, strategy, opt):
-    model, batches = _model(), _batches()
+    model, batches = _model(), class_batches(3, d=8, classes=5, seed=1)
     ref_losses, ref_state = reference_training(model, batches, F.cross_entropy, opt)
     st = fxpar.Strategy(**strategy)
     prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(st.size), batches[0], F.cross_entropy, opt, strategy=st)
@@ -68,18 +63,20 @@ def test_unused_parameters_follow_torch_optim(clusters, strategy, opt):
         assert not {k for r, k in stage.captured.signature.outputs if r == "grad"} & set(NEVER)
 
 
+@pytest.mark.numerics
 def test_an_eager_optimizer_skips_them_too(clusters):
     opt = (torch.optim.RMSprop, {"lr": 1e-2, "weight_decay": 0.1})       # not traced: torch's own step per rank
-    model, batches = _model(), _batches(2)
+    model, batches = _model(), class_batches(2, d=8, classes=5, seed=1)
     ref_losses, ref_state = reference_training(model, batches, F.cross_entropy, opt)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, opt, strategy=fxpar.Strategy(dp=2))
     res = prog.run_local(batches, cluster=clusters.get(2))
     assert max_abs_diff(res.state_dict(), ref_state) < TOL
 
 
+@pytest.mark.numerics
 def test_checkpoint_under_pp_holds_them_and_loads_in_plain_pytorch(clusters, tmp_path):
     import torch.distributed.checkpoint as dcp
-    model, batches = _model(), _batches(2)
+    model, batches = _model(), class_batches(2, d=8, classes=5, seed=1)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, OPTIMIZERS["adamw_wd"],
                              strategy=fxpar.Strategy(pp=2, microbatches=2))
     res = prog.run_local(batches, cluster=clusters.get(2), save_to=tmp_path / "ckpt")
@@ -90,6 +87,7 @@ def test_checkpoint_under_pp_holds_them_and_loads_in_plain_pytorch(clusters, tmp
     assert max_abs_diff(fresh.state_dict(), res.state_dict()) == 0
 
 
+@pytest.mark.structure
 def test_a_loss_that_reaches_no_parameter_is_refused_by_name():
     class Constant(nn.Module):
         def __init__(self):

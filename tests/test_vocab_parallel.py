@@ -50,6 +50,7 @@ def _at(coord):
     return mock.patch("fxpar.local_ops.axis_index", lambda group: coord)
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("pad,scale", [(-1, False), (3, False), (5, True)])
 def test_local_ops_equal_the_whole_op(n, pad, scale):
@@ -107,6 +108,7 @@ def _run(setup, clusters, **strategy):
     return prog, st
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(tp=2), dict(tp=4), dict(dp=2, tp=2)], ids=["tp2", "tp4", "dp2xtp2"])
 def test_layout_splits_the_vocabulary(setup, clusters, strategy):
     """Only wte.weight laid out: the blocks run whole, so the step's collectives are the lookup's all_reduce, the
@@ -122,6 +124,7 @@ def test_layout_splits_the_vocabulary(setup, clusters, strategy):
         assert len(_comms(gm)) == 3 + (st.dp > 1)          # dp: one bucket of gradients, the only other collective
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("strategy", [dict(tp=2), dict(tp=4), dict(dp=2, tp=2)], ids=["tp2", "tp4", "dp2xtp2"])
 def test_megatron_preset_splits_the_tied_vocabulary(setup, clusters, strategy):
     """The preset splits the tied embedding + head over the vocabulary with the blocks' Linear pairs: forward
@@ -136,6 +139,7 @@ def test_megatron_preset_splits_the_tied_vocabulary(setup, clusters, strategy):
             assert _comms(gm, phase).count(("all_reduce", bsh)) == 2 * LAYERS + 1, phase
 
 
+@pytest.mark.structure
 def test_megatron_leaves_a_vocabulary_tp_does_not_divide_whole():
     """V = 250 over tp=4: Megatron would pad the vocabulary; the preset keeps the embedding whole (still correct)."""
     torch.manual_seed(0)
@@ -148,6 +152,8 @@ def test_megatron_leaves_a_vocabulary_tp_does_not_divide_whole():
     assert not prog.graphs(0)["step"].graph.find_nodes(op="call_function", target=vocab_embedding)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_handed_back_plan_runs_the_vocabulary_backward_on_4_ranks(setup, clusters):
     """Tofu's choice under its default costs splits wte.weight over the vocabulary on one level and over h on the
     other; handed back in the Plan, both local ops run (the backward scatters only each rank's rows) and training

@@ -14,27 +14,12 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.collectives import collective_nodes
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
-from fxpar.testing.models import SkipMLP
+from fxpar.testing import (MLP, SkipMLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt,
+                           token_batches)
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 TOL = 1e-10
-
-
-def _gpt():
-    torch.manual_seed(0)
-    return GPT(vocab=32, d=16, layers=2, heads=2).double()
-
-
-def _gpt_batches(n, batch=8):
-    return token_batches(n, batch=batch)
-
-
-def _mlp_batches(n, batch=8, d_in=16, d_out=8):
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(batch, d_in, generator=g, dtype=torch.float64),
-             torch.randn(batch, d_out, generator=g, dtype=torch.float64)) for _ in range(n)]
 
 
 class Odd(torch.nn.Module):
@@ -61,23 +46,28 @@ def _check(clusters, model, batches, loss_fn, optimizer, **strategy):
 
 
 # ---- numerics -----------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2, 3])
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_gpt_adamw_matches_single_process(clusters, zero, dp):
-    _check(clusters, _gpt(), _gpt_batches(3), gpt_loss, ADAMW, dp=dp, zero=zero, bucket_cap_mb=0.005)
+    _check(clusters, tiny_gpt(), token_batches(3), gpt_loss, ADAMW, dp=dp, zero=zero, bucket_cap_mb=0.005)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2, 3])
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_mlp_sgd_momentum_matches_single_process(clusters, zero, dp):
     torch.manual_seed(0)
-    _check(clusters, MLP().double(), _mlp_batches(3), F.mse_loss, SGD_M, dp=dp, zero=zero)
+    _check(clusters, MLP().double(), regression_batches(3), F.mse_loss, SGD_M, dp=dp, zero=zero)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_zero_with_gradient_accumulation(clusters, zero):
     """microbatches=2: F, B, RG, STEP graphs; stage 1 accumulates whole gradients, 2 and 3 their chunks."""
-    prog, _ = _check(clusters, _gpt(), _gpt_batches(3, batch=16), gpt_loss, ADAMW, dp=2, zero=zero, microbatches=2)
+    prog, _ = _check(clusters, tiny_gpt(), token_batches(3, batch=16), gpt_loss, ADAMW, dp=2, zero=zero, microbatches=2)
     kinds = set(prog.stages[0].graphs)
     assert kinds == {"F", "B", "REDUCE_GRAD", "STEP"} | ({"UNSHARD"} if zero == 3 else set())
     rs_in = {k: sum(1 for n in collective_nodes(prog.stages[0].graphs[k].gm) if n.target.__name__.startswith(
@@ -85,6 +75,7 @@ def test_zero_with_gradient_accumulation(clusters, zero):
     assert (rs_in["REDUCE_GRAD"] > 0) == (zero == 1) and (rs_in["B"] > 0) == (zero >= 2)
 
 
+@pytest.mark.numerics
 def test_zero_padding_when_dp_does_not_divide_a_parameter(clusters):
     torch.manual_seed(0)
     model = Odd().double()
@@ -96,11 +87,12 @@ def test_zero_padding_when_dp_does_not_divide_a_parameter(clusters):
         _check(clusters, model, batches, F.mse_loss, ADAMW, dp=4, zero=zero)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_zero1_under_pp2_dp2_tied_gpt(clusters):
     """The tied embedding/LM head is summed over the stages using it and stays whole; the rest is chunked."""
-    torch.manual_seed(0)
-    model = GPT(vocab=32, d=16, layers=4, heads=2).double()
-    prog, _ = _check(clusters, model, _gpt_batches(3, batch=16), gpt_loss, ADAMW, pp=2, dp=2, zero=1,
+    model = tiny_gpt(layers=4)
+    prog, _ = _check(clusters, model, token_batches(3, batch=16), gpt_loss, ADAMW, pp=2, dp=2, zero=1,
                      microbatches=2)
     meta = [s.joint.meta.get("fxpar_zero") for s in prog.stages]
     assert all(m and m["stage"] == 1 for m in meta)
@@ -108,12 +100,14 @@ def test_zero1_under_pp2_dp2_tied_gpt(clusters):
     assert tied and not tied & {k for m in meta for k in m["keys"]}
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("schedule", ["1f1b", "zb1p"])
 def test_zero3_under_pp2_dp2_gathers_once_per_stage_and_step(clusters, schedule):
     """Under a pipeline stage 3 gathers in the schedule's UNSHARD s (before the stage's first forward) and drops
     the whole parameters at RESHARD s (after its last backward): one all_gather per parameter and step, however
     many microbatches."""
-    prog, res = _check(clusters, _gpt(), _gpt_batches(3, batch=16), gpt_loss, SGD_M, pp=2, dp=2, zero=3,
+    prog, res = _check(clusters, tiny_gpt(), token_batches(3, batch=16), gpt_loss, SGD_M, pp=2, dp=2, zero=3,
                        microbatches=4, schedule=schedule)
     for r in range(4):
         acts = [a.short() for a in prog.schedule(r)]
@@ -130,6 +124,8 @@ def test_zero3_under_pp2_dp2_gathers_once_per_stage_and_step(clusters, schedule)
 
 
 # ---- bytes per rank: the paper's formulas -------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_state_bytes_equal_the_papers_formulas(clusters):
     """Ψ parameters of b bytes, Adam's two states (K = 2b): dp alone (b + b + 2b)Ψ; stage 1 2bΨ + 2bΨ/N;
     stage 2 bΨ + 3bΨ/N; stage 3 4bΨ/N (Rajbhandari et al. SC'20 §5.1, with fp32 weights and no fp16 copy).
@@ -171,6 +167,7 @@ def _read_by_backward(captured) -> set:
     return out
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2, 3])
 def test_communication_per_step_is_2psi_or_3psi(clusters, zero):
     """Measured on the ranks: reduce-scatter hands Ψ elements, each all-gather returns Ψ (N times its chunk):
@@ -182,7 +179,7 @@ def test_communication_per_step_is_2psi_or_3psi(clusters, zero):
     n = 2
     numel = {k: p.numel() for k, p in model.named_parameters()}
     psi = sum(numel.values())
-    prog, res = _check(clusters, model, _mlp_batches(2), F.mse_loss, ADAMW, dp=n, zero=zero)
+    prog, res = _check(clusters, model, regression_batches(2), F.mse_loss, ADAMW, dp=n, zero=zero)
     again = _read_by_backward(prog.stages[0].captured)
     assert "layers.0.weight" not in again and "layers.1.weight" in again and "layers.0.bias" not in again
     expect = 2 * psi + (sum(numel[k] for k in again) if zero == 3 else 0)
@@ -202,9 +199,10 @@ def test_communication_per_step_is_2psi_or_3psi(clusters, zero):
     assert "all_reduce" not in coll and "all_reduce_" not in coll
 
 
+@pytest.mark.structure
 def test_zero3_graph_gathers_before_forward_and_again_before_backward():
     torch.manual_seed(0)
-    prog = fxpar.parallelize(MLP().double(), fxpar.ClusterSpec.local(2), _mlp_batches(1)[0], F.mse_loss, ADAMW,
+    prog = fxpar.parallelize(MLP().double(), fxpar.ClusterSpec.local(2), regression_batches(1)[0], F.mse_loss, ADAMW,
                              strategy=fxpar.Strategy(dp=2, zero=3))
     gm = prog.graphs(0)["step"]
     phases = {}
@@ -225,8 +223,10 @@ def test_zero3_graph_gathers_before_forward_and_again_before_backward():
 
 
 # ---- checkpoints hold whole tensors ----------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_zero3_resume_is_bitwise_and_loads_without_zero(clusters, tmp_path):
-    model, batches = _gpt(), _gpt_batches(4)
+    model, batches = tiny_gpt(), token_batches(4)
     strat = fxpar.Strategy(dp=2, zero=3)
     prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], gpt_loss, ADAMW, strategy=strat)
     whole = prog.run_local(batches, cluster=clusters.get(2))
@@ -242,8 +242,9 @@ def test_zero3_resume_is_bitwise_and_loads_without_zero(clusters, tmp_path):
 
 
 # ---- bad input ---------------------------------------------------------------------------------------
+@pytest.mark.structure
 def test_zero_refuses_what_it_cannot_shard():
-    b = _mlp_batches(1)[0]
+    b = regression_batches(1)[0]
     with pytest.raises(fxpar.StrategyError, match="dp=1"):
         fxpar.Strategy(zero=1)
     with pytest.raises(fxpar.StrategyError, match="choose 0"):

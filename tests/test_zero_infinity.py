@@ -10,23 +10,18 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.nn import TiledLinear, tile_linears
-from fxpar.testing import MLP, max_abs_diff, reference_training
+from fxpar.testing import MLP, max_abs_diff, reference_training, regression_batches
 from fxpar.zero_layout import chunk
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 TOL = 1e-10
 
 
-def _batches(n, d_in=16, d_out=8, batch=8):
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(batch, d_in, generator=g, dtype=torch.float64),
-             torch.randn(batch, d_out, generator=g, dtype=torch.float64)) for _ in range(n)]
-
-
+@pytest.mark.numerics
 @pytest.mark.parametrize("extra", [dict(), dict(microbatches=2)], ids=["fused", "accumulated"])
 def test_zero3_state_on_disk_matches_single_process(clusters, tmp_path, extra):
     torch.manual_seed(0)
-    model, batches = MLP().double(), _batches(3)
+    model, batches = MLP().double(), regression_batches(3)
     strat = fxpar.Strategy(dp=2, zero=3, offload=("params", "optimizer"), offload_to="disk", offload_dir=tmp_path,
                            **extra)
     prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAMW, strategy=strat)
@@ -47,10 +42,11 @@ def test_zero3_state_on_disk_matches_single_process(clusters, tmp_path, extra):
             assert torch.equal(on_disk, c), k
 
 
+@pytest.mark.numerics
 def test_offload_without_zero_and_resume(clusters, tmp_path):
     """Whole parameters and optimizer state on disk (zero=0); a checkpoint resumes into the files bitwise."""
     torch.manual_seed(0)
-    model, batches = MLP().double(), _batches(4)
+    model, batches = MLP().double(), regression_batches(4)
     strat = fxpar.Strategy(dp=2, offload=("params", "optimizer"), offload_to="disk", offload_dir=tmp_path / "o")
     prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAMW, strategy=strat)
     whole = prog.run_local(batches, cluster=clusters.get(2))
@@ -60,6 +56,7 @@ def test_offload_without_zero_and_resume(clusters, tmp_path):
     assert max_abs_diff(rest.state_dict(), whole.state_dict()) == 0
 
 
+@pytest.mark.structure
 def test_offload_dir_that_cannot_be_written(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("not a directory")
@@ -72,6 +69,7 @@ def test_offload_dir_that_cannot_be_written(tmp_path):
 
 
 # ---- memory-centric tiling ---------------------------------------------------------------------------
+@pytest.mark.structure
 def test_tiled_linear_equals_linear_output_and_every_gradient():
     torch.manual_seed(0)
     lin = torch.nn.Linear(12, 10).double()
@@ -89,12 +87,14 @@ def test_tiled_linear_equals_linear_output_and_every_gradient():
     assert torch.equal(lin.bias.grad, torch.cat([t.bias.grad for t in tiled.tiles]))
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_tiled_model_under_zero3_gathers_one_tile_at_a_time(clusters):
     torch.manual_seed(0)
     model = MLP().double()
     replaced = tile_linears(model, max_params=256)          # 32x16, 32x32 (and 8x32) weights -> tiles of <= 256
     assert replaced == ["layers.0", "layers.1"]
-    batches = _batches(3)
+    batches = regression_batches(3)
     prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAMW, strategy=fxpar.Strategy(dp=2, zero=3))
     res = prog.run_local(batches, cluster=clusters.get(2))
     ref_losses, ref_state = reference_training(model, batches, F.mse_loss, ADAMW)
@@ -127,6 +127,7 @@ def _first_compute(node, pos):
     return best
 
 
+@pytest.mark.numerics
 def test_prefetch_reads_the_next_layer_while_this_one_gathers_and_computes(clusters, tmp_path):
     """Stage 3, parameters and optimizer state on disk: in forward and in backward, the read-ahead of the next
     gathered parameter's file comes after this parameter's gather starts and before this layer computes with it;
@@ -134,7 +135,7 @@ def test_prefetch_reads_the_next_layer_while_this_one_gathers_and_computes(clust
     The run equals single-process training, and each rank advised the kernel of exactly the bytes the graph names
     per step (posix_fadvise WILLNEED on the files' ranges)."""
     torch.manual_seed(0)
-    model, batches = MLP().double(), _batches(3)
+    model, batches = MLP().double(), regression_batches(3)
     strat = fxpar.Strategy(dp=2, zero=3, offload=("params", "optimizer"), offload_to="disk", offload_dir=tmp_path)
     prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAMW, strategy=strat)
     sg = prog.stages[0].graphs["FULL"]
@@ -165,13 +166,14 @@ def test_prefetch_reads_the_next_layer_while_this_one_gathers_and_computes(clust
     assert all(res.state_bytes[r]["prefetched"] == len(batches) * per_step for r in range(2))
 
 
+@pytest.mark.structure
 def test_prefetch_goes_where_its_graph_reads_the_files(tmp_path):
     """Microbatches (UNSHARD, F, B, REDUCE_GRAD, STEP): the parameters' read-ahead runs in UNSHARD, which gathers
     them once per step; the optimizer state's at the top of STEP, the only graph given the state."""
     torch.manual_seed(0)
     strat = fxpar.Strategy(dp=2, zero=3, offload=("params", "optimizer"), offload_to="disk", offload_dir=tmp_path,
                            microbatches=2)
-    prog = fxpar.parallelize(MLP().double(), 2, _batches(1, batch=16)[0], F.mse_loss, ADAMW, strategy=strat)
+    prog = fxpar.parallelize(MLP().double(), 2, regression_batches(1, batch=16)[0], F.mse_loss, ADAMW, strategy=strat)
     graphs = prog.stages[0].graphs
     count = {k: [n for n in sg.gm.graph.nodes if n.target is PREFETCH] for k, sg in graphs.items()}
     n_params = len(list(MLP().parameters()))
@@ -182,6 +184,7 @@ def test_prefetch_goes_where_its_graph_reads_the_files(tmp_path):
     assert len(count["STEP"]) == 3 * n_params          # each parameter's chunk and its two Adam moments
 
 
+@pytest.mark.structure
 def test_prefetch_op_advises_the_range_of_a_tracked_file(tmp_path):
     from fxpar import prefetch as P
     path = str(tmp_path / "w.bin")

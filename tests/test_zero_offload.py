@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar import meta as M
 from fxpar.collectives import C10D, collective_nodes
-from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, reference_training, token_batches
+from fxpar.testing import MLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt, token_batches
 from fxpar.testing.async_reference import pipedream_2bw_reference
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
@@ -24,17 +24,6 @@ TOL = 1e-10
 SMALL = dict(bucket_cap_mb=0.005, first_bucket_cap_mb=0.005)        # several buckets on the small GPT
 COPY = torch.ops.aten._to_copy.default
 OFFLOAD = ("optimizer",)
-
-
-def _gpt():
-    torch.manual_seed(0)
-    return GPT(vocab=32, d=16, layers=2, heads=2).double()
-
-
-def _mlp_batches(n, batch=8):
-    g = torch.Generator().manual_seed(2)
-    return [(torch.randn(batch, 16, generator=g, dtype=torch.float64),
-             torch.randn(batch, 8, generator=g, dtype=torch.float64)) for _ in range(n)]
 
 
 def _run(clusters, model, batches, loss_fn, opt, reference, **strategy):
@@ -49,39 +38,46 @@ def _run(clusters, model, batches, loss_fn, opt, reference, **strategy):
 
 
 # ---- numerics ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero", [1, 2])
 @pytest.mark.parametrize("dp", [2, 4])
 def test_zero_offload_matches_single_process(clusters, zero, dp):
-    _run(clusters, _gpt(), token_batches(3, batch=8), gpt_loss, ADAMW, reference_training, dp=dp, zero=zero, **SMALL)
+    _run(clusters, tiny_gpt(), token_batches(3, batch=8), gpt_loss, ADAMW, reference_training, dp=dp, zero=zero, **SMALL)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 @pytest.mark.parametrize("zero,dp", [(1, 2), (2, 4)])
 def test_zero_offload_delayed_update_follows_its_rule(clusters, zero, dp):
     """The paper's one-step delayed update (§4.2): the chunk copied to the host in step t is applied in step t+1.
     (``tests/test_delayed_update.py::test_delayed_update_on_zero_chunks_follows_its_rule`` runs the other
     zero x dp cases, all with ``offload=("optimizer",)``, so through this pass too.)"""
-    model, batches = _gpt(), token_batches(4, batch=8)
+    model, batches = tiny_gpt(), token_batches(4, batch=8)
     res = _run(clusters, model, batches, gpt_loss, ADAMW, pipedream_2bw_reference, dp=dp, zero=zero,
                delayed_update=True, **SMALL)
     sync_losses, _ = reference_training(model, batches, gpt_loss, ADAMW)
     assert abs(res.losses[1] - sync_losses[1]) > 1e-8                # not synchronous training
 
 
+@pytest.mark.numerics
 def test_zero_offload_mlp_sgd_momentum_and_accumulation(clusters):
     """SGD-momentum, and microbatches=2 (F, B, REDUCE_GRAD, STEP graphs: the copies go with their wait)."""
     torch.manual_seed(0)
-    _run(clusters, MLP().double(), _mlp_batches(3, batch=16), F.mse_loss, SGD_M, reference_training,
+    _run(clusters, MLP().double(), regression_batches(3, batch=16), F.mse_loss, SGD_M, reference_training,
          dp=2, zero=2, microbatches=2)
 
 
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_zero3_with_optimizer_offload_matches_single_process(clusters):
     """Stage 3: the updated chunk stays on the host (the master); each gather copies it to the device first."""
-    _run(clusters, _gpt(), token_batches(3, batch=8), gpt_loss, ADAMW, reference_training, dp=2, zero=3, **SMALL)
+    _run(clusters, tiny_gpt(), token_batches(3, batch=8), gpt_loss, ADAMW, reference_training, dp=2, zero=3, **SMALL)
 
 
 # ---- structure -------------------------------------------------------------------------------------------
 def _program(zero, **extra):
-    model = _gpt()
+    model = tiny_gpt()
     return fxpar.parallelize(model, 2, token_batches(1, batch=8)[0], gpt_loss, ADAMW,
                              strategy=fxpar.Strategy(dp=2, zero=zero, **SMALL, **extra))
 
@@ -101,6 +97,8 @@ def _host_values(g, inputs) -> set:
     return host
 
 
+@pytest.mark.slow
+@pytest.mark.structure
 @pytest.mark.parametrize("zero,delayed", [(1, False), (2, False), (2, True)], ids=["1", "2", "2-delayed"])
 def test_one_copy_per_bucket_each_way_and_the_update_on_host_values(zero, delayed):
     extra = dict(delayed_update=True) if delayed else {}
@@ -143,6 +141,8 @@ def test_one_copy_per_bucket_each_way_and_the_update_on_host_values(zero, delaye
         assert sum(n.target is COPY for n in first.nodes) == n_buckets   # FIRST streams, no update, nothing back
 
 
+@pytest.mark.slow
+@pytest.mark.structure
 def test_split_graphs_keep_the_copies_with_their_wait():
     """microbatches=2, stage 1: the reduce-scatter and its wait run in REDUCE_GRAD and STEP; the copy to the host goes
     with the wait, the copy back with the gather in STEP."""
@@ -156,6 +156,7 @@ def test_split_graphs_keep_the_copies_with_their_wait():
         assert ag.args[0].target is COPY
 
 
+@pytest.mark.structure
 def test_without_offload_the_pass_does_not_run():
     prog = _program(2)
     assert "zero_offload" not in prog.explain()

@@ -6,7 +6,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-__all__ = ["MLP", "CNN", "BNConvNet", "GPT", "Block", "MegatronBlock", "EncoderModel", "SkipMLP", "gpt_loss"]
+__all__ = ["MLP", "CNN", "BNConvNet", "GPT", "Block", "MegatronBlock", "EncoderModel", "SkipMLP", "Bag", "gpt_loss",
+           "tiny_gpt"]
 
 
 class MLP(nn.Module):
@@ -114,20 +115,19 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+def tiny_gpt(layers: int = 2, heads: int = 2, dropout: float = 0.0, vocab: int = 32, d: int = 16,
+             seed: int | None = 0) -> GPT:
+    """The float64 :class:`GPT` most tests train (vocab 32, width 16, 2 heads). ``seed``: torch's global generator
+    is seeded with it first, so every call builds the same weights; ``None`` draws them from the generator as it
+    stands."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return GPT(vocab=vocab, d=d, layers=layers, heads=heads, dropout=dropout).double()
+
+
 def gpt_loss(logits, targets):
     """Cross-entropy over every position (mean)."""
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
-def token_batches(n: int, batch: int = 8, seq: int = 8, vocab: int = 32, seed: int = 1) -> list:
-    """``n`` (inputs, next-token targets) batches of shape ``(batch, seq)`` for :class:`GPT`, from a seeded
-    generator (the same batches every call)."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        idx = torch.randint(0, vocab, (batch, seq + 1), generator=g)
-        out.append((idx[:, :-1], idx[:, 1:]))
-    return out
 
 
 class EncoderModel(nn.Module):
@@ -155,3 +155,18 @@ class SkipMLP(nn.Module):
         for layer in self.layers:
             h = torch.tanh(layer(h))
         return self.out(h + x)
+
+
+class Bag(nn.Module):
+    """A large embedding (the sparse candidate for Parallax), a small position table, and a dense head over the
+    mean of the rows."""
+
+    def __init__(self, vocab=1000, small=6, d=16, classes=4):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(small, d)
+        self.head = nn.Linear(d, classes)
+
+    def forward(self, ids):
+        pos = torch.arange(ids.shape[1]).expand_as(ids)
+        return self.head((self.emb(ids) + self.pos(pos)).mean(1))
