@@ -16,8 +16,6 @@ from fxpar.feature import unregister_feature
 from fxpar.testing import MLP
 from fxpar.testing.reference import reference_training as sgd_reference
 
-pytestmark = pytest.mark.numerics
-
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 SGD = (torch.optim.SGD, {"lr": 0.1})
 
@@ -69,6 +67,8 @@ def _close(a: dict, b: dict, tol=1e-10):
         torch.testing.assert_close(a[k], b[k], rtol=tol, atol=tol, msg=k)
 
 
+@pytest.mark.numerics
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [dict(dp=2), dict(dp=2, pp=2, microbatches=2)], ids=["dp2", "dp2xpp2"])
 def test_matches_the_methods_math(ex, ranks, layout):
     model, batches = _model(layers=3), _batches(4)
@@ -83,6 +83,8 @@ def test_matches_the_methods_math(ex, ranks, layout):
     assert max((res.state_dict()[k] - plain[k]).abs().max().item() for k in plain) > 1e-6
 
 
+@pytest.mark.numerics
+@pytest.mark.slow
 def test_exact_dtype_is_synchronous_sgd(ex, ranks):
     """ef_dtype equal to the gradients' dtype: the rounding is exact, residuals stay 0: plain data parallelism."""
     model, batches = _model(), _batches(3)
@@ -93,6 +95,7 @@ def test_exact_dtype_is_synchronous_sgd(ex, ranks):
     _close(res.state_dict(), state)
 
 
+@pytest.mark.structure
 def test_collectives_one_per_bucket_in_the_narrow_dtype(ex):
     model, batches = _model(), _batches(1)
     plain = _program(model, batches, dp=2, bucket_cap_mb=0.004)
@@ -107,6 +110,7 @@ def test_collectives_one_per_bucket_in_the_narrow_dtype(ex):
     assert code.count("torch.float16") >= len(b) and "state_ef16_s0b0" in code
 
 
+@pytest.mark.structure
 def test_plan_section_explain_and_estimate(ex):
     model, batches = _model(), _batches(1)
     prog = _program(model, batches, dp=2, ef_dtype="float16")
@@ -122,6 +126,8 @@ def test_plan_section_explain_and_estimate(ex):
     assert prog.estimate().ranks[0].memory_breakdown["feature ef16"] == 8 * numel     # the float64 residuals
 
 
+@pytest.mark.numerics
+@pytest.mark.slow
 def test_checkpoint_resumes_the_residuals_bitwise(ex, ranks, tmp_path):
     model, batches = _model(), _batches(4)
     prog = _program(model, batches, dp=2, ef_dtype="float16")
@@ -138,6 +144,7 @@ def test_checkpoint_resumes_the_residuals_bitwise(ex, ranks, tmp_path):
 
 
 # ---- what the registry refuses -----------------------------------------------------------------------
+@pytest.mark.structure
 def test_an_option_another_feature_owns_is_refused_naming_both(ex):
     class Copy(fxpar.Feature):
         name = "ef_copy"
@@ -157,6 +164,7 @@ def test_an_option_another_feature_owns_is_refused_naming_both(ex):
         fxpar.register_feature(Taken)
 
 
+@pytest.mark.structure
 def test_conflicts_and_requirements_name_both_features(ex):
     class Rival(fxpar.Feature):
         name = "rival_sum"
@@ -186,6 +194,7 @@ def _refusals():
     assert fxpar.Strategy(dp=2, ef_dtype="float16", needy=True).needy is True
 
 
+@pytest.mark.structure
 def test_bad_options_are_refused(ex):
     with pytest.raises(fxpar.StrategyError, match=r"Strategy\(ef_dtyp=...\): no registered feature owns option "
                                                   r"'ef_dtyp' \(did you mean 'ef_dtype'\?\)"):
@@ -196,6 +205,7 @@ def test_bad_options_are_refused(ex):
         fxpar.Strategy(dp=1, ef_dtype="float16")
 
 
+@pytest.mark.structure
 def test_plan_json_with_an_unknown_section_or_field_is_refused(ex):
     data = json.loads(_program(_model(), _batches(1), dp=2, ef_dtype="float16").plan.to_json())
     data["features"]["ef16"]["bits"] = 3
@@ -216,5 +226,6 @@ class _Unused(fxpar.PlanSection):
     x: int = 0
 
 
+@pytest.mark.structure
 def test_a_section_round_trips_through_json():
     assert _Unused(3).to_dict() == {"x": 3} and _Unused(3).lines() == ["x=3"]

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = [pytest.mark.structure, pytest.mark.slow]
+
 pytest.importorskip("importlinter")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.structure
+
 ROOT = Path(__file__).resolve().parent.parent
 TOP_PACKAGES = ("fxpar", "passes", "cost_models")
 MODULES = ("fxpar", "passes", "passes.sharding", "cost_models")
