@@ -33,7 +33,7 @@ class ParallaxSection(PlanSection):
                     "once the step is captured"]
         upd = self.sparse_update or {}
         return [f"all-reduce, sparse embedding gradients as (index, row) pairs: {self.sparse or 'none'}"
-                + ("; updated " + ", ".join(f"{k} by {upd[k]['route']}" for k in self.sparse if k in upd)
+                + ("; update " + ", ".join(f"{k}: {upd[k]['route']}" for k in self.sparse if k in upd)
                    if self.sparse and upd else "")]
 
 
