@@ -12,7 +12,7 @@ needs root and ``ip netns``, otherwise it says what is missing and runs uncapped
   2 ranks, one per namespace: ``grad_sync="parallax"`` vs ``"allreduce"`` vs DDP, and DDP with
   ``nn.Embedding(sparse=True)`` (torch's own sparse route: gloo all-gathers the (index, row) pairs). Plain SGD,
   so that torch's sparse route can run at all (AdamW and SGD-momentum refuse sparse gradients); under plain SGD
-  fxpar's plan updates only the touched rows too (``Plan.grad_sync["sparse_update"]``: route ``rows``).
+  fxpar's plan updates only the touched rows too (``Plan.section("parallax").sparse_update``: route ``rows``).
 - **BytePS** (Jiang et al., OSDI'20), the GPT, n=2 workers (rank 0 in A, rank 1 in B) + k=1 CPU summation
   server (rank 2) in B: ``ClusterSpec.local(2, cpu_servers=1)``, ``grad_sync="byteps"`` vs all-reduce vs DDP.
   Placement: a BytePS server is a machine of its own, so every byte a worker pushes or pulls goes through
@@ -101,25 +101,21 @@ def _crossed(c0, c1, n_steps):
     return {"a_to_b": (c1[0] - c0[0]) / n_steps, "b_to_a": (c1[1] - c0[1]) / n_steps}
 
 
-def fx_cell(payload, batches, warmup, dev=None, stops=()):
-    """An fxpar rank: a BytePS server sums (fxpar.runtime.server); a worker runs ``Executor.step`` per batch,
-    drains, tells the servers to stop. Rank 0 reads the link's counters around the steps."""
-    import torch.distributed as dist
-
-    from fxpar.runtime.executor import Executor, group
-    from fxpar.runtime.server import ServerPayload, serve_sums
-    if isinstance(payload, ServerPayload):
-        serve_sums(payload)
+def fx_cell(payload, batches, warmup, dev=None, extras=()):
+    """An fxpar rank: a rank beside the workers serves (a BytePS server sums, fxpar.runtime.server); a worker runs
+    ``Executor.step`` per batch, drains, releases the servers. Rank 0 reads the link's counters around the steps."""
+    from fxpar.feature import ExtraRank
+    from fxpar.runtime.executor import Executor
+    if isinstance(payload, ExtraRank):
+        payload.serve()
         return None
     ex = Executor(payload)
     c0 = _link_counters(dev) if payload.rank == 0 else None
     for b in batches:
         ex.step(b)
     ex.drain()
-    for name, ranks, dt in stops:
-        n = len(ranks) - 1
-        dist.all_to_all_single(torch.empty(0, dtype=getattr(torch, dt)), torch.zeros(1, dtype=getattr(torch, dt)),
-                               [0] * (n + 1), [0] * n + [1], group=group(tuple(ranks), name))
+    for s in extras:
+        s.release()
     c1 = _link_counters(dev) if payload.rank == 0 else None
     return {"step_times": ex.step_times[warmup:], "link": _crossed(c0, c1, len(batches))}
 
@@ -178,16 +174,14 @@ class Section:
 
 def fx_method(prog, batches, warmup, n_ranks):
     """Per-rank argument builder for an fxpar program (BytePS: workers, then servers)."""
-    from fxpar.runtime.server import stop_messages
     n = len(batches)
     if prog.layout is not None:          # as run_local does: the loss's extra columns (fxpar/inputs.py)
         from fxpar.inputs import prepare_batch
         batches = [prepare_batch(prog, b, f"batches[{i}]") for i, b in enumerate(batches)]
     payloads = [prog.payload(r, n_batches=n) for r in range(prog.world_size)]
-    servers = prog.server_payloads()
-    stops = stop_messages(servers)
+    servers = prog.extra_ranks()
     assert prog.world_size + len(servers) == n_ranks, (prog.world_size, len(servers), n_ranks)
-    return fx_cell, lambda dev: [(p, batches, warmup, dev, stops) for p in payloads] + \
+    return fx_cell, lambda dev: [(p, batches, warmup, dev, servers) for p in payloads] + \
         [(s, None, warmup) for s in servers]
 
 
@@ -235,14 +229,14 @@ def baseline_section(args, gpt, batches, n):
 def herring_section(args, gpt, batches):
     """Herring on 2 nodes x 2 ranks: per bucket of V bytes, ranks 0<->2 and 1<->3 all-reduce a V/2 shard across
     the link (V/2 each way per pair); the reduce-scatter and all-gather stay inside each namespace. "herring at
-    wait": the same Plan edited to ``grad_sync["overlap"] = False`` (steps 2-3 after backward, passes/herring.py)."""
+    wait": the same Plan edited to ``section("herring").overlap = False`` (steps 2-3 after backward, passes/herring.py)."""
     spec, v = calibrated(4), _nbytes(gpt)
     st = fxpar.Strategy(dp=4, grad_sync="herring", bucket_cap_mb=args.bucket_mb)
     prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
     plan = fxpar.Plan.from_json(prog.plan.to_json())
-    plan.grad_sync["overlap"] = False
+    plan.section("herring").overlap = False
     late = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st, plan=plan)
-    bc = prog.plan.grad_sync["bucket_choice"]
+    bc = prog.plan.section("herring").bucket_choice
     print(f"herring: {len(prog.plan.buckets[0])} buckets of {bc['cap_bytes'] / 2**20:g} MiB ({bc['by']}"
           + (": predicted " + ", ".join(f"{mb} MiB {t * 1e3:.1f} ms" for mb, t in bc["tried"].items()) if "tried" in bc
              else "") + ")", flush=True)
@@ -289,14 +283,15 @@ def parallax_section(args):
         st = fxpar.Strategy(dp=2, grad_sync=name)
         prog = fxpar.parallelize(model, spec, batches[0], loss_fn=F.cross_entropy, optimizer=SGD, strategy=st)
         if name == "parallax":
-            route = prog.plan.grad_sync["routes"]["emb.weight"]
-            update = prog.plan.grad_sync["sparse_update"]["emb.weight"]["route"]   # plain SGD: "rows"
-            assert prog.plan.grad_sync["sparse"] == ["emb.weight"], prog.plan.grad_sync
+            px = prog.plan.section("parallax")
+            route = px.routes["emb.weight"]
+            update = px.sparse_update["emb.weight"]["route"]   # plain SGD: "rows"
+            assert px.sparse == ["emb.weight"], px
         methods[f"fxpar {name}"] = fx_method(prog, batches, args.bag_warmup, 2)
         predicted[f"fxpar {name}"] = predicted_steps(prog, model, batches[0], F.cross_entropy, SGD, st, spec, args.rates)
         if name == "parallax":       # the same pairs, the update through a dense [V, d] gradient (the route before rows)
             plan = fxpar.Plan.from_json(prog.plan.to_json())
-            plan.grad_sync["sparse_update"]["emb.weight"]["route"] = "dense"
+            plan.section("parallax").sparse_update["emb.weight"]["route"] = "dense"
             dense_upd = fxpar.parallelize(model, spec, batches[0], loss_fn=F.cross_entropy, optimizer=SGD, strategy=st,
                                           plan=plan)
             methods["parallax dense upd"] = fx_method(dense_upd, batches, args.bag_warmup, 2)

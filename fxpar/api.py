@@ -25,7 +25,7 @@ from .lower import lower
 from .optim import resolve_optimizer
 from .plan import Plan
 from .planner import ASYNC, check_batch, grad_groups, make_plan, schedule_name
-from .planner_comm import plan_buckets, plan_herring_buckets, plan_sparse_routes
+from .planner_comm import plan_buckets
 from .program import Program, Stage, stage_messages
 from .strategy import Strategy
 
@@ -153,7 +153,7 @@ def _without_gradient(plan: Plan, captured: list, model: torch.nn.Module) -> Non
         plan.stage_params = [list(cap.param_names) for cap in captured]
         tied = {k: [s for s in v if k in plan.stage_params[s]] for k, v in plan.tied.items()}
         plan.tied = {k: v for k, v in tied.items() if len(v) > 1}
-        kept = {n: g for n, g in plan.groups.items() if not n.startswith(("tied.", "stage"))}   # Herring, BytePS
+        kept = {n: g for n, g in plan.groups.items() if not n.startswith(("tied.", "stage"))}   # the features' groups
         plan.groups, plan.grad_groups = grad_groups(plan)
         plan.groups.update(kept)
     placed = {k for keys in plan.stage_params for k in keys}
@@ -165,13 +165,14 @@ def _without_gradient(plan: Plan, captured: list, model: torch.nn.Module) -> Non
 
 def _plan_buckets(plan: Plan, captured: list, cluster: ClusterSpec) -> None:
     """Keep the buckets of a handed-in Plan where they still match each stage's gradients; plan the rest
-    (Herring's size on the cost model when the Strategy leaves it to the planner)."""
+    (the features may send some gradients outside the buckets, or cut the buckets themselves)."""
     given = plan.buckets if len(plan.buckets) == len(captured) else None
-    gs = plan.grad_sync
-    plan_sparse_routes(plan, captured[0])              # Parallax: each embedding gradient's route, once captured
+    feats = [(get_feature(name), section) for name, section in plan.features.items()]
     out = []
     for s, cap in enumerate(captured):
-        groups = {k: (None if k in gs.get("sparse", ()) else g) for k, g in plan.grad_groups[s].items()}
+        groups = dict(plan.grad_groups[s])
+        for f, section in feats:
+            groups = f.bucket_groups(section, plan, s, cap, groups)
         want = {k for k, g in groups.items() if g}
         if given is not None and sorted(k for b in given[s] for k in b) == sorted(want):
             out.append([list(b) for b in given[s]])
@@ -179,12 +180,10 @@ def _plan_buckets(plan: Plan, captured: list, cluster: ClusterSpec) -> None:
         if given is not None and given[s]:
             plan.notes.append(f"stage {s}: the given buckets do not cover its synchronised gradients "
                               f"{sorted(want)}; planned again")
-        if want and gs.get("bucket_choice") == "tune":
-            out.append(plan_herring_buckets(plan, cap, groups, cluster))
-            continue
-        chosen = gs.get("bucket_choice")      # Herring's size, tuned once: a handed-back Plan keeps it
-        cap_bytes = chosen["cap_bytes"] if isinstance(chosen, dict) else plan.bucket_cap_bytes
-        out.append(plan_buckets(cap, cap_bytes, plan.first_bucket_cap_bytes, groups) if want else [])
+        own = next((b for f, section in feats if want
+                    and (b := f.plan_buckets(section, plan, s, cap, groups, cluster)) is not None), None)
+        out.append(own if own is not None else
+                   plan_buckets(cap, plan.bucket_cap_bytes, plan.first_bucket_cap_bytes, groups) if want else [])
     plan.buckets = out
 
 

@@ -100,18 +100,22 @@ def explain_program(prog) -> str:
         z, n = plan.zero, plan.dp
         sharded = sum(_nbytes(cap.param_shapes[k], cap.param_dtypes[k]) for k in zero_keys(plan, 0))
         part = lambda stage: p_bytes - sharded + sharded / n if z >= stage else p_bytes    # noqa: E731
-        rows = [k for k, r in (plan.grad_sync or {}).get("sparse_update", {}).items() if r.get("route") == "rows"]
-        rows_bytes = sum(_nbytes(cap.param_shapes[k], cap.param_dtypes[k]) for k in rows if k in cap.param_shapes)
+        less = {}        # what the features keep a rank from holding: row -> (bytes, why)
+        for name, section in plan.features.items():
+            for row, (nbytes, why) in get_feature(name).held_less(section, prog).items():
+                got = less.get(row, (0, ""))
+                less[row] = (got[0] + nbytes, "; ".join(w for w in (got[1], why) if w))
+        less_note = lambda row: f" ({less[row][1]})" if row in less else ""      # noqa: E731
+        less_bytes = lambda row: less.get(row, (0, ""))[0]                      # noqa: E731
         head = ("the whole model (tensor parallelism splits it: what each rank holds is below):" if plan.shardings
                 else "per rank (every rank holds a full replica under data parallelism):" if not z else
                 f"per rank (ZeRO stage {z} over dp={n}: chunks of {fmt_bytes(sharded)} of parameters; padding aside):")
         lines += ["", head,
-                  f"  parameters      {fmt_bytes(part(3))} ({n_vals:,} values in {len(cap.param_names)} tensors)",
-                  f"  gradients       {fmt_bytes(part(2) - rows_bytes)}" + (
-                      f" (no dense gradient for {sorted(rows)}: Parallax's row update applies the gathered rows)"
-                      if rows else ""),
-                  f"  optimizer state {fmt_bytes(part(1) * len(cap.optimizer.state_names))} "
-                  f"({', '.join(cap.optimizer.state_names) or 'none'})",
+                  f"  parameters      {fmt_bytes(part(3) - less_bytes('parameters'))} ({n_vals:,} values in "
+                  f"{len(cap.param_names)} tensors)" + less_note("parameters"),
+                  f"  gradients       {fmt_bytes(part(2) - less_bytes('gradients'))}" + less_note("gradients"),
+                  f"  optimizer state {fmt_bytes(part(1) * len(cap.optimizer.state_names) - less_bytes('optimizer state'))} "
+                  f"({', '.join(cap.optimizer.state_names) or 'none'})" + less_note("optimizer state"),
                   f"  buffers         {fmt_bytes(b_bytes)}"]
     else:
         lines += _stage_lines(prog)

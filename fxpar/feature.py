@@ -43,7 +43,7 @@ from . import meta as M
 from .errors import StrategyError
 from .roles import Role
 
-__all__ = ["Feature", "Option", "Slot", "PlanSection", "RankState", "register_feature", "registered_features",
+__all__ = ["Feature", "Option", "Slot", "PlanSection", "RankState", "ExtraRank", "register_feature", "registered_features",
            "unregister_feature", "get_feature", "enabled_features", "check_strategy", "section_from_dict", "option_owner", "option_defaults",
            "add_state_input", "add_state_output", "BUILTIN_FEATURES", "STATE_ROLE", "NEW_STATE_ROLE", "state_key",
            "split_state_key"]
@@ -184,6 +184,25 @@ class RankState:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
 
+class ExtraRank:
+    """A rank a feature runs beside the workers, after them (ranks ``world_size ..``): BytePS's CPU summation
+    servers. Picklable: it travels to its own process. ``rank``: its global rank; ``label``: what it is, in
+    messages (``"BytePS CPU server"``); :meth:`origin`: what asked for it (``"ClusterSpec(cpu_servers=1)"``)."""
+    rank: int
+    label: ClassVar[str] = "extra rank"
+
+    def origin(self) -> str:
+        return ""
+
+    def serve(self) -> dict:
+        """Its whole run under ``run_local``, until every worker's :meth:`release`; returns what it reports
+        (``RunResult.servers[rank]``)."""
+        raise NotImplementedError(f"{type(self).__name__}.serve")
+
+    def release(self) -> None:
+        """On each worker, after its last step under ``run_local``: let this rank's :meth:`serve` return."""
+
+
 class Feature:
     """A strategy. Subclass, set the class attributes, override what the strategy needs, and register it
     (:func:`register_feature`). Every method has a default that does nothing, so a feature is as small as the
@@ -196,6 +215,9 @@ class Feature:
     conflicts_with: ClassVar[tuple] = ()            # features that must not be
     passes: ClassVar[tuple] = ()                    # (Slot, Pass class or factory) pairs
     state: ClassVar[type | None] = None             # its RankState class, if it keeps state per rank
+    # core Strategy fields whose value enables it (its enabled() tests them), shared with other features: several
+    # gradient-sync methods are values of one ``grad_sync``
+    enabled_by: ClassVar[tuple] = ()
 
     # ---- the decision ------------------------------------------------------------------------------
     def enabled(self, strategy) -> bool:
@@ -205,9 +227,28 @@ class Feature:
     def validate(self, strategy) -> None:
         """Refuse option values this feature cannot carry out (raise :class:`fxpar.StrategyError` naming them)."""
 
+    def check_cluster(self, strategy, cluster) -> None:
+        """Refuse a ClusterSpec (None: not known) this feature cannot run on, or one that asks for this feature while
+        ``strategy`` leaves it off (a resource only it uses). Called for every registered feature, on or off."""
+
     def plan(self, strategy, plan, cluster):
         """Before capture: return this feature's Plan section (or None to leave it off)."""
         return self.section() if self.section is not None else None
+
+    def adopt(self, section, strategy, plan, cluster):
+        """A handed-back Plan's section (a copy) in place of :meth:`plan`: re-derive what the new ``plan`` keeps
+        outside the section (process groups ...); return the section to use."""
+        return section
+
+    def bucket_groups(self, section, plan, stage: int, captured, groups: dict) -> dict:
+        """Before stage ``stage``'s gradient buckets are cut: ``groups`` (param key -> the group its gradient is
+        summed over) with the gradients this feature sends outside the dense buckets mapped to None."""
+        return groups
+
+    def plan_buckets(self, section, plan, stage: int, captured, groups: dict, cluster):
+        """Stage ``stage``'s gradient buckets (``[[param key, ...], ...]``) where this feature cuts them itself, or
+        None: DDP-style buckets at ``plan.bucket_cap_bytes``. Not called where a handed-back Plan's buckets fit."""
+        return None
 
     def plan_stage(self, section, plan, stage: int, captured, cluster, schedule) -> None:
         """After capture (and the gradient buckets), once per stage: decisions that need the stage's joint graph
@@ -231,6 +272,22 @@ class Feature:
     def explain(self, section, program) -> list:
         """Plain-language lines for ``program.explain()``."""
         return [] if section is None else section.lines()
+
+    def held_less(self, section, program) -> dict:
+        """What each rank does not hold of the model state ``explain()`` lists per rank (one stage):
+        ``{"gradients" | "parameters" | "optimizer state": (bytes, why)}``."""
+        return {}
+
+    # ---- ranks beside the workers ----------------------------------------------------------------------
+    def extra_ranks(self, section, program, host: dict) -> list:
+        """Payloads of the ranks this feature runs after the workers' (``program.world_size`` on), one per rank,
+        each an :class:`ExtraRank`; ``host``: the settings every rank's process applies to itself."""
+        return []
+
+    def extra_runner(self, payload, program):
+        """What ``program.runner()`` returns on one of :meth:`extra_ranks` under torchrun (the surface of
+        ``fxpar.runner.RankRunner``: ``step``, ``save``, ``load``, ``state_dict``, ``close``)."""
+        raise NotImplementedError(f"feature {self.name!r} runs ranks beside the workers but no runner for them")
 
 
 # ---- the registry -------------------------------------------------------------------------------------
@@ -332,6 +389,7 @@ def check_strategy(strategy) -> list:
 
     def why(f) -> str:
         set_ = [f"{k}={strategy.option(k)!r}" for k, o in f.options.items() if strategy.option(k) != o.default]
+        set_ += [f"{k}={strategy.option(k)!r}" for k in f.enabled_by]
         return f"{f.name!r} ({', '.join(set_) or 'enabled'})"
     for f in on:
         f.validate(strategy)

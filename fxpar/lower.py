@@ -75,20 +75,8 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
             pipeline.append((S.GRAD_ORDER, GradOrder()))
         # each gradient summed over the ranks the planner named (dp replicas, tied stages)
         pipeline.append((S.GRAD_SYNC, DataParallelGradSync()))
-        if (plan.grad_sync or {}).get("sparse"):
-            from passes import SparseGradSync
-            # Parallax: sparse embedding gradients as (row index, row) pairs
-            pipeline.append((S.GRAD_ROUTE, SparseGradSync()))
         # fuse those collectives into DDP-style buckets, issued as backward produces them
         pipeline.append((S.BUCKET, BucketGradients()))
-        if (plan.grad_sync or {}).get("method") == "herring":
-            from passes import HierarchicalReduce
-            # Herring: reduce-scatter in the node, sum across nodes, gather
-            pipeline.append((S.BUCKET_SUM, HierarchicalReduce()))
-        if (plan.grad_sync or {}).get("method") == "byteps":
-            from passes import ServerSum
-            # BytePS: the CPU servers' share pushed and pulled, the rest all-reduced
-            pipeline.append((S.BUCKET_SUM, ServerSum()))
         if getattr(plan, "zero", 0):
             from passes import ZeroOffload, ZeroShard
             # ZeRO: reduce-scatter into chunks, optimizer on chunks, gather parameters

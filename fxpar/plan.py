@@ -52,7 +52,6 @@ class Plan:
     #  "opt_state": {...}, "auto": {node: [spec per output]} (Tofu's choice, reused when handed back)}]}
     shardings: dict = field(default_factory=dict)
     zero: int = 0
-    grad_sync: dict = field(default_factory=dict)      # {"method": "herring", "node": [[ranks]], "cross": [[ranks]]}
     offload: dict = field(default_factory=dict)        # {"what": ["params", "optimizer"], "to": "disk", "dir": path}
     recompute: dict = field(default_factory=dict)
     comm_schedule: dict = field(default_factory=dict)
@@ -155,9 +154,7 @@ class Plan:
             lines.append(f"tied parameters (gradients summed over the stages using them): {self.tied}")
         n_b = sum(len(b) for b in self.buckets)
         if n_b:
-            how = {"herring": "Herring (reduce-scatter in node, sum across nodes, all-gather in node)",
-                   "parallax": "all-reduce, sparse embedding gradients as (index, row) pairs (Parallax)"}.get(
-                (self.grad_sync or {}).get("method"), "sum")
+            how = "sum"
             if self.zero:
                 how = f"reduce-scatter into ZeRO-{self.zero} chunks"
             order = ("ByteScheduler's order (priority, pieces, credit; see comm_schedule)"

@@ -4,8 +4,8 @@ Decisions, in order: the schedule and its stage placement; the stage cuts (``pas
 balanced search over module boundaries, or the user's split points, or an edited Plan's cuts); which
 ranks sum which gradients (:func:`grad_groups`: the one place that knows); the gradient buckets of
 each stage (:func:`plan_buckets`, DDP-style, once the stage's joint graph shows backward's order).
-Communication decisions (buckets, ByteScheduler, Herring / BytePS / Parallax) live in
-:mod:`fxpar.planner_comm`; their public functions are re-exported here.
+Communication decisions (buckets, ByteScheduler) live in :mod:`fxpar.planner_comm`; their public functions are
+re-exported here. Each enabled feature (``fxpar.features``) decides its own Plan section at the end.
 """
 from __future__ import annotations
 
@@ -13,13 +13,13 @@ import copy
 import json
 
 from .errors import StrategyError
-from .feature import enabled_features
+from .feature import enabled_features, registered_features
 from .plan import Plan
-from .planner_comm import _record_comm_schedule, _record_grad_sync, plan_buckets, plan_comm_schedule, plan_sparse_routes
+from .planner_comm import _record_comm_schedule, plan_buckets, plan_comm_schedule
 from .schedule import Schedule, ScheduleError, get_schedule
 from .strategy import Strategy
 
-__all__ = ["make_plan", "plan_buckets", "plan_sparse_routes", "plan_recompute", "plan_comm_schedule", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
+__all__ = ["make_plan", "plan_buckets", "plan_recompute", "plan_comm_schedule", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
 
 ASYNC = ("pipedream", "2bw")
 DDP_BUCKET_MB = 25.0     # DDP's default bucket_cap_mb, fxpar's when Strategy(bucket_cap_mb=None) and nothing tunes it
@@ -206,7 +206,8 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     if base is not None:
         plan.buckets = base.buckets
     _record_zero(plan, strategy, base, optimizer)
-    _record_grad_sync(plan, strategy, base, cluster)
+    for f in registered_features():            # a ClusterSpec a feature cannot run on, or one asking for a feature that is off
+        f.check_cluster(strategy, cluster)
     if plan.zero == 3 and not any(a.kind.value == "FULL" for acts in sched.actions.values() for a in acts):
         from .schedule import add_unshard          # ZeRO-3 with F/B graphs: gather each stage's parameters once a step
         from .zero import zero_keys
@@ -215,7 +216,8 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     _record_comm_schedule(plan, strategy, base, asynchronous=plan.schedule in ASYNC)
     for f in enabled_features(strategy):       # each enabled feature decides its section (a handed-back Plan's stays)
         given = base.section(f.name) if base is not None else None
-        section = copy.deepcopy(given) if given is not None else f.plan(strategy, plan, cluster)
+        section = (f.adopt(copy.deepcopy(given), strategy, plan, cluster) if given is not None
+                   else f.plan(strategy, plan, cluster))
         if section is not None:
             plan.features[f.name] = section
     return plan, sched, trace, split

@@ -12,9 +12,8 @@ from . import meta as M
 from .collectives import collective_nodes
 from .runtime.executor import Executor, RankPayload, train
 from .errors import InputError
-from .feature import get_feature
+from .feature import ExtraRank, get_feature
 from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard, init_from_env
-from .runtime.server import run_rank, server_payloads, stop_messages
 from .runner import RankRunner, RunResult
 from .schedule import Action, ActionKind
 
@@ -77,6 +76,26 @@ class Stage:
         state["joint"] = unpack_graph_module(state["joint"])
         state["captured"].gm = unpack_graph_module(state["captured"].gm)
         self.__dict__.update(state)
+
+
+def run_rank(payload, batches, extras: list = ()) -> dict:
+    """A rank's work in a run with ranks beside the workers: such a rank serves (:meth:`fxpar.feature.ExtraRank.serve`);
+    a worker trains, then releases every one of them (:meth:`fxpar.feature.ExtraRank.release`)."""
+    if isinstance(payload, ExtraRank):
+        return payload.serve()
+    out = train(payload, batches)
+    for p in extras:
+        p.release()
+    return out
+
+
+def _extra_counts(extras: list) -> list:
+    """``(label, count, origin, (first rank, last rank))`` per kind of extra rank, in rank order."""
+    out = {}
+    for p in extras:
+        label, n, origin, (lo, hi) = out.get(p.label, (p.label, 0, p.origin(), (p.rank, p.rank)))
+        out[p.label] = (label, n + 1, origin, (min(lo, p.rank), max(hi, p.rank)))
+    return list(out.values())
 
 
 def is_compute_label(label: str) -> bool:
@@ -295,10 +314,15 @@ class Program:
         return {"comm_priority": bool(getattr(self.cluster, "comm_priority", False)),
                 "host_memory_reuse": bool(getattr(self.cluster, "host_memory_reuse", True))}
 
-    def server_payloads(self) -> list:
-        """One ``fxpar.runtime.server.ServerPayload`` per CPU summation server of the plan (BytePS), none else."""
-        return server_payloads(self.plan, self.stages[0].joint.meta.get("fxpar_byteps"),
-                               self._host_settings())
+    def extra_ranks(self) -> list:
+        """The ranks the enabled features run beside the workers (``fxpar.feature.ExtraRank``, ranks ``world_size ..``: e.g.
+        CPU summation servers), none else."""
+        return [p for _, p in self._extra_ranks()]
+
+    def _extra_ranks(self) -> list:
+        host = self._host_settings()
+        return [(f, p) for f, section in ((get_feature(n), sec) for n, sec in self.plan.features.items())
+                for p in f.extra_ranks(section, self, host)]
 
     def payload(self, rank: int, n_batches: int = 1, measure_comm: bool = False, record_weights: bool = False,
                 seed: int | None = 0, save_to=None, resume_from=None, measure_memory: bool = False) -> RankPayload:
@@ -397,7 +421,7 @@ class Program:
             from .runtime.checkpoint import CheckpointError, incomplete_message, is_complete
             if not is_complete(resume_from):
                 raise CheckpointError(incomplete_message(resume_from))
-        servers = self.server_payloads()   # BytePS's CPU ranks
+        servers = self.extra_ranks()       # ranks beside the workers (the features')
         n_ranks = self.world_size + len(servers)
         if n_ranks > 1 and cluster is None:
             what = f"program.run_local (world_size={n_ranks})"
@@ -405,14 +429,15 @@ class Program:
             check_local_capacity(n_ranks, self._rank_state_bytes(), what)
         if cluster is not None and cluster.world_size != n_ranks:
             raise InputError(f"run_local(cluster=LocalCluster({cluster.world_size})): this program needs "
-                             f"{n_ranks} ranks ({self.strategy}" + (f" + {len(servers)} CPU server(s)" if servers else "")
+                             f"{n_ranks} ranks ({self.strategy}" + "".join(f" + {n} {what}(s)" for what, n, _, _ in
+                                                                           _extra_counts(servers))
                              + f"); pass a LocalCluster({n_ranks}) or none (run_local then starts its own).")
         args = [(self.payload(r, len(batches), measure_comm, record_weights, seed, save_to, resume_from,
                               measure_memory), batches) for r in range(self.world_size)]
         fn = train
-        if servers:                 # workers tell the servers to stop after their last step
-            fn, stops = run_rank, stop_messages(servers)
-            args = [(p, b, stops) for p, b in args] + [(sp, None) for sp in servers]
+        if servers:                 # workers release the extra ranks after their last step
+            fn = run_rank
+            args = [(p, b, servers) for p, b in args] + [(sp, None) for sp in servers]
         if self.world_size == 1:
             with torch.random.fork_rng(devices=[]):      # the caller's generator is left as it was
                 results = [train(*args[0])]
@@ -510,13 +535,14 @@ class Program:
 
     def runner(self, backend: str | None = None, seed: int | None = 0) -> "RankRunner":
         """Under torchrun (or on an initialised group): join the env:// group and run this rank's part,
-        one ``step(global_batch)`` at a time (``seed`` as in :meth:`run_local`). With BytePS's ``k`` CPU servers
-        the job has ``n + k`` processes: ranks ``n .. n+k-1`` get a :class:`fxpar.runner.ServerRunner` (same
-        surface: the script's ``for b in batches: runner.step(b)`` runs unchanged on them)."""
+        one ``step(global_batch)`` at a time (``seed`` as in :meth:`run_local`). With ``k`` ranks beside the workers
+        (:meth:`extra_ranks`: CPU summation servers) the job has ``n + k`` processes: ranks ``n .. n+k-1`` get their
+        feature's runner (same surface: the script's ``for b in batches: runner.step(b)`` runs unchanged on them)."""
         import os
         import torch.distributed as dist
         self._check_materialized("runner")
-        servers = self.server_payloads()   # BytePS's CPU ranks
+        extra = self._extra_ranks()        # ranks beside the workers (the features')
+        servers = [p for _, p in extra]
         if not dist.is_initialized() and os.environ.get("WORLD_SIZE", "").isdigit():   # refused before the rendezvous
             self._check_world(int(os.environ["WORLD_SIZE"]), servers)
         init_from_env(backend or self.cluster.backend)
@@ -525,10 +551,9 @@ class Program:
             from .errors import StrategyError
             raise StrategyError(f"schedule {self.plan.schedule!r} runs all batches in one window; use "
                                 "run_local(batches), or a synchronous schedule with runner()")
-        mine = [sp for sp in servers if sp.rank == dist.get_rank()]
+        mine = [(f, sp) for f, sp in extra if sp.rank == dist.get_rank()]
         if mine:
-            from .runner import ServerRunner
-            return ServerRunner(mine[0], self)
+            return mine[0][0].extra_runner(mine[0][1], self)
         payload = self.payload(dist.get_rank(), seed=seed)
         # the executor binds each graph to this rank's groups and backend (group names, gloo's gather): on copies,
         # as a rank of run_local gets them, so that program.graphs() keeps showing the program as planned
@@ -536,11 +561,11 @@ class Program:
         return RankRunner(Executor(payload), self)
 
     def _check_world(self, world: int, servers: list) -> None:
-        """torchrun's process count against the program's: its workers, plus BytePS's CPU servers."""
+        """torchrun's process count against the program's: its workers, plus the ranks the features run beside them."""
         need = self.world_size + len(servers)
         if world != need:
-            what = (f"{need} = {self.world_size} workers ({self.strategy}) + {len(servers)} BytePS CPU server(s) "
-                    f"(ClusterSpec(cpu_servers={len(servers)}), ranks {self.world_size}..{need - 1})" if servers
-                    else f"{need}")
+            what = (f"{need} = {self.world_size} workers ({self.strategy})"
+                    + "".join(f" + {n} {label}(s) ({origin + ', ' if origin else ''}ranks {lo}..{hi})"
+                              for label, n, origin, (lo, hi) in _extra_counts(servers)) if servers else f"{need}")
             raise ValueError(f"torchrun started {world} processes but the program needs {what}: use "
                              f"--nproc-per-node {need} (or change the Strategy)")

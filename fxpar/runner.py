@@ -1,5 +1,6 @@
 """What running a program gives back: ``RunResult`` (``program.run_local``) and ``RankRunner``
-(``program.runner()``, one rank of a torchrun job; on a BytePS CPU server rank, ``ServerRunner``)."""
+(``program.runner()``, one rank of a torchrun job; on a rank a feature runs beside the workers, that feature's
+runner)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,14 +9,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from .runtime.launch import shutdown_env_group
-from .runtime.server import join_groups, serve_step
 
 if TYPE_CHECKING:
     from .program import Program
     from .runtime.executor import Executor
-    from .runtime.server import ServerPayload
 
-__all__ = ["RunResult", "RankRunner", "ServerRunner", "GroupExit"]
+__all__ = ["RunResult", "RankRunner", "GroupExit"]
 
 
 @dataclass
@@ -37,8 +36,8 @@ class RunResult:
     steps, its state included (:class:`fxpar.runtime.measure.MemoryTracker`; on CUDA this figure would be
     ``torch.cuda.max_memory_allocated``), to set against ``program.estimate().ranks[r].peak_memory_bytes``;
     ``held_memory_bytes``: rank -> the bytes it held when its first step began (state and its microbatches).
-    ``servers`` (BytePS, ``ClusterSpec(cpu_servers=k)``): server rank -> its steps and, per step, the bytes it
-    received and sent (:func:`fxpar.runtime.server.serve_sums`).
+    ``servers``: each rank a feature runs beside the workers (``program.extra_ranks()``) -> what it reported
+    (:meth:`fxpar.feature.ExtraRank.serve`; a CPU summation server: its steps and, per step, the bytes it received and sent).
 
     Each ``run_local`` call starts from the weights the program was built with (the model's, at
     ``parallelize`` time): it does not continue an earlier call. To continue one, save and resume:
@@ -65,7 +64,7 @@ class RunResult:
     state_bytes: dict = field(default_factory=dict)
     peak_memory_bytes: dict = field(default_factory=dict)
     held_memory_bytes: dict = field(default_factory=dict)
-    servers: dict = field(default_factory=dict)     # BytePS: server rank -> what it received and sent per step
+    servers: dict = field(default_factory=dict)     # a rank beside the workers -> what it reported (ExtraRank.serve)
 
     def state_dict(self) -> dict:
         """Trained parameters and buffers, unsharded, under the model's own keys (tied keys included)."""
@@ -122,45 +121,4 @@ class RankRunner(GroupExit):
         parts = [None] * dist.get_world_size()
         mine = self.executor.state_dict() if self.executor.dp_index == 0 or self.executor.zero else {}  # ZeRO: collective
         dist.all_gather_object(parts, mine if self.executor.dp_index == 0 else {})
-        return self.program._full_state(parts)
-
-
-class ServerRunner(GroupExit):
-    """A BytePS CPU summation server's side of a program under torchrun (ranks ``n .. n+k-1``): the surface of
-    :class:`RankRunner`, so one script runs unchanged on every rank. It holds no parameter and takes no batch."""
-
-    def __init__(self, payload: ServerPayload, program: Program):
-        self.payload, self.program = payload, program
-        self._pg = join_groups(payload)       # every group, in the workers' order
-        self.per_step: list = []              # per step the bytes received and sent (RunResult.servers' fields)
-
-    @property
-    def rank(self) -> int:
-        return self.payload.rank
-
-    def step(self, batch=None) -> float:
-        """Serve one step (``batch`` is ignored: the workers push their gradients); then join the workers' loss
-        all-reduce with 0 and return the same global-batch loss they do."""
-        import torch.distributed as dist
-        stat = serve_step(self.payload, self._pg)
-        if stat is None:
-            raise RuntimeError(f"BytePS server rank {self.rank} ({self.payload.name}): runner.step() got the workers' "
-                               "stop, which only run_local sends: under torchrun every rank calls runner.step(batch) "
-                               "once per batch, servers included.")
-        self.per_step.append(stat)
-        t = torch.zeros(1, dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t) / (self.program.plan.microbatches * self.program.dp)
-
-    def save(self, path) -> None:
-        """Nothing to write: a server holds no state (the workers save over their own group)."""
-
-    def load(self, path) -> None:
-        """Nothing to read: a server holds no state (the workers load over their own group)."""
-
-    def state_dict(self) -> dict:
-        """The whole model's trained state, as the workers' runners return it. Collective: every rank calls it."""
-        import torch.distributed as dist
-        parts = [None] * dist.get_world_size()
-        dist.all_gather_object(parts, {})
         return self.program._full_state(parts)

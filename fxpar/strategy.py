@@ -35,7 +35,7 @@ class Strategy:
     bucket_cap_mb: gradient bucket size for data parallelism. None (default): DDP's 25 MB, except under
         ``grad_sync="herring"``, where the planner picks it from the cost model's simulation of the step
         (Herring's cross-node step overlaps backward bucket by bucket, so the size matters there;
-        ``Plan.grad_sync["bucket_choice"]`` records every size tried). 0 means one collective per gradient.
+        ``Plan.section("herring").bucket_choice`` records every size tried). 0 means one collective per gradient.
     first_bucket_cap_mb: cap of the first bucket backward fills (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``:
         1 MiB), so the first all_reduce starts early and overlaps the rest of backward. Never above
         ``bucket_cap_mb``.
@@ -167,13 +167,6 @@ class Strategy:
                                 "nothing to shard; set dp > 1 (e.g. Strategy(dp=4, zero=" + str(self.zero) + ")) or zero=0")
         self._check_offload()
         self._check_sharding()
-        if self.grad_sync not in ("allreduce", "herring", "parallax", "byteps"):
-            raise StrategyError(f"Strategy(grad_sync={self.grad_sync!r}): choose 'allreduce', 'herring', 'parallax' or "
-                                "'byteps'")
-        if self.grad_sync != "allreduce" and (self.zero or self.pp > 1 or self.comm_schedule != "fifo"):
-            raise StrategyError(f"Strategy(grad_sync={self.grad_sync!r}) with zero={self.zero}, pp={self.pp}, "
-                                f"comm_schedule={self.comm_schedule!r}: {self.grad_sync} is built for data parallelism "
-                                "alone with FIFO buckets; drop the others or use grad_sync='allreduce'")
         if self.bucket_cap_mb is not None and (not isinstance(self.bucket_cap_mb, (int, float))
                                                or self.bucket_cap_mb < 0):
             raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
@@ -189,7 +182,21 @@ class Strategy:
             raise StrategyError(f"Strategy(schedule={self.schedule!r}): choose one of {_SCHEDULES}, or pass a "
                                 "fxpar.schedule.Schedule or its text (starting with its '# schedule ...' header)")
         self._check_options()
-        _feature_registry.check_strategy(self)      # each enabled feature's options, requires and conflicts
+        on = _feature_registry.check_strategy(self)      # each enabled feature's options, requires and conflicts
+        self._check_shared(on)
+
+    def _check_shared(self, on: list) -> None:
+        """A field several features share (``grad_sync``: one method each), off its default: an enabled feature
+        must carry its value out."""
+        sharing = {}
+        for f in _feature_registry.registered_features():
+            for name in f.enabled_by:
+                sharing.setdefault(name, []).append(f.name)
+        for name, names in sharing.items():
+            v, default = getattr(self, name), _DEFAULTS[name]
+            if v != default and not any(name in f.enabled_by for f in on):
+                raise StrategyError(f"Strategy({name}={v!r}): choose {default!r} (the default) or a method a "
+                                    f"registered feature carries out: {', '.join(repr(n) for n in names)}")
 
     def _check_options(self) -> None:
         """Every key of ``options`` is an option a registered feature owns."""
@@ -364,6 +371,7 @@ class Strategy:
 
 
 _FIELDS = {f.name for f in fields(Strategy)}
+_DEFAULTS = {f.name: f.default for f in fields(Strategy)}
 _feature_registry._CORE_OPTIONS.update(_FIELDS - {"options"})
 _dataclass_init = Strategy.__init__
 

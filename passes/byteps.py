@@ -1,7 +1,7 @@
 """BytePS's gradient sum over CPU summation servers (Jiang et al., OSDI'20), on the dp buckets.
 
 ``ClusterSpec(cpu_servers=k)`` adds ``k`` CPU-only ranks after the ``n`` workers; each sums one partition of
-every bucket. The planner records each server's share, ``2(n-1)/(n²+kn-2k)`` (``Plan.grad_sync``; the
+every bucket. The planner records each server's share, ``2(n-1)/(n²+kn-2k)`` (``Plan.section("byteps")``; the
 derivation is in :mod:`cost_models.byteps_traffic`): it balances the bytes a worker sends (its pushes plus the workers'
 all-reduce of the rest) against the bytes a server sends (the sums pulled by every worker). A bucket of ``V``
 elements keeps its first ``W = V - k·P`` elements on the workers' all-reduce and cuts the rest into ``k``
@@ -108,17 +108,17 @@ class _Bucket:
 
 
 class ServerSum(Pass):
-    """Carry out ``Plan.grad_sync`` of method ``byteps``: each bucket split between the workers' all-reduce and
+    """Carry out ``Plan.section("byteps")``: each bucket split between the workers' all-reduce and
     the CPU servers' push/pull, by the share the planner recorded."""
     name = "byteps"
     requires = ("bucket",)
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        gs = ctx.plan.grad_sync or {}
-        if gs.get("method") != "byteps" or not gs.get("servers"):
+        section = ctx.plan.section("byteps")
+        if section is None or not section.servers:
             return PassResult(gm, False)
         g = gm.graph
-        n, servers = int(gs["workers"]), list(gs["servers"])
+        n, servers = int(section.workers), list(section.servers)
         k = len(servers)
         workers = tuple(ctx.plan.group_of("dp", ctx.rank))
         buckets = [x for x in g.nodes if x.op == "call_function" and x.target is C10D.all_reduce_.default

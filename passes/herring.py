@@ -3,7 +3,7 @@
 Herring sums gradients through parameter servers with *balanced fusion buffers*: each bucket is cut into
 equal shards, one per server, so no server carries more than its share; and it reduces within a node before
 crossing the (slower) network between nodes. Here every rank is also the server of one shard of each bucket,
-and the three steps are collectives over the plan's ``node`` and ``cross`` groups (``Plan.grad_sync``):
+and the three steps are collectives over the plan's ``node`` and ``cross`` groups (``Plan.section("herring")``):
 
 1. ``reduce_scatter`` within the node: each of the node's L ranks receives the node's sum of its shard
    (the bucket padded with zeros to a multiple of L: every shard has exactly ceil(V/L) elements);
@@ -13,7 +13,7 @@ and the three steps are collectives over the plan's ``node`` and ``cross`` group
 
 The pass replaces each bucket's ``all_reduce_`` (passes/bucket.py); the reduce-scatter starts where the
 all-reduce did, right after the bucket's last gradient (its *ready point* R_b). Where steps 2-3 run is
-``Plan.grad_sync["overlap"]``, a choice kept in the Plan so that one run can time both: the planner sets True
+``Plan.section("herring").overlap``, a choice kept in the Plan so that one run can time both: the planner sets True
 (benchmarks/bench_param_server.py, "herring at wait" = False: with 6 buckets, ``--bucket-mb 4``, 0.78-0.91x the
 step at 2 Gbit/s-500 Mbit/s in two quiet runs; uncapped, and with 25 MB buckets (2 buckets: nothing to overlap),
 equal within noise). Edit a Plan to False for the old placement:
@@ -180,8 +180,8 @@ class HierarchicalReduce(Pass):
     requires = ("bucket",)
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        gs = ctx.plan.grad_sync or {}
-        if gs.get("method") != "herring":
+        section = ctx.plan.section("herring")
+        if section is None:
             return PassResult(gm, False)
         g = gm.graph
         node_ranks = ctx.plan.group_of("node", ctx.rank)
@@ -189,9 +189,9 @@ class HierarchicalReduce(Pass):
         buckets = [x for x in g.nodes if x.op == "call_function" and x.target is C10D.all_reduce_.default
                    and M.get(x, M.BUCKET) is not None and M.get(x, M.COMM).axis == "dp"]
         chains = [_three_steps(g, ar, node_ranks, cross_ranks) for ar in buckets]
-        overlap = gs.get("overlap", True)
+        overlap = section.overlap
         if not isinstance(overlap, bool):
-            raise ValueError(f"Plan.grad_sync['overlap'] = {overlap!r}: set True (each bucket's cross-node sum and "
+            raise ValueError(f"Plan.section('herring').overlap = {overlap!r}: set True (each bucket's cross-node sum and "
                              "gather start during backward) or False (both after backward)")
         if overlap:
             _chain_early(g, chains)

@@ -8,7 +8,7 @@ from the traffic each route costs per worker (Parallax §3, w = row width, V = r
     dense  (ring all-reduce of the whole variable):  2 (N-1)/N · V · w
 
 :func:`classify` decides it per gradient from the captured graph (``u`` is bounded by the tokens of the
-rank's batch, the only static bound), the planner records it (``Plan.grad_sync``), and the pass carries
+rank's batch, the only static bound), the planner records it (``Plan.section("parallax")``), and the pass carries
 it out. The sparse route here has no separate server processes: every rank all-gathers every rank's
 (index, per-token row) pairs and sums them into the gradient with ``index_add`` -- each rank acts as the
 server of the whole variable. Dense gradients stay in the DDP-style buckets. Before / after::
@@ -26,7 +26,7 @@ One all-gather carries both halves of every pair (a step pays each collective's 
 2-core machine a small one costs 0.4-1.5 ms back to back: more than the bytes).
 
 The update then goes one of two ways (:func:`update_routes` decides, the planner records it in
-``Plan.grad_sync["sparse_update"]``). Where the traced optimizer's update of the parameter is linear in the
+``Plan.section("parallax").sparse_update``). Where the traced optimizer's update of the parameter is linear in the
 gradient and leaves a row with zero gradient unchanged -- plain SGD, ``p - lr * g``: no momentum, no weight
 decay -- the pairs go straight into the touched rows and the dense gradient is never made (route ``rows``;
 the parameter is cut out of the optimizer's ``_foreach_`` lists and its gradient is no longer a graph
@@ -274,8 +274,8 @@ def _row_update(gm, ctx, key, chain, wa, wr, mod):
     g, avg = gm.graph, chain[3]
     param = _param_node(gm, key)
     found = _sgd_update(avg, param)
-    fix = (f"set Plan.grad_sync['sparse_update'][{key!r}]['route'] to 'dense' (or delete 'sparse_update' and let "
-           "the planner decide)")
+    fix = (f"set Plan.section('parallax').sparse_update[{key!r}]['route'] to 'dense' (or set sparse_update to None "
+           "and let the planner decide)")
     if isinstance(found, str):
         raise PassError(f"parallax: the plan updates {key} in its touched rows only, but {found}; {fix}, or train "
                         "with plain SGD (no momentum, no weight decay)")
@@ -309,21 +309,21 @@ def _row_update(gm, ctx, key, chain, wa, wr, mod):
 
 
 class SparseGradSync(Pass):
-    """Carry out ``Plan.grad_sync["sparse"]``: those gradients travel as (row index, row) pairs; each one's
-    update follows ``Plan.grad_sync["sparse_update"]`` (``rows``: into the touched rows; else dense)."""
+    """Carry out ``Plan.section("parallax").sparse``: those gradients travel as (row index, row) pairs; each one's
+    update follows its ``sparse_update`` (``rows``: into the touched rows; else dense)."""
     name = "parallax"
     requires = ("data_parallel",)
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        gs = ctx.plan.grad_sync or {}
-        keys = gs.get("sparse", []) if gs.get("method") == "parallax" else []
+        section = ctx.plan.section("parallax")
+        keys = list(section.sparse) if section is not None else []
         if not keys:
             return PassResult(gm, False)
         g = gm.graph
         n = ctx.plan.dp
         ranks = ctx.plan.group_of("dp", ctx.rank)
         chains = grad_sync_chains(gm)
-        routes = {k: (gs.get("sparse_update") or {}).get(k, {}).get("route", "dense") for k in keys}
+        routes = {k: (section.sparse_update or {}).get(k, {}).get("route", "dense") for k in keys}
         for key in keys:
             chain = chains[key]
             wa, wr, mod = _gather_pairs(g, chain, n, ranks)

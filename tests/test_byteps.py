@@ -54,7 +54,7 @@ def test_byteps_matches_single_process_and_the_formula(clusters, dp, k):
             for calls in res.comm_calls[r]:
                 assert calls == [("all_reduce", v * F64) for v in vs]
         return
-    assert prog.plan.grad_sync["server_share"] == pytest.approx(_share(dp, k), abs=1e-15)
+    assert prog.plan.section("byteps").server_share == pytest.approx(_share(dp, k), abs=1e-15)
     split = [_expected_split(v, dp, k) for v in vs]
     assert all(abs(p - v * _share(dp, k)) <= 0.5 for v, (_, p) in zip(vs, split))
     # measured on each worker, per step and bucket: the workers' all-reduce of W, then per server (its go first,

@@ -92,7 +92,7 @@ def _backward_compute(gm):
 
 @pytest.mark.structure
 def test_herring_cross_node_sum_overlaps_backward():
-    """Plan.grad_sync["overlap"] (the planner's default): every bucket but the last has its cross-node all-reduce
+    """Plan.section("herring").overlap (the planner's default): every bucket but the last has its cross-node all-reduce
     issued before the last backward node and before the next bucket's reduce-scatter, with backward compute
     between its issue and its wait, which comes after that next reduce-scatter; its all-gather (all but the last
     two buckets) is issued during backward and waited before the reduce-scatter two buckets on. The in-node
@@ -102,7 +102,7 @@ def test_herring_cross_node_sum_overlaps_backward():
     spec = fxpar.ClusterSpec.local(4, **TWO_NODES)
     prog = fxpar.parallelize(model, spec, batches[0], F.mse_loss, SGD_M,
                              strategy=fxpar.Strategy(dp=4, grad_sync="herring", bucket_cap_mb=0.002))
-    assert prog.plan.grad_sync["overlap"] is True
+    assert prog.plan.section("herring").overlap is True
     gm = prog.graphs(0)["step"]
     order = {x: i for i, x in enumerate(gm.graph.nodes)}
     bwd = [order[x] for x in _backward_compute(gm)]
@@ -121,7 +121,7 @@ def test_herring_cross_node_sum_overlaps_backward():
         assert wait < issue                                # one in-node collective in flight at a time
 
     plan = fxpar.Plan.from_json(prog.plan.to_json())
-    plan.grad_sync["overlap"] = False
+    plan.section("herring").overlap = False
     late = fxpar.parallelize(model, spec, batches[0], F.mse_loss, SGD_M,
                              strategy=fxpar.Strategy(dp=4, grad_sync="herring", bucket_cap_mb=0.002), plan=plan)
     lgm = late.graphs(0)["step"]
@@ -129,8 +129,8 @@ def test_herring_cross_node_sum_overlaps_backward():
     last = lorder[_backward_compute(lgm)[-1]]
     assert all(lorder[x] > last for _, _, x, _, _, _ in _steps_per_bucket(lgm))
     assert _comm(lgm) == _comm(gm)
-    plan.grad_sync["overlap"] = "yes"
-    with pytest.raises(fxpar.PassError, match=r"Plan.grad_sync\['overlap'\] = 'yes': set True"):
+    plan.section("herring").overlap = "yes"
+    with pytest.raises(fxpar.PassError, match=r"Plan.section\('herring'\).overlap = 'yes': set True"):
         fxpar.parallelize(model, spec, batches[0], F.mse_loss, SGD_M,
                           strategy=fxpar.Strategy(dp=4, grad_sync="herring", bucket_cap_mb=0.002), plan=plan)
 
@@ -170,7 +170,7 @@ def test_herring_bucket_size_is_chosen_on_the_cost_model():
     from dataclasses import replace
 
     from fxpar.cluster import LinkSpec
-    from fxpar.planner_comm import HERRING_BUCKET_MB
+    from fxpar.features.herring import HERRING_BUCKET_MB
     torch.manual_seed(0)
     model = GPT(vocab=1024, d=256, layers=2, heads=4, max_seq=32)          # 1.9M parameters, 7.3 MiB of gradients
     batch = (torch.randint(0, 1024, (8, 32)), torch.randint(0, 1024, (8, 32)))
@@ -181,7 +181,7 @@ def test_herring_bucket_size_is_chosen_on_the_cost_model():
         return fxpar.parallelize(model, cluster, batch, gpt_loss, ADAMW,
                                  strategy=fxpar.Strategy(dp=4, grad_sync="herring", **kw))
     prog = build()
-    choice = prog.plan.grad_sync["bucket_choice"]
+    choice = prog.plan.section("herring").bucket_choice
     tried = {float(mb): t for mb, t in choice["tried"].items()}
     assert choice["by"] == "cost model" and sorted(tried) == sorted(float(mb) for mb in HERRING_BUCKET_MB)
     least = min(tried.values())
@@ -191,8 +191,8 @@ def test_herring_bucket_size_is_chosen_on_the_cost_model():
     assert len(buckets) > 1 and all(sum(sizes[k] for k in b) <= choice["cap_bytes"] or len(b) == 1 for b in buckets)
     assert prog.plan.bucket_cap_bytes == choice["cap_bytes"] and any("Herring buckets of" in n for n in prog.plan.notes)
     given = build(bucket_cap_mb=25)
-    assert given.plan.grad_sync["bucket_choice"] == {"by": "given", "cap_bytes": 25 * 2**20}
+    assert given.plan.section("herring").bucket_choice == {"by": "given", "cap_bytes": 25 * 2**20}
     assert len(given.plan.buckets[0]) < len(buckets)
     again = fxpar.parallelize(model, cluster, batch, gpt_loss, ADAMW, strategy=fxpar.Strategy(dp=4, grad_sync="herring"),
                               plan=fxpar.Plan.from_json(prog.plan.to_json()))
-    assert again.plan.buckets[0] == buckets and again.plan.grad_sync["bucket_choice"] == choice
+    assert again.plan.buckets[0] == buckets and again.plan.section("herring").bucket_choice == choice

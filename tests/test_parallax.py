@@ -30,13 +30,13 @@ def test_parallax_matches_single_process(clusters, dp, opt):
     ref_losses, ref_state = reference_training(model, batches, F.cross_entropy, opt)
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL
     assert max_abs_diff(res.state_dict(), ref_state) < TOL
-    routes = prog.plan.grad_sync["routes"]
+    routes = prog.plan.section("parallax").routes
     # the big table: 2·u·w (u <= 40/dp tokens per rank) against 2(N-1)/N·V·w; the 6-row table is cheaper all-reduced
     assert routes["emb.weight"]["route"] == "sparse" and routes["pos.weight"]["route"] == "dense"
-    assert prog.plan.grad_sync["sparse"] == ["emb.weight"]
+    assert prog.plan.section("parallax").sparse == ["emb.weight"]
     assert not any("emb.weight" in b for b in prog.plan.buckets[0])
     # AdamW's moments / SGD's momentum buffer move rows with zero gradient: the dense gradient stays
-    upd = prog.plan.grad_sync["sparse_update"]["emb.weight"]
+    upd = prog.plan.section("parallax").sparse_update["emb.weight"]
     assert upd["route"] == "dense" and ("AdamW" in upd["why"] if opt is ADAMW else "momentum=0.9" in upd["why"])
     step = prog.graphs(0)["step"]
     dense = [x for x in step.graph.nodes if x.target is aten.index_add.default]
@@ -58,7 +58,7 @@ def test_parallax_all_dense_when_the_table_is_small(clusters):
     model, batches = Bag(vocab=8).double(), bag_batches(2, vocab=8)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M,
                              strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
-    assert prog.plan.grad_sync["sparse"] == []
+    assert prog.plan.section("parallax").sparse == []
     assert not any(x.meta["fxpar_comm"].kind == "all_gather" for x in collective_nodes(prog.graphs(0)["step"]))
     res = prog.run_local(batches, cluster=clusters.get(2))
     ref_losses, _ = reference_training(model, batches, F.cross_entropy, SGD_M)
@@ -136,7 +136,7 @@ def test_parallax_sgd_updates_only_the_touched_rows(clusters, dp):
     model, batches = Bag().double(), _dup_batches(3)
     prog = fxpar.parallelize(model, dp, batches[0], F.cross_entropy, SGD,
                              strategy=fxpar.Strategy(dp=dp, grad_sync="parallax"))
-    upd = prog.plan.grad_sync["sparse_update"]
+    upd = prog.plan.section("parallax").sparse_update
     assert list(upd) == ["emb.weight"] and upd["emb.weight"]["route"] == "rows"
     text = prog.explain()
     assert "emb.weight" in text and "update rows: plain SGD" in text
@@ -173,7 +173,7 @@ def test_parallax_dense_update_for_other_optimizers(opt, why):
     model, batches = Bag().double(), bag_batches(1)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, opt,
                              strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
-    upd = prog.plan.grad_sync["sparse_update"]["emb.weight"]
+    upd = prog.plan.section("parallax").sparse_update["emb.weight"]
     assert upd["route"] == "dense" and why in upd["why"]
     step = prog.graphs(0)["step"]
     assert not any(x.target is aten.index_add_.default for x in step.graph.nodes)
@@ -186,7 +186,7 @@ def test_parallax_microbatches_keep_the_dense_update(clusters):
     model, batches = Bag().double(), _dup_batches(2)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD,
                              strategy=fxpar.Strategy(dp=2, microbatches=2, grad_sync="parallax"))
-    upd = prog.plan.grad_sync["sparse_update"]["emb.weight"]
+    upd = prog.plan.section("parallax").sparse_update["emb.weight"]
     assert upd["route"] == "dense" and "microbatches=2" in upd["why"]
     res = prog.run_local(batches, cluster=clusters.get(2))
     ref_losses, ref_state = reference_training(model, batches, F.cross_entropy, SGD)
@@ -200,7 +200,7 @@ def test_parallax_refuses_a_rows_update_the_optimizer_does_not_allow():
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M,
                              strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
     plan = fxpar.Plan.from_json(prog.plan.to_json())
-    plan.grad_sync["sparse_update"]["emb.weight"]["route"] = "rows"
+    plan.section("parallax").sparse_update["emb.weight"]["route"] = "rows"
     with pytest.raises(fxpar.PassError, match=r"emb\.weight in its touched rows only.*'dense'.*plain SGD"):
         fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M,
                           strategy=fxpar.Strategy(dp=2, grad_sync="parallax"), plan=plan)
@@ -220,7 +220,7 @@ def test_parallax_packs_a_strided_index(clusters):
     torch.manual_seed(0)
     model, batches = StridedBag().double(), bag_batches(3, seq=6)
     prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD, strategy=fxpar.Strategy(dp=2, grad_sync="parallax"))
-    assert prog.plan.grad_sync["sparse"] == ["emb.weight"]
+    assert prog.plan.section("parallax").sparse == ["emb.weight"]
     copies = [x for x in prog.graphs(0)["step"].graph.nodes
               if x.target is aten.clone.default and x.kwargs.get("memory_format") == torch.contiguous_format]
     assert len(copies) == 1 and copies[0].users and next(iter(copies[0].users)).target is aten.reshape.default

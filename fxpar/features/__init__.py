@@ -2,3 +2,4 @@
 
 Importing this package registers them (``fxpar.feature`` imports it the first time its registry is read).
 """
+from . import herring, byteps, parallax      # noqa: F401  gradient-sync methods (Strategy(grad_sync=...))

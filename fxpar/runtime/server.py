@@ -1,6 +1,6 @@
 """BytePS's CPU summation servers at run time (Jiang et al., OSDI'20): ranks that only sum.
 
-A program with ``Plan.grad_sync["servers"]`` runs on ``n + k`` ranks: the ``n`` workers run the executor as
+A program with ``Plan.section("byteps").servers`` runs on ``n + k`` ranks: the ``n`` workers run the executor as
 any program does; each of the ``k`` servers runs :func:`serve_sums`, a loop that holds no parameter and takes
 no batch. Step after step it
 
@@ -9,8 +9,9 @@ no batch. Step after step it
    the ``n`` pushes (``all_to_all_single`` over its group, every worker and this server), sums them, and
    sends the sum back to every worker when they pull it.
 
-Under ``run_local`` the loop runs until the workers send the stop after their last step (:func:`run_rank`);
-under torchrun ``program.runner()`` on a server rank is a :class:`fxpar.runner.ServerRunner`, whose
+Under ``run_local`` the loop runs until the workers send the stop after their last step
+(:meth:`ServerPayload.release`); under torchrun ``program.runner()`` on a server rank is a
+:class:`fxpar.features.byteps.ServerRunner`, whose
 ``step(batch)`` serves one step (:func:`serve_step`, the loop's body), so no stop is sent: every rank calls
 ``step`` as often. A server holds no state: checkpoints are the workers' alone, written over their ``dp`` group
 (:mod:`fxpar.runtime.state`), the same files as without servers. The server counts what it receives and sends
@@ -28,37 +29,51 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .executor import comm_priority, group, train
-from ..host import reuse_freed_memory
+from ..feature import ExtraRank
+from .executor import comm_priority, group
 
-__all__ = ["ServerPayload", "server_payloads", "stop_messages", "join_groups", "serve_step", "serve_sums",
-           "run_rank"]
+__all__ = ["ServerPayload", "server_payloads", "stop_messages", "join_groups", "serve_step", "serve_sums"]
 
 
 @dataclass
-class ServerPayload:
+class ServerPayload(ExtraRank):
     """What one server rank needs, picklable."""
+    label = "BytePS CPU server"
     rank: int                      # global rank
     name: str                      # its group's name (``server{j}``)
     ranks: tuple                   # its group: the workers, then this server
     ops: list                      # one step, in issue order: ("go" | "push" | "pull", elements, dtype name)
     groups: list                   # every process group of the program, (name, ranks): every rank creates them
     extra: dict = field(default_factory=dict)
+    n_servers: int = 1             # how many the ClusterSpec asked for
+
+    def origin(self) -> str:
+        return f"ClusterSpec(cpu_servers={self.n_servers})"
+
+    def serve(self) -> dict:
+        return serve_sums(self)
+
+    def release(self) -> None:
+        """A worker's stop to this server after its last step (``stop_messages``)."""
+        for name, ranks, dt in stop_messages([self]):
+            n = len(ranks) - 1
+            dist.all_to_all_single(torch.empty(0, dtype=getattr(torch, dt)), torch.zeros(1, dtype=getattr(torch, dt)),
+                                   [0] * (n + 1), [0] * n + [1], group=group(tuple(ranks), name))
 
 
-def server_payloads(plan, byteps: dict | None, extra: dict | None = None) -> list:
-    """One :class:`ServerPayload` per CPU server of ``plan`` (none without BytePS servers); ``byteps`` is the
-    record ``passes.byteps`` left on the lowered graph (``gm.meta["fxpar_byteps"]``); ``extra``: runtime
-    settings every server gets (``comm_priority``, ``host_memory_reuse``)."""
-    gs = plan.grad_sync or {}
-    servers = list(gs.get("servers", ())) if gs.get("method") == "byteps" else []
+def server_payloads(section, byteps: dict | None, groups: list, extra: dict | None = None) -> list:
+    """One :class:`ServerPayload` per CPU server of the Plan's ``byteps`` section (``fxpar.features.byteps``);
+    ``byteps`` is the record ``passes.byteps`` left on the lowered graph (``gm.meta["fxpar_byteps"]``); ``groups``:
+    every process group of the program (``Plan.all_groups()``); ``extra``: runtime settings every server gets
+    (``comm_priority``, ``host_memory_reuse``)."""
+    servers = list(section.servers)
     ops = (byteps or {}).get("ops", {})
     out = []
     for j, s in enumerate(servers):
         name = f"server{j}"
-        ranks = tuple(gs["groups"][name][0])
+        ranks = tuple(section.groups[name][0])
         out.append(ServerPayload(rank=s, name=name, ranks=ranks, ops=[tuple(o) for o in ops.get(s, ())],
-                                 groups=plan.all_groups(), extra=dict(extra or {})))
+                                 groups=list(groups), extra=dict(extra or {}), n_servers=len(servers)))
     return out
 
 
@@ -128,16 +143,3 @@ def serve_sums(p: ServerPayload) -> dict:
     while (stat := serve_step(p, pg)) is not None:
         per_step.append(stat)
     return {"rank": p.rank, "name": p.name, "steps": len(per_step), "per_step": per_step}
-
-
-def run_rank(payload, batches, stops: list = ()) -> dict:
-    """A rank's work in a run with CPU servers: a server sums (:func:`serve_sums`); a worker trains, then tells
-    every server to stop (``stops``: :func:`stop_messages`)."""
-    if isinstance(payload, ServerPayload):
-        return serve_sums(payload)
-    out = train(payload, batches)
-    for name, ranks, dt in stops:
-        n = len(ranks) - 1
-        dist.all_to_all_single(torch.empty(0, dtype=getattr(torch, dt)), torch.zeros(1, dtype=getattr(torch, dt)),
-                               [0] * (n + 1), [0] * n + [1], group=group(tuple(ranks), name))
-    return out

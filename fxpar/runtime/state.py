@@ -28,8 +28,8 @@ _STASH = "stash."
 
 def _workers(ex) -> tuple:
     """``(rank, size, process group)`` of the ranks that hold the program's state: the whole world, or, with
-    BytePS's CPU servers (ranks after the workers, which hold nothing and never enter a checkpoint's
-    collectives), the workers' ``dp`` group -- so the checkpoint is the one a run without servers writes."""
+    ranks a feature runs beside the workers (CPU summation servers, after the workers, which hold nothing and
+    never enter a checkpoint's collectives), the workers' ``dp`` group -- so the checkpoint is the one a run without servers writes."""
     if not dist.is_initialized():
         return 0, 1, None
     n = (1 + max(r for ranks in ex.p.stage_to_rank for r in ranks)) * ex.width
@@ -40,7 +40,7 @@ def _workers(ex) -> tuple:
     if ("dp", workers) not in ex.p.groups:
         raise RuntimeError(f"rank {ex.rank}: the world has {world} ranks but the program {n} workers, and no group "
                            f"of the program spans the workers {list(workers[:4])}...: a checkpoint is written over "
-                           "the ranks that hold state, and only BytePS (dp alone) runs extra ranks. Launch exactly "
+                           "the ranks that hold state, and only a feature's ranks beside the workers (dp alone) are extra. Launch exactly "
                            f"{n} processes for this program.")
     from .executor import group
     return dist.get_rank(), n, group(workers, "dp")   # created by every rank, servers too (Plan.all_groups)
