@@ -15,11 +15,11 @@ import json
 from .errors import StrategyError
 from .feature import enabled_features
 from .plan import Plan
-from .planner_comm import _record_comm_schedule, _record_grad_sync, plan_buckets, plan_comm_schedule, plan_sparse_routes
+from .planner_comm import _record_grad_sync, plan_buckets, plan_sparse_routes
 from .schedule import Schedule, ScheduleError, get_schedule
 from .strategy import Strategy
 
-__all__ = ["make_plan", "plan_buckets", "plan_sparse_routes", "plan_recompute", "plan_comm_schedule", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
+__all__ = ["make_plan", "plan_buckets", "plan_sparse_routes", "plan_recompute", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
 
 ASYNC = ("pipedream", "2bw")
 DDP_BUCKET_MB = 25.0     # DDP's default bucket_cap_mb, fxpar's when Strategy(bucket_cap_mb=None) and nothing tunes it
@@ -212,7 +212,6 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
         from .zero import zero_keys
         sched = add_unshard(sched, [s for s in range(plan.n_stages) if zero_keys(plan, s)])
     _record_recompute(plan, strategy, base)
-    _record_comm_schedule(plan, strategy, base, asynchronous=plan.schedule in ASYNC)
     for f in enabled_features(strategy):       # each enabled feature decides its section (a handed-back Plan's stays)
         given = base.section(f.name) if base is not None else None
         section = copy.deepcopy(given) if given is not None else f.plan(strategy, plan, cluster)

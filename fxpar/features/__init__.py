@@ -2,3 +2,4 @@
 
 Importing this package registers them (``fxpar.feature`` imports it the first time its registry is read).
 """
+from . import bytescheduler  # noqa: F401  ByteScheduler and the delayed update on its carry
