@@ -4,7 +4,7 @@ Decisions, in order: the schedule and its stage placement; the stage cuts (``pas
 balanced search over module boundaries, or the user's split points, or an edited Plan's cuts); which
 ranks sum which gradients (:func:`grad_groups`: the one place that knows); the gradient buckets of
 each stage (:func:`plan_buckets`, DDP-style, once the stage's joint graph shows backward's order).
-Communication decisions (buckets, ByteScheduler, Herring / BytePS / Parallax) live in
+Communication decisions (buckets, Herring / BytePS / Parallax) live in
 :mod:`fxpar.planner_comm`; their public functions are re-exported here.
 """
 from __future__ import annotations
