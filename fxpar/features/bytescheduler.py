@@ -71,8 +71,8 @@ class ByteSchedulerSection(PlanSection):
     bucket_order = "ByteScheduler's order (priority, pieces, credit; see bytescheduler)"
 
     def lines(self) -> list:
-        mib = lambda v: "tuned" if v is None else f"{v / 2**20:.3g} MiB"      # noqa: E731
-        out = [f"ByteScheduler: pieces of at most {mib(self.partition_bytes)}, credit {mib(self.credit_bytes)}; "
+        mib = lambda v: "tuned per stage" if v is None else f"{v / 2**20:.3g} MiB"      # noqa: E731
+        out = [f"ByteScheduler: partition {mib(self.partition_bytes)}, credit {mib(self.credit_bytes)}; "
                + ("each bucket's wait and update move into the next step, before its first forward use"
                   if self.cross_iteration else f"no cross-iteration overlap ({self.why_not_cross_iteration})")]
         if self.delayed_update:
