@@ -28,7 +28,7 @@ Each cell is reported twice: its mean step (the timed steps' wall time, from the
 last to end them, over their number; the median over rounds: ``bench_capped_link.window_mean``) -- the throughput,
 and the fair figure for cross-iteration overlap, whose step begins by waiting for the previous step's pieces, so
 that per-step times alternate between ranks and steps while the window does not -- and the median of the per-step
-maxima over ranks. The ``compute`` cell (barriers between its steps) is the mean of its steps. Also the cost model's predicted ByteScheduler step (``Plan.comm_schedule['stages'][0]['predicted_step_s']``)
+maxima over ranks. The ``compute`` cell (barriers between its steps) is the mean of its steps. Also the cost model's predicted ByteScheduler step (the Plan's ``bytescheduler`` section, ``stages[0]['predicted_step_s']``)
 against the measured one. The link adds bandwidth limits only (no netem: no latency).
 
     python benchmarks/bench_bytescheduler.py [--rates none,2gbit,1gbit,500mbit] [--steps 5] [--warmup 2] [--rounds 3]
@@ -117,7 +117,7 @@ def main():
           f"{args.steps} timed steps x {args.rounds} rounds per cell; {os.cpu_count()} cores, "
           f"{args.threads or max(1, (os.cpu_count() or 1) // w)} torch threads per rank; torch {torch.__version__}")
     for bps in rates:
-        e = bs[bps][0].plan.comm_schedule["stages"][0]
+        e = bs[bps][0].plan.section("bytescheduler").stages[0]
         go = e["grad_order"]
         print(f"  bytescheduler at {format_rate(bps)}: {len(e['pieces'])} pieces, partition "
               f"{e['partition_bytes'] / 2**20:.3g} MiB, credit {e['credit_bytes'] / 2**20:.3g} MiB, backward order "
@@ -186,7 +186,7 @@ def table(title, med, rates, orders, sweep, bs):
         bo = "".join(f"{med[(bps, f'bs_{o}')] * 1e3:11.1f} | " for o in orders)
         best_mb = min([25.0] + sweep, key=lambda mb: med[(bps, f"ddp{mb:g}")])
         best = med[(bps, f"ddp{best_mb:g}")]
-        pred = bs[bps][0].plan.comm_schedule["stages"][0]["predicted_step_s"]
+        pred = bs[bps][0].plan.section("bytescheduler").stages[0]["predicted_step_s"]
         print(f"{format_rate(bps):>9} | {b * 1e3:9.1f} | {pred * 1e3:9.1f} | {bo}{f * 1e3:10.1f} | {d * 1e3:8.1f} | "
               f"{best * 1e3:7.1f} ({best_mb:g} MB) | {df * 1e3:9.1f} | {bestf * 1e3:7.1f} ({bestf_mb:g} MB) | "
               f"{c * 1e3:7.1f} | {b / d:8.3f} | {b / best:7.3f} | {b / df:9.3f} | {b / bestf:8.3f} | {pred / b:9.3f}")

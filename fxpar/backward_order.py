@@ -1,6 +1,6 @@
 """Backward's node order by data flow alone: the graph analysis behind ``passes.grad_order``.
 
-The planner (``fxpar.planner_comm.plan_comm_schedule``) simulates candidate orders with these functions and the
+The planner (``fxpar.features.bytescheduler.plan_comm_schedule``) simulates candidate orders with these functions and the
 ``grad_order`` pass carries the chosen one out; both read the same definitions here.
 """
 from __future__ import annotations

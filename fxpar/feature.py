@@ -46,7 +46,7 @@ from .roles import Role
 __all__ = ["Feature", "Option", "Slot", "PlanSection", "RankState", "ExtraRank", "register_feature", "registered_features",
            "unregister_feature", "get_feature", "enabled_features", "check_strategy", "section_from_dict", "option_owner", "option_defaults",
            "add_state_input", "add_state_output", "BUILTIN_FEATURES", "STATE_ROLE", "NEW_STATE_ROLE", "state_key",
-           "split_state_key"]
+           "split_state_key", "settle_strategy"]
 
 # The graph roles of a feature's per-rank state: an input ("state", "<feature>.<name>") the rank's RankState
 # provides, and an output ("new_state", "<feature>.<name>") it takes back after the graph ran.
@@ -97,6 +97,8 @@ class PlanSection:
     """Base of a feature's Plan section. Subclass it as a ``@dataclass`` whose fields are JSON values (numbers,
     strings, lists, dicts); ``Plan.to_json`` writes ``dataclasses.asdict`` of it under the feature's name, and
     ``Plan.from_json`` reads it back through :func:`section_from_dict`, refusing unknown fields by name."""
+    # how the feature orders the gradient buckets, for the gradient-sync line of ``print(plan)`` (None: it does not)
+    bucket_order: ClassVar[str | None] = None
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -224,6 +226,10 @@ class Feature:
         """Whether ``strategy`` asks for this feature: by default, any option it owns is set off its default."""
         return any(strategy.option(k) != o.default for k, o in self.options.items())
 
+    def settle(self, strategy) -> None:
+        """Before any check of ``strategy``: set the options this feature's own options imply (an option that
+        needs another one on, say). Default: nothing."""
+
     def validate(self, strategy) -> None:
         """Refuse option values this feature cannot carry out (raise :class:`fxpar.StrategyError` naming them)."""
 
@@ -259,6 +265,16 @@ class Feature:
     def make_passes(self, section) -> list:
         """``[(Slot, Pass)]``: this feature's passes and where each sits in the pass list."""
         return [(slot, make()) for slot, make in self.passes]
+
+    def replaces(self, section) -> tuple:
+        """Names of the core's passes (``fxpar.lower.default_passes``) this feature's passes do the work of: left
+        out of the pass list."""
+        return ()
+
+    def after_split(self, section, parts: dict, joint, ctx) -> dict:
+        """After ``split_graphs`` cut the stage's joint graph ``joint`` (``ctx``: the stage's PassContext) into
+        ``parts`` (``{kind: SplitGraph}``): the graphs the stage runs (more kinds, or others in their place)."""
+        return parts
 
     def rank_info(self, section, program, rank: int):
         """What rank ``rank``'s :class:`RankState` starts from (picklable), or None: no state on that rank."""
@@ -379,6 +395,13 @@ def option_defaults() -> dict:
 def enabled_features(strategy) -> list:
     """The features ``strategy`` enables, in registration order."""
     return [f for f in registered_features() if f.enabled(strategy)]
+
+
+def settle_strategy(strategy) -> None:
+    """Each enabled feature sets the options its own options imply (:meth:`Feature.settle`), before any check."""
+    for f in registered_features():
+        if f.enabled(strategy):
+            f.settle(strategy)
 
 
 def check_strategy(strategy) -> list:

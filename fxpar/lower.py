@@ -42,13 +42,6 @@ def _in_flight(schedule, stage: int) -> int:
     return max(most, 1)
 
 
-def _cross(plan) -> bool:
-    """ByteScheduler's cross-iteration overlap is on (the planner decided: dp > 1, a traced optimizer, a synchronous
-    schedule with one stage per rank)."""
-    cs = plan.comm_schedule or {}
-    return cs.get("method") == "bytescheduler" and bool(cs.get("cross_iteration"))
-
-
 def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
     """The one pass list, read top to bottom: each pass in its :class:`~fxpar.feature.Slot`, the enabled features'
     passes in theirs (in registration order within a slot), the user's passes, and the split last."""
@@ -69,10 +62,6 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
         # what backward still reads from forward goes to host memory and back
         pipeline.append((S.REMAT, OffloadActivations()))
     if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
-        if (plan.comm_schedule or {}).get("method") == "bytescheduler":
-            from passes.grad_order import GradOrder
-            # first: backward makes the gradients in the planned order, which every later pass then follows
-            pipeline.append((S.GRAD_ORDER, GradOrder()))
         # each gradient summed over the ranks the planner named (dp replicas, tied stages)
         pipeline.append((S.GRAD_SYNC, DataParallelGradSync()))
         # fuse those collectives into DDP-style buckets, issued as backward produces them
@@ -83,21 +72,16 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
             pipeline.append((S.SHARD_STATE, ZeroShard()))
             if (plan.offload or {}).get("what"):   # ZeRO-Offload/-Infinity: update on the host, disk read-ahead
                 pipeline.append((S.SHARD_OFFLOAD, ZeroOffload()))
-        if (plan.comm_schedule or {}).get("method") == "bytescheduler":
-            from passes import CommSchedule
-            # after bucket: pieces of its buckets issued by priority under a credit; with cross-iteration the
-            # waits and updates move into the next step's forward
-            pipeline.append((S.COMM_ORDER, CommSchedule(cross_iteration=_cross(plan))))
         # buffers (BatchNorm stats) follow dp-rank 0, as DDP's broadcast_buffers
         pipeline.append((S.BUFFERS, SyncBuffers()))
-    if plan.optimizer.get("traced") and synchronous and not _cross(plan):
-        # (under cross-iteration overlap not here: the split cuts the first-step and drain graphs by data flow,
-        # which an in-place update would hide; passes.comm_schedule and passes.carry_step update in place)
+    if plan.optimizer.get("traced") and synchronous:
         # write the update into the parameter/state buffers, as torch.optim does (not where weight
         # stashing keeps old versions alive: asynchronous schedules)
         pipeline.append((S.OPTIMIZER, ReinplaceOptimizer()))
     for name, section in plan.features.items():      # the enabled features' passes, each in its slot
         pipeline += get_feature(name).make_passes(section)
+    taken = {n for name, section in plan.features.items() for n in get_feature(name).replaces(section)}
+    pipeline = [(slot, p) for slot, p in pipeline if p.name not in taken]   # core passes a feature's passes replace
     pipeline = [p for _, p in sorted(pipeline, key=lambda sp: sp[0])]     # stable: the order above within a slot
     # The user's passes see the finished distributed graph, unless one declares ``before=(...)``
     # naming one of ours: then it goes just ahead of the earliest pass it names.
@@ -124,10 +108,7 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
             roles = {ph.name: role for ph, (role, _) in zip(gm.graph.find_nodes(op="placeholder"),
                                                             captured.signature.inputs)}
             plan_recompute(plan, s, gm, roles, in_flight=_in_flight(schedule, s))
-        if (plan.comm_schedule or {}).get("method") == "bytescheduler":   # buckets, pieces, issue plan of the stage
-            from .planner_comm import plan_comm_schedule
-            plan_comm_schedule(plan, s, captured, cluster, fused=kinds == ("FULL",))
-        # the pass list reads the decisions above (cross-iteration overlap is one)
+        # the pass list reads the decisions above and the features' (Feature.plan_stage)
         pm = PassManager(default_passes(plan, custom_passes, kinds, synchronous), keep_history=keep_history)
         rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
@@ -135,6 +116,8 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
         ctx.store["kinds"] = kinds                          # the graphs the split will cut (passes.zero reads it)
         gm, hist = pm.run(gm, ctx)
         parts = ctx.store["split"]
+        for name, section in plan.features.items():      # graphs a feature derives from the cut ones
+            parts = get_feature(name).after_split(section, parts, gm, ctx)
         for h in hist:
             h.info = {**h.info, "stage": s}
         if keep_history and kinds != ("FULL",):

@@ -54,7 +54,6 @@ class Plan:
     zero: int = 0
     offload: dict = field(default_factory=dict)        # {"what": ["params", "optimizer"], "to": "disk", "dir": path}
     recompute: dict = field(default_factory=dict)
-    comm_schedule: dict = field(default_factory=dict)
     # the enabled features' sections (fxpar.Feature): feature name -> its PlanSection dataclass
     features: dict = field(default_factory=dict)
 
@@ -157,8 +156,8 @@ class Plan:
             how = "sum"
             if self.zero:
                 how = f"reduce-scatter into ZeRO-{self.zero} chunks"
-            order = ("ByteScheduler's order (priority, pieces, credit; see comm_schedule)"
-                     if (self.comm_schedule or {}).get("method") == "bytescheduler" else "issued in backward order")
+            order = next((sec.bucket_order for sec in self.features.values() if sec.bucket_order),
+                         "issued in backward order")
             lines.append(f"gradient sync: {how} over each gradient's group in {n_b} bucket(s) (cap "
                          f"{self.bucket_cap_bytes / 2**20:.3g} MiB, the first {min(self.first_bucket_cap_bytes, self.bucket_cap_bytes) / 2**20:.3g} MiB), "
                          f"{order}; the mean's 1/dp is folded into backward's seed")

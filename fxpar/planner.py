@@ -4,8 +4,8 @@ Decisions, in order: the schedule and its stage placement; the stage cuts (``pas
 balanced search over module boundaries, or the user's split points, or an edited Plan's cuts); which
 ranks sum which gradients (:func:`grad_groups`: the one place that knows); the gradient buckets of
 each stage (:func:`plan_buckets`, DDP-style, once the stage's joint graph shows backward's order).
-Communication decisions (buckets, ByteScheduler) live in :mod:`fxpar.planner_comm`; their public functions are
-re-exported here. Each enabled feature (``fxpar.features``) decides its own Plan section at the end.
+Gradient buckets are planned in :mod:`fxpar.planner_comm` (re-exported here). Each enabled feature
+(``fxpar.features``) decides its own Plan section at the end.
 """
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ import json
 from .errors import StrategyError
 from .feature import enabled_features, registered_features
 from .plan import Plan
-from .planner_comm import _record_comm_schedule, plan_buckets, plan_comm_schedule
+from .planner_comm import plan_buckets
 from .schedule import Schedule, ScheduleError, get_schedule
 from .strategy import Strategy
 
-__all__ = ["make_plan", "plan_buckets", "plan_recompute", "plan_comm_schedule", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
+__all__ = ["make_plan", "plan_buckets", "plan_recompute", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
 
 ASYNC = ("pipedream", "2bw")
 DDP_BUCKET_MB = 25.0     # DDP's default bucket_cap_mb, fxpar's when Strategy(bucket_cap_mb=None) and nothing tunes it
@@ -213,7 +213,6 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
         from .zero import zero_keys
         sched = add_unshard(sched, [s for s in range(plan.n_stages) if zero_keys(plan, s)])
     _record_recompute(plan, strategy, base)
-    _record_comm_schedule(plan, strategy, base, asynchronous=plan.schedule in ASYNC)
     for f in enabled_features(strategy):       # each enabled feature decides its section (a handed-back Plan's stays)
         given = base.section(f.name) if base is not None else None
         section = (f.adopt(copy.deepcopy(given), strategy, plan, cluster) if given is not None

@@ -117,7 +117,7 @@ class RankRunner(GroupExit):
     def state_dict(self) -> dict:
         """The whole model's trained state under its own keys. Collective: every rank must call it."""
         import torch.distributed as dist
-        self.executor.drain()                 # cross-iteration overlap: apply the last step's update first
+        self.executor.drain()                 # what the features hold in flight (a carried update) first
         parts = [None] * dist.get_world_size()
         mine = self.executor.state_dict() if self.executor.dp_index == 0 or self.executor.zero else {}  # ZeRO: collective
         dist.all_gather_object(parts, mine if self.executor.dp_index == 0 else {})

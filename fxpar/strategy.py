@@ -14,7 +14,6 @@ if TYPE_CHECKING:
 __all__ = ["Strategy"]
 
 _RECOMPUTE = ("none", "full", "selective", "auto")
-_COMM_SCHEDULES = ("fifo", "bytescheduler")
 _SHARDINGS = ("auto", "megatron", "annotations")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "pipedream", "2bw", "chimera", "single")
 
@@ -94,7 +93,7 @@ class Strategy:
         synchronous schedule with one stage per rank, pipelines and microbatches included -- each bucket's wait and
         update move into the next step, before its first use there).
     partition_mb, credit_mb: ByteScheduler's piece size and bytes in flight, in MiB; None: chosen by the cost
-        model's simulation of the cluster (recorded in ``Plan.comm_schedule``).
+        model's simulation of the cluster (recorded in the Plan's ``bytescheduler`` section).
     grad_order: under ByteScheduler's cross-iteration overlap, the order backward makes the gradients
         (``passes/grad_order.py``): ``"natural"`` (as traced), ``"priority"`` (the next forward's need order: the
         input gradients first, then each layer's weight gradients, first layers first), or None: the cost model
@@ -135,13 +134,7 @@ class Strategy:
     options: dict = field(default_factory=dict)    # options of registered features (fxpar.Feature), by name
 
     def __post_init__(self):
-        if self.delayed_update:
-            if self.dp == 1 or self.pp > 1 or self.microbatches > 1:
-                raise StrategyError(f"Strategy(delayed_update=True) with dp={self.dp}, pp={self.pp}, microbatches="
-                                    f"{self.microbatches}: the delayed update is built for data parallelism (dp > 1, "
-                                    "with or without ZeRO), one stage, one microbatch")
-            self.comm_schedule = "bytescheduler"     # the update crosses the step boundary on ByteScheduler's carry
-        self._check_comm_schedule()
+        _feature_registry.settle_strategy(self)     # options other options imply, before any check
         for name in ("dp", "tp", "pp", "microbatches"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
@@ -227,53 +220,6 @@ class Strategy:
             return self.option(name)
         except AttributeError:
             raise AttributeError(f"'Strategy' object has no attribute {name!r}") from None
-
-    def _check_comm_schedule(self) -> None:
-        if self.comm_schedule not in _COMM_SCHEDULES:
-            raise StrategyError(f"Strategy(comm_schedule={self.comm_schedule!r}): choose one of {_COMM_SCHEDULES} ('fifo': "
-                                "DDP-style buckets in backward order; 'bytescheduler': priority, partitions, credit and "
-                                "cross-iteration overlap, passes/comm_schedule.py)")
-        for name in ("partition_mb", "credit_mb"):
-            v = getattr(self, name)
-            if v is None:
-                continue
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0:
-                raise StrategyError(f"Strategy({name}={v!r}): a positive number of MiB, or None (tuned by the cost model)")
-            if self.comm_schedule != "bytescheduler":
-                raise StrategyError(f"Strategy({name}={v!r}) is a ByteScheduler setting: add comm_schedule='bytescheduler' "
-                                    "or drop it")
-        if self.grad_order is not None:
-            if self.grad_order not in ("natural", "priority"):
-                raise StrategyError(f"Strategy(grad_order={self.grad_order!r}): choose 'natural', 'priority', or None "
-                                    "(the cost model chooses)")
-            if self.comm_schedule != "bytescheduler":
-                raise StrategyError(f"Strategy(grad_order={self.grad_order!r}) is a ByteScheduler setting (the order "
-                                    "backward makes the gradients it sends): add comm_schedule='bytescheduler' or drop it")
-        if self.cross_iteration is not None:
-            if not isinstance(self.cross_iteration, bool):
-                raise StrategyError(f"Strategy(cross_iteration={self.cross_iteration!r}): True, False, or None (the cost "
-                                    "model decides)")
-            if self.comm_schedule != "bytescheduler":
-                raise StrategyError(f"Strategy(cross_iteration={self.cross_iteration!r}) is a ByteScheduler setting (each "
-                                    "step's gradient waits and updates moved into the next step): add "
-                                    "comm_schedule='bytescheduler' or drop it")
-            if not self.cross_iteration and self.delayed_update:
-                raise StrategyError("Strategy(delayed_update=True, cross_iteration=False): the delayed update carries each "
-                                    "step's update into the next step, which is cross-iteration: drop cross_iteration")
-            if not self.cross_iteration and self.grad_order == "priority":
-                raise StrategyError("Strategy(grad_order='priority', cross_iteration=False): backward's need order serves "
-                                    "the next step's forward, which only cross-iteration overlap waits on: drop one of them")
-        if self.comm_schedule == "bytescheduler" and getattr(self, "zero", 0):
-            if not getattr(self, "delayed_update", False):
-                raise StrategyError(f"Strategy(comm_schedule='bytescheduler', zero={self.zero}): ByteScheduler's priority, "
-                                    "partitions and credit order all-reduce buckets and are not yet composed with ZeRO's "
-                                    "reduce-scatter; use ZeRO with comm_schedule='fifo' (delayed_update=True does compose "
-                                    "with ZeRO: it carries each bucket's reduce-scattered gradient chunk)")
-            if self.partition_mb is not None or self.credit_mb is not None:
-                raise StrategyError(f"Strategy(zero={self.zero}, delayed_update=True, partition_mb={self.partition_mb}, "
-                                    f"credit_mb={self.credit_mb}): partitions and credit are ByteScheduler's, for "
-                                    "all-reduce pieces; under ZeRO the carried pieces are its reduce-scatter buckets "
-                                    "(bucket_cap_mb): drop partition_mb and credit_mb")
 
     def _check_sharding(self) -> None:
         if isinstance(self.sharding, dict):

@@ -11,9 +11,10 @@ of the earlier stages; on the stage itself, the first layers' forward runs while
 still on the wire. The math is synchronous SGD: the update of step t happens before any forward of step t+1
 reads those parameters, with step t's gradients, learning rate and count.
 
-:func:`carry_step` prepares the joint graph (the optimizer's ``_foreach`` ops cut per bucket, the plan's need
-events recorded); ``split_graphs`` cuts ``F``/``B``/``REDUCE_GRAD``/``STEP`` as always and then builds
-``F_UPDATE`` from ``F`` and ``STEP`` (:func:`carry_forward`). The runtime (``fxpar/runtime/carry.py``) keeps
+:func:`passes.comm_schedule.carry_step` prepares the joint graph (the optimizer's ``_foreach`` ops cut per bucket,
+the plan's need events recorded); ``split_graphs`` cuts ``F``/``B``/``REDUCE_GRAD``/``STEP`` as always, and then
+the feature (``fxpar.features.bytescheduler``, after the split) builds ``F_UPDATE`` from ``F`` and ``STEP``
+(:func:`carry_forward`). The runtime (the feature's ``Carry`` state) keeps
 STEP's inputs at the STEP action, runs ``F_UPDATE`` for the stage's first F of the next step, and ``STEP`` itself
 to drain (after the last step, before results, state_dict and checkpoints).
 
@@ -38,36 +39,21 @@ from fxpar import meta as M
 from fxpar.collectives import C10D
 from fxpar.errors import PassError
 
-__all__ = ["carry_step", "carry_forward"]
+from .comm_schedule import reinplaced
+from .split_graphs import SplitGraph
+
+__all__ = ["carry_forward"]
 
 _COLL = (C10D.all_reduce_.default, C10D.wait_tensor.default)
-
-
-def carry_step(gm, pieces, events) -> list:
-    """On the joint graph after ``_place`` (without cross-iteration: need events at the optimizer): cut the
-    optimizer per bucket and record, per need event in the plan's order, its bucket, how many collective ops it
-    has (they sit in ``STEP`` in that order) and the bucket's parameter keys (``gm.meta['fxpar_carry_step']``).
-    Returns the pieces waited in the next step."""
-    from .comm_schedule import _split_foreach, buckets_of_params
-    sig = gm.meta["fxpar_signature"]
-    keys = [k for r, k in sig.inputs if r == "param"]
-    bucket_of_key = buckets_of_params(pieces, keys)
-    _split_foreach(gm, [bucket_of_key[k] for k in keys])
-    need = [[b, len(ops), [k for k in keys if bucket_of_key[k] == b]] for kind, b, ops in events if kind == "need"]
-    gm.meta["fxpar_carry_step"] = need
-    gm.graph.lint()
-    return [p for kind, _, ops in events if kind == "need" for op, p in ops if op == "wait"]
 
 
 def carry_forward(f, step, need, optimizer: dict | None = None) -> dict:
     """``{"F_UPDATE": ..., "STEP": ...}`` (``SplitGraph``s) from the split ``F`` and ``STEP``: see
     :func:`_interleave`; both then update parameters and optimizer state in place (``passes.reinplace``), as the
     programs without overlap do (the interleaving needs the update's results as values, so it comes first)."""
-    from .comm_schedule import _reinplaced
-    from .split_graphs import SplitGraph
     gm, ins, outs = _interleave(f, step, need)
-    return {"F_UPDATE": SplitGraph("F_UPDATE", _reinplaced(gm, ins, optimizer), ins, outs),
-            "STEP": SplitGraph("STEP", _reinplaced(step.gm, list(step.inputs), optimizer), list(step.inputs),
+    return {"F_UPDATE": SplitGraph("F_UPDATE", reinplaced(gm, ins, optimizer), ins, outs),
+            "STEP": SplitGraph("STEP", reinplaced(step.gm, list(step.inputs), optimizer), list(step.inputs),
                                list(step.outputs))}
 
 
@@ -96,7 +82,7 @@ def _interleave(f, step, need) -> tuple:
     colls = [n for n in s_nodes if n.target in _COLL]
     if len(colls) != sum(n for _, n, _ in need):
         raise PassError(f"comm_schedule: the STEP graph has {len(colls)} gradient collectives, the plan's need events "
-                        f"{sum(n for _, n, _ in need)}; plan again (drop Plan.comm_schedule['stages'])")
+                        f"{sum(n for _, n, _ in need)}; plan again (drop the Plan's bytescheduler stages)")
     events, i = [], 0
     for _, n, keys in need:
         roots = colls[i:i + n] + [new_of[k] for k in keys if k in new_of] + [o for k in keys for o in state_of.get(k, [])]

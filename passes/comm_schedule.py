@@ -1,6 +1,6 @@
 """ByteScheduler as a graph pass (Peng et al., SOSP'19): priority, partitions, credit, cross-iteration overlap.
 
-The planner decides (``fxpar.planner_comm.plan_comm_schedule``, simulated by ``cost_models.comm_tuning``): the
+The planner decides (``fxpar.features.bytescheduler.plan_comm_schedule``, simulated by ``cost_models.comm_tuning``): the
 buckets (at most ``partition`` bytes; a bigger single gradient is cut into row pieces), their priority (the
 order the next forward first uses their parameters), the credit, and the issue plan -- at each event of
 the step (a bucket made in backward: ``ready``; a bucket needed: ``need``) which pieces are issued and
@@ -18,12 +18,12 @@ which are waited. This pass carries the plan out on a stage's joint graph, after
    and forward and backward read the updated parameters. A bucket whose pieces the plan expects to have landed
    earlier is updated earlier (an ``("update", bucket)`` op: at the next step's ``start``, before its first
    forward op, or while another bucket's wait would stall), so the optimizer runs in time the rank would
-   otherwise spend waiting. ``split_graphs`` then derives ``FIRST`` (nothing
+   otherwise spend waiting. After ``split_graphs`` the feature derives ``FIRST`` (nothing
    carried in: no update) and ``DRAIN`` (the carried waits and updates only; before results, state_dict
    and checkpoints) from it by data flow (:func:`carry_variants`); the graphs the ranks run then make the
    update in place (``passes.reinplace``), as the other programs do.
    Under a pipeline or with several microbatches (graphs ``F``, ``B``, ``REDUCE_GRAD``, ``STEP``) the stage's
-   ``STEP`` moves instead: its ``_foreach`` ops are cut per bucket here, and ``split_graphs`` adds ``F_UPDATE``,
+   ``STEP`` moves instead: its ``_foreach`` ops are cut per bucket here, and after the split the feature adds ``F_UPDATE``,
    the stage's first forward of the next step with each bucket's carried waits and update just before that
    bucket's first forward op (``passes.carry_step``).
 
@@ -60,7 +60,7 @@ from fxpar.collectives import C10D, insert_all_reduce
 from fxpar.errors import PassError
 from fxpar.pass_manager import Pass, PassContext, PassResult
 
-__all__ = ["CommSchedule", "carry_variants"]
+__all__ = ["CommSchedule", "carry_variants", "carry_step", "buckets_of_params", "split_foreach", "reinplaced"]
 
 aten = torch.ops.aten
 
@@ -94,7 +94,7 @@ def _partition(gm, ctx, b, ar, buf, w, cuts) -> list:
     if len(grads) != 1 or len(w.users) != 1:
         raise PassError(f"comm_schedule: bucket {b} of stage {ctx.stage} is not one gradient's slot (its wait feeds "
                         f"{[u.name for u in w.users]}); only a single-gradient bucket is cut in row pieces: plan the "
-                        "stage again (drop Plan.comm_schedule['stages'])")
+                        "stage again (drop the Plan's bytescheduler stages)")
     grad, (sl,) = grads[0], list(w.users)
     copies = [u for u in buf.users if u.op == "call_function" and u.target is aten.slice.Tensor]
     (view,) = [u for s in copies for u in s.users]
@@ -152,8 +152,9 @@ def _pieces(gm, ctx, entry) -> list:
     out = []
     for b, cuts in by_bucket.items():
         if b not in found:
-            raise PassError(f"comm_schedule: Plan.comm_schedule names bucket {b} of stage {ctx.stage}, which the bucket "
-                            f"pass did not make (buckets {sorted(found)}); plan again (drop Plan.comm_schedule['stages'])")
+            raise PassError(f"comm_schedule: the Plan's bytescheduler section names bucket {b} of stage {ctx.stage}, "
+                            "which the bucket "
+                            f"pass did not make (buckets {sorted(found)}); plan again (drop the Plan's bytescheduler stages)")
         ar, buf, w, last = found[b]
         if cuts == [None]:
             out.append((ar, w, buf, last))
@@ -202,7 +203,7 @@ def _alias_after_copies(g, ar, last_copy) -> None:
     ar.args = (al,) + tuple(ar.args[1:])
 
 
-def _split_foreach(gm, group_of: list) -> None:
+def split_foreach(gm, group_of: list) -> None:
     """Cut every optimizer ``_foreach`` op over all P parameters into one op per group (element-wise ops:
     the same values, bit for bit); ``getitem`` users follow their element."""
     g = gm.graph
@@ -248,7 +249,7 @@ def _cross_iteration(gm, pieces, where, events) -> list:
     ph_of = {k: ph for ph, (r, k) in role.items() if r == "param"}
     new_of = {k: outs[i] for i, (r, k) in enumerate(sig.outputs) if r == "new_param"}
     bucket_of_key = buckets_of_params(pieces, keys)
-    _split_foreach(gm, [bucket_of_key[k] for k in keys])
+    split_foreach(gm, [bucket_of_key[k] for k in keys])
     # carry: each piece leaves this step as it stands after backward, and comes back as an input
     last_ph = phs[-1]
     carry_keys, carry_out, carried_ops = [], [], {}
@@ -294,6 +295,22 @@ def _cross_iteration(gm, pieces, where, events) -> list:
     gm.meta["fxpar_carry"] = True
     return carry_keys
 
+
+
+def carry_step(gm, pieces, events) -> list:
+    """Cross-iteration overlap with split graphs (``passes.carry_step``): on the joint graph after ``_place``
+    (without cross-iteration: need events at the optimizer): cut the
+    optimizer per bucket and record, per need event in the plan's order, its bucket, how many collective ops it
+    has (they sit in ``STEP`` in that order) and the bucket's parameter keys (``gm.meta['fxpar_carry_step']``).
+    Returns the pieces waited in the next step."""
+    sig = gm.meta["fxpar_signature"]
+    keys = [k for r, k in sig.inputs if r == "param"]
+    bucket_of_key = buckets_of_params(pieces, keys)
+    split_foreach(gm, [bucket_of_key[k] for k in keys])
+    need = [[b, len(ops), [k for k in keys if bucket_of_key[k] == b]] for kind, b, ops in events if kind == "need"]
+    gm.meta["fxpar_carry_step"] = need
+    gm.graph.lint()
+    return [p for kind, _, ops in events if kind == "need" for op, p in ops if op == "wait"]
 
 
 def buckets_of_params(pieces, keys: list) -> dict:
@@ -385,7 +402,7 @@ def _move_updates(gm, keys, new_of, bucket_of_key, sig, events, carried_ops) -> 
 
 
 class CommSchedule(Pass):
-    """Carry out ``Plan.comm_schedule`` (ByteScheduler) on a stage's joint graph: see the module docstring."""
+    """Carry out the Plan's ``bytescheduler`` section on a stage's joint graph: see the module docstring."""
     name = "comm_schedule"
     requires = ("bucket",)
 
@@ -393,22 +410,21 @@ class CommSchedule(Pass):
         self.cross_iteration = cross_iteration
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        cs = ctx.plan.comm_schedule or {}
-        if cs.get("delayed_update") and getattr(ctx.plan, "zero", 0):
+        cs = ctx.plan.section("bytescheduler")
+        if cs.delayed_update and getattr(ctx.plan, "zero", 0):
             return self._delay_zero(gm, ctx)
-        stages = cs.get("stages") or []
+        stages = cs.stages
         entry = stages[ctx.stage] if ctx.stage < len(stages) else None
         if not entry or not entry.get("pieces"):
             return PassResult(gm, False)
         pieces = _pieces(gm, ctx, entry)
         if len(pieces) != len(entry["pieces"]):
             raise PassError(f"comm_schedule: stage {ctx.stage} has {len(pieces)} pieces, the plan {len(entry['pieces'])}")
-        gm.meta["fxpar_delayed_update"] = bool(cs.get("delayed_update"))
+        gm.meta["fxpar_delayed_update"] = bool(cs.delayed_update)
         split = tuple(ctx.store.get("kinds", ("FULL",))) != ("FULL",)     # a pipeline, or several microbatches
         where = _place(gm, pieces, entry["events"], self.cross_iteration and not split)
         gm.graph.lint()
         if self.cross_iteration and split:
-            from .carry_step import carry_step
             carry = carry_step(gm, pieces, entry["events"])
         else:
             carry = _cross_iteration(gm, pieces, where, entry["events"]) if self.cross_iteration else []
@@ -457,12 +473,12 @@ def carry_variants(gm, sig) -> dict:
     need = _ancestors([o for o, _ in drain_outs], set())
     drain = _subgraph(gm, [n for n in g.nodes if n in need], role, drain_outs, {}, "DRAIN")
     cfg = gm.meta.get("fxpar_optimizer")
-    steady = _reinplaced(copy.deepcopy(gm), list(sig.inputs), cfg)
+    steady = reinplaced(copy.deepcopy(gm), list(sig.inputs), cfg)
     return {"FULL": (steady, list(sig.inputs), list(sig.outputs)), "FIRST": first,
-            "DRAIN": (_reinplaced(drain[0], drain[1], cfg), drain[1], drain[2])}
+            "DRAIN": (reinplaced(drain[0], drain[1], cfg), drain[1], drain[2])}
 
 
-def _reinplaced(gm, roles, optimizer: dict | None = None):
+def reinplaced(gm, roles, optimizer: dict | None = None):
     """The update in place on the parameter and state buffers (``passes.reinplace``), once the cut by data flow
     is made: the steady step's forward then reads the updated parameter buffer, after the update."""
     from fxpar.pass_manager import PassContext

@@ -10,9 +10,9 @@ With ``passes.zero_offload`` (which runs before) the carried value is each chunk
 soon as its reduce-scatter is waited: the gradients stream to the host in step t and the host update reads them
 in step t+1.
 
-Called by ``passes.comm_schedule`` (whose cross-iteration carry the runtime runs, ``fxpar/runtime/carry.py``)
-after ``passes.zero``; ``passes.split_graphs`` then derives ``FIRST`` (no update) and ``DRAIN`` (only the update)
-from the steady ``FULL`` graph by data flow (``passes.comm_schedule.carry_variants``).
+Called by ``passes.comm_schedule`` (whose cross-iteration carry the runtime runs: ``fxpar.features.bytescheduler``)
+after ``passes.zero``; after ``passes.split_graphs`` the feature derives ``FIRST`` (no update) and ``DRAIN`` (only
+the update) from the steady ``FULL`` graph by data flow (``passes.comm_schedule.carry_variants``).
 """
 from __future__ import annotations
 

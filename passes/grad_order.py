@@ -12,8 +12,8 @@ embedding's and the first block's dW, and the last blocks' dW run while the firs
 (as zero-bubble pipelines split B into B and W; Qi et al., ICLR'24). It moves nodes only: the same ops on
 the same values, bit for bit; dY tensors live longer (the memory estimate sees it: it reads this order).
 
-The planner decides (``fxpar.planner_comm.plan_comm_schedule`` simulates each candidate with
-``cost_models.comm_tuning``, natural included) and writes ``Plan.comm_schedule['stages'][s]['grad_order']``:
+The planner decides (``fxpar.features.bytescheduler.plan_comm_schedule`` simulates each candidate with
+``cost_models.comm_tuning``, natural included) and writes ``grad_order`` into stage s of the Plan's ``bytescheduler`` section:
 ``{"mode": "natural" | "priority" | "hybrid", "keys": [...], "first": j, ...}`` -- ``hybrid`` keeps the
 first ``j`` gradients of backward where they are (they go on the link while the dX chain runs) and moves
 the rest in need order. This pass runs before ``data_parallel`` so that every later pass (buckets, the
@@ -34,19 +34,20 @@ __all__ = ["GradOrder", "backward_region", "reordered_backward", "why_not_reorde
 
 
 class GradOrder(Pass):
-    """Reorder backward so gradients come in ``Plan.comm_schedule['stages'][stage]['grad_order']['keys']``."""
+    """Reorder backward so gradients come in the order the Plan's ``bytescheduler`` section gives (``stages[stage]['grad_order']['keys']``)."""
     name = "grad_order"
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        stages = (ctx.plan.comm_schedule or {}).get("stages") or []
+        section = ctx.plan.section("bytescheduler")
+        stages = section.stages if section is not None else []
         entry = (stages[ctx.stage] if ctx.stage < len(stages) else {}).get("grad_order") or {}
         if entry.get("mode", "natural") == "natural":
             return PassResult(gm, False, {"mode": "natural"})
         why = why_not_reorder(gm)
         if why:
-            raise PassError(f"grad_order: Plan.comm_schedule['stages'][{ctx.stage}]['grad_order'] is "
+            raise PassError(f"grad_order: the Plan's bytescheduler stages[{ctx.stage}]['grad_order'] is "
                             f"{entry['mode']!r}, but backward of stage {ctx.stage} cannot be reordered: {why}. Plan "
-                            "again (drop Plan.comm_schedule['stages']) and the planner keeps the natural order.")
+                            "again (drop the Plan's bytescheduler stages) and the planner keeps the natural order.")
         region = backward_region(gm)
         order = reordered_backward(gm, entry["keys"])
         anchor = region[0].prev

@@ -15,8 +15,6 @@ graph           nodes                                       called
                 bucket copies and the collectives' start    backward (action ``RG``)
 ``STEP``        ``fxpar_phase == "optimizer"`` and          once per step (action ``STEP``)
                 ``fxpar_reduce_grad == "wait"``
-``F_UPDATE``    ``F`` with the previous step's ``STEP``     ByteScheduler's cross-iteration overlap: the
-                interleaved (``passes.carry_step``)         stage's first ``F`` of a step
 ==============  ==========================================  ==========================================
 
 A node without a tag goes with the latest graph among its inputs. What crosses a cut becomes an
@@ -135,11 +133,7 @@ def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
     """Cut ``gm`` (a joint stage graph with ``gm.meta['fxpar_signature']``) into ``{kind: SplitGraph}``."""
     sig = gm.meta["fxpar_signature"]
     if tuple(kinds) == ("FULL",):
-        out = {"FULL": SplitGraph("FULL", gm, list(sig.inputs), list(sig.outputs))}
-        if gm.meta.get("fxpar_carry"):     # cross-iteration (passes.comm_schedule): the first step, and the drain
-            from .comm_schedule import carry_variants
-            out = {k: SplitGraph(k, *v) for k, v in carry_variants(gm, sig).items()}
-        return out
+        return {"FULL": SplitGraph("FULL", gm, list(sig.inputs), list(sig.outputs))}
     split_bw = "I" in kinds
     assigned = _classify(gm, sig, split_bw)
     phs = gm.graph.find_nodes(op="placeholder")
@@ -186,9 +180,6 @@ def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
         outs = list(exports[k].items()) + [(n, rk) for n, rk in joint_out[k]]
         out[k] = SplitGraph(k, _build(gm, k, ins, consts[k], body, outs), [rk for _, rk in ins], [rk for _, rk in outs])
     check_no_read_after_inplace_write(out)
-    if gm.meta.get("fxpar_carry_step"):   # cross-iteration overlap: STEP runs in the next step's first F (passes.carry_step)
-        from .carry_step import carry_forward
-        out.update(carry_forward(out["F"], out["STEP"], gm.meta["fxpar_carry_step"], gm.meta.get("fxpar_optimizer")))
     return out
 
 

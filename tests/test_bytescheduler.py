@@ -71,9 +71,9 @@ def _assert_matches(res, model, batches, loss_fn, opt, **kw):
 @pytest.mark.parametrize("kind", ["gpt", "mlp"])
 def test_cross_iteration_matches_single_process(clusters, kind, opt, dp):
     model, batches, loss_fn, prog = _program(kind, opt, fxpar.Strategy(dp=dp, comm_schedule="bytescheduler", **SMALL))
-    cs = prog.plan.comm_schedule
-    assert cs["cross_iteration"] and set(prog.stages[0].graphs) == {"FULL", "FIRST", "DRAIN"}
-    assert any(r0 is not None for _, r0, _ in cs["stages"][0]["pieces"])       # some gradient is cut in rows
+    cs = prog.plan.section("bytescheduler")
+    assert cs.cross_iteration and set(prog.stages[0].graphs) == {"FULL", "FIRST", "DRAIN"}
+    assert any(r0 is not None for _, r0, _ in cs.stages[0]["pieces"])       # some gradient is cut in rows
     _assert_matches(prog.run_local(batches, cluster=clusters.get(dp)), model, batches, loss_fn, opt)
 
 
@@ -88,19 +88,19 @@ def test_cross_iteration_only_where_the_cost_model_says_it_pays(clusters):
     busy = replace(base, device=replace(base.device, comm_cpu_per_byte=2e-9))        # 2 ms of compute per MiB moved
     model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler"),
                                              cluster=busy)
-    cs, entry = prog.plan.comm_schedule, prog.plan.comm_schedule["stages"][0]
-    assert not cs["cross_iteration"] and "cost model predicts" in cs["why_not_cross_iteration"]
+    cs, entry = prog.plan.section("bytescheduler"), prog.plan.section("bytescheduler").stages[0]
+    assert not cs.cross_iteration and "cost model predicts" in cs.why_not_cross_iteration
     assert entry["predicted_step_s"] <= 1.02 * entry["cross_iteration_predicted_step_s"]
     assert set(prog.stages[0].graphs) == {"FULL"} and "reinplace_optimizer" in [h.pass_name for h in prog.history(0)]
     assert any("no cross-iteration overlap: the cost model predicts" in n for n in prog.plan.notes)
     _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, ADAMW)
     forced = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=True),
                       cluster=busy)[3]
-    assert forced.plan.comm_schedule["cross_iteration"] and "DRAIN" in forced.stages[0].graphs
+    assert forced.plan.section("bytescheduler").cross_iteration and "DRAIN" in forced.stages[0].graphs
     assert "cross_iteration=True" in forced.explain().splitlines()[0]                 # the user's setting, shown
     off = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=False))[3]
-    assert not off.plan.comm_schedule["cross_iteration"] and set(off.stages[0].graphs) == {"FULL"}
-    assert off.plan.comm_schedule["why_not_cross_iteration"] == "Strategy(cross_iteration=False)"
+    assert not off.plan.section("bytescheduler").cross_iteration and set(off.stages[0].graphs) == {"FULL"}
+    assert off.plan.section("bytescheduler").why_not_cross_iteration == "Strategy(cross_iteration=False)"
 
 
 @pytest.mark.numerics
@@ -121,10 +121,10 @@ def test_dp2_pp2_matches_single_process(clusters, opt, m):
     ranks): priority, partitions and credit in each stage's REDUCE_GRAD, and cross-iteration overlap: each stage's
     STEP runs inside its first forward of the next step (F_UPDATE), the last step's in the drain."""
     model, batches, loss_fn, prog = _pp_program(opt, m)
-    cs = prog.plan.comm_schedule
-    assert cs["cross_iteration"] and not cs["why_not_cross_iteration"] and prog.plan.tied and prog.plan.schedule == "1f1b"
+    cs = prog.plan.section("bytescheduler")
+    assert cs.cross_iteration and not cs.why_not_cross_iteration and prog.plan.tied and prog.plan.schedule == "1f1b"
     assert all(set(prog.stages[s].graphs) == {"F", "B", "REDUCE_GRAD", "STEP", "F_UPDATE"} for s in range(2))
-    assert all(len(e["pieces"]) > len(prog.plan.buckets[s]) for s, e in enumerate(cs["stages"]))   # cut in rows
+    assert all(len(e["pieces"]) > len(prog.plan.buckets[s]) for s, e in enumerate(cs.stages))   # cut in rows
     _assert_matches(prog.run_local(batches, cluster=clusters.get(4)), model, batches, loss_fn, opt)
 
 
@@ -133,7 +133,7 @@ def test_microbatches_without_a_pipeline(clusters):
     """One stage, two microbatches (graphs F, B, REDUCE_GRAD, STEP): the same move of STEP into the next first F."""
     model, batches, loss_fn, prog = _program("gpt", SGD_M, fxpar.Strategy(dp=2, microbatches=2,
                                                                           comm_schedule="bytescheduler", **SMALL))
-    assert prog.plan.comm_schedule["cross_iteration"] and "F_UPDATE" in prog.stages[0].graphs
+    assert prog.plan.section("bytescheduler").cross_iteration and "F_UPDATE" in prog.stages[0].graphs
     _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, SGD_M)
 
 
@@ -153,7 +153,7 @@ def test_resume_under_dp_x_pp_is_exact(clusters, tmp_path):
 @pytest.mark.numerics
 def test_tuned_partition_and_credit_are_recorded(clusters):
     model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler"))
-    entry = prog.plan.comm_schedule["stages"][0]
+    entry = prog.plan.section("bytescheduler").stages[0]
     assert entry["tuned"] == {"partition": "cost model", "credit": "cost model", "tried": entry["tuned"]["tried"]}
     best = min(t[2] for t in entry["tuned"]["tried"])       # the chosen setting: within 2% of the best predicted,
     assert entry["predicted_step_s"] <= 1.02 * best          # the largest partition, then credit, among those
@@ -161,7 +161,7 @@ def test_tuned_partition_and_credit_are_recorded(clusters):
     assert (entry["partition_bytes"], entry["credit_bytes"]) == max(near)
     assert entry["credit_bytes"] >= max(b for _, _, b in _piece_bytes(prog))
     again = fxpar.Plan.from_json(prog.plan.to_json())
-    assert again.comm_schedule == prog.plan.comm_schedule
+    assert again.section("bytescheduler") == prog.plan.section("bytescheduler")
     _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, ADAMW)
 
 
@@ -180,7 +180,7 @@ def test_batchnorm_and_a_handed_back_plan(clusters):
     fifo = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M, strategy=fxpar.Strategy(dp=2))
     again = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M, strategy=st,
                               plan=fxpar.Plan.from_json(prog.plan.to_json()))
-    assert again.plan.comm_schedule == prog.plan.comm_schedule and again.plan.buckets == prog.plan.buckets
+    assert again.plan.section("bytescheduler") == prog.plan.section("bytescheduler") and again.plan.buckets == prog.plan.buckets
     assert again.stages[0].graphs["FULL"].gm.code == prog.stages[0].graphs["FULL"].gm.code
     ours, theirs, back = (p.run_local(batches, cluster=lc) for p in (prog, fifo, again))
     assert ours.losses == theirs.losses == back.losses
@@ -192,8 +192,8 @@ def test_batchnorm_and_a_handed_back_plan(clusters):
 def test_untraced_optimizer_falls_back_and_says_so(clusters):
     opt = (torch.optim.RMSprop, {"lr": 1e-2})
     model, batches, loss_fn, prog = _program("mlp", opt, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
-    cs = prog.plan.comm_schedule
-    assert not cs["cross_iteration"] and "RMSprop" in cs["why_not_cross_iteration"]
+    cs = prog.plan.section("bytescheduler")
+    assert not cs.cross_iteration and "RMSprop" in cs.why_not_cross_iteration
     assert "DRAIN" not in prog.stages[0].graphs
     _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, opt)
 
@@ -219,7 +219,7 @@ def _piece_bytes(prog, stage=0):
 
 def _sim_pieces(prog, stage=0):
     """(bucket, first row or None, bytes) per piece id, from the Plan's pieces and the parameters' shapes."""
-    entry = prog.plan.comm_schedule["stages"][stage]
+    entry = prog.plan.section("bytescheduler").stages[stage]
     cap = prog.stages[stage].captured
     out = []
     for b, r0, r1 in entry["pieces"]:
@@ -234,7 +234,7 @@ def _sim_pieces(prog, stage=0):
 @pytest.mark.structure
 def test_issue_order_follows_priority():
     _, _, _, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
-    entry = prog.plan.comm_schedule["stages"][0]
+    entry = prog.plan.section("bytescheduler").stages[0]
     prio = {b: i for i, b in enumerate(entry["priority"])}
     pieces = entry["pieces"]
     # priority = the order the forward first uses each bucket's parameters: wte (embedding) first
@@ -295,7 +295,7 @@ def _measured_train(payload, batches):
 @pytest.mark.numerics
 def test_inflight_bytes_never_exceed_credit(clusters):
     _, batches, _, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
-    entry = prog.plan.comm_schedule["stages"][0]
+    entry = prog.plan.section("bytescheduler").stages[0]
     got = clusters.get(2).run(_measured_train, [(prog.payload(r, len(batches)), batches) for r in range(2)])
     n = len(entry["pieces"])
     for r in got:
@@ -325,7 +325,7 @@ def test_inflight_bytes_under_dp_x_pp(clusters):
     got = clusters.get(4).run(_measured_steps, [(prog.payload(r, len(batches)), batches) for r in range(4)])
     for rank, r in enumerate(got):
         (stage,) = prog.plan.rank_stages(rank)
-        entry = prog.plan.comm_schedule["stages"][stage]
+        entry = prog.plan.section("bytescheduler").stages[stage]
         assert 0 < r["peak"] <= entry["credit_bytes"]
         assert r["peak"] == entry["peak_inflight_bytes"]
         assert len(r["issued"]) == len(entry["pieces"]) * len(batches)
@@ -338,7 +338,7 @@ def test_inflight_bytes_under_dp_x_pp(clusters):
 @pytest.mark.structure
 def test_first_forward_op_of_a_layer_depends_only_on_its_wait():
     _, _, _, prog = _program("mlp", SGD_M, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
-    entry = prog.plan.comm_schedule["stages"][0]
+    entry = prog.plan.section("bytescheduler").stages[0]
     joint = prog.stages[0].joint       # after the passes, before the update is made in place for the run
     g = joint.graph
     phs = dict(zip(g.find_nodes(op="placeholder"), joint.meta["fxpar_signature"].inputs))
@@ -407,7 +407,7 @@ def test_pipeline_first_forward_op_of_a_layer_depends_only_on_its_wait():
     the first bucket's waits come before its first forward op and another bucket's after it (overlap)."""
     _, _, _, prog = _pp_program(SGD_M)
     for s in range(2):
-        entry, buckets = prog.plan.comm_schedule["stages"][s], prog.plan.buckets[s]
+        entry, buckets = prog.plan.section("bytescheduler").stages[s], prog.plan.buckets[s]
         graphs = prog.stages[s].graphs
         fu = graphs["F_UPDATE"]
         rg_out = dict(zip([rk[1] for rk in graphs["REDUCE_GRAD"].outputs],
@@ -630,7 +630,7 @@ def test_early_updates_in_the_graph():
     before the first forward op of the steady step (FULL), and one updated inside another's need event comes before
     that event's first forward op; the updates write the parameters in place."""
     _, _, _, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
-    entry = prog.plan.comm_schedule["stages"][0]
+    entry = prog.plan.section("bytescheduler").stages[0]
     buckets = prog.plan.buckets[0]
     at_start = [p for kind, _, ops in entry["events"] if kind == "start" for op, p in ops if op == "update"]
     assert at_start, "the tiny plan updates some bucket early"

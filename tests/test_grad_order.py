@@ -53,8 +53,8 @@ def _cached(order, dp=2):
 def test_priority_order_matches_single_process_and_natural_bitwise(clusters, dp):
     model, batches, prio = _cached("priority", dp)
     _, _, nat = _cached("natural", dp)
-    assert prio.plan.comm_schedule["stages"][0]["grad_order"]["mode"] == "priority"
-    assert nat.plan.comm_schedule["stages"][0]["grad_order"]["mode"] == "natural"
+    assert prio.plan.section("bytescheduler").stages[0]["grad_order"]["mode"] == "priority"
+    assert nat.plan.section("bytescheduler").stages[0]["grad_order"]["mode"] == "natural"
     lc = clusters.get(dp)
     res, base = prio.run_local(batches, cluster=lc), nat.run_local(batches, cluster=lc)
     ref_losses, ref_state = reference_training(model, batches, gpt_loss, ADAMW)
@@ -87,7 +87,7 @@ def test_pass_only_moves_nodes_and_makes_the_gradients_in_need_order():
     for n in gm.graph.nodes:                     # a topological order
         assert all(a in seen for a in n.all_input_nodes), n.name
         seen.add(n)
-    keys = prog.plan.comm_schedule["stages"][0]["grad_order"]["keys"]
+    keys = prog.plan.section("bytescheduler").stages[0]["grad_order"]["keys"]
     made = [M.get(n, M.GRAD_OF) for n in gm.graph.nodes if M.get(n, M.GRAD_OF) is not None]
     assert made == keys
     # need order: the tied embedding (first used by the forward) first, the last block after the first
@@ -136,13 +136,13 @@ def test_planner_simulates_the_orders_and_keeps_the_fastest():
     base = fxpar.ClusterSpec.local(2)
     slow = LinkSpec(1e9 / 8, base.intra_node.latency)
     _, _, prog = _program(None, cluster=replace(base, intra_node=slow, inter_node=slow), cross_iteration=True)
-    go = prog.plan.comm_schedule["stages"][0]["grad_order"]
+    go = prog.plan.section("bytescheduler").stages[0]["grad_order"]
     assert {"natural", "priority"} <= set(go["tried"]) and len(go["tried"]) >= 3
     best = min(go["tried"].values())
     chosen = go["tried"]["natural"] if go["mode"] == "natural" else min(
         v for k, v in go["tried"].items() if k != "natural")
     assert chosen == best or (go["mode"] == "natural" and best >= 0.98 * go["tried"]["natural"])
-    assert prog.plan.comm_schedule["stages"][0]["predicted_step_s"] == chosen
+    assert prog.plan.section("bytescheduler").stages[0]["predicted_step_s"] == chosen
     assert any("backward makes the gradients in" in n for n in prog.plan.notes)
 
 

@@ -3,3 +3,4 @@
 Importing this package registers them (``fxpar.feature`` imports it the first time its registry is read).
 """
 from . import herring, byteps, parallax      # noqa: F401  gradient-sync methods (Strategy(grad_sync=...))
+from . import bytescheduler  # noqa: F401  ByteScheduler and the delayed update on its carry

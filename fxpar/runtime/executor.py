@@ -35,7 +35,6 @@ from ..collectives import axis_of_tag, in_flight_across_graphs, lower_for_backen
 from ..feature import NEW_STATE_ROLE, STATE_ROLE, split_state_key
 from ..schedule import ActionKind
 from ..zero import chunk
-from .carry import CarryState
 from .shards import ShardState
 from .tp import TensorParallelState
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
@@ -158,7 +157,7 @@ class _Window:
         self.busy = 0.0
 
 
-class Executor(ShardState, CarryState, TensorParallelState):
+class Executor(ShardState, TensorParallelState):
     """Runs one rank's part of a program: ``step(global_batch)`` trains one step, ``run_async(batches)``
     runs an asynchronous schedule's one window over all batches."""
 
@@ -267,7 +266,8 @@ class Executor(ShardState, CarryState, TensorParallelState):
     def _measured(self, micro, per_batch):
         if self.measure_memory:      # live tensor bytes; the rank's state and its microbatches count from the start
             from .measure import MemoryTracker
-            held = [self.params, self.state, self.buffers, self.prev_params, self.__dict__.get("carry", {})]
+            held = [self.params, self.state, self.buffers, self.prev_params,
+                    *(dict(vars(st)) for st in self.features.values())]     # what the features hold
             with MemoryTracker(held, inputs=micro) as mem:
                 out = self._counted(micro, per_batch)
             self.peak_memory.append((mem.peak_bytes, mem.held_bytes))
@@ -317,13 +317,14 @@ class Executor(ShardState, CarryState, TensorParallelState):
         mb = w.micro[i]
         weights = self.params[s] if a.version is None else w.store.get(s, a.version)
         acts = {k: v.contiguous() for k, v in w.fwd.pop((s, i), {}).items()}   # as traced (and as received)
-        if s in self.__dict__.get("carry", {}) and "F_UPDATE" in self.p.graphs[s]:
-            sg, args, res = self._forward_update(s, w, mb, acts)    # the last step's deferred STEP, in this forward
-            weights = self.params[s]
-        else:
-            args = [w.unsharded[s][key] if role == "unsharded" else self._input(role, key, s, weights, mb, acts)
-                    for role, key in sg.inputs]
-            res = sg.gm(*args)
+        args = [w.unsharded[s][key] if role == "unsharded" else self._input(role, key, s, weights, mb, acts)
+                for role, key in sg.inputs]
+        self._forward_outputs(a, w, sg, args, sg.gm(*args), weights)
+
+    def _forward_outputs(self, a, w, sg, args, res, weights):
+        """What a forward graph ``sg`` of action ``a`` returned (``res``, from ``args`` on ``weights``): the loss, the
+        activations for the next stage, the values saved for the backward, the measurements."""
+        s, i = a.stage, a.microbatch
         saved, out = {}, {}
         for (role, key), v in zip(sg.outputs, res):
             if role == "loss":
@@ -439,8 +440,6 @@ class Executor(ShardState, CarryState, TensorParallelState):
 
     def _step(self, a, w, idx):
         s = a.stage
-        if "F_UPDATE" in self.p.graphs[s]:     # cross-iteration overlap: the update runs in the next step's first F
-            return self._defer_step(a, w)
         sg = self.p.graphs[s]["STEP"]
         self.step_count[s] += 1
         lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)
@@ -498,8 +497,6 @@ class Executor(ShardState, CarryState, TensorParallelState):
     def _full(self, a, w, idx):
         """The fused one-stage step: forward, backward, gradient collectives and update in one graph."""
         s, i = a.stage, a.microbatch
-        if "DRAIN" in self.p.graphs[s]:        # cross-iteration overlap: the update comes in the next step
-            return self._full_carry(a, w)
         sg = self.p.graphs[s]["FULL"]
         self.step_count[s] += 1
         lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)
@@ -610,6 +607,12 @@ class Executor(ShardState, CarryState, TensorParallelState):
             self.params[s][k] = self._leaves[(s, k)].detach().clone()
 
     # ---- what the rank holds ---------------------------------------------------------------------
+    def drain(self) -> None:
+        """Collective: each feature finishes what it has in flight (a step's update carried into the next), before
+        results, ``state_dict()`` and checkpoints."""
+        for st in self.features.values():
+            st.drain(self)
+
     def save(self, path) -> None:
         """Collective: write this rank's part of the training state to the checkpoint ``path`` (DCP)."""
         from .state import save_rank_state
@@ -671,7 +674,7 @@ def train(payload: RankPayload, batches: list) -> dict:
     else:
         for b in batches:
             ex.step(b)
-        ex.drain()             # cross-iteration overlap: the last step's update, before results and checkpoints
+        ex.drain()             # what the features hold in flight, before results and checkpoints
     out = {"loss_sums": ex.loss_sums, "step_times": ex.step_times, "comm": ex.comm, "busy": ex.busy,
            "comm_calls": ex.comm_calls, "peak_versions": ex.peak_versions,
            "peak_version_bytes": ex.peak_version_bytes, "act_peak": ex.act_peak,
