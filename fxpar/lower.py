@@ -28,20 +28,6 @@ def graph_kinds(schedule, stage: int) -> tuple:
     return tuple(out)
 
 
-def _in_flight(schedule, stage: int) -> int:
-    """The most microbatches of ``stage`` whose forward saved values one rank holds at once (F .. its B or W)."""
-    most = 0
-    for acts in schedule.actions.values():
-        held = 0
-        for a in acts:
-            if a.stage == stage and a.kind.value == "F":
-                held += 1
-            elif a.stage == stage and a.kind.value in ("B", "W"):
-                held -= 1
-            most = max(most, held)
-    return max(most, 1)
-
-
 def _cross(plan) -> bool:
     """ByteScheduler's cross-iteration overlap is on (the planner decided: dp > 1, a traced optimizer, a synchronous
     schedule with one stage per rank)."""
@@ -60,14 +46,6 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
         from passes.tensor_parallel import TensorParallel
         # first: every later pass (recompute, data_parallel, bucket, ...) works on the rank's local pieces
         pipeline.append((S.PARTITION, TensorParallel()))
-    if (plan.recompute or {}).get("policy", "none") != "none":
-        from passes import Recompute
-        # first: data_parallel/bucket place collectives by backward's node order, which must hold the copies already
-        pipeline.append((S.REMAT, Recompute()))
-    if (plan.offload or {}).get("activations"):
-        from passes import OffloadActivations
-        # what backward still reads from forward goes to host memory and back
-        pipeline.append((S.REMAT, OffloadActivations()))
     if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":
             from passes.grad_order import GradOrder
@@ -131,11 +109,6 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
         gm = copy.deepcopy(captured.gm)
         gm.meta["fxpar_signature"] = captured.signature.copy()
         gm.meta["fxpar_optimizer"] = dict(plan.optimizer or {})   # graphs cut later update as the plan says
-        if (plan.recompute or {}).get("policy", "none") != "none":     # the planner decides, the pass carries it out
-            from .planner import plan_recompute
-            roles = {ph.name: role for ph, (role, _) in zip(gm.graph.find_nodes(op="placeholder"),
-                                                            captured.signature.inputs)}
-            plan_recompute(plan, s, gm, roles, in_flight=_in_flight(schedule, s))
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":   # buckets, pieces, issue plan of the stage
             from .planner_comm import plan_comm_schedule
             plan_comm_schedule(plan, s, captured, cluster, fused=kinds == ("FULL",))

@@ -54,7 +54,6 @@ class Plan:
     zero: int = 0
     grad_sync: dict = field(default_factory=dict)      # {"method": "herring", "node": [[ranks]], "cross": [[ranks]]}
     offload: dict = field(default_factory=dict)        # {"what": ["params", "optimizer"], "to": "disk", "dir": path}
-    recompute: dict = field(default_factory=dict)
     comm_schedule: dict = field(default_factory=dict)
     # the enabled features' sections (fxpar.Feature): feature name -> its PlanSection dataclass
     features: dict = field(default_factory=dict)
