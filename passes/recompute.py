@@ -311,7 +311,8 @@ def apply_recompute(gm: torch.fx.GraphModule, recompute) -> int:
         why = ("a random op (its value would change)" if is_random(n)
                else f"not a forward node ({n.op}, phase {M.get(n, M.PHASE)!r})")
         raise PassError(f"recompute: node {n.name} ({n.target}, module {M.get(n, M.MODULE, '')!r}) is {why}; "
-                        "it cannot be recomputed. Mark it 'save' in the policy (or drop it from the Plan's recompute section)")
+                        "it cannot be recomputed. Mark it 'save' in the policy (or drop it from the Plan's recompute "
+                        "section)")
     copies = {}
 
     def copy_of(v, before):

@@ -54,9 +54,9 @@ class RecomputeSection(PlanSection):
         out = [f"policy {self.policy}" + (f", budget {self.budget_bytes} bytes of saved activations per stage"
                                           if self.budget_bytes is not None else "")]
         for s, e in enumerate(self.stages):
-            out.append(f"  stage {s}: backward recomputes {len(e['recompute'])} forward node(s) "
-                       f"({e['recompute_flops']} FLOPs); keeps {e['saved']} value(s), {e['saved_bytes']} bytes per "
-                       f"microbatch x {e['in_flight']} in flight")
+            out.append(f"stage {s}: {len(e['recompute'])} forward node(s) marked for recompute "
+                       f"({e['recompute_flops']} FLOPs in backward); keeps {e['saved']} value(s), {e['saved_bytes']} "
+                       f"bytes per microbatch x {e['in_flight']} in flight")
         return out
 
 
