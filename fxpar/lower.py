@@ -28,18 +28,6 @@ def graph_kinds(schedule, stage: int) -> tuple:
     return tuple(out)
 
 
-def _in_flight(schedule, stage: int) -> int:
-    """The most microbatches of ``stage`` whose forward saved values one rank holds at once (F .. its B or W)."""
-    most = 0
-    for acts in schedule.actions.values():
-        held = 0
-        for a in acts:
-            if a.stage == stage and a.kind.value == "F":
-                held += 1
-            elif a.stage == stage and a.kind.value in ("B", "W"):
-                held -= 1
-            most = max(most, held)
-    return max(most, 1)
 
 
 def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
@@ -53,14 +41,6 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
         from passes.tensor_parallel import TensorParallel
         # first: every later pass (recompute, data_parallel, bucket, ...) works on the rank's local pieces
         pipeline.append((S.PARTITION, TensorParallel()))
-    if (plan.recompute or {}).get("policy", "none") != "none":
-        from passes import Recompute
-        # first: data_parallel/bucket place collectives by backward's node order, which must hold the copies already
-        pipeline.append((S.REMAT, Recompute()))
-    if (plan.offload or {}).get("activations"):
-        from passes import OffloadActivations
-        # what backward still reads from forward goes to host memory and back
-        pipeline.append((S.REMAT, OffloadActivations()))
     if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
         # each gradient summed over the ranks the planner named (dp replicas, tied stages)
         pipeline.append((S.GRAD_SYNC, DataParallelGradSync()))
@@ -103,12 +83,6 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
         gm = copy.deepcopy(captured.gm)
         gm.meta["fxpar_signature"] = captured.signature.copy()
         gm.meta["fxpar_optimizer"] = dict(plan.optimizer or {})   # graphs cut later update as the plan says
-        if (plan.recompute or {}).get("policy", "none") != "none":     # the planner decides, the pass carries it out
-            from .planner import plan_recompute
-            roles = {ph.name: role for ph, (role, _) in zip(gm.graph.find_nodes(op="placeholder"),
-                                                            captured.signature.inputs)}
-            plan_recompute(plan, s, gm, roles, in_flight=_in_flight(schedule, s))
-        # the pass list reads the decisions above and the features' (Feature.plan_stage)
         pm = PassManager(default_passes(plan, custom_passes, kinds, synchronous), keep_history=keep_history)
         rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,

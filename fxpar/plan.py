@@ -53,7 +53,6 @@ class Plan:
     shardings: dict = field(default_factory=dict)
     zero: int = 0
     offload: dict = field(default_factory=dict)        # {"what": ["params", "optimizer"], "to": "disk", "dir": path}
-    recompute: dict = field(default_factory=dict)
     # the enabled features' sections (fxpar.Feature): feature name -> its PlanSection dataclass
     features: dict = field(default_factory=dict)
 

@@ -13,13 +13,13 @@ import copy
 import json
 
 from .errors import StrategyError
-from .feature import enabled_features, registered_features
+from .feature import registered_features
 from .plan import Plan
 from .planner_comm import plan_buckets
 from .schedule import Schedule, ScheduleError, get_schedule
 from .strategy import Strategy
 
-__all__ = ["make_plan", "plan_buckets", "plan_recompute", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
+__all__ = ["make_plan", "plan_buckets", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
 
 ASYNC = ("pipedream", "2bw")
 DDP_BUCKET_MB = 25.0     # DDP's default bucket_cap_mb, fxpar's when Strategy(bucket_cap_mb=None) and nothing tunes it
@@ -212,9 +212,10 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
         from .schedule import add_unshard          # ZeRO-3 with F/B graphs: gather each stage's parameters once a step
         from .zero import zero_keys
         sched = add_unshard(sched, [s for s in range(plan.n_stages) if zero_keys(plan, s)])
-    _record_recompute(plan, strategy, base)
-    for f in enabled_features(strategy):       # each enabled feature decides its section (a handed-back Plan's stays)
+    for f in registered_features():     # each enabled feature decides its section; a handed-back Plan's sections stay
         given = base.section(f.name) if base is not None else None
+        if given is None and not f.enabled(strategy):
+            continue
         section = (f.adopt(copy.deepcopy(given), strategy, plan, cluster) if given is not None
                    else f.plan(strategy, plan, cluster))
         if section is not None:
@@ -254,10 +255,6 @@ def _record_zero(plan: Plan, strategy: Strategy, base: Plan | None, optimizer) -
                 else ""), "reads the files ahead (fxpar::prefetch)" if strategy.offload_to == "disk" else ""]
         how = f"; the zero_offload pass {' and '.join(h for h in how if h)}" if strategy.zero and any(how) else ""
         plan.notes.append(f"offload: {' and '.join(strategy.offload)} of each rank live in {where}{how}")
-    if base is None and strategy.offload_activations:
-        plan.offload = {**plan.offload, "activations": "cpu"}
-        plan.notes.append("offload_activations: saved activations go to host memory after their last forward use "
-                          "and come back one backward use ahead")
     if plan.offload and "optimizer" in plan.offload.get("what", ()) and optimizer is not None and not optimizer.traced:
         raise StrategyError(f"{strategy}: offload=('optimizer',) keeps the traced optimizer's state in files; "
                             f"{optimizer.name} is not traced ({optimizer.why_not_traced}). Use SGD, Adam or AdamW, "
@@ -283,58 +280,3 @@ def _record_zero(plan: Plan, strategy: Strategy, base: Plan | None, optimizer) -
     whole = sum(len(k) for k in plan.stage_params) - n_keys
     plan.notes.append(f"zero={plan.zero}: {describe(plan.zero)}; {n_keys} parameter(s) in dp={plan.dp} chunks"
                       + (f", {whole} kept whole (shared by stages or held by one rank)" if whole else ""))
-
-
-def _record_recompute(plan: Plan, strategy: Strategy, base: Plan | None) -> None:
-    """Recompute policy into the Plan: its name and budget now, each stage's decision in :func:`plan_recompute`
-    once the stage is captured. A callable policy cannot go in JSON: the Plan records its name and holds the
-    callable for this build only (``_recompute_policy``); the decisions it makes are recorded as data."""
-    if base is not None and base.recompute:
-        plan.recompute = {k: v for k, v in base.recompute.items()}
-        return
-    pol = strategy.recompute
-    if not callable(pol) and pol == "none":
-        return
-    budget = None if strategy.memory_budget_gb is None else int(strategy.memory_budget_gb * 1e9)
-    name = pol if isinstance(pol, str) else "callable:" + getattr(pol, "__qualname__", type(pol).__name__)
-    plan.recompute = {"policy": name, "budget_bytes": budget, "stages": []}
-    if callable(pol):
-        plan._recompute_policy = pol
-
-
-def plan_recompute(plan: Plan, stage: int, gm, roles: dict, in_flight: int = 1) -> dict:
-    """Decide which forward values stage ``stage``'s backward recomputes (``passes.recompute`` carries it out):
-    ``Plan.recompute['stages'][stage] = {"recompute": [node names], "saved": values kept, "saved_bytes": per
-    microbatch, "in_flight": microbatches held at once, "recompute_flops": ...}``. ``auto`` asks for the least
-    recompute FLOPs (``cost_models.compute``) whose bytes × in_flight fit the budget."""
-    from cost_models.compute import node_cost                        # FLOPs of the recomputed nodes
-    from passes import recompute as R                                # fxpar reaches passes only here and in lower
-    rc = plan.recompute
-    stages = rc.setdefault("stages", [])
-    if stage < len(stages):                                          # decided already (a Plan handed back)
-        return stages[stage]
-    flops = lambda n: int(node_cost(n).flops)                        # noqa: E731
-    name = rc["policy"]
-    if name == "auto":
-        try:
-            d = R.auto_decide(gm, roles, rc["budget_bytes"], flops, in_flight)
-        except ValueError as e:
-            raise StrategyError(f"Strategy(recompute='auto'), stage {stage}: {e}") from None
-        names = d["recompute"]
-    else:
-        policy = getattr(plan, "_recompute_policy", None) if name.startswith("callable:") else R.POLICIES.get(name)
-        if policy is None:
-            raise StrategyError(f"Plan.recompute policy {name!r}: a callable policy is not kept in a Plan's JSON; "
-                                "pass it again as Strategy(recompute=your_policy), or keep the Plan's 'stages'")
-        names = R.decide(gm, policy)
-        d = {}
-    copied, saved = R.demands(gm, names)
-    entry = {"recompute": names, "saved": len(saved), "saved_bytes": R.saved_bytes(saved, roles),
-             "in_flight": in_flight, "recompute_flops": sum(flops(n) for n in copied)}
-    if "smallest_bytes" in d:
-        entry["smallest_bytes"] = d["smallest_bytes"]
-    stages.append(entry)
-    plan.notes.append(f"recompute ({name}): stage {stage} keeps {entry['saved']} forward value(s), "
-                      f"{entry['saved_bytes']} bytes per microbatch x {in_flight} in flight; backward recomputes "
-                      f"{len(copied)} node(s), {entry['recompute_flops']} FLOPs")
-    return entry

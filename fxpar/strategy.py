@@ -13,7 +13,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Strategy"]
 
-_RECOMPUTE = ("none", "full", "selective", "auto")
 _SHARDINGS = ("auto", "megatron", "annotations")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "pipedream", "2bw", "chimera", "single")
 
@@ -143,15 +142,6 @@ class Strategy:
         if self.loss_average not in LOSS_AVERAGES:
             raise StrategyError(f"Strategy(loss_average={self.loss_average!r}): choose one of {LOSS_AVERAGES} "
                                 "('global': single-process semantics, 'per_shard': each shard's mean averaged, as DDP)")
-        if not callable(self.recompute) and self.recompute not in _RECOMPUTE:
-            raise StrategyError(f"Strategy(recompute={self.recompute!r}): choose one of {_RECOMPUTE}, or pass a "
-                                "policy: a callable node -> 'save' | 'recompute'")
-        if self.memory_budget_gb is not None and not (isinstance(self.memory_budget_gb, (int, float))
-                                                      and self.memory_budget_gb > 0):
-            raise StrategyError(f"Strategy(memory_budget_gb={self.memory_budget_gb!r}): must be a positive number of GB")
-        if self.recompute == "auto" and self.memory_budget_gb is None:
-            raise StrategyError("Strategy(recompute='auto') needs memory_budget_gb=...: the saved-activation bytes a "
-                                "stage may hold, in GB; or pick a policy ('full', 'selective')")
         if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
             raise StrategyError(f"Strategy(zero={self.zero!r}): choose 0 (off), 1 (optimizer state sharded over dp), "
                                 "2 (+ gradients) or 3 (+ parameters)")

@@ -56,7 +56,8 @@ class OffloadActivations(Pass):
     name = "offload_activations"
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        where = (ctx.plan.offload or {}).get("activations")
+        section = ctx.plan.section("offload_activations")
+        where = section.to if section is not None else None
         if not where:
             return PassResult(gm, False)
         g = gm.graph

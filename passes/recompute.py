@@ -2,14 +2,14 @@
 instead of reading them from the forward.
 
 A *policy* decides, per forward node, ``"save"`` or ``"recompute"`` (decisions apart from mechanism, as
-JAX's ``checkpoint_policies``); the planner records the decision per stage in ``Plan.recompute``; this pass
-carries it out. For each forward value marked ``recompute`` that a backward node reads, the forward chain
-that makes it is copied into the backward phase just before its first backward use, up to values that are
-kept: ``save``-marked nodes, placeholders and random ops (``bernoulli``, ``rand*``, ``native_dropout``,
-``empty``: never recomputed, so a dropout mask is the forward's own and the math is unchanged bit for bit).
-The copies are tagged ``fxpar_phase="backward"``, keep ``fxpar_module`` and record
-``fxpar_recompute_of`` (the forward node they copy); backward's uses point at them. ``split_graphs`` then
-saves, per microbatch, only what backward still reads from the forward.
+JAX's ``checkpoint_policies``); the feature ``fxpar.features.recompute`` records the decision per stage in
+the Plan's ``recompute`` section; this pass carries it out. For each forward value marked ``recompute``
+that a backward node reads, the forward chain that makes it is copied into the backward phase just before
+its first backward use, up to values that are kept: ``save``-marked nodes, placeholders and random ops
+(``bernoulli``, ``rand*``, ``native_dropout``, ``empty``: never recomputed, so a dropout mask is the
+forward's own and the math is unchanged bit for bit). The copies are tagged ``fxpar_phase="backward"``,
+keep ``fxpar_module`` and record ``fxpar_recompute_of`` (the forward node they copy); backward's uses point
+at them. ``split_graphs`` then saves, per microbatch, only what backward still reads from the forward.
 
 Before (``a`` and ``g`` marked recompute, ``h`` saved)::
 
@@ -311,7 +311,8 @@ def apply_recompute(gm: torch.fx.GraphModule, recompute) -> int:
         why = ("a random op (its value would change)" if is_random(n)
                else f"not a forward node ({n.op}, phase {M.get(n, M.PHASE)!r})")
         raise PassError(f"recompute: node {n.name} ({n.target}, module {M.get(n, M.MODULE, '')!r}) is {why}; "
-                        "it cannot be recomputed. Mark it 'save' in the policy (or drop it from Plan.recompute)")
+                        "it cannot be recomputed. Mark it 'save' in the policy (or drop it from the Plan's recompute "
+                        "section)")
     copies = {}
 
     def copy_of(v, before):
@@ -351,18 +352,20 @@ def _drop_unread_forward(gm) -> None:
 
 
 class Recompute(Pass):
-    """Carry out ``Plan.recompute['stages'][stage]['recompute']`` (what the planner decided) on the joint graph."""
+    """Carry out the Plan section ``recompute``'s ``stages[stage]['recompute']`` (what the feature decided) on the
+    joint graph."""
     name = "recompute"
     before = ("data_parallel", "bucket")
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        stages = (ctx.plan.recompute or {}).get("stages", [])
+        section = ctx.plan.section("recompute")
+        stages = section.stages if section is not None else []
         names = stages[ctx.stage]["recompute"] if ctx.stage < len(stages) else []
         n = apply_recompute(gm, names) if names else 0
         if n:
             _drop_unread_forward(gm)
             ctx.notes.append(f"recompute: stage {ctx.stage}: backward recomputes {n} forward node(s) "
-                             f"({ctx.plan.recompute.get('policy')} policy)")
+                             f"({section.policy} policy)")
         return PassResult(gm, bool(n), {"copied": n})
 
 

@@ -69,18 +69,18 @@ _CASES = [(p, lay) for p in POLICIES for lay in LAYOUTS if p != "none" or lay ==
 def test_every_policy_matches_single_process_training(clusters, policy, layout):
     strategy = _strategy(policy, **LAYOUTS[layout])
     prog, res = _check(clusters, tiny_gpt(), token_batches(2, own_storage=True), gpt_loss, ADAMW, strategy)
-    rc = prog.plan.recompute
+    rc = prog.plan.section("recompute")
     if policy == "none":
-        assert rc == {} and "recompute" not in prog.plan.passes
+        assert rc is None and "recompute" not in prog.plan.passes
         return
     assert prog.plan.passes[0] == "recompute"              # before data_parallel / bucket
-    assert len(rc["stages"]) == prog.plan.n_stages
+    assert len(rc.stages) == prog.plan.n_stages
     copied = [n for st in prog.stages for n in st.joint.graph.nodes if "fxpar_recompute_of" in n.meta]
     assert copied and all(n.meta["fxpar_phase"] == "backward" and n.meta.get("fxpar_pass") == "recompute"
                           for n in copied)
     if policy == "auto" and layout != "dp2":              # F/B graphs: the runtime measures the saved bytes
         for s, b in res.peak_activation_bytes.items():
-            assert b <= rc["budget_bytes"], (s, b, rc)
+            assert b <= rc.budget_bytes, (s, b, rc)
 
 
 @pytest.mark.numerics
@@ -123,12 +123,12 @@ def test_full_saves_block_boundaries_and_measured_bytes_equal_predicted():
         st = prog.stages[0]
         roles = {ph.name: r for ph, (r, _) in zip(st.captured.gm.graph.find_nodes(op="placeholder"),
                                                   st.captured.signature.inputs)}
-        names = prog.plan.recompute["stages"][0]["recompute"] if policy != "none" else []
+        names = prog.plan.section("recompute").stages[0]["recompute"] if policy != "none" else []
         _, saved = R.demands(st.captured.gm, names)
         predicted = R.saved_bytes(saved, roles)
         assert res.peak_activation_bytes[0] == predicted, policy
         if policy != "none":
-            assert prog.plan.recompute["stages"][0]["saved_bytes"] == predicted
+            assert prog.plan.section("recompute").stages[0]["saved_bytes"] == predicted
         f_saved = [k for r, k in st.graphs["F"].outputs if r == "saved"]
         assert sorted(f_saved) == sorted(n.name for n in saved)
         acts = [n for n in saved if roles.get(R._root(n).name) not in ("param", "buffer")]
@@ -152,16 +152,16 @@ def test_auto_meets_budget_with_least_recompute():
     batches = token_batches(2, own_storage=True)
     prog, res = _run(None, tiny_gpt(layers=4), batches, gpt_loss, SGD_M,
                      fxpar.Strategy(recompute="auto", memory_budget_gb=100e-6, microbatches=2))
-    entry = prog.plan.recompute["stages"][0]
-    assert res.peak_activation_bytes[0] == entry["saved_bytes"] <= prog.plan.recompute["budget_bytes"]
+    entry = prog.plan.section("recompute").stages[0]
+    assert res.peak_activation_bytes[0] == entry["saved_bytes"] <= prog.plan.section("recompute").budget_bytes
     assert entry["smallest_bytes"] <= entry["saved_bytes"]
     full, _ = _run(None, tiny_gpt(layers=4), batches, gpt_loss, SGD_M, _strategy("full", microbatches=2))
-    full_entry = full.plan.recompute["stages"][0]
+    full_entry = full.plan.section("recompute").stages[0]
     # the budget is above full's bytes: auto buys less recompute than full with it, and keeps fewer bytes than none
-    assert full_entry["saved_bytes"] <= prog.plan.recompute["budget_bytes"]
+    assert full_entry["saved_bytes"] <= prog.plan.section("recompute").budget_bytes
     assert entry["recompute_flops"] < full_entry["recompute_flops"]
     assert 0 < entry["recompute_flops"]
-    assert json.loads(prog.plan.to_json())["recompute"]["policy"] == "auto"
+    assert json.loads(prog.plan.to_json())["features"]["recompute"]["policy"] == "auto"
 
 
 @pytest.mark.structure
@@ -173,7 +173,7 @@ def test_auto_refuses_a_budget_below_the_smallest_plan_and_names_it():
     smallest = int(re.search(r"plan: (\d+) bytes", str(e.value)).group(1))
     prog = fxpar.parallelize(tiny_gpt(), 1, batches[0], gpt_loss, SGD_M,        # exactly that budget is feasible
                              strategy=fxpar.Strategy(recompute="auto", memory_budget_gb=smallest / 1e9, microbatches=2))
-    assert prog.plan.recompute["stages"][0]["saved_bytes"] == smallest
+    assert prog.plan.section("recompute").stages[0]["saved_bytes"] == smallest
 
 
 @pytest.mark.structure
@@ -193,9 +193,9 @@ def test_callable_policy_is_recorded_by_name_and_the_plan_drives_a_rebuild():
     batches = token_batches(2, own_storage=True)
     prog, res = _run(None, tiny_gpt(), batches, gpt_loss, SGD_M, _strategy(_save_matmuls_and_norms, microbatches=2))
     plan = fxpar.Plan.from_json(prog.plan.to_json())
-    assert plan.recompute["policy"] == "callable:_save_matmuls_and_norms"
+    assert plan.section("recompute").policy == "callable:_save_matmuls_and_norms"
     again = fxpar.parallelize(tiny_gpt(), 1, batches[0], gpt_loss, SGD_M, strategy=fxpar.Strategy(microbatches=2), plan=plan)
-    assert again.plan.recompute["stages"] == prog.plan.recompute["stages"]
+    assert again.plan.section("recompute").stages == prog.plan.section("recompute").stages
     res2 = again.run_local(batches)
     assert res2.losses == res.losses and res2.peak_activation_bytes == res.peak_activation_bytes
 

@@ -204,7 +204,7 @@ def _why_not_grad_order(section: ByteSchedulerSection, plan, captured, fused: bo
     if not fused:
         return ("the stage's gradients are reduced by REDUCE_GRAD after its last backward (a pipeline or several "
                 "microbatches): the order backward makes them does not move their collectives")
-    if (plan.recompute or {}).get("policy", "none") != "none" or (plan.offload or {}).get("activations"):
+    if plan.section("recompute") is not None or plan.section("offload_activations") is not None:
         return "recompute / activation offload place their copies by backward's order"
     if plan.shardings or getattr(plan, "zero", 0):
         return "tensor parallelism and ZeRO place their collectives by backward's order"
