@@ -56,10 +56,6 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
                         SplitGraphs, SyncBuffers)
     S = Slot
     pipeline = []
-    if plan.shardings:
-        from passes.tensor_parallel import TensorParallel
-        # first: every later pass (recompute, data_parallel, bucket, ...) works on the rank's local pieces
-        pipeline.append((S.PARTITION, TensorParallel()))
     if (plan.recompute or {}).get("policy", "none") != "none":
         from passes import Recompute
         # first: data_parallel/bucket place collectives by backward's node order, which must hold the copies already

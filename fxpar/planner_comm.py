@@ -173,7 +173,7 @@ def _why_not_grad_order(plan: Plan, captured, fused: bool) -> str | None:
                 "microbatches): the order backward makes them does not move their collectives")
     if (plan.recompute or {}).get("policy", "none") != "none" or (plan.offload or {}).get("activations"):
         return "recompute / activation offload place their copies by backward's order"
-    if plan.shardings or getattr(plan, "zero", 0):
+    if plan.tp > 1 or getattr(plan, "zero", 0):
         return "tensor parallelism and ZeRO place their collectives by backward's order"
     return why_not_reorder(captured.gm)
 

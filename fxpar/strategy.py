@@ -15,7 +15,6 @@ __all__ = ["Strategy"]
 
 _RECOMPUTE = ("none", "full", "selective", "auto")
 _COMM_SCHEDULES = ("fifo", "bytescheduler")
-_SHARDINGS = ("auto", "megatron", "annotations")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "pipedream", "2bw", "chimera", "single")
 
 
@@ -166,7 +165,6 @@ class Strategy:
             raise StrategyError(f"Strategy(zero={self.zero}, dp=1): ZeRO shards over the dp axis, and dp=1 leaves "
                                 "nothing to shard; set dp > 1 (e.g. Strategy(dp=4, zero=" + str(self.zero) + ")) or zero=0")
         self._check_offload()
-        self._check_sharding()
         if self.grad_sync not in ("allreduce", "herring", "parallax", "byteps"):
             raise StrategyError(f"Strategy(grad_sync={self.grad_sync!r}): choose 'allreduce', 'herring', 'parallax' or "
                                 "'byteps'")
@@ -267,34 +265,6 @@ class Strategy:
                                     f"credit_mb={self.credit_mb}): partitions and credit are ByteScheduler's, for "
                                     "all-reduce pieces; under ZeRO the carried pieces are its reduce-scatter buckets "
                                     "(bucket_cap_mb): drop partition_mb and credit_mb")
-
-    def _check_sharding(self) -> None:
-        if isinstance(self.sharding, dict):
-            for pat, spec in self.sharding.items():
-                if not isinstance(pat, str) or not isinstance(spec, (tuple, list)) or \
-                        not all(a is None or isinstance(a, str) for a in spec):
-                    raise StrategyError(f"Strategy(sharding={{{pat!r}: {spec!r}}}): a layout maps a parameter glob to a "
-                                        "tuple with a mesh axis name or None per dim, e.g. {'blocks.*.fc1.weight': "
-                                        "('tp', None)}")
-                bad = [a for a in spec if a is not None and a != "tp"]
-                if bad:
-                    raise StrategyError(f"Strategy(sharding={{{pat!r}: {tuple(spec)}}}): mesh axis {bad[0]!r} is not "
-                                        "a tensor-parallel axis; layouts split over 'tp' (dp is data parallelism)")
-        elif self.sharding not in _SHARDINGS:
-            raise StrategyError(f"Strategy(sharding={self.sharding!r}): choose one of {_SHARDINGS} or pass "
-                                "Mesh-TensorFlow layouts {param glob: ('tp', None, ...)}")
-        if self.tp == 1:
-            return
-        if self.sharding == "auto" and self.tp & (self.tp - 1):
-            raise StrategyError(f"Strategy(tp={self.tp}, sharding='auto'): Tofu's search halves the device set, so tp "
-                                "must be a power of two (2, 4, 8, ...); use sharding='megatron' or layouts for "
-                                f"tp={self.tp}")
-        clash = [n for n, on in (("zero", self.zero), ("delayed_update", self.delayed_update),
-                                 ("comm_schedule='bytescheduler'", self.comm_schedule != "fifo"),
-                                 ("grad_sync", self.grad_sync != "allreduce")) if on]
-        if clash:
-            raise StrategyError(f"{self}: tensor parallelism is not yet composed with {clash[0]}; use tp with plain "
-                                "dp (and pp), or drop tp")
 
     def _check_offload(self) -> None:
         if isinstance(self.offload, str):

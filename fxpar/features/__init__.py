@@ -2,3 +2,4 @@
 
 Importing this package registers them (``fxpar.feature`` imports it the first time its registry is read).
 """
+from . import tensor_parallel  # noqa: F401  (Strategy(tp=N, sharding=...))
