@@ -145,9 +145,9 @@ class TensorParallelFeature(Feature):
             for pat, spec in strategy.sharding.items():
                 if not isinstance(pat, str) or not isinstance(spec, (tuple, list)) or \
                         not all(a is None or isinstance(a, str) for a in spec):
-                    raise StrategyError(f"Strategy(sharding={{{pat!r}: {spec!r}}}): a layout maps a parameter glob to a "
-                                        "tuple with a mesh axis name or None per dim, e.g. {'blocks.*.fc1.weight': "
-                                        "('tp', None)}")
+                    raise StrategyError(f"Strategy(sharding={{{pat!r}: {spec!r}}}): a layout maps a parameter glob "
+                                        "to a tuple with a mesh axis name or None per dim, e.g. "
+                                        "{'blocks.*.fc1.weight': ('tp', None)}")
                 bad = [a for a in spec if a is not None and a != "tp"]
                 if bad:
                     raise StrategyError(f"Strategy(sharding={{{pat!r}: {tuple(spec)}}}): mesh axis {bad[0]!r} is not "

@@ -620,14 +620,15 @@ class Executor(ShardState, CarryState):
         self.drain()                    # a step in flight finishes before the state is replaced
         load_rank_state(self, path, self.p.extra.get("aliases", {}), need_stash=bool(self.p.extra.get("resumed")))
 
-    def collective(self) -> bool:
+    def whole_is_collective(self) -> bool:
         """Whether a feature's :meth:`~fxpar.feature.RankState.whole` is a collective on this rank."""
         return any(st.collective for st in self.features.values())
 
     def state_dict(self) -> dict:
         """Parameters of the stages this rank is the first holder of, and the buffers (whole tensors; collective
         under ZeRO stage 3, whose parameters are chunks: every rank calls it)."""
-        params = self.whole()[0] if any(i["stage"] == 3 for i in self.zero.values()) or self.collective() else self.params
+        params = self.whole()[0] if any(i["stage"] == 3 for i in self.zero.values()) or self.whole_is_collective() \
+            else self.params
         out = {}
         for s in sorted(params):
             if self.p.stage_to_rank[s][0] != self.pipe_rank:
@@ -640,7 +641,7 @@ class Executor(ShardState, CarryState):
     def optimizer_state(self) -> dict:
         """Optimizer state under ``<state>:<key>`` (whole tensors; collective under ZeRO)."""
         if self.spec.traced:
-            state = self.whole()[1] if self.zero or self.collective() else self.state
+            state = self.whole()[1] if self.zero or self.whole_is_collective() else self.state
             return {k: v for st in state.values() for k, v in st.items()}
         return self.torch_opt.state_dict()
 
@@ -688,7 +689,8 @@ def train(payload: RankPayload, batches: list) -> dict:
         state = {k: v.clone() for k, v in state.items()}
     if ex.dp_index == 0:
         out["state"] = state
-    opt = ex.optimizer_state() if payload.rank == 0 or ex.zero or (ex.collective() and payload.rank < payload.tp) \
+    opt = ex.optimizer_state() if payload.rank == 0 or ex.zero or (ex.whole_is_collective()
+                                                                   and payload.rank < payload.tp) \
         else None                                  # collective under ZeRO, and over rank 0's tp group (a feature's)
     if ex.offload.get("to") == "disk" and isinstance(opt, dict):
         opt = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.items()}

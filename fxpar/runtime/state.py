@@ -85,7 +85,8 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     manifest = read_manifest(path) or {"tensors": {}}
     saved = manifest["tensors"]
     held = {k for ps in ex.params.values() for k in ps}
-    whole = ex.whole()[0] if any(i["stage"] == 3 for i in ex.zero.values()) or ex.collective() else ex.params  # whole shapes
+    whole = ex.whole()[0] if any(i["stage"] == 3 for i in ex.zero.values()) or ex.whole_is_collective() \
+        else ex.params                    # whole shapes
     templates = {k: v for ps in whole.values() for k, v in ps.items()}
     templates.update({k: v for k, v in ex.buffers.items()})
     for k, meta in saved.items():
