@@ -43,7 +43,7 @@ def main():
         cluster = fxpar.ClusterSpec.local(strategy.size, **(fast if mode == "auto" else {}))
         program = fxpar.parallelize(model, cluster, batches[0], gpt_loss, opt, strategy=strategy)
         res = program.run_local(batches)
-        split = {k: tuple(v) for k, v in program.plan.shardings["stages"][0]["params"].items() if any(v)}
+        split = {k: tuple(v) for k, v in program.plan.section("tensor_parallel").stages[0]["params"].items() if any(v)}
         comm = {}
         for n in program.graphs(0)["step"].graph.nodes:
             c = n.meta.get(M.COMM.name)

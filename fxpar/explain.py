@@ -48,45 +48,6 @@ def _stage_lines(prog) -> list:
     return lines
 
 
-def _tp_lines(prog) -> list:
-    """Tensor parallelism per module on rank 0: parameters split (and how), the collectives the lowering inserted
-    (by phase and kind, bytes handed to them per step), and the parameter bytes each rank holds."""
-    from collections import defaultdict
-
-    from . import meta as M
-    plan = prog.plan
-    lines = ["", "tensor parallelism on rank 0, per module (every tp rank runs the same graphs):"]
-    for s in plan.rank_stages(0):
-        st, entry = prog.stages[s], plan.shardings["stages"][s]
-        cap, tp = st.captured, plan.mesh
-        mods: dict = defaultdict(lambda: {"split": [], "whole": 0, "comm": defaultdict(lambda: [0, 0])})
-        held = whole = 0
-        for k, dims in entry["params"].items():
-            mod, _, leaf = k.rpartition(".")
-            nb = _nbytes(cap.param_shapes[k], cap.param_dtypes[k])
-            div = 1
-            for a in dims:
-                div *= tp.axis_size(a) if a else 1
-            held, whole = held + nb / div, whole + nb
-            if div > 1:
-                mods[mod or "<root>"]["split"].append(f"{leaf} {tuple(dims)}")
-            else:
-                mods[mod or "<root>"]["whole"] += 1
-        for n in st.joint.graph.nodes:
-            c = n.meta.get(M.COMM.name)
-            if c is not None and c.axis in plan.tp_axes:
-                cell = mods[M.get(n, M.MODULE) or "<root>"]["comm"][(M.get(n, M.PHASE) or "step", c.kind)]
-                cell[0], cell[1] = cell[0] + 1, cell[1] + c.nbytes
-        lines.append(f"  stage {s}: parameters {fmt_bytes(held)} per rank of {fmt_bytes(whole)}")
-        for mod, d in mods.items():
-            comm = "; ".join(f"{ph} {k} x{c} ({fmt_bytes(b)})" for (ph, k), (c, b) in d["comm"].items())
-            split = ", ".join(d["split"])
-            lines.append(f"    {mod}: " + ", ".join(x for x in (f"split {split}" if split else "",
-                                                                f"{d['whole']} whole" if d["whole"] else "",
-                                                                comm) if x))
-    return lines
-
-
 def explain_program(prog) -> str:
     plan, cap = prog.plan, prog.captured
     lines = [f"fxpar program for {prog.model_name}: {prog.strategy} on {prog.world_size} rank(s)",
@@ -107,7 +68,7 @@ def explain_program(prog) -> str:
                 less[row] = (got[0] + nbytes, "; ".join(w for w in (got[1], why) if w))
         less_note = lambda row: f" ({less[row][1]})" if row in less else ""      # noqa: E731
         less_bytes = lambda row: less.get(row, (0, ""))[0]                      # noqa: E731
-        head = ("the whole model (tensor parallelism splits it: what each rank holds is below):" if plan.shardings
+        head = ("the whole model (tensor parallelism splits it: what each rank holds is below):" if plan.tp > 1
                 else "per rank (every rank holds a full replica under data parallelism):" if not z else
                 f"per rank (ZeRO stage {z} over dp={n}: chunks of {fmt_bytes(sharded)} of parameters; padding aside):")
         lines += ["", head,
@@ -119,8 +80,6 @@ def explain_program(prog) -> str:
                   f"  buffers         {fmt_bytes(b_bytes)}"]
     else:
         lines += _stage_lines(prog)
-    if plan.shardings:
-        lines += _tp_lines(prog)
     if prog.aliases:
         lines.append(f"  tied parameters (one tensor, one gradient): {prog.aliases}")
     if len(prog.stages) > 1 or plan.microbatches > 1:

@@ -123,7 +123,7 @@ class RankState:
     * ``input_roles`` / :meth:`provide_role`: graph inputs of other roles it provides (``"param_shard"``);
     * :meth:`handlers`: schedule actions it runs itself, ``{ActionKind: handler(action, window, index)}``;
     * :meth:`whole`: whole tensors from what the rank holds, for ``state_dict()`` and checkpoints (a collective
-      where ``collective`` is True: then every rank calls it);
+      where ``collective`` is True: then every rank calls it; an instance may set it in :meth:`setup`);
     * :meth:`after_update`, :meth:`after_load`, :meth:`drain`: after a stage's update, after a checkpoint
       replaced the state with whole tensors, before results and checkpoints are taken.
     """
@@ -232,6 +232,12 @@ class Feature:
 
     def validate(self, strategy) -> None:
         """Refuse option values this feature cannot carry out (raise :class:`fxpar.StrategyError` naming them)."""
+
+    def mesh_axes(self, strategy, given) -> list:
+        """The mesh axes this feature adds after ``pp`` and ``dp`` (``[[name, size], ...]``, fastest last), from
+        ``strategy`` or, where a Plan is handed back, from its section ``given`` (else None). Asked when the Plan
+        is made, before the schedule and the gradient groups that read the mesh."""
+        return []
 
     def check_cluster(self, strategy, cluster) -> None:
         """Refuse a ClusterSpec (None: not known) this feature cannot run on, or one that asks for this feature while

@@ -37,10 +37,6 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
                         SplitGraphs, SyncBuffers)
     S = Slot
     pipeline = []
-    if plan.shardings:
-        from passes.tensor_parallel import TensorParallel
-        # first: every later pass (recompute, data_parallel, bucket, ...) works on the rank's local pieces
-        pipeline.append((S.PARTITION, TensorParallel()))
     if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
         # each gradient summed over the ranks the planner named (dp replicas, tied stages)
         pipeline.append((S.GRAD_SYNC, DataParallelGradSync()))

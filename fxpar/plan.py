@@ -47,10 +47,6 @@ class Plan:
     notes: list = field(default_factory=list)      # what the planner wants the user to know
     # the decisions of later work: per-tensor shardings, ZeRO stage, recompute/offload
     # policy, communication order. Empty means "not used".
-    # tensor parallelism: {"mode": "auto" | "megatron" | "layouts" | "annotations", "axes": [[name, size], ...],
-    #  "layouts": {param glob: [mesh axis or None per dim]}, "stages": [per stage {"params": {key: spec},
-    #  "opt_state": {...}, "auto": {node: [spec per output]} (Tofu's choice, reused when handed back)}]}
-    shardings: dict = field(default_factory=dict)
     zero: int = 0
     offload: dict = field(default_factory=dict)        # {"what": ["params", "optimizer"], "to": "disk", "dir": path}
     # the enabled features' sections (fxpar.Feature): feature name -> its PlanSection dataclass
@@ -169,19 +165,6 @@ class Plan:
                                         if self.broadcast_buffers else "per-rank (not synchronised)"))
         if self.loss_average:
             lines.append(f"loss: {self.loss_average} average over shards and microbatches (docs/semantics.md)")
-        if self.shardings:
-            sh = self.shardings
-            how = {"auto": "Tofu's search (recursive halving, exact DP per level)", "megatron":
-                   "Megatron preset (column/row-parallel Linear pairs), then the model's fxpar.shard annotations and "
-                   "propagation (GShard) for the rest", "layouts": "Mesh-TensorFlow layouts, then the model's "
-                   "fxpar.shard annotations and propagation (GShard) for the rest", "annotations":
-                   "the model's fxpar.shard annotations and propagation (GShard)"}[sh["mode"]]
-            lines.append(f"tensor parallelism over {' x '.join(f'{a}={n}' for a, n in sh['axes'])}: {how}")
-            for s, st in enumerate(sh.get("stages", [])):
-                split = {k: v for k, v in st.get("params", {}).items() if any(d is not None for d in v)}
-                lines.append(f"  stage {s}: {len(split)} of {len(st.get('params', {}))} parameter(s) split"
-                             + (": " + ", ".join(f"{k} {tuple(v)}" for k, v in list(split.items())[:6])
-                                + (" ..." if len(split) > 6 else "") if split else ""))
         if self.zero:
             lines.append(f"ZeRO stage {self.zero} over dp={self.dp}" + (
                 f"; offload {' and '.join(self.offload['what'])} to {self.offload['to']}" if self.offload.get("what") else ""))

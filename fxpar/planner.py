@@ -10,10 +10,9 @@ Gradient buckets are planned in :mod:`fxpar.planner_comm` (re-exported here). Ea
 from __future__ import annotations
 
 import copy
-import json
 
 from .errors import StrategyError
-from .feature import registered_features
+from .feature import enabled_features, registered_features
 from .plan import Plan
 from .planner_comm import plan_buckets
 from .schedule import Schedule, ScheduleError, get_schedule
@@ -157,7 +156,8 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     tuple of tensors; ``layout`` (a ``BatchLayout``) gives it back its structure (keyword inputs) for tracing."""
     dp, pp = strategy.dp, strategy.pp
     plan = Plan(mesh_axes=[["pp", pp], ["dp", dp]])
-    _record_sharding(plan, strategy, base)
+    for f in enabled_features(strategy):       # the features' own mesh axes (a handed-back Plan's stay), fastest last
+        plan.mesh_axes += f.mesh_axes(strategy, base.section(f.name) if base is not None else None)
     plan.schedule = schedule_name(strategy, base)
     plan.microbatches = base.microbatches if base is not None else strategy.microbatches
     plan.global_batch = check_batch(batch, dp, plan.microbatches)
@@ -221,25 +221,6 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
         if section is not None:
             plan.features[f.name] = section
     return plan, sched, trace, split
-
-
-def _record_sharding(plan: Plan, strategy: Strategy, base: Plan | None) -> None:
-    """Tensor parallelism into the Plan: the tp mesh axes (Tofu halves the device set: ``tp0``, ``tp1``, ... of
-    size 2; the other modes use one ``tp`` axis) and the mode; ``passes.tensor_parallel`` fills in each stage's
-    parameter layouts (and Tofu's per-node choice, reused when the Plan is handed back)."""
-    if base is not None and base.shardings:
-        plan.shardings = json.loads(json.dumps(base.shardings))
-    elif strategy.tp > 1:
-        mode = "layouts" if isinstance(strategy.sharding, dict) else strategy.sharding
-        k = strategy.tp.bit_length() - 1
-        axes = ([["tp", 2]] if k == 1 else [[f"tp{i}", 2] for i in range(k)]) if mode == "auto" \
-            else [["tp", strategy.tp]]
-        plan.shardings = {"mode": mode, "axes": axes, "stages": [],
-                          "layouts": {p: list(v) for p, v in strategy.sharding.items()} if mode == "layouts" else {}}
-    else:
-        return
-    plan.mesh_axes += [list(a) for a in plan.shardings["axes"]]
-
 
 
 def _record_zero(plan: Plan, strategy: Strategy, base: Plan | None, optimizer) -> None:

@@ -349,11 +349,6 @@ class Program:
                     if by:
                         reduced_by.setdefault(s, {})[k] = by[0]
         extra["reduced_by"] = reduced_by
-        if self.plan.shardings:          # tensor parallelism: the layouts of the held stages' parameters and state
-            sh = self.plan.shardings
-            extra["tp"] = {"axes": sh["axes"], "stages": {
-                s: {**{k: sh["stages"][s][k] for k in ("params", "opt_state")},
-                    "shapes": {k: list(v) for k, v in self.stages[s].captured.param_shapes.items()}} for s in held}}
         zero = {s: self.stages[s].joint.meta.get("fxpar_zero") for s in held}
         extra["zero"] = {s: z for s, z in zero.items() if z}
         extra["offload"] = dict(self.plan.offload)

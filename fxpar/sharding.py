@@ -2,7 +2,8 @@
 
 A :class:`Sharding` says, for each tensor dim, the mesh axis it is split over (or ``None``), and
 the mesh axes over which the tensor is a *partial sum* (each rank holds a summand; the value is
-their sum). It prints like a JAX ``PartitionSpec`` and round-trips through JSON (``Plan.shardings``)::
+their sum). It prints like a JAX ``PartitionSpec`` and round-trips through JSON (the Plan's ``tensor_parallel``
+section)::
 
     >>> s = Sharding(("dp", None, "tp"))
     >>> print(s), s.local_shape((8, 16, 64), {"dp": 2, "tp": 4})

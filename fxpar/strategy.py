@@ -13,7 +13,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Strategy"]
 
-_SHARDINGS = ("auto", "megatron", "annotations")
 _SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "pipedream", "2bw", "chimera", "single")
 
 
@@ -149,7 +148,6 @@ class Strategy:
             raise StrategyError(f"Strategy(zero={self.zero}, dp=1): ZeRO shards over the dp axis, and dp=1 leaves "
                                 "nothing to shard; set dp > 1 (e.g. Strategy(dp=4, zero=" + str(self.zero) + ")) or zero=0")
         self._check_offload()
-        self._check_sharding()
         if self.bucket_cap_mb is not None and (not isinstance(self.bucket_cap_mb, (int, float))
                                                or self.bucket_cap_mb < 0):
             raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
@@ -211,33 +209,6 @@ class Strategy:
         except AttributeError:
             raise AttributeError(f"'Strategy' object has no attribute {name!r}") from None
 
-    def _check_sharding(self) -> None:
-        if isinstance(self.sharding, dict):
-            for pat, spec in self.sharding.items():
-                if not isinstance(pat, str) or not isinstance(spec, (tuple, list)) or \
-                        not all(a is None or isinstance(a, str) for a in spec):
-                    raise StrategyError(f"Strategy(sharding={{{pat!r}: {spec!r}}}): a layout maps a parameter glob to a "
-                                        "tuple with a mesh axis name or None per dim, e.g. {'blocks.*.fc1.weight': "
-                                        "('tp', None)}")
-                bad = [a for a in spec if a is not None and a != "tp"]
-                if bad:
-                    raise StrategyError(f"Strategy(sharding={{{pat!r}: {tuple(spec)}}}): mesh axis {bad[0]!r} is not "
-                                        "a tensor-parallel axis; layouts split over 'tp' (dp is data parallelism)")
-        elif self.sharding not in _SHARDINGS:
-            raise StrategyError(f"Strategy(sharding={self.sharding!r}): choose one of {_SHARDINGS} or pass "
-                                "Mesh-TensorFlow layouts {param glob: ('tp', None, ...)}")
-        if self.tp == 1:
-            return
-        if self.sharding == "auto" and self.tp & (self.tp - 1):
-            raise StrategyError(f"Strategy(tp={self.tp}, sharding='auto'): Tofu's search halves the device set, so tp "
-                                "must be a power of two (2, 4, 8, ...); use sharding='megatron' or layouts for "
-                                f"tp={self.tp}")
-        clash = [n for n, on in (("zero", self.zero), ("delayed_update", self.delayed_update),
-                                 ("comm_schedule='bytescheduler'", self.comm_schedule != "fifo"),
-                                 ("grad_sync", self.grad_sync != "allreduce")) if on]
-        if clash:
-            raise StrategyError(f"{self}: tensor parallelism is not yet composed with {clash[0]}; use tp with plain "
-                                "dp (and pp), or drop tp")
 
     def _check_offload(self) -> None:
         if isinstance(self.offload, str):

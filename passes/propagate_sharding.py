@@ -68,7 +68,7 @@ class ShardingResult:
         return self.out[name][0]
 
     def to_plan(self) -> dict:
-        """``{node name: [sharding json per output]}`` for ``Plan.shardings``."""
+        """``{node name: [sharding json per output]}`` for the Plan's ``tensor_parallel`` section."""
         return {k: [s.to_json() for s in v] for k, v in self.out.items()}
 
     def comm_bytes(self) -> float:

@@ -1,7 +1,7 @@
 """tensor_parallel: split each operator's tensors over the tp mesh axes, on each stage's joint graph.
 
 The stage's joint graph (forward, backward, optimizer) is decided and lowered in one go: every
-node's sharding comes from the Plan's mode (``Plan.shardings``) --
+node's sharding comes from the mode in the Plan's ``tensor_parallel`` section --
 
 * ``megatron``: the Linear pairs of the graph (:func:`megatron_layouts`): a Linear whose output
   reaches another's input through elementwise ops, views and attention only is column-parallel,
@@ -46,6 +46,8 @@ from .propagate_sharding import ShardingResult, propagate_shardings
 from .tofu import TofuCost, plan_cost, tofu_search
 
 __all__ = ["TensorParallel", "megatron_layouts", "linears"]
+
+SECTION = "tensor_parallel"          # the Plan section (fxpar.features.tensor_parallel) this pass carries out
 
 aten = torch.ops.aten
 _MATMUL = (aten.mm.default, aten.addmm.default)
@@ -206,7 +208,7 @@ def _tied_layouts(ctx, sig) -> dict:
     """``{(role, key): dims}`` of this stage's parameters (and their optimizer state) that an earlier stage holds
     too (a tied embedding and LM head): laid out as that stage decided, so the pieces the tied group sums
     match."""
-    stages = ctx.plan.shardings.get("stages", [])
+    stages = ctx.plan.section(SECTION).stages
     out = {}
     for role, key in sig.inputs:
         if role not in ("param", "opt_state"):
@@ -251,10 +253,10 @@ class TensorParallel(Pass):
     name = "tensor_parallel"
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        sh = ctx.plan.shardings
-        mesh = Mesh(tuple((a, int(n)) for a, n in sh["axes"]))
+        sh = ctx.plan.section(SECTION)     # each stage's layouts (and Tofu's choice) are recorded into it
+        mesh = Mesh(tuple((a, int(n)) for a, n in sh.axes))
         sig = gm.meta["fxpar_signature"]
-        stages = sh.setdefault("stages", [])
+        stages = sh.stages
         while len(stages) <= ctx.stage:
             stages.append({})
         entry = stages[ctx.stage]
@@ -262,7 +264,7 @@ class TensorParallel(Pass):
             res, extra = self._decide(gm, ctx, sh, mesh, sig, entry)
             new = lower_shardings(gm, res, mesh, rank=ctx.rank, world=ctx.plan.mesh)
         except ShardingError as e:
-            raise PassError(f"tensor parallelism over {dict(mesh.axes)} (sharding={sh['mode']!r}), stage {ctx.stage}: "
+            raise PassError(f"tensor parallelism over {dict(mesh.axes)} (sharding={sh.mode!r}), stage {ctx.stage}: "
                             f"{e}") from None
         new.meta.update(gm.meta)
         _gradients_laid_out(new, sig)
@@ -284,12 +286,12 @@ class TensorParallel(Pass):
 
     def _decide(self, gm, ctx, sh, mesh, sig, entry) -> tuple:
         tp = mesh.size
-        if sh["mode"] == "auto":
+        if sh.mode == "auto":
             _strip_annotations(gm)
         if entry.get("auto"):                              # a handed-back Plan: Tofu's stored choice
             return result_from_plan(entry["auto"], mesh), {}
         tied = _tied_layouts(ctx, sig)
-        if sh["mode"] == "auto":
+        if sh.mode == "auto":
             cost = TofuCost()
             if ctx.cluster is not None:
                 cost = TofuCost(link_bytes_per_s=ctx.cluster.intra_node.bandwidth,
@@ -302,9 +304,9 @@ class TensorParallel(Pass):
             dump = lambda d: {k: [s.to_json() for s in v] for k, v in d.items()}      # noqa: E731
             return found.sharding, {"auto": {"out": dump(found.sharding.out), "need": dump(found.sharding.need)},
                                     "predicted_s": found.predicted}
-        layouts = dict(sh.get("layouts") or {})
+        layouts = dict(sh.layouts or {})
         extra = {}
-        if sh["mode"] == "megatron":
+        if sh.mode == "megatron":
             preset = megatron_layouts(gm, tp, mesh.names[0])
             extra["megatron"] = {k: list(v) for k, v in preset.items()}
             layouts = {**preset, **layouts}

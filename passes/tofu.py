@@ -28,7 +28,7 @@ flow, and ``search.solve_blocks`` eliminates each distinct block's interior once
 its boundary, reused for every identical copy -- exact, the flat DP's optimum (32 layers, 64 devices:
 3 eliminations per level instead of 32; DP 2.7 s -> 0.6 s). The result is a
 :class:`~passes.propagate_sharding.ShardingResult` (``lower_shardings`` lowers it; ``to_plan()`` is
-the JSON for ``Plan.shardings``) plus the predicted cost. On the test GPT at G = 2 (``explain()``)::
+the JSON for the Plan's ``tensor_parallel`` section) plus the predicted cost. On the test GPT at G = 2 (``explain()``)::
 
     tofu over 2 devices (levels ['tp']): predicted 1.2e-06 s = comm ... + compute ... + memory ...
       wte_weight     P(None, 'tp')

@@ -81,7 +81,7 @@ def _run(clusters, name, mode, cluster_kw=None, **strategy):
     res = prog.run_local(batches, cluster=clusters.get(st.size), measure_comm=True)
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL, (res.losses, ref_losses)
     assert max_abs_diff(res.state_dict(), ref_state) < TOL
-    split = [k for st_ in prog.plan.shardings["stages"] for k, v in st_["params"].items() if any(v)]
+    split = [k for st_ in prog.plan.section("tensor_parallel").stages for k, v in st_["params"].items() if any(v)]
     assert split, "nothing was split: the test would prove nothing"
     return prog, res
 
@@ -95,7 +95,7 @@ def _run(clusters, name, mode, cluster_kw=None, **strategy):
 def test_tp_equals_single_process(clusters, name, mode, tp):
     prog, _ = _run(clusters, name, mode, FAST if mode == "auto" else None, tp=tp)
     if name == "cnn":            # conv1's output channels are split: its forward and backward run on pieces
-        assert prog.plan.shardings["stages"][0]["params"]["conv1.weight"] == ["tp", None, None, None]
+        assert prog.plan.section("tensor_parallel").stages[0]["params"]["conv1.weight"] == ["tp", None, None, None]
 
 
 @pytest.mark.slow
@@ -135,7 +135,7 @@ def test_megatron_structure_on_a_gpt_with_separate_qkv():
     assert [c.kind for c in bwd] == ["all_reduce"] * 2 * layers
     assert {c.nbytes for c in fwd + bwd} == {b * s * h * 8}
     assert len(comm) == 4 * layers
-    split = prog.plan.shardings["stages"][0]["megatron"]
+    split = prog.plan.section("tensor_parallel").stages[0]["megatron"]
     assert split["blocks.0.q.weight"] == ["tp", None] and split["blocks.0.o.weight"] == [None, "tp"]
     assert split["blocks.1.fc1.weight"] == ["tp", None] and split["blocks.1.fc2.weight"] == [None, "tp"]
 
@@ -167,7 +167,7 @@ def test_auto_is_no_dearer_than_megatron_and_a_handed_back_plan_is_reused(cluste
     notes = [n for n in prog.stages[0].notes if n.startswith("tofu: its plan")]
     assert notes and ("cheaper than Megatron" in notes[0] or "as cheap as Megatron" in notes[0]), prog.stages[0].notes
     plan = fxpar.Plan.from_json(prog.plan.to_json())
-    assert plan.shardings["stages"][0]["auto"]["out"]          # Tofu's per-node choice, readable and editable
+    assert plan.section("tensor_parallel").stages[0]["auto"]["out"]          # Tofu's per-node choice, readable and editable
     again = fxpar.parallelize(model, spec, batches[0], loss_fn, opt, strategy=fxpar.Strategy(tp=2), plan=plan)
     assert again.graphs(0)["step"].code == prog.graphs(0)["step"].code
     assert not any(n.startswith("tofu over") for n in again.stages[0].notes)     # no second search

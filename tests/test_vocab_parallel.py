@@ -104,7 +104,7 @@ def _run(setup, clusters, **strategy):
     res = prog.run_local(batches, cluster=clusters.get(st.size))
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10, (res.losses, ref_losses)
     assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
-    assert prog.plan.shardings["stages"][0]["params"]["wte.weight"] == ["tp", None]
+    assert prog.plan.section("tensor_parallel").stages[0]["params"]["wte.weight"] == ["tp", None]
     return prog, st
 
 
@@ -130,7 +130,7 @@ def test_megatron_preset_splits_the_tied_vocabulary(setup, clusters, strategy):
     """The preset splits the tied embedding + head over the vocabulary with the blocks' Linear pairs: forward
     has 2 all_reduces of b·s·h per layer and the lookup's one; backward 2 per layer and the head's one."""
     prog, st = _run(setup, clusters, sharding="megatron", **strategy)
-    assert prog.plan.shardings["stages"][0]["megatron"]["wte.weight"] == ["tp", None]
+    assert prog.plan.section("tensor_parallel").stages[0]["megatron"]["wte.weight"] == ["tp", None]
     bsh = B // st.dp * S * D * 8
     for rank in range(st.size):
         gm = prog.graphs(rank)["step"]
@@ -147,7 +147,7 @@ def test_megatron_leaves_a_vocabulary_tp_does_not_divide_whole():
     batch = token_batches(1, batch=B, seq=S, vocab=250)[0]
     prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(4), batch, gpt_loss, ADAMW,
                              strategy=fxpar.Strategy(tp=4, sharding="megatron"))
-    stage = prog.plan.shardings["stages"][0]
+    stage = prog.plan.section("tensor_parallel").stages[0]
     assert "wte.weight" not in stage["megatron"] and stage["params"]["wte.weight"] == [None, None]
     assert not prog.graphs(0)["step"].graph.find_nodes(op="call_function", target=vocab_embedding)
 
@@ -166,8 +166,8 @@ def test_handed_back_plan_runs_the_vocabulary_backward_on_4_ranks(setup, cluster
     found = tofu_search(cap.gm, 4, TofuCost(), signature=cap.signature, whole_io=True).sharding
     vocab_axis = found.sharding("wte_weight").dims[0]
     assert vocab_axis is not None, found.sharding("wte_weight")
-    plan.shardings["stages"][0]["auto"] = {k: {n: [s.to_json() for s in v] for n, v in d.items()}
-                                           for k, d in (("out", found.out), ("need", found.need))}
+    plan.section("tensor_parallel").stages[0]["auto"] = {k: {n: [s.to_json() for s in v] for n, v in d.items()}
+                                                        for k, d in (("out", found.out), ("need", found.need))}
     prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(4), batches[0], gpt_loss, ADAMW, strategy=st, plan=plan)
     gm = prog.graphs(0)["step"]
     (bwd,) = gm.graph.find_nodes(op="call_function", target=vocab_embedding_backward)

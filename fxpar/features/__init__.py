@@ -2,6 +2,7 @@
 
 Importing this package registers them (``fxpar.feature`` imports it the first time its registry is read).
 """
+from . import tensor_parallel  # noqa: F401  (Strategy(tp=N, sharding=...))
 from . import recompute  # noqa: F401  (before offload_activations: both passes sit in Slot.REMAT, in this order)
 from . import offload_activations  # noqa: F401
 from . import herring, byteps, parallax      # noqa: F401  gradient-sync methods (Strategy(grad_sync=...))

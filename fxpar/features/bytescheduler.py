@@ -206,7 +206,7 @@ def _why_not_grad_order(section: ByteSchedulerSection, plan, captured, fused: bo
                 "microbatches): the order backward makes them does not move their collectives")
     if plan.section("recompute") is not None or plan.section("offload_activations") is not None:
         return "recompute / activation offload place their copies by backward's order"
-    if plan.shardings or getattr(plan, "zero", 0):
+    if plan.tp > 1 or getattr(plan, "zero", 0):
         return "tensor parallelism and ZeRO place their collectives by backward's order"
     return why_not_reorder(captured.gm)
 

@@ -36,7 +36,6 @@ from ..feature import NEW_STATE_ROLE, STATE_ROLE, split_state_key
 from ..schedule import ActionKind
 from ..zero import chunk
 from .shards import ShardState
-from .tp import TensorParallelState
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
 __all__ = ["RankPayload", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group"]
@@ -157,7 +156,7 @@ class _Window:
         self.busy = 0.0
 
 
-class Executor(ShardState, TensorParallelState):
+class Executor(ShardState):
     """Runs one rank's part of a program: ``step(global_batch)`` trains one step, ``run_async(batches)``
     runs an asynchronous schedule's one window over all batches."""
 
@@ -194,7 +193,6 @@ class Executor(ShardState, TensorParallelState):
         self.spec = spec
         self.state = {s: {f"{n}:{k}": torch.zeros_like(v) for k, v in ps.items() for n in spec.state_names}
                       for s, ps in self.params.items()}
-        self._tp_init()                   # tensor parallelism: this rank's pieces of split parameters and state
         self._rechunk()
         self.offload = p.extra.get("offload") or {}
         self._offload()
@@ -625,10 +623,15 @@ class Executor(ShardState, TensorParallelState):
         self.drain()                    # a step in flight finishes before the state is replaced
         load_rank_state(self, path, self.p.extra.get("aliases", {}), need_stash=bool(self.p.extra.get("resumed")))
 
+    def whole_is_collective(self) -> bool:
+        """Whether a feature's :meth:`~fxpar.feature.RankState.whole` is a collective on this rank."""
+        return any(st.collective for st in self.features.values())
+
     def state_dict(self) -> dict:
         """Parameters of the stages this rank is the first holder of, and the buffers (whole tensors; collective
         under ZeRO stage 3, whose parameters are chunks: every rank calls it)."""
-        params = self.whole()[0] if any(i["stage"] == 3 for i in self.zero.values()) or self.tp_split else self.params
+        params = self.whole()[0] if any(i["stage"] == 3 for i in self.zero.values()) or self.whole_is_collective() \
+            else self.params
         out = {}
         for s in sorted(params):
             if self.p.stage_to_rank[s][0] != self.pipe_rank:
@@ -641,7 +644,7 @@ class Executor(ShardState, TensorParallelState):
     def optimizer_state(self) -> dict:
         """Optimizer state under ``<state>:<key>`` (whole tensors; collective under ZeRO)."""
         if self.spec.traced:
-            state = self.whole()[1] if self.zero or self.tp_split else self.state
+            state = self.whole()[1] if self.zero or self.whole_is_collective() else self.state
             return {k: v for st in state.values() for k, v in st.items()}
         return self.torch_opt.state_dict()
 
@@ -689,8 +692,9 @@ def train(payload: RankPayload, batches: list) -> dict:
         state = {k: v.clone() for k, v in state.items()}
     if ex.dp_index == 0:
         out["state"] = state
-    opt = ex.optimizer_state() if payload.rank == 0 or ex.zero or (ex.tp_split and payload.rank < payload.tp) \
-        else None                                                         # collective under ZeRO, and over tp
+    opt = ex.optimizer_state() if payload.rank == 0 or ex.zero or (ex.whole_is_collective()
+                                                                   and payload.rank < payload.tp) \
+        else None                                  # collective under ZeRO, and over rank 0's tp group (a feature's)
     if ex.offload.get("to") == "disk" and isinstance(opt, dict):
         opt = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.items()}
     if payload.rank == 0:

@@ -95,7 +95,6 @@ class ShardState:
                     params[s][k] = self._whole(s, k, self.params[s][k])
                 for name in self.spec.state_names:
                     state[s][f"{name}:{k}"] = self._whole(s, k, self.state[s][f"{name}:{k}"])
-        params, state = self._tp_whole(params, state)       # tensor parallelism: pieces gathered over tp
         for st in self.features.values():                   # the features' own whole tensors
             params, state = st.whole(self, params, state)
         return params, state

@@ -1,0 +1,224 @@
+"""Tensor parallelism: each operator's tensors split over the tp mesh axes, as one Feature.
+
+The modes (``Strategy(tp=n, sharding=...)``, docs/tensor-parallel.md):
+
+* ``"auto"``: Tofu's search (Wang et al., EuroSys'19; ``passes.tofu``), recursive halving over the mesh axes
+  ``tp0``, ``tp1``, ... of size 2, each operator's split chosen by the cost model;
+* ``"megatron"``: the graph's column-/row-parallel Linear pairs, attention split by heads (Shoeybi et al. 2019);
+* ``"annotations"``: the model's ``fxpar.shard`` annotations only, then propagation (GShard, Lepikhin et al. 2020);
+* a dict of Mesh-TensorFlow layouts (Shazeer et al. 2018), ``{param glob: ('tp', None, ...)}``.
+
+What lives here: the ``sharding`` option and its checks; the mesh axes it adds after pp and dp; its Plan section
+(the mode, the axes, the layouts and, per stage, each parameter's and optimizer state's layout and Tofu's per-node
+choice, reused when the Plan is handed back); its pass (``passes.tensor_parallel``, first in the pass list); the
+rank's pieces of split parameters and optimizer state (:class:`Pieces`: cut at setup and after a checkpoint load,
+gathered over tp for ``state_dict()`` and checkpoints); its lines in ``explain()``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from fxpar import meta as M
+from fxpar.errors import StrategyError
+from fxpar.explain import fmt_bytes
+from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
+from fxpar.mesh import Mesh
+from passes.tensor_parallel import TensorParallel
+
+__all__ = ["TensorParallelFeature", "TensorParallelSection", "Pieces", "MODES"]
+
+MODES = ("auto", "megatron", "annotations")
+_HOW = {"auto": "Tofu's search (recursive halving, exact DP per level)",
+        "megatron": "Megatron preset (column/row-parallel Linear pairs), then the model's fxpar.shard annotations and "
+                    "propagation (GShard) for the rest",
+        "layouts": "Mesh-TensorFlow layouts, then the model's fxpar.shard annotations and propagation (GShard) for "
+                   "the rest",
+        "annotations": "the model's fxpar.shard annotations and propagation (GShard)"}
+
+
+@dataclass
+class TensorParallelSection(PlanSection):
+    """The decisions. ``stages``: per stage ``{"params": {key: spec}, "opt_state": {...}}`` (a mesh axis or None per
+    dim), with ``"auto"`` (Tofu's per-node choice ``{"out": ..., "need": ...}``) and ``"predicted_s"`` under
+    ``"auto"``, and ``"megatron"`` (the preset's layouts) under ``"megatron"``; ``passes.tensor_parallel`` fills
+    each stage in as it lowers it."""
+    mode: str = "auto"                                   # "auto" | "megatron" | "layouts" | "annotations"
+    axes: list = field(default_factory=list)            # [[mesh axis, size], ...]
+    layouts: dict = field(default_factory=dict)         # {param glob: [mesh axis or None per dim]} ("layouts")
+    stages: list = field(default_factory=list)
+
+    def lines(self) -> list:
+        out = [f"tensor parallelism over {' x '.join(f'{a}={n}' for a, n in self.axes)}: {_HOW[self.mode]}"]
+        for s, st in enumerate(self.stages):
+            split = {k: v for k, v in st.get("params", {}).items() if any(d is not None for d in v)}
+            out.append(f"  stage {s}: {len(split)} of {len(st.get('params', {}))} parameter(s) split"
+                       + (": " + ", ".join(f"{k} {tuple(v)}" for k, v in list(split.items())[:6])
+                          + (" ..." if len(split) > 6 else "") if split else ""))
+        return out
+
+
+class Pieces(RankState):
+    """This rank's pieces of the split parameters and optimizer state. ``info``: ``{"axes": [[axis, size], ...],
+    "stages": {stage: {"params": {key: spec}, "opt_state": {...}, "shapes": {key: whole shape}}}}``. The rank
+    keeps the piece at its tp coordinate (``torch.chunk`` along each split dim, as ``passes.lower_sharding``
+    cuts); :meth:`whole` gathers whole tensors over the tp groups (a collective where anything is split)."""
+
+    def setup(self, ex) -> None:
+        self.mesh = Mesh(tuple((a, int(n)) for a, n in self.info["axes"]))
+        self.layouts = {s: st for s, st in self.info["stages"].items() if s in ex.params}
+        self.collective = any(any(d is not None for d in dims) for st in self.layouts.values()
+                              for part in (st["params"], st["opt_state"]) for dims in part.values())
+        self._slice(ex)
+
+    def after_load(self, ex) -> None:
+        self._slice(ex)
+
+    def _piece(self, ex, t: torch.Tensor, dims: list, whole_shape) -> torch.Tensor:
+        if tuple(t.shape) != tuple(whole_shape):          # already this rank's piece
+            return t
+        c = self.mesh.coords(ex.tp_index)
+        for d, axis in enumerate(dims):
+            if axis is not None:
+                t = t.chunk(self.mesh.axis_size(axis), dim=d)[c[axis]]
+        return t.clone(memory_format=torch.contiguous_format)
+
+    def _slice(self, ex) -> None:
+        """Cut whole parameters and optimizer state into this rank's pieces (after building and loading)."""
+        for s, st in self.layouts.items():
+            for k, dims in st["params"].items():
+                if any(dims) and k in ex.params[s]:
+                    ex.params[s][k] = self._piece(ex, ex.params[s][k], dims, st["shapes"][k])
+            for k, dims in st["opt_state"].items():
+                if any(dims) and k in ex.state[s]:
+                    ex.state[s][k] = self._piece(ex, ex.state[s][k], dims, st["shapes"][k.split(":", 1)[1]])
+
+    def _gather(self, ex, t: torch.Tensor, dims: list) -> torch.Tensor:
+        from fxpar.runtime.executor import group
+        for d, axis in enumerate(dims):
+            if axis is None:
+                continue
+            ranks = ex.p.bindings[axis]
+            parts = [torch.empty_like(t) for _ in ranks]
+            dist.all_gather(parts, t.contiguous(), group=group(ranks, axis))
+            t = torch.cat(parts, dim=d)
+        return t
+
+    def whole(self, ex, params: dict, state: dict) -> tuple:
+        for s, st in sorted(self.layouts.items()):
+            for k, dims in st["params"].items():
+                if any(dims) and k in params.get(s, {}):
+                    params[s][k] = self._gather(ex, params[s][k], dims)
+            for k, dims in st["opt_state"].items():
+                if any(dims) and k in state.get(s, {}):
+                    state[s][k] = self._gather(ex, state[s][k], dims)
+        return params, state
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+
+
+def _mode(strategy) -> str:
+    return "layouts" if isinstance(strategy.sharding, dict) else strategy.sharding
+
+
+@register_feature
+class TensorParallelFeature(Feature):
+    name = "tensor_parallel"
+    doc = ("operators split over tp ranks: Tofu's search (Wang et al. 2019), Megatron's Linear pairs (Shoeybi et al. "
+           "2019), GShard annotations (Lepikhin et al. 2020) or Mesh-TensorFlow layouts (Shazeer et al. 2018)")
+    options = {"sharding": Option("auto", "with tp > 1, how operators are split: 'auto' (Tofu), 'megatron', "
+                                          "'annotations' or Mesh-TensorFlow layouts {param glob: ('tp', None, ...)}")}
+    section = TensorParallelSection
+    passes = ((Slot.PARTITION, TensorParallel),)   # first: every later pass works on the rank's local pieces
+    state = Pieces
+
+    def enabled(self, strategy) -> bool:
+        return strategy.tp > 1
+
+    def validate(self, strategy) -> None:
+        if isinstance(strategy.sharding, dict):
+            for pat, spec in strategy.sharding.items():
+                if not isinstance(pat, str) or not isinstance(spec, (tuple, list)) or \
+                        not all(a is None or isinstance(a, str) for a in spec):
+                    raise StrategyError(f"Strategy(sharding={{{pat!r}: {spec!r}}}): a layout maps a parameter glob "
+                                        "to a tuple with a mesh axis name or None per dim, e.g. "
+                                        "{'blocks.*.fc1.weight': ('tp', None)}")
+                bad = [a for a in spec if a is not None and a != "tp"]
+                if bad:
+                    raise StrategyError(f"Strategy(sharding={{{pat!r}: {tuple(spec)}}}): mesh axis {bad[0]!r} is not "
+                                        "a tensor-parallel axis; layouts split over 'tp' (dp is data parallelism)")
+        elif strategy.sharding not in MODES:
+            raise StrategyError(f"Strategy(sharding={strategy.sharding!r}): choose one of {MODES} or pass "
+                                "Mesh-TensorFlow layouts {param glob: ('tp', None, ...)}")
+        if strategy.sharding == "auto" and strategy.tp & (strategy.tp - 1):
+            raise StrategyError(f"Strategy(tp={strategy.tp}, sharding='auto'): Tofu's search halves the device set, so "
+                                "tp must be a power of two (2, 4, 8, ...); use sharding='megatron' or layouts for "
+                                f"tp={strategy.tp}")
+        clash = [n for n, on in (("zero", strategy.zero), ("delayed_update", strategy.delayed_update),
+                                 ("comm_schedule='bytescheduler'", strategy.comm_schedule != "fifo"),
+                                 ("grad_sync", strategy.grad_sync != "allreduce")) if on]
+        if clash:
+            raise StrategyError(f"{strategy}: tensor parallelism is not yet composed with {clash[0]}; use tp with "
+                                "plain dp (and pp), or drop tp")
+
+    def mesh_axes(self, strategy, given) -> list:
+        """Tofu halves the device set: ``tp0``, ``tp1``, ... of size 2 (``tp`` at tp=2); the other modes use one
+        ``tp`` axis."""
+        if given is not None:
+            return [list(a) for a in given.axes]
+        if _mode(strategy) != "auto":
+            return [["tp", strategy.tp]]
+        k = strategy.tp.bit_length() - 1
+        return [["tp", 2]] if k == 1 else [[f"tp{i}", 2] for i in range(k)]
+
+    def plan(self, strategy, plan, cluster):
+        mode = _mode(strategy)
+        return TensorParallelSection(
+            mode=mode, axes=self.mesh_axes(strategy, None),
+            layouts={p: list(v) for p, v in strategy.sharding.items()} if mode == "layouts" else {})
+
+    def rank_info(self, section, program, rank):
+        return {"axes": section.axes, "stages": {
+            s: {"params": section.stages[s]["params"], "opt_state": section.stages[s]["opt_state"],
+                "shapes": {k: list(v) for k, v in program.stages[s].captured.param_shapes.items()}}
+            for s in program.plan.rank_stages(rank)}}
+
+    def explain(self, section, program) -> list:
+        """Per module on rank 0: parameters split (and how), the collectives the lowering inserted (by phase and
+        kind, bytes handed to them per step), and the parameter bytes each rank holds."""
+        plan = program.plan
+        lines = ["tensor parallelism on rank 0, per module (every tp rank runs the same graphs):"]
+        for s in plan.rank_stages(0):
+            st, entry = program.stages[s], section.stages[s]
+            cap, mesh = st.captured, plan.mesh
+            mods: dict = defaultdict(lambda: {"split": [], "whole": 0, "comm": defaultdict(lambda: [0, 0])})
+            held = whole = 0
+            for k, dims in entry["params"].items():
+                mod, _, leaf = k.rpartition(".")
+                nb = _nbytes(cap.param_shapes[k], cap.param_dtypes[k])
+                div = 1
+                for a in dims:
+                    div *= mesh.axis_size(a) if a else 1
+                held, whole = held + nb / div, whole + nb
+                if div > 1:
+                    mods[mod or "<root>"]["split"].append(f"{leaf} {tuple(dims)}")
+                else:
+                    mods[mod or "<root>"]["whole"] += 1
+            for n in st.joint.graph.nodes:
+                c = n.meta.get(M.COMM.name)
+                if c is not None and c.axis in plan.tp_axes:
+                    cell = mods[M.get(n, M.MODULE) or "<root>"]["comm"][(M.get(n, M.PHASE) or "step", c.kind)]
+                    cell[0], cell[1] = cell[0] + 1, cell[1] + c.nbytes
+            lines.append(f"  stage {s}: parameters {fmt_bytes(held)} per rank of {fmt_bytes(whole)}")
+            for mod, d in mods.items():
+                comm = "; ".join(f"{ph} {k} x{c} ({fmt_bytes(b)})" for (ph, k), (c, b) in d["comm"].items())
+                split = ", ".join(d["split"])
+                lines.append(f"    {mod}: " + ", ".join(x for x in (f"split {split}" if split else "",
+                                                                    f"{d['whole']} whole" if d["whole"] else "",
+                                                                    comm) if x))
+        return lines
