@@ -89,12 +89,6 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
             from passes import ServerSum
             # BytePS: the CPU servers' share pushed and pulled, the rest all-reduced
             pipeline.append((S.BUCKET_SUM, ServerSum()))
-        if getattr(plan, "zero", 0):
-            from passes import ZeroOffload, ZeroShard
-            # ZeRO: reduce-scatter into chunks, optimizer on chunks, gather parameters
-            pipeline.append((S.SHARD_STATE, ZeroShard()))
-            if (plan.offload or {}).get("what"):   # ZeRO-Offload/-Infinity: update on the host, disk read-ahead
-                pipeline.append((S.SHARD_OFFLOAD, ZeroOffload()))
         if (plan.comm_schedule or {}).get("method") == "bytescheduler":
             from passes import CommSchedule
             # after bucket: pieces of its buckets issued by priority under a credit; with cross-iteration the

@@ -45,15 +45,14 @@ class Plan:
     passes: list = field(default_factory=list)     # the passes each stage's joint graph goes through, in order
     custom_passes: list = field(default_factory=list)
     notes: list = field(default_factory=list)      # what the planner wants the user to know
-    # the decisions of later work: per-tensor shardings, ZeRO stage, recompute/offload
+    # the decisions of later work: per-tensor shardings, recompute/offload
     # policy, communication order. Empty means "not used".
     # tensor parallelism: {"mode": "auto" | "megatron" | "layouts" | "annotations", "axes": [[name, size], ...],
     #  "layouts": {param glob: [mesh axis or None per dim]}, "stages": [per stage {"params": {key: spec},
     #  "opt_state": {...}, "auto": {node: [spec per output]} (Tofu's choice, reused when handed back)}]}
     shardings: dict = field(default_factory=dict)
-    zero: int = 0
     grad_sync: dict = field(default_factory=dict)      # {"method": "herring", "node": [[ranks]], "cross": [[ranks]]}
-    offload: dict = field(default_factory=dict)        # {"what": ["params", "optimizer"], "to": "disk", "dir": path}
+    offload: dict = field(default_factory=dict)        # {"activations": "cpu"}
     recompute: dict = field(default_factory=dict)
     comm_schedule: dict = field(default_factory=dict)
     # the enabled features' sections (fxpar.Feature): feature name -> its PlanSection dataclass
@@ -158,8 +157,6 @@ class Plan:
             how = {"herring": "Herring (reduce-scatter in node, sum across nodes, all-gather in node)",
                    "parallax": "all-reduce, sparse embedding gradients as (index, row) pairs (Parallax)"}.get(
                 (self.grad_sync or {}).get("method"), "sum")
-            if self.zero:
-                how = f"reduce-scatter into ZeRO-{self.zero} chunks"
             order = ("ByteScheduler's order (priority, pieces, credit; see comm_schedule)"
                      if (self.comm_schedule or {}).get("method") == "bytescheduler" else "issued in backward order")
             lines.append(f"gradient sync: {how} over each gradient's group in {n_b} bucket(s) (cap "
@@ -187,9 +184,6 @@ class Plan:
                 lines.append(f"  stage {s}: {len(split)} of {len(st.get('params', {}))} parameter(s) split"
                              + (": " + ", ".join(f"{k} {tuple(v)}" for k, v in list(split.items())[:6])
                                 + (" ..." if len(split) > 6 else "") if split else ""))
-        if self.zero:
-            lines.append(f"ZeRO stage {self.zero} over dp={self.dp}" + (
-                f"; offload {' and '.join(self.offload['what'])} to {self.offload['to']}" if self.offload.get("what") else ""))
         opt = self.optimizer
         lines.append(f"optimizer: {opt.get('name')} " + ("traced into the graph" if opt.get("traced")
                                                           else f"eager on each rank ({opt.get('why_not_traced')})")

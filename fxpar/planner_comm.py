@@ -49,10 +49,11 @@ def _record_comm_schedule(plan: Plan, strategy: Strategy, base: Plan | None, asy
         plan.comm_schedule["delayed_update"] = True
         plan.notes.append("delayed_update: each step computes with the parameters before the previous step's update, "
                           "which runs after its backward (ZeRO-Offload's DPU; W(t+1) = W(t) - lr grad f(W(t-1)))")
-        if plan.zero:       # ZeRO's reduce-scatter buckets are the carried pieces: no ByteScheduler piece plan
+        zero = plan.section("zero")
+        if zero is not None:       # ZeRO's reduce-scatter buckets are the carried pieces: no ByteScheduler piece plan
             plan.comm_schedule["stages"] = [{"priority": [], "pieces": [], "events": [], "predicted_step_s": None,
-                                             "zero": plan.zero} for _ in range(plan.n_stages)]
-            plan.notes.append(f"delayed_update with zero={plan.zero}: each bucket's reduce-scattered gradient chunk is "
+                                             "zero": zero.stage} for _ in range(plan.n_stages)]
+            plan.notes.append(f"delayed_update with zero={zero.stage}: each bucket's reduce-scattered gradient chunk is "
                               "carried into the next step, whose update runs on chunks after its backward")
 
 
@@ -173,7 +174,7 @@ def _why_not_grad_order(plan: Plan, captured, fused: bool) -> str | None:
                 "microbatches): the order backward makes them does not move their collectives")
     if (plan.recompute or {}).get("policy", "none") != "none" or (plan.offload or {}).get("activations"):
         return "recompute / activation offload place their copies by backward's order"
-    if plan.shardings or getattr(plan, "zero", 0):
+    if plan.shardings or plan.section("zero") is not None:
         return "tensor parallelism and ZeRO place their collectives by backward's order"
     return why_not_reorder(captured.gm)
 

@@ -330,9 +330,6 @@ class Program:
             extra["tp"] = {"axes": sh["axes"], "stages": {
                 s: {**{k: sh["stages"][s][k] for k in ("params", "opt_state")},
                     "shapes": {k: list(v) for k, v in self.stages[s].captured.param_shapes.items()}} for s in held}}
-        zero = {s: self.stages[s].joint.meta.get("fxpar_zero") for s in held}
-        extra["zero"] = {s: z for s, z in zero.items() if z}
-        extra["offload"] = dict(self.plan.offload)
         bindings = {}
         all_groups = self.plan.all_groups()
         for name, ranks in all_groups:       # only groups every rank creates (a process group is made by all)

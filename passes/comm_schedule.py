@@ -394,7 +394,7 @@ class CommSchedule(Pass):
 
     def run(self, gm, ctx: PassContext) -> PassResult:
         cs = ctx.plan.comm_schedule or {}
-        if cs.get("delayed_update") and getattr(ctx.plan, "zero", 0):
+        if cs.get("delayed_update") and ctx.plan.section("zero") is not None:
             return self._delay_zero(gm, ctx)
         stages = cs.get("stages") or []
         entry = stages[ctx.stage] if ctx.stage < len(stages) else None
@@ -423,14 +423,15 @@ class CommSchedule(Pass):
 
     @staticmethod
     def _delay_zero(gm, ctx) -> PassResult:
+        z = ctx.plan.section("zero").stage
         if not gm.meta.get("fxpar_zero"):
-            raise PassError(f"comm_schedule: Strategy(zero={ctx.plan.zero}, delayed_update=True), stage {ctx.stage}: "
+            raise PassError(f"comm_schedule: Strategy(zero={z}, delayed_update=True), stage {ctx.stage}: "
                             "the zero pass sharded no parameter of this stage, so there is no reduce-scattered chunk to "
                             "carry; use delayed_update with zero=0 here")
         from .delayed_update import carry_zero_chunks
         keys = carry_zero_chunks(gm)
         gm.recompile()
-        ctx.notes.append(f"comm_schedule: delayed update on ZeRO-{ctx.plan.zero} chunks: {len(keys)} reduce-scattered "
+        ctx.notes.append(f"comm_schedule: delayed update on ZeRO-{z} chunks: {len(keys)} reduce-scattered "
                          "gradient chunk(s) carried into the next step, updated there after its backward")
         return PassResult(gm, True, {"pieces": len(keys), "carry": len(keys)})
 

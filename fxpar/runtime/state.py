@@ -52,7 +52,7 @@ def save_rank_state(ex, path, aliases: dict) -> None:
     by_canon: dict = {}
     for alias, canon in aliases.items():
         by_canon.setdefault(canon, []).append(alias)
-    params, state = ex.whole()            # ZeRO's chunks gathered: the checkpoint holds whole tensors
+    params, state = ex.whole()            # the features' pieces gathered: the checkpoint holds whole tensors
     for s, ps in params.items():
         for k, v in ps.items():
             tensors[k] = v
@@ -85,7 +85,7 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     manifest = read_manifest(path) or {"tensors": {}}
     saved = manifest["tensors"]
     held = {k for ps in ex.params.values() for k in ps}
-    whole = ex.whole()[0] if any(i["stage"] == 3 for i in ex.zero.values()) or ex.tp_split else ex.params  # whole shapes
+    whole = ex.whole()[0] if ex.features or ex.tp_split else ex.params  # whole shapes
     templates = {k: v for ps in whole.values() for k, v in ps.items()}
     templates.update({k: v for k, v in ex.buffers.items()})
     for k, meta in saved.items():
@@ -108,8 +108,6 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
         keys = [k for _, k in ex._leaves]
         ex.torch_opt.load_state_dict(torch_optimizer_state_dict(ex.torch_opt, keys, got, extra["optim"]))
     ex._tp_slice()                        # tensor parallelism: back to this rank's pieces
-    ex._rechunk()                         # ZeRO: back to this rank's chunks
-    ex._offload()                         # ZeRO-Infinity: back into their files
     for st in ex.features.values():       # the features' own layout of what was loaded whole
         st.after_load(ex)
     if need_stash:
@@ -125,8 +123,9 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
         ex.scheduler.load_state_dict(extra["scheduler"])
     saved_features = extra.get("features") or {}
     for name, st in ex.features.items():       # a feature's per-rank state resumes on the rank that saved it
-        if name not in saved_features:
-            continue                           # saved without that feature: its state starts as a fresh run's
+        if not saved_features.get(name):
+            continue                           # saved without that feature (or it keeps nothing per rank): its
+            #                                    state starts as a fresh run's
         if manifest.get("world_size") != world:
             raise RuntimeError(f"checkpoint {path} holds feature {name!r}'s per-rank state of "
                                f"{manifest.get('world_size')} ranks, and this program has {world}: that state "
