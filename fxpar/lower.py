@@ -138,7 +138,7 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
         rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
                           signature=gm.meta["fxpar_signature"], captured=captured)
-        ctx.store["kinds"] = kinds                          # the graphs the split will cut (passes.zero reads it)
+        ctx.store["kinds"] = kinds                          # the graphs the split will cut (passes read it)
         gm, hist = pm.run(gm, ctx)
         parts = ctx.store["split"]
         for h in hist:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import prefetch  # noqa: F401  registers fxpar::prefetch before any graph holding it is unpacked on a rank
 from ..collectives import axis_of_tag, in_flight_across_graphs, lower_for_backend
 from ..feature import NEW_STATE_ROLE, STATE_ROLE, split_state_key
 from ..schedule import ActionKind

@@ -35,12 +35,7 @@ class _Op:
     overload: str | None       # None: an OpOverloadPacket
 
     def resolve(self):
-        try:
-            packet = getattr(getattr(torch.ops, self.namespace), self.name)
-        except AttributeError:          # an op a feature's module defines (fxpar::prefetch): load the features
-            from ..feature import registered_features
-            registered_features()
-            packet = getattr(getattr(torch.ops, self.namespace), self.name)
+        packet = getattr(getattr(torch.ops, self.namespace), self.name)
         return packet if self.overload is None else getattr(packet, self.overload)
 
 
