@@ -37,10 +37,7 @@ def _stage_lines(prog) -> list:
             head += (f": {len(sg.nodes)} nodes ({sg.flops / 1e6:.2f} MFLOP fwd per microbatch), modules "
                      f"{sg.modules[:3]}{'...' if len(sg.modules) > 3 else ''}")
         lines.append(head)
-        zk = (st.joint.meta.get("fxpar_zero") or {}).get("keys", {})
-        zb = sum(_nbytes(cap.param_shapes[k], cap.param_dtypes[k]) for k in zk)
-        held = f" ({fmt_bytes(pbytes - zb + zb / prog.plan.dp)} per rank: ZeRO-3 chunks)" if zb and prog.plan.zero == 3 else ""
-        lines.append(f"    params {fmt_bytes(pbytes)}{held} in {len(cap.param_names)} tensors; graphs "
+        lines.append(f"    params {fmt_bytes(pbytes)} in {len(cap.param_names)} tensors; graphs "
                      + ", ".join(f"{k} ({len(g.gm.graph.nodes)} nodes)" for k, g in st.graphs.items())
                      + (f"; F saves {saved_n} tensors ({fmt_bytes(st.saved_bytes)}) per microbatch in flight; sends "
                         f"{fmt_bytes(sends)} forward per microbatch"
@@ -57,10 +54,6 @@ def explain_program(prog) -> str:
         p_bytes = sum(_nbytes(cap.param_shapes[k], cap.param_dtypes[k]) for k in cap.param_names)
         n_vals = sum(int(torch.Size(s).numel()) for s in cap.param_shapes.values())
         b_bytes = sum(v.numel() * v.element_size() for v in prog._buffers.values())
-        from .zero import zero_keys
-        z, n = plan.zero, plan.dp
-        sharded = sum(_nbytes(cap.param_shapes[k], cap.param_dtypes[k]) for k in zero_keys(plan, 0))
-        part = lambda stage: p_bytes - sharded + sharded / n if z >= stage else p_bytes    # noqa: E731
         less = {}        # what the features keep a rank from holding: row -> (bytes, why)
         for name, section in plan.features.items():
             for row, (nbytes, why) in get_feature(name).held_less(section, prog).items():
@@ -69,13 +62,12 @@ def explain_program(prog) -> str:
         less_note = lambda row: f" ({less[row][1]})" if row in less else ""      # noqa: E731
         less_bytes = lambda row: less.get(row, (0, ""))[0]                      # noqa: E731
         head = ("the whole model (tensor parallelism splits it: what each rank holds is below):" if plan.tp > 1
-                else "per rank (every rank holds a full replica under data parallelism):" if not z else
-                f"per rank (ZeRO stage {z} over dp={n}: chunks of {fmt_bytes(sharded)} of parameters; padding aside):")
+                else "per replica (what every data-parallel rank holds, unless a feature below shards it):")
         lines += ["", head,
-                  f"  parameters      {fmt_bytes(part(3) - less_bytes('parameters'))} ({n_vals:,} values in "
+                  f"  parameters      {fmt_bytes(p_bytes - less_bytes('parameters'))} ({n_vals:,} values in "
                   f"{len(cap.param_names)} tensors)" + less_note("parameters"),
-                  f"  gradients       {fmt_bytes(part(2) - less_bytes('gradients'))}" + less_note("gradients"),
-                  f"  optimizer state {fmt_bytes(part(1) * len(cap.optimizer.state_names) - less_bytes('optimizer state'))} "
+                  f"  gradients       {fmt_bytes(p_bytes - less_bytes('gradients'))}" + less_note("gradients"),
+                  f"  optimizer state {fmt_bytes(p_bytes * len(cap.optimizer.state_names) - less_bytes('optimizer state'))} "
                   f"({', '.join(cap.optimizer.state_names) or 'none'})" + less_note("optimizer state"),
                   f"  buffers         {fmt_bytes(b_bytes)}"]
     else:

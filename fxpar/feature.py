@@ -262,6 +262,11 @@ class Feature:
         None: DDP-style buckets at ``plan.bucket_cap_bytes``. Not called where a handed-back Plan's buckets fit."""
         return None
 
+    def plan_schedule(self, section, plan, schedule):
+        """Before capture, once the sections are decided: the schedule (``fxpar.schedule.Schedule``) with the
+        actions this feature runs added (a copy), or ``schedule`` unchanged."""
+        return schedule
+
     def plan_stage(self, section, plan, stage: int, captured, cluster, schedule) -> None:
         """After capture (and the gradient buckets), once per stage: decisions that need the stage's joint graph
         (``captured``: its ``fxpar.capture.CapturedStep``) or the schedule (``fxpar.schedule.Schedule``), into
@@ -341,14 +346,14 @@ def register_feature(cls):
             raise StrategyError(f"feature {cls.__module__}.{cls.__qualname__} is named {cls.name!r}, which "
                                 f"{type(old).__module__}.{type(old).__qualname__} already registered; pick another name")
     for opt in cls.options:
+        if opt in _CORE_OPTIONS and not cls.__module__.startswith(BUILTIN_FEATURES + "."):
+            raise StrategyError(f"feature {cls.name!r} declares Strategy option {opt!r}, which the core Strategy "
+                                f"owns ({', '.join(sorted(_CORE_OPTIONS))}); name your option differently")
         owner = _OWNER.get(opt)
         if owner is not None and owner != cls.name:
             raise StrategyError(f"feature {cls.name!r} ({cls.__module__}.{cls.__qualname__}) declares Strategy option "
                                 f"{opt!r}, which feature {owner!r} ({type(_REGISTRY[owner]).__module__}) owns; "
                                 "name your option differently")
-        if opt in _CORE_OPTIONS and not cls.__module__.startswith(BUILTIN_FEATURES + "."):
-            raise StrategyError(f"feature {cls.name!r} declares Strategy option {opt!r}, which the core Strategy "
-                                f"owns ({', '.join(sorted(_CORE_OPTIONS))}); name your option differently")
     for other in tuple(cls.requires) + tuple(cls.conflicts_with):
         if not isinstance(other, str):
             raise StrategyError(f"feature {cls.name!r}: requires/conflicts_with list feature names (str), got {other!r}")

@@ -42,12 +42,6 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
         pipeline.append((S.GRAD_SYNC, DataParallelGradSync()))
         # fuse those collectives into DDP-style buckets, issued as backward produces them
         pipeline.append((S.BUCKET, BucketGradients()))
-        if getattr(plan, "zero", 0):
-            from passes import ZeroOffload, ZeroShard
-            # ZeRO: reduce-scatter into chunks, optimizer on chunks, gather parameters
-            pipeline.append((S.SHARD_STATE, ZeroShard()))
-            if (plan.offload or {}).get("what"):   # ZeRO-Offload/-Infinity: update on the host, disk read-ahead
-                pipeline.append((S.SHARD_OFFLOAD, ZeroOffload()))
         # buffers (BatchNorm stats) follow dp-rank 0, as DDP's broadcast_buffers
         pipeline.append((S.BUFFERS, SyncBuffers()))
     if plan.optimizer.get("traced") and synchronous:
@@ -83,7 +77,7 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
         rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
                           signature=gm.meta["fxpar_signature"], captured=captured)
-        ctx.store["kinds"] = kinds                          # the graphs the split will cut (passes.zero reads it)
+        ctx.store["kinds"] = kinds                          # the graphs the split will cut (passes read it)
         gm, hist = pm.run(gm, ctx)
         parts = ctx.store["split"]
         for name, section in plan.features.items():      # graphs a feature derives from the cut ones

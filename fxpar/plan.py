@@ -45,11 +45,8 @@ class Plan:
     passes: list = field(default_factory=list)     # the passes each stage's joint graph goes through, in order
     custom_passes: list = field(default_factory=list)
     notes: list = field(default_factory=list)      # what the planner wants the user to know
-    # the decisions of later work: per-tensor shardings, ZeRO stage, recompute/offload
-    # policy, communication order. Empty means "not used".
-    zero: int = 0
-    offload: dict = field(default_factory=dict)        # {"what": ["params", "optimizer"], "to": "disk", "dir": path}
-    # the enabled features' sections (fxpar.Feature): feature name -> its PlanSection dataclass
+    # every strategy's decisions (sharding, ZeRO, recompute, communication order ...): the enabled features'
+    # sections (fxpar.Feature), feature name -> its PlanSection dataclass; a feature that is off has none
     features: dict = field(default_factory=dict)
 
     def section(self, name: str):
@@ -149,8 +146,6 @@ class Plan:
         n_b = sum(len(b) for b in self.buckets)
         if n_b:
             how = "sum"
-            if self.zero:
-                how = f"reduce-scatter into ZeRO-{self.zero} chunks"
             order = next((sec.bucket_order for sec in self.features.values() if sec.bucket_order),
                          "issued in backward order")
             lines.append(f"gradient sync: {how} over each gradient's group in {n_b} bucket(s) (cap "
@@ -165,9 +160,6 @@ class Plan:
                                         if self.broadcast_buffers else "per-rank (not synchronised)"))
         if self.loss_average:
             lines.append(f"loss: {self.loss_average} average over shards and microbatches (docs/semantics.md)")
-        if self.zero:
-            lines.append(f"ZeRO stage {self.zero} over dp={self.dp}" + (
-                f"; offload {' and '.join(self.offload['what'])} to {self.offload['to']}" if self.offload.get("what") else ""))
         opt = self.optimizer
         lines.append(f"optimizer: {opt.get('name')} " + ("traced into the graph" if opt.get("traced")
                                                           else f"eager on each rank ({opt.get('why_not_traced')})")

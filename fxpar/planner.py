@@ -12,7 +12,7 @@ from __future__ import annotations
 import copy
 
 from .errors import StrategyError
-from .feature import enabled_features, registered_features
+from .feature import enabled_features, get_feature, registered_features
 from .plan import Plan
 from .planner_comm import plan_buckets
 from .schedule import Schedule, ScheduleError, get_schedule
@@ -205,13 +205,8 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     plan.groups, plan.grad_groups = grad_groups(plan)
     if base is not None:
         plan.buckets = base.buckets
-    _record_zero(plan, strategy, base, optimizer)
-    for f in registered_features():            # a ClusterSpec a feature cannot run on, or one asking for a feature that is off
+    for f in registered_features():     # a ClusterSpec a feature cannot run on, or one asking for a feature that is off
         f.check_cluster(strategy, cluster)
-    if plan.zero == 3 and not any(a.kind.value == "FULL" for acts in sched.actions.values() for a in acts):
-        from .schedule import add_unshard          # ZeRO-3 with F/B graphs: gather each stage's parameters once a step
-        from .zero import zero_keys
-        sched = add_unshard(sched, [s for s in range(plan.n_stages) if zero_keys(plan, s)])
     for f in registered_features():     # each enabled feature decides its section; a handed-back Plan's sections stay
         given = base.section(f.name) if base is not None else None
         if given is None and not f.enabled(strategy):
@@ -220,44 +215,6 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
                    else f.plan(strategy, plan, cluster))
         if section is not None:
             plan.features[f.name] = section
+    for name, section in plan.features.items():    # the actions the features add to the schedule
+        sched = get_feature(name).plan_schedule(section, plan, sched)
     return plan, sched, trace, split
-
-
-def _record_zero(plan: Plan, strategy: Strategy, base: Plan | None, optimizer) -> None:
-    """ZeRO's stage into the Plan (a handed-back Plan keeps its own); refuse what it cannot shard."""
-    plan.zero = base.zero if base is not None else strategy.zero
-    if base is not None:
-        plan.offload = dict(base.offload)
-    elif strategy.offload:
-        plan.offload = {"what": list(strategy.offload), "to": strategy.offload_to, "dir": strategy.offload_dir}
-        where = (f"files under {strategy.offload_dir} (memory-mapped)" if strategy.offload_to == "disk" else
-                 "host memory (on a CPU backend, where it already is)")
-        how = [("streams each gradient chunk to the host and updates there" if "optimizer" in strategy.offload
-                else ""), "reads the files ahead (fxpar::prefetch)" if strategy.offload_to == "disk" else ""]
-        how = f"; the zero_offload pass {' and '.join(h for h in how if h)}" if strategy.zero and any(how) else ""
-        plan.notes.append(f"offload: {' and '.join(strategy.offload)} of each rank live in {where}{how}")
-    if plan.offload and "optimizer" in plan.offload.get("what", ()) and optimizer is not None and not optimizer.traced:
-        raise StrategyError(f"{strategy}: offload=('optimizer',) keeps the traced optimizer's state in files; "
-                            f"{optimizer.name} is not traced ({optimizer.why_not_traced}). Use SGD, Adam or AdamW, "
-                            "or offload only 'params'.")
-    if plan.offload.get("what") and plan.schedule in ASYNC:
-        raise StrategyError(f"{strategy}: schedule {plan.schedule!r} keeps several weight versions; offload is built "
-                            "for synchronous schedules.")
-    if not plan.zero:
-        return
-    if plan.dp == 1:
-        raise StrategyError(f"Plan.zero={plan.zero} with dp=1: ZeRO shards over the dp axis; set dp > 1 or zero=0")
-    if optimizer is not None and not optimizer.traced:
-        raise StrategyError(f"{strategy}: ZeRO runs the optimizer on each rank's chunks inside the step graph, and "
-                            f"{optimizer.name} is not traced ({optimizer.why_not_traced}). Use torch.optim.SGD, Adam or "
-                            f"AdamW without those options, or zero=0: then {optimizer.name} runs eagerly on every rank "
-                            "with whole parameters and state (plain data parallelism).")
-    if plan.schedule in ASYNC:
-        raise StrategyError(f"{strategy}: schedule {plan.schedule!r} keeps several weight versions per stage; ZeRO "
-                            "is built for synchronous schedules (gpipe, 1f1b, interleaved, zb1p, chimera). Use one of "
-                            "those, or zero=0.")
-    from .zero import describe, zero_keys
-    n_keys = sum(len(zero_keys(plan, s)) for s in range(len(plan.stage_params)))
-    whole = sum(len(k) for k in plan.stage_params) - n_keys
-    plan.notes.append(f"zero={plan.zero}: {describe(plan.zero)}; {n_keys} parameter(s) in dp={plan.dp} chunks"
-                      + (f", {whole} kept whole (shared by stages or held by one rank)" if whole else ""))

@@ -2,7 +2,7 @@
 
 ZeRO-Infinity (Rajbhandari et al., SC'21, §6.2 "overlap-centric design") keeps parameters and optimizer state
 on NVMe and hides the read of the next layer's parameters behind the current layer's compute. In fxpar a
-disk-resident tensor is a memory-mapped file (``fxpar.runtime.shards``: ``offload_to="disk"``); without a
+disk-resident tensor is a memory-mapped file (``fxpar.features.zero_offload``: ``offload_to="disk"``); without a
 prefetch its pages come in on first touch, synchronously, inside the op that reads them. The pass
 ``passes.zero_offload`` inserts::
 

@@ -349,9 +349,6 @@ class Program:
                     if by:
                         reduced_by.setdefault(s, {})[k] = by[0]
         extra["reduced_by"] = reduced_by
-        zero = {s: self.stages[s].joint.meta.get("fxpar_zero") for s in held}
-        extra["zero"] = {s: z for s, z in zero.items() if z}
-        extra["offload"] = dict(self.plan.offload)
         bindings = {}
         all_groups = self.plan.all_groups()
         for name, ranks in all_groups:       # only groups every rank creates (a process group is made by all)

@@ -119,6 +119,6 @@ class RankRunner(GroupExit):
         import torch.distributed as dist
         self.executor.drain()                 # what the features hold in flight (a carried update) first
         parts = [None] * dist.get_world_size()
-        mine = self.executor.state_dict() if self.executor.dp_index == 0 or self.executor.zero else {}  # ZeRO: collective
+        mine = self.executor.state_dict() if self.executor.dp_index == 0 or self.executor.collective() else {}
         dist.all_gather_object(parts, mine if self.executor.dp_index == 0 else {})
         return self.program._full_state(parts)

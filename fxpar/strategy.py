@@ -141,13 +141,6 @@ class Strategy:
         if self.loss_average not in LOSS_AVERAGES:
             raise StrategyError(f"Strategy(loss_average={self.loss_average!r}): choose one of {LOSS_AVERAGES} "
                                 "('global': single-process semantics, 'per_shard': each shard's mean averaged, as DDP)")
-        if self.zero not in (0, 1, 2, 3) or isinstance(self.zero, bool):
-            raise StrategyError(f"Strategy(zero={self.zero!r}): choose 0 (off), 1 (optimizer state sharded over dp), "
-                                "2 (+ gradients) or 3 (+ parameters)")
-        if self.zero and self.dp == 1:
-            raise StrategyError(f"Strategy(zero={self.zero}, dp=1): ZeRO shards over the dp axis, and dp=1 leaves "
-                                "nothing to shard; set dp > 1 (e.g. Strategy(dp=4, zero=" + str(self.zero) + ")) or zero=0")
-        self._check_offload()
         if self.bucket_cap_mb is not None and (not isinstance(self.bucket_cap_mb, (int, float))
                                                or self.bucket_cap_mb < 0):
             raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
@@ -209,35 +202,6 @@ class Strategy:
         except AttributeError:
             raise AttributeError(f"'Strategy' object has no attribute {name!r}") from None
 
-
-    def _check_offload(self) -> None:
-        if isinstance(self.offload, str):
-            self.offload = (self.offload,)
-        self.offload = tuple(self.offload)
-        bad = [x for x in self.offload if x not in ("params", "optimizer")]
-        if bad:
-            raise StrategyError(f"Strategy(offload={self.offload!r}): {bad} unknown; offload any of 'params', "
-                                "'optimizer' (activation offload is not built yet)")
-        if self.offload_to not in ("cpu", "disk"):
-            raise StrategyError(f"Strategy(offload_to={self.offload_to!r}): choose 'cpu' or 'disk'")
-        if self.offload_to == "disk":
-            if not self.offload:
-                raise StrategyError("Strategy(offload_to='disk') with nothing to offload: add offload=('params', "
-                                    "'optimizer') (or one of them)")
-            if not self.offload_dir:
-                raise StrategyError("Strategy(offload_to='disk') needs offload_dir=...: a directory each rank may "
-                                    "write its files into (local, fast disk)")
-            import os
-            import tempfile
-            d = os.path.abspath(str(self.offload_dir))
-            try:
-                os.makedirs(d, exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=d):
-                    pass
-            except OSError as e:
-                raise StrategyError(f"Strategy(offload_dir={self.offload_dir!r}): cannot write there ({e.strerror}); "
-                                    "give a directory this user can create files in") from None
-            self.offload_dir = d
 
     @property
     def _custom_schedule(self) -> bool:

@@ -51,7 +51,7 @@ def unchunk(chunks: list, shape) -> torch.Tensor:
 
 def zero_keys(plan, stage: int) -> list:
     """The parameters of ``stage`` ZeRO shards: those whose gradient the plan sums over the dp axis."""
-    if not getattr(plan, "zero", 0) or plan.dp == 1 or not plan.grad_groups:
+    if plan.section("zero") is None or plan.dp == 1 or not plan.grad_groups:
         return []
     return [k for k, g in plan.grad_groups[stage].items() if g == "dp"]
 

@@ -411,7 +411,7 @@ class CommSchedule(Pass):
 
     def run(self, gm, ctx: PassContext) -> PassResult:
         cs = ctx.plan.section("bytescheduler")
-        if cs.delayed_update and getattr(ctx.plan, "zero", 0):
+        if cs.delayed_update and ctx.plan.section("zero") is not None:
             return self._delay_zero(gm, ctx)
         stages = cs.stages
         entry = stages[ctx.stage] if ctx.stage < len(stages) else None
@@ -439,14 +439,15 @@ class CommSchedule(Pass):
 
     @staticmethod
     def _delay_zero(gm, ctx) -> PassResult:
+        z = ctx.plan.section("zero").stage
         if not gm.meta.get("fxpar_zero"):
-            raise PassError(f"comm_schedule: Strategy(zero={ctx.plan.zero}, delayed_update=True), stage {ctx.stage}: "
+            raise PassError(f"comm_schedule: Strategy(zero={z}, delayed_update=True), stage {ctx.stage}: "
                             "the zero pass sharded no parameter of this stage, so there is no reduce-scattered chunk to "
                             "carry; use delayed_update with zero=0 here")
         from .delayed_update import carry_zero_chunks
         keys = carry_zero_chunks(gm)
         gm.recompile()
-        ctx.notes.append(f"comm_schedule: delayed update on ZeRO-{ctx.plan.zero} chunks: {len(keys)} reduce-scattered "
+        ctx.notes.append(f"comm_schedule: delayed update on ZeRO-{z} chunks: {len(keys)} reduce-scattered "
                          "gradient chunk(s) carried into the next step, updated there after its backward")
         return PassResult(gm, True, {"pieces": len(keys), "carry": len(keys)})
 

@@ -61,13 +61,15 @@ def _stamp(node, phase, module="", **extra):
 
 
 class ZeroShard(Pass):
-    """Shard optimizer state (``Plan.zero >= 1``), gradients (``>= 2``) and parameters (``3``) over dp."""
+    """Shard optimizer state (the Plan's ``zero`` section: stage >= 1), gradients (``>= 2``) and parameters (``3``)
+    over dp."""
     name = "zero"
     requires = ("data_parallel",)
 
     def run(self, gm, ctx: PassContext) -> PassResult:
         plan = ctx.plan
-        z = getattr(plan, "zero", 0)
+        section = plan.section("zero")
+        z = section.stage if section is not None else 0
         chains = grad_sync_chains(gm)
         keys = [k for k in zero_keys(plan, ctx.stage) if k in chains]
         if not z or not keys:

@@ -190,14 +190,14 @@ def prefetch_update_reads(g, roles: dict, on_disk: set) -> list:
 
 
 class ZeroOffload(Pass):
-    """ZeRO-Offload (``Plan.offload['what']`` has ``optimizer``) and ZeRO-Infinity's disk read-ahead
-    (``Plan.offload['to'] == 'disk'``) on the chunks ``passes.zero`` made."""
+    """ZeRO-Offload (the Plan's ``zero_offload`` section: ``what`` has ``optimizer``) and ZeRO-Infinity's disk
+    read-ahead (``to == 'disk'``) on the chunks ``passes.zero`` made."""
     name = "zero_offload"
     requires = ("zero",)
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        off = ctx.plan.offload or {}
-        what = set(off.get("what") or ())
+        off = ctx.plan.section("zero_offload")
+        what = set(off.what) if off is not None else set()
         info = gm.meta.get("fxpar_zero")
         if not what or not info:
             return PassResult(gm, False)
@@ -212,7 +212,7 @@ class ZeroOffload(Pass):
                 stats["to_device"] = len(updates_to_device(g, device))
         if stage == 3:
             stats["to_device"] += len(chunks_to_device(g, device))
-        if off.get("to") == "disk":
+        if off.to == "disk":
             on_disk = ({"param", "param_shard"} if "params" in what else set()) | \
                       ({"opt_state"} if "optimizer" in what else set())
             stats["prefetch"] = len(prefetch_update_reads(g, roles, on_disk)) + len(prefetch_reads(g, roles, on_disk))

@@ -206,7 +206,7 @@ def _why_not_grad_order(section: ByteSchedulerSection, plan, captured, fused: bo
                 "microbatches): the order backward makes them does not move their collectives")
     if plan.section("recompute") is not None or plan.section("offload_activations") is not None:
         return "recompute / activation offload place their copies by backward's order"
-    if plan.tp > 1 or getattr(plan, "zero", 0):
+    if plan.tp > 1 or plan.section("zero") is not None:
         return "tensor parallelism and ZeRO place their collectives by backward's order"
     return why_not_reorder(captured.gm)
 
@@ -462,10 +462,11 @@ class ByteScheduler(Feature):
             section.delayed_update = True
             plan.notes.append("delayed_update: each step computes with the parameters before the previous step's "
                               "update, which runs after its backward (ZeRO-Offload's DPU; W(t+1) = W(t) - lr grad f(W(t-1)))")
-            if plan.zero:       # ZeRO's reduce-scatter buckets are the carried pieces: no ByteScheduler piece plan
+            zero = plan.section("zero")
+            if zero is not None:       # ZeRO's reduce-scatter buckets are the carried pieces: no piece plan
                 section.stages = [{"priority": [], "pieces": [], "events": [], "predicted_step_s": None,
-                                   "zero": plan.zero} for _ in range(plan.n_stages)]
-                plan.notes.append(f"delayed_update with zero={plan.zero}: each bucket's reduce-scattered gradient chunk "
+                                   "zero": zero.stage} for _ in range(plan.n_stages)]
+                plan.notes.append(f"delayed_update with zero={zero.stage}: each bucket's reduce-scattered gradient chunk "
                                   "is carried into the next step, whose update runs on chunks after its backward")
         return section
 

@@ -31,11 +31,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .. import prefetch  # noqa: F401  registers fxpar::prefetch before any graph holding it is unpacked on a rank
 from ..collectives import axis_of_tag, in_flight_across_graphs, lower_for_backend
 from ..feature import NEW_STATE_ROLE, STATE_ROLE, split_state_key
 from ..schedule import ActionKind
-from ..zero import chunk
-from .shards import ShardState
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
 __all__ = ["RankPayload", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group"]
@@ -146,7 +145,6 @@ class _Window:
         self.micro = micro
         self.fwd, self.bwd, self.saved, self.sends = {}, {}, {}, []
         self.acc, self.owned, self.synced, self.pending = {}, set(), {}, {}
-        self.unsharded: dict = {}          # ZeRO-3 under a pipeline: stage -> its gathered parameters (UNSHARD..RESHARD)
         self.loss_sums = [0.0] * n_groups
         self.store = store
         self.live: dict = {}
@@ -156,7 +154,7 @@ class _Window:
         self.busy = 0.0
 
 
-class Executor(ShardState):
+class Executor:
     """Runs one rank's part of a program: ``step(global_batch)`` trains one step, ``run_async(batches)``
     runs an asynchronous schedule's one window over all batches."""
 
@@ -185,17 +183,12 @@ class Executor(ShardState):
         self.params = {s: {k: p.params[k].detach().clone() for k in keys} for s, keys in p.stage_params.items()}
         # the enabled features' per-rank state (fxpar.feature.RankState): graph inputs of role "state"
         self.features = {name: cls(info, p.rank) for name, (cls, info) in p.features.items()}
+        self.feature_roles = {r for st in self.features.values() for r in st.input_roles}   # inputs they provide
         self.buffers = {k: v.detach().clone() for k, v in p.buffers.items()}
-        # ZeRO (passes/zero.py): per held stage {"stage": 1|2|3, "n": dp, "keys": {key: [shape, chunk numel]}};
-        # optimizer state of those keys is this rank's chunk, and under stage 3 the parameters are too
-        self.zero = p.extra.get("zero") or {}
         spec = p.optimizer
         self.spec = spec
         self.state = {s: {f"{n}:{k}": torch.zeros_like(v) for k, v in ps.items() for n in spec.state_names}
                       for s, ps in self.params.items()}
-        self._rechunk()
-        self.offload = p.extra.get("offload") or {}
-        self._offload()
         for st in self.features.values():        # the features' state: chunks, pieces, files, residuals
             st.setup(self)
         # torch's optimizer: it steps an untraced optimizer; for a traced one it only holds the LR the scheduler
@@ -228,8 +221,7 @@ class Executor(ShardState):
         self.state_bytes: dict = {}          # most model-state bytes held at an update: params, grads, optimizer
         self.handlers = {_K.F: self._forward, _K.B: self._backward, _K.I: self._backward, _K.W: self._backward,
                          _K.SEND_F: self._send, _K.SEND_B: self._send, _K.RECV_F: self._recv, _K.RECV_B: self._recv,
-                         _K.REDUCE_GRAD: self._reduce_grad, _K.STEP: self._step, _K.FULL: self._full,
-                         _K.UNSHARD: self._unshard, _K.RESHARD: self._reshard}
+                         _K.REDUCE_GRAD: self._reduce_grad, _K.STEP: self._step, _K.FULL: self._full}
         for st in self.features.values():        # actions a feature's state runs itself
             self.handlers.update(st.handlers(self))
 
@@ -359,8 +351,8 @@ class Executor(ShardState):
             weights = w.store.get(s, a.version) if a.version is not None else self.params[s]
             self._fingerprint("B", s, i, a.version, list(saved.values()), weights,
                               versions_held=len(w.store.versions.get(s, {})))
-        args = [saved[key] if role == "saved" else w.unsharded[s][key] if role == "unsharded" else tangents[key]
-                for role, key in sg.inputs]
+        args = [saved[key] if role == "saved" else tangents[key] if role not in self.feature_roles
+                else self._input(role, key, s, None, None, None) for role, key in sg.inputs]
         res = sg.gm(*args)
         out = {}
         for (role, key), v in zip(sg.outputs, res):
@@ -408,18 +400,6 @@ class Executor(ShardState):
                 f"STEP{reducer} before STEP{s}.")
         return self._grad(w, s, key)
 
-    def _unshard(self, a, w, idx):
-        """ZeRO-3 under a pipeline: gather the stage's parameters once for the step's forwards and backwards."""
-        s = a.stage
-        sg = self.p.graphs[s].get("UNSHARD")
-        if sg is None:
-            return
-        res = sg.gm(*[self.params[s][key] for _, key in sg.inputs])
-        w.unsharded[s] = {key: v for (_, key), v in zip(sg.outputs, res)}
-
-    def _reshard(self, a, w, idx):
-        w.unsharded.pop(a.stage, None)      # the gathered parameters go; the chunks stay
-
     def _reduce_grad(self, a, w, idx):
         s = a.stage
         sg = self.p.graphs[s].get("REDUCE_GRAD")
@@ -445,7 +425,7 @@ class Executor(ShardState):
         pend = w.pending.pop(s, {})
         args = []
         for role, key in sg.inputs:
-            if role in ("param", "param_shard"):
+            if role == "param" or role in self.feature_roles:
                 args.append(self._input(role, key, s, self.params[s], None, None))
             elif role == "opt_state":
                 args.append(self.state[s][key])
@@ -533,8 +513,6 @@ class Executor(ShardState):
     def _input(self, role, key, s, weights, mb, acts):
         if role == "param":
             return weights[key]
-        if role == "param_shard":
-            return chunk(weights[key], self.zero[s]["n"], self.dp_index)
         if role == "buffer":
             return self.buffers[key]
         if role == "input":
@@ -623,15 +601,38 @@ class Executor(ShardState):
         self.drain()                    # a step in flight finishes before the state is replaced
         load_rank_state(self, path, self.p.extra.get("aliases", {}), need_stash=bool(self.p.extra.get("resumed")))
 
-    def whole_is_collective(self) -> bool:
-        """Whether a feature's :meth:`~fxpar.feature.RankState.whole` is a collective on this rank."""
+    def collective(self) -> bool:
+        """Whether whole tensors come from a collective (a feature's state is spread over ranks): then every rank
+        calls ``state_dict()``, ``optimizer_state()`` and ``whole()``."""
         return any(st.collective for st in self.features.values())
+
+    def whole(self) -> tuple:
+        """``(params, state)`` per held stage with whole tensors. Collective where a feature's state is: every rank
+        calls it."""
+        params = {s: dict(ps) for s, ps in self.params.items()}
+        state = {s: dict(st) for s, st in self.state.items()}
+        for st in self.features.values():                   # the features' own whole tensors
+            params, state = st.whole(self, params, state)
+        return params, state
+
+    def _settle(self, s: int) -> None:
+        """After stage ``s``'s update: the features' own hook (write back files, ...)."""
+        for st in self.features.values():
+            st.after_update(self, s)
+
+    def _note_state_bytes(self, w, s) -> None:
+        """Model-state bytes this rank holds when a step updates (the paper's accounting): parameters, gradient
+        accumulators handed to the update (none for a fused step: its gradients live inside the graph), state."""
+        nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)       # noqa: E731
+        grads = [w.acc[k] for k in self.p.stage_params[s] if k in w.acc]
+        now = {"params": nbytes(v for ps in self.params.values() for v in ps.values()), "grads": nbytes(grads),
+               "optimizer": nbytes(v for st in self.state.values() for v in st.values())}
+        self.state_bytes = {**self.state_bytes, **{k: max(v, self.state_bytes.get(k, 0)) for k, v in now.items()}}
 
     def state_dict(self) -> dict:
         """Parameters of the stages this rank is the first holder of, and the buffers (whole tensors; collective
-        under ZeRO stage 3, whose parameters are chunks: every rank calls it)."""
-        params = self.whole()[0] if any(i["stage"] == 3 for i in self.zero.values()) or self.whole_is_collective() \
-            else self.params
+        where a feature's state is: every rank calls it)."""
+        params = self.whole()[0] if self.features else self.params
         out = {}
         for s in sorted(params):
             if self.p.stage_to_rank[s][0] != self.pipe_rank:
@@ -642,9 +643,9 @@ class Executor(ShardState):
         return out
 
     def optimizer_state(self) -> dict:
-        """Optimizer state under ``<state>:<key>`` (whole tensors; collective under ZeRO)."""
+        """Optimizer state under ``<state>:<key>`` (whole tensors; collective where a feature's state is)."""
         if self.spec.traced:
-            state = self.whole()[1] if self.zero or self.whole_is_collective() else self.state
+            state = self.whole()[1] if self.features else self.state
             return {k: v for st in state.values() for k, v in st.items()}
         return self.torch_opt.state_dict()
 
@@ -683,20 +684,15 @@ def train(payload: RankPayload, batches: list) -> dict:
            "peak_version_bytes": ex.peak_version_bytes, "act_peak": ex.act_peak,
            "act_peak_bytes": ex.act_peak_bytes, "action_times": ex.action_times,
            "weight_log": ex.weight_log, "timelines": ex.timelines}
-    out["state_bytes"] = {**ex.state_bytes, "on_disk": ex.disk_bytes()}
+    out["state_bytes"] = {"on_disk": 0, **ex.state_bytes}
     out["peak_memory"] = ex.peak_memory
     if payload.extra.get("save_to"):
         ex.save(payload.extra["save_to"])
-    state = ex.state_dict() if ex.dp_index == 0 or ex.zero else None       # collective under ZeRO
-    if ex.offload.get("to") == "disk" and state is not None:    # memory-mapped files do not travel: plain copies
-        state = {k: v.clone() for k, v in state.items()}
+    collective = ex.collective()
+    state = ex.state_dict() if ex.dp_index == 0 or collective else None
     if ex.dp_index == 0:
         out["state"] = state
-    opt = ex.optimizer_state() if payload.rank == 0 or ex.zero or (ex.whole_is_collective()
-                                                                   and payload.rank < payload.tp) \
-        else None                                  # collective under ZeRO, and over rank 0's tp group (a feature's)
-    if ex.offload.get("to") == "disk" and isinstance(opt, dict):
-        opt = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.items()}
+    opt = ex.optimizer_state() if payload.rank == 0 or collective else None     # collective over a feature's group
     if payload.rank == 0:
         out["optimizer_state"] = opt
     return out

@@ -52,7 +52,7 @@ def save_rank_state(ex, path, aliases: dict) -> None:
     by_canon: dict = {}
     for alias, canon in aliases.items():
         by_canon.setdefault(canon, []).append(alias)
-    params, state = ex.whole()            # ZeRO's chunks gathered: the checkpoint holds whole tensors
+    params, state = ex.whole()            # the features' pieces gathered: the checkpoint holds whole tensors
     for s, ps in params.items():
         for k, v in ps.items():
             tensors[k] = v
@@ -85,8 +85,7 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     manifest = read_manifest(path) or {"tensors": {}}
     saved = manifest["tensors"]
     held = {k for ps in ex.params.values() for k in ps}
-    whole = ex.whole()[0] if any(i["stage"] == 3 for i in ex.zero.values()) or ex.whole_is_collective() \
-        else ex.params                    # whole shapes
+    whole = ex.whole()[0] if ex.features else ex.params  # whole shapes
     templates = {k: v for ps in whole.values() for k, v in ps.items()}
     templates.update({k: v for k, v in ex.buffers.items()})
     for k, meta in saved.items():
@@ -108,8 +107,6 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     else:
         keys = [k for _, k in ex._leaves]
         ex.torch_opt.load_state_dict(torch_optimizer_state_dict(ex.torch_opt, keys, got, extra["optim"]))
-    ex._rechunk()                         # ZeRO: back to this rank's chunks
-    ex._offload()                         # ZeRO-Infinity: back into their files
     for st in ex.features.values():       # the features' own layout of what was loaded whole
         st.after_load(ex)
     if need_stash:

@@ -1,0 +1,175 @@
+"""ZeRO-Offload (Ren et al., ATC'21) and ZeRO-Infinity (Rajbhandari et al., SC'21) as one Feature:
+``Strategy(dp=N, [zero=1 | 2 | 3,] offload=("params", "optimizer"), offload_to="cpu" | "disk", offload_dir=d)``.
+
+* options ``offload``, ``offload_to``, ``offload_dir``, validated here (the directory must be writable);
+* its Plan section :class:`OffloadSection` (what, where, the directory, whether the state is ZeRO's chunks);
+* its planning (:meth:`ZeroOffload.plan`: what it refuses, the Plan's note);
+* its pass ``passes.zero_offload.ZeroOffload`` in the ``SHARD_OFFLOAD`` slot, on ZeRO's chunks: the update on the
+  host, and with ``offload_to="disk"`` each layer's file read ahead (``fxpar::prefetch``, ``fxpar.prefetch``);
+* its per-rank state :class:`OffloadState`: with ``offload_to="disk"`` every offloaded tensor (parameters,
+  optimizer state; ZeRO's chunks where ZeRO is on) is a memory-mapped file under ``offload_dir/rank<r>/`` that the
+  graphs read and the update writes back, tracked so that ``fxpar::prefetch`` can read a file ahead.
+
+Without ZeRO the offloaded state is each rank's whole parameters and optimizer state (no pass runs).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import torch
+
+from fxpar import prefetch
+from fxpar.errors import StrategyError
+from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
+from fxpar.planner import ASYNC
+from passes.zero_offload import ZeroOffload as ZeroOffloadPass
+
+__all__ = ["ZeroOffload", "OffloadSection", "OffloadState"]
+
+_WHAT = ("params", "optimizer")
+_TO = ("cpu", "disk")
+
+
+@dataclass
+class OffloadSection(PlanSection):
+    """The decision: what of each rank's model state lives off the device, where, and in which directory."""
+    what: list = field(default_factory=list)
+    to: str = "cpu"
+    dir: str | None = None
+    chunks: bool = False            # the state is ZeRO's chunks: the zero_offload pass streams them
+
+    def lines(self) -> list:
+        return [f"offload {' and '.join(self.what)} to {self.to}" + (f" (files under {self.dir})" if self.to == "disk"
+                                                                     else "")]
+
+
+class OffloadState(RankState):
+    """``offload_to="disk"``: the rank's offloaded tensors as memory-mapped files. ``info``: the section's fields."""
+
+    def __init__(self, info, rank):
+        super().__init__(info, rank)
+        self.on_disk: dict = {}          # (stage, "param" | "optim", key) -> the file-backed tensor
+
+    def _map(self, ex) -> None:
+        """Each offloaded tensor becomes a memory-mapped file under ``offload_dir/rank<r>/``: read in as a layer uses
+        it, written back in place by the update."""
+        if self.info["to"] != "disk":
+            return
+        root = os.path.join(self.info["dir"], f"rank{self.rank}")
+        os.makedirs(root, exist_ok=True)
+        prefetch.reset()             # fxpar::prefetch (passes.zero_offload) reads ahead in the files tracked below
+        self.on_disk = {}
+        what = self.info["what"]
+        for s in sorted(ex.params):
+            groups = ([("param", ex.params[s])] if "params" in what else []) + \
+                     ([("optim", ex.state[s])] if "optimizer" in what else [])
+            for kind, store in groups:
+                for k, t in store.items():
+                    path = os.path.join(root, f"{kind}.{k.replace(':', '.')}.bin")
+                    f = torch.from_file(path, shared=True, size=t.numel(), dtype=t.dtype).view(t.shape)
+                    f.copy_(t)
+                    store[k] = f
+                    self.on_disk[(s, kind, k)] = f
+                    prefetch.track(f, path)
+
+    def setup(self, ex) -> None:
+        self._map(ex)
+
+    def after_load(self, ex) -> None:
+        self._map(ex)
+
+    def after_update(self, ex, stage) -> None:
+        """A new tensor the graph made for an offloaded one is written into its file (an update made in place
+        already is)."""
+        if self.info["to"] != "disk":
+            return
+        for (st, kind, k), f in self.on_disk.items():
+            store = ex.params[st] if kind == "param" else ex.state[st]
+            if st == stage and store[k] is not f:
+                f.copy_(store[k])
+                store[k] = f
+        ex.state_bytes["prefetched"] = prefetch.STATS["bytes"]    # read ahead so far (RunResult.state_bytes)
+        ex.state_bytes["on_disk"] = sum(f.numel() * f.element_size() for f in self.on_disk.values())
+
+    def whole(self, ex, params, state):
+        """Plain copies of the files: memory-mapped tensors do not travel (results, checkpoints)."""
+        mapped = {id(f) for f in self.on_disk.values()}
+        for store in (*params.values(), *state.values()):
+            for k, t in store.items():
+                if id(t) in mapped:
+                    store[k] = t.clone()
+        return params, state
+
+    def save(self) -> dict:
+        return {}            # the checkpoint holds the tensors themselves (whole()); the files are made again on load
+
+
+@register_feature
+class ZeroOffload(Feature):
+    name = "zero_offload"
+    doc = "ZeRO-Offload / ZeRO-Infinity: model state in host memory or memory-mapped files (Ren et al. ATC'21; " \
+          "Rajbhandari et al. SC'21)"
+    options = {"offload": Option((), "what of each rank's model state lives off the device: 'params', 'optimizer'"),
+               "offload_to": Option("cpu", "where: 'cpu' (host memory) or 'disk' (files under offload_dir)"),
+               "offload_dir": Option(None, "with offload_to='disk': the directory each rank writes its files into")}
+    section = OffloadSection
+    passes = ((Slot.SHARD_OFFLOAD, ZeroOffloadPass),)
+    state = OffloadState
+
+    def enabled(self, strategy) -> bool:
+        off = strategy.offload
+        return bool((off,) if isinstance(off, str) else tuple(off)) or strategy.offload_to != "cpu"
+
+    def validate(self, strategy) -> None:
+        if isinstance(strategy.offload, str):
+            strategy.offload = (strategy.offload,)
+        strategy.offload = tuple(strategy.offload)
+        bad = [x for x in strategy.offload if x not in _WHAT]
+        if bad:
+            raise StrategyError(f"Strategy(offload={strategy.offload!r}): {bad} unknown; offload any of 'params', "
+                                "'optimizer' (activation offload is not built yet)")
+        if strategy.offload_to not in _TO:
+            raise StrategyError(f"Strategy(offload_to={strategy.offload_to!r}): choose 'cpu' or 'disk'")
+        if strategy.offload_to == "disk":
+            if not strategy.offload:
+                raise StrategyError("Strategy(offload_to='disk') with nothing to offload: add offload=('params', "
+                                    "'optimizer') (or one of them)")
+            if not strategy.offload_dir:
+                raise StrategyError("Strategy(offload_to='disk') needs offload_dir=...: a directory each rank may "
+                                    "write its files into (local, fast disk)")
+            d = os.path.abspath(str(strategy.offload_dir))
+            try:
+                os.makedirs(d, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=d):
+                    pass
+            except OSError as e:
+                raise StrategyError(f"Strategy(offload_dir={strategy.offload_dir!r}): cannot write there ({e.strerror}); "
+                                    "give a directory this user can create files in") from None
+            strategy.offload_dir = d
+
+    def plan(self, strategy, plan, cluster):
+        what, to = list(strategy.offload), strategy.offload_to
+        opt = plan.optimizer or {}
+        if "optimizer" in what and opt and not opt.get("traced"):
+            raise StrategyError(f"{strategy}: offload=('optimizer',) keeps the traced optimizer's state in files; "
+                                f"{opt.get('name')} is not traced ({opt.get('why_not_traced')}). Use SGD, Adam or "
+                                "AdamW, or offload only 'params'.")
+        if plan.schedule in ASYNC:
+            raise StrategyError(f"{strategy}: schedule {plan.schedule!r} keeps several weight versions; offload is built "
+                                "for synchronous schedules.")
+        chunks = plan.section("zero") is not None
+        where = (f"files under {strategy.offload_dir} (memory-mapped)" if to == "disk" else
+                 "host memory (on a CPU backend, where it already is)")
+        how = [("streams each gradient chunk to the host and updates there" if "optimizer" in what else ""),
+               "reads the files ahead (fxpar::prefetch)" if to == "disk" else ""]
+        how = f"; the zero_offload pass {' and '.join(h for h in how if h)}" if chunks and any(how) else ""
+        plan.notes.append(f"offload: {' and '.join(what)} of each rank live in {where}{how}")
+        return OffloadSection(what=what, to=to, dir=strategy.offload_dir, chunks=chunks)
+
+    def make_passes(self, section) -> list:
+        return super().make_passes(section) if section.chunks else []     # the pass works on ZeRO's chunks
+
+    def rank_info(self, section, program, rank):
+        return {"what": list(section.what), "to": section.to, "dir": section.dir} if section.to == "disk" else None
