@@ -14,6 +14,7 @@ from .runtime.executor import Executor, RankPayload, train
 from .errors import InputError
 from .feature import ExtraRank, get_feature
 from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard, init_from_env
+from .portable import pack_graph_module, unpack_graph_module
 from .runner import RankRunner, RunResult
 from .schedule import Action, ActionKind
 
@@ -62,7 +63,6 @@ class Stage:
     # graphs travel node by node (torch.fx's own pickling re-traces them, running their collectives)
     def __getstate__(self):
         import copy as _copy
-        from .runtime.portable import pack_graph_module
         state = dict(self.__dict__)
         state["joint"] = pack_graph_module(self.joint)
         cap = _copy.copy(self.captured)
@@ -71,7 +71,6 @@ class Stage:
         return state
 
     def __setstate__(self, state):
-        from .runtime.portable import unpack_graph_module
         state = dict(state)
         state["joint"] = unpack_graph_module(state["joint"])
         state["captured"].gm = unpack_graph_module(state["captured"].gm)

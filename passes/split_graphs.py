@@ -55,6 +55,7 @@ import torch.fx
 
 from fxpar import meta as M
 from fxpar.errors import PassError
+from fxpar.portable import pack_graph_module, unpack_graph_module
 from fxpar.pass_manager import Pass, PassContext, PassResult
 
 __all__ = ["SplitGraph", "split_graphs", "SplitGraphs"]
@@ -74,12 +75,10 @@ class SplitGraph:
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
 
-    def __getstate__(self):   # graphs travel node by node (fxpar.runtime.portable)
-        from fxpar.runtime.portable import pack_graph_module
+    def __getstate__(self):   # graphs travel node by node (fxpar.portable)
         return {**self.__dict__, "gm": pack_graph_module(self.gm)}
 
     def __setstate__(self, state):
-        from fxpar.runtime.portable import unpack_graph_module
         self.__dict__.update({**state, "gm": unpack_graph_module(state["gm"])})
 
 

@@ -227,7 +227,7 @@ def test_experts_not_divisible_by_the_axis_names_the_annotation():
 
 def _run_rank(packed, inputs, axis_ranks):
     from fxpar.runtime.executor import bind_groups, group
-    from fxpar.runtime.portable import unpack_graph_module
+    from fxpar.portable import unpack_graph_module
     gm = unpack_graph_module(packed)
     bind_groups(gm, {a: group(tuple(rs), a).group_name for a, rs in axis_ranks.items()})
     return [o.detach() for o in gm(*inputs)]
@@ -248,7 +248,7 @@ def _full_inputs(model, batch, cap):
 @pytest.mark.numerics
 @pytest.mark.parametrize("n,cf", [(2, None), (2, 0.5), (4, None), (4, 0.5)])
 def test_experts_on_n_ranks_equal_unsharded_step(clusters, n, cf):
-    from fxpar.runtime.portable import pack_graph_module
+    from fxpar.portable import pack_graph_module
     model, batch, cap = _capture(cf)
     mesh = Mesh((("tp", n),))
     res = propagate_shardings(cap.gm, mesh, signature=cap.signature)

@@ -1,4 +1,4 @@
-"""Graphs sent to ranks arrive node for node (fxpar.runtime.portable).
+"""Graphs sent to ranks arrive node for node (fxpar.portable).
 
 torch.fx's own GraphModule pickling re-traces the code, which runs every call without graph
 inputs once and freezes its result: dropout's mask would be drawn once, at unpickling, and reused
@@ -10,7 +10,7 @@ import pickle
 import torch
 
 import fxpar
-from fxpar.runtime.portable import pack_graph_module, unpack_graph_module
+from fxpar.portable import pack_graph_module, unpack_graph_module
 from fxpar.testing import GPT, gpt_loss
 
 

@@ -128,7 +128,7 @@ def test_megatron_block_two_all_reduces_forward_two_backward():
 
 def _run_rank(packed, inputs, axis_ranks):
     from fxpar.runtime.executor import bind_groups, group
-    from fxpar.runtime.portable import unpack_graph_module
+    from fxpar.portable import unpack_graph_module
     gm = unpack_graph_module(packed)
     bind_groups(gm, {a: group(tuple(rs), a).group_name for a, rs in axis_ranks.items()})
     return [o.detach() for o in gm(*inputs)]
@@ -182,7 +182,7 @@ CASES = {   # name: (model builder -> (model, batch, loss) or a module class, la
 @pytest.mark.numerics
 @pytest.mark.parametrize("case", list(CASES))
 def test_lowered_graphs_on_n_ranks_equal_unsharded_step(clusters, case):
-    from fxpar.runtime.portable import pack_graph_module
+    from fxpar.portable import pack_graph_module
     build, layout, opt, n = CASES[case]
     mesh = Mesh((("tp", n),))
     if isinstance(build, type):

@@ -151,7 +151,7 @@ def _full_inputs(model, batch, cap):
 
 def _run_rank(packed, inputs, axis_ranks):
     from fxpar.runtime.executor import bind_groups, group
-    from fxpar.runtime.portable import unpack_graph_module
+    from fxpar.portable import unpack_graph_module
     gm = unpack_graph_module(packed)
     bind_groups(gm, {a: group(tuple(rs), a).group_name for a, rs in axis_ranks.items()})
     return [o.detach() for o in gm(*inputs)]
@@ -160,7 +160,7 @@ def _run_rank(packed, inputs, axis_ranks):
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_gpt_search_lowers_and_equals_unsharded_step_on_2_ranks(clusters, gpt):
-    from fxpar.runtime.portable import pack_graph_module
+    from fxpar.portable import pack_graph_module
     model, batch, cap = gpt
     res = tofu_search(cap.gm, 2, signature=cap.signature).sharding
     mesh = Mesh((("tp", 2),))

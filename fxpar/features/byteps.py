@@ -1,7 +1,7 @@
 """BytePS (Jiang et al., OSDI'20): ``Strategy(grad_sync="byteps")`` with ``ClusterSpec(cpu_servers=k)``.
 
 The ClusterSpec's ``k`` CPU-only ranks (after the ``n`` workers) each sum a ``2(n-1)/(n²+kn-2k)`` share of every
-gradient bucket (``cost_models.byteps``): the workers push it and pull the sum; they all-reduce the rest. The
+gradient bucket (``cost_models.byteps_traffic``): the workers push it and pull the sum; they all-reduce the rest. The
 decision, here: the servers' ranks, their groups and the share. The mechanism: ``passes/byteps.py`` (the workers'
 graphs) and ``fxpar/runtime/server.py`` (the servers' loop: ranks beside the workers, :meth:`BytePS.extra_ranks`).
 """
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from cost_models.byteps import gain_over_allreduce, server_share
+from cost_models.byteps_traffic import gain_over_allreduce, server_share
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, PlanSection, Slot, register_feature
 from fxpar.runner import GroupExit
@@ -64,7 +64,7 @@ class BytePS(Feature):
     def plan(self, strategy, plan, cluster):
         """The CPU servers' ranks (after the workers'), one group per server (every worker and that server: the
         pushes and pulls of its partitions), and each server's share of every bucket, 2(n-1)/(n²+kn-2k)
-        (``cost_models.byteps``); the workers all-reduce the rest."""
+        (``cost_models.byteps_traffic``); the workers all-reduce the rest."""
         k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
         n = plan.dp
         if n < 2 or getattr(plan, "tp", 1) > 1:

@@ -97,7 +97,7 @@ class Pieces(RankState):
                     ex.state[s][k] = self._piece(ex, ex.state[s][k], dims, st["shapes"][k.split(":", 1)[1]])
 
     def _gather(self, ex, t: torch.Tensor, dims: list) -> torch.Tensor:
-        from fxpar.runtime.executor import group
+        from fxpar.runtime.groups import group
         for d, axis in enumerate(dims):
             if axis is None:
                 continue

@@ -4,7 +4,7 @@
 * its Plan section :class:`ZeroSection` (the stage and the dp size it shards over);
 * its planning (:meth:`Zero.plan`: what it refuses, the Plan's note) and the schedule's ``UNSHARD`` /
   ``RESHARD`` actions for stage 3 under F/B graphs (:meth:`Zero.schedule`);
-* its pass ``passes.zero.ZeroShard`` in the ``SHARD_STATE`` slot (the layout: ``fxpar.zero``);
+* its pass ``passes.zero.ZeroShard`` in the ``SHARD_STATE`` slot (the layout: ``fxpar.zero_layout``);
 * its per-rank state :class:`ZeroState`: the rank's chunks of optimizer state (and of parameters under stage
   3), the chunk each update reads (role ``param_shard``), the parameters an ``UNSHARD`` gathered for the step
   (role ``unsharded``), whole tensors for ``state_dict()`` and checkpoints (a collective over dp);
@@ -21,9 +21,9 @@ from fxpar.errors import StrategyError
 from fxpar.explain import fmt_bytes
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
 from fxpar.planner import ASYNC
-from fxpar.runtime.executor import group
+from fxpar.runtime.groups import group
 from fxpar.schedule import ActionKind, add_unshard
-from fxpar.zero import chunk, describe, unchunk, zero_keys
+from fxpar.zero_layout import chunk, describe, unchunk, zero_keys
 from passes.zero import ZeroShard
 
 __all__ = ["Zero", "ZeroSection", "ZeroState"]

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..feature import ExtraRank
 from ..host import reuse_freed_memory
-from .executor import comm_priority, group
+from .groups import comm_priority, group
 
 __all__ = ["ServerPayload", "server_payloads", "stop_messages", "join_groups", "serve_step", "serve_sums"]
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .groups import group, seed_rank
 from .checkpoint import (load_checkpoint, optim_key, read_manifest, rng_state, save_checkpoint, set_rng_state,
                          split_optim_key, torch_optimizer_state_dict, torch_optimizer_tensors)
 
@@ -42,7 +43,6 @@ def _workers(ex) -> tuple:
                            f"of the program spans the workers {list(workers[:4])}...: a checkpoint is written over "
                            "the ranks that hold state, and only a feature's ranks beside the workers (dp alone) are extra. Launch exactly "
                            f"{n} processes for this program.")
-    from .executor import group
     return dist.get_rank(), n, group(workers, "dp")   # created by every rank, servers too (Plan.all_groups)
 
 
@@ -133,5 +133,4 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     if manifest.get("world_size") == world:
         set_rng_state(extra["rng"])
     else:   # another world: rank r got saved rank r % saved's RNG, which replicas would share -- seed afresh
-        from .executor import seed_rank
         seed_rank(ex.p.extra, ex.rank)
