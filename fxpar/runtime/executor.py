@@ -125,7 +125,8 @@ class Executor:
         self.params = {s: {k: p.params[k].detach().clone() for k in keys} for s, keys in p.stage_params.items()}
         # the enabled features' per-rank state (fxpar.feature.RankState): graph inputs of role "state"
         self.features = {name: cls(info, p.rank) for name, (cls, info) in p.features.items()}
-        self.feature_roles = {r for st in self.features.values() for r in st.input_roles}   # inputs they provide
+        # the graph inputs the features provide: their own state, and the roles their RankStates declare
+        self.feature_roles = {STATE_ROLE} | {r for st in self.features.values() for r in st.input_roles}
         self.buffers = {k: v.detach().clone() for k, v in p.buffers.items()}
         spec = p.optimizer
         self.spec = spec
@@ -249,8 +250,7 @@ class Executor:
         mb = w.micro[i]
         weights = self.params[s] if a.version is None else w.store.get(s, a.version)
         acts = {k: v.contiguous() for k, v in w.fwd.pop((s, i), {}).items()}   # as traced (and as received)
-        args = [w.unsharded[s][key] if role == "unsharded" else self._input(role, key, s, weights, mb, acts)
-                for role, key in sg.inputs]
+        args = [self._input(role, key, s, weights, mb, acts) for role, key in sg.inputs]
         self._forward_outputs(a, w, sg, args, sg.gm(*args), weights)
 
     def _forward_outputs(self, a, w, sg, args, res, weights):
