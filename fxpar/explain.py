@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .feature import get_feature
+from .schedule import simulate
 
 __all__ = ["explain_program", "fmt_bytes"]
 
@@ -75,7 +76,6 @@ def explain_program(prog) -> str:
     if prog.aliases:
         lines.append(f"  tied parameters (one tensor, one gradient): {prog.aliases}")
     if len(prog.stages) > 1 or plan.microbatches > 1:
-        from .schedule import simulate
         sim = simulate(prog.pipe_schedule)
         lines += ["", f"schedule {prog.pipe_schedule.name} (dry run with F=1, B=2 units): bubble "
                       f"{sim.bubble_fraction:.3f}; microbatches in flight per rank {sim.peak_activations_per_rank}"]

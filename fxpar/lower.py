@@ -14,6 +14,7 @@ import copy
 
 from .feature import Slot, get_feature
 from .pass_manager import HistoryEntry, PassContext, PassManager
+from passes import BucketGradients, DataParallelGradSync, ReinplaceOptimizer, SplitGraphs, SyncBuffers
 
 __all__ = ["default_passes", "lower", "graph_kinds"]
 
@@ -33,8 +34,6 @@ def graph_kinds(schedule, stage: int) -> tuple:
 def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
     """The one pass list, read top to bottom: each pass in its :class:`~fxpar.feature.Slot`, the enabled features'
     passes in theirs (in registration order within a slot), the user's passes, and the split last."""
-    from passes import (BucketGradients, DataParallelGradSync, ReinplaceOptimizer,  # fxpar reaches passes only here
-                        SplitGraphs, SyncBuffers)
     S = Slot
     pipeline = []
     if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):

@@ -16,6 +16,9 @@ from .feature import enabled_features, get_feature, registered_features
 from .plan import Plan
 from .planner_comm import plan_buckets
 from .schedule import Schedule, ScheduleError, get_schedule
+from .schedule import ScheduleDeadlockError, ScheduleValidationError, ensure_reduce_grad, simulate, validate
+from .capture import trace_forward
+from passes.split_stages import imbalance_warning, split_stages
 from .strategy import Strategy
 
 __all__ = ["make_plan", "plan_buckets", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
@@ -55,7 +58,6 @@ def check_batch(batch, dp: int, microbatches: int = 1, batch_dim: int = 0, names
 def build_schedule(plan: Plan, n_batches: int = 2, resumed: bool = False) -> Schedule:
     """The plan's schedule as IR. Asynchronous schedules cover ``n_batches`` batches in one window
     (``resumed``: a window that continues a checkpointed run, for 2BW's stashed version)."""
-    from .schedule import ensure_reduce_grad
     if "\n" in plan.schedule:
         return ensure_reduce_grad(Schedule.parse(plan.schedule))
     name, p, m = plan.schedule, plan.pp, plan.microbatches
@@ -84,7 +86,6 @@ def _schedule_name(strategy: Strategy) -> str:
 
 
 def _check_custom(sched: Schedule, strategy: Strategy) -> None:
-    from .schedule import ScheduleDeadlockError, ScheduleValidationError, simulate, validate
     pp, m = strategy.pp, strategy.microbatches
     if sched.n_ranks != pp or sorted(sched.actions) != list(range(pp)):
         raise StrategyError(f"{strategy}: the schedule lists ranks {sorted(sched.actions)}, but pp={pp} needs "
@@ -183,8 +184,6 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     trace = split = None
     mb = plan.global_batch // (dp * plan.microbatches)
     if sched.n_stages > 1:
-        from .capture import trace_forward
-        from passes.split_stages import imbalance_warning, split_stages   # fxpar reaches passes only here and in lower
         micro = tuple(t.narrow(0, 0, mb) for t in batch)
         trace = trace_forward(model, layout.unflatten(micro) if layout is not None else micro, loss_fn)
         fpb = cluster.device.peak_flops / cluster.intra_node.bandwidth if cluster is not None else 0.0

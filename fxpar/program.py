@@ -17,6 +17,13 @@ from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard
 from .portable import pack_graph_module, unpack_graph_module
 from .runner import RankRunner, RunResult
 from .schedule import Action, ActionKind
+from .sharding import ShardingMap
+from .explain import explain_program
+from .planner import build_schedule, check_batch
+from .runtime.checkpoint import CheckpointError, incomplete_message, is_complete
+from .errors import StrategyError
+import cost_models
+from cost_models import Item
 
 __all__ = ["Program", "RunResult", "RankRunner", "Stage", "ActionList"]
 
@@ -200,7 +207,6 @@ class Program:
         """Tensor parallelism: node -> ``fxpar.Sharding`` in the joint graph of every stage this rank holds, as
         decided before lowering (``fxpar.sharding.ShardingMap``; print it for the split nodes by module). The
         graphs themselves are the same on every tp rank. Empty without tensor parallelism."""
-        from .sharding import ShardingMap
         self._check_rank(rank)
         held = self.plan.rank_stages(rank)
         out = ShardingMap()
@@ -225,7 +231,6 @@ class Program:
         """What the rank runs in one step, in order: ``cost_models.Item(graph, label, keep)`` per compute
         action (``keep``: F's saved tensors live until the microbatch's last backward) and a ``CommInfo`` per
         send/receive."""
-        from cost_models import Item      # noqa: PLC0415 - fxpar reaches the cost models only here
         pr, d = self._check_rank(rank)
         acts = self.pipe_schedule.actions[pr]
         last_bw = {}
@@ -281,7 +286,6 @@ class Program:
         from the cost models over exactly what each rank runs. Starts no process. ``.bubble`` is the idle
         fraction as ``RunResult.bubble`` measures it (compute = F, B, I, W, FULL actions)."""
         if self._estimate is None:
-            import cost_models     # the cost models read graphs; fxpar reaches them only here and in the planner
             calls = {r: self._calls(r) for r in range(self.world_size)}
             if all(len(c) == 1 and not isinstance(c[0], M.CommInfo) and c[0].groups is None for c in calls.values()):
                 est = cost_models.estimate({r: c[0].gm for r, c in calls.items()}, self.cluster,
@@ -301,7 +305,6 @@ class Program:
         return self._estimate
 
     def explain(self) -> str:
-        from .explain import explain_program
         return explain_program(self)
 
     def __repr__(self) -> str:
@@ -334,7 +337,6 @@ class Program:
                  "resume_from": None if resume_from is None else str(resume_from),
                  **self._host_settings()}
         if self.asynchronous:
-            from .planner import build_schedule
             resumed = resume_from is not None and self.plan.schedule == "2bw"
             sched = build_schedule(self.plan, n_batches, resumed=resumed)
             extra.update(asynchronous=True, resumed=resumed)
@@ -402,14 +404,12 @@ class Program:
         batches = self._batch_list(batches)
         self._check_materialized("run_local")
         if self.layout is None:                        # a Program built without a layout: tuples of tensors
-            from .planner import check_batch
             batches = [tuple(b) if isinstance(b, (tuple, list)) else (b,) for b in batches]
             for b in batches:
                 check_batch(b, self.dp, self.plan.microbatches)
         else:
             batches = [self._prepare(b, f"batches[{i}]") for i, b in enumerate(batches)]
         if resume_from is not None:
-            from .runtime.checkpoint import CheckpointError, incomplete_message, is_complete
             if not is_complete(resume_from):
                 raise CheckpointError(incomplete_message(resume_from))
         servers = self.extra_ranks()       # ranks beside the workers (the features')
@@ -539,7 +539,6 @@ class Program:
         init_from_env(backend or self.cluster.backend)
         self._check_world(dist.get_world_size(), servers)
         if self.asynchronous:
-            from .errors import StrategyError
             raise StrategyError(f"schedule {self.plan.schedule!r} runs all batches in one window; use "
                                 "run_local(batches), or a synchronous schedule with runner()")
         mine = [(f, sp) for f, sp in extra if sp.rank == dist.get_rank()]

@@ -3,13 +3,12 @@ from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 from . import feature as _feature_registry
 from .errors import StrategyError
-
-if TYPE_CHECKING:
-    from .schedule import Schedule
+from .losses import LOSS_AVERAGES
+from .schedule import Schedule, ScheduleParseError
 
 __all__ = ["Strategy"]
 
@@ -137,7 +136,6 @@ class Strategy:
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise StrategyError(f"Strategy({name}={v!r}): {name} must be a positive int")
-        from .losses import LOSS_AVERAGES
         if self.loss_average not in LOSS_AVERAGES:
             raise StrategyError(f"Strategy(loss_average={self.loss_average!r}): choose one of {LOSS_AVERAGES} "
                                 "('global': single-process semantics, 'per_shard': each shard's mean averaged, as DDP)")
@@ -147,7 +145,6 @@ class Strategy:
         if self.first_bucket_cap_mb < 0:
             raise StrategyError(f"Strategy(first_bucket_cap_mb={self.first_bucket_cap_mb}): must be >= 0")
         if isinstance(self.schedule, str) and self.schedule.lstrip().startswith("#"):
-            from .schedule import Schedule, ScheduleParseError
             try:
                 self.schedule = Schedule.parse(self.schedule)
             except ScheduleParseError as e:
@@ -205,7 +202,6 @@ class Strategy:
 
     @property
     def _custom_schedule(self) -> bool:
-        from .schedule import Schedule
         return isinstance(self.schedule, Schedule)
 
     @property

@@ -60,6 +60,9 @@ from fxpar.collectives import C10D, insert_all_reduce
 from fxpar.errors import PassError
 from fxpar.pass_manager import Pass, PassContext, PassResult
 
+from .delayed_update import carry_zero_chunks
+from .reinplace import ReinplaceOptimizer
+
 __all__ = ["CommSchedule", "carry_variants", "carry_step", "buckets_of_params", "split_foreach", "reinplaced"]
 
 aten = torch.ops.aten
@@ -444,7 +447,6 @@ class CommSchedule(Pass):
             raise PassError(f"comm_schedule: Strategy(zero={z}, delayed_update=True), stage {ctx.stage}: "
                             "the zero pass sharded no parameter of this stage, so there is no reduce-scattered chunk to "
                             "carry; use delayed_update with zero=0 here")
-        from .delayed_update import carry_zero_chunks
         keys = carry_zero_chunks(gm)
         gm.recompile()
         ctx.notes.append(f"comm_schedule: delayed update on ZeRO-{z} chunks: {len(keys)} reduce-scattered "
@@ -482,8 +484,6 @@ def carry_variants(gm, sig) -> dict:
 def reinplaced(gm, roles, optimizer: dict | None = None):
     """The update in place on the parameter and state buffers (``passes.reinplace``), once the cut by data flow
     is made: the steady step's forward then reads the updated parameter buffer, after the update."""
-    from fxpar.pass_manager import PassContext
-    from .reinplace import ReinplaceOptimizer
     for ph, (r, _) in zip(gm.graph.find_nodes(op="placeholder"), roles):
         M.set_meta(ph, M.ROLE, r)
     ReinplaceOptimizer(optimizer or {}).run(gm, PassContext())   # Plan.optimizer: fused where it says so

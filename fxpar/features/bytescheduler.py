@@ -38,6 +38,7 @@ from fxpar.lower import graph_kinds
 from fxpar.planner import ASYNC
 from fxpar.planner_comm import plan_buckets
 from fxpar.schedule import ActionKind
+from passes.fuse_optimizer import fused_chain_times
 from passes.carry_step import carry_forward
 from passes.comm_schedule import CommSchedule, carry_variants
 from passes.grad_order import GradOrder
@@ -117,7 +118,6 @@ def plan_comm_schedule(section: ByteSchedulerSection, plan, stage: int, captured
     ranks = plan.group_of(names[0], plan.stage_to_rank[stage][0] * plan.width)
     times = graph_compute(captured.gm, cluster.device).times
     if (plan.optimizer or {}).get("kernel") == "fused":     # the update will run as one fused kernel per chain
-        from passes.fuse_optimizer import fused_chain_times    # only where the update is fused
         times = fused_chain_times(captured.gm, times, cluster.device, plan.optimizer)
     tm0 = stage_timings(captured.gm, captured.signature, cluster.device, times=times)
     why_not = _why_not_grad_order(section, plan, captured, fused)

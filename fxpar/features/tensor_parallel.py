@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar import meta as M
+from fxpar.runtime.groups import group
 from fxpar.errors import StrategyError
 from fxpar.explain import fmt_bytes
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
@@ -97,7 +98,6 @@ class Pieces(RankState):
                     ex.state[s][k] = self._piece(ex, ex.state[s][k], dims, st["shapes"][k.split(":", 1)[1]])
 
     def _gather(self, ex, t: torch.Tensor, dims: list) -> torch.Tensor:
-        from fxpar.runtime.groups import group
         for d, axis in enumerate(dims):
             if axis is None:
                 continue

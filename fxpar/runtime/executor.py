@@ -34,7 +34,9 @@ import torch.distributed as dist
 from .. import prefetch  # noqa: F401  registers fxpar::prefetch before any graph holding it is unpacked on a rank
 from ..collectives import in_flight_across_graphs, lower_for_backend
 from ..feature import NEW_STATE_ROLE, STATE_ROLE, split_state_key
+from ..host import reuse_freed_memory
 from ..schedule import ActionKind
+from .measure import CommCounter, MemoryTracker
 from .groups import bind_groups, comm_priority, group, seed_rank
 from .state import load_rank_state, save_rank_state
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
@@ -108,7 +110,6 @@ class Executor:
         self.dp_index, self.tp_index = divmod(self.inner, p.tp)
         seed_rank(p.extra, p.rank)
         if p.extra.get("host_memory_reuse", True):     # ClusterSpec.host_memory_reuse: before the first allocation
-            from ..host import reuse_freed_memory
             reuse_freed_memory()
         if dist.is_initialized():
             for name, ranks in p.groups:      # every rank creates every group, in one order
@@ -198,7 +199,6 @@ class Executor:
 
     def _measured(self, micro, per_batch):
         if self.measure_memory:      # live tensor bytes; the rank's state and its microbatches count from the start
-            from .measure import MemoryTracker
             held = [self.params, self.state, self.buffers, self.prev_params,
                     *(dict(vars(st)) for st in self.features.values())]     # what the features hold
             with MemoryTracker(held, inputs=micro) as mem:
@@ -210,7 +210,6 @@ class Executor:
     def _counted(self, micro, per_batch):
         if not self.measure_comm:
             return self.run_window(micro, per_batch)
-        from .measure import CommCounter
         with CommCounter() as counter:
             out = self.run_window(micro, per_batch)
         self.comm_calls.append(counter.calls)
