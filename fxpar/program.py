@@ -16,6 +16,7 @@ from .feature import ExtraRank, get_feature
 from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard, init_from_env
 from .portable import pack_graph_module, unpack_graph_module
 from .runner import RankRunner, RunResult
+from .roles import Role
 from .schedule import Action, ActionKind
 from .sharding import ShardingMap
 from .explain import explain_program
@@ -62,7 +63,7 @@ class Stage:
         storages = {}
         for n, (role, _) in zip(g.find_nodes(op="output")[0].args[0], sg.outputs):
             v = n.meta.get("val")
-            if role == "saved" and n not in weight_made and isinstance(v, torch.Tensor):
+            if role == Role.SAVED and n not in weight_made and isinstance(v, torch.Tensor):
                 st = v.untyped_storage()
                 storages[st._cdata] = int(st.nbytes())
         return sum(storages.values())
@@ -253,7 +254,7 @@ class Program:
             keep = None
             if a.kind == _K.F and (a.stage, a.microbatch) in last_bw:
                 until = last_bw[(a.stage, a.microbatch)]
-                keep = {j: until for j, (role, _) in enumerate(sg.outputs) if role == "saved"}
+                keep = {j: until for j, (role, _) in enumerate(sg.outputs) if role == Role.SAVED}
             out.append(Item(sg.gm, a.short(), keep, self._group_remap(a.stage, rank)))
         return out
 

@@ -31,6 +31,7 @@ import torch
 from cost_models.comm import collective_cost
 from cost_models.comm_tuning import CreditError, plan_stage, stage_timings
 from cost_models.compute import graph_compute
+from fxpar.roles import Role
 from fxpar.backward_order import reordered_backward, why_not_reorder
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
@@ -281,9 +282,9 @@ class Carry(RankState):
         res = sg.gm(*self._args(ex, sg, s, carry, w.micro[i]))
         pieces = {}
         for (role, key), v in zip(sg.outputs, res):
-            if role == "loss":
+            if role == Role.LOSS:
                 w.loss_sums[i // w.per_batch] += float(v)
-            elif role == "carry":
+            elif role == Role.CARRY:
                 pieces[key] = v
             else:
                 _take(ex, s, role, key, v)
@@ -293,13 +294,13 @@ class Carry(RankState):
     def _args(self, ex, sg, s, carry, mb, acts=None) -> list:
         args = []
         for role, key in sg.inputs:
-            if role == "opt_state":
+            if role == Role.OPT_STATE:
                 args.append(ex.state[s][key])
-            elif role in ("lr", "step"):
+            elif role in (Role.LR, Role.STEP):
                 args.append(carry[role])
-            elif role == "carry":
+            elif role == Role.CARRY:
                 args.append(carry["pieces"][key])
-            elif role in ("grad", "pending"):
+            elif role in (Role.GRAD, Role.PENDING):
                 args.append(carry[role][key])
             else:
                 args.append(ex._input(role, key, s, ex.params[s], mb, acts or {}))
@@ -314,9 +315,9 @@ class Carry(RankState):
         pend = w.pending.pop(s, {})
         kept = {**self._scalars(ex, s), "grad": {}, "pending": pend}
         for role, key in ex.p.graphs[s]["STEP"].inputs:
-            if role == "grad":
+            if role == Role.GRAD:
                 kept["grad"][key] = ex._step_grad(w, s, key)
-            elif role == "pending" and key not in pend:
+            elif role == Role.PENDING and key not in pend:
                 raise RuntimeError(f"rank {ex.rank}: STEP{s} waits on a gradient collective ({key}) that no RG{s} "
                                    f"started in this step: put RG{s} after the stage's last backward and before STEP{s} "
                                    "in the schedule (fxpar.schedule.ensure_reduce_grad adds it).")
@@ -354,20 +355,20 @@ class Carry(RankState):
 def _take_update(ex, s, sg, res) -> None:
     new = dict(ex.params[s])           # a new dict: a window may still hold the old one
     for (role, key), v in zip(sg.outputs, res):
-        if role == "new_param":
+        if role == Role.NEW_PARAM:
             new[key] = v
-        elif role == "new_opt_state":
+        elif role == Role.NEW_OPT_STATE:
             ex.state[s][key] = v
     ex.params[s] = new
     ex._settle(s)
 
 
 def _take(ex, s, role, key, v) -> None:
-    if role == "new_param":
+    if role == Role.NEW_PARAM:
         ex.params[s][key] = v
-    elif role == "new_buffer":
+    elif role == Role.NEW_BUFFER:
         ex.buffers[key] = v
-    elif role == "new_opt_state":
+    elif role == Role.NEW_OPT_STATE:
         ex.state[s][key] = v
 
 

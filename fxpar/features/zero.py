@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fxpar.roles import Role
 from fxpar.errors import StrategyError
 from fxpar.explain import fmt_bytes
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
@@ -73,7 +74,7 @@ class ZeroState(RankState):
 
     # ---- graph inputs -----------------------------------------------------------------------------
     def provide_role(self, ex, role, key, stage, weights):
-        if role == "param_shard":           # stages 1-2: the update reads this rank's chunk of a whole parameter
+        if role == Role.PARAM_SHARD:           # stages 1-2: the update reads this rank's chunk of a whole parameter
             return chunk(weights[key], self.stages[stage]["n"], ex.dp_index)
         return self.unsharded[stage][key]   # "unsharded": the stage's parameters UNSHARD gathered for this step
 

@@ -35,6 +35,7 @@ from .. import prefetch  # noqa: F401  registers fxpar::prefetch before any grap
 from ..collectives import in_flight_across_graphs, lower_for_backend
 from ..feature import NEW_STATE_ROLE, STATE_ROLE, split_state_key
 from ..host import reuse_freed_memory
+from ..roles import Role
 from ..schedule import ActionKind
 from .measure import CommCounter, MemoryTracker
 from .groups import bind_groups, comm_priority, group, seed_rank
@@ -258,13 +259,13 @@ class Executor:
         s, i = a.stage, a.microbatch
         saved, out = {}, {}
         for (role, key), v in zip(sg.outputs, res):
-            if role == "loss":
+            if role == Role.LOSS:
                 w.loss_sums[i // w.per_batch] += float(v)
-            elif role == "act":
+            elif role == Role.ACT:
                 out[key] = v
-            elif role == "saved":
+            elif role == Role.SAVED:
                 saved[key] = v
-            elif role == "new_buffer":
+            elif role == Role.NEW_BUFFER:
                 self.buffers[key] = v
         w.saved[(s, i)] = saved
         if s < self.last_stage:
@@ -292,16 +293,16 @@ class Executor:
             weights = w.store.get(s, a.version) if a.version is not None else self.params[s]
             self._fingerprint("B", s, i, a.version, list(saved.values()), weights,
                               versions_held=len(w.store.versions.get(s, {})))
-        args = [saved[key] if role == "saved" else tangents[key] if role not in self.feature_roles
+        args = [saved[key] if role == Role.SAVED else tangents[key] if role not in self.feature_roles
                 else self._input(role, key, s, None, None, None) for role, key in sg.inputs]
         res = sg.gm(*args)
         out = {}
         for (role, key), v in zip(sg.outputs, res):
-            if role == "grad":
+            if role == Role.GRAD:
                 self._accumulate(w, key, v)
-            elif role == "act_grad":
+            elif role == Role.ACT_GRAD:
                 out[key] = v
-            elif role == "saved":
+            elif role == Role.SAVED:
                 saved[key] = v
         if kind in ("B", "I") and s > 0:
             w.bwd[(s - 1, i)] = out
@@ -350,9 +351,9 @@ class Executor:
                       for role, key in sg.inputs])
         pend = w.pending.setdefault(s, {})
         for (role, key), v in zip(sg.outputs, res):
-            if role == "pending":
+            if role == Role.PENDING:
                 pend[key] = v
-            elif role == "grad":
+            elif role == Role.GRAD:
                 w.synced[key] = v
             elif role == NEW_STATE_ROLE:
                 self._take_feature_state(key, v, s)
@@ -366,17 +367,17 @@ class Executor:
         pend = w.pending.pop(s, {})
         args = []
         for role, key in sg.inputs:
-            if role == "param" or role in self.feature_roles:
+            if role == Role.PARAM or role in self.feature_roles:
                 args.append(self._input(role, key, s, self.params[s], None, None))
-            elif role == "opt_state":
+            elif role == Role.OPT_STATE:
                 args.append(self.state[s][key])
-            elif role == "buffer":
+            elif role == Role.BUFFER:
                 args.append(self.buffers[key])
-            elif role == "lr":
+            elif role == Role.LR:
                 args.append(lr)
-            elif role == "step":
+            elif role == Role.STEP:
                 args.append(cnt)
-            elif role == "grad":
+            elif role == Role.GRAD:
                 args.append(self._step_grad(w, s, key))
             elif role == STATE_ROLE:
                 args.append(self._feature_state(key, s))
@@ -390,13 +391,13 @@ class Executor:
         res = sg.gm(*args)
         new = dict(self.params[s])             # a new version: the old dict may be held by the VersionStore
         for (role, key), v in zip(sg.outputs, res):
-            if role == "new_param":
+            if role == Role.NEW_PARAM:
                 new[key] = v
-            elif role == "new_opt_state":
+            elif role == Role.NEW_OPT_STATE:
                 self.state[s][key] = v
-            elif role == "grad":
+            elif role == Role.GRAD:
                 w.synced[key] = v
-            elif role == "new_buffer":
+            elif role == Role.NEW_BUFFER:
                 self.buffers[key] = v
             elif role == NEW_STATE_ROLE:
                 self._take_feature_state(key, v, s)
@@ -423,11 +424,11 @@ class Executor:
         mb = w.micro[i]
         args = []
         for role, key in sg.inputs:
-            if role == "opt_state":
+            if role == Role.OPT_STATE:
                 args.append(self.state[s][key])
-            elif role == "lr":
+            elif role == Role.LR:
                 args.append(lr)
-            elif role == "step":
+            elif role == Role.STEP:
                 args.append(cnt)
             else:
                 args.append(self._input(role, key, s, self.params[s], mb, {}))
@@ -435,15 +436,15 @@ class Executor:
         res = sg.gm(*args)
         grads = {}
         for (role, key), v in zip(sg.outputs, res):
-            if role == "loss":
+            if role == Role.LOSS:
                 w.loss_sums[i // w.per_batch] += float(v)
-            elif role == "new_param":
+            elif role == Role.NEW_PARAM:
                 self.params[s][key] = v
-            elif role == "new_buffer":
+            elif role == Role.NEW_BUFFER:
                 self.buffers[key] = v
-            elif role == "new_opt_state":
+            elif role == Role.NEW_OPT_STATE:
                 self.state[s][key] = v
-            elif role == "grad":
+            elif role == Role.GRAD:
                 grads[key] = v
             elif role == NEW_STATE_ROLE:
                 self._take_feature_state(key, v, s)
@@ -452,15 +453,15 @@ class Executor:
         self._settle(s)
 
     def _input(self, role, key, s, weights, mb, acts):
-        if role == "param":
+        if role == Role.PARAM:
             return weights[key]
-        if role == "buffer":
+        if role == Role.BUFFER:
             return self.buffers[key]
-        if role == "input":
+        if role == Role.INPUT:
             return mb[int(key)]
-        if role == "target":
+        if role == Role.TARGET:
             return mb[self.n_inputs + int(key)]
-        if role == "act":
+        if role == Role.ACT:
             return acts[key]
         if role == STATE_ROLE:
             return self._feature_state(key, s)
