@@ -12,7 +12,7 @@ from typing import Any
 import torch.fx
 
 __all__ = ["MetaKey", "KEYS", "ROLE", "PHASE", "MODULE", "PARAM", "GRAD_OF", "COMM", "BUCKET", "REDUCE_GRAD",
-           "ORIGIN", "PASS", "RECOMPUTE_OF", "UNSHARD", "get", "set_meta", "copy_meta", "CommInfo"]
+           "ORIGIN", "PASS", "RECOMPUTE_OF", "UNSHARD", "get", "set_meta", "copy_meta", "CommInfo", "GRAPH_KEYS"]
 
 
 @dataclass(frozen=True)
@@ -80,3 +80,27 @@ def copy_meta(src: torch.fx.Node, dst: torch.fx.Node) -> None:
         if k in src.meta:
             dst.meta[k] = src.meta[k]
     dst.meta[ORIGIN.name] = src.name
+
+
+# ---- graph-level keys: ``gm.meta`` of a joint or cut graph ------------------------------------------------------
+SIGNATURE = MetaKey("fxpar_signature", "fxpar.capture.StepSignature", "fxpar.capture (fxpar.lower copies it per stage)",
+                    "the (role, key) of every input and output; a pass that adds inputs or outputs appends to it")
+OPTIMIZER = MetaKey("fxpar_optimizer", dict, "fxpar.lower", "Plan.optimizer, for graphs cut later (how the update runs)")
+KIND = MetaKey("fxpar_kind", str, "passes.split_graphs (and the carry's graphs)", "the graph kind a cut graph is (F, B, ...)")
+GRAD_PRESCALE = MetaKey("fxpar_grad_prescale", int, "passes.data_parallel",
+                        "backward's seed was divided by this (dp): gradients arrive pre-averaged")
+ZERO = MetaKey("fxpar_zero", dict, "passes.zero", "ZeRO's layout of the stage: stage, n, per key [shape, chunk numel]")
+ZERO_OFFLOAD = MetaKey("fxpar_zero_offload", dict, "passes.zero_offload", "where the update runs and what moved")
+BYTEPS = MetaKey("fxpar_byteps", dict, "passes.byteps", "the servers' messages of one step, in order")
+SHARDINGS = MetaKey("fxpar_shardings", "passes.propagate_sharding.ShardingResult", "passes.tensor_parallel",
+                    "every node's sharding as decided (Program.shardings reads it)")
+TP_MODULES = MetaKey("fxpar_tp_modules", dict, "passes.tensor_parallel", "node name -> the user's module path")
+CARRY = MetaKey("fxpar_carry", bool, "passes.comm_schedule / passes.delayed_update",
+                "a fused step whose waits and update move into the next step (the feature derives FIRST and DRAIN)")
+CARRY_STEP = MetaKey("fxpar_carry_step", list, "passes.comm_schedule",
+                     "split graphs: the STEP moves into the next step's first F (the feature derives F_UPDATE)")
+DELAYED_UPDATE = MetaKey("fxpar_delayed_update", bool, "passes.comm_schedule / passes.delayed_update",
+                         "the carried update is the one-step delayed update")
+
+GRAPH_KEYS = {k.name: k for k in (SIGNATURE, OPTIMIZER, KIND, GRAD_PRESCALE, ZERO, ZERO_OFFLOAD, BYTEPS, SHARDINGS,
+                                  TP_MODULES, CARRY, CARRY_STEP, DELAYED_UPDATE)}

@@ -117,3 +117,19 @@ def test_plan_round_trips_and_an_edited_plan_is_used():
     plan.buckets[0] = [[k] for k in keys]
     q = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss, plan=plan)
     assert len(q.collectives(0)) == len(keys)
+
+
+@pytest.mark.structure
+def test_every_graph_level_meta_key_written_is_declared():
+    """``gm.meta["fxpar_..."] = ...`` anywhere in the library names a key of ``fxpar.meta.GRAPH_KEYS``."""
+    import importlib
+    import re
+    from pathlib import Path
+
+    from fxpar import meta as M
+    written = set()
+    for pkg in ("fxpar", "passes", "cost_models"):          # where they are imported from (the wheel, under CI)
+        for p in Path(importlib.import_module(pkg).__file__).parent.rglob("*.py"):
+            written |= set(re.findall(r"\.meta\[\"(fxpar_[a-z_]+)\"\]\s*=", p.read_text()))
+    assert written, "no graph-level key found: the scan is broken"
+    assert written <= set(M.GRAPH_KEYS) | set(M.KEYS), sorted(written - set(M.GRAPH_KEYS) - set(M.KEYS))
