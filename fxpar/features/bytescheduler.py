@@ -287,7 +287,7 @@ class Carry(RankState):
             elif role == Role.CARRY:
                 pieces[key] = v
             else:
-                _take(ex, s, role, key, v)
+                ex.take_output(s, role, key, v)
         self.carry[s] = {"pieces": pieces, **now}
         ex._settle(s)
 
@@ -347,7 +347,7 @@ class Carry(RankState):
             sg = ex.p.graphs[s]["DRAIN"]
             res = sg.gm(*self._args(ex, sg, s, carry, None))
             for (role, key), v in zip(sg.outputs, res):
-                _take(ex, s, role, key, v)
+                ex.take_output(s, role, key, v)
             ex._settle(s)
         self.carry = {}
 
@@ -361,15 +361,6 @@ def _take_update(ex, s, sg, res) -> None:
             ex.state[s][key] = v
     ex.params[s] = new
     ex._settle(s)
-
-
-def _take(ex, s, role, key, v) -> None:
-    if role == Role.NEW_PARAM:
-        ex.params[s][key] = v
-    elif role == Role.NEW_BUFFER:
-        ex.buffers[key] = v
-    elif role == Role.NEW_OPT_STATE:
-        ex.state[s][key] = v
 
 
 # ---- the feature ---------------------------------------------------------------------------------------------

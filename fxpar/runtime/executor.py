@@ -438,16 +438,10 @@ class Executor:
         for (role, key), v in zip(sg.outputs, res):
             if role == Role.LOSS:
                 w.loss_sums[i // w.per_batch] += float(v)
-            elif role == Role.NEW_PARAM:
-                self.params[s][key] = v
-            elif role == Role.NEW_BUFFER:
-                self.buffers[key] = v
-            elif role == Role.NEW_OPT_STATE:
-                self.state[s][key] = v
             elif role == Role.GRAD:
                 grads[key] = v
-            elif role == NEW_STATE_ROLE:
-                self._take_feature_state(key, v, s)
+            else:
+                self.take_output(s, role, key, v)
         if not self.spec.traced:
             self._eager_step(s, grads)
         self._settle(s)
@@ -469,6 +463,18 @@ class Executor:
             if role in st.input_roles:
                 return st.provide_role(self, role, key, s, weights)
         raise RuntimeError(f"stage {s}: no value for graph input ({role}, {key})")
+
+    def take_output(self, s, role, key, v) -> None:
+        """A graph output that updates what the rank holds: a parameter, a buffer, optimizer state or a feature's
+        state, in place in stage ``s``'s dicts."""
+        if role == Role.NEW_PARAM:
+            self.params[s][key] = v
+        elif role == Role.NEW_BUFFER:
+            self.buffers[key] = v
+        elif role == Role.NEW_OPT_STATE:
+            self.state[s][key] = v
+        elif role == NEW_STATE_ROLE:
+            self._take_feature_state(key, v, s)
 
     def _feature_state(self, key, s):
         """Graph input ``("state", "<feature>.<name>")``: from that feature's RankState."""
