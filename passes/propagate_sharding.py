@@ -68,8 +68,30 @@ class ShardingResult:
         return self.out[name][0]
 
     def to_plan(self) -> dict:
-        """``{node name: [sharding json per output]}`` for the Plan's ``tensor_parallel`` section."""
+        """``{node name: [sharding json per output]}``: each node's output shardings, as JSON."""
         return {k: [s.to_json() for s in v] for k, v in self.out.items()}
+
+    def to_json(self) -> dict:
+        """What lowering reads of this result, as JSON (the Plan's ``tensor_parallel`` section keeps it per stage):
+        ``{"out": {node: [sharding per output]}, "need": {node: [sharding per input]}}``, with ``"annotated"``
+        (node -> the ``fxpar.shard`` annotation that fixed it) and ``"no_rule"`` (``[[node, op, module]]``)
+        where there are any. :meth:`from_json` reads it back."""
+        dump = lambda d: {k: [s.to_json() for s in v] for k, v in d.items()}      # noqa: E731
+        out = {"out": dump(self.out), "need": dump(self.need)}
+        annotated = {k: v for k, v in self.sources.items() if v.startswith("fxpar.shard")}
+        if annotated:
+            out["annotated"] = annotated
+        if self.no_rule:
+            out["no_rule"] = [list(r) for r in self.no_rule]
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict, mesh) -> "ShardingResult":
+        """A result back from :meth:`to_json` over ``mesh`` (a ``fxpar.Mesh`` or ``{axis: size}``)."""
+        load = lambda v: tuple(Sharding.from_json(x) for x in v)     # noqa: E731
+        return cls(dict(axis_sizes(mesh)), out={k: load(v) for k, v in data["out"].items()},
+                   need={k: load(v) for k, v in data["need"].items()}, sources=dict(data.get("annotated", {})),
+                   no_rule=[tuple(r) for r in data.get("no_rule", [])])
 
     def comm_bytes(self) -> float:
         return sum(r[-1] for r in self.redistributions)

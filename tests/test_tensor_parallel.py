@@ -173,6 +173,29 @@ def test_auto_is_no_dearer_than_megatron_and_a_handed_back_plan_is_reused(cluste
     assert not any(n.startswith("tofu over") for n in again.stages[0].notes)     # no second search
 
 
+
+@pytest.mark.structure
+def test_a_handed_back_plan_is_lowered_without_searching_again(monkeypatch):
+    """Tofu's choice is made when the Plan is made (the feature's plan_stage) and kept in it; a Plan handed back
+    through JSON is lowered to the same graphs with the search never called."""
+    import passes.tofu
+    model, batches, loss_fn, opt = MODELS["mlp"]()
+    spec, st = fxpar.ClusterSpec.local(2, **FAST), fxpar.Strategy(tp=2)
+    prog = fxpar.parallelize(model, spec, batches[0], loss_fn, opt, strategy=st)
+    entry = prog.plan.section("tensor_parallel").stages[0]
+    assert any(any(v) for v in entry["params"].values()), entry["params"]
+    text = prog.plan.to_json()
+
+    def no_search(*args, **kwargs):
+        raise AssertionError("tofu_search called")
+    monkeypatch.setattr(passes.tofu, "tofu_search", no_search)
+    again = fxpar.parallelize(model, spec, batches[0], loss_fn, opt, strategy=st, plan=fxpar.Plan.from_json(text))
+    assert again.graphs(0)["step"].code == prog.graphs(0)["step"].code
+    assert again.plan.section("tensor_parallel").stages[0]["params"] == entry["params"]
+    assert [(c.kind, c.nbytes) for c in again.collectives(0)] == [(c.kind, c.nbytes) for c in prog.collectives(0)]
+    with pytest.raises(AssertionError, match="tofu_search called"):      # without a Plan, the planning searches
+        fxpar.parallelize(model, spec, batches[0], loss_fn, opt, strategy=st)
+
 def _bad(model, example, loss_fn, **strategy):
     st = fxpar.Strategy(**strategy)
     return fxpar.parallelize(model, fxpar.ClusterSpec.local(st.size), example, loss_fn, SGD_M, strategy=st)

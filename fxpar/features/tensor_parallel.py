@@ -9,13 +9,16 @@ The modes (``Strategy(tp=n, sharding=...)``, docs/tensor-parallel.md):
 * a dict of Mesh-TensorFlow layouts (Shazeer et al. 2018), ``{param glob: ('tp', None, ...)}``.
 
 What lives here: the ``sharding`` option and its checks; the mesh axes it adds after pp and dp; its Plan section
-(the mode, the axes, the layouts and, per stage, each parameter's and optimizer state's layout and Tofu's per-node
-choice, reused when the Plan is handed back); its pass (``passes.tensor_parallel``, first in the pass list); the
+(the mode, the axes, the layouts and, per stage, every node's sharding and each parameter's and optimizer state's
+layout); the decision (:meth:`TensorParallelFeature.plan_stage`, once each stage is captured: Tofu's search, or the
+layouts and annotations propagated; Tofu's choice is reused when the Plan is handed back); its pass
+(``passes.tensor_parallel``, first in the pass list), which lowers the decided shardings and decides nothing; the
 rank's pieces of split parameters and optimizer state (:class:`Pieces`: cut at setup and after a checkpoint load,
 gathered over tp for ``state_dict()`` and checkpoints); its lines in ``explain()``.
 """
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -24,10 +27,15 @@ import torch.distributed as dist
 
 from fxpar import meta as M
 from fxpar.runtime.groups import group
-from fxpar.errors import StrategyError
+from fxpar.errors import PassError, StrategyError
 from fxpar.explain import fmt_bytes
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
 from fxpar.mesh import Mesh
+from fxpar.sharding import Sharding, ShardingError
+from passes import tofu
+from passes.propagate_sharding import ShardingResult, propagate_shardings
+from passes.sharding import strip_annotations
+from passes.sharding.megatron import megatron_layouts
 from passes.tensor_parallel import TensorParallel
 
 __all__ = ["TensorParallelFeature", "TensorParallelSection", "Pieces", "MODES"]
@@ -44,9 +52,12 @@ _HOW = {"auto": "Tofu's search (recursive halving, exact DP per level)",
 @dataclass
 class TensorParallelSection(PlanSection):
     """The decisions. ``stages``: per stage ``{"params": {key: spec}, "opt_state": {...}}`` (a mesh axis or None per
-    dim), with ``"auto"`` (Tofu's per-node choice ``{"out": ..., "need": ...}``) and ``"predicted_s"`` under
-    ``"auto"``, and ``"megatron"`` (the preset's layouts) under ``"megatron"``; ``passes.tensor_parallel`` fills
-    each stage in as it lowers it."""
+    dim) and every node's sharding (``ShardingResult.to_json``: ``{"out": ..., "need": ...}``): under ``"auto"``,
+    Tofu's choice in ``"auto"`` with ``"predicted_s"`` and ``"notes"`` (what the search found); in the other modes,
+    the propagated layouts and annotations in ``"propagated"``, and ``"megatron"`` (the preset's layouts) under
+    ``"megatron"``. :meth:`TensorParallelFeature.plan_stage` fills each stage in once it is captured;
+    ``passes.tensor_parallel`` lowers it. A handed-back Plan's ``"auto"`` choice is lowered as it is (edit it to
+    change the split); ``"propagated"`` is derived again from ``layouts`` and the model's annotations."""
     mode: str = "auto"                                   # "auto" | "megatron" | "layouts" | "annotations"
     axes: list = field(default_factory=list)            # [[mesh axis, size], ...]
     layouts: dict = field(default_factory=dict)         # {param glob: [mesh axis or None per dim]} ("layouts")
@@ -126,6 +137,81 @@ def _mode(strategy) -> str:
     return "layouts" if isinstance(strategy.sharding, dict) else strategy.sharding
 
 
+def _tied_layouts(section, plan, stage: int, sig) -> dict:
+    """``{(role, key): dims}`` of stage ``stage``'s parameters (and their optimizer state) that an earlier stage
+    holds too (a tied embedding and LM head): laid out as that stage decided, so the pieces the tied group sums
+    match."""
+    out = {}
+    for role, key in sig.inputs:
+        if role not in ("param", "opt_state") or key.split(":", 1)[-1] not in (plan.tied or {}):
+            continue
+        for t in range(min(stage, len(section.stages))):
+            part = section.stages[t].get("params" if role == "param" else "opt_state", {})
+            if key in part:
+                out[(role, key)] = part[key]
+                break
+    return out
+
+
+def _tofu_cost(cluster) -> tofu.TofuCost:
+    """Tofu's prices from the cluster's intra-node link and device (its defaults where the cluster is not known)."""
+    if cluster is None:
+        return tofu.TofuCost()
+    return tofu.TofuCost(link_bytes_per_s=cluster.intra_node.bandwidth, flops_per_s=cluster.device.peak_flops,
+                         latency_s=cluster.intra_node.latency)
+
+
+def _versus_megatron(gm, captured, mesh, sig, found, cost) -> str:
+    """Tofu's choice against Megatron's split of the same graph, by the same cost model (Tofu, §6: the search
+    finds Megatron's split or a cheaper one)."""
+    try:
+        layouts = megatron_layouts(gm, mesh.size, "tp")
+        if not layouts:
+            return "tofu: the graph has no Linear pair, so there is no Megatron split to compare with"
+        meg = propagate_shardings(gm, Mesh((("tp", mesh.size),)), layouts,
+                                  aliases=getattr(captured, "aliases", None) or {}, signature=sig, whole_io=True)
+    except ShardingError as e:
+        return f"tofu: Megatron's split does not apply to this graph ({str(e).splitlines()[0]})"
+    m = sum(tofu.plan_cost(gm, meg, cost, sig).values())
+    p = found.predicted
+    verdict = "cheaper than" if p < m * (1 - 1e-9) else "as cheap as" if p <= m * (1 + 1e-9) else "dearer than"
+    return (f"tofu: its plan ({found.predicted:.4g} s predicted) is {verdict} Megatron's split ({m:.4g} s) by the "
+            "same cost model")
+
+
+def _choose(section, plan, stage: int, captured, cluster, mesh: Mesh, entry: dict) -> tuple:
+    """Stage ``stage``'s per-node shardings (a ``ShardingResult``) and what its entry records beside the
+    per-parameter layouts: Tofu's choice (searched, or the handed-back Plan's) under ``auto``; the layouts
+    (Megatron's preset, the user's, a tied parameter's earlier stage's) and the graph's annotations, propagated
+    (GShard), under the other modes."""
+    sig = captured.signature
+    tied = _tied_layouts(section, plan, stage, sig)
+    if section.mode == "auto":
+        if entry.get("auto"):                     # a handed-back Plan: Tofu's stored choice
+            return (ShardingResult.from_json(entry["auto"], mesh),
+                    {"notes": [f"tofu: stage {stage}'s split is the handed-back Plan's (no search)"]})
+        gm = copy.deepcopy(captured.gm)
+        strip_annotations(gm)                     # Tofu decides every node itself
+        phs = {(r, k): p.name for p, (r, k) in zip(gm.graph.find_nodes(op="placeholder"), sig.inputs)}
+        fixed = {phs[rk]: Sharding(tuple(dims)) for rk, dims in tied.items() if rk in phs}
+        cost = _tofu_cost(cluster)
+        found = tofu.tofu_search(gm, mesh.size, cost, signature=sig, whole_io=True, fixed=fixed)
+        notes = [found.explain(limit=0).splitlines()[0], _versus_megatron(gm, captured, mesh, sig, found, cost)]
+        return found.sharding, {"auto": found.sharding.to_json(), "predicted_s": found.predicted, "notes": notes}
+    gm = captured.gm
+    layouts = dict(section.layouts or {})
+    extra = {}
+    if section.mode == "megatron":
+        preset = megatron_layouts(gm, mesh.size, mesh.names[0])
+        extra["megatron"] = {k: list(v) for k, v in preset.items()}
+        layouts = {**preset, **layouts}
+    layouts.update({k: tuple(dims) for (r, k), dims in tied.items() if r == "param"})
+    res = propagate_shardings(gm, mesh, layouts, aliases=getattr(captured, "aliases", None) or {}, signature=sig,
+                              whole_io=True)
+    extra["propagated"] = res.to_json()
+    return res, extra
+
+
 @register_feature
 class TensorParallelFeature(Feature):
     name = "tensor_parallel"
@@ -181,6 +267,26 @@ class TensorParallelFeature(Feature):
         return TensorParallelSection(
             mode=mode, axes=self.mesh_axes(strategy, None),
             layouts={p: list(v) for p, v in strategy.sharding.items()} if mode == "layouts" else {})
+
+    def plan_stage(self, section, plan, stage, captured, cluster, schedule) -> None:
+        """Stage ``stage``'s split, into ``section.stages[stage]``: every node's sharding (``"auto"``: Tofu's
+        search, whose choice a handed-back Plan keeps; ``"propagated"``: the layouts and annotations propagated,
+        derived again from the section's ``layouts`` each time) and each parameter's and optimizer state's layout.
+        ``passes.tensor_parallel`` lowers it. Stages are decided in order: a parameter tied to an earlier stage
+        takes that stage's layout."""
+        mesh = Mesh(tuple((a, int(n)) for a, n in section.axes))
+        while len(section.stages) <= stage:
+            section.stages.append({})
+        entry = section.stages[stage]
+        try:
+            res, extra = _choose(section, plan, stage, captured, cluster, mesh, entry)
+        except ShardingError as e:
+            raise PassError(f"tensor parallelism over {dict(mesh.axes)} (sharding={section.mode!r}), stage {stage}: "
+                            f"{e}") from None
+        roles = dict(zip([p.name for p in captured.gm.graph.find_nodes(op="placeholder")], captured.signature.inputs))
+        entry["params"] = {k: list(res.out[n][0].dims) for n, (r, k) in roles.items() if r == "param"}
+        entry["opt_state"] = {k: list(res.out[n][0].dims) for n, (r, k) in roles.items() if r == "opt_state"}
+        entry.update(extra)
 
     def rank_info(self, section, program, rank):
         return {"axes": section.axes, "stages": {

@@ -15,7 +15,7 @@ from fxpar import meta as M
 from fxpar.annotate import annotated_value, is_shard_node, spec_of
 from fxpar.sharding import Sharding, ShardingError
 
-__all__ = ["fixed_shardings", "ShardingConflict", "describe"]
+__all__ = ["fixed_shardings", "ShardingConflict", "describe", "strip_annotations"]
 
 
 class ShardingConflict(ShardingError):
@@ -74,3 +74,18 @@ def fixed_shardings(gm, sizes: dict, layouts: dict, aliases: dict) -> dict:
         raise ShardingError(f"layout pattern {unused[0]!r} matches no parameter; parameter keys look like "
                             f"{sorted(by_key)[:4]} -- fix the pattern (glob syntax: * matches any text)")
     return fixed
+
+
+def strip_annotations(gm) -> None:
+    """Drop the graph's ``fxpar.shard`` markers in place (the annotated value is the plain one): Tofu's search
+    decides every node itself, and the graph it lowers has no markers either."""
+    for n in list(gm.graph.nodes):
+        if is_shard_node(n):
+            for u in list(n.users):
+                val = annotated_value(n)
+                if val is u:
+                    u.replace_all_uses_with(u.args[0])
+                    gm.graph.erase_node(u)
+            gm.graph.erase_node(n)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()

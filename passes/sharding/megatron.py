@@ -1,0 +1,136 @@
+"""Megatron's split of a joint graph's Linear pairs (Shoeybi et al. 2019), the ``megatron`` preset of tensor
+parallelism: which parameters are column- and row-parallel, found in the graph itself.
+
+A Linear whose output reaches other Linears' inputs through elementwise ops, views and attention only is
+column-parallel (weight rows and bias split), those others row-parallel (weight columns split, bias whole);
+attention between them runs split by heads; an embedding tied to an LM head is split over the vocabulary. The
+result is layouts (``{param key: spec}``) that ``passes.propagate_sharding`` completes for every node; the
+tensor-parallel feature's planning (``fxpar.features.tensor_parallel``) calls it, and Tofu's search is compared
+with it by the same cost model.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from fxpar import meta as M
+from fxpar.sharding import ShardingError
+
+__all__ = ["megatron_layouts", "linears"]
+
+aten = torch.ops.aten
+_MATMUL = (aten.mm.default, aten.addmm.default)
+_THROUGH_W = (aten.t.default, aten.transpose.int, aten.permute.default, aten.view.default, aten._unsafe_view.default,
+              aten.expand.default)
+# ops a column-parallel output may pass on its way to a row-parallel Linear, without communication
+_PASS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.transpose.int, aten.permute.default,
+         aten.clone.default, aten.split.Tensor, aten.split_with_sizes.default, aten.unsqueeze.default,
+         aten.squeeze.dim, aten.gelu.default, aten.relu.default, aten.silu.default, aten.tanh.default,
+         aten.sigmoid.default, aten.mul.Tensor, aten.div.Tensor, aten.native_dropout.default, aten.expand.default,
+         aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
+         aten._scaled_dot_product_flash_attention.default, aten.scaled_dot_product_attention.default,
+         aten.contiguous.default, operator.getitem}
+_SDPA = {aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
+         aten._scaled_dot_product_flash_attention.default, aten.scaled_dot_product_attention.default}
+
+
+def _param_of(n):
+    """The parameter key ``n`` is (through transposes and views), or None."""
+    while n.op == "call_function" and n.target in _THROUGH_W:
+        n = n.args[0]
+    if n.op == "placeholder" and M.get(n, M.ROLE) == "param":
+        return M.get(n, M.PARAM)
+    return None
+
+
+def linears(gm) -> list:
+    """The forward's Linear layers: ``[(matmul node, weight key, bias key or None, activation input node)]``."""
+    out = []
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in _MATMUL or M.get(n, M.PHASE) != "forward":
+            continue
+        x, w = (n.args[1], n.args[2]) if n.target is aten.addmm.default else (n.args[0], n.args[1])
+        key = _param_of(w)
+        if key is None or w.target not in (aten.t.default, aten.transpose.int, aten.permute.default):
+            continue
+        bias = _param_of(n.args[0]) if n.target is aten.addmm.default else None
+        while x.op == "call_function" and x.target in (aten.view.default, aten._unsafe_view.default,
+                                                       aten.reshape.default):
+            x = x.args[0]
+        out.append((n, key, bias, x))
+    return out
+
+
+def _reaches(start, targets: dict) -> tuple:
+    """The Linears (by matmul node) whose input ``start`` reaches through ops in ``_PASS`` only, and the SDPA
+    nodes on the way."""
+    seen, todo, hit, sdpa = {start}, [start], [], []
+    while todo:
+        n = todo.pop()
+        for u in n.users:
+            if u in seen or M.get(u, M.PHASE) != "forward":
+                continue
+            seen.add(u)
+            if u in targets:
+                hit.append(targets[u])
+            if u.target in _SDPA:
+                sdpa.append(u)
+            if u.target in _PASS:
+                todo.append(u)
+    return hit, sdpa
+
+
+def megatron_layouts(gm, tp: int, axis: str = "tp") -> dict:
+    """Megatron's split of the graph's Linear pairs (Shoeybi et al. 2019, §3): ``{param key: spec}``. A Linear
+    whose output reaches other Linears' inputs through elementwise ops, views and attention only is
+    column-parallel (weight rows and bias split), those others row-parallel (weight columns split, bias whole);
+    attention between them runs split by heads; an embedding tied to an LM head is split over the vocabulary.
+    Raises ``ShardingError`` naming the module where tp does not divide a split dim or the head count."""
+    lins = linears(gm)
+    by_input = {}
+    for n, key, bias, x in lins:
+        by_input.setdefault(x, []).append(n)
+    targets = {x: tuple(ns) for x, ns in by_input.items()}      # a Linear's input -> the Linears reading it
+    info = {n: (key, bias) for n, key, bias, _ in lins}
+    role = {}
+    for n, key, bias, _ in lins:
+        if n in role:
+            continue
+        hits, sdpa = _reaches(n, targets)
+        down = [m for ns in hits for m in ns if m is not n]
+        if not down or any(role.get(m) == "col" for m in down):
+            continue
+        mod = M.get(n, M.MODULE) or key
+        out_dim = n.meta["val"].shape[-1]
+        if out_dim % tp:
+            raise ShardingError(f"sharding='megatron': Linear {mod!r} ({key}) has {out_dim} output features, which "
+                                f"tp={tp} does not divide; use a tp dividing {out_dim}, or layouts that leave it whole")
+        for s in sdpa:
+            heads = s.args[0].meta["val"].shape[1]
+            if heads % tp:
+                raise ShardingError(f"sharding='megatron': attention in {M.get(s, M.MODULE) or '<root>'!r} has {heads} "
+                                    f"heads, which tp={tp} does not divide; use a tp dividing {heads}, or layouts")
+        role[n] = "col"
+        for m in down:
+            role[m] = "row"
+    out = {}
+    for n, r in role.items():
+        key, bias = info[n]
+        out[key] = (axis, None) if r == "col" else (None, axis)
+        if bias is not None and r == "col":
+            out[bias] = (axis,)
+    return {**_tied_vocabulary(gm, lins, tp, axis), **out}
+
+
+def _tied_vocabulary(gm, lins, tp: int, axis: str) -> dict:
+    """An embedding whose weight is also a Linear's (a tied LM head) split over the vocabulary (Shoeybi et al.
+    2019, §3): the lookup gives partial sums (``fxpar.vocab_embedding``), the head's logits come out split over
+    the vocabulary. A vocabulary tp does not divide stays whole (Megatron pads it to a multiple of tp)."""
+    heads = {key for _, key, _, _ in lins}
+    out = {}
+    for n in gm.graph.find_nodes(op="call_function", target=aten.embedding.default):
+        key = _param_of(n.args[0])
+        if key in heads and M.get(n, M.PHASE) == "forward" and n.args[0].meta["val"].shape[0] % tp == 0:
+            out[key] = (axis, None)
+    return out
