@@ -202,6 +202,11 @@ def _worker(rank: int, world: int, port: int, conn, backend: str, threads: int, 
         conn.send(("err", traceback.format_exc()))
         return
     serve(conn)
+    # The work is done and the group left: skip the interpreter's finalization, which for a process that has
+    # imported torch takes seconds (a spawned process otherwise exits through sys.exit); the parent waits on it.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class LocalCluster:
@@ -287,17 +292,22 @@ class LocalCluster:
                     c.send(None)
                 except (OSError, BrokenPipeError):
                     pass
-            for p in self.procs:
-                p.join(timeout=self.grace_s)
+            self._join_all(self.grace_s)
         for p in self.procs:
             if p.is_alive():
                 p.terminate()
+        self._join_all(self.grace_s)
         for p in self.procs:
-            p.join(timeout=self.grace_s)
             if p.is_alive():
                 p.kill()
         self.alive = False
         self.procs, self.conns = [], []
+
+    def _join_all(self, seconds: float) -> None:
+        """Wait until every rank has exited, or ``seconds`` have passed (one deadline for all of them)."""
+        deadline = time.monotonic() + seconds
+        for p in self.procs:
+            p.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def __enter__(self):
         return self
