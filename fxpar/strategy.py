@@ -37,10 +37,11 @@ class _StrategyType(type):
 class Strategy(metaclass=_StrategyType):
     """How to parallelise a training step.
 
-    ``Strategy(dp=4, zero=3)``: the core's settings below are its dataclass fields; every other keyword is an option
-    of the feature that carries it out (``fxpar.Feature``, fxpar's own in ``fxpar/features/`` or one you registered),
-    listed after them. Each reads like a field (``strategy.zero``); unset, it is its default; ``strategy.options``
-    holds the ones given. A keyword no registered feature declares is refused, naming the nearest option.
+    The core's settings below are its dataclass fields; every other keyword is an option of the feature that carries
+    it out (``fxpar.Feature``: fxpar's own in ``fxpar/features/``, or one you registered, as examples/custom_strategy.py
+    does: ``Strategy(dp=2, ef_dtype="float16")``), listed after them. Each reads like a field (``strategy.ef_dtype``);
+    unset, it is its default; ``strategy.options`` holds the ones given. A keyword no registered feature declares is
+    refused, naming the nearest option.
     """
     dp: int = _core(1, "size of the data-parallel mesh axis; dp * tp * pp must equal the ClusterSpec's world size")
     tp: int = _core(1, "size of the tensor-parallel mesh axis")
@@ -125,7 +126,7 @@ class Strategy(metaclass=_StrategyType):
             raise AttributeError(f"Strategy has no option {name!r}")
         return spec.default
 
-    def __getattr__(self, name: str):       # a feature's option reads like a field: strategy.zero
+    def __getattr__(self, name: str):       # a feature's option reads like a field: strategy.ef_dtype
         if name.startswith("_") or name == "options":
             raise AttributeError(name)
         try:
@@ -158,7 +159,7 @@ class Strategy(metaclass=_StrategyType):
     __hash__ = None
 
     def __repr__(self) -> str:
-        """Every setting off its default, as keywords: ``Strategy(dp=4, zero=3)``."""
+        """Every setting off its default, as keywords: ``Strategy(dp=2, ef_dtype='float16')``."""
         defaults = {f.name: _default(f) for f in fields(self)} | _feature_registry.option_defaults()
         return "Strategy(" + ", ".join(f"{k}={v!r}" for k, v in self._settings().items()
                                        if _off_default(v, defaults[k])) + ")"
@@ -252,7 +253,7 @@ _dataclass_init = Strategy.__init__
 
 
 def _init(self, *args, **kwargs):
-    """``Strategy(dp=4, zero=3)``: keywords that are not fields are registered features' options
+    """``Strategy(dp=2, ef_dtype="float16")``: keywords that are not fields are registered features' options
     (``help(fxpar.Strategy)`` lists them)."""
     extra = {k: kwargs.pop(k) for k in list(kwargs) if k not in _FIELDS}
     if extra:
