@@ -46,7 +46,7 @@ from .roles import Role
 __all__ = ["Feature", "Option", "Slot", "PlanSection", "RankState", "ExtraRank", "register_feature", "registered_features",
            "unregister_feature", "get_feature", "enabled_features", "check_strategy", "section_from_dict", "option_owner", "option_defaults",
            "add_state_input", "add_state_output", "BUILTIN_FEATURES", "STATE_ROLE", "NEW_STATE_ROLE", "state_key",
-           "split_state_key", "settle_strategy"]
+           "split_state_key", "settle_strategy", "register_shared_option", "shared_options", "option_spec"]
 
 # The graph roles of a feature's per-rank state: an input ("state", "<feature>.<name>") the rank's RankState
 # provides, and an output ("new_state", "<feature>.<name>") it takes back after the graph ran.
@@ -88,7 +88,8 @@ class Slot(enum.IntEnum):
 
 @dataclass(frozen=True)
 class Option:
-    """A Strategy option a feature owns: its default and one line of what it does."""
+    """A Strategy option a feature owns: its default and its doc (what it does, its values, what it needs), which
+    ``help(fxpar.Strategy)`` lists under the feature."""
     default: Any = None
     doc: str = ""
 
@@ -217,8 +218,9 @@ class Feature:
     conflicts_with: ClassVar[tuple] = ()            # features that must not be
     passes: ClassVar[tuple] = ()                    # (Slot, Pass class or factory) pairs
     state: ClassVar[type | None] = None             # its RankState class, if it keeps state per rank
-    # core Strategy fields whose value enables it (its enabled() tests them), shared with other features: several
-    # gradient-sync methods are values of one ``grad_sync``
+    # options it does not own whose value enables it (its enabled() tests them; messages name them): a core field
+    # (``tp``) or an option several features share (register_shared_option: each gradient-sync method is a value
+    # of one ``grad_sync``)
     enabled_by: ClassVar[tuple] = ()
 
     # ---- the decision ------------------------------------------------------------------------------
@@ -320,13 +322,30 @@ class Feature:
 # ---- the registry -------------------------------------------------------------------------------------
 _REGISTRY: dict = {}          # name -> Feature instance, in registration order (the order within a Slot)
 _OWNER: dict = {}             # option name -> feature name
+_OPTIONS: dict = {}           # option name -> Option: every feature's own and every shared one
+_SHARED: dict = {}            # shared option name -> the module that declared it
 _LOADED: list = []
+# the options the core Strategy owns itself (its dataclass fields), set by fxpar.strategy
+_CORE_OPTIONS: set = set()
 
 
 def _load_builtin() -> None:
     if not _LOADED:
         _LOADED.append(True)
         importlib.import_module(BUILTIN_FEATURES)
+
+
+def register_shared_option(name: str, option: Option, module: str) -> Option:
+    """Declare option ``name``, which several features share: each carries out some of its values and lists
+    ``name`` in its ``enabled_by`` (``grad_sync``: one gradient-sync method per value). Off its default, an enabled
+    feature must list it, or the Strategy is refused. ``module``: the declaring module, for messages."""
+    if not name.isidentifier() or name in _CORE_OPTIONS or name in _OWNER:
+        where = "the core Strategy" if name in _CORE_OPTIONS else f"feature {_OWNER.get(name)!r}"
+        raise StrategyError(f"{module}: shared option {name!r} is " + ("not an identifier" if not name.isidentifier()
+                            else f"owned by {where}") + "; name it differently")
+    _SHARED[name] = module
+    _OPTIONS[name] = option
+    return option
 
 
 def register_feature(cls):
@@ -346,9 +365,14 @@ def register_feature(cls):
             raise StrategyError(f"feature {cls.__module__}.{cls.__qualname__} is named {cls.name!r}, which "
                                 f"{type(old).__module__}.{type(old).__qualname__} already registered; pick another name")
     for opt in cls.options:
+        # a built-in feature may declare an option the core Strategy still holds as a field (the field keeps it)
         if opt in _CORE_OPTIONS and not cls.__module__.startswith(BUILTIN_FEATURES + "."):
             raise StrategyError(f"feature {cls.name!r} declares Strategy option {opt!r}, which the core Strategy "
                                 f"owns ({', '.join(sorted(_CORE_OPTIONS))}); name your option differently")
+        if opt in _SHARED:
+            raise StrategyError(f"feature {cls.name!r} declares Strategy option {opt!r}, which several features "
+                                f"share ({_SHARED[opt]} declares it): leave it out of `options`, list it in "
+                                "`enabled_by` and test its value in `enabled()`")
         owner = _OWNER.get(opt)
         if owner is not None and owner != cls.name:
             raise StrategyError(f"feature {cls.name!r} ({cls.__module__}.{cls.__qualname__}) declares Strategy option "
@@ -358,8 +382,9 @@ def register_feature(cls):
         if not isinstance(other, str):
             raise StrategyError(f"feature {cls.name!r}: requires/conflicts_with list feature names (str), got {other!r}")
     _REGISTRY[cls.name] = cls()
-    for opt in cls.options:
+    for opt, spec in cls.options.items():
         _OWNER[opt] = cls.name
+        _OPTIONS[opt] = spec
     return cls
 
 
@@ -372,10 +397,7 @@ def _unregister(name: str) -> None:
     feat = _REGISTRY.pop(name, None)
     for opt in getattr(feat, "options", {}):
         _OWNER.pop(opt, None)
-
-
-# the options the core Strategy owns itself (its dataclass fields that no feature declares)
-_CORE_OPTIONS: set = set()
+        _OPTIONS.pop(opt, None)
 
 
 def registered_features() -> list:
@@ -393,14 +415,28 @@ def get_feature(name: str) -> Feature:
 
 
 def option_owner(option: str) -> str | None:
+    """The feature that owns ``option`` (None: a core field, a shared option or no option)."""
     _load_builtin()
     return _OWNER.get(option)
 
 
-def option_defaults() -> dict:
-    """Every feature-owned option and its default."""
+def option_spec(option: str) -> Option | None:
+    """The :class:`Option` a feature (or a shared declaration) declares as ``option``; None if none does."""
     _load_builtin()
-    return {k: o.default for f in _REGISTRY.values() for k, o in f.options.items()}
+    return _OPTIONS.get(option)
+
+
+def option_defaults() -> dict:
+    """Every option the features declare (their own and the shared ones) and its default."""
+    _load_builtin()
+    return {k: o.default for k, o in _OPTIONS.items()}
+
+
+def shared_options() -> dict:
+    """Every shared option (:func:`register_shared_option`): name -> (Option, the features that list it in
+    ``enabled_by``)."""
+    _load_builtin()
+    return {k: (_OPTIONS[k], [f.name for f in _REGISTRY.values() if k in f.enabled_by]) for k in _SHARED}
 
 
 def enabled_features(strategy) -> list:
@@ -416,8 +452,9 @@ def settle_strategy(strategy) -> None:
 
 
 def check_strategy(strategy) -> list:
-    """Validate every enabled feature's options and the declared ``requires`` / ``conflicts_with`` between them;
-    returns the enabled features. Errors name both features and the options that enabled them."""
+    """Validate every enabled feature's options and the declared ``requires`` / ``conflicts_with`` between them,
+    and that a shared option off its default is carried out by an enabled feature; returns the enabled features.
+    Errors name both features and the options that enabled them."""
     on = enabled_features(strategy)
     names = {f.name for f in on}
 
@@ -430,13 +467,18 @@ def check_strategy(strategy) -> list:
         for other in f.conflicts_with:
             if other in names:
                 raise StrategyError(f"{strategy}: feature {why(f)} conflicts with feature "
-                                    f"{why(_REGISTRY[other])}: use one of them")
+                                    f"{why(_REGISTRY[other])}: they do not compose; drop one of them")
         for other in f.requires:
             if other not in names:
                 need = _REGISTRY.get(other)
                 how = (f" (set one of its options: {', '.join(need.options)})" if need is not None and need.options
                        else "")
                 raise StrategyError(f"{strategy}: feature {why(f)} requires feature {other!r}{how}")
+    for name, (spec, carriers) in shared_options().items():
+        v = strategy.option(name)
+        if v != spec.default and not any(name in f.enabled_by for f in on):
+            raise StrategyError(f"Strategy({name}={v!r}): choose {spec.default!r} (the default) or a method a "
+                                f"registered feature carries out: {', '.join(repr(n) for n in carriers)}")
     return on
 
 

@@ -160,9 +160,11 @@ def test_byteps_bad_input():
         dataclasses.replace(fxpar.ClusterSpec.preset("a100-80gb", nodes=1, gpus_per_node=4), cpu_servers=2)
     spec = fxpar.ClusterSpec.local(2, cpu_servers=3)
     assert fxpar.ClusterSpec.from_json(spec.to_json()) == spec and "3 CPU summation server" in str(spec)
-    for bad in (dict(pp=2), dict(zero=1)):
-        with pytest.raises(fxpar.StrategyError, match="byteps is built for data parallelism alone"):
-            fxpar.Strategy(dp=2, grad_sync="byteps", **bad)
+    with pytest.raises(fxpar.StrategyError, match="byteps is built for data parallelism alone"):
+        fxpar.Strategy(dp=2, grad_sync="byteps", pp=2)
+    with pytest.raises(fxpar.StrategyError, match=r"feature 'byteps' \(grad_sync='byteps'\) conflicts with feature "
+                                                  r"'zero' \(zero=1\): they do not compose; drop one of them"):
+        fxpar.Strategy(dp=2, grad_sync="byteps", zero=1)
     with pytest.raises(fxpar.StrategyError, match=r"cpu_servers=1 .*grad_sync='byteps'"):
         fxpar.parallelize(model, fxpar.ClusterSpec.local(2, cpu_servers=1), batches[0], gpt_loss, ADAMW,
                           strategy=fxpar.Strategy(dp=2))

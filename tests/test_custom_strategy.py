@@ -153,10 +153,22 @@ def test_an_option_another_feature_owns_is_refused_naming_both(ex):
         fxpar.register_feature(Copy)
 
     class Core(fxpar.Feature):
+        name = "my_dp"
+        options = {"dp": fxpar.Option(1)}
+    with pytest.raises(fxpar.StrategyError, match=r"'my_dp'.*'dp'.*core Strategy"):
+        fxpar.register_feature(Core)
+
+    class BuiltinOwned(fxpar.Feature):
         name = "my_zero"
         options = {"zero": fxpar.Option(0)}
-    with pytest.raises(fxpar.StrategyError, match=r"'my_zero'.*'zero'.*core Strategy"):
-        fxpar.register_feature(Core)
+    with pytest.raises(fxpar.StrategyError, match=r"'my_zero'.*'zero'.*feature 'zero' \(fxpar.features.zero\) owns"):
+        fxpar.register_feature(BuiltinOwned)
+
+    class Shared(fxpar.Feature):
+        name = "my_sync"
+        options = {"grad_sync": fxpar.Option("allreduce")}
+    with pytest.raises(fxpar.StrategyError, match=r"'my_sync'.*'grad_sync'.*several features share.*enabled_by"):
+        fxpar.register_feature(Shared)
 
     class Taken(fxpar.Feature):
         name = "ef16"

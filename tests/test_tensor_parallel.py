@@ -231,7 +231,8 @@ def test_bad_inputs_name_the_tensor_and_the_fix():
         _bad(tiny_gpt(heads=2), (ids, tgt), gpt_loss, tp=4, sharding="megatron")
     with pytest.raises(fxpar.StrategyError, match=r"mesh axis 'dp' is not a tensor-parallel axis"):
         fxpar.Strategy(tp=2, sharding={"fc.weight": ("dp", None)})
-    with pytest.raises(fxpar.StrategyError, match=r"not yet composed with zero"):
+    with pytest.raises(fxpar.StrategyError, match=r"feature 'tensor_parallel' \(tp=2\) conflicts with feature 'zero' "
+                                                  r"\(zero=1\): they do not compose; drop one of them"):
         fxpar.Strategy(dp=2, tp=2, zero=1)
 
 

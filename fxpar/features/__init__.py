@@ -7,5 +7,6 @@ from . import recompute  # noqa: F401  (before offload_activations: both passes 
 from . import offload_activations  # noqa: F401
 from . import zero  # noqa: F401  ZeRO stages 1-3
 from . import zero_offload  # noqa: F401  ZeRO-Offload / ZeRO-Infinity (after zero: it offloads zero's chunks)
+from . import grad_sync  # noqa: F401  the grad_sync option the gradient-sync methods share
 from . import herring, byteps, parallax      # noqa: F401  gradient-sync methods (Strategy(grad_sync=...))
 from . import bytescheduler  # noqa: F401  ByteScheduler and the delayed update on its carry

@@ -19,7 +19,7 @@ from fxpar.runner import GroupExit
 from fxpar.runtime.server import ServerPayload, join_groups, server_payloads, serve_step
 from passes.byteps import ServerSum
 
-from .grad_sync import check_dp_alone
+from .grad_sync import DP_ALONE, check_dp_alone
 
 __all__ = ["BytePS", "BytePSSection", "ServerRunner"]
 
@@ -44,9 +44,13 @@ class BytePSSection(PlanSection):
 @register_feature
 class BytePS(Feature):
     name = "byteps"
-    doc = "gradient buckets summed partly by CPU-only servers, partly by all-reduce (Jiang et al., OSDI'20)"
+    doc = ("gradient buckets summed partly by CPU-only servers, partly by all-reduce (Jiang et al., OSDI'20; "
+           "passes/byteps.py): the ClusterSpec's ``cpu_servers=k`` CPU-only ranks each sum a 2(n-1)/(n²+kn-2k) "
+           "share of every bucket (workers push it and pull the sum), the workers all-reduce the rest; k=0 is "
+           "all-reduce")
     section = BytePSSection
     enabled_by = ("grad_sync",)
+    conflicts_with = DP_ALONE
     passes = ((Slot.BUCKET_SUM, ServerSum),)
 
     def enabled(self, strategy) -> bool:

@@ -370,12 +370,37 @@ class ByteScheduler(Feature):
     doc = ("gradient communication by priority, in pieces under a credit, waits and updates carried into the next "
            "step (Peng et al., SOSP'19); ZeRO-Offload's one-step delayed update on the carry (Ren et al., ATC'21)")
     options = {
-        "comm_schedule": Option("fifo", "'bytescheduler': priority, partitions, credit, cross-iteration overlap"),
-        "partition_mb": Option(None, "the largest piece, in MiB (None: tuned)"),
-        "credit_mb": Option(None, "the bytes in flight, in MiB (None: tuned)"),
-        "grad_order": Option(None, "the order backward makes the gradients: 'natural', 'priority' (None: tuned)"),
-        "cross_iteration": Option(None, "waits and updates moved into the next step (None: where it pays)"),
-        "delayed_update": Option(False, "ZeRO-Offload's one-step delayed update (implies comm_schedule='bytescheduler')"),
+        "comm_schedule": Option("fifo", (
+            "the order gradient communication goes in: ``'fifo'`` (DDP-style buckets as backward makes them) or "
+            "``'bytescheduler'`` (Peng et al., SOSP'19: pieces of at most ``partition_mb``, the layer the next "
+            "forward needs first goes first, at most ``credit_mb`` in flight, and -- dp > 1, a traced optimizer, a "
+            "synchronous schedule with one stage per rank, pipelines and microbatches included -- each bucket's "
+            "wait and update move into the next step, before its first use there).")),
+        "partition_mb": Option(None, "ByteScheduler's piece size, in MiB; None: chosen by the cost model's "
+                                     "simulation of the cluster (recorded in the Plan's ``bytescheduler`` section)."),
+        "credit_mb": Option(None, "ByteScheduler's bytes in flight, in MiB; None: chosen by the cost model's "
+                                  "simulation of the cluster (recorded in the Plan's ``bytescheduler`` section)."),
+        "grad_order": Option(None, (
+            "under ByteScheduler's cross-iteration overlap, the order backward makes the gradients "
+            "(``passes/grad_order.py``): ``'natural'`` (as traced), ``'priority'`` (the next forward's need order: "
+            "the input gradients first, then each layer's weight gradients, first layers first), or None: the cost "
+            "model simulates natural, priority and mixes of the two and keeps the fastest (natural unless 2% "
+            "faster).")),
+        "cross_iteration": Option(None, (
+            "under ByteScheduler, whether each step's gradient waits and updates move into the next step: True "
+            "wherever the program allows it (dp > 1, a traced optimizer, a synchronous schedule with one stage per "
+            "rank), False never (the issue plan then orders the pieces within the step), None: as True, except that "
+            "on a fused step (one stage, one microbatch) the cost model decides -- without it where the simulation "
+            "predicts the step within 2% as fast that way (on full CPU cores an overlapped transfer costs the "
+            "compute more CPU than a waited one, so a fast link's gradients are better waited; the Plan says so).")),
+        "delayed_update": Option(False, (
+            "ZeRO-Offload's one-step delayed parameter update (Ren et al., ATC'21, §4.2): step t's update is "
+            "computed from step t-1's gradients while step t's forward and backward run on the parameters before "
+            "it, W(t+1) = W(t) - lr·grad f(W(t-1)) (PipeDream-2BW's rule), so the optimizer overlaps the next step "
+            "entirely. Not synchronous SGD: it changes the math (no warm-up steps here). Rides on ByteScheduler's "
+            "carry (``comm_schedule='bytescheduler'`` is implied): dp > 1, one stage, one microbatch, traced "
+            "optimizer. With ``zero=1|2|3`` the carry is each bucket's reduce-scattered gradient chunk, and the "
+            "delayed update runs on chunks (ZeRO-Offload's layout: ``offload=('optimizer',)``).")),
     }
     section = ByteSchedulerSection
     state = Carry

@@ -16,7 +16,7 @@ from fxpar.feature import Feature, PlanSection, Slot, register_feature
 from fxpar.planner_comm import plan_buckets
 from passes.herring import HierarchicalReduce
 
-from .grad_sync import check_dp_alone
+from .grad_sync import DP_ALONE, check_dp_alone
 
 __all__ = ["Herring", "HerringSection", "HERRING_BUCKET_MB", "plan_herring_buckets"]
 
@@ -47,9 +47,13 @@ class HerringSection(PlanSection):
 @register_feature
 class Herring(Feature):
     name = "herring"
-    doc = "hierarchical, balanced gradient sums: in node, across nodes, in node (Thangakrishnan et al., SC'20)"
+    doc = ("hierarchical, balanced gradient sums (Thangakrishnan et al., SC'20; passes/herring.py): each bucket "
+           "reduce-scattered within each node into equal shards (padded to a multiple of the node's ranks), each "
+           "shard summed across nodes, all-gathered within the node. Needs a ClusterSpec with several nodes "
+           "(``ClusterSpec.local(4, nodes=2, devices_per_node=2)`` simulates two)")
     section = HerringSection
     enabled_by = ("grad_sync",)
+    conflicts_with = DP_ALONE
     passes = ((Slot.BUCKET_SUM, HierarchicalReduce),)
 
     def enabled(self, strategy) -> bool:

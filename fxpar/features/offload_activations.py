@@ -29,8 +29,9 @@ class OffloadActivationsSection(PlanSection):
 class OffloadActivations(Feature):
     name = "offload_activations"
     doc = "activation offload: saved activations kept in host memory between forward and backward"
-    options = {"offload_activations": Option(False, "saved activations go to host memory after their last forward "
-                                                    "use and come back one backward use ahead")}
+    options = {"offload_activations": Option(False, (
+        "saved activations go to host memory after their last forward use and come back one backward use ahead "
+        "(passes/offload.py). On a CPU backend they are in host memory already: pure cost."))}
     section = OffloadActivationsSection
     passes = ((Slot.REMAT, OffloadPass),)
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from fxpar.feature import Feature, PlanSection, Slot, register_feature
 from passes.parallax import SparseGradSync, classify, update_routes
 
-from .grad_sync import check_dp_alone
+from .grad_sync import DP_ALONE, check_dp_alone
 
 __all__ = ["Parallax", "ParallaxSection"]
 
@@ -40,9 +40,12 @@ class ParallaxSection(PlanSection):
 @register_feature
 class Parallax(Feature):
     name = "parallax"
-    doc = "sparse embedding gradients as (row index, row) pairs, the rest all-reduced (Kim et al., EuroSys'19)"
+    doc = ("sparse embedding gradients as (row index, row) pairs, the rest all-reduced (Kim et al., EuroSys'19; "
+           "passes/parallax.py): an embedding gradient whose pairs cost less than all-reducing the whole table "
+           "(Parallax's traffic formulas) is sent as those pairs, the rest in all-reduce buckets")
     section = ParallaxSection
     enabled_by = ("grad_sync",)
+    conflicts_with = DP_ALONE
 
     def enabled(self, strategy) -> bool:
         return strategy.grad_sync == "parallax"

@@ -65,9 +65,15 @@ class Recompute(Feature):
     name = "recompute"
     doc = "activation checkpointing: backward recomputes forward values (Chen et al. 2016; Korthikanti et al. 2023)"
     options = {
-        "recompute": Option("none", "'full', 'selective', 'auto' (with memory_budget_gb) or a policy(node) -> "
-                                    "'save' | 'recompute'"),
-        "memory_budget_gb": Option(None, "for recompute='auto': the saved-activation bytes each stage may hold, in GB"),
+        "recompute": Option("none", (
+            "activation checkpointing (passes/recompute.py): ``'none'``, ``'full'`` (each repeated block recomputed "
+            "from its input), ``'selective'`` (save matmul outputs, recompute elementwise work and the attention "
+            "core; Korthikanti et al.), ``'auto'`` (the least recompute whose saved activations fit "
+            "``memory_budget_gb``), or your ``policy(node) -> 'save' | 'recompute'``. Random ops (dropout) are "
+            "never recomputed.")),
+        "memory_budget_gb": Option(None, (
+            "for ``recompute='auto'``: the saved-activation bytes each stage may hold at once (every microbatch in "
+            "flight), in GB (1e9 bytes).")),
     }
     section = RecomputeSection
 

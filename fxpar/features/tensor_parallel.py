@@ -217,8 +217,16 @@ class TensorParallelFeature(Feature):
     name = "tensor_parallel"
     doc = ("operators split over tp ranks: Tofu's search (Wang et al. 2019), Megatron's Linear pairs (Shoeybi et al. "
            "2019), GShard annotations (Lepikhin et al. 2020) or Mesh-TensorFlow layouts (Shazeer et al. 2018)")
-    options = {"sharding": Option("auto", "with tp > 1, how operators are split: 'auto' (Tofu), 'megatron', "
-                                          "'annotations' or Mesh-TensorFlow layouts {param glob: ('tp', None, ...)}")}
+    options = {"sharding": Option("auto", (
+        "with ``tp > 1``, how each operator's tensors are split over the tp ranks (docs/strategies/"
+        "tensor-parallel.md): ``'auto'`` (Tofu's search, Wang et al. EuroSys'19, picks every operator's split by "
+        "the cost model; tp a power of two), ``'megatron'`` (column-parallel then row-parallel Linear pairs found in "
+        "the graph, attention split by heads; Shoeybi et al. 2019), ``'annotations'`` (only the model's "
+        "``fxpar.shard`` annotations, GShard-style, and propagation), or a dict of Mesh-TensorFlow layouts "
+        "``{'blocks.*.mlp.fc1.weight': ('tp', None), ...}`` (glob over parameter keys -> a mesh axis or None per "
+        "dim). Annotations in the model count in every mode but ``'auto'``."))}
+    enabled_by = ("tp",)
+    conflicts_with = ("zero", "bytescheduler")      # not yet composed with them (nor with a grad_sync method)
     section = TensorParallelSection
     passes = ((Slot.PARTITION, TensorParallel),)   # first: every later pass works on the rank's local pieces
     state = Pieces
@@ -245,12 +253,6 @@ class TensorParallelFeature(Feature):
             raise StrategyError(f"Strategy(tp={strategy.tp}, sharding='auto'): Tofu's search halves the device set, so "
                                 "tp must be a power of two (2, 4, 8, ...); use sharding='megatron' or layouts for "
                                 f"tp={strategy.tp}")
-        clash = [n for n, on in (("zero", strategy.zero), ("delayed_update", strategy.delayed_update),
-                                 ("comm_schedule='bytescheduler'", strategy.comm_schedule != "fifo"),
-                                 ("grad_sync", strategy.grad_sync != "allreduce")) if on]
-        if clash:
-            raise StrategyError(f"{strategy}: tensor parallelism is not yet composed with {clash[0]}; use tp with "
-                                "plain dp (and pp), or drop tp")
 
     def mesh_axes(self, strategy, given) -> list:
         """Tofu halves the device set: ``tp0``, ``tp1``, ... of size 2 (``tp`` at tp=2); the other modes use one

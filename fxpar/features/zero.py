@@ -118,7 +118,11 @@ class ZeroState(RankState):
 class Zero(Feature):
     name = "zero"
     doc = "ZeRO: optimizer state, gradients and parameters sharded over dp (Rajbhandari et al., SC'20)"
-    options = {"zero": Option(0, "ZeRO stage: 0 off, 1 optimizer state, 2 + gradients, 3 + parameters")}
+    options = {"zero": Option(0, (
+        "ZeRO (Rajbhandari et al., SC'20; passes/zero.py), over the dp axis: ``0`` off; ``1`` optimizer state "
+        "sharded (gradients reduce-scattered once per step, updated chunks all-gathered); ``2`` gradients too "
+        "(reduce-scattered in backward, as each bucket fills); ``3`` parameters too (all-gathered before their "
+        "forward use and again before their backward use). Needs dp > 1 and a traced optimizer (SGD, Adam, AdamW)."))}
     section = ZeroSection
     passes = ((Slot.SHARD_STATE, ZeroShard),)
     state = ZeroState

@@ -111,9 +111,18 @@ class ZeroOffload(Feature):
     name = "zero_offload"
     doc = "ZeRO-Offload / ZeRO-Infinity: model state in host memory or memory-mapped files (Ren et al. ATC'21; " \
           "Rajbhandari et al. SC'21)"
-    options = {"offload": Option((), "what of each rank's model state lives off the device: 'params', 'optimizer'"),
-               "offload_to": Option("cpu", "where: 'cpu' (host memory) or 'disk' (files under offload_dir)"),
-               "offload_dir": Option(None, "with offload_to='disk': the directory each rank writes its files into")}
+    options = {
+        "offload": Option((), (
+            "ZeRO-Infinity (Rajbhandari et al., SC'21): what of each rank's model state lives off the compute "
+            "device: ``('params', 'optimizer')`` or either. With ``zero=3`` the parameters off the device are this "
+            "rank's chunks.")),
+        "offload_to": Option("cpu", (
+            "where the offloaded state lives: ``'cpu'`` in host memory (where it already is on a CPU backend), "
+            "``'disk'`` in files under ``offload_dir`` (memory-mapped: read into memory as each layer uses it, "
+            "written back by the update).")),
+        "offload_dir": Option(None, "with ``offload_to='disk'``: the directory each rank writes its files into "
+                                    "(local, fast disk)"),
+    }
     section = OffloadSection
     passes = ((Slot.SHARD_OFFLOAD, ZeroOffloadPass),)
     state = OffloadState
