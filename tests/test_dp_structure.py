@@ -31,8 +31,8 @@ def test_collectives_match_bucket_plan():
     gm = p.graphs(0)["step"]
     colls = collective_nodes(gm)
     ar = [c for c in colls if c.target is C10D.all_reduce_.default]   # in place on the bucket
-    plan = p.plan
-    buckets = plan.buckets[0]          # the Plan holds buckets per stage; a dp program is one stage
+    dps = p.plan.section("data_parallel")
+    buckets = dps.buckets[0]          # the Plan holds buckets per stage; a dp program is one stage
     assert len(ar) == len(buckets) > 1
     # order: bucket i is issued i-th; size: the bucket's gradient bytes
     for i, (node, keys) in enumerate(zip(ar, buckets)):
@@ -42,7 +42,7 @@ def test_collectives_match_bucket_plan():
         assert node.args[1:] == ("sum", "fxpar:dp")
     # every bucket respects the cap unless it holds one gradient; the first one DDP's 1 MiB-style first cap
     for i, keys in enumerate(buckets):
-        cap = min(plan.bucket_cap_bytes, plan.first_bucket_cap_bytes) if i == 0 else plan.bucket_cap_bytes
+        cap = min(dps.bucket_cap_bytes, dps.first_bucket_cap_bytes) if i == 0 else dps.bucket_cap_bytes
         assert len(keys) == 1 or sum(_nbytes(k, p.captured) for k in keys) <= cap
     # each trainable parameter synchronised exactly once
     flat = [k for b in buckets for k in b]
@@ -62,7 +62,8 @@ def test_buckets_follow_backward_order_and_waits_are_late():
     assert all(pos[a] < last_backward for a in ar[:-1])
     assert [pos[a] for a in ar] == sorted(pos[a] for a in ar)
     # the first bucket holds the first gradients backward produces: the LM head / final LayerNorm
-    assert "ln_f.weight" in p.plan.buckets[0][0] or "ln_f.bias" in p.plan.buckets[0][0]   # stage 0, bucket 0
+    first = p.plan.section("data_parallel").buckets[0][0]                 # stage 0, bucket 0
+    assert "ln_f.weight" in first or "ln_f.bias" in first
     # waits: after every backward op that is not part of the sync, i.e. just before the optimizer uses them
     waits = [n for n in nodes if is_wait(n)]
     assert len(waits) == len(ar) + 0
@@ -77,13 +78,13 @@ def test_buckets_follow_backward_order_and_waits_are_late():
 def test_zero_cap_means_one_collective_per_gradient():
     p = _gpt_program(cap_mb=0)
     assert len(p.collectives(0)) == len(p.captured.param_names)
-    assert [c.nbytes for c in p.collectives(0)] == [_nbytes(b[0], p.captured) for b in p.plan.buckets[0]]
+    assert [c.nbytes for c in p.collectives(0)] == [_nbytes(b[0], p.captured) for b in p.plan.section("data_parallel").buckets[0]]
 
 
 @pytest.mark.structure
 def test_ddp_default_bucket_is_one_for_a_small_model():
     p = _gpt_program(cap_mb=25)
-    assert len(p.plan.buckets[0]) == 1 and len(p.collectives(0)) == 1
+    assert len(p.plan.section("data_parallel").buckets[0]) == 1 and len(p.collectives(0)) == 1
 
 
 @pytest.mark.structure
@@ -189,7 +190,7 @@ def test_gradient_sync_is_one_copy_like_ddp():
     gm = p.graphs(0)["step"]
     added = [n for n in gm.graph.nodes if M.PASS.name in n.meta and M.get(n, M.PASS) in ("data_parallel", "bucket")]
     targets = [n.target for n in added]
-    n_buckets = len(p.plan.buckets[0])
+    n_buckets = len(p.plan.section("data_parallel").buckets[0])
     assert targets.count(torch.ops.aten.empty.memory_format) == n_buckets
     assert targets.count(torch.ops.aten.copy_.default) == len(p.captured.param_names)
     assert not any(t in (torch.ops.aten.cat.default, torch.ops.aten.reshape.default, torch.ops.aten.clone.default)
@@ -239,7 +240,7 @@ def test_graph_without_a_loss_seed_divides_the_bucket_in_place(clusters):
     gm = p.graphs(0)["step"]
     assert [h.pass_name for h in p.history(0)][:3] == ["capture", "unseed", "data_parallel"]
     divs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.div_.Tensor and M.get(n, M.PASS) == "bucket"]
-    assert len(divs) == len(p.plan.buckets[0]) > 1 and all(d.args[1] == 2 for d in divs)
+    assert len(divs) == len(p.plan.section("data_parallel").buckets[0]) > 1 and all(d.args[1] == 2 for d in divs)
     assert "fxpar_grad_prescale" not in gm.meta
     res = p.run_local(batches, cluster=clusters.get(2))
     ref_losses, ref_state = reference_training(model, batches, gpt_loss, ADAMW)
@@ -251,7 +252,7 @@ def test_graph_without_a_loss_seed_divides_the_bucket_in_place(clusters):
 def test_buckets_hold_one_dtype():
     """As DDP, a bucket never mixes dtypes (its gradients share one flat buffer)."""
     from types import SimpleNamespace
-    from fxpar.planner import plan_buckets
+    from fxpar.planner_comm import plan_buckets
     cap = SimpleNamespace(gm=torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()),
                           param_names=["a", "b", "c", "d"],
                           param_shapes={k: (4,) for k in "abcd"},
