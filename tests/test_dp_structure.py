@@ -1,4 +1,6 @@
 """Structure tier: the collectives data parallelism inserts, in number, order and size."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,7 +8,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar import meta as M
 from fxpar.collectives import C10D, collective_nodes, is_wait
-from fxpar.testing import GPT, BNConvNet, MLP, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import GPT, BNConvNet, MLP, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3})
 
@@ -259,3 +261,66 @@ def test_buckets_hold_one_dtype():
                           param_dtypes={"a": torch.float32, "b": torch.float32, "c": torch.bfloat16, "d": torch.float32})
     assert plan_buckets(cap, 2**20) == [["a", "b"], ["c"], ["d"]]
     assert plan_buckets(cap, 2**20, first_cap_bytes=16) == [["a"], ["b"], ["c"], ["d"]]
+
+
+# ---- the data_parallel feature: its Plan section, its passes ------------------------------------------------
+@pytest.mark.structure
+def test_data_parallel_section_round_trips_and_prints_its_buckets():
+    p = _gpt_program(cap_mb=0.02)
+    sec = p.plan.section("data_parallel")
+    assert json.loads(p.plan.to_json())["features"]["data_parallel"] == {
+        "bucket_cap_bytes": int(0.02 * 2**20), "first_bucket_cap_bytes": 2**20, "broadcast_buffers": True,
+        "buckets": sec.buckets}
+    again = fxpar.Plan.from_json(p.plan.to_json())
+    assert again == p.plan and again.section("data_parallel") == sec and len(sec.buckets[0]) > 1
+    text = str(p.plan)
+    assert (f"data_parallel: gradient sync: sum over each gradient's group in {len(sec.buckets[0])} bucket(s) "
+            "(cap 0.02 MiB, the first 0.02 MiB), issued in backward order") in text
+    assert "data_parallel: buffers: dp-rank 0's broadcast after each step" in text
+    assert "gradient sync: sum over each gradient's group" in p.explain()
+
+
+@pytest.mark.structure
+def test_a_data_parallel_section_with_an_unknown_field_is_refused():
+    data = json.loads(_gpt_program().plan.to_json())
+    data["features"]["data_parallel"]["bucket_cap_mb"] = 5
+    with pytest.raises(ValueError, match=r"section 'data_parallel' has unknown field\(s\) \['bucket_cap_mb'\]"):
+        fxpar.Plan.from_json(json.dumps(data))
+    del data["features"]["data_parallel"]["bucket_cap_mb"]
+    data["buckets"] = data["features"]["data_parallel"]["buckets"]       # the buckets live in the section only
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['buckets'\]"):
+        fxpar.Plan.from_json(json.dumps(data))
+
+
+@pytest.mark.structure
+def test_no_gradient_sync_pass_where_no_gradient_is_summed():
+    """dp=1, and a pipeline with no tied parameter: no data_parallel section, no gradient-sync pass."""
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    one = fxpar.parallelize(MLP(), 1, (x, y), loss_fn=F.mse_loss)
+    pipe = fxpar.parallelize(MLP(), 2, (x, y), loss_fn=F.mse_loss, strategy=fxpar.Strategy(pp=2, microbatches=2))
+    for p in (one, pipe):
+        assert p.plan.section("data_parallel") is None and "gradient sync" not in str(p.plan)
+        for r in range(p.world_size):
+            assert not {"data_parallel", "bucket", "sync_buffers"} & {h.pass_name for h in p.history(r)}
+            assert not [c for c in p.collectives(r) if c.kind not in ("send", "recv")]
+    two = _gpt_program(dp=2)
+    assert [h.pass_name for h in two.history(0)][:4] == ["capture", "data_parallel", "bucket", "sync_buffers"]
+    # dp=1 with a parameter tied across pipeline stages: its gradient is summed over the stages' ranks
+    tied = fxpar.parallelize(tiny_gpt(layers=4), 2, token_batches(1)[0], gpt_loss,
+                             strategy=fxpar.Strategy(pp=2, microbatches=2))
+    assert tied.plan.section("data_parallel").buckets == [[["wte.weight"]], [["wte.weight"]]]
+    assert [h.pass_name for h in tied.history(0)][:4] == ["capture", "data_parallel", "bucket", "sync_buffers"]
+
+
+@pytest.mark.structure
+def test_inplace_update_only_for_a_traced_optimizer_on_a_synchronous_schedule():
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    build = lambda opt, **kw: fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(kw.get("pp", 1)), (x, y),  # noqa: E731
+                                                loss_fn=F.mse_loss, optimizer=opt, strategy=fxpar.Strategy(**kw))
+    on = build((torch.optim.SGD, {"lr": 0.1}))
+    eager = build((torch.optim.Adagrad, {"lr": 0.1}))
+    stashed = build((torch.optim.SGD, {"lr": 0.1}), pp=2, schedule="pipedream", microbatches=2)
+    assert on.plan.section("inplace_update") is not None and "reinplace_optimizer" in on.plan.passes
+    for p in (eager, stashed):
+        assert p.plan.section("inplace_update") is None and "reinplace_optimizer" not in p.plan.passes
+    assert fxpar.Plan.from_json(on.plan.to_json()) == on.plan
