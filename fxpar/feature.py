@@ -304,8 +304,8 @@ class Feature:
         return 0
 
     def explain(self, section, program) -> list:
-        """Plain-language lines for ``program.explain()``."""
-        return [] if section is None else section.lines()
+        """Plain-language lines for ``program.explain()`` (default: what ``print(plan)`` shows of the section)."""
+        return [] if section is None else section.plan_lines(program.plan)
 
     def held_less(self, section, program) -> dict:
         """What each rank does not hold of the model state ``explain()`` lists per rank (one stage):

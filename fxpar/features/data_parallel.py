@@ -129,6 +129,3 @@ class DataParallel(Feature):
         section.buckets[stage] = (own if own is not None else
                                   plan_buckets(captured, section.bucket_cap_bytes, section.first_bucket_cap_bytes, groups)
                                   if want else [])
-
-    def explain(self, section, program) -> list:
-        return section.plan_lines(program.plan)
