@@ -4,8 +4,8 @@ Capture traces the optimizer functionally (fresh parameter and moment tensors ev
 traced into the step (``Plan.optimizer["traced"]``) and the schedule is synchronous (no weight stashing keeps old
 versions alive: not PipeDream, not 2BW), the pass ``passes.reinplace.ReinplaceOptimizer`` (``Slot.OPTIMIZER``) makes
 the update write into the parameter and optimizer-state buffers the runtime holds, and runs Adam/AdamW as one fused
-kernel where ``Plan.optimizer["kernel"]`` says ``"fused"``. A feature whose own mechanism updates in place (the
-cross-iteration carry of ``bytescheduler``) takes its place through ``Feature.replaces``.
+kernel where ``Plan.optimizer["kernel"]`` says ``"fused"``. A feature whose own mechanism updates in place (a
+carry of the update into the next step) takes its place through ``Feature.replaces``.
 """
 from __future__ import annotations
 
