@@ -137,7 +137,7 @@ def main():
     sweep = [float(x) for x in args.sweep_mb.split(",") if x]
     print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}, {params / 1e6:.2f}M params "
           f"({params * 4 / 2**20:.1f} MiB of fp32 gradients); global batch {args.batch}x{args.seq}; {w} gloo ranks; "
-          f"fxpar {len(program.plan.buckets[0])} bucket(s) of <= {args.bucket_mb} MB; {args.steps} timed steps "
+          f"fxpar {len(program.plan.section('data_parallel').buckets[0])} bucket(s) of <= {args.bucket_mb} MB; {args.steps} timed steps "
           f"x {args.rounds} rounds per cell")
     print(f"load average at start: {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
     t_start = time.perf_counter()

@@ -42,7 +42,7 @@ def main():
                                 strategy=fxpar.Strategy(dp=w, bucket_cap_mb=args.bucket_mb))
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}, {params / 1e6:.1f}M params; global batch "
-          f"{args.batch}x{args.seq}; {w} gloo ranks; bucket {args.bucket_mb} MB; {len(program.plan.buckets[0])} bucket(s)")
+          f"{args.batch}x{args.seq}; {w} gloo ranks; bucket {args.bucket_mb} MB; {len(program.plan.section('data_parallel').buckets[0])} bucket(s)")
     ours, theirs, per_round = [], [], []
     with fxpar.LocalCluster(w) as lc:
         for _ in range(args.rounds):

@@ -35,7 +35,7 @@ def main():
         dt = time.perf_counter() - t0
         nodes = len(p.graphs(0)["step"].graph.nodes)
         print(f"{'first' if i == 0 else 'again'}: parallelize {dt:.2f}s (capture {p.timings['capture']:.2f}s, "
-              f"plan+lower {p.timings['lower']:.2f}s), {nodes} nodes, {len(p.plan.buckets[0])} buckets")
+              f"plan+lower {p.timings['lower']:.2f}s), {nodes} nodes, {len(p.plan.section('data_parallel').buckets[0])} buckets")
 
 
 if __name__ == "__main__":

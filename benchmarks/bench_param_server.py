@@ -237,7 +237,7 @@ def herring_section(args, gpt, batches):
     plan.section("herring").overlap = False
     late = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st, plan=plan)
     bc = prog.plan.section("herring").bucket_choice
-    print(f"herring: {len(prog.plan.buckets[0])} buckets of {bc['cap_bytes'] / 2**20:g} MiB ({bc['by']}"
+    print(f"herring: {len(prog.plan.section('data_parallel').buckets[0])} buckets of {bc['cap_bytes'] / 2**20:g} MiB ({bc['by']}"
           + (": predicted " + ", ".join(f"{mb} MiB {t * 1e3:.1f} ms" for mb, t in bc["tried"].items()) if "tried" in bc
              else "") + ")", flush=True)
     link = 2 * 2 * B.allreduce_bytes(v / 2, 2)
@@ -255,7 +255,7 @@ def byteps_section(args, gpt, batches, n, k):
     st = fxpar.Strategy(dp=n, grad_sync="byteps")
     prog = fxpar.parallelize(gpt, spec, batches[0], loss_fn=gpt_loss, optimizer=ADAMW, strategy=st)
     sizes = {key: p.numel() * 4 for key, p in gpt.named_parameters()}
-    vs = [sum(sizes[key] for key in b) for b in prog.plan.buckets[0]]
+    vs = [sum(sizes[key] for key in b) for b in prog.plan.section("data_parallel").buckets[0]]
     split = [B.split_bucket(x // 4, n, k) for x in vs]
     w, p = sum(s[0] for s in split) * 4, sum(s[1] for s in split) * 4
     link = ring_link_bytes(w, n) + 2 * (n // 2) * k * p

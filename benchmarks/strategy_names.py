@@ -20,6 +20,11 @@ PACKAGES = ("fxpar", "passes", "cost_models")
 
 # strategy -> (what names it, its own modules: path prefixes)
 STRATEGIES = {
+    "data_parallel": (r"bucket_cap|first_bucket|broadcast_buffers|BucketGradients|DataParallelGradSync|SyncBuffers|"
+                      r"\.buckets\b", ("fxpar/features/data_parallel.py", "passes/data_parallel.py", "passes/bucket.py",
+                                         "fxpar/planner_comm.py")),
+    "inplace_update": (r"reinplace|ReinplaceOptimizer", ("fxpar/features/inplace_update.py", "passes/reinplace.py",
+                                                          "passes/fuse_optimizer.py")),
     "herring": (r"herring|hierarchical_?reduce", ("fxpar/features/herring.py", "passes/herring.py")),
     "byteps": (r"byteps|server_?sum|cpu_servers", ("fxpar/features/byteps.py", "passes/byteps.py",
                                                   "cost_models/byteps", "fxpar/runtime/server.py")),

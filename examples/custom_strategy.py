@@ -128,6 +128,7 @@ class ErrorFeedback(fxpar.Feature):
     doc = "gradient buckets all-reduced in a narrow dtype with error feedback (Seide et al. 2014)"
     options = {"ef_dtype": fxpar.Option(None, "the dtype gradient buckets travel in ('float16', 'bfloat16', ...)")}
     section = ErrorFeedbackSection
+    requires = ("data_parallel",)        # it rewrites how data parallelism's buckets are summed
     passes = ((fxpar.Slot.BUCKET_SUM, ErrorFeedbackSum),)
     state = Residuals
 
@@ -149,7 +150,7 @@ class ErrorFeedback(fxpar.Feature):
         numel = lambda k: int(torch.Size(captured.param_shapes[k]).numel())      # noqa: E731
         while len(section.bucket_numels) <= stage:
             section.bucket_numels.append([])
-        section.bucket_numels[stage] = [sum(numel(k) for k in b) for b in plan.buckets[stage]]
+        section.bucket_numels[stage] = [sum(numel(k) for k in b) for b in plan.section("data_parallel").buckets[stage]]
 
     def rank_info(self, section, program, rank):
         out = {}

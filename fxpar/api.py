@@ -25,7 +25,6 @@ from .lower import lower
 from .optim import resolve_optimizer
 from .plan import Plan
 from .planner import ASYNC, check_batch, grad_groups, make_plan, schedule_name
-from .planner_comm import plan_buckets
 from .program import Program, Stage, stage_messages
 from .strategy import Strategy
 
@@ -99,11 +98,10 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     t1 = time.perf_counter()
     _without_gradient(plan, captured, model)
     _check_parameters_fit(captured, cluster, model)
-    _plan_buckets(plan, captured, cluster)
-    for name, section in plan.features.items():       # the features' decisions that need each stage's graph
+    for name, section in plan.features.items():       # the features' decisions that need each stage's graph (buckets)
         for s, cap in enumerate(captured):
             get_feature(name).plan_stage(section, plan, s, cap, cluster, sched)
-    lowered = lower(captured, plan, sched, cluster, strategy.passes, synchronous=plan.schedule not in ASYNC)
+    lowered = lower(captured, plan, sched, cluster, strategy.passes)
     plan.passes = [h.pass_name for h in lowered[0][2][1:] if not h.pass_name.startswith("split_graphs:")]
     stages = [Stage(s, cap, parts, gm, hist, notes, stage_messages(cap))
               for s, (cap, (parts, gm, hist, notes)) in enumerate(zip(captured, lowered))]
@@ -161,30 +159,6 @@ def _without_gradient(plan: Plan, captured: list, model: torch.nn.Module) -> Non
     if never:
         plan.notes.append(f"parameters {never} get no gradient from the loss: like torch.optim with .grad None, "
                           "they are never updated and have no optimizer state; state_dict() keeps them as they were")
-
-
-def _plan_buckets(plan: Plan, captured: list, cluster: ClusterSpec) -> None:
-    """Keep the buckets of a handed-in Plan where they still match each stage's gradients; plan the rest
-    (the features may send some gradients outside the buckets, or cut the buckets themselves)."""
-    given = plan.buckets if len(plan.buckets) == len(captured) else None
-    feats = [(get_feature(name), section) for name, section in plan.features.items()]
-    out = []
-    for s, cap in enumerate(captured):
-        groups = dict(plan.grad_groups[s])
-        for f, section in feats:
-            groups = f.bucket_groups(section, plan, s, cap, groups)
-        want = {k for k, g in groups.items() if g}
-        if given is not None and sorted(k for b in given[s] for k in b) == sorted(want):
-            out.append([list(b) for b in given[s]])
-            continue
-        if given is not None and given[s]:
-            plan.notes.append(f"stage {s}: the given buckets do not cover its synchronised gradients "
-                              f"{sorted(want)}; planned again")
-        own = next((b for f, section in feats if want
-                    and (b := f.plan_buckets(section, plan, s, cap, groups, cluster)) is not None), None)
-        out.append(own if own is not None else
-                   plan_buckets(cap, plan.bucket_cap_bytes, plan.first_bucket_cap_bytes, groups) if want else [])
-    plan.buckets = out
 
 
 def _check_parameters_fit(captured: list, cluster: ClusterSpec, model) -> None:

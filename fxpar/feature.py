@@ -108,6 +108,11 @@ class PlanSection:
         """What ``print(plan)`` shows of this section (default: its fields)."""
         return [", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))]
 
+    def plan_lines(self, plan) -> list:
+        """What ``print(plan)`` shows of this section where the words need the rest of ``plan`` (its groups, the
+        other sections); default: :meth:`lines`."""
+        return self.lines()
+
 
 class RankState:
     """A feature's state on one rank (error-feedback residuals, ZeRO's chunks, a clock ...).
@@ -261,7 +266,8 @@ class Feature:
 
     def plan_buckets(self, section, plan, stage: int, captured, groups: dict, cluster):
         """Stage ``stage``'s gradient buckets (``[[param key, ...], ...]``) where this feature cuts them itself, or
-        None: DDP-style buckets at ``plan.bucket_cap_bytes``. Not called where a handed-back Plan's buckets fit."""
+        None: DDP-style buckets at the ``data_parallel`` section's cap. Not called where a handed-back Plan's buckets
+        fit."""
         return None
 
     def plan_schedule(self, section, plan, schedule):
@@ -270,7 +276,8 @@ class Feature:
         return schedule
 
     def plan_stage(self, section, plan, stage: int, captured, cluster, schedule) -> None:
-        """After capture (and the gradient buckets), once per stage: decisions that need the stage's joint graph
+        """After capture, once per stage, feature by feature in registration order (fxpar's ``data_parallel``
+        first: it cuts the gradient buckets the others read): decisions that need the stage's joint graph
         (``captured``: its ``fxpar.capture.CapturedStep``) or the schedule (``fxpar.schedule.Schedule``), into
         ``section``."""
 
@@ -280,8 +287,8 @@ class Feature:
         return [(slot, make()) for slot, make in self.passes]
 
     def replaces(self, section) -> tuple:
-        """Names of the core's passes (``fxpar.lower.default_passes``) this feature's passes do the work of: left
-        out of the pass list."""
+        """Names of other features' passes this feature's passes do the work of: left out of the pass list
+        (``fxpar.lower.default_passes``)."""
         return ()
 
     def after_split(self, section, parts: dict, joint, ctx) -> dict:
@@ -299,8 +306,8 @@ class Feature:
         return 0
 
     def explain(self, section, program) -> list:
-        """Plain-language lines for ``program.explain()``."""
-        return [] if section is None else section.lines()
+        """Plain-language lines for ``program.explain()`` (default: what ``print(plan)`` shows of the section)."""
+        return [] if section is None else section.plan_lines(program.plan)
 
     def held_less(self, section, program) -> dict:
         """What each rank does not hold of the model state ``explain()`` lists per rank (one stage):

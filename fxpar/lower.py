@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import copy
 
-from .feature import Slot, get_feature
+from .feature import get_feature
 from .pass_manager import HistoryEntry, PassContext, PassManager
-from passes import BucketGradients, DataParallelGradSync, ReinplaceOptimizer, SplitGraphs, SyncBuffers
+from passes import SplitGraphs
 
 __all__ = ["default_passes", "lower", "graph_kinds"]
 
@@ -29,29 +29,16 @@ def graph_kinds(schedule, stage: int) -> tuple:
     return tuple(out)
 
 
-
-
-def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
-    """The one pass list, read top to bottom: each pass in its :class:`~fxpar.feature.Slot`, the enabled features'
-    passes in theirs (in registration order within a slot), the user's passes, and the split last."""
-    S = Slot
+def default_passes(plan, custom: list, kinds: tuple) -> list:
+    """The one pass list, read top to bottom: the enabled features' passes, each in its
+    :class:`~fxpar.feature.Slot` (in registration order within a slot; the slots say why each sits where it
+    does), the user's passes, and the split last."""
     pipeline = []
-    if plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()):
-        # each gradient summed over the ranks the planner named (dp replicas, tied stages)
-        pipeline.append((S.GRAD_SYNC, DataParallelGradSync()))
-        # fuse those collectives into DDP-style buckets, issued as backward produces them
-        pipeline.append((S.BUCKET, BucketGradients()))
-        # buffers (BatchNorm stats) follow dp-rank 0, as DDP's broadcast_buffers
-        pipeline.append((S.BUFFERS, SyncBuffers()))
-    if plan.optimizer.get("traced") and synchronous:
-        # write the update into the parameter/state buffers, as torch.optim does (not where weight
-        # stashing keeps old versions alive: asynchronous schedules)
-        pipeline.append((S.OPTIMIZER, ReinplaceOptimizer()))
     for name, section in plan.features.items():      # the enabled features' passes, each in its slot
         pipeline += get_feature(name).make_passes(section)
     taken = {n for name, section in plan.features.items() for n in get_feature(name).replaces(section)}
-    pipeline = [(slot, p) for slot, p in pipeline if p.name not in taken]   # core passes a feature's passes replace
-    pipeline = [p for _, p in sorted(pipeline, key=lambda sp: sp[0])]     # stable: the order above within a slot
+    pipeline = [(slot, p) for slot, p in pipeline if p.name not in taken]   # passes another feature's passes replace
+    pipeline = [p for _, p in sorted(pipeline, key=lambda sp: sp[0])]     # stable: registration order within a slot
     # The user's passes see the finished distributed graph, unless one declares ``before=(...)``
     # naming one of ours: then it goes just ahead of the earliest pass it names.
     for p in custom:
@@ -62,8 +49,7 @@ def default_passes(plan, custom: list, kinds: tuple, synchronous: bool) -> list:
     return pipeline
 
 
-def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronous: bool = True,
-          keep_history: bool = True):
+def lower(stages: list, plan, schedule, cluster, custom_passes: list, keep_history: bool = True):
     """``stages``: the captured joint step of each stage (``fxpar.capture.CapturedStep``). Returns, per stage,
     ``(split graphs {kind: SplitGraph}, joint graph after the passes, history, explain() notes)``."""
     out = []
@@ -72,7 +58,7 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, synchronou
         gm = copy.deepcopy(captured.gm)
         gm.meta["fxpar_signature"] = captured.signature.copy()
         gm.meta["fxpar_optimizer"] = dict(plan.optimizer or {})   # graphs cut later update as the plan says
-        pm = PassManager(default_passes(plan, custom_passes, kinds, synchronous), keep_history=keep_history)
+        pm = PassManager(default_passes(plan, custom_passes, kinds), keep_history=keep_history)
         rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
                           signature=gm.meta["fxpar_signature"], captured=captured)

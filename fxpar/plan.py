@@ -5,7 +5,7 @@ without a pipeline is a one-stage pipeline. Edit one and hand it back::
 
     plan = program.plan
     plan.cuts = ["blocks.3"]                       # move the pipeline cut
-    plan.buckets[0] = [[...names...], [...]]       # stage 0's gradient buckets, in issue order
+    plan.section("data_parallel").buckets[0] = [[...names...], [...]]   # stage 0's gradient buckets, in issue order
     program = fxpar.parallelize(..., plan=plan)
 
 Fields a later decision depends on are re-derived when an edit invalidates them (new cuts give new
@@ -36,17 +36,14 @@ class Plan:
     tied: dict = field(default_factory=dict)           # param key -> stages that use it (when > 1)
     groups: dict = field(default_factory=dict)         # group name -> [[global ranks], ...] (disjoint)
     grad_groups: list = field(default_factory=list)    # per stage: {param key: group its gradient is summed over}
-    buckets: list = field(default_factory=list)        # per stage: [[param key, ...], ...] in issue order
-    bucket_cap_bytes: int = 25 * 2**20
-    first_bucket_cap_bytes: int = 2**20
-    broadcast_buffers: bool = True
     loss_average: str = ""                     # "global" (by counted targets) or "per_shard" (docs/semantics.md)
     optimizer: dict = field(default_factory=dict)  # {"name": ..., "traced": bool, "why_not_traced": str}
     passes: list = field(default_factory=list)     # the passes each stage's joint graph goes through, in order
     custom_passes: list = field(default_factory=list)
     notes: list = field(default_factory=list)      # what the planner wants the user to know
-    # every strategy's decisions (sharding, ZeRO, recompute, communication order ...): the enabled features'
-    # sections (fxpar.Feature), feature name -> its PlanSection dataclass; a feature that is off has none
+    # every strategy's decisions (data parallelism and its buckets, sharding, ZeRO, recompute, communication
+    # order ...): the enabled features' sections (fxpar.Feature), feature name -> its PlanSection dataclass; a
+    # feature that is off has none
     features: dict = field(default_factory=dict)
 
     def section(self, name: str):
@@ -143,21 +140,6 @@ class Plan:
         lines.append(f"schedule: {sched}")
         if self.tied:
             lines.append(f"tied parameters (gradients summed over the stages using them): {self.tied}")
-        n_b = sum(len(b) for b in self.buckets)
-        if n_b:
-            how = "sum"
-            order = next((sec.bucket_order for sec in self.features.values() if sec.bucket_order),
-                         "issued in backward order")
-            lines.append(f"gradient sync: {how} over each gradient's group in {n_b} bucket(s) (cap "
-                         f"{self.bucket_cap_bytes / 2**20:.3g} MiB, the first {min(self.first_bucket_cap_bytes, self.bucket_cap_bytes) / 2**20:.3g} MiB), "
-                         f"{order}; the mean's 1/dp is folded into backward's seed")
-            for s, gg in enumerate(self.grad_groups):
-                names = sorted({g for g in gg.values() if g})
-                if names:
-                    lines.append(f"  stage {s}: groups {', '.join(f'{n} {self.groups.get(n) or n}' for n in names)}")
-        if self.dp > 1:
-            lines.append("buffers: " + ("dp-rank 0's broadcast after each step (DDP broadcast_buffers)"
-                                        if self.broadcast_buffers else "per-rank (not synchronised)"))
         if self.loss_average:
             lines.append(f"loss: {self.loss_average} average over shards and microbatches (docs/semantics.md)")
         opt = self.optimizer
@@ -166,7 +148,7 @@ class Plan:
                      + (f"; {'one fused kernel per update' if opt['kernel'] == 'fused' else 'torch._foreach_* ops'} "
                         f"({opt.get('why_kernel')})" if opt.get("kernel") else ""))
         for name, sec in self.features.items():
-            lines += [f"{name}: {ln}" for ln in sec.lines()]
+            lines += [f"{name}: {ln}" for ln in sec.plan_lines(self)]
         if self.passes:
             lines.append(f"passes: {' -> '.join(self.passes)}")
         lines += [f"note: {n}" for n in self.notes]

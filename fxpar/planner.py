@@ -2,10 +2,9 @@
 
 Decisions, in order: the schedule and its stage placement; the stage cuts (``passes.split_stages``'s
 balanced search over module boundaries, or the user's split points, or an edited Plan's cuts); which
-ranks sum which gradients (:func:`grad_groups`: the one place that knows); the gradient buckets of
-each stage (:func:`plan_buckets`, DDP-style, once the stage's joint graph shows backward's order).
-Gradient buckets are planned in :mod:`fxpar.planner_comm` (re-exported here). Each enabled feature
-(``fxpar.features``) decides its own Plan section at the end.
+ranks sum which gradients (:func:`grad_groups`: the one place that knows). Each enabled feature
+(``fxpar.features``) decides its own Plan section at the end (how those gradients are summed and in which
+buckets is the ``data_parallel`` feature's, once each stage is captured).
 """
 from __future__ import annotations
 
@@ -14,17 +13,15 @@ import copy
 from .errors import StrategyError
 from .feature import enabled_features, get_feature, registered_features
 from .plan import Plan
-from .planner_comm import plan_buckets
 from .schedule import Schedule, ScheduleError, get_schedule
 from .schedule import ScheduleDeadlockError, ScheduleValidationError, ensure_reduce_grad, simulate, validate
 from .capture import trace_forward
 from passes.split_stages import imbalance_warning, split_stages
 from .strategy import Strategy
 
-__all__ = ["make_plan", "plan_buckets", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
+__all__ = ["make_plan", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
 
 ASYNC = ("pipedream", "2bw")
-DDP_BUCKET_MB = 25.0     # DDP's default bucket_cap_mb, fxpar's when Strategy(bucket_cap_mb=None) and nothing tunes it
 
 
 def check_batch(batch, dp: int, microbatches: int = 1, batch_dim: int = 0, names=None) -> int:
@@ -153,8 +150,9 @@ def grad_groups(plan: Plan) -> tuple:
 def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=None, base: Plan | None = None,
               optimizer=None, layout=None):
     """Decide the program's structure. Returns ``(plan, schedule, forward_trace or None, stage split or None)``;
-    buckets are planned per stage once the stages are captured (:func:`plan_buckets`). ``batch``: the flat
-    tuple of tensors; ``layout`` (a ``BatchLayout``) gives it back its structure (keyword inputs) for tracing."""
+    the features' per-stage decisions (the gradient buckets ...) follow once the stages are captured
+    (``Feature.plan_stage``). ``batch``: the flat tuple of tensors; ``layout`` (a ``BatchLayout``) gives it back its
+    structure (keyword inputs) for tracing."""
     dp, pp = strategy.dp, strategy.pp
     plan = Plan(mesh_axes=[["pp", pp], ["dp", dp]])
     for f in enabled_features(strategy):       # the features' own mesh axes (a handed-back Plan's stay), fastest last
@@ -162,9 +160,6 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     plan.schedule = schedule_name(strategy, base)
     plan.microbatches = base.microbatches if base is not None else strategy.microbatches
     plan.global_batch = check_batch(batch, dp, plan.microbatches)
-    plan.bucket_cap_bytes = int((DDP_BUCKET_MB if strategy.bucket_cap_mb is None else strategy.bucket_cap_mb) * 2**20)
-    plan.first_bucket_cap_bytes = int(strategy.first_bucket_cap_mb * 2**20)
-    plan.broadcast_buffers = strategy.broadcast_buffers
     if optimizer is not None:
         plan.optimizer = {"name": optimizer.name, "traced": optimizer.traced, "why_not_traced": optimizer.why_not_traced}
         if optimizer.traced:      # how the traced update runs: one fused kernel, or torch._foreach_* ops
@@ -202,8 +197,6 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     else:
         plan.stage_params = [[k for k, v in dict(model.named_parameters()).items() if v.requires_grad]]
     plan.groups, plan.grad_groups = grad_groups(plan)
-    if base is not None:
-        plan.buckets = base.buckets
     for f in registered_features():     # a ClusterSpec a feature cannot run on, or one asking for a feature that is off
         f.check_cluster(strategy, cluster)
     for f in registered_features():     # each enabled feature decides its section; a handed-back Plan's sections stay

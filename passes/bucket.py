@@ -1,7 +1,7 @@
 """Gradient bucketing (PyTorch DDP, Li et al. VLDB 2020): fuse per-gradient all_reduces.
 
 The planner cuts the gradients, in the order backward produces them, into buckets of at most
-``bucket_cap_bytes`` (``Plan.buckets``). For each bucket this pass flattens the gradients into
+``bucket_cap_bytes`` (``plan.section("data_parallel").buckets``). For each bucket this pass flattens the gradients into
 one buffer right after the last of them is produced, issues one in-place all_reduce there (so
 it overlaps with the rest of backward), and places the wait as late as possible: just before
 the first use of any of the bucket's gradients. The gradients are then views of the reduced
@@ -56,7 +56,8 @@ class BucketGradients(Pass):
     requires = ("data_parallel",)
 
     def run(self, gm, ctx: PassContext) -> PassResult:
-        buckets = ctx.plan.buckets[ctx.stage] if ctx.plan.buckets else []
+        section = ctx.plan.section("data_parallel")
+        buckets = section.buckets[ctx.stage] if section is not None and section.buckets else []
         groups = ctx.plan.grad_groups[ctx.stage] if ctx.plan.grad_groups else {}
         sharded = set(zero_keys(ctx.plan, ctx.stage))        # passes.zero reduce-scatters these buckets instead
         buckets = [b for b in buckets if not sharded.intersection(b)]
@@ -67,14 +68,16 @@ class BucketGradients(Pass):
         chains = grad_sync_chains(gm)
         missing = [k for b in buckets for k in b if k not in chains]
         if missing:
-            raise ValueError(f"Plan.buckets names {missing}, which have no synchronised gradient in this graph; "
+            raise ValueError(f"plan.section('data_parallel').buckets names {missing}, which have no synchronised "
+                             "gradient in this graph; "
                              f"bucket only trainable parameters ({sorted(chains)[:5]}...)")
         order = {n: i for i, n in enumerate(g.nodes)}
         sizes = []
         for b_idx, keys in enumerate(buckets):
             names = {groups.get(k) for k in keys}
             if len(names) != 1 or None in names:
-                raise ValueError(f"Plan.buckets[{ctx.stage}][{b_idx}] = {keys} mixes gradient groups "
+                raise ValueError(f"plan.section('data_parallel').buckets[{ctx.stage}][{b_idx}] = {keys} mixes gradient "
+                                 "groups "
                                  f"{sorted(map(str, names))}: a bucket is one collective over one group; split it")
             axis = names.pop()
             ranks = ctx.plan.group_of(axis, ctx.rank)
@@ -88,7 +91,8 @@ class BucketGradients(Pass):
             vals = [r.meta["val"] for r in raws]
             dtypes = {v.dtype for v in vals}
             if len(dtypes) > 1:
-                raise ValueError(f"Plan.buckets[{ctx.stage}][{b_idx}] mixes gradient dtypes ({sorted(map(str, dtypes))}: {keys}); "
+                raise ValueError(f"plan.section('data_parallel').buckets[{ctx.stage}][{b_idx}] mixes gradient dtypes "
+                                 f"({sorted(map(str, dtypes))}: {keys}); "
                                  "a bucket is one flat buffer: split it so that each holds one dtype")
             total = sum(v.numel() for v in vals)
             with g.inserting_after(last):

@@ -128,12 +128,14 @@ class DataParallelGradSync(Pass):
 
 
 class SyncBuffers(Pass):
-    """DDP's ``broadcast_buffers``: every dp rank leaves the step with dp-rank 0's buffers."""
+    """DDP's ``broadcast_buffers`` (``plan.section("data_parallel").broadcast_buffers``): every dp rank leaves the
+    step with dp-rank 0's buffers."""
     name = "sync_buffers"
 
     def run(self, gm, ctx: PassContext) -> PassResult:
         dp = ctx.mesh.axis_size("dp")
-        if dp == 1 or not ctx.plan.broadcast_buffers or ctx.plan.n_stages > 1:
+        section = ctx.plan.section("data_parallel")
+        if dp == 1 or section is None or not section.broadcast_buffers or ctx.plan.n_stages > 1:
             return PassResult(gm, False)
         sig = gm.meta["fxpar_signature"]
         out = gm.graph.find_nodes(op="output")[0]

@@ -4,7 +4,8 @@ Each parameter whose gradient is summed over dp (``fxpar.zero_layout.zero_keys``
 (``fxpar.zero_layout``: flattened, zero-padded to a multiple of dp; rank i owns chunk i). The pass:
 
 1. replaces ``data_parallel``'s per-gradient ``all_reduce`` by one ``reduce_scatter`` per bucket of
-   ``Plan.buckets``: every gradient of the bucket is copied into an interleaved buffer ``[dp, C]``
+   ``plan.section("data_parallel").buckets``: every gradient of the bucket is copied into an interleaved buffer
+   ``[dp, C]``
    (row j holds every gradient's chunk j), so the reduce-scatter hands each rank its own chunks of
    the summed gradients (``C`` elements). Stage 1 starts it after backward (``REDUCE_GRAD``: gradients
    accumulate whole over microbatches, one reduce-scatter per step); stages 2 and 3 start it in
@@ -83,7 +84,9 @@ class ZeroShard(Pass):
         shapes = {k: tuple(chains[k][0].meta["val"].shape) for k in keys}
         numels = {k: chains[k][0].meta["val"].numel() for k in keys}
         sizes = {k: chunk_numel(numels[k], n) for k in keys}
-        buckets = [[k for k in b if k in sizes] for b in plan.buckets[ctx.stage]] if plan.buckets else [keys]
+        dps = plan.section("data_parallel")           # its buckets: the data_parallel feature's
+        buckets = ([[k for k in b if k in sizes] for b in dps.buckets[ctx.stage]] if dps is not None and dps.buckets
+                   else [keys])
         buckets = [b for b in buckets if b]
         covered = {k for b in buckets for k in b}
         buckets += [[k] for k in keys if k not in covered]

@@ -26,7 +26,7 @@ def _build(dp, k, batches, model, **kw):
 
 def _buckets(prog, model):
     sizes = {key: p.numel() for key, p in model.named_parameters()}
-    return [sum(sizes[key] for key in b) for b in prog.plan.buckets[0]]
+    return [sum(sizes[key] for key in b) for b in prog.plan.section("data_parallel").buckets[0]]
 
 
 def _expected_split(v, n, k):

@@ -124,7 +124,7 @@ def test_dp2_pp2_matches_single_process(clusters, opt, m):
     cs = prog.plan.section("bytescheduler")
     assert cs.cross_iteration and not cs.why_not_cross_iteration and prog.plan.tied and prog.plan.schedule == "1f1b"
     assert all(set(prog.stages[s].graphs) == {"F", "B", "REDUCE_GRAD", "STEP", "F_UPDATE"} for s in range(2))
-    assert all(len(e["pieces"]) > len(prog.plan.buckets[s]) for s, e in enumerate(cs.stages))   # cut in rows
+    assert all(len(e["pieces"]) > len(prog.plan.section("data_parallel").buckets[s]) for s, e in enumerate(cs.stages))   # cut in rows
     _assert_matches(prog.run_local(batches, cluster=clusters.get(4)), model, batches, loss_fn, opt)
 
 
@@ -180,7 +180,8 @@ def test_batchnorm_and_a_handed_back_plan(clusters):
     fifo = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M, strategy=fxpar.Strategy(dp=2))
     again = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD_M, strategy=st,
                               plan=fxpar.Plan.from_json(prog.plan.to_json()))
-    assert again.plan.section("bytescheduler") == prog.plan.section("bytescheduler") and again.plan.buckets == prog.plan.buckets
+    assert again.plan.section("bytescheduler") == prog.plan.section("bytescheduler")
+    assert again.plan.section("data_parallel").buckets == prog.plan.section("data_parallel").buckets
     assert again.stages[0].graphs["FULL"].gm.code == prog.stages[0].graphs["FULL"].gm.code
     ours, theirs, back = (p.run_local(batches, cluster=lc) for p in (prog, fifo, again))
     assert ours.losses == theirs.losses == back.losses
@@ -223,7 +224,7 @@ def _sim_pieces(prog, stage=0):
     cap = prog.stages[stage].captured
     out = []
     for b, r0, r1 in entry["pieces"]:
-        keys = prog.plan.buckets[stage][b]
+        keys = prog.plan.section("data_parallel").buckets[stage][b]
         size = sum(torch.Size(cap.param_shapes[k]).numel() * 8 for k in keys)
         if r0 is not None:
             size = size * (r1 - r0) // cap.param_shapes[keys[0]][0]
@@ -238,7 +239,7 @@ def test_issue_order_follows_priority():
     prio = {b: i for i, b in enumerate(entry["priority"])}
     pieces = entry["pieces"]
     # priority = the order the forward first uses each bucket's parameters: wte (embedding) first
-    assert "wte.weight" in prog.plan.buckets[0][entry["priority"][0]]
+    assert "wte.weight" in prog.plan.section("data_parallel").buckets[0][entry["priority"][0]]
     queue, issued = [], []
     for kind, b, ops in entry["events"]:
         if kind == "ready":
@@ -361,7 +362,7 @@ def test_first_forward_op_of_a_layer_depends_only_on_its_wait():
         return {bucket_of_piece[phs[a][1]] for a in roots}
 
     checked = 0
-    for k, keys in enumerate(prog.plan.buckets[0]):
+    for k, keys in enumerate(prog.plan.section("data_parallel").buckets[0]):
         params = {a for a, (r, key) in phs.items() if r == "param" and key in keys}
         mm = [n for n in nodes if n.op == "call_function" and n.target in (torch.ops.aten.t.default,
                                                                             torch.ops.aten.addmm.default,
@@ -386,7 +387,7 @@ def test_first_forward_op_of_a_layer_depends_only_on_its_wait():
     sg = prog.stages[0].graphs["FULL"]
     run_nodes = list(sg.gm.graph.nodes)
     run_phs = dict(zip(sg.gm.graph.find_nodes(op="placeholder"), sg.inputs))
-    first_keys = prog.plan.buckets[0][entry["priority"][0]]
+    first_keys = prog.plan.section("data_parallel").buckets[0][entry["priority"][0]]
     first_use = next(i for i, n in enumerate(run_nodes) if n.op == "call_function"
                      and n.meta.get("fxpar_phase") == "forward"
                      and any(run_phs.get(a, ("", ""))[1] in first_keys for a in n.all_input_nodes))
@@ -407,7 +408,7 @@ def test_pipeline_first_forward_op_of_a_layer_depends_only_on_its_wait():
     the first bucket's waits come before its first forward op and another bucket's after it (overlap)."""
     _, _, _, prog = _pp_program(SGD_M)
     for s in range(2):
-        entry, buckets = prog.plan.section("bytescheduler").stages[s], prog.plan.buckets[s]
+        entry, buckets = prog.plan.section("bytescheduler").stages[s], prog.plan.section("data_parallel").buckets[s]
         graphs = prog.stages[s].graphs
         fu = graphs["F_UPDATE"]
         rg_out = dict(zip([rk[1] for rk in graphs["REDUCE_GRAD"].outputs],
@@ -631,7 +632,7 @@ def test_early_updates_in_the_graph():
     that event's first forward op; the updates write the parameters in place."""
     _, _, _, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))
     entry = prog.plan.section("bytescheduler").stages[0]
-    buckets = prog.plan.buckets[0]
+    buckets = prog.plan.section("data_parallel").buckets[0]
     at_start = [p for kind, _, ops in entry["events"] if kind == "start" for op, p in ops if op == "update"]
     assert at_start, "the tiny plan updates some bucket early"
     sg = prog.stages[0].graphs["FULL"]

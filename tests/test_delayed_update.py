@@ -110,7 +110,7 @@ def test_delayed_zero_structure(zero):
     is_rs = lambda n: n.target is C10D.reduce_scatter_tensor.default              # noqa: E731
     is_ag = lambda n: n.target is C10D.all_gather_into_tensor.default             # noqa: E731
     rs = _nodes(sg, is_rs)
-    n_buckets = len(prog.plan.buckets[0])
+    n_buckets = len(prog.plan.section("data_parallel").buckets[0])
     assert n_buckets > 1 and len(rs) == n_buckets
     carries_in = [ph for ph, (r, _) in phs.items() if r == "carry"]
     carries_out = [o for o, (r, _) in zip(g.find_nodes(op="output")[0].args[0], sg.outputs) if r == "carry"]

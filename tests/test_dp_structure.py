@@ -1,4 +1,6 @@
 """Structure tier: the collectives data parallelism inserts, in number, order and size."""
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -6,7 +8,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar import meta as M
 from fxpar.collectives import C10D, collective_nodes, is_wait
-from fxpar.testing import GPT, BNConvNet, MLP, gpt_loss, max_abs_diff, reference_training
+from fxpar.testing import GPT, BNConvNet, MLP, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-3})
 
@@ -31,8 +33,8 @@ def test_collectives_match_bucket_plan():
     gm = p.graphs(0)["step"]
     colls = collective_nodes(gm)
     ar = [c for c in colls if c.target is C10D.all_reduce_.default]   # in place on the bucket
-    plan = p.plan
-    buckets = plan.buckets[0]          # the Plan holds buckets per stage; a dp program is one stage
+    dps = p.plan.section("data_parallel")
+    buckets = dps.buckets[0]          # the Plan holds buckets per stage; a dp program is one stage
     assert len(ar) == len(buckets) > 1
     # order: bucket i is issued i-th; size: the bucket's gradient bytes
     for i, (node, keys) in enumerate(zip(ar, buckets)):
@@ -42,7 +44,7 @@ def test_collectives_match_bucket_plan():
         assert node.args[1:] == ("sum", "fxpar:dp")
     # every bucket respects the cap unless it holds one gradient; the first one DDP's 1 MiB-style first cap
     for i, keys in enumerate(buckets):
-        cap = min(plan.bucket_cap_bytes, plan.first_bucket_cap_bytes) if i == 0 else plan.bucket_cap_bytes
+        cap = min(dps.bucket_cap_bytes, dps.first_bucket_cap_bytes) if i == 0 else dps.bucket_cap_bytes
         assert len(keys) == 1 or sum(_nbytes(k, p.captured) for k in keys) <= cap
     # each trainable parameter synchronised exactly once
     flat = [k for b in buckets for k in b]
@@ -62,7 +64,8 @@ def test_buckets_follow_backward_order_and_waits_are_late():
     assert all(pos[a] < last_backward for a in ar[:-1])
     assert [pos[a] for a in ar] == sorted(pos[a] for a in ar)
     # the first bucket holds the first gradients backward produces: the LM head / final LayerNorm
-    assert "ln_f.weight" in p.plan.buckets[0][0] or "ln_f.bias" in p.plan.buckets[0][0]   # stage 0, bucket 0
+    first = p.plan.section("data_parallel").buckets[0][0]                 # stage 0, bucket 0
+    assert "ln_f.weight" in first or "ln_f.bias" in first
     # waits: after every backward op that is not part of the sync, i.e. just before the optimizer uses them
     waits = [n for n in nodes if is_wait(n)]
     assert len(waits) == len(ar) + 0
@@ -77,13 +80,13 @@ def test_buckets_follow_backward_order_and_waits_are_late():
 def test_zero_cap_means_one_collective_per_gradient():
     p = _gpt_program(cap_mb=0)
     assert len(p.collectives(0)) == len(p.captured.param_names)
-    assert [c.nbytes for c in p.collectives(0)] == [_nbytes(b[0], p.captured) for b in p.plan.buckets[0]]
+    assert [c.nbytes for c in p.collectives(0)] == [_nbytes(b[0], p.captured) for b in p.plan.section("data_parallel").buckets[0]]
 
 
 @pytest.mark.structure
 def test_ddp_default_bucket_is_one_for_a_small_model():
     p = _gpt_program(cap_mb=25)
-    assert len(p.plan.buckets[0]) == 1 and len(p.collectives(0)) == 1
+    assert len(p.plan.section("data_parallel").buckets[0]) == 1 and len(p.collectives(0)) == 1
 
 
 @pytest.mark.structure
@@ -189,7 +192,7 @@ def test_gradient_sync_is_one_copy_like_ddp():
     gm = p.graphs(0)["step"]
     added = [n for n in gm.graph.nodes if M.PASS.name in n.meta and M.get(n, M.PASS) in ("data_parallel", "bucket")]
     targets = [n.target for n in added]
-    n_buckets = len(p.plan.buckets[0])
+    n_buckets = len(p.plan.section("data_parallel").buckets[0])
     assert targets.count(torch.ops.aten.empty.memory_format) == n_buckets
     assert targets.count(torch.ops.aten.copy_.default) == len(p.captured.param_names)
     assert not any(t in (torch.ops.aten.cat.default, torch.ops.aten.reshape.default, torch.ops.aten.clone.default)
@@ -239,7 +242,7 @@ def test_graph_without_a_loss_seed_divides_the_bucket_in_place(clusters):
     gm = p.graphs(0)["step"]
     assert [h.pass_name for h in p.history(0)][:3] == ["capture", "unseed", "data_parallel"]
     divs = [n for n in gm.graph.nodes if n.target is torch.ops.aten.div_.Tensor and M.get(n, M.PASS) == "bucket"]
-    assert len(divs) == len(p.plan.buckets[0]) > 1 and all(d.args[1] == 2 for d in divs)
+    assert len(divs) == len(p.plan.section("data_parallel").buckets[0]) > 1 and all(d.args[1] == 2 for d in divs)
     assert "fxpar_grad_prescale" not in gm.meta
     res = p.run_local(batches, cluster=clusters.get(2))
     ref_losses, ref_state = reference_training(model, batches, gpt_loss, ADAMW)
@@ -251,10 +254,73 @@ def test_graph_without_a_loss_seed_divides_the_bucket_in_place(clusters):
 def test_buckets_hold_one_dtype():
     """As DDP, a bucket never mixes dtypes (its gradients share one flat buffer)."""
     from types import SimpleNamespace
-    from fxpar.planner import plan_buckets
+    from fxpar.planner_comm import plan_buckets
     cap = SimpleNamespace(gm=torch.fx.GraphModule(torch.nn.Module(), torch.fx.Graph()),
                           param_names=["a", "b", "c", "d"],
                           param_shapes={k: (4,) for k in "abcd"},
                           param_dtypes={"a": torch.float32, "b": torch.float32, "c": torch.bfloat16, "d": torch.float32})
     assert plan_buckets(cap, 2**20) == [["a", "b"], ["c"], ["d"]]
     assert plan_buckets(cap, 2**20, first_cap_bytes=16) == [["a"], ["b"], ["c"], ["d"]]
+
+
+# ---- the data_parallel feature: its Plan section, its passes ------------------------------------------------
+@pytest.mark.structure
+def test_data_parallel_section_round_trips_and_prints_its_buckets():
+    p = _gpt_program(cap_mb=0.02)
+    sec = p.plan.section("data_parallel")
+    assert json.loads(p.plan.to_json())["features"]["data_parallel"] == {
+        "bucket_cap_bytes": int(0.02 * 2**20), "first_bucket_cap_bytes": 2**20, "broadcast_buffers": True,
+        "buckets": sec.buckets}
+    again = fxpar.Plan.from_json(p.plan.to_json())
+    assert again == p.plan and again.section("data_parallel") == sec and len(sec.buckets[0]) > 1
+    text = str(p.plan)
+    assert (f"data_parallel: gradient sync: sum over each gradient's group in {len(sec.buckets[0])} bucket(s) "
+            "(cap 0.02 MiB, the first 0.02 MiB), issued in backward order") in text
+    assert "data_parallel: buffers: dp-rank 0's broadcast after each step" in text
+    assert "gradient sync: sum over each gradient's group" in p.explain()
+
+
+@pytest.mark.structure
+def test_a_data_parallel_section_with_an_unknown_field_is_refused():
+    data = json.loads(_gpt_program().plan.to_json())
+    data["features"]["data_parallel"]["bucket_cap_mb"] = 5
+    with pytest.raises(ValueError, match=r"section 'data_parallel' has unknown field\(s\) \['bucket_cap_mb'\]"):
+        fxpar.Plan.from_json(json.dumps(data))
+    del data["features"]["data_parallel"]["bucket_cap_mb"]
+    data["buckets"] = data["features"]["data_parallel"]["buckets"]       # the buckets live in the section only
+    with pytest.raises(ValueError, match=r"unknown field\(s\) \['buckets'\]"):
+        fxpar.Plan.from_json(json.dumps(data))
+
+
+@pytest.mark.structure
+def test_no_gradient_sync_pass_where_no_gradient_is_summed():
+    """dp=1, and a pipeline with no tied parameter: no data_parallel section, no gradient-sync pass."""
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    one = fxpar.parallelize(MLP(), 1, (x, y), loss_fn=F.mse_loss)
+    pipe = fxpar.parallelize(MLP(), 2, (x, y), loss_fn=F.mse_loss, strategy=fxpar.Strategy(pp=2, microbatches=2))
+    for p in (one, pipe):
+        assert p.plan.section("data_parallel") is None and "gradient sync" not in str(p.plan)
+        for r in range(p.world_size):
+            assert not {"data_parallel", "bucket", "sync_buffers"} & {h.pass_name for h in p.history(r)}
+            assert not [c for c in p.collectives(r) if c.kind not in ("send", "recv")]
+    two = _gpt_program(dp=2)
+    assert [h.pass_name for h in two.history(0)][:4] == ["capture", "data_parallel", "bucket", "sync_buffers"]
+    # dp=1 with a parameter tied across pipeline stages: its gradient is summed over the stages' ranks
+    tied = fxpar.parallelize(tiny_gpt(layers=4), 2, token_batches(1)[0], gpt_loss,
+                             strategy=fxpar.Strategy(pp=2, microbatches=2))
+    assert tied.plan.section("data_parallel").buckets == [[["wte.weight"]], [["wte.weight"]]]
+    assert [h.pass_name for h in tied.history(0)][:4] == ["capture", "data_parallel", "bucket", "sync_buffers"]
+
+
+@pytest.mark.structure
+def test_inplace_update_only_for_a_traced_optimizer_on_a_synchronous_schedule():
+    x, y = torch.randn(4, 16), torch.randn(4, 8)
+    build = lambda opt, **kw: fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(kw.get("pp", 1)), (x, y),  # noqa: E731
+                                                loss_fn=F.mse_loss, optimizer=opt, strategy=fxpar.Strategy(**kw))
+    on = build((torch.optim.SGD, {"lr": 0.1}))
+    eager = build((torch.optim.Adagrad, {"lr": 0.1}))
+    stashed = build((torch.optim.SGD, {"lr": 0.1}), pp=2, schedule="pipedream", microbatches=2)
+    assert on.plan.section("inplace_update") is not None and "reinplace_optimizer" in on.plan.passes
+    for p in (eager, stashed):
+        assert p.plan.section("inplace_update") is None and "reinplace_optimizer" not in p.plan.passes
+    assert fxpar.Plan.from_json(on.plan.to_json()) == on.plan

@@ -86,7 +86,7 @@ def test_one_fused_call_per_bucket_under_cross_iteration():
     batches = token_pairs(3)
     p = fxpar.parallelize(tiny_gpt(), fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
                           strategy=fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration=True, **SMALL))
-    n_buckets = len(p.plan.buckets[0])
+    n_buckets = len(p.plan.section("data_parallel").buckets[0])
     assert n_buckets > 2
     for kind in ("FULL", "DRAIN"):
         ops = _update_ops(p.stages[0].graphs[kind].gm)

@@ -114,7 +114,7 @@ def test_the_collectives_follow_the_new_order():
 
     def issue_order(prog):
         gm = prog.graphs(0)["step"]
-        buckets = prog.plan.buckets
+        buckets = prog.plan.section("data_parallel").buckets
         first = {k: b for b, keys in enumerate(buckets[0]) for k in keys}
         out = []
         for n in gm.graph.nodes:

@@ -39,7 +39,7 @@ def test_herring_mlp_structure_and_bytes(clusters):
     model, batches = _mlp_and_batches()
     prog, res = _run(clusters, model, batches, F.mse_loss, SGD_M, bucket_cap_mb=0.002)
     sizes = {k: p.numel() for k, p in model.named_parameters()}
-    buckets = prog.plan.buckets[0]
+    buckets = prog.plan.section("data_parallel").buckets[0]
     assert len(buckets) > 1
     gm = prog.graphs(0)["step"]
     seq = [(x.meta["fxpar_comm"].kind, x.meta["fxpar_comm"].axis) for x in collective_nodes(gm)]
@@ -108,7 +108,7 @@ def test_herring_cross_node_sum_overlaps_backward():
     bwd = [order[x] for x in _backward_compute(gm)]
     chains = [tuple(order[x] for x in c) for c in _steps_per_bucket(gm)]
     n = len(chains)
-    assert n == len(prog.plan.buckets[0]) >= 4
+    assert n == len(prog.plan.section("data_parallel").buckets[0]) >= 4
     for b, (rs, _, x, w2, ag, w3) in enumerate(chains[:-1]):
         nxt = chains[b + 1]
         assert rs < x < nxt[0] < w2 and x < bwd[-1], f"bucket {b}"
@@ -146,7 +146,7 @@ def test_herring_microbatches_matches_single_process(clusters):
     prog, _ = _run(clusters, model, batches, F.mse_loss, SGD_M, bucket_cap_mb=0.002, microbatches=2)
     rg = prog.graphs(0)["stage0.REDUCE_GRAD"]
     kinds = [x.meta["fxpar_comm"].kind for x in collective_nodes(rg)]
-    assert kinds.count("all_reduce") == len(prog.plan.buckets[0]) - 1 and "all_gather" in kinds
+    assert kinds.count("all_reduce") == len(prog.plan.section("data_parallel").buckets[0]) - 1 and "all_gather" in kinds
 
 
 @pytest.mark.structure
@@ -187,12 +187,12 @@ def test_herring_bucket_size_is_chosen_on_the_cost_model():
     least = min(tried.values())
     assert choice["cap_bytes"] == int(max(mb for mb, t in tried.items() if t <= least * 1.02) * 2**20)
     assert tried[25.0] > least * 1.02       # one bucket at the end of backward: nothing overlaps, predicted slower
-    buckets = prog.plan.buckets[0]
+    buckets = prog.plan.section("data_parallel").buckets[0]
     assert len(buckets) > 1 and all(sum(sizes[k] for k in b) <= choice["cap_bytes"] or len(b) == 1 for b in buckets)
-    assert prog.plan.bucket_cap_bytes == choice["cap_bytes"] and any("Herring buckets of" in n for n in prog.plan.notes)
+    assert prog.plan.section("data_parallel").bucket_cap_bytes == choice["cap_bytes"] and any("Herring buckets of" in n for n in prog.plan.notes)
     given = build(bucket_cap_mb=25)
     assert given.plan.section("herring").bucket_choice == {"by": "given", "cap_bytes": 25 * 2**20}
-    assert len(given.plan.buckets[0]) < len(buckets)
+    assert len(given.plan.section("data_parallel").buckets[0]) < len(buckets)
     again = fxpar.parallelize(model, cluster, batch, gpt_loss, ADAMW, strategy=fxpar.Strategy(dp=4, grad_sync="herring"),
                               plan=fxpar.Plan.from_json(prog.plan.to_json()))
-    assert again.plan.buckets[0] == buckets and again.plan.section("herring").bucket_choice == choice
+    assert again.plan.section("data_parallel").buckets[0] == buckets and again.plan.section("herring").bucket_choice == choice

@@ -88,7 +88,7 @@ def test_dp_pp_gradient_sync_is_the_bucket_collectives_in_backward_order(cluster
     for s, stage in enumerate(prog.stages):
         rg = stage.graphs["REDUCE_GRAD"].gm
         comms = [n.meta["fxpar_comm"] for n in collective_nodes(rg)]
-        buckets = plan.buckets[s]
+        buckets = plan.section("data_parallel").buckets[s]
         assert len(comms) == len(buckets) > 1
         for info, keys in zip(comms, buckets):
             group = plan.grad_groups[s][keys[0]]

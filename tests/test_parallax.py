@@ -34,7 +34,7 @@ def test_parallax_matches_single_process(clusters, dp, opt):
     # the big table: 2·u·w (u <= 40/dp tokens per rank) against 2(N-1)/N·V·w; the 6-row table is cheaper all-reduced
     assert routes["emb.weight"]["route"] == "sparse" and routes["pos.weight"]["route"] == "dense"
     assert prog.plan.section("parallax").sparse == ["emb.weight"]
-    assert not any("emb.weight" in b for b in prog.plan.buckets[0])
+    assert not any("emb.weight" in b for b in prog.plan.section("data_parallel").buckets[0])
     # AdamW's moments / SGD's momentum buffer move rows with zero gradient: the dense gradient stays
     upd = prog.plan.section("parallax").sparse_update["emb.weight"]
     assert upd["route"] == "dense" and ("AdamW" in upd["why"] if opt is ADAMW else "momentum=0.9" in upd["why"])

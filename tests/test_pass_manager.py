@@ -112,9 +112,9 @@ def test_plan_round_trips_and_an_edited_plan_is_used():
     p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss)
     plan = fxpar.Plan.from_json(p.plan.to_json())
     assert plan == p.plan
-    keys = [k for b in plan.buckets[0] for k in b]     # buckets are per stage: stage 0's
-    assert len(plan.buckets[0]) == 1 < len(keys)        # the default cap: one bucket (so the edit below shows)
-    plan.buckets[0] = [[k] for k in keys]
+    keys = [k for b in plan.section("data_parallel").buckets[0] for k in b]     # buckets are per stage: stage 0's
+    assert len(plan.section("data_parallel").buckets[0]) == 1 < len(keys)        # the default cap: one bucket (so the edit below shows)
+    plan.section("data_parallel").buckets[0] = [[k] for k in keys]
     q = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss, plan=plan)
     assert len(q.collectives(0)) == len(keys)
 

@@ -189,7 +189,7 @@ def test_history_and_collectives_of_a_pipeline_rank():
     stage0 = sum(nbytes(k) for k in prog.stages[0].param_keys)
     wte = 32 * 16 * 8
     assert all(c.kind == "all_reduce" for c in comms[8:])
-    assert [c.nbytes for c in comms[8:]] == [sum(nbytes(k) for k in b) for b in prog.plan.buckets[0]]
+    assert [c.nbytes for c in comms[8:]] == [sum(nbytes(k) for k in b) for b in prog.plan.section("data_parallel").buckets[0]]
     assert [(c.axis, c.ranks) for c in comms[8:] if c.axis != "dp"] == [("tied.wte.weight", (0, 1, 2, 3))]
     assert sum(c.nbytes for c in comms[8:] if c.axis == "tied.wte.weight") == wte
     assert {c.ranks for c in comms[8:] if c.axis == "dp"} == {(0, 1)}

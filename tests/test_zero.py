@@ -192,7 +192,7 @@ def test_communication_per_step_is_2psi_or_3psi(clusters, zero):
     # structure: one reduce_scatter per bucket; stage 1/2 one all_gather per bucket, stage 3 two per parameter
     gm = prog.graphs(0)["step"]
     coll = [x.target.__name__.split(".")[0] for x in collective_nodes(gm)]
-    n_buckets = len(prog.plan.buckets[0])
+    n_buckets = len(prog.plan.section("data_parallel").buckets[0])
     assert coll.count("reduce_scatter_tensor") == n_buckets
     n_params = len(prog.plan.stage_params[0])
     assert coll.count("all_gather_into_tensor") == (n_buckets if zero < 3 else n_params + len(again))

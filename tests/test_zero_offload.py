@@ -107,7 +107,7 @@ def test_one_copy_per_bucket_each_way_and_the_update_on_host_values(zero, delaye
     g = sg.gm.graph
     nodes = list(g.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    n_buckets = len(prog.plan.buckets[0])
+    n_buckets = len(prog.plan.section("data_parallel").buckets[0])
     assert n_buckets > 1
     # the collectives are ZeRO's, unchanged in kind, number and order
     kinds = lambda gm: [n.target for n in collective_nodes(gm)]          # noqa: E731
@@ -149,7 +149,7 @@ def test_split_graphs_keep_the_copies_with_their_wait():
     prog = _program(1, offload=OFFLOAD, microbatches=2)
     graphs = prog.stages[0].graphs
     where = {k: sum(n.target is COPY for n in sg.gm.graph.nodes) for k, sg in graphs.items()}
-    n_buckets = len(prog.plan.buckets[0])
+    n_buckets = len(prog.plan.section("data_parallel").buckets[0])
     assert where["F"] == where["B"] == 0 and where["REDUCE_GRAD"] + where["STEP"] == 2 * n_buckets
     step = graphs["STEP"].gm.graph
     for ag in [n for n in step.nodes if n.target is C10D.all_gather_into_tensor.default]:

@@ -2,6 +2,7 @@
 
 Importing this package registers them (``fxpar.feature`` imports it the first time its registry is read).
 """
+from . import data_parallel  # noqa: F401  first: its plan() and plan_stage() (the buckets) come before the others'
 from . import tensor_parallel  # noqa: F401  (Strategy(tp=N, sharding=...))
 from . import recompute  # noqa: F401  (before offload_activations: both passes sit in Slot.REMAT, in this order)
 from . import offload_activations  # noqa: F401
@@ -10,3 +11,4 @@ from . import zero_offload  # noqa: F401  ZeRO-Offload / ZeRO-Infinity (after ze
 from . import grad_sync  # noqa: F401  the grad_sync option the gradient-sync methods share
 from . import herring, byteps, parallax      # noqa: F401  gradient-sync methods (Strategy(grad_sync=...))
 from . import bytescheduler  # noqa: F401  ByteScheduler and the delayed update on its carry
+from . import inplace_update  # noqa: F401  the traced update in place (Slot.OPTIMIZER)

@@ -132,7 +132,7 @@ def plan_comm_schedule(section: ByteSchedulerSection, plan, stage: int, captured
             tm, lambda part: plan_buckets(captured, part, part, groups, made),
             lambda k: captured.param_shapes[k], lambda k: _itemsize(captured.param_dtypes[k]),
             lambda n: collective_cost("all_reduce", n, ranks, cluster).time_s, cross,
-            plan.buckets[stage], section.partition_bytes, section.credit_bytes,
+            plan.section("data_parallel").buckets[stage], section.partition_bytes, section.credit_bytes,
             shared=lambda keys: any(str(groups.get(k)).startswith("tied.") for k in keys), early=fused and cross)
 
     made_by = {}
@@ -180,7 +180,7 @@ def plan_comm_schedule(section: ByteSchedulerSection, plan, stage: int, captured
             why_not = None
     if why_not:
         entry["grad_order"]["why_natural"] = why_not
-    plan.buckets[stage] = buckets
+    plan.section("data_parallel").buckets[stage] = buckets      # the stage's buckets become ByteScheduler's
     stages.append(entry)
     fifo = entry["fifo_predicted_step_s"]
     go = entry["grad_order"]

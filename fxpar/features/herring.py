@@ -76,7 +76,7 @@ class Herring(Feature):
         section = HerringSection(node=node, cross=cross, overlap=True,
                                  # the bucket size: the user's, or tuned once the step is captured (plan_buckets)
                                  bucket_choice=("tune" if strategy.bucket_cap_mb is None else
-                                                {"by": "given", "cap_bytes": plan.bucket_cap_bytes}))
+                                                {"by": "given", "cap_bytes": _dp(plan).bucket_cap_bytes}))
         plan.groups.update({"node": node, "cross": cross})
         plan.notes.append(f"grad_sync: Herring -- each bucket reduce-scattered within nodes {node}, each shard summed "
                           f"across nodes {cross} while backward goes on, then all-gathered within the node")
@@ -90,7 +90,7 @@ class Herring(Feature):
         if section.bucket_choice == "tune":
             return plan_herring_buckets(plan, section, captured, groups, cluster)
         if isinstance(section.bucket_choice, dict):      # tuned once: a handed-back Plan keeps the size
-            return plan_buckets(captured, section.bucket_choice["cap_bytes"], plan.first_bucket_cap_bytes, groups)
+            return plan_buckets(captured, section.bucket_choice["cap_bytes"], _dp(plan).first_bucket_cap_bytes, groups)
         return None
 
 
@@ -119,7 +119,7 @@ def plan_herring_buckets(plan, section: HerringSection, captured, groups: dict, 
         return n * captured.param_dtypes[k].itemsize
     tried, made = {}, {}
     for mb in HERRING_BUCKET_MB:
-        buckets = plan_buckets(captured, int(mb * 2**20), plan.first_bucket_cap_bytes, groups)
+        buckets = plan_buckets(captured, int(mb * 2**20), _dp(plan).first_bucket_cap_bytes, groups)
         bts = [BucketTiming(max(tm["ready"].get(k, tm["t_bwd"]) for k in b), 0.0, [sum(size(k) for k in b)], i)
                for i, b in enumerate(buckets)]
         total = sum(bt.pieces[0] for bt in bts) or 1
@@ -128,10 +128,15 @@ def plan_herring_buckets(plan, section: HerringSection, captured, groups: dict, 
         made[mb] = buckets
     least = min(tried.values())
     best = max(mb for mb, t in tried.items() if t <= least * (1 + _BUCKET_NEAR))
-    plan.bucket_cap_bytes = int(best * 2**20)
-    section.bucket_choice = {"by": "cost model", "cap_bytes": plan.bucket_cap_bytes,
+    _dp(plan).bucket_cap_bytes = int(best * 2**20)
+    section.bucket_choice = {"by": "cost model", "cap_bytes": int(best * 2**20),
                              "tried": {str(mb): t for mb, t in tried.items()}}
     plan.notes.append(f"grad_sync: Herring buckets of {best} MiB ({len(made[best])} buckets), the least predicted step "
                       "(" + ", ".join(f"{mb} MiB {t * 1e3:.3g} ms" for mb, t in tried.items()) + "); "
                       "Strategy(bucket_cap_mb=...) sets it")
     return made[best]
+
+
+def _dp(plan):
+    """The ``data_parallel`` section, whose buckets Herring sums (on wherever dp > 1: Herring's plan needs it)."""
+    return plan.section("data_parallel")
