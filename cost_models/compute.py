@@ -39,6 +39,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from fxpar import meta as M
+
 __all__ = ["OpCost", "GraphCompute", "FLOP_RULES", "ZERO_COST_TARGETS", "node_cost", "node_time",
            "graph_compute", "tensor_bytes", "numel", "concrete", "fused_adam_cost"]
 
@@ -296,7 +298,7 @@ def node_cost(node: torch.fx.Node) -> OpCost:
     if target in ZERO_COST_TARGETS or _is_view(target):
         return _ZERO
     ns = getattr(target, "namespace", "")
-    if ns == "_c10d_functional" or "fxpar_comm" in node.meta:
+    if ns == "_c10d_functional" or M.COMM.name in node.meta:
         return OpCost(0, 0, "collective", "free")
     if "val" not in node.meta:
         return OpCost(0, 0, "other", "default")          # no shape to cost: listed in explain()

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
+from fxpar import meta as M
+
 from .compute import concrete, tensor_bytes
 from .step_memory import sequence_peak
 
@@ -143,8 +145,8 @@ def infer_phases(gm: torch.fx.GraphModule) -> dict:
     last); the rest are ``backward``.
     """
     nodes = list(gm.graph.nodes)
-    if all("fxpar_phase" in n.meta for n in nodes if n.op == "call_function"):
-        return {n: n.meta.get("fxpar_phase", "input") for n in nodes}
+    if all(M.PHASE.name in n.meta for n in nodes if n.op == "call_function"):
+        return {n: n.meta.get(M.PHASE.name, "input") for n in nodes}
     out = next(n for n in reversed(nodes) if n.op == "output")
     flat = torch.fx.node.map_aggregate(out.args[0], lambda x: x)
     first = flat
@@ -160,26 +162,26 @@ def infer_phases(gm: torch.fx.GraphModule) -> dict:
         stack.extend(n.all_input_nodes)
     phases, in_optimizer = {}, False
     for n in nodes:
-        if "fxpar_phase" in n.meta:
-            phases[n] = n.meta["fxpar_phase"]
+        if M.PHASE.name in n.meta:
+            phases[n] = n.meta[M.PHASE.name]
         elif n.op == "placeholder":
             phases[n] = "input"
         elif n in forward:
             phases[n] = "forward"
         else:
             in_optimizer = in_optimizer or any(
-                a.op == "placeholder" and a.meta.get("fxpar_role") in _OPT_ROLES for a in n.all_input_nodes)
+                a.op == "placeholder" and a.meta.get(M.ROLE.name) in _OPT_ROLES for a in n.all_input_nodes)
             phases[n] = "optimizer" if in_optimizer else "backward"
     return phases
 
 
 def _category(s_node, users_phase: set, phases: dict, is_output: bool) -> str:
     if s_node.op == "placeholder":
-        return _ROLE_CATEGORY.get(s_node.meta.get("fxpar_role", "input"), "input")
+        return _ROLE_CATEGORY.get(s_node.meta.get(M.ROLE.name, "input"), "input")
     ph = phases.get(s_node)
     if ph == "forward" and "backward" in users_phase:
         return "activation"
-    if ph == "backward" and ("fxpar_grad_of" in s_node.meta or "optimizer" in users_phase or is_output):
+    if ph == "backward" and (M.GRAD_OF.name in s_node.meta or "optimizer" in users_phase or is_output):
         return "grad"
     if ph == "optimizer" and is_output:
         return "new_state"
@@ -214,9 +216,9 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
             continue
         if isinstance(val, torch.Tensor):
             # a ZeRO stage 1/2 ``param_shard`` input is the runtime's view of a whole parameter already counted
-            raw = 0 if n.op == "placeholder" and n.meta.get("fxpar_role") == "param_shard" else tensor_bytes(val)
+            raw = 0 if n.op == "placeholder" and n.meta.get(M.ROLE.name) == "param_shard" else tensor_bytes(val)
             s = Storage(concrete(raw), n, 0 if n.op == "placeholder" else i, i, size=raw, key=_storage_key(val),
-                        role=n.meta.get("fxpar_role") if n.op == "placeholder" else None)
+                        role=n.meta.get(M.ROLE.name) if n.op == "placeholder" else None)
             storages.append(s)
             storage_of[n] = s
         elif isinstance(val, (list, tuple)):
@@ -225,7 +227,7 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
                 if isinstance(v, torch.Tensor):
                     raw = tensor_bytes(v)
                     s = Storage(concrete(raw), n, i, i, size=raw, key=_storage_key(v),
-                                role=n.meta.get("fxpar_role") if n.op == "placeholder" else None)
+                                role=n.meta.get(M.ROLE.name) if n.op == "placeholder" else None)
                     storages.append(s)
                     outs.append(s)
                 else:
@@ -285,7 +287,7 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
         st = storage_of.get(o) if isinstance(o, torch.fx.Node) else None
         out_storages.append(next((x for x in st if x is not None), None) if isinstance(st, list) else st)
         parts.append([x for x in st if x is not None] if isinstance(st, list) else [st] if st is not None else [])
-    grad_of = [o.meta.get("fxpar_grad_of") if isinstance(o, torch.fx.Node) else None for o in outs]
+    grad_of = [o.meta.get(M.GRAD_OF.name) if isinstance(o, torch.fx.Node) else None for o in outs]
     return Liveness(storages, live, nodes, live[pi] if live else 0.0, pi, breakdown, out_storages, grad_of, parts)
 
 

@@ -40,6 +40,8 @@ from bisect import bisect_right
 
 import torch.fx
 
+from fxpar import meta as M
+
 from .compute import graph_compute, pays_dispatch
 from .memory import liveness
 
@@ -85,7 +87,7 @@ class Program:
                 seg.clear()
 
         for n in gm.graph.nodes:
-            if "fxpar_comm" in n.meta:
+            if M.COMM.name in n.meta:
                 t = gc.times.get(n, 0.0)     # the call that issues it runs on the rank's CPU first (its
                 if t > 0:                    # DeviceSpec.collective_issue_s); the transfer starts after it
                     seg.append((n.name, t))
@@ -93,7 +95,7 @@ class Program:
                 k = comm_index[n] = len(self.comm_nodes)
                 self.comm_nodes.append(n)
                 self.steps.append(("issue", k))
-                cpu = comm_cpu(n.meta["fxpar_comm"], cluster.device)
+                cpu = comm_cpu(n.meta[M.COMM.name], cluster.device)
                 if cpu > 0:                  # its threads' CPU, beside the transfer, taken from the rank's compute
                     seg.append((f"{n.name} (comm CPU)", cpu))
                     comm_cpu_s += cpu
@@ -126,7 +128,7 @@ class Program:
         flush()
         self.compute_time_s = gc.time_s + comm_cpu_s + cold_s * sum(cold.values())
         self.liveness = liveness(gm)
-        self.infos = [n.meta["fxpar_comm"] for n in self.comm_nodes]
+        self.infos = [n.meta[M.COMM.name] for n in self.comm_nodes]
         self.comm_names = [n.name for n in self.comm_nodes]
 
     @property
@@ -147,7 +149,7 @@ def cold_ops(gm, device=None) -> dict:
     it in). Empty for a graph without communication."""
     epoch, seen, out_node = 0, {}, None
     for n in gm.graph.nodes:
-        if "fxpar_comm" in n.meta or (n.op == "call_function" and n.target is _WAIT):
+        if M.COMM.name in n.meta or (n.op == "call_function" and n.target is _WAIT):
             epoch += 1
         elif n.op == "call_function" and pays_dispatch(n):
             seen.setdefault(n.target, []).append((epoch, n))
@@ -202,8 +204,8 @@ def compile_program(gm, cluster, cache: dict) -> Program:
         p = Program.__new__(Program)
         p.__dict__.update(base.__dict__)
         p.gm = gm
-        p.comm_nodes = [n for n in gm.graph.nodes if "fxpar_comm" in n.meta]
-        p.infos = [n.meta["fxpar_comm"] for n in p.comm_nodes]
+        p.comm_nodes = [n for n in gm.graph.nodes if M.COMM.name in n.meta]
+        p.infos = [n.meta[M.COMM.name] for n in p.comm_nodes]
         p.comm_names = [n.name for n in p.comm_nodes]
     else:
         p = Program(gm, cluster)

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fxpar import meta as M
+
 __all__ = ["sequence_peak"]
 
 _PERSISTENT = ("param", "buffer", "opt_state")
@@ -81,7 +83,7 @@ class _Walk:
                 continue
             for st in _placeholders(lv):
                 if st.category in _PERSISTENT:
-                    key = (st.category, st.producer.meta.get("fxpar_param") or (id(lv), st.producer.name))
+                    key = (st.category, st.producer.meta.get(M.PARAM.name) or (id(lv), st.producer.name))
                     self.persistent[key] = (st.category, st.nbytes)
                 elif st.role in _BATCH:
                     self.batch += st.nbytes
@@ -218,7 +220,7 @@ class _Walk:
 
 def _category(st) -> str:
     """A value held between graphs: what forward made is an activation; else the category liveness gave it."""
-    return "activation" if st.producer.meta.get("fxpar_phase") == "forward" else st.category
+    return "activation" if st.producer.meta.get(M.PHASE.name) == "forward" else st.category
 
 
 def _placeholders(lv):

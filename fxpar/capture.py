@@ -364,7 +364,7 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
             return capture_training_step(model, batch, loss_fn, optimizer, stage=stage, grad_scale=grad_scale,
                                          frozen=unused)
     _annotate(gm, sig)
-    gm.meta["fxpar_signature"] = sig
+    gm.meta[M.SIGNATURE.name] = sig
     return CapturedStep(gm, sig, pkeys, bkeys, aliases, optimizer, mod_name, time.perf_counter() - t0,
                         {k: tuple(trainable[k].shape) for k in pkeys}, {k: trainable[k].dtype for k in pkeys},
                         stage=0 if stage is None else stage.index)

@@ -514,7 +514,7 @@ def add_state_input(gm: torch.fx.GraphModule, feature: str, name: str, val) -> t
         ph = g.placeholder(f"state_{feature}_{name}".replace(".", "_"))
     ph.meta["val"] = val
     M.set_meta(ph, M.ROLE, STATE_ROLE)
-    gm.meta["fxpar_signature"].inputs.append((STATE_ROLE, key))
+    gm.meta[M.SIGNATURE.name].inputs.append((STATE_ROLE, key))
     return ph
 
 
@@ -522,4 +522,4 @@ def add_state_output(gm: torch.fx.GraphModule, feature: str, name: str, node: to
     """Make ``node`` the graph output ``("new_state", "<feature>.<name>")``: the state's value for the next step."""
     out = gm.graph.find_nodes(op="output")[0]
     out.args = (tuple(out.args[0]) + (node,),)
-    gm.meta["fxpar_signature"].outputs.append((NEW_STATE_ROLE, state_key(feature, name)))
+    gm.meta[M.SIGNATURE.name].outputs.append((NEW_STATE_ROLE, state_key(feature, name)))

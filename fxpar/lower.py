@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+from . import meta as M
 from .feature import get_feature
 from .pass_manager import HistoryEntry, PassContext, PassManager
 from passes import SplitGraphs
@@ -56,12 +57,12 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, keep_histo
     for s, captured in enumerate(stages):
         kinds = graph_kinds(schedule, s)
         gm = copy.deepcopy(captured.gm)
-        gm.meta["fxpar_signature"] = captured.signature.copy()
-        gm.meta["fxpar_optimizer"] = dict(plan.optimizer or {})   # graphs cut later update as the plan says
+        gm.meta[M.SIGNATURE.name] = captured.signature.copy()
+        gm.meta[M.OPTIMIZER.name] = dict(plan.optimizer or {})   # graphs cut later update as the plan says
         pm = PassManager(default_passes(plan, custom_passes, kinds), keep_history=keep_history)
         rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
-                          signature=gm.meta["fxpar_signature"], captured=captured)
+                          signature=gm.meta[M.SIGNATURE.name], captured=captured)
         ctx.store["kinds"] = kinds                          # the graphs the split will cut (passes read it)
         gm, hist = pm.run(gm, ctx)
         parts = ctx.store["split"]

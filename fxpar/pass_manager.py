@@ -158,7 +158,7 @@ class PassManager:
         except Exception as e:
             first = (str(e).strip().splitlines() or [""])[0][:500]
             raise PassError(f"after pass '{name}' the graph is malformed: {first} (passes before: {done or 'none'})") from e
-        sig = gm.meta.get("fxpar_signature")
+        sig = gm.meta.get(M.SIGNATURE.name)
         if sig is not None:
             n_in = sum(1 for n in gm.graph.nodes if n.op == "placeholder")
             outs = gm.graph.find_nodes(op="output")[0].args[0]

@@ -213,7 +213,7 @@ class Program:
         out = ShardingMap()
         for s in held:
             meta = self.stages[s].joint.meta
-            res, mods = meta.get("fxpar_shardings"), meta.get("fxpar_tp_modules", {})
+            res, mods = meta.get(M.SHARDINGS.name), meta.get(M.TP_MODULES.name, {})
             pre = f"stage{s}." if len(held) > 1 else ""
             for name, outs in (res.out.items() if res is not None else ()):
                 if outs:

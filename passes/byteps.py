@@ -153,7 +153,7 @@ class ServerSum(Pass):
             b.issued.sort(key=lambda e: (e[1].numel() == 0,))
             b.finish()
         g.lint()
-        gm.meta["fxpar_byteps"] = {"workers": n, "servers": servers, "ops": {servers[j]: ops[j] for j in range(k)},
+        gm.meta[M.BYTEPS.name] = {"workers": n, "servers": servers, "ops": {servers[j]: ops[j] for j in range(k)},
                                    "split": split}
         used = [s for s in split if s[1]]
         ctx.notes.append(f"byteps: {len(used)} of {len(buckets)} bucket(s) split: per bucket the workers all-reduce "

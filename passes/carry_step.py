@@ -144,6 +144,6 @@ def _interleave(f, step, need) -> tuple:
     f_out = list(fg.find_nodes(op="output")[0].args[0])
     g.output(tuple([torch.fx.map_arg(o, updated) for o in f_out] + [torch.fx.map_arg(o, lambda a: env[a]) for o in s_out]))
     gm = torch.fx.GraphModule(root, g, "F_UPDATEGraph")
-    gm.meta["fxpar_kind"] = "F_UPDATE"
+    gm.meta[M.KIND.name] = "F_UPDATE"
     g.lint()
     return gm, ins, list(f.outputs) + list(step.outputs)

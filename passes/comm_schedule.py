@@ -244,7 +244,7 @@ def split_foreach(gm, group_of: list) -> None:
 def _cross_iteration(gm, pieces, where, events) -> list:
     """Make the joint graph the steady-state step (module docstring, 3). Returns the carry keys."""
     g = gm.graph
-    sig = gm.meta["fxpar_signature"]
+    sig = gm.meta[M.SIGNATURE.name]
     outs = list(g.find_nodes(op="output")[0].args[0])
     phs = g.find_nodes(op="placeholder")
     role = dict(zip(phs, sig.inputs))
@@ -284,7 +284,7 @@ def _cross_iteration(gm, pieces, where, events) -> list:
             g.erase_node(ar)
         carry_keys.append(name)
     sig.inputs += [("carry", k) for k in carry_keys]
-    delayed = bool(gm.meta.get("fxpar_delayed_update"))
+    delayed = bool(gm.meta.get(M.DELAYED_UPDATE.name))
     # forward and backward read the updated parameters (under the delayed update: the ones before it)
     for k in (keys if not delayed else ()):
         for u in list(ph_of[k].users):
@@ -295,7 +295,7 @@ def _cross_iteration(gm, pieces, where, events) -> list:
     g.find_nodes(op="output")[0].args = (tuple([outs[i] for i in keep] + carry_out),)
     if not delayed:                # the delayed update stays after backward, where the optimizer was
         _move_updates(gm, keys, new_of, bucket_of_key, sig, events, carried_ops)
-    gm.meta["fxpar_carry"] = True
+    gm.meta[M.CARRY.name] = True
     return carry_keys
 
 
@@ -306,12 +306,12 @@ def carry_step(gm, pieces, events) -> list:
     optimizer per bucket and record, per need event in the plan's order, its bucket, how many collective ops it
     has (they sit in ``STEP`` in that order) and the bucket's parameter keys (``gm.meta['fxpar_carry_step']``).
     Returns the pieces waited in the next step."""
-    sig = gm.meta["fxpar_signature"]
+    sig = gm.meta[M.SIGNATURE.name]
     keys = [k for r, k in sig.inputs if r == "param"]
     bucket_of_key = buckets_of_params(pieces, keys)
     split_foreach(gm, [bucket_of_key[k] for k in keys])
     need = [[b, len(ops), [k for k in keys if bucket_of_key[k] == b]] for kind, b, ops in events if kind == "need"]
-    gm.meta["fxpar_carry_step"] = need
+    gm.meta[M.CARRY_STEP.name] = need
     gm.graph.lint()
     return [p for kind, _, ops in events if kind == "need" for op, p in ops if op == "wait"]
 
@@ -423,7 +423,7 @@ class CommSchedule(Pass):
         pieces = _pieces(gm, ctx, entry)
         if len(pieces) != len(entry["pieces"]):
             raise PassError(f"comm_schedule: stage {ctx.stage} has {len(pieces)} pieces, the plan {len(entry['pieces'])}")
-        gm.meta["fxpar_delayed_update"] = bool(cs.delayed_update)
+        gm.meta[M.DELAYED_UPDATE.name] = bool(cs.delayed_update)
         split = tuple(ctx.store.get("kinds", ("FULL",))) != ("FULL",)     # a pipeline, or several microbatches
         where = _place(gm, pieces, entry["events"], self.cross_iteration and not split)
         gm.graph.lint()
@@ -443,7 +443,7 @@ class CommSchedule(Pass):
     @staticmethod
     def _delay_zero(gm, ctx) -> PassResult:
         z = ctx.plan.section("zero").stage
-        if not gm.meta.get("fxpar_zero"):
+        if not gm.meta.get(M.ZERO.name):
             raise PassError(f"comm_schedule: Strategy(zero={z}, delayed_update=True), stage {ctx.stage}: "
                             "the zero pass sharded no parameter of this stage, so there is no reduce-scattered chunk to "
                             "carry; use delayed_update with zero=0 here")
@@ -475,7 +475,7 @@ def carry_variants(gm, sig) -> dict:
     drain_outs = [(o, rk) for o, rk in zip(outs, sig.outputs) if rk[0] in ("new_param", "new_opt_state")]
     need = _ancestors([o for o, _ in drain_outs], set())
     drain = _subgraph(gm, [n for n in g.nodes if n in need], role, drain_outs, {}, "DRAIN")
-    cfg = gm.meta.get("fxpar_optimizer")
+    cfg = gm.meta.get(M.OPTIMIZER.name)
     steady = reinplaced(copy.deepcopy(gm), list(sig.inputs), cfg)
     return {"FULL": (steady, list(sig.inputs), list(sig.outputs)), "FIRST": first,
             "DRAIN": (reinplaced(drain[0], drain[1], cfg), drain[1], drain[2])}
@@ -514,5 +514,5 @@ def _subgraph(gm, body, role, outs, subst, kind) -> tuple:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[o] for o, _ in outs))
     new = torch.fx.GraphModule(gm, g, f"{kind}Graph")
-    new.meta["fxpar_kind"] = kind
+    new.meta[M.KIND.name] = kind
     return new, ins, [rk for _, rk in outs]

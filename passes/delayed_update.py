@@ -38,7 +38,7 @@ def carry_zero_chunks(gm) -> list:
         return (loss, ..., new_params, w)                      # w: next step's carry_chunk0
     """
     g = gm.graph
-    sig = gm.meta["fxpar_signature"]
+    sig = gm.meta[M.SIGNATURE.name]
     out = g.find_nodes(op="output")[0]
     outs = list(out.args[0])
     last_ph = g.find_nodes(op="placeholder")[-1]
@@ -65,7 +65,7 @@ def carry_zero_chunks(gm) -> list:
     keep = [i for i, (r, _) in enumerate(sig.outputs) if r != "grad"]       # the update reads last step's gradients
     sig.outputs = [sig.outputs[i] for i in keep] + [("carry", k) for k in keys]
     out.args = (tuple([outs[i] for i in keep] + carried),)
-    gm.meta["fxpar_delayed_update"] = True
-    gm.meta["fxpar_carry"] = True
+    gm.meta[M.DELAYED_UPDATE.name] = True
+    gm.meta[M.CARRY.name] = True
     g.lint()
     return keys

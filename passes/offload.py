@@ -33,7 +33,7 @@ aten = torch.ops.aten
 def activations(gm) -> list:
     """Forward values backward reads, in forward order, leaving out what is made from parameters (and other
     non-batch inputs) alone, graph inputs themselves, tuples and scalars."""
-    sig = gm.meta.get("fxpar_signature")
+    sig = gm.meta.get(M.SIGNATURE.name)
     phs = gm.graph.find_nodes(op="placeholder")
     roles = dict(zip(phs, sig.inputs)) if sig is not None else {}
     weight_made = {ph for ph in phs if roles.get(ph, ("param",))[0] not in ("input", "target", "act")}

@@ -301,7 +301,7 @@ def _row_update(gm, ctx, key, chain, wa, wr, mod):
         x.replace_all_uses_with(param)
     _drop_element(g, sub, i)
     _drop_element(g, mul, i)
-    sig = gm.meta["fxpar_signature"]
+    sig = gm.meta[M.SIGNATURE.name]
     out = g.find_nodes(op="output")[0]
     keep = [j for j, rk in enumerate(sig.outputs) if tuple(rk) != ("grad", key)]
     out.args = (tuple(out.args[0][j] for j in keep),)

@@ -130,7 +130,7 @@ def _classify(gm, signature, split_backward: bool) -> dict:
 
 def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
     """Cut ``gm`` (a joint stage graph with ``gm.meta['fxpar_signature']``) into ``{kind: SplitGraph}``."""
-    sig = gm.meta["fxpar_signature"]
+    sig = gm.meta[M.SIGNATURE.name]
     if tuple(kinds) == ("FULL",):
         return {"FULL": SplitGraph("FULL", gm, list(sig.inputs), list(sig.outputs))}
     split_bw = "I" in kinds
@@ -377,7 +377,7 @@ def _build(gm, kind, ins, consts, body, outs) -> torch.fx.GraphModule:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[n] for n, _ in outs))
     new = torch.fx.GraphModule(gm, g, f"{kind}Graph")
-    new.meta["fxpar_kind"] = kind
+    new.meta[M.KIND.name] = kind
     return new
 
 

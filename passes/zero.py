@@ -78,7 +78,7 @@ class ZeroShard(Pass):
         n = plan.dp
         ranks = plan.group_of("dp", ctx.rank)
         g = gm.graph
-        sig = gm.meta["fxpar_signature"]
+        sig = gm.meta[M.SIGNATURE.name]
         phs = g.find_nodes(op="placeholder")
         ph_of = {rk: ph for ph, rk in zip(phs, sig.inputs)}
         shapes = {k: tuple(chains[k][0].meta["val"].shape) for k in keys}
@@ -126,7 +126,7 @@ class ZeroShard(Pass):
             stats["all_gather"] += self._gather_updates(g, sig, buckets, sizes, numels, shapes, n, ranks)
         _refresh_vals(gm)
         g.lint()
-        gm.meta["fxpar_zero"] = {"stage": z, "n": n, "keys": {k: [list(shapes[k]), sizes[k]] for k in keys}}
+        gm.meta[M.ZERO.name] = {"stage": z, "n": n, "keys": {k: [list(shapes[k]), sizes[k]] for k in keys}}
         ctx.notes.append(f"zero: stage {z} over dp={n}: {len(keys)} parameters in chunks; "
                          f"{stats['reduce_scatter']} reduce_scatter(s), {stats['all_gather']} all_gather(s) per step")
         return PassResult(gm, True, {"keys": len(keys), **stats})

@@ -86,7 +86,7 @@ def _is_copy(n, device=None) -> bool:
 
 def graph_device(gm) -> torch.device:
     """The compute device: where the graph's parameters are."""
-    sig = gm.meta["fxpar_signature"]
+    sig = gm.meta[M.SIGNATURE.name]
     for ph, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), sig.inputs):
         if role == "param" and isinstance(ph.meta.get("val"), torch.Tensor):
             return ph.meta["val"].device
@@ -198,11 +198,11 @@ class ZeroOffload(Pass):
     def run(self, gm, ctx: PassContext) -> PassResult:
         off = ctx.plan.section("zero_offload")
         what = set(off.what) if off is not None else set()
-        info = gm.meta.get("fxpar_zero")
+        info = gm.meta.get(M.ZERO.name)
         if not what or not info:
             return PassResult(gm, False)
         g = gm.graph
-        sig = gm.meta["fxpar_signature"]
+        sig = gm.meta[M.SIGNATURE.name]
         roles = dict(zip(g.find_nodes(op="placeholder"), sig.inputs))
         device, stage = graph_device(gm), info["stage"]
         stats = {"to_host": 0, "to_device": 0, "prefetch": 0}
@@ -217,7 +217,7 @@ class ZeroOffload(Pass):
                       ({"opt_state"} if "optimizer" in what else set())
             stats["prefetch"] = len(prefetch_update_reads(g, roles, on_disk)) + len(prefetch_reads(g, roles, on_disk))
         g.lint()
-        gm.meta["fxpar_zero_offload"] = {"host": str(HOST), "device": str(device), **stats}
+        gm.meta[M.ZERO_OFFLOAD.name] = {"host": str(HOST), "device": str(device), **stats}
         ctx.notes.append(
             f"zero_offload: {stats['to_host']} gradient chunk copy(ies) to {HOST} (one per bucket, after its "
             f"reduce-scatter), the update on the host, {stats['to_device']} copy(ies) to {device} "

@@ -121,7 +121,8 @@ def test_plan_round_trips_and_an_edited_plan_is_used():
 
 @pytest.mark.structure
 def test_every_graph_level_meta_key_written_is_declared():
-    """``gm.meta["fxpar_..."] = ...`` anywhere in the library names a key of ``fxpar.meta.GRAPH_KEYS``."""
+    """``gm.meta[M.SIGNATURE.name] = ...`` (or a literal ``gm.meta["fxpar_..."] = ...``) anywhere in the library
+    names a key of ``fxpar.meta.GRAPH_KEYS`` (or a node key of ``fxpar.meta.KEYS``)."""
     import importlib
     import re
     from pathlib import Path
@@ -130,6 +131,9 @@ def test_every_graph_level_meta_key_written_is_declared():
     written = set()
     for pkg in ("fxpar", "passes", "cost_models"):          # where they are imported from (the wheel, under CI)
         for p in Path(importlib.import_module(pkg).__file__).parent.rglob("*.py"):
-            written |= set(re.findall(r"\.meta\[\"(fxpar_[a-z_]+)\"\]\s*=", p.read_text()))
+            text = p.read_text()
+            written |= set(re.findall(r"\.meta\[\"(fxpar_[a-z_]+)\"\]\s*=", text))
+            written |= {getattr(M, c, M.MetaKey(f"M.{c}", None, "", "")).name
+                        for c in re.findall(r"\.meta\[M\.([A-Z_]+)\.name\]\s*=", text)}
     assert written, "no graph-level key found: the scan is broken"
     assert written <= set(M.GRAPH_KEYS) | set(M.KEYS), sorted(written - set(M.GRAPH_KEYS) - set(M.KEYS))

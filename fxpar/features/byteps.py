@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from cost_models.byteps_traffic import gain_over_allreduce, server_share
+from fxpar import meta as M
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, PlanSection, Slot, register_feature
 from fxpar.runner import GroupExit
@@ -96,7 +97,7 @@ class BytePS(Feature):
         return self.plan(strategy, plan, cluster) if cluster is not None else section
 
     def extra_ranks(self, section, program, host):
-        return server_payloads(section, program.stages[0].joint.meta.get("fxpar_byteps"), program.plan.all_groups(),
+        return server_payloads(section, program.stages[0].joint.meta.get(M.BYTEPS.name), program.plan.all_groups(),
                                host)
 
     def extra_runner(self, payload, program):

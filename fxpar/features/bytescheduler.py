@@ -31,6 +31,7 @@ import torch
 from cost_models.comm import collective_cost
 from cost_models.comm_tuning import CreditError, plan_stage, stage_timings
 from cost_models.compute import graph_compute
+from fxpar import meta as M
 from fxpar.roles import Role
 from fxpar.backward_order import reordered_backward, why_not_reorder
 from fxpar.errors import StrategyError
@@ -504,13 +505,13 @@ class ByteScheduler(Feature):
         return ("reinplace_optimizer",) if section.cross_iteration else ()
 
     def after_split(self, section, parts, joint, ctx):
-        sig = joint.meta["fxpar_signature"]
-        if set(parts) == {"FULL"} and joint.meta.get("fxpar_carry"):      # the first step, and the drain
+        sig = joint.meta[M.SIGNATURE.name]
+        if set(parts) == {"FULL"} and joint.meta.get(M.CARRY.name):      # the first step, and the drain
             return {k: SplitGraph(k, *v) for k, v in carry_variants(joint, sig).items()}
-        need = joint.meta.get("fxpar_carry_step")
+        need = joint.meta.get(M.CARRY_STEP.name)
         if need:                       # STEP runs in the next step's first F
             parts = dict(parts)
-            parts.update(carry_forward(parts["F"], parts["STEP"], need, joint.meta.get("fxpar_optimizer")))
+            parts.update(carry_forward(parts["F"], parts["STEP"], need, joint.meta.get(M.OPTIMIZER.name)))
         return parts
 
     def rank_info(self, section, program, rank):

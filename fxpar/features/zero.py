@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from fxpar import meta as M
 from fxpar.roles import Role
 from fxpar.errors import StrategyError
 from fxpar.explain import fmt_bytes
@@ -171,7 +172,7 @@ class Zero(Feature):
         return add_unshard(schedule, [s for s in range(plan.n_stages) if zero_keys(plan, s)])
 
     def rank_info(self, section, program, rank):
-        info = {s: program.stages[s].joint.meta.get("fxpar_zero") for s in program.plan.rank_stages(rank)}
+        info = {s: program.stages[s].joint.meta.get(M.ZERO.name) for s in program.plan.rank_stages(rank)}
         return {s: z for s, z in info.items() if z} or None
 
     def explain(self, section, program) -> list:
@@ -181,7 +182,7 @@ class Zero(Feature):
                                  * torch.empty((), dtype=cap.param_dtypes[k]).element_size())
         for st in program.stages:
             cap = st.captured
-            keys = (st.joint.meta.get("fxpar_zero") or {}).get("keys", {})
+            keys = (st.joint.meta.get(M.ZERO.name) or {}).get("keys", {})
             whole = sum(nbytes(cap, k) for k in cap.param_names)
             sharded = sum(nbytes(cap, k) for k in keys)
             part = lambda stage: whole - sharded + sharded / plan.dp if section.stage >= stage else whole   # noqa: E731
