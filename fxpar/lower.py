@@ -62,10 +62,10 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, keep_histo
         pm = PassManager(default_passes(plan, custom_passes, kinds), keep_history=keep_history)
         rank = plan.stage_to_rank[s][0] * plan.width        # the stage's first holder stands for all its holders
         ctx = PassContext(plan=plan, cluster=cluster, mesh=plan.mesh, rank=rank, stage=s,
-                          signature=gm.meta[M.SIGNATURE.name], captured=captured)
-        ctx.store["kinds"] = kinds                          # the graphs the split will cut (passes read it)
+                          signature=gm.meta[M.SIGNATURE.name], captured=captured,
+                          kinds=kinds)                      # the graphs the split will cut (passes read it)
         gm, hist = pm.run(gm, ctx)
-        parts = ctx.store["split"]
+        parts = ctx.split
         for name, section in plan.features.items():      # graphs a feature derives from the cut ones
             parts = get_feature(name).after_split(section, parts, gm, ctx)
         for h in hist:

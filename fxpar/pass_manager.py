@@ -24,6 +24,7 @@ import torch.fx
 
 from . import meta as M
 from .errors import PassError
+from .roles import GraphKind
 
 __all__ = ["Pass", "PassResult", "PassContext", "PassManager", "HistoryEntry", "graph_pass"]
 
@@ -37,7 +38,13 @@ class PassResult:
 
 @dataclass
 class PassContext:
-    """What a pass may read: the plan, the cluster, the mesh, which rank it lowers for."""
+    """What a pass may read: the plan, the cluster, the mesh, which rank it lowers for; and what passes hand on.
+
+    ``kinds`` is set by ``fxpar.lower`` before the passes run; ``split`` is written by the last pass,
+    ``split_graphs``, and read by ``lower``. A feature's or a user's pass that hands data to a later pass keeps it
+    under its own name in ``scratch`` (``ctx.scratch.setdefault("my_feature", {})["x"] = ...``): core state has
+    a typed field here, never a ``scratch`` key.
+    """
     plan: Any = None
     cluster: Any = None
     mesh: Any = None
@@ -45,8 +52,10 @@ class PassContext:
     stage: int = 0                     # the pipeline stage whose joint graph is lowered (0 without a pipeline)
     signature: Any = None              # fxpar.capture.StepSignature of the graph being lowered
     captured: Any = None               # fxpar.capture.CapturedStep
+    kinds: tuple = (GraphKind.FULL,)   # the graphs the split will cut (fxpar.roles.GraphKind), in order
+    split: dict | None = None          # {GraphKind: passes.split_graphs.SplitGraph}, once split_graphs has run
     notes: list = field(default_factory=list)    # plain-language lines for explain()
-    store: dict = field(default_factory=dict)    # what passes hand to later passes / the runtime
+    scratch: dict = field(default_factory=dict)  # feature or pass name -> its own data for later passes
 
 
 class Pass:

@@ -424,7 +424,7 @@ class CommSchedule(Pass):
         if len(pieces) != len(entry["pieces"]):
             raise PassError(f"comm_schedule: stage {ctx.stage} has {len(pieces)} pieces, the plan {len(entry['pieces'])}")
         gm.meta[M.DELAYED_UPDATE.name] = bool(cs.delayed_update)
-        split = tuple(ctx.store.get("kinds", ("FULL",))) != ("FULL",)     # a pipeline, or several microbatches
+        split = tuple(ctx.kinds) != ("FULL",)     # a pipeline, or several microbatches
         where = _place(gm, pieces, entry["events"], self.cross_iteration and not split)
         gm.graph.lint()
         if self.cross_iteration and split:

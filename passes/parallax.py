@@ -279,9 +279,9 @@ def _row_update(gm, ctx, key, chain, wa, wr, mod):
     if isinstance(found, str):
         raise PassError(f"parallax: the plan updates {key} in its touched rows only, but {found}; {fix}, or train "
                         "with plain SGD (no momentum, no weight decay)")
-    if ctx.store.get("kinds", ("FULL",)) != ("FULL",):
+    if tuple(ctx.kinds) != ("FULL",):
         raise PassError(f"parallax: the plan updates {key} in its touched rows only, but this step is cut into "
-                        f"{ctx.store['kinds']} (microbatches > 1: the runtime sums the gradients densely); {fix}, or "
+                        f"{ctx.kinds} (microbatches > 1: the runtime sums the gradients densely); {fix}, or "
                         "use microbatches=1")
     mul, sub, i = found
     lr = mul.args[1]

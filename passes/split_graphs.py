@@ -382,7 +382,7 @@ def _build(gm, kind, ins, consts, body, outs) -> torch.fx.GraphModule:
 
 
 class SplitGraphs(Pass):
-    """The pass form, last in the pipeline: ``ctx.store['split']`` gets ``{kind: SplitGraph}``; the joint
+    """The pass form, last in the pipeline: ``ctx.split`` gets ``{kind: SplitGraph}``; the joint
     graph itself is returned unchanged (history shows each cut graph as its own entry)."""
     name = "split_graphs"
 
@@ -391,7 +391,7 @@ class SplitGraphs(Pass):
 
     def run(self, gm, ctx: PassContext) -> PassResult:
         parts = split_graphs(gm, self.kinds)
-        ctx.store["split"] = parts
+        ctx.split = parts
         if tuple(self.kinds) != ("FULL",):
             ctx.notes.append("split_graphs: " + ", ".join(f"{k} {len(p.gm.graph.nodes)} nodes" for k, p in parts.items()))
         return PassResult(gm, False, {"graphs": {k: p.gm.code for k, p in parts.items()}})

@@ -396,14 +396,17 @@ def _stage_graph(gm, roles, s, own, acts_in, outs, acts, is_last) -> StageGraph:
 
 
 class SplitStages(Pass):
-    """The pass form: ``ctx.store['pipeline']`` holds ``n_stages``, ``roles``, optional ``split_points`` and
-    ``module_types``; the result's ``info['split']`` is the :class:`StageSplit`. The graph is unchanged."""
+    """The pass form of :func:`split_stages`, configured when made; the :class:`StageSplit` goes to the result's
+    ``info['split']`` and to ``ctx.scratch['split_stages']``. The graph is unchanged."""
     name = "split_stages"
 
+    def __init__(self, n_stages: int, roles: dict, split_points=None, module_types: dict | None = None,
+                 flops_per_byte: float = 0.0):
+        self.n_stages, self.roles, self.split_points = n_stages, roles, split_points
+        self.module_types, self.flops_per_byte = module_types, flops_per_byte
+
     def run(self, gm, ctx) -> PassResult:
-        cfg = ctx.store["pipeline"]
-        split = split_stages(gm, cfg["roles"], cfg["n_stages"], cfg.get("split_points"), cfg.get("module_types"),
-                             cfg.get("flops_per_byte", 0.0))
-        ctx.store["split"] = split
+        split = split_stages(gm, self.roles, self.n_stages, self.split_points, self.module_types, self.flops_per_byte)
+        ctx.scratch[self.name] = split
         ctx.notes.append(f"split_stages: {len(split.stages)} stages, cuts before {split.cuts}")
         return PassResult(gm, modified=False, info={"split": split})

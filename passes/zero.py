@@ -92,7 +92,7 @@ class ZeroShard(Pass):
         buckets += [[k] for k in keys if k not in covered]
         grad_shard = {}
         stats = {"reduce_scatter": 0, "all_gather": 0}
-        per_step = "UNSHARD" in ctx.store.get("kinds", ())    # F/B graphs under a schedule: gather once per step
+        per_step = "UNSHARD" in ctx.kinds    # F/B graphs under a schedule: gather once per step
         for b in buckets:
             grad_shard.update(self._reduce_scatter(g, b, chains, sizes, numels, n, ranks, z))
             stats["reduce_scatter"] += 1

@@ -126,6 +126,20 @@ def test_stage_imbalance_and_its_warning():
     assert "stage 0" in imbalance_warning(lopsided) and "split_points" in imbalance_warning(lopsided)
 
 
+
+def test_split_stages_pass_form_hands_its_split_on():
+    """``SplitStages`` as a pass: the same cut as the function, in ``info['split']`` and ``ctx.scratch``."""
+    from fxpar.pass_manager import PassContext, PassManager
+    from passes.split_stages import SplitStages
+    ft = _trace(_Nested().double(), _x(), F.cross_entropy)
+    ctx = PassContext()
+    gm, hist = PassManager([SplitStages(2, ft.roles, None, ft.module_types)]).run(ft.gm, ctx)
+    want = split_stages(ft.gm, ft.roles, 2, None, ft.module_types)
+    got = ctx.scratch["split_stages"]
+    assert hist[-1].info["split"] is got and gm is ft.gm and not hist[-1].modified
+    assert got.cuts == want.cuts and [st.nodes for st in got.stages] == [st.nodes for st in want.stages]
+    assert ctx.notes == [f"split_stages: 2 stages, cuts before {want.cuts}"]
+
 # ---- Hugging Face models ---------------------------------------------------------------------------
 
 @pytest.fixture
