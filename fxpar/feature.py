@@ -315,9 +315,10 @@ class Feature:
         return {}
 
     # ---- ranks beside the workers ----------------------------------------------------------------------
-    def extra_ranks(self, section, program, host: dict) -> list:
+    def extra_ranks(self, section, program, host) -> list:
         """Payloads of the ranks this feature runs after the workers' (``program.world_size`` on), one per rank,
-        each an :class:`ExtraRank`; ``host``: the settings every rank's process applies to itself."""
+        each an :class:`ExtraRank`; ``host``: the settings every rank's process applies to itself
+        (:class:`fxpar.host.HostSettings`)."""
         return []
 
     def extra_runner(self, payload, program):

@@ -6,8 +6,16 @@ Both sides use them: ``fxpar.tools.calibrate`` measures with them, and fxpar's r
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
-__all__ = ["COMM_THREAD_NAMES", "raise_comm_threads", "reuse_freed_memory"]
+__all__ = ["COMM_THREAD_NAMES", "HostSettings", "raise_comm_threads", "reuse_freed_memory"]
+
+
+@dataclass(frozen=True)
+class HostSettings:
+    """The ClusterSpec's settings every rank's process applies to itself (workers and a feature's extra ranks)."""
+    comm_priority: bool = False          # ClusterSpec.comm_priority: raise the gloo threads (:func:`raise_comm_threads`)
+    host_memory_reuse: bool = True       # ClusterSpec.host_memory_reuse: :func:`reuse_freed_memory` before the first step
 
 # gloo's threads: its TCP transport's event loop (one per device) and ProcessGroupGloo's workers (2 per group)
 COMM_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")

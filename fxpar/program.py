@@ -11,8 +11,10 @@ from . import inputs
 from . import meta as M
 from .collectives import collective_nodes
 from .runtime.executor import Executor, RankPayload, train
+from .runtime.settings import RunSettings
 from .errors import InputError
 from .feature import ExtraRank, get_feature
+from .host import HostSettings
 from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard, init_from_env
 from .portable import pack_graph_module, unpack_graph_module
 from .runner import RankRunner, RunResult
@@ -312,10 +314,10 @@ class Program:
         return f"<fxpar.Program {self.model_name} {self.strategy} on {self.world_size} ranks>"
 
     # ---- running ------------------------------------------------------------------------------
-    def _host_settings(self) -> dict:
+    def _host_settings(self) -> HostSettings:
         """The ClusterSpec's settings each rank's process applies to itself (``fxpar.host``)."""
-        return {"comm_priority": bool(getattr(self.cluster, "comm_priority", False)),
-                "host_memory_reuse": bool(getattr(self.cluster, "host_memory_reuse", True))}
+        return HostSettings(comm_priority=bool(getattr(self.cluster, "comm_priority", False)),
+                            host_memory_reuse=bool(getattr(self.cluster, "host_memory_reuse", True)))
 
     def extra_ranks(self) -> list:
         """The ranks the enabled features run beside the workers (``fxpar.feature.ExtraRank``, ranks ``world_size ..``: e.g.
@@ -332,15 +334,15 @@ class Program:
         """Rank ``rank``'s part, picklable. Asynchronous schedules cover all ``n_batches`` batches in one window."""
         pr, _ = self._check_rank(rank)
         sched = self.pipe_schedule
-        extra = {"n_inputs": self.n_inputs, "record_weights": record_weights, "rng_seed": seed,
-                 "measure_comm": measure_comm, "measure_memory": measure_memory, "aliases": dict(self.aliases),
-                 "save_to": None if save_to is None else str(save_to),
-                 "resume_from": None if resume_from is None else str(resume_from),
-                 **self._host_settings()}
+        settings = RunSettings(n_inputs=self.n_inputs, record_weights=record_weights, rng_seed=seed,
+                               measure_comm=measure_comm, measure_memory=measure_memory, aliases=dict(self.aliases),
+                               save_to=None if save_to is None else str(save_to),
+                               resume_from=None if resume_from is None else str(resume_from),
+                               host=self._host_settings())
         if self.asynchronous:
             resumed = resume_from is not None and self.plan.schedule == "2bw"
             sched = build_schedule(self.plan, n_batches, resumed=resumed)
-            extra.update(asynchronous=True, resumed=resumed)
+            settings.asynchronous, settings.resumed = True, resumed
         held = self.plan.rank_stages(rank)
         keys = {k for s in held for k in self.stages[s].param_keys}
         reduced_by = {}          # stage -> {tied key: the held stage that reduces it for this rank}
@@ -350,7 +352,7 @@ class Program:
                     by = [t for t in held if t != s and self.plan.grad_groups[t].get(k)]
                     if by:
                         reduced_by.setdefault(s, {})[k] = by[0]
-        extra["reduced_by"] = reduced_by
+        settings.reduced_by = reduced_by
         bindings = {}
         all_groups = self.plan.all_groups()
         for name, ranks in all_groups:       # only groups every rank creates (a process group is made by all)
@@ -370,7 +372,7 @@ class Program:
                            stage_params={s: self.stages[s].param_keys for s in held},
                            params={k: self._params[k] for k in keys}, buffers=dict(self._buffers),
                            optimizer=self.optimizer, groups=all_groups, bindings=bindings,
-                           lr_scheduler=self._lr_scheduler, extra=extra)
+                           lr_scheduler=self._lr_scheduler, settings=settings)
 
     def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
                   measure_comm: bool = False, record_weights: bool = False, seed: int | None = 0,

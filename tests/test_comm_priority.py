@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.tools.calibrate import in_step_slots
-from fxpar.host import COMM_THREAD_NAMES
+from fxpar.host import COMM_THREAD_NAMES, HostSettings
 from fxpar.errors import ClusterSpecError
 from fxpar.testing import max_abs_diff, reference_training
 
@@ -129,7 +129,7 @@ def test_comm_priority_with_a_byteps_server_raises_its_threads_too():
     (one world barrier on every rank, workers and server alike), and training still equals single-process."""
     spec = fxpar.ClusterSpec.local(2, cpu_servers=1, comm_priority=True)
     probes, prog = _train_raised(spec, "byteps", 2, seed=2)
-    assert all(s.extra == {"comm_priority": True, "host_memory_reuse": True} for s in prog.extra_ranks())
+    assert all(s.host == HostSettings(comm_priority=True, host_memory_reuse=True) for s in prog.extra_ranks())
     assert len(probes) == 3
     for may, pol in probes:                        # the server's own group's threads too (two workers per group)
         assert len(pol) >= 5 and set(pol) == ({os.SCHED_FIFO} if may else {os.SCHED_OTHER})

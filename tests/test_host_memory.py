@@ -107,7 +107,7 @@ def test_ranks_reuse_freed_memory_by_default_and_train_as_single_process(cluster
     for reuse in (True, False):
         spec = fxpar.ClusterSpec.local(2, host_memory_reuse=reuse)
         prog = fxpar.parallelize(model, spec, batches[0], F.cross_entropy, opt, strategy=fxpar.Strategy(dp=2))
-        assert prog.payload(0).extra["host_memory_reuse"] is reuse
+        assert prog.payload(0).settings.host.host_memory_reuse is reuse
         if reuse:
             lc = fxpar.LocalCluster(2)                    # fresh processes: nothing applied before this program
             try:

@@ -19,8 +19,8 @@ parameter); the collectives ``REDUCE_GRAD`` started, until ``STEP`` waits on the
 
 Besides the math each rank measures, per window: per stage the most microbatches whose saved
 tensors were alive at once and their bytes (``act_peak``, ``act_peak_bytes``), the seconds of every
-action (``action_times``, ``timelines``), with ``extra['record_weights']`` a fingerprint of the
-weights every F and B computes with (``weight_log``), and with ``extra['measure_memory']`` the most tensor bytes
+action (``action_times``, ``timelines``), with ``settings.record_weights`` a fingerprint of the
+weights every F and B computes with (``weight_log``), and with ``settings.measure_memory`` the most tensor bytes
 alive at once and those held at the start (``peak_memory``, :class:`~fxpar.runtime.measure.MemoryTracker`).
 """
 from __future__ import annotations
@@ -38,11 +38,12 @@ from ..host import reuse_freed_memory
 from ..roles import Role
 from ..schedule import ActionKind
 from .measure import CommCounter, MemoryTracker
+from .settings import RunSettings
 from .groups import bind_groups, comm_priority, group, seed_rank
 from .state import load_rank_state, save_rank_state
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
-__all__ = ["RankPayload", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group"]
+__all__ = ["RankPayload", "RunSettings", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group"]
 
 _K = ActionKind
 
@@ -64,7 +65,7 @@ class RankPayload:
     groups: list                   # every process group of the program, (name, ranks), in creation order
     bindings: dict                 # group name -> this rank's ranks in it
     lr_scheduler: object = None    # (SchedulerClass, kwargs), callable(torch optimizer) -> scheduler, or None
-    extra: dict = field(default_factory=dict)
+    settings: RunSettings = field(default_factory=RunSettings)   # the run's settings (n_inputs, seed, measuring ...)
     features: dict = field(default_factory=dict)   # feature name -> (its RankState class, the rank's info)
     tp: int = 1                    # tensor-parallel ranks per dp replica: rank = (pipe rank * dp + dp index) * tp + tp index
 
@@ -109,8 +110,8 @@ class Executor:
         self.width = p.dp * p.tp                          # ranks per pipeline rank
         self.pipe_rank, self.inner = divmod(p.rank, self.width)
         self.dp_index, self.tp_index = divmod(self.inner, p.tp)
-        seed_rank(p.extra, p.rank)
-        if p.extra.get("host_memory_reuse", True):     # ClusterSpec.host_memory_reuse: before the first allocation
+        seed_rank(p.settings.rng_seed, p.rank)
+        if p.settings.host.host_memory_reuse:     # ClusterSpec.host_memory_reuse: before the first allocation
             reuse_freed_memory()
         if dist.is_initialized():
             for name, ranks in p.groups:      # every rank creates every group, in one order
@@ -121,7 +122,7 @@ class Executor:
             for gm in gms:
                 bind_groups(gm, names)
                 lower_for_backend(gm, anywhere=across)   # gloo: a gather beside another collective, through dist
-            if p.extra.get("comm_priority"):
+            if p.settings.host.comm_priority:
                 dist.barrier()                    # every group's threads up (and named) before they are raised
                 comm_priority(p.rank)
         self.params = {s: {k: p.params[k].detach().clone() for k in keys} for s, keys in p.stage_params.items()}
@@ -146,12 +147,12 @@ class Executor:
             self.torch_opt._opt_called = True
         self.step_count = {s: 0 for s in p.stage_params}
         self.last_stage = len(p.stage_to_rank) - 1
-        self.n_inputs = p.extra.get("n_inputs", 0)
+        self.n_inputs = p.settings.n_inputs
         self.loss_sums, self.step_times = [], []
         self.comm = {"sent_bytes": 0, "sends": 0, "recvs": 0}
         self.comm_calls: list = []
-        self.measure_comm = bool(p.extra.get("measure_comm"))
-        self.measure_memory = bool(p.extra.get("measure_memory"))
+        self.measure_comm = p.settings.measure_comm
+        self.measure_memory = p.settings.measure_memory
         self.peak_memory: list = []          # measure_memory: per window (most live tensor bytes, bytes at its start)
         self.peak_versions: dict = {}
         self.peak_version_bytes = 0
@@ -160,7 +161,7 @@ class Executor:
         self.act_peak_bytes = {s: 0 for s in p.stage_params}
         self.action_times: list = []
         self.timelines: list = []
-        self.record_weights = bool(p.extra.get("record_weights"))
+        self.record_weights = p.settings.record_weights
         self.weight_log: list = []
         self.prev_params: dict = {}          # 2BW: per stage the weights before the newest (saved with a checkpoint)
         self.state_bytes: dict = {}          # most model-state bytes held at an update: params, grads, optimizer
@@ -220,7 +221,7 @@ class Executor:
         """Run this rank's actions over ``micro``; loss sums per group of ``per_batch`` microbatches."""
         per_batch = per_batch or len(micro)
         actions = self.p.actions
-        previous = self.prev_params if self.p.extra.get("resumed") else None
+        previous = self.prev_params if self.p.settings.resumed else None
         w = _Window(micro, len(micro) // per_batch, VersionStore(self.params, actions, previous))
         w.per_batch = per_batch
         for idx, a in enumerate(actions):
@@ -332,8 +333,8 @@ class Executor:
 
     def _step_grad(self, w, s, key):
         """The gradient STEP s updates ``key`` with. A parameter this rank shares between stages is reduced by one
-        of them (``extra["reduced_by"]``): its result must exist before another stage steps with it."""
-        reducer = self.p.extra.get("reduced_by", {}).get(s, {}).get(key)
+        of them (``settings.reduced_by``): its result must exist before another stage steps with it."""
+        reducer = self.p.settings.reduced_by.get(s, {}).get(key)
         if reducer is not None and key not in w.synced:
             raise RuntimeError(
                 f"rank {self.rank}: STEP{s} needs the reduced gradient of {key!r}, which stage {reducer} reduces for "
@@ -540,12 +541,12 @@ class Executor:
     def save(self, path) -> None:
         """Collective: write this rank's part of the training state to the checkpoint ``path`` (DCP)."""
         self.drain()
-        save_rank_state(self, path, self.p.extra.get("aliases", {}))
+        save_rank_state(self, path, self.p.settings.aliases)
 
     def load(self, path) -> None:
         """Collective: restore the training state from the checkpoint ``path``, saved under any strategy."""
         self.drain()                    # a step in flight finishes before the state is replaced
-        load_rank_state(self, path, self.p.extra.get("aliases", {}), need_stash=bool(self.p.extra.get("resumed")))
+        load_rank_state(self, path, self.p.settings.aliases, need_stash=self.p.settings.resumed)
 
     def collective(self) -> bool:
         """Whether whole tensors come from a collective (a feature's state is spread over ranks): then every rank
@@ -617,9 +618,9 @@ class Executor:
 def train(payload: RankPayload, batches: list) -> dict:
     """Worker entry: run every step; return loss sums, times, measurements and (dp index 0) the state."""
     ex = Executor(payload)
-    if payload.extra.get("resume_from"):
-        ex.load(payload.extra["resume_from"])
-    if payload.extra.get("asynchronous"):
+    if payload.settings.resume_from:
+        ex.load(payload.settings.resume_from)
+    if payload.settings.asynchronous:
         ex.run_async(batches)
     else:
         for b in batches:
@@ -632,8 +633,8 @@ def train(payload: RankPayload, batches: list) -> dict:
            "weight_log": ex.weight_log, "timelines": ex.timelines}
     out["state_bytes"] = {"on_disk": 0, **ex.state_bytes}
     out["peak_memory"] = ex.peak_memory
-    if payload.extra.get("save_to"):
-        ex.save(payload.extra["save_to"])
+    if payload.settings.save_to:
+        ex.save(payload.settings.save_to)
     collective = ex.collective()
     state = ex.state_dict() if ex.dp_index == 0 or collective else None
     if ex.dp_index == 0:

@@ -66,8 +66,8 @@ def bind_groups(gm: torch.fx.GraphModule, names: dict) -> torch.fx.GraphModule:
     return gm
 
 
-def seed_rank(extra: dict, rank: int) -> None:
-    """``extra["rng_seed"]`` set: seed torch's generator with it + rank, so random ops (dropout) are
+def seed_rank(seed: int | None, rank: int) -> None:
+    """``seed`` (``RunSettings.rng_seed``) set: seed torch's generator with it + rank, so random ops (dropout) are
     reproducible and differ between ranks. None: leave the generator as the process has it."""
-    if extra.get("rng_seed") is not None:
-        torch.manual_seed(int(extra["rng_seed"]) + rank)
+    if seed is not None:
+        torch.manual_seed(int(seed) + rank)

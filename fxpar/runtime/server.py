@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ..feature import ExtraRank
-from ..host import reuse_freed_memory
+from ..host import HostSettings, reuse_freed_memory
 from .groups import comm_priority, group
 
 __all__ = ["ServerPayload", "server_payloads", "stop_messages", "join_groups", "serve_step", "serve_sums"]
@@ -45,7 +45,7 @@ class ServerPayload(ExtraRank):
     ranks: tuple                   # its group: the workers, then this server
     ops: list                      # one step, in issue order: ("go" | "push" | "pull", elements, dtype name)
     groups: list                   # every process group of the program, (name, ranks): every rank creates them
-    extra: dict = field(default_factory=dict)
+    host: HostSettings = field(default_factory=HostSettings)   # the ClusterSpec's settings for this process
     n_servers: int = 1             # how many the ClusterSpec asked for
 
     def origin(self) -> str:
@@ -62,11 +62,11 @@ class ServerPayload(ExtraRank):
                                    [0] * (n + 1), [0] * n + [1], group=group(tuple(ranks), name))
 
 
-def server_payloads(section, byteps: dict | None, groups: list, extra: dict | None = None) -> list:
+def server_payloads(section, byteps: dict | None, groups: list, host: HostSettings | None = None) -> list:
     """One :class:`ServerPayload` per CPU server of the Plan's ``byteps`` section (``fxpar.features.byteps``);
     ``byteps`` is the record ``passes.byteps`` left on the lowered graph (``gm.meta["fxpar_byteps"]``); ``groups``:
-    every process group of the program (``Plan.all_groups()``); ``extra``: runtime settings every server gets
-    (``comm_priority``, ``host_memory_reuse``)."""
+    every process group of the program (``Plan.all_groups()``); ``host``: the ClusterSpec's settings every server
+    applies to itself (``comm_priority``, ``host_memory_reuse``)."""
     servers = list(section.servers)
     ops = (byteps or {}).get("ops", {})
     out = []
@@ -74,7 +74,7 @@ def server_payloads(section, byteps: dict | None, groups: list, extra: dict | No
         name = f"server{j}"
         ranks = tuple(section.groups[name][0])
         out.append(ServerPayload(rank=s, name=name, ranks=ranks, ops=[tuple(o) for o in ops.get(s, ())],
-                                 groups=list(groups), extra=dict(extra or {}), n_servers=len(servers)))
+                                 groups=list(groups), host=host or HostSettings(), n_servers=len(servers)))
     return out
 
 
@@ -94,12 +94,12 @@ def _a2a(pg, n: int, send: torch.Tensor, to_workers: int, from_workers: int, dty
 def join_groups(p: ServerPayload):
     """Create every group of the program, in the workers' order (a process group is made by all ranks); returns
     this server's group."""
-    if p.extra.get("host_memory_reuse", True):     # ClusterSpec.host_memory_reuse, as the workers' Executor does
+    if p.host.host_memory_reuse:     # ClusterSpec.host_memory_reuse, as the workers' Executor does
         reuse_freed_memory()
     for name, ranks in p.groups:
         group(ranks, name)
     pg = group(p.ranks, p.name)
-    if p.extra.get("comm_priority"):      # ClusterSpec.comm_priority, as the workers' Executor does
+    if p.host.comm_priority:      # ClusterSpec.comm_priority, as the workers' Executor does
         dist.barrier()                    # every group's threads up (and named) before they are raised
         comm_priority(p.rank)
     return pg

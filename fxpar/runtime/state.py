@@ -9,11 +9,13 @@ other (the keys never name a rank, a stage or a shard):
   each key) and buffers, under the model's keys;
 * optimizer state as ``optim.<state>.<key>`` (traced SGD/Adam/AdamW and eager torch.optim alike);
 * 2BW's stashed previous weights as ``stash.<key>`` (its next batch computes with them);
-* per rank in ``extra``: the RNG state (restored when the world size is the saved one; otherwise each rank
+* per rank in ``extra`` (:class:`RankExtra`): the RNG state (restored when the world size is the saved one; otherwise each rank
   is seeded afresh with ``seed + rank``, so replicas do not share a stream), the step count, the LR scheduler's and the optimizer's
   hyper-parameters (learning rate included: a scheduler's state alone does not restore it).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -22,9 +24,32 @@ from .groups import group, seed_rank
 from .checkpoint import (load_checkpoint, optim_key, read_manifest, rng_state, save_checkpoint, set_rng_state,
                          split_optim_key, torch_optimizer_state_dict, torch_optimizer_tensors)
 
-__all__ = ["save_rank_state", "load_rank_state"]
+__all__ = ["save_rank_state", "load_rank_state", "RankExtra"]
 
 _STASH = "stash."
+
+
+@dataclass
+class RankExtra:
+    """One rank's non-tensor state in a checkpoint (its ``extra``), one field each. On disk it is the plain dict of
+    these fields (:meth:`to_dict`), so a checkpoint stays readable by any fxpar and by ``torch.load`` alone; a
+    field a checkpoint lacks reads as its default (:meth:`from_dict`)."""
+    rng: dict = field(default_factory=dict)     # the process's RNG states (fxpar.runtime.checkpoint.rng_state)
+    step: int = 0                               # optimizer steps taken
+    lr: list = field(default_factory=list)      # the learning rate of each of torch's optimizer's param groups
+    optim: dict | None = None                   # an untraced torch.optim's non-tensor state (hyper-parameters)
+    scheduler: dict | None = None               # the LR scheduler's state_dict, if the run has one
+    features: dict = field(default_factory=dict)    # feature name -> its RankState.save()
+
+    def to_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "RankExtra":
+        names = {f.name for f in fields(cls)}
+        got = cls(**{k: v for k, v in d.items() if k in names})
+        got.features = got.features or {}
+        return got
 
 
 def _workers(ex) -> tuple:
@@ -71,12 +96,12 @@ def save_rank_state(ex, path, aliases: dict) -> None:
     for s, ps in ex.prev_params.items():
         for k, v in ps.items():
             tensors[_STASH + k] = v
-    extra = {"rng": rng_state(), "step": max(ex.step_count.values(), default=0),
-             "lr": [g["lr"] for g in ex.torch_opt.param_groups], "optim": rest,
-             "scheduler": ex.scheduler.state_dict() if ex.scheduler is not None else None,
-             "features": {name: st.save() for name, st in ex.features.items()}}    # per-rank feature state
+    extra = RankExtra(rng=rng_state(), step=max(ex.step_count.values(), default=0),
+                      lr=[g["lr"] for g in ex.torch_opt.param_groups], optim=rest,
+                      scheduler=ex.scheduler.state_dict() if ex.scheduler is not None else None,
+                      features={name: st.save() for name, st in ex.features.items()})    # per-rank feature state
     rank, world, pg = _workers(ex)
-    save_checkpoint(path, tensors, extra, rank=rank, world_size=world, process_group=pg)
+    save_checkpoint(path, tensors, extra.to_dict(), rank=rank, world_size=world, process_group=pg)
 
 
 def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
@@ -95,7 +120,8 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
         elif need_stash and k.startswith(_STASH) and k[len(_STASH):] in held:
             templates[k] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
     rank, world, pg = _workers(ex)
-    got, extra = load_checkpoint(path, templates, rank=rank, world_size=world, process_group=pg)
+    got, saved_extra = load_checkpoint(path, templates, rank=rank, world_size=world, process_group=pg)
+    extra = RankExtra.from_dict(saved_extra)
     for s, ps in ex.params.items():
         ex.params[s] = {k: got[k].clone() for k in ps}
     ex.buffers = {k: got[k] for k in ex.buffers}
@@ -106,7 +132,7 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
                 st[sk] = got[optim_key(name, key)].clone()
     else:
         keys = [k for _, k in ex._leaves]
-        ex.torch_opt.load_state_dict(torch_optimizer_state_dict(ex.torch_opt, keys, got, extra["optim"]))
+        ex.torch_opt.load_state_dict(torch_optimizer_state_dict(ex.torch_opt, keys, got, extra.optim))
     for st in ex.features.values():       # the features' own layout of what was loaded whole
         st.after_load(ex)
     if need_stash:
@@ -115,12 +141,12 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
             raise RuntimeError(f"checkpoint {path} has no stashed previous weights for {missing[:3]}...: a 2BW run "
                                "resumes only from a checkpoint that a 2BW run saved")
         ex.prev_params = {s: {k: got[_STASH + k].clone() for k in ps} for s, ps in ex.params.items()}
-    ex.step_count = {s: int(extra["step"]) for s in ex.step_count}
-    for g, lr in zip(ex.torch_opt.param_groups, extra["lr"]):
+    ex.step_count = {s: int(extra.step) for s in ex.step_count}
+    for g, lr in zip(ex.torch_opt.param_groups, extra.lr):
         g["lr"] = lr
-    if ex.scheduler is not None and extra.get("scheduler") is not None:
-        ex.scheduler.load_state_dict(extra["scheduler"])
-    saved_features = extra.get("features") or {}
+    if ex.scheduler is not None and extra.scheduler is not None:
+        ex.scheduler.load_state_dict(extra.scheduler)
+    saved_features = extra.features
     for name, st in ex.features.items():       # a feature's per-rank state resumes on the rank that saved it
         if not saved_features.get(name):
             continue                           # saved without that feature, or it held nothing: as a fresh run's
@@ -131,6 +157,6 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
                                "ranks, or without that feature.")
         st.load(saved_features[name])
     if manifest.get("world_size") == world:
-        set_rng_state(extra["rng"])
+        set_rng_state(extra.rng)
     else:   # another world: rank r got saved rank r % saved's RNG, which replicas would share -- seed afresh
-        seed_rank(ex.p.extra, ex.rank)
+        seed_rank(ex.p.settings.rng_seed, ex.rank)
