@@ -39,6 +39,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from fxpar import meta as M
+from fxpar.roles import Role
 
 from .compute import graph_compute
 
@@ -248,7 +249,7 @@ def stage_timings(gm, signature, device, backward: list | None = None, times: di
     ``backward`` (``passes.grad_order.reordered_backward``) backward's nodes run in that order. ``times``: the
     per-node seconds, when already computed."""
     times = times if times is not None else graph_compute(gm, device).times
-    key_of = {ph: k for ph, (r, k) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs) if r == "param"}
+    key_of = {ph: k for ph, (r, k) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs) if r == Role.PARAM}
     clock = {"forward": 0.0, "backward": 0.0, "optimizer": 0.0}
     ready, need = {}, {}
     nodes = list(gm.graph.nodes)

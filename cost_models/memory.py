@@ -35,6 +35,7 @@ import torch
 import torch.fx
 
 from fxpar import meta as M
+from fxpar.roles import Role
 
 from .compute import concrete, tensor_bytes
 from .step_memory import sequence_peak
@@ -43,8 +44,8 @@ __all__ = ["Storage", "Liveness", "liveness", "infer_phases", "peak_over_executi
            "zero_model_state_bytes", "korthikanti_activation_bytes", "CATEGORIES"]
 
 CATEGORIES = ("param", "buffer", "opt_state", "input", "activation", "grad", "new_state", "temporary")
-_OPT_ROLES = ("opt_state", "lr", "step")
-_ROLE_CATEGORY = {"param": "param", "buffer": "buffer", "opt_state": "opt_state"}
+_OPT_ROLES = (Role.OPT_STATE, Role.LR, Role.STEP)
+_ROLE_CATEGORY = {Role.PARAM: "param", Role.BUFFER: "buffer", Role.OPT_STATE: "opt_state"}
 _MAY_COPY = {torch.ops.aten.reshape.default, torch.ops.aten.flatten.using_ints}
 _ALIAS_TARGETS = {torch.ops.aten._unsafe_view.default, torch.ops.aten._reshape_alias.default,
                   torch.ops._c10d_functional.wait_tensor.default}
@@ -177,7 +178,7 @@ def infer_phases(gm: torch.fx.GraphModule) -> dict:
 
 def _category(s_node, users_phase: set, phases: dict, is_output: bool) -> str:
     if s_node.op == "placeholder":
-        return _ROLE_CATEGORY.get(s_node.meta.get(M.ROLE.name, "input"), "input")
+        return _ROLE_CATEGORY.get(s_node.meta.get(M.ROLE.name, Role.INPUT), "input")
     ph = phases.get(s_node)
     if ph == "forward" and "backward" in users_phase:
         return "activation"
@@ -216,7 +217,7 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
             continue
         if isinstance(val, torch.Tensor):
             # a ZeRO stage 1/2 ``param_shard`` input is the runtime's view of a whole parameter already counted
-            raw = 0 if n.op == "placeholder" and n.meta.get(M.ROLE.name) == "param_shard" else tensor_bytes(val)
+            raw = 0 if n.op == "placeholder" and n.meta.get(M.ROLE.name) == Role.PARAM_SHARD else tensor_bytes(val)
             s = Storage(concrete(raw), n, 0 if n.op == "placeholder" else i, i, size=raw, key=_storage_key(val),
                         role=n.meta.get(M.ROLE.name) if n.op == "placeholder" else None)
             storages.append(s)

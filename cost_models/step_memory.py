@@ -38,11 +38,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxpar import meta as M
+from fxpar.roles import Role
 
 __all__ = ["sequence_peak"]
 
-_PERSISTENT = ("param", "buffer", "opt_state")
-_BATCH = ("input", "target")
+_PERSISTENT = ("param", "buffer", "opt_state")          # categories
+_BATCH = (Role.INPUT, Role.TARGET)
 _CATEGORIES = ("param", "buffer", "opt_state", "input", "activation", "grad", "new_state", "temporary")
 
 
@@ -90,7 +91,7 @@ class _Walk:
                 else:
                     if st.key is not None:
                         self.readers.setdefault(st.key, []).append((i, st.role))
-                    if st.role == "saved":
+                    if st.role == Role.SAVED:
                         self.backward.add(i)
                     continue
                 self.state_keys |= st.keys
@@ -142,7 +143,7 @@ class _Walk:
         backward (the last graph that reads ``saved`` values: B, or W, which reads no weight); None if no later
         graph reads them as ``unsharded``."""
         last = [r for parts in lv.out_parts for st in parts for k in st.keys
-                for r, role in self.readers.get(k, ()) if r > i and role == "unsharded"]
+                for r, role in self.readers.get(k, ()) if r > i and role == Role.UNSHARDED]
         return max(last + [r for r in self.backward if r > i]) if last else None
 
     def held(self) -> dict:

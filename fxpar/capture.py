@@ -44,13 +44,14 @@ from . import meta as M
 from ._tracing import ModuleTracker, call_model, capture_context, clean_name, explain_trace_error, split_batch
 from .errors import CaptureError, StrategyError
 from .optim import OptimizerSpec
+from .roles import Role
 
 __all__ = ["StepSignature", "CapturedStep", "ForwardTrace", "capture_training_step", "trace_forward"]
 
 
 @dataclass
 class StepSignature:
-    """What each placeholder and each output of a graph is: ``(role, key)`` pairs.
+    """What each placeholder and each output of a graph is: ``(role, key)`` pairs, ``role`` a :class:`~fxpar.roles.Role`.
 
     Joint-graph input roles: param, buffer, opt_state, lr, step, input, target, act (an activation
     received from the previous stage), tangent (the gradient of an output, from the next stage).
@@ -62,11 +63,11 @@ class StepSignature:
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
 
-    def index(self, role: str, key: str | None = None, outputs: bool = False) -> list:
+    def index(self, role: Role, key: str | None = None, outputs: bool = False) -> list:
         seq = self.outputs if outputs else self.inputs
         return [i for i, (r, k) in enumerate(seq) if r == role and (key is None or k == key)]
 
-    def keys(self, role: str, outputs: bool = False) -> list:
+    def keys(self, role: Role, outputs: bool = False) -> list:
         seq = self.outputs if outputs else self.inputs
         return [k for r, k in seq if r == role]
 
@@ -169,8 +170,8 @@ def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
     flat = _distinct([*trainable.values(), *buffers.values(), *inputs, *target])
     gm = _trace(fwd, flat, mod_name, tracker)
     roles = {}
-    sig = [("param", k) for k in pnames] + [("buffer", k) for k in bnames] + \
-          [("input", str(i)) for i in range(len(inputs))] + [("target", str(i)) for i in range(len(target))]
+    sig = [(Role.PARAM, k) for k in pnames] + [(Role.BUFFER, k) for k in bnames] + \
+          [(Role.INPUT, str(i)) for i in range(len(inputs))] + [(Role.TARGET, str(i)) for i in range(len(target))]
     for node, (role, key) in zip(gm.graph.find_nodes(op="placeholder"), sig):
         node._rename(_placeholder_name(role, key))
         node.target = node.name
@@ -244,41 +245,41 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
     mod_name = type(model).__name__
     tracker = ModuleTracker(model)
     if stage is None:
-        in_sig = [("param", k) for k in trainable] + [("buffer", k) for k in buffers] + \
-                 [("input", str(i)) for i in range(len(inputs))] + [("target", str(i)) for i in range(len(target))]
-        out_sig, last = [("loss", "loss")], True
-        examples = {**{("param", k): v for k, v in trainable.items()}, **{("buffer", k): v for k, v in buffers.items()},
-                    **{("input", str(i)): t for i, t in enumerate(inputs)},
-                    **{("target", str(i)): t for i, t in enumerate(target)}}
+        in_sig = [(Role.PARAM, k) for k in trainable] + [(Role.BUFFER, k) for k in buffers] + \
+                 [(Role.INPUT, str(i)) for i in range(len(inputs))] + [(Role.TARGET, str(i)) for i in range(len(target))]
+        out_sig, last = [(Role.LOSS, "loss")], True
+        examples = {**{(Role.PARAM, k): v for k, v in trainable.items()}, **{(Role.BUFFER, k): v for k, v in buffers.items()},
+                    **{(Role.INPUT, str(i)): t for i, t in enumerate(inputs)},
+                    **{(Role.TARGET, str(i)): t for i, t in enumerate(target)}}
 
         def forward(vals: dict):
-            p = {k: vals[("param", k)] for k in trainable}
+            p = {k: vals[(Role.PARAM, k)] for k in trainable}
             tracker.set("forward", "")                                 # the clones are forward work
-            b = {k: vals[("buffer", k)].clone() for k in buffers}     # new buffer values are outputs
-            out = call_model(model, (p, b), tuple(vals[("input", str(i))] for i in range(len(inputs))), kw_names)
-            loss = loss_fn(out, *(vals[("target", str(i))] for i in range(len(target)))) if loss_fn is not None \
+            b = {k: vals[(Role.BUFFER, k)].clone() for k in buffers}     # new buffer values are outputs
+            out = call_model(model, (p, b), tuple(vals[(Role.INPUT, str(i))] for i in range(len(inputs))), kw_names)
+            loss = loss_fn(out, *(vals[(Role.TARGET, str(i))] for i in range(len(target)))) if loss_fn is not None \
                 else _model_loss(out, mod_name)
             _scalar_loss(loss, mod_name, loss_fn)
             return [loss], [b[k] for k in buffers]
     else:
         stage_sig, out_sig = list(stage.inputs), list(stage.outputs)
-        as_buffer = {("param", k): ("buffer", k) for k in frozen_keys}
-        in_sig = [rk for rk in stage_sig if rk[0] == "param" and rk not in as_buffer] + \
-            [as_buffer[rk] for rk in stage_sig if rk in as_buffer] + [rk for rk in stage_sig if rk[0] == "buffer"] + \
-            [rk for rk in stage_sig if rk[0] not in ("param", "buffer")]
-        last = out_sig == [("loss", "loss")]
-        used_buffers = [k for r, k in in_sig if r == "buffer"]
+        as_buffer = {(Role.PARAM, k): (Role.BUFFER, k) for k in frozen_keys}
+        in_sig = [rk for rk in stage_sig if rk[0] == Role.PARAM and rk not in as_buffer] + \
+            [as_buffer[rk] for rk in stage_sig if rk in as_buffer] + [rk for rk in stage_sig if rk[0] == Role.BUFFER] + \
+            [rk for rk in stage_sig if rk[0] not in (Role.PARAM, Role.BUFFER)]
+        last = out_sig == [(Role.LOSS, "loss")]
+        used_buffers = [k for r, k in in_sig if r == Role.BUFFER]
         phs = stage.gm.graph.find_nodes(op="placeholder")
         examples = {}
         for rk, ph in zip(stage_sig, phs):
             role, key = as_buffer.get(rk, rk)
             v = ph.meta.get("val")
-            if role == "param":
+            if role == Role.PARAM:
                 examples[(role, key)] = trainable[key]
-            elif role == "buffer":
+            elif role == Role.BUFFER:
                 examples[(role, key)] = buffers[key]
-            elif role in ("input", "target"):
-                src = inputs[int(key)] if role == "input" else target[int(key)]
+            elif role in (Role.INPUT, Role.TARGET):
+                src = inputs[int(key)] if role == Role.INPUT else target[int(key)]
                 examples[(role, key)] = torch.empty(src.shape, dtype=src.dtype)
             else:
                 examples[(role, key)] = torch.empty(v.shape, dtype=v.dtype)
@@ -289,19 +290,19 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
             return outs, []
         buffers = {k: buffers[k] for k in used_buffers}
-    pkeys = [k for r, k in in_sig if r == "param"]
-    bkeys = [k for r, k in in_sig if r == "buffer"]
+    pkeys = [k for r, k in in_sig if r == Role.PARAM]
+    bkeys = [k for r, k in in_sig if r == Role.BUFFER]
     diff_in = [i for i, (r, k) in enumerate(in_sig)
-               if r == "param" or (r == "act" and examples[(r, k)].is_floating_point())]
+               if r == Role.PARAM or (r == Role.ACT and examples[(r, k)].is_floating_point())]
     snames = [f"{s}:{p}" for p in pkeys for s in optimizer.state_names]
-    full_in = in_sig[:len(pkeys) + len(bkeys)] + [("opt_state", k) for k in snames] + [("lr", "lr"), ("step", "step")] \
+    full_in = in_sig[:len(pkeys) + len(bkeys)] + [(Role.OPT_STATE, k) for k in snames] + [(Role.LR, "lr"), (Role.STEP, "step")] \
         + in_sig[len(pkeys) + len(bkeys):]
-    if [r for r, _ in in_sig[:len(pkeys) + len(bkeys)]] != ["param"] * len(pkeys) + ["buffer"] * len(bkeys):
+    if [r for r, _ in in_sig[:len(pkeys) + len(bkeys)]] != [Role.PARAM] * len(pkeys) + [Role.BUFFER] * len(bkeys):
         raise CaptureError(f"stage inputs must list parameters, then buffers: {in_sig}")
     # the output gradients a non-last stage receives: one per floating-point output
     out_vals = None if stage is None else [n.meta["val"] for n in stage.gm.graph.find_nodes(op="output")[0].args[0]]
     diff_out = [0] if last else [j for j, v in enumerate(out_vals) if v.is_floating_point()]
-    tangent_sig = [] if last else [("tangent", out_sig[j][1]) for j in diff_out]
+    tangent_sig = [] if last else [(Role.TANGENT, out_sig[j][1]) for j in diff_out]
     full_in += tangent_sig
     state_examples = [torch.empty_like(trainable[n.split(":", 1)[1]]) for n in snames]
     flat = _distinct([examples[rk] for rk in full_in[:len(pkeys) + len(bkeys)]] + state_examples +
@@ -335,25 +336,25 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
         grads = vjp_fn(seeds)
         it_d, it_a = iter(douts), iter(aux)
         outs = [next(it_d) if j in diff_out else next(it_a) for j in range(len(out_sig))]
-        pgrads = [g for i, g in zip(diff_in, grads) if in_sig[i][0] == "param"]
-        agrads = [g for i, g in zip(diff_in, grads) if in_sig[i][0] == "act"]
+        pgrads = [g for i, g in zip(diff_in, grads) if in_sig[i][0] == Role.PARAM]
+        agrads = [g for i, g in zip(diff_in, grads) if in_sig[i][0] == Role.ACT]
         tracker.set("optimizer", "")
         new_p, new_s = [], []
         if optimizer.traced and n_p:
             by_state = [[state[i * k_state + j] for i in range(n_p)] for j in range(k_state)]
-            new_p, new_by_state = optimizer.step_all([vals[("param", k)] for k in pkeys], pgrads, by_state, lr, count)
+            new_p, new_by_state = optimizer.step_all([vals[(Role.PARAM, k)] for k in pkeys], pgrads, by_state, lr, count)
             new_s = [new_by_state[j][i] for i in range(n_p) for j in range(k_state)]
         return (*outs, *new_p, *new_buffers, *new_s, *pgrads, *agrads)
 
     gm = _trace(step, flat, mod_name, tracker)
     sig = StepSignature(list(full_in), list(out_sig))
     if optimizer.traced:
-        sig.outputs += [("new_param", k) for k in pkeys]
-    sig.outputs += [("new_buffer", k) for k in (bkeys if stage is None else [])]
+        sig.outputs += [(Role.NEW_PARAM, k) for k in pkeys]
+    sig.outputs += [(Role.NEW_BUFFER, k) for k in (bkeys if stage is None else [])]
     if optimizer.traced:
-        sig.outputs += [("new_opt_state", k) for k in snames]
-    sig.outputs += [("grad", k) for k in pkeys]
-    sig.outputs += [("act_grad", in_sig[i][1]) for i in diff_in if in_sig[i][0] == "act"]
+        sig.outputs += [(Role.NEW_OPT_STATE, k) for k in snames]
+    sig.outputs += [(Role.GRAD, k) for k in pkeys]
+    sig.outputs += [(Role.ACT_GRAD, in_sig[i][1]) for i in diff_in if in_sig[i][0] == Role.ACT]
     if frozen is None:
         unused = _params_without_gradient(gm, sig, pkeys, last)
         if unused and len(unused) == len(pkeys) and stage is None:
@@ -376,26 +377,26 @@ def _params_without_gradient(gm: torch.fx.GraphModule, sig: StepSignature, pkeys
     phs = gm.graph.find_nodes(op="placeholder")
     outs = gm.graph.find_nodes(op="output")[0].args[0]
     if last:
-        seeds = [outs[i] for i in sig.index("loss", outputs=True)]
+        seeds = [outs[i] for i in sig.index(Role.LOSS, outputs=True)]
     else:
-        seeds = [ph for ph, (r, _) in zip(phs, sig.inputs) if r == "tangent"]
+        seeds = [ph for ph, (r, _) in zip(phs, sig.inputs) if r == Role.TANGENT]
     reached, stack = set(), [n for n in seeds if isinstance(n, torch.fx.Node)]
     while stack:
         n = stack.pop()
         if n not in reached:
             reached.add(n)
             stack.extend(n.users)
-    grads = {k: outs[i] for i, (r, k) in enumerate(sig.outputs) if r == "grad"}
+    grads = {k: outs[i] for i, (r, k) in enumerate(sig.outputs) if r == Role.GRAD}
     return [k for k in pkeys if not isinstance(grads.get(k), torch.fx.Node) or grads[k] not in reached]
 
 
-def _placeholder_name(role: str, key: str) -> str:
-    if role == "opt_state":
+def _placeholder_name(role: Role, key: str) -> str:
+    if role == Role.OPT_STATE:
         s, p = key.split(":", 1)
         return f"{s}_{clean_name(p)}"
-    prefix = {"param": "", "buffer": "buf_", "input": "input", "target": "target", "lr": "", "step": "",
-              "act": "act_", "tangent": "tangent_"}[role]
-    return prefix + (key if role in ("input", "target") else clean_name(key))
+    prefix = {Role.PARAM: "", Role.BUFFER: "buf_", Role.INPUT: "input", Role.TARGET: "target", Role.LR: "",
+              Role.STEP: "", Role.ACT: "act_", Role.TANGENT: "tangent_"}[role]
+    return prefix + (key if role in (Role.INPUT, Role.TARGET) else clean_name(key))
 
 
 def _backward_module(n: torch.fx.Node, param_module: dict) -> str:
@@ -424,10 +425,10 @@ def _annotate(gm: torch.fx.GraphModule, sig: StepSignature) -> None:
         node._rename(_placeholder_name(role, key))
         node.target = node.name
         M.set_meta(node, M.ROLE, role)
-        if role in ("param", "buffer", "opt_state"):
+        if role in (Role.PARAM, Role.BUFFER, Role.OPT_STATE):
             M.set_meta(node, M.PARAM, key)
     param_module = {n: M.get(n, M.PARAM).rsplit(".", 1)[0] if "." in M.get(n, M.PARAM) else ""
-                    for n in placeholders if M.get(n, M.ROLE) == "param"}
+                    for n in placeholders if M.get(n, M.ROLE) == Role.PARAM}
     for n in g.nodes:
         custom = n.meta.pop("custom", None)
         if n.op != "call_function":
@@ -440,7 +441,7 @@ def _annotate(gm: torch.fx.GraphModule, sig: StepSignature) -> None:
         M.set_meta(n, M.MODULE, module)
     out = g.find_nodes(op="output")[0]
     for node, (role, key) in zip(out.args[0], sig.outputs):
-        if role == "grad" and isinstance(node, torch.fx.Node):
+        if role == Role.GRAD and isinstance(node, torch.fx.Node):
             M.set_meta(node, M.GRAD_OF, key)
     g.lint()
     gm.recompile()

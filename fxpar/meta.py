@@ -11,6 +11,8 @@ from typing import Any
 
 import torch.fx
 
+from .roles import Role
+
 __all__ = ["MetaKey", "KEYS", "ROLE", "PHASE", "MODULE", "PARAM", "GRAD_OF", "COMM", "BUCKET", "REDUCE_GRAD",
            "ORIGIN", "PASS", "RECOMPUTE_OF", "UNSHARD", "get", "set_meta", "copy_meta", "CommInfo", "GRAPH_KEYS"]
 
@@ -34,9 +36,9 @@ class CommInfo:
     reduce_op: str = "sum"
 
 
-ROLE = MetaKey("fxpar_role", str, "fxpar.capture",
-               "placeholders and outputs: 'param', 'buffer', 'opt_state', 'lr', 'step', 'input', "
-               "'target'; outputs: 'loss', 'new_param', 'new_buffer', 'new_opt_state', 'grad'")
+ROLE = MetaKey("fxpar_role", Role, "fxpar.capture",
+               "on placeholders: the input's fxpar.roles.Role (PARAM, BUFFER, OPT_STATE, LR, STEP, INPUT, TARGET, "
+               "ACT, TANGENT; a pass that adds an input gives its own, e.g. PARAM_SHARD)")
 PHASE = MetaKey("fxpar_phase", str, "fxpar.capture", "'forward', 'backward' or 'optimizer'")
 MODULE = MetaKey("fxpar_module", str, "fxpar.capture",
                  "dotted path of the user's module that produced the node ('' for the root)")

@@ -58,7 +58,7 @@ class Stage:
         if sg is None:
             return 0
         g = sg.gm.graph
-        weight_made = {ph for ph, (r, _) in zip(g.find_nodes(op="placeholder"), sg.inputs) if r == "param"}
+        weight_made = {ph for ph, (r, _) in zip(g.find_nodes(op="placeholder"), sg.inputs) if r == Role.PARAM}
         for n in g.nodes:
             if n.op == "call_function" and n.all_input_nodes and all(a in weight_made for a in n.all_input_nodes):
                 weight_made.add(n)
@@ -129,10 +129,10 @@ def stage_messages(captured) -> dict:
     phs = gm.graph.find_nodes(op="placeholder")
     outs = gm.graph.find_nodes(op="output")[0].args[0]
     meta = lambda n: (tuple(n.meta["val"].shape), n.meta["val"].dtype)   # noqa: E731
-    acts_in = [(k, *meta(n)) for n, (r, k) in zip(phs, sig.inputs) if r == "act"]
-    acts_out = [(k, *meta(n)) for n, (r, k) in zip(outs, sig.outputs) if r == "act"]
-    tangents = {k for r, k in sig.inputs if r == "tangent"}
-    grads_out = {k for r, k in sig.outputs if r == "act_grad"}
+    acts_in = [(k, *meta(n)) for n, (r, k) in zip(phs, sig.inputs) if r == Role.ACT]
+    acts_out = [(k, *meta(n)) for n, (r, k) in zip(outs, sig.outputs) if r == Role.ACT]
+    tangents = {k for r, k in sig.inputs if r == Role.TANGENT}
+    grads_out = {k for r, k in sig.outputs if r == Role.ACT_GRAD}
     return {"acts_in": acts_in, "acts_out": acts_out, "grads_in": [m for m in acts_out if m[0] in tangents],
             "grads_out": [m for m in acts_in if m[0] in grads_out]}
 

@@ -2,8 +2,13 @@
 
 Every graph fxpar runs lists, for each input and output, a ``(role, key)`` pair (``StepSignature`` for a joint
 graph, ``SplitGraph.inputs`` / ``.outputs`` for the graphs cut from it). The runtime reads nothing else: the
-role says where an input's value comes from and where an output goes. Both enums are ``str`` enums, so a role
-reads and prints as its name (``Role.PARAM == "param"``) and goes through JSON and pickle unchanged.
+role says where an input's value comes from and where an output goes. Capture, the passes and the runtime write
+and test the members (``Role.PARAM``), never the strings.
+
+Both enums are ``str`` enums that equal and hash as their value, so a member and its string find the same dict
+entry either way (``{Role.PARAM: 0}["param"]``, ``{"F": g}[GraphKind.F]``); ``str()`` and ``repr()`` give the value's,
+so messages and printed signatures read ``('param', 'w')``; JSON writes the value, and a value read back becomes
+a member again with ``Role(value)``.
 
 ==================  =========  ==============================================================================
 role                 where      value (key)
@@ -63,8 +68,13 @@ class Role(str, enum.Enum):
     ACT_GRAD = "act_grad"
     NEW_STATE = "new_state"
 
+    __hash__ = str.__hash__          # the value's: a member and its string are one dict key
+
     def __str__(self) -> str:
         return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 class GraphKind(str, enum.Enum):
@@ -78,5 +88,10 @@ class GraphKind(str, enum.Enum):
     REDUCE_GRAD = "REDUCE_GRAD"    # the gradient collectives' issue, once per step
     STEP = "STEP"                  # their waits and the update, once per step
 
+    __hash__ = str.__hash__
+
     def __str__(self) -> str:
         return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)

@@ -38,6 +38,7 @@ import torch.fx
 from fxpar import meta as M
 from fxpar.collectives import C10D
 from fxpar.errors import PassError
+from fxpar.roles import Role
 
 from .comm_schedule import reinplaced
 from .split_graphs import SplitGraph
@@ -69,15 +70,15 @@ def _interleave(f, step, need) -> tuple:
     f_nodes = [n for n in fg.nodes if n.op not in ("placeholder", "output")]
     s_pos = {n: i for i, n in enumerate(s_nodes)}
     s_out = list(sg.find_nodes(op="output")[0].args[0])
-    bad = [rk for rk in step.outputs if rk[0] not in ("new_param", "new_opt_state", "grad")]
+    bad = [rk for rk in step.outputs if rk[0] not in (Role.NEW_PARAM, Role.NEW_OPT_STATE, Role.GRAD)]
     if bad:
         raise PassError(f"comm_schedule: the STEP graph also makes {bad[:3]}; cross-iteration overlap under a pipeline "
                         "moves STEP into the next step's first forward and cannot carry those: use "
                         "comm_schedule='bytescheduler' without a pipeline, or comm_schedule='fifo'")
-    new_of = {key: o for o, (r, key) in zip(s_out, step.outputs) if r == "new_param"}
+    new_of = {key: o for o, (r, key) in zip(s_out, step.outputs) if r == Role.NEW_PARAM}
     state_of: dict = {}
     for o, (r, key) in zip(s_out, step.outputs):
-        if r == "new_opt_state":
+        if r == Role.NEW_OPT_STATE:
             state_of.setdefault(key.split(":", 1)[1], []).append(o)
     colls = [n for n in s_nodes if n.target in _COLL]
     if len(colls) != sum(n for _, n, _ in need):
@@ -88,7 +89,7 @@ def _interleave(f, step, need) -> tuple:
         roots = colls[i:i + n] + [new_of[k] for k in keys if k in new_of] + [o for k in keys for o in state_of.get(k, [])]
         events.append((keys, roots))
         i += n
-    key_of = {ph: key for ph, (r, key) in zip(fg.find_nodes(op="placeholder"), f.inputs) if r == "param"}
+    key_of = {ph: key for ph, (r, key) in zip(fg.find_nodes(op="placeholder"), f.inputs) if r == Role.PARAM}
     first: dict = {}
     for j, n in enumerate(f_nodes):
         for a in n.all_input_nodes:

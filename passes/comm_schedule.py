@@ -59,6 +59,7 @@ from fxpar import meta as M
 from fxpar.collectives import C10D, insert_all_reduce
 from fxpar.errors import PassError
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import Role
 
 from .delayed_update import carry_zero_chunks
 from .reinplace import ReinplaceOptimizer
@@ -248,9 +249,9 @@ def _cross_iteration(gm, pieces, where, events) -> list:
     outs = list(g.find_nodes(op="output")[0].args[0])
     phs = g.find_nodes(op="placeholder")
     role = dict(zip(phs, sig.inputs))
-    keys = [k for r, k in sig.inputs if r == "param"]
-    ph_of = {k: ph for ph, (r, k) in role.items() if r == "param"}
-    new_of = {k: outs[i] for i, (r, k) in enumerate(sig.outputs) if r == "new_param"}
+    keys = [k for r, k in sig.inputs if r == Role.PARAM]
+    ph_of = {k: ph for ph, (r, k) in role.items() if r == Role.PARAM}
+    new_of = {k: outs[i] for i, (r, k) in enumerate(sig.outputs) if r == Role.NEW_PARAM}
     bucket_of_key = buckets_of_params(pieces, keys)
     split_foreach(gm, [bucket_of_key[k] for k in keys])
     # carry: each piece leaves this step as it stands after backward, and comes back as an input
@@ -261,7 +262,7 @@ def _cross_iteration(gm, pieces, where, events) -> list:
         with g.inserting_after(last_ph):
             c = g.placeholder(f"carry_{name}")
         c.meta["val"] = buf.meta["val"]
-        M.set_meta(c, M.ROLE, "carry")
+        M.set_meta(c, M.ROLE, Role.CARRY)
         last_ph = c
         issued_here, waited_here = where.get((p, "issue")) == "ready", where.get((p, "wait")) == "ready"
         cur = c
@@ -283,15 +284,15 @@ def _cross_iteration(gm, pieces, where, events) -> list:
         if not issued_here:
             g.erase_node(ar)
         carry_keys.append(name)
-    sig.inputs += [("carry", k) for k in carry_keys]
+    sig.inputs += [(Role.CARRY, k) for k in carry_keys]
     delayed = bool(gm.meta.get(M.DELAYED_UPDATE.name))
     # forward and backward read the updated parameters (under the delayed update: the ones before it)
     for k in (keys if not delayed else ()):
         for u in list(ph_of[k].users):
             if M.get(u, M.PHASE) in ("forward", "backward"):
                 u.replace_input_with(ph_of[k], new_of[k])
-    keep = [i for i, (r, _) in enumerate(sig.outputs) if r != "grad"]
-    sig.outputs = [sig.outputs[i] for i in keep] + [("carry", k) for k in carry_keys]
+    keep = [i for i, (r, _) in enumerate(sig.outputs) if r != Role.GRAD]
+    sig.outputs = [sig.outputs[i] for i in keep] + [(Role.CARRY, k) for k in carry_keys]
     g.find_nodes(op="output")[0].args = (tuple([outs[i] for i in keep] + carry_out),)
     if not delayed:                # the delayed update stays after backward, where the optimizer was
         _move_updates(gm, keys, new_of, bucket_of_key, sig, events, carried_ops)
@@ -307,7 +308,7 @@ def carry_step(gm, pieces, events) -> list:
     has (they sit in ``STEP`` in that order) and the bucket's parameter keys (``gm.meta['fxpar_carry_step']``).
     Returns the pieces waited in the next step."""
     sig = gm.meta[M.SIGNATURE.name]
-    keys = [k for r, k in sig.inputs if r == "param"]
+    keys = [k for r, k in sig.inputs if r == Role.PARAM]
     bucket_of_key = buckets_of_params(pieces, keys)
     split_foreach(gm, [bucket_of_key[k] for k in keys])
     need = [[b, len(ops), [k for k in keys if bucket_of_key[k] == b]] for kind, b, ops in events if kind == "need"]
@@ -366,7 +367,7 @@ def _move_updates(gm, keys, new_of, bucket_of_key, sig, events, carried_ops) -> 
     outs = g.find_nodes(op="output")[0].args[0]
     state_of = {}
     for (r, k), o in zip(sig.outputs, outs):
-        if r == "new_opt_state":
+        if r == Role.NEW_OPT_STATE:
             state_of.setdefault(k.split(":", 1)[1], []).append(o)
     order = {n: i for i, n in enumerate(g.nodes)}
     fwd = next((n for n in g.nodes if M.get(n, M.PHASE) == "forward"), None)
@@ -462,17 +463,17 @@ def carry_variants(gm, sig) -> dict:
     phs = g.find_nodes(op="placeholder")
     role = dict(zip(phs, sig.inputs))
     outs = list(g.find_nodes(op="output")[0].args[0])
-    param_of = {o: next(ph for ph, (r, k) in role.items() if r == "param" and k == key)
-                for o, (r, key) in zip(outs, sig.outputs) if r == "new_param"}
-    deferred_roots = {ph for ph, (r, _) in role.items() if r in ("carry", "opt_state", "lr", "step")}
+    param_of = {o: next(ph for ph, (r, k) in role.items() if r == Role.PARAM and k == key)
+                for o, (r, key) in zip(outs, sig.outputs) if r == Role.NEW_PARAM}
+    deferred_roots = {ph for ph, (r, _) in role.items() if r in (Role.CARRY, Role.OPT_STATE, Role.LR, Role.STEP)}
     deferred = set()
     for n in g.nodes:      # what the carried update makes; forward reads an updated parameter as given instead
         if n in deferred_roots or any(a in deferred and a not in param_of for a in n.all_input_nodes):
             deferred.add(n)
-    first_outs = [(o, rk) for o, rk in zip(outs, sig.outputs) if rk[0] in ("loss", "new_buffer", "carry")]
+    first_outs = [(o, rk) for o, rk in zip(outs, sig.outputs) if rk[0] in (Role.LOSS, Role.NEW_BUFFER, Role.CARRY)]
     first = _subgraph(gm, [n for n in g.nodes if n.op != "placeholder" and n not in deferred and n.op != "output"],
                       role, first_outs, param_of, "FIRST")
-    drain_outs = [(o, rk) for o, rk in zip(outs, sig.outputs) if rk[0] in ("new_param", "new_opt_state")]
+    drain_outs = [(o, rk) for o, rk in zip(outs, sig.outputs) if rk[0] in (Role.NEW_PARAM, Role.NEW_OPT_STATE)]
     need = _ancestors([o for o, _ in drain_outs], set())
     drain = _subgraph(gm, [n for n in g.nodes if n in need], role, drain_outs, {}, "DRAIN")
     cfg = gm.meta.get(M.OPTIMIZER.name)

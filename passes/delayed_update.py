@@ -20,6 +20,7 @@ import torch
 
 from fxpar import meta as M
 from fxpar.collectives import C10D
+from fxpar.roles import Role
 
 __all__ = ["carry_zero_chunks"]
 
@@ -51,7 +52,7 @@ def carry_zero_chunks(gm) -> list:
         with g.inserting_after(last_ph):
             c = g.placeholder(f"carry_{key}")
         c.meta["val"] = w.meta["val"]
-        M.set_meta(c, M.ROLE, "carry")
+        M.set_meta(c, M.ROLE, Role.CARRY)
         last_ph = c
         w.replace_all_uses_with(c)
         keys.append(key)
@@ -61,9 +62,9 @@ def carry_zero_chunks(gm) -> list:
         if n.op == "call_function" and any(a in late for a in n.all_input_nodes) and M.get(n, M.PHASE) == "backward":
             M.set_meta(n, M.PHASE, "optimizer")
             late.add(n)
-    sig.inputs += [("carry", k) for k in keys]
-    keep = [i for i, (r, _) in enumerate(sig.outputs) if r != "grad"]       # the update reads last step's gradients
-    sig.outputs = [sig.outputs[i] for i in keep] + [("carry", k) for k in keys]
+    sig.inputs += [(Role.CARRY, k) for k in keys]
+    keep = [i for i, (r, _) in enumerate(sig.outputs) if r != Role.GRAD]       # the update reads last step's gradients
+    sig.outputs = [sig.outputs[i] for i in keep] + [(Role.CARRY, k) for k in keys]
     out.args = (tuple([outs[i] for i in keep] + carried),)
     gm.meta[M.DELAYED_UPDATE.name] = True
     gm.meta[M.CARRY.name] = True

@@ -11,13 +11,14 @@ import torch
 
 from fxpar import meta as M
 from fxpar.collectives import C10D
+from fxpar.roles import Role
 
 __all__ = ["OWNED_ROLES", "grad_sync_chains", "is_alias", "last_read", "one_collective_in_flight"]
 
 aten = torch.ops.aten
 
 # roles of placeholders whose tensors the runtime owns and takes back as the new state (updated in place)
-OWNED_ROLES = ("param", "opt_state")
+OWNED_ROLES = (Role.PARAM, Role.OPT_STATE)
 
 
 def is_alias(n) -> bool:

@@ -43,6 +43,7 @@ from fxpar.collectives import C10D, group_tag
 from fxpar.errors import PassError
 from fxpar.local_ops import axis_chunk, first_on_axis
 from fxpar.mesh import Mesh
+from fxpar.roles import Role
 from fxpar.sharding import P, Sharding, redistribute_bytes, redistribute_steps
 
 from .sharding import OpInfo, tensor_leaves
@@ -70,7 +71,7 @@ class _Lowering:
         self.expect = {}            # new node -> (Sharding, global shape, what)
         # a parameter's gradient, laid out as the parameter: what the optimizer and the outputs derive theirs from
         self.canon = {M.get(n, M.PARAM): res.out[n.name][0] for n in gm.graph.find_nodes(op="placeholder")
-                      if M.get(n, M.ROLE) == "param" and res.out.get(n.name)}
+                      if M.get(n, M.ROLE) == Role.PARAM and res.out.get(n.name)}
 
     def _new(self, target, args, kwargs=None, like=None, expect=None, name=None):
         n = self.g.create_node("call_function", target, args, kwargs or {}, name=name)

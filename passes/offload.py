@@ -24,6 +24,7 @@ import torch
 
 from fxpar import meta as M
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import Role
 
 __all__ = ["OffloadActivations", "activations"]
 
@@ -36,7 +37,7 @@ def activations(gm) -> list:
     sig = gm.meta.get(M.SIGNATURE.name)
     phs = gm.graph.find_nodes(op="placeholder")
     roles = dict(zip(phs, sig.inputs)) if sig is not None else {}
-    weight_made = {ph for ph in phs if roles.get(ph, ("param",))[0] not in ("input", "target", "act")}
+    weight_made = {ph for ph in phs if roles.get(ph, (Role.PARAM,))[0] not in (Role.INPUT, Role.TARGET, Role.ACT)}
     out = []
     for n in gm.graph.nodes:
         if n.op != "call_function":

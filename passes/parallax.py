@@ -49,6 +49,7 @@ from fxpar import meta as M
 from fxpar.collectives import C10D, group_tag
 from fxpar.errors import PassError
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import Role
 
 from .graph_utils import grad_sync_chains, is_alias, one_collective_in_flight
 
@@ -118,7 +119,7 @@ def _sgd_update(grad, param):
         return f"the optimizer reads the gradient in {[u.name for u in opt]}, not one _foreach_mul by lr"
     mul = opt[0]
     grads, lr = mul.args[0], mul.args[1]
-    if not isinstance(lr, torch.fx.Node) or M.get(lr, M.ROLE) != "lr" or list(grads).count(grad) != 1:
+    if not isinstance(lr, torch.fx.Node) or M.get(lr, M.ROLE) != Role.LR or list(grads).count(grad) != 1:
         return f"{mul.name} scales the gradient by {getattr(lr, 'name', lr)}, not by the learning rate"
     i = list(grads).index(grad)
     scaled = [u for u in mul.users if u.target is operator.getitem and u.args[1] == i]
@@ -136,7 +137,7 @@ def _sgd_update(grad, param):
 
 def _param_node(gm, key):
     return next(n for n in gm.graph.find_nodes(op="placeholder")
-                if M.get(n, M.ROLE) == "param" and M.get(n, M.PARAM) == key)
+                if M.get(n, M.ROLE) == Role.PARAM and M.get(n, M.PARAM) == key)
 
 
 def update_routes(gm, spec, keys, microbatches: int) -> dict:
@@ -303,7 +304,7 @@ def _row_update(gm, ctx, key, chain, wa, wr, mod):
     _drop_element(g, mul, i)
     sig = gm.meta[M.SIGNATURE.name]
     out = g.find_nodes(op="output")[0]
-    keep = [j for j, rk in enumerate(sig.outputs) if tuple(rk) != ("grad", key)]
+    keep = [j for j, rk in enumerate(sig.outputs) if tuple(rk) != (Role.GRAD, key)]
     out.args = (tuple(out.args[0][j] for j in keep),)
     sig.outputs = [sig.outputs[j] for j in keep]
 

@@ -46,6 +46,7 @@ import torch.fx
 
 from fxpar import meta as M
 from fxpar.annotate import annotated_value, is_shard_node
+from fxpar.roles import Role
 from fxpar.sharding import P, R, Sharding, axis_sizes, fmt_placement, redistribute_bytes, redistribute_steps
 
 from .sharding import OpInfo, groups_of, has_rule, tensor_leaves
@@ -171,9 +172,9 @@ class _Axis:
         self.avail = {}                     # node -> placements a consumer already had it redistributed to
         self.free = {}                      # view of a not-yet-placed parameter -> its input
         self._anchor = {}                   # node -> whether it is a layout-fixed parameter or a view of one
-        params = {M.get(n, M.PARAM): n for n in gm.graph.nodes if n.op == "placeholder" and M.get(n, M.ROLE) == "param"}
+        params = {M.get(n, M.PARAM): n for n in gm.graph.nodes if n.op == "placeholder" and M.get(n, M.ROLE) == Role.PARAM}
         self.state_of = {n: params[M.get(n, M.PARAM).split(":", 1)[-1]] for n in gm.graph.nodes
-                         if n.op == "placeholder" and M.get(n, M.ROLE) == "opt_state"
+                         if n.op == "placeholder" and M.get(n, M.ROLE) == Role.OPT_STATE
                          and M.get(n, M.PARAM).split(":", 1)[-1] in params}   # optimizer state -> its parameter
 
     # 1. backward: annotations' placements flow to their producers
@@ -341,7 +342,7 @@ class _Axis:
         need = []
         for (role, key), leaf in zip(signature.outputs, leaves):
             have = self._placed(leaf)
-            src = ph.get((role[4:], key)) if role.startswith("new_") else ph.get(("param", key)) if role == "grad" \
+            src = ph.get((role[4:], key)) if role.startswith("new_") else ph.get((Role.PARAM, key)) if role == Role.GRAD \
                 else None
             want = self._placed(src) if src is not None else R if whole_io else have
             if want not in self.avail.get(leaf, {have}):
@@ -373,7 +374,7 @@ class _Axis:
             cost = redistribute_bytes(P, R, nb, self.n)
         else:
             cost = redistribute_bytes(a, pl, nb, self.n)
-        if leaf.op == "placeholder" and M.get(leaf, M.ROLE) in ("param", "opt_state"):
+        if leaf.op == "placeholder" and M.get(leaf, M.ROLE) in (Role.PARAM, Role.OPT_STATE):
             cost += redistribute_bytes(pl, a, _nbytes(leaf, pl, self.n), self.n) + 1
         return cost
 
@@ -404,7 +405,7 @@ def propagate_shardings(gm: torch.fx.GraphModule, mesh, layouts: dict | None = N
     fixed = fixed_shardings(gm, sizes, layouts or {}, aliases or {})
     if whole_io and signature is not None:
         for node, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs):
-            if role not in ("param", "opt_state") and isinstance(_val(node), torch.Tensor) and node not in fixed:
+            if role not in (Role.PARAM, Role.OPT_STATE) and isinstance(_val(node), torch.Tensor) and node not in fixed:
                 fixed[node] = (Sharding((None,) * _val(node).dim()), f"graph input {node.name} ({role}), fed whole")
     res = ShardingResult(dict(sizes), sources={n.name: src for n, (_, src) in fixed.items()})
     axes = [a for a, s in sizes.items() if s > 1]

@@ -45,6 +45,7 @@ import torch.fx
 from fxpar import meta as M
 from fxpar.errors import PassError
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import Role
 
 __all__ = ["Recompute", "SAVE", "RECOMPUTE", "POLICIES", "is_random", "decide", "demands", "saved_bytes",
            "auto_decide", "revolve_forward_steps", "policy_full", "policy_selective", "policy_none"]
@@ -199,7 +200,7 @@ def saved_bytes(saved, roles: dict) -> int:
     for n in saved:
         r = _root(n)
         if r.op == "placeholder":
-            roots[r] = 0 if roles.get(r.name) in ("param", "buffer") else _nbytes(r.meta.get("val"))
+            roots[r] = 0 if roles.get(r.name) in (Role.PARAM, Role.BUFFER) else _nbytes(r.meta.get("val"))
         else:
             roots[r] = _nbytes(r.meta.get("val"))
     return sum(roots.values())
@@ -272,14 +273,14 @@ def _min_cut(gm, roles, flops_of, lam: float) -> list:
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             g.add_edge(S, (n, 0))
-            weight = roles.get(n.name) in ("param", "buffer")
+            weight = roles.get(n.name) in (Role.PARAM, Role.BUFFER)
             g.add_edge((n, 0), (n, 1), capacity=0 if weight else _nbytes(n.meta.get("val")))
         elif _is_forward(n):
             root = _root(n)
             if _tuple_valued(n):
                 g.add_edge((n, 0), (n, 1))                            # a tuple is never saved, only its items
             elif root.op == "placeholder":
-                g.add_edge((n, 0), (n, 1), capacity=0 if roles.get(root.name) in ("param", "buffer")
+                g.add_edge((n, 0), (n, 1), capacity=0 if roles.get(root.name) in (Role.PARAM, Role.BUFFER)
                            else _nbytes(root.meta.get("val")))
             else:
                 g.add_edge((n, 0), (n, 1), capacity=_nbytes(root.meta.get("val")))

@@ -57,14 +57,17 @@ from fxpar import meta as M
 from fxpar.errors import PassError
 from fxpar.portable import pack_graph_module, unpack_graph_module
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import Role
 
 __all__ = ["SplitGraph", "split_graphs", "SplitGraphs"]
 
 _ORDER = {"UNSHARD": -1, "F": 0, "B": 1, "I": 1, "W": 2, "REDUCE_GRAD": 3, "STEP": 4}
 _PER_MB = ("F", "B", "I", "W")
-_DIRECT = {"UNSHARD": ("param",), "F": ("param", "buffer", "input", "target", "act", "state"),
-           "B": ("tangent", "state"), "I": ("tangent", "state"), "W": ("tangent", "state"), "REDUCE_GRAD": ("state",),
-           "STEP": ("param", "param_shard", "buffer", "opt_state", "lr", "step", "state")}   # "state": a feature's
+_DIRECT = {"UNSHARD": (Role.PARAM,), "F": (Role.PARAM, Role.BUFFER, Role.INPUT, Role.TARGET, Role.ACT, Role.STATE),
+           "B": (Role.TANGENT, Role.STATE), "I": (Role.TANGENT, Role.STATE), "W": (Role.TANGENT, Role.STATE),
+           "REDUCE_GRAD": (Role.STATE,),
+           "STEP": (Role.PARAM, Role.PARAM_SHARD, Role.BUFFER, Role.OPT_STATE, Role.LR, Role.STEP,
+                    Role.STATE)}   # STATE: a feature's
 
 
 @dataclass
@@ -109,7 +112,7 @@ def _classify(gm, signature, split_backward: bool) -> dict:
     outs = gm.graph.find_nodes(op="output")[0].args[0]
     if split_backward:      # I: what the previous stage's gradients need; W: the rest of backward
         need, stack = set(), [o for o, (r, _) in zip(outs, signature.outputs)
-                              if r == "act_grad" and isinstance(o, torch.fx.Node)]
+                              if r == Role.ACT_GRAD and isinstance(o, torch.fx.Node)]
         while stack:
             x = stack.pop()
             if x in need or assigned.get(x) != "B":
@@ -165,11 +168,11 @@ def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
             continue
         k = where(node)
         if k == "placeholder":          # an input handed straight out (a pass-through activation or its gradient)
-            k = ("STEP" if role in ("new_param", "new_opt_state") else
-                 ("I" if split_bw else "B") if role == "act_grad" else "F")
+            k = ("STEP" if role in (Role.NEW_PARAM, Role.NEW_OPT_STATE) else
+                 ("I" if split_bw else "B") if role == Role.ACT_GRAD else "F")
             reads[k].setdefault(node, role_of[node])
-        elif role == "grad" and k in _PER_MB:
-            exports[k].setdefault(node, ("grad", key))   # unsynchronised: the runtime's sum is the gradient
+        elif role == Role.GRAD and k in _PER_MB:
+            exports[k].setdefault(node, (Role.GRAD, key))   # unsynchronised: the runtime's sum is the gradient
             continue
         joint_out[k].append((node, (role, key)))
     out = {}
@@ -232,7 +235,7 @@ def check_no_read_after_inplace_write(parts: dict) -> None:
     import operator
 
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default
-    exported_roles = ("saved", "grad", "pending")
+    exported_roles = (Role.SAVED, Role.GRAD, Role.PENDING)
     takes: dict = {}                                  # (role, key) -> graph kinds that take it as an input
     for k, sg in parts.items():
         for rk in sg.inputs:
@@ -322,8 +325,9 @@ def check_no_read_after_inplace_write(parts: dict) -> None:
                     raise PassError(head + why + tail)
 
 
-_ROLE_RANK = {"param": 0, "param_shard": 0.5, "buffer": 1, "opt_state": 2, "lr": 3, "step": 4, "input": 5, "target": 6, "act": 7,
-              "tangent": 8, "unsharded": 8.5, "saved": 9, "grad": 10, "pending": 11, "state": 12}
+_ROLE_RANK = {Role.PARAM: 0, Role.PARAM_SHARD: 0.5, Role.BUFFER: 1, Role.OPT_STATE: 2, Role.LR: 3, Role.STEP: 4,
+              Role.INPUT: 5, Role.TARGET: 6, Role.ACT: 7, Role.TANGENT: 8, Role.UNSHARDED: 8.5, Role.SAVED: 9,
+              Role.GRAD: 10, Role.PENDING: 11, Role.STATE: 12}
 
 
 def _input_rank(rk):
@@ -337,27 +341,27 @@ def _crossing(a, ka, k, role_of, exports) -> tuple:
         if role[0] in _DIRECT[k]:
             return role
         if k in _PER_MB and role[0] in _DIRECT["F"]:       # the backward reads the batch or weights: F saves them
-            exports["F"][a] = ("saved", a.name)
-            return ("saved", a.name)
+            exports["F"][a] = (Role.SAVED, a.name)
+            return (Role.SAVED, a.name)
         raise PassError(f"split_graphs: the {k} graph reads input {a.name} ({role[0]} {role[1]!r}), which that "
                         f"graph is not given; a pass made {k} depend on it")
     if ka == "UNSHARD":                                     # ZeRO-3: a parameter gathered once per step
-        exports[ka][a] = ("unsharded", a.name)
-        return ("unsharded", a.name)
+        exports[ka][a] = (Role.UNSHARDED, a.name)
+        return (Role.UNSHARDED, a.name)
     if ka in _PER_MB and k in _PER_MB:
-        exports[ka][a] = ("saved", a.name)
-        return ("saved", a.name)
+        exports[ka][a] = (Role.SAVED, a.name)
+        return (Role.SAVED, a.name)
     if ka in ("B", "I", "W") and k in ("REDUCE_GRAD", "STEP"):
         key = M.get(a, M.GRAD_OF)
         if key is None:
             raise PassError(f"split_graphs: the per-step {k} graph reads {a.name}, made per microbatch in {ka}, and it "
                             "is not a parameter gradient (no fxpar_grad_of): only gradients can be summed over "
                             "microbatches. Move that node into the backward or the optimizer phase.")
-        exports[ka][a] = ("grad", key)
-        return ("grad", key)
+        exports[ka][a] = (Role.GRAD, key)
+        return (Role.GRAD, key)
     if ka == "REDUCE_GRAD" and k == "STEP":
-        exports[ka][a] = ("pending", a.name)
-        return ("pending", a.name)
+        exports[ka][a] = (Role.PENDING, a.name)
+        return (Role.PENDING, a.name)
     raise PassError(f"split_graphs: the {k} graph reads {a.name} from the {ka} graph; values cross only from "
                     "forward to backward, from backward to REDUCE_GRAD/STEP (gradients) and from REDUCE_GRAD to STEP")
 
@@ -369,7 +373,7 @@ def _build(gm, kind, ins, consts, body, outs) -> torch.fx.GraphModule:
         env[c] = g.get_attr(c.target)
         env[c].meta = dict(c.meta)
     for node, (role, key) in ins:
-        ph = g.placeholder(node.name if role != "grad" else f"grad_{node.name}")
+        ph = g.placeholder(node.name if role != Role.GRAD else f"grad_{node.name}")
         ph.meta = {k: v for k, v in node.meta.items() if k in ("val", "tensor_meta", M.PARAM.name)}
         ph.meta[M.ROLE.name] = role
         env[node] = ph

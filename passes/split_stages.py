@@ -39,6 +39,7 @@ from cost_models.compute import concrete, node_cost
 from fxpar import meta as M
 from fxpar.errors import StrategyError
 from fxpar.pass_manager import Pass, PassResult
+from fxpar.roles import Role
 
 __all__ = ["StageGraph", "StageSplit", "split_stages", "cut_candidates", "balanced_cuts", "stage_imbalance",
            "imbalance_warning", "IMBALANCE_WARN", "SplitStages"]
@@ -65,7 +66,7 @@ class StageGraph:
 
     @property
     def params(self) -> list:
-        return [k for r, k in self.inputs if r == "param"]
+        return [k for r, k in self.inputs if r == Role.PARAM]
 
 
 @dataclass
@@ -79,7 +80,7 @@ class StageSplit:
         lines = []
         for st in self.stages:
             start = "start" if st.index == 0 else f"before {self.cuts[st.index - 1]!r}"
-            acts_in = [k for r, k in st.inputs if r == "act"]
+            acts_in = [k for r, k in st.inputs if r == Role.ACT]
             lines.append(f"stage {st.index} ({start}): {len(st.nodes)} nodes, {st.flops / 1e6:.2f} MFLOP fwd, "
                          f"params {st.params}, receives {acts_in or '-'}, sends "
                          f"{[k for _, k in st.outputs]}")
@@ -106,7 +107,7 @@ def _classify(gm: torch.fx.GraphModule, roles: dict) -> set:
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             role = roles[n.name][0]
-            dep[n] = (role == "param", role in ("input", "target"))
+            dep[n] = (role == Role.PARAM, role in (Role.INPUT, Role.TARGET))
         elif n.op == "get_attr":          # a constant the trace made (torch.tensor(...) in a forward)
             dep[n] = (False, False)
         elif n.op == "call_function":
@@ -367,7 +368,7 @@ def _stage_graph(gm, roles, s, own, acts_in, outs, acts, is_last) -> StageGraph:
     for n in own:
         visit(n)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
-    rank = {"param": 0, "buffer": 1, "input": 2, "target": 3}
+    rank = {Role.PARAM: 0, Role.BUFFER: 1, Role.INPUT: 2, Role.TARGET: 3}
     needed_ph.sort(key=lambda n: (rank[roles[n.name][0]], order[n]))
     g = torch.fx.Graph()
     env = {}
@@ -379,7 +380,7 @@ def _stage_graph(gm, roles, s, own, acts_in, outs, acts, is_last) -> StageGraph:
     for n in acts_in:
         env[n] = g.placeholder(n.name)
         env[n].meta = dict(n.meta)
-        inputs.append(("act", n.name))
+        inputs.append((Role.ACT, n.name))
     for n in sorted(needed_rep + list(own), key=order.get):   # the whole-model order: a weight's transpose
         # stays next to its use, so backward produces that weight's gradient there too (bucket overlap)
         env[n] = g.node_copy(n, lambda a: env[a])
@@ -390,7 +391,7 @@ def _stage_graph(gm, roles, s, own, acts_in, outs, acts, is_last) -> StageGraph:
         mod = M.get(n, M.MODULE)
         if mod and mod not in modules:
             modules.append(mod)
-    outputs = [("loss", "loss")] if is_last else [("act", n.name) for n in outs]
+    outputs = [(Role.LOSS, "loss")] if is_last else [(Role.ACT, n.name) for n in outs]
     return StageGraph(s, sgm, inputs, outputs, [n.name for n in own], [n.name for n in needed_rep], modules,
                       sum(_node_flops(n) for n in own))
 

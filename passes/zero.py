@@ -42,6 +42,7 @@ import torch
 from fxpar import meta as M
 from fxpar.collectives import C10D, group_tag
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import Role
 from fxpar.zero_layout import chunk_numel, zero_keys
 
 from .graph_utils import grad_sync_chains, one_collective_in_flight
@@ -99,16 +100,16 @@ class ZeroShard(Pass):
         opt_nodes = [x for x in g.nodes if x.op == "call_function" and M.get(x, M.PHASE) == "optimizer"]
         last_ph = phs[-1]
         for k in keys:
-            p = ph_of[("param", k)]
-            for sk in [rk for rk in sig.inputs if rk[0] == "opt_state" and rk[1].split(":", 1)[1] == k]:
+            p = ph_of[(Role.PARAM, k)]
+            for sk in [rk for rk in sig.inputs if rk[0] == Role.OPT_STATE and rk[1].split(":", 1)[1] == k]:
                 ph_of[sk].meta["val"] = ph_of[sk].meta["val"].new_empty([sizes[k]])
             if z < 3:            # the optimizer reads this rank's chunk of the whole parameter (the runtime cuts it)
                 with g.inserting_after(last_ph):
                     s = g.placeholder(f"{p.name}_chunk")
                 s.meta["val"] = p.meta["val"].new_empty([sizes[k]])
-                M.set_meta(s, M.ROLE, "param_shard")
+                M.set_meta(s, M.ROLE, Role.PARAM_SHARD)
                 M.set_meta(s, M.PARAM, k)
-                sig.inputs.append(("param_shard", k))
+                sig.inputs.append((Role.PARAM_SHARD, k))
                 last_ph = s
                 for u in opt_nodes:
                     if p in u.all_input_nodes:
@@ -293,7 +294,7 @@ class ZeroShard(Pass):
     def _gather_updates(g, sig, buckets, sizes, numels, shapes, n, ranks) -> int:
         out = g.find_nodes(op="output")[0]
         outs = list(out.args[0])
-        pos = {k: i for i, (r, k) in enumerate(sig.outputs) if r == "new_param"}
+        pos = {k: i for i, (r, k) in enumerate(sig.outputs) if r == Role.NEW_PARAM}
         count = 0
         for b in buckets:
             b = [k for k in b if k in pos]

@@ -52,6 +52,7 @@ from fxpar import meta as M
 from fxpar.collectives import C10D
 from fxpar.pass_manager import Pass, PassContext, PassResult
 from fxpar.prefetch import prefetch as PREFETCH
+from fxpar.roles import Role
 
 __all__ = ["ZeroOffload", "HOST"]
 
@@ -88,7 +89,7 @@ def graph_device(gm) -> torch.device:
     """The compute device: where the graph's parameters are."""
     sig = gm.meta[M.SIGNATURE.name]
     for ph, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), sig.inputs):
-        if role == "param" and isinstance(ph.meta.get("val"), torch.Tensor):
+        if role == Role.PARAM and isinstance(ph.meta.get("val"), torch.Tensor):
             return ph.meta["val"].device
     return HOST
 
@@ -166,7 +167,7 @@ def prefetch_update_reads(g, roles: dict, on_disk: set) -> list:
     at the top of ``STEP``, the only graph given the optimizer state."""
     by_key = {}
     for ph, (role, key) in roles.items():
-        if role in on_disk and role in ("opt_state", "param", "param_shard"):
+        if role in on_disk and role in (Role.OPT_STATE, Role.PARAM, Role.PARAM_SHARD):
             by_key.setdefault(key.split(":", 1)[-1], []).append(ph)
     out = []
     for rs in [n for n in g.nodes if n.op == "call_function" and n.target is _RS]:
@@ -213,8 +214,8 @@ class ZeroOffload(Pass):
         if stage == 3:
             stats["to_device"] += len(chunks_to_device(g, device))
         if off.to == "disk":
-            on_disk = ({"param", "param_shard"} if "params" in what else set()) | \
-                      ({"opt_state"} if "optimizer" in what else set())
+            on_disk = ({Role.PARAM, Role.PARAM_SHARD} if "params" in what else set()) | \
+                      ({Role.OPT_STATE} if "optimizer" in what else set())
             stats["prefetch"] = len(prefetch_update_reads(g, roles, on_disk)) + len(prefetch_reads(g, roles, on_disk))
         g.lint()
         gm.meta[M.ZERO_OFFLOAD.name] = {"host": str(HOST), "device": str(device), **stats}

@@ -45,7 +45,7 @@ class ZeroSection(PlanSection):
 class ZeroState(RankState):
     """What a rank holds under ZeRO. ``info``: per held stage that the pass sharded, ``{"stage": 1|2|3, "n": dp,
     "keys": {key: [shape, chunk numel]}}`` (the joint graph's ``fxpar_zero``)."""
-    input_roles = ("param_shard", "unsharded")
+    input_roles = (Role.PARAM_SHARD, Role.UNSHARDED)
 
     def __init__(self, info, rank):
         super().__init__(info, rank)

@@ -13,6 +13,7 @@ import torch
 
 from fxpar import meta as M
 from fxpar.annotate import annotated_value, is_shard_node, spec_of
+from fxpar.roles import Role
 from fxpar.sharding import Sharding, ShardingError
 
 __all__ = ["fixed_shardings", "ShardingConflict", "describe", "strip_annotations"]
@@ -46,7 +47,7 @@ def fixed_shardings(gm, sizes: dict, layouts: dict, aliases: dict) -> dict:
         return fixed
     by_key = {}
     for n in gm.graph.nodes:
-        if n.op == "placeholder" and M.get(n, M.ROLE) in ("param", "opt_state"):
+        if n.op == "placeholder" and M.get(n, M.ROLE) in (Role.PARAM, Role.OPT_STATE):
             by_key.setdefault(M.get(n, M.PARAM).split(":", 1)[-1], []).append(n)
     inv = {}
     for alias, canon in (aliases or {}).items():
