@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .feature import get_feature
-from .roles import Role
+from .roles import GraphKind, Role
 from .schedule import simulate
 
 __all__ = ["explain_program", "fmt_bytes"]
@@ -30,7 +30,7 @@ def _stage_lines(prog) -> list:
         cap = st.captured
         pbytes = sum(_nbytes(cap.param_shapes[k], cap.param_dtypes[k]) for k in cap.param_names)
         sends = sum(_nbytes(sh, dt) for _, sh, dt in st.messages["acts_out"])
-        saved = st.graphs.get("F")
+        saved = st.graphs.get(GraphKind.F)
         saved_n = sum(1 for r, _ in saved.outputs if r == Role.SAVED) if saved is not None else 0
         where = f"pipeline rank(s) {prog.plan.stage_to_rank[st.index]}"
         head = f"  stage {st.index} on {where}"

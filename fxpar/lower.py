@@ -15,18 +15,20 @@ import copy
 from . import meta as M
 from .feature import get_feature
 from .pass_manager import HistoryEntry, PassContext, PassManager
+from .roles import GraphKind
 from passes import SplitGraphs
 
 __all__ = ["default_passes", "lower", "graph_kinds"]
 
 
 def graph_kinds(schedule, stage: int) -> tuple:
-    """The graphs the schedule's actions on ``stage`` call."""
+    """The graphs the schedule's actions on ``stage`` call (:class:`~fxpar.roles.GraphKind`), in order."""
+    G = GraphKind
     kinds = {a.kind.value for acts in schedule.actions.values() for a in acts if a.stage == stage}
-    if "FULL" in kinds:
-        return ("FULL",)
-    out = (["UNSHARD"] if "UNSHARD" in kinds else []) + ["F"] + (["I", "W"] if "I" in kinds else ["B"]) \
-        + ["REDUCE_GRAD", "STEP"]
+    if G.FULL in kinds:
+        return (G.FULL,)
+    out = ([G.UNSHARD] if G.UNSHARD in kinds else []) + [G.F] + ([G.I, G.W] if G.I in kinds else [G.B]) \
+        + [G.REDUCE_GRAD, G.STEP]
     return tuple(out)
 
 
@@ -70,7 +72,7 @@ def lower(stages: list, plan, schedule, cluster, custom_passes: list, keep_histo
             parts = get_feature(name).after_split(section, parts, gm, ctx)
         for h in hist:
             h.info = {**h.info, "stage": s}
-        if keep_history and kinds != ("FULL",):
+        if keep_history and kinds != (GraphKind.FULL,):
             hist += [HistoryEntry(f"split_graphs:{k}", True, 0.0, len(p.gm.graph.nodes), p.gm.code,
                                   {"stage": s, "inputs": p.inputs, "outputs": p.outputs}) for k, p in parts.items()]
         out.append((parts, gm, hist, ctx.notes))

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch.fx
 
-from .roles import Role
+from .roles import GraphKind, Role
 
 __all__ = ["MetaKey", "KEYS", "ROLE", "PHASE", "MODULE", "PARAM", "GRAD_OF", "COMM", "BUCKET", "REDUCE_GRAD",
            "ORIGIN", "PASS", "RECOMPUTE_OF", "UNSHARD", "get", "set_meta", "copy_meta", "CommInfo", "GRAPH_KEYS"]
@@ -88,7 +88,8 @@ def copy_meta(src: torch.fx.Node, dst: torch.fx.Node) -> None:
 SIGNATURE = MetaKey("fxpar_signature", "fxpar.capture.StepSignature", "fxpar.capture (fxpar.lower copies it per stage)",
                     "the (role, key) of every input and output; a pass that adds inputs or outputs appends to it")
 OPTIMIZER = MetaKey("fxpar_optimizer", dict, "fxpar.lower", "Plan.optimizer, for graphs cut later (how the update runs)")
-KIND = MetaKey("fxpar_kind", str, "passes.split_graphs (and the carry's graphs)", "the graph kind a cut graph is (F, B, ...)")
+KIND = MetaKey("fxpar_kind", GraphKind, "passes.split_graphs (and the carry's graphs)",
+               "the graph kind a cut graph is (fxpar.roles.GraphKind, or a feature's own kind: the carry's FIRST ...)")
 GRAD_PRESCALE = MetaKey("fxpar_grad_prescale", int, "passes.data_parallel",
                         "backward's seed was divided by this (dp): gradients arrive pre-averaged")
 ZERO = MetaKey("fxpar_zero", dict, "passes.zero", "ZeRO's layout of the stage: stage, n, per key [shape, chunk numel]")

@@ -18,7 +18,7 @@ from .host import HostSettings
 from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard, init_from_env
 from .portable import pack_graph_module, unpack_graph_module
 from .runner import RankRunner, RunResult
-from .roles import Role
+from .roles import GraphKind, Role
 from .schedule import Action, ActionKind
 from .sharding import ShardingMap
 from .explain import explain_program
@@ -54,7 +54,7 @@ class Stage:
         """Activation bytes one microbatch's ``F`` keeps for its backward (predicted from the graph), weights and
         what is made from the weights alone excluded, each storage counted once (a view keeps its base alive):
         what the runtime measures in ``RunResult.peak_activation_bytes`` per microbatch in flight."""
-        sg = self.graphs.get("F")
+        sg = self.graphs.get(GraphKind.F)
         if sg is None:
             return 0
         g = sg.gm.graph
@@ -197,7 +197,7 @@ class Program:
         out = {}
         for s in self.plan.rank_stages(rank):
             for kind, sg in self.stages[s].graphs.items():
-                out["step" if kind == "FULL" else f"stage{s}.{kind}"] = sg.gm
+                out["step" if kind == GraphKind.FULL else f"stage{s}.{kind}"] = sg.gm
         return out
 
     def history(self, rank: int = 0) -> list:

@@ -38,9 +38,9 @@ import torch.fx
 from fxpar import meta as M
 from fxpar.collectives import C10D
 from fxpar.errors import PassError
-from fxpar.roles import Role
+from fxpar.roles import GraphKind, Role
 
-from .comm_schedule import reinplaced
+from .comm_schedule import F_UPDATE, reinplaced
 from .split_graphs import SplitGraph
 
 __all__ = ["carry_forward"]
@@ -53,9 +53,9 @@ def carry_forward(f, step, need, optimizer: dict | None = None) -> dict:
     :func:`_interleave`; both then update parameters and optimizer state in place (``passes.reinplace``), as the
     programs without overlap do (the interleaving needs the update's results as values, so it comes first)."""
     gm, ins, outs = _interleave(f, step, need)
-    return {"F_UPDATE": SplitGraph("F_UPDATE", reinplaced(gm, ins, optimizer), ins, outs),
-            "STEP": SplitGraph("STEP", reinplaced(step.gm, list(step.inputs), optimizer), list(step.inputs),
-                               list(step.outputs))}
+    return {F_UPDATE: SplitGraph(F_UPDATE, reinplaced(gm, ins, optimizer), ins, outs),
+            GraphKind.STEP: SplitGraph(GraphKind.STEP, reinplaced(step.gm, list(step.inputs), optimizer),
+                                       list(step.inputs), list(step.outputs))}
 
 
 def _interleave(f, step, need) -> tuple:
@@ -144,7 +144,7 @@ def _interleave(f, step, need) -> tuple:
     emit(s_nodes)                                   # anything else STEP makes, in its order
     f_out = list(fg.find_nodes(op="output")[0].args[0])
     g.output(tuple([torch.fx.map_arg(o, updated) for o in f_out] + [torch.fx.map_arg(o, lambda a: env[a]) for o in s_out]))
-    gm = torch.fx.GraphModule(root, g, "F_UPDATEGraph")
-    gm.meta[M.KIND.name] = "F_UPDATE"
+    gm = torch.fx.GraphModule(root, g, f"{F_UPDATE}Graph")
+    gm.meta[M.KIND.name] = F_UPDATE
     g.lint()
     return gm, ins, list(f.outputs) + list(step.outputs)

@@ -59,12 +59,19 @@ from fxpar import meta as M
 from fxpar.collectives import C10D, insert_all_reduce
 from fxpar.errors import PassError
 from fxpar.pass_manager import Pass, PassContext, PassResult
-from fxpar.roles import Role
+from fxpar.roles import GraphKind, Role
 
 from .delayed_update import carry_zero_chunks
 from .reinplace import ReinplaceOptimizer
 
-__all__ = ["CommSchedule", "carry_variants", "carry_step", "buckets_of_params", "split_foreach", "reinplaced"]
+__all__ = ["CommSchedule", "carry_variants", "carry_step", "buckets_of_params", "split_foreach", "reinplaced",
+           "FIRST", "DRAIN", "F_UPDATE"]
+
+# The graph kinds the carry cuts besides the core ones (fxpar.roles.GraphKind): a feature's kinds are its own
+# strings, declared once by the passes that cut them, and never a core kind's name.
+FIRST = "FIRST"          # one stage, one microbatch: the first step (nothing carried in)
+DRAIN = "DRAIN"          # ... and the carried waits and update alone, after the last step
+F_UPDATE = "F_UPDATE"    # split graphs: the first F with the previous step's STEP folded in (passes.carry_step)
 
 aten = torch.ops.aten
 
@@ -425,7 +432,7 @@ class CommSchedule(Pass):
         if len(pieces) != len(entry["pieces"]):
             raise PassError(f"comm_schedule: stage {ctx.stage} has {len(pieces)} pieces, the plan {len(entry['pieces'])}")
         gm.meta[M.DELAYED_UPDATE.name] = bool(cs.delayed_update)
-        split = tuple(ctx.kinds) != ("FULL",)     # a pipeline, or several microbatches
+        split = tuple(ctx.kinds) != (GraphKind.FULL,)     # a pipeline, or several microbatches
         where = _place(gm, pieces, entry["events"], self.cross_iteration and not split)
         gm.graph.lint()
         if self.cross_iteration and split:
@@ -472,14 +479,14 @@ def carry_variants(gm, sig) -> dict:
             deferred.add(n)
     first_outs = [(o, rk) for o, rk in zip(outs, sig.outputs) if rk[0] in (Role.LOSS, Role.NEW_BUFFER, Role.CARRY)]
     first = _subgraph(gm, [n for n in g.nodes if n.op != "placeholder" and n not in deferred and n.op != "output"],
-                      role, first_outs, param_of, "FIRST")
+                      role, first_outs, param_of, FIRST)
     drain_outs = [(o, rk) for o, rk in zip(outs, sig.outputs) if rk[0] in (Role.NEW_PARAM, Role.NEW_OPT_STATE)]
     need = _ancestors([o for o, _ in drain_outs], set())
-    drain = _subgraph(gm, [n for n in g.nodes if n in need], role, drain_outs, {}, "DRAIN")
+    drain = _subgraph(gm, [n for n in g.nodes if n in need], role, drain_outs, {}, DRAIN)
     cfg = gm.meta.get(M.OPTIMIZER.name)
     steady = reinplaced(copy.deepcopy(gm), list(sig.inputs), cfg)
-    return {"FULL": (steady, list(sig.inputs), list(sig.outputs)), "FIRST": first,
-            "DRAIN": (reinplaced(drain[0], drain[1], cfg), drain[1], drain[2])}
+    return {GraphKind.FULL: (steady, list(sig.inputs), list(sig.outputs)), FIRST: first,
+            DRAIN: (reinplaced(drain[0], drain[1], cfg), drain[1], drain[2])}
 
 
 def reinplaced(gm, roles, optimizer: dict | None = None):

@@ -49,7 +49,7 @@ from fxpar import meta as M
 from fxpar.collectives import C10D, group_tag
 from fxpar.errors import PassError
 from fxpar.pass_manager import Pass, PassContext, PassResult
-from fxpar.roles import Role
+from fxpar.roles import GraphKind, Role
 
 from .graph_utils import grad_sync_chains, is_alias, one_collective_in_flight
 
@@ -280,7 +280,7 @@ def _row_update(gm, ctx, key, chain, wa, wr, mod):
     if isinstance(found, str):
         raise PassError(f"parallax: the plan updates {key} in its touched rows only, but {found}; {fix}, or train "
                         "with plain SGD (no momentum, no weight decay)")
-    if tuple(ctx.kinds) != ("FULL",):
+    if tuple(ctx.kinds) != (GraphKind.FULL,):
         raise PassError(f"parallax: the plan updates {key} in its touched rows only, but this step is cut into "
                         f"{ctx.kinds} (microbatches > 1: the runtime sums the gradients densely); {fix}, or "
                         "use microbatches=1")

@@ -57,23 +57,26 @@ from fxpar import meta as M
 from fxpar.errors import PassError
 from fxpar.portable import pack_graph_module, unpack_graph_module
 from fxpar.pass_manager import Pass, PassContext, PassResult
-from fxpar.roles import Role
+from fxpar.roles import GraphKind, Role
 
 __all__ = ["SplitGraph", "split_graphs", "SplitGraphs"]
 
-_ORDER = {"UNSHARD": -1, "F": 0, "B": 1, "I": 1, "W": 2, "REDUCE_GRAD": 3, "STEP": 4}
-_PER_MB = ("F", "B", "I", "W")
-_DIRECT = {"UNSHARD": (Role.PARAM,), "F": (Role.PARAM, Role.BUFFER, Role.INPUT, Role.TARGET, Role.ACT, Role.STATE),
-           "B": (Role.TANGENT, Role.STATE), "I": (Role.TANGENT, Role.STATE), "W": (Role.TANGENT, Role.STATE),
-           "REDUCE_GRAD": (Role.STATE,),
-           "STEP": (Role.PARAM, Role.PARAM_SHARD, Role.BUFFER, Role.OPT_STATE, Role.LR, Role.STEP,
-                    Role.STATE)}   # STATE: a feature's
+_ORDER = {GraphKind.UNSHARD: -1, GraphKind.F: 0, GraphKind.B: 1, GraphKind.I: 1, GraphKind.W: 2,
+          GraphKind.REDUCE_GRAD: 3, GraphKind.STEP: 4}
+_PER_MB = (GraphKind.F, GraphKind.B, GraphKind.I, GraphKind.W)
+_DIRECT = {GraphKind.UNSHARD: (Role.PARAM,),
+           GraphKind.F: (Role.PARAM, Role.BUFFER, Role.INPUT, Role.TARGET, Role.ACT, Role.STATE),
+           GraphKind.B: (Role.TANGENT, Role.STATE), GraphKind.I: (Role.TANGENT, Role.STATE),
+           GraphKind.W: (Role.TANGENT, Role.STATE),
+           GraphKind.REDUCE_GRAD: (Role.STATE,),
+           GraphKind.STEP: (Role.PARAM, Role.PARAM_SHARD, Role.BUFFER, Role.OPT_STATE, Role.LR, Role.STEP,
+                            Role.STATE)}   # STATE: a feature's per-rank state, in any graph
 
 
 @dataclass
 class SplitGraph:
     """One graph a schedule action calls, with what each input and output is (``(role, key)``)."""
-    kind: str
+    kind: GraphKind                # or a kind a feature adds (its own string)
     gm: torch.fx.GraphModule
     inputs: list = field(default_factory=list)
     outputs: list = field(default_factory=list)
@@ -85,23 +88,23 @@ class SplitGraph:
         self.__dict__.update({**state, "gm": unpack_graph_module(state["gm"])})
 
 
-def _kind_of(n: torch.fx.Node, assigned: dict) -> str:
+def _kind_of(n: torch.fx.Node, assigned: dict) -> GraphKind:
     if M.get(n, M.UNSHARD):
-        return "UNSHARD"
+        return GraphKind.UNSHARD
     tag = M.get(n, M.REDUCE_GRAD)
     if tag == "issue":
-        return "REDUCE_GRAD"
+        return GraphKind.REDUCE_GRAD
     if tag == "wait":
-        return "STEP"
+        return GraphKind.STEP
     phase = M.get(n, M.PHASE)
     if phase == "forward":
-        return "F"
+        return GraphKind.F
     if phase == "backward":
-        return "B"
+        return GraphKind.B
     if phase == "optimizer":
-        return "STEP"
+        return GraphKind.STEP
     ins = [assigned[a] for a in n.all_input_nodes if a in assigned]
-    return max(ins, key=_ORDER.get) if ins else "F"
+    return max(ins, key=_ORDER.get) if ins else GraphKind.F
 
 
 def _classify(gm, signature, split_backward: bool) -> dict:
@@ -115,13 +118,13 @@ def _classify(gm, signature, split_backward: bool) -> dict:
                               if r == Role.ACT_GRAD and isinstance(o, torch.fx.Node)]
         while stack:
             x = stack.pop()
-            if x in need or assigned.get(x) != "B":
+            if x in need or assigned.get(x) != GraphKind.B:
                 continue
             need.add(x)
             stack.extend(x.all_input_nodes)
         for n, k in assigned.items():
-            if k == "B":
-                assigned[n] = "I" if n in need else "W"
+            if k == GraphKind.B:
+                assigned[n] = GraphKind.I if n in need else GraphKind.W
     for n, k in assigned.items():
         for a in n.all_input_nodes:
             ka = assigned.get(a)
@@ -134,17 +137,18 @@ def _classify(gm, signature, split_backward: bool) -> dict:
 def split_graphs(gm: torch.fx.GraphModule, kinds: tuple) -> dict:
     """Cut ``gm`` (a joint stage graph with ``gm.meta['fxpar_signature']``) into ``{kind: SplitGraph}``."""
     sig = gm.meta[M.SIGNATURE.name]
-    if tuple(kinds) == ("FULL",):
-        return {"FULL": SplitGraph("FULL", gm, list(sig.inputs), list(sig.outputs))}
-    split_bw = "I" in kinds
+    if tuple(kinds) == (GraphKind.FULL,):
+        return {GraphKind.FULL: SplitGraph(GraphKind.FULL, gm, list(sig.inputs), list(sig.outputs))}
+    split_bw = GraphKind.I in kinds
     assigned = _classify(gm, sig, split_bw)
     phs = gm.graph.find_nodes(op="placeholder")
     role_of = dict(zip(phs, sig.inputs))
     out_node = gm.graph.find_nodes(op="output")[0]
-    graph_kinds = [k for k in ("UNSHARD", "F", "I", "W", "REDUCE_GRAD", "STEP")
-                   if k in kinds or (k in ("I", "W") and split_bw)]
+    graph_kinds = [k for k in (GraphKind.UNSHARD, GraphKind.F, GraphKind.I, GraphKind.W, GraphKind.REDUCE_GRAD,
+                               GraphKind.STEP)
+                   if k in kinds or (k in (GraphKind.I, GraphKind.W) and split_bw)]
     if not split_bw:
-        graph_kinds.insert(graph_kinds.index("F") + 1, "B")
+        graph_kinds.insert(graph_kinds.index(GraphKind.F) + 1, GraphKind.B)
     where = lambda n: assigned.get(n, "placeholder")  # noqa: E731
 
     # what each graph reads from outside itself, and the role it gets there
@@ -340,18 +344,18 @@ def _crossing(a, ka, k, role_of, exports) -> tuple:
         role = role_of[a]
         if role[0] in _DIRECT[k]:
             return role
-        if k in _PER_MB and role[0] in _DIRECT["F"]:       # the backward reads the batch or weights: F saves them
-            exports["F"][a] = (Role.SAVED, a.name)
+        if k in _PER_MB and role[0] in _DIRECT[GraphKind.F]:   # the backward reads the batch or weights: F saves them
+            exports[GraphKind.F][a] = (Role.SAVED, a.name)
             return (Role.SAVED, a.name)
         raise PassError(f"split_graphs: the {k} graph reads input {a.name} ({role[0]} {role[1]!r}), which that "
                         f"graph is not given; a pass made {k} depend on it")
-    if ka == "UNSHARD":                                     # ZeRO-3: a parameter gathered once per step
+    if ka == GraphKind.UNSHARD:                                     # ZeRO-3: a parameter gathered once per step
         exports[ka][a] = (Role.UNSHARDED, a.name)
         return (Role.UNSHARDED, a.name)
     if ka in _PER_MB and k in _PER_MB:
         exports[ka][a] = (Role.SAVED, a.name)
         return (Role.SAVED, a.name)
-    if ka in ("B", "I", "W") and k in ("REDUCE_GRAD", "STEP"):
+    if ka in (GraphKind.B, GraphKind.I, GraphKind.W) and k in (GraphKind.REDUCE_GRAD, GraphKind.STEP):
         key = M.get(a, M.GRAD_OF)
         if key is None:
             raise PassError(f"split_graphs: the per-step {k} graph reads {a.name}, made per microbatch in {ka}, and it "
@@ -359,7 +363,7 @@ def _crossing(a, ka, k, role_of, exports) -> tuple:
                             "microbatches. Move that node into the backward or the optimizer phase.")
         exports[ka][a] = (Role.GRAD, key)
         return (Role.GRAD, key)
-    if ka == "REDUCE_GRAD" and k == "STEP":
+    if ka == GraphKind.REDUCE_GRAD and k == GraphKind.STEP:
         exports[ka][a] = (Role.PENDING, a.name)
         return (Role.PENDING, a.name)
     raise PassError(f"split_graphs: the {k} graph reads {a.name} from the {ka} graph; values cross only from "
@@ -396,6 +400,7 @@ class SplitGraphs(Pass):
     def run(self, gm, ctx: PassContext) -> PassResult:
         parts = split_graphs(gm, self.kinds)
         ctx.split = parts
-        if tuple(self.kinds) != ("FULL",):
-            ctx.notes.append("split_graphs: " + ", ".join(f"{k} {len(p.gm.graph.nodes)} nodes" for k, p in parts.items()))
+        if tuple(self.kinds) != (GraphKind.FULL,):
+            ctx.notes.append("split_graphs: " + ", ".join(f"{k} {len(p.gm.graph.nodes)} nodes"
+                                                          for k, p in parts.items()))
         return PassResult(gm, False, {"graphs": {k: p.gm.code for k, p in parts.items()}})

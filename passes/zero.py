@@ -42,7 +42,7 @@ import torch
 from fxpar import meta as M
 from fxpar.collectives import C10D, group_tag
 from fxpar.pass_manager import Pass, PassContext, PassResult
-from fxpar.roles import Role
+from fxpar.roles import GraphKind, Role
 from fxpar.zero_layout import chunk_numel, zero_keys
 
 from .graph_utils import grad_sync_chains, one_collective_in_flight
@@ -93,7 +93,7 @@ class ZeroShard(Pass):
         buckets += [[k] for k in keys if k not in covered]
         grad_shard = {}
         stats = {"reduce_scatter": 0, "all_gather": 0}
-        per_step = "UNSHARD" in ctx.kinds    # F/B graphs under a schedule: gather once per step
+        per_step = GraphKind.UNSHARD in ctx.kinds    # F/B graphs under a schedule: gather once per step
         for b in buckets:
             grad_shard.update(self._reduce_scatter(g, b, chains, sizes, numels, n, ranks, z))
             stats["reduce_scatter"] += 1

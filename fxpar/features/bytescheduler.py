@@ -32,7 +32,7 @@ from cost_models.comm import collective_cost
 from cost_models.comm_tuning import CreditError, plan_stage, stage_timings
 from cost_models.compute import graph_compute
 from fxpar import meta as M
-from fxpar.roles import Role
+from fxpar.roles import GraphKind, Role
 from fxpar.backward_order import reordered_backward, why_not_reorder
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
@@ -42,7 +42,7 @@ from fxpar.planner_comm import plan_buckets
 from fxpar.schedule import ActionKind
 from passes.fuse_optimizer import fused_chain_times
 from passes.carry_step import carry_forward
-from passes.comm_schedule import CommSchedule, carry_variants
+from passes.comm_schedule import DRAIN, FIRST, F_UPDATE, CommSchedule, carry_variants
 from passes.grad_order import GradOrder
 from passes.split_graphs import SplitGraph
 
@@ -235,31 +235,35 @@ def _itemsize(dtype) -> int:
 
 # ---- the carry at run time ----------------------------------------------------------------------------------
 class Carry(RankState):
-    """What a step hands the next on this rank, per carried stage (``info``: stage -> ``"FULL"`` or ``"STEP"``).
+    """What a step hands the next on this rank, per carried stage (``info``: stage -> ``GraphKind.FULL`` or
+    ``GraphKind.STEP``, the graph whose update it carries).
 
-    ``"FULL"`` (one stage, one microbatch): the stage's graphs are ``FIRST`` (the first step: nothing carried, no
-    update), ``FULL`` (the steady step: ``("carry", piece)`` inputs and outputs, with the previous step's LR and
-    count) and ``DRAIN`` (only the carried waits and update). ``"STEP"`` (split graphs: a pipeline, or several
+    ``FULL`` (one stage, one microbatch): the stage's graphs are ``FIRST`` (the first step: nothing carried, no
+    update), ``FULL`` (the steady step: ``(Role.CARRY, piece)`` inputs and outputs, with the previous step's LR and
+    count) and ``DRAIN`` (only the carried waits and update); ``FIRST``, ``DRAIN`` and ``F_UPDATE`` are the carry's
+    own graph kinds (``passes.comm_schedule``). ``STEP`` (split graphs: a pipeline, or several
     microbatches): the ``STEP`` action keeps its inputs (the pieces ``REDUCE_GRAD`` issued, the summed gradients, LR
     and count), the stage's first ``F`` of the next step runs ``F_UPDATE`` (the update, bucket by bucket, inside that
     forward), and :meth:`drain` runs the kept ``STEP``. Stages it does not carry run the executor's own handlers."""
 
     def __init__(self, info, rank):
         super().__init__(info, rank)
-        self.carry: dict = {}            # stage -> {"pieces" | "grad"/"pending", "lr", "step"}
+        self.carry: dict = {}            # stage -> {"pieces" | Role.GRAD/Role.PENDING, Role.LR, Role.STEP}
 
     def handlers(self, ex) -> dict:
         base = dict(ex.handlers)
 
         def full(a, w, idx):
-            return self._full(ex, a, w) if self.info.get(a.stage) == "FULL" else base[ActionKind.FULL](a, w, idx)
+            return self._full(ex, a, w) if self.info.get(a.stage) == GraphKind.FULL else base[ActionKind.FULL](a, w, idx)
 
         def step(a, w, idx):
-            return self._defer_step(ex, a, w) if self.info.get(a.stage) == "STEP" else base[ActionKind.STEP](a, w, idx)
+            if self.info.get(a.stage) == GraphKind.STEP:
+                return self._defer_step(ex, a, w)
+            return base[ActionKind.STEP](a, w, idx)
 
         def forward(a, w, idx):
             s, i = a.stage, a.microbatch
-            if self.info.get(s) != "STEP" or s not in self.carry:
+            if self.info.get(s) != GraphKind.STEP or s not in self.carry:
                 return base[ActionKind.F](a, w, idx)
             acts = {k: v.contiguous() for k, v in w.fwd.pop((s, i), {}).items()}   # as traced (and as received)
             sg, args, res = self._forward_update(ex, s, w, w.micro[i], acts)     # the last step's STEP, in this F
@@ -267,8 +271,8 @@ class Carry(RankState):
         return {ActionKind.FULL: full, ActionKind.STEP: step, ActionKind.F: forward}
 
     def _scalars(self, ex, s) -> dict:
-        return {"lr": torch.tensor(float(ex.torch_opt.param_groups[0]["lr"]), dtype=torch.float64),
-                "step": torch.tensor(float(ex.step_count[s]), dtype=torch.float64)}
+        return {Role.LR: torch.tensor(float(ex.torch_opt.param_groups[0]["lr"]), dtype=torch.float64),
+                Role.STEP: torch.tensor(float(ex.step_count[s]), dtype=torch.float64)}
 
     def _full(self, ex, a, w):
         """``FULL`` with ``("carry", piece)`` inputs and outputs: waits for and applies the previous step's update
@@ -276,7 +280,7 @@ class Carry(RankState):
         hands its pieces on. The first step (nothing carried) runs ``FIRST``; :meth:`drain` runs ``DRAIN``."""
         s, i = a.stage, a.microbatch
         carry = self.carry.pop(s, None)
-        sg = ex.p.graphs[s]["FULL" if carry else "FIRST"]
+        sg = ex.p.graphs[s][GraphKind.FULL if carry else FIRST]
         ex.step_count[s] += 1
         now = self._scalars(ex, s)
         ex._note_state_bytes(w, s)
@@ -314,10 +318,10 @@ class Carry(RankState):
         s = a.stage
         ex.step_count[s] += 1
         pend = w.pending.pop(s, {})
-        kept = {**self._scalars(ex, s), "grad": {}, "pending": pend}
-        for role, key in ex.p.graphs[s]["STEP"].inputs:
+        kept = {**self._scalars(ex, s), Role.GRAD: {}, Role.PENDING: pend}
+        for role, key in ex.p.graphs[s][GraphKind.STEP].inputs:
             if role == Role.GRAD:
-                kept["grad"][key] = ex._step_grad(w, s, key)
+                kept[Role.GRAD][key] = ex._step_grad(w, s, key)
             elif role == Role.PENDING and key not in pend:
                 raise RuntimeError(f"rank {ex.rank}: STEP{s} waits on a gradient collective ({key}) that no RG{s} "
                                    f"started in this step: put RG{s} after the stage's last backward and before STEP{s} "
@@ -329,7 +333,7 @@ class Carry(RankState):
         applies its update bucket by bucket, each just before the first forward op on those parameters, and runs
         the forward on the new parameters. Returns ``(graph, arguments, results)``."""
         carry = self.carry.pop(s)
-        sg = ex.p.graphs[s]["F_UPDATE"]
+        sg = ex.p.graphs[s][F_UPDATE]
         ex._note_state_bytes(w, s)
         args = self._args(ex, sg, s, carry, mb, acts)
         res = sg.gm(*args)
@@ -341,11 +345,11 @@ class Carry(RankState):
         update (``DRAIN``, or the kept ``STEP``), so parameters and optimizer state are those of single-process
         training. The next step starts afresh (``FIRST``)."""
         for s, carry in sorted(self.carry.items()):
-            if "pending" in carry:           # split graphs: the deferred STEP itself
-                sg = ex.p.graphs[s]["STEP"]
+            if Role.PENDING in carry:        # split graphs: the deferred STEP itself
+                sg = ex.p.graphs[s][GraphKind.STEP]
                 _take_update(ex, s, sg, sg.gm(*self._args(ex, sg, s, carry, None)))
                 continue
-            sg = ex.p.graphs[s]["DRAIN"]
+            sg = ex.p.graphs[s][DRAIN]
             res = sg.gm(*self._args(ex, sg, s, carry, None))
             for (role, key), v in zip(sg.outputs, res):
                 ex.take_output(s, role, key, v)
@@ -489,7 +493,7 @@ class ByteScheduler(Feature):
         return section
 
     def plan_stage(self, section, plan, stage, captured, cluster, schedule):
-        plan_comm_schedule(section, plan, stage, captured, cluster, fused=graph_kinds(schedule, stage) == ("FULL",))
+        plan_comm_schedule(section, plan, stage, captured, cluster, fused=graph_kinds(schedule, stage) == (GraphKind.FULL,))
 
     def make_passes(self, section):
         if not section.synced:
@@ -506,20 +510,20 @@ class ByteScheduler(Feature):
 
     def after_split(self, section, parts, joint, ctx):
         sig = joint.meta[M.SIGNATURE.name]
-        if set(parts) == {"FULL"} and joint.meta.get(M.CARRY.name):      # the first step, and the drain
+        if set(parts) == {GraphKind.FULL} and joint.meta.get(M.CARRY.name):      # the first step, and the drain
             return {k: SplitGraph(k, *v) for k, v in carry_variants(joint, sig).items()}
         need = joint.meta.get(M.CARRY_STEP.name)
         if need:                       # STEP runs in the next step's first F
             parts = dict(parts)
-            parts.update(carry_forward(parts["F"], parts["STEP"], need, joint.meta.get(M.OPTIMIZER.name)))
+            parts.update(carry_forward(parts[GraphKind.F], parts[GraphKind.STEP], need, joint.meta.get(M.OPTIMIZER.name)))
         return parts
 
     def rank_info(self, section, program, rank):
         carried = {}
         for s in program.plan.rank_stages(rank):
             kinds = program.stages[s].graphs
-            if "DRAIN" in kinds:
-                carried[s] = "FULL"
-            elif "F_UPDATE" in kinds:
-                carried[s] = "STEP"
+            if DRAIN in kinds:
+                carried[s] = GraphKind.FULL
+            elif F_UPDATE in kinds:
+                carried[s] = GraphKind.STEP
         return carried or None

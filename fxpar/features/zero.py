@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar import meta as M
-from fxpar.roles import Role
+from fxpar.roles import GraphKind, Role
 from fxpar.errors import StrategyError
 from fxpar.explain import fmt_bytes
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
@@ -83,7 +83,7 @@ class ZeroState(RankState):
         def unshard(a, w, idx):
             """ZeRO-3 under a pipeline: gather the stage's parameters once for the step's forwards and backwards."""
             s = a.stage
-            sg = ex.p.graphs[s].get("UNSHARD")
+            sg = ex.p.graphs[s].get(GraphKind.UNSHARD)
             if sg is None:
                 return
             res = sg.gm(*[ex.params[s][key] for _, key in sg.inputs])

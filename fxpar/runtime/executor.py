@@ -35,7 +35,7 @@ from .. import prefetch  # noqa: F401  registers fxpar::prefetch before any grap
 from ..collectives import in_flight_across_graphs, lower_for_backend
 from ..feature import NEW_STATE_ROLE, STATE_ROLE, split_state_key
 from ..host import reuse_freed_memory
-from ..roles import Role
+from ..roles import GraphKind, Role
 from ..schedule import ActionKind
 from .measure import CommCounter, MemoryTracker
 from .settings import RunSettings
@@ -247,7 +247,7 @@ class Executor:
     # ---- handlers ------------------------------------------------------------------------------
     def _forward(self, a, w, idx):
         s, i = a.stage, a.microbatch
-        sg = self.p.graphs[s]["F"]
+        sg = self.p.graphs[s][GraphKind.F]
         mb = w.micro[i]
         weights = self.params[s] if a.version is None else w.store.get(s, a.version)
         acts = {k: v.contiguous() for k, v in w.fwd.pop((s, i), {}).items()}   # as traced (and as received)
@@ -284,13 +284,13 @@ class Executor:
     def _backward(self, a, w, idx):
         """B (whole backward), I (input gradients; keeps what W needs) or W (weight gradients)."""
         s, i = a.stage, a.microbatch
-        kind = a.kind.value
+        kind = GraphKind(a.kind.value)
         sg = self.p.graphs[s][kind]
         saved = w.saved[(s, i)]
         tangents = w.bwd.get((s, i), {})
-        if (s, i) in w.bwd and kind in ("B", "I"):          # as traced (and as received): contiguous
+        if (s, i) in w.bwd and kind in (GraphKind.B, GraphKind.I):   # as traced (and as received): contiguous
             tangents = w.bwd[(s, i)] = {k: v.contiguous() for k, v in tangents.items()}
-        if self.record_weights and kind in ("B", "I"):
+        if self.record_weights and kind in (GraphKind.B, GraphKind.I):
             weights = w.store.get(s, a.version) if a.version is not None else self.params[s]
             self._fingerprint("B", s, i, a.version, list(saved.values()), weights,
                               versions_held=len(w.store.versions.get(s, {})))
@@ -305,9 +305,9 @@ class Executor:
                 out[key] = v
             elif role == Role.SAVED:
                 saved[key] = v
-        if kind in ("B", "I") and s > 0:
+        if kind in (GraphKind.B, GraphKind.I) and s > 0:
             w.bwd[(s - 1, i)] = out
-        if kind in ("B", "W"):                   # the microbatch is done on this stage
+        if kind in (GraphKind.B, GraphKind.W):   # the microbatch is done on this stage
             del w.saved[(s, i)]
             w.bwd.pop((s, i), None)
             w.live.get(s, {}).pop(i, None)
@@ -345,7 +345,7 @@ class Executor:
 
     def _reduce_grad(self, a, w, idx):
         s = a.stage
-        sg = self.p.graphs[s].get("REDUCE_GRAD")
+        sg = self.p.graphs[s].get(GraphKind.REDUCE_GRAD)
         if sg is None:
             return
         res = sg.gm(*[self._feature_state(key, s) if role == STATE_ROLE else self._grad(w, s, key)
@@ -361,7 +361,7 @@ class Executor:
 
     def _step(self, a, w, idx):
         s = a.stage
-        sg = self.p.graphs[s]["STEP"]
+        sg = self.p.graphs[s][GraphKind.STEP]
         self.step_count[s] += 1
         lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)
         cnt = torch.tensor(float(self.step_count[s]), dtype=torch.float64)
@@ -418,7 +418,7 @@ class Executor:
     def _full(self, a, w, idx):
         """The fused one-stage step: forward, backward, gradient collectives and update in one graph."""
         s, i = a.stage, a.microbatch
-        sg = self.p.graphs[s]["FULL"]
+        sg = self.p.graphs[s][GraphKind.FULL]
         self.step_count[s] += 1
         lr = torch.tensor(float(self.torch_opt.param_groups[0]["lr"]), dtype=torch.float64)
         cnt = torch.tensor(float(self.step_count[s]), dtype=torch.float64)
