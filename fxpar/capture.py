@@ -248,7 +248,8 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
         in_sig = [(Role.PARAM, k) for k in trainable] + [(Role.BUFFER, k) for k in buffers] + \
                  [(Role.INPUT, str(i)) for i in range(len(inputs))] + [(Role.TARGET, str(i)) for i in range(len(target))]
         out_sig, last = [(Role.LOSS, "loss")], True
-        examples = {**{(Role.PARAM, k): v for k, v in trainable.items()}, **{(Role.BUFFER, k): v for k, v in buffers.items()},
+        examples = {**{(Role.PARAM, k): v for k, v in trainable.items()},
+                    **{(Role.BUFFER, k): v for k, v in buffers.items()},
                     **{(Role.INPUT, str(i)): t for i, t in enumerate(inputs)},
                     **{(Role.TARGET, str(i)): t for i, t in enumerate(target)}}
 
@@ -295,8 +296,8 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
     diff_in = [i for i, (r, k) in enumerate(in_sig)
                if r == Role.PARAM or (r == Role.ACT and examples[(r, k)].is_floating_point())]
     snames = [f"{s}:{p}" for p in pkeys for s in optimizer.state_names]
-    full_in = in_sig[:len(pkeys) + len(bkeys)] + [(Role.OPT_STATE, k) for k in snames] + [(Role.LR, "lr"), (Role.STEP, "step")] \
-        + in_sig[len(pkeys) + len(bkeys):]
+    full_in = in_sig[:len(pkeys) + len(bkeys)] + [(Role.OPT_STATE, k) for k in snames] \
+        + [(Role.LR, "lr"), (Role.STEP, "step")] + in_sig[len(pkeys) + len(bkeys):]
     if [r for r, _ in in_sig[:len(pkeys) + len(bkeys)]] != [Role.PARAM] * len(pkeys) + [Role.BUFFER] * len(bkeys):
         raise CaptureError(f"stage inputs must list parameters, then buffers: {in_sig}")
     # the output gradients a non-last stage receives: one per floating-point output

@@ -493,7 +493,8 @@ class ByteScheduler(Feature):
         return section
 
     def plan_stage(self, section, plan, stage, captured, cluster, schedule):
-        plan_comm_schedule(section, plan, stage, captured, cluster, fused=graph_kinds(schedule, stage) == (GraphKind.FULL,))
+        plan_comm_schedule(section, plan, stage, captured, cluster,
+                           fused=graph_kinds(schedule, stage) == (GraphKind.FULL,))
 
     def make_passes(self, section):
         if not section.synced:
@@ -515,7 +516,8 @@ class ByteScheduler(Feature):
         need = joint.meta.get(M.CARRY_STEP.name)
         if need:                       # STEP runs in the next step's first F
             parts = dict(parts)
-            parts.update(carry_forward(parts[GraphKind.F], parts[GraphKind.STEP], need, joint.meta.get(M.OPTIMIZER.name)))
+            parts.update(carry_forward(parts[GraphKind.F], parts[GraphKind.STEP], need,
+                                       joint.meta.get(M.OPTIMIZER.name)))
         return parts
 
     def rank_info(self, section, program, rank):
