@@ -38,7 +38,7 @@ class CommInfo:
 
 ROLE = MetaKey("fxpar_role", Role, "fxpar.capture",
                "on placeholders: the input's fxpar.roles.Role (PARAM, BUFFER, OPT_STATE, LR, STEP, INPUT, TARGET, "
-               "ACT, TANGENT; a pass that adds an input gives its own, e.g. PARAM_SHARD)")
+               "ACT, TANGENT; a pass that adds an input gives it the member that says where its value comes from)")
 PHASE = MetaKey("fxpar_phase", str, "fxpar.capture", "'forward', 'backward' or 'optimizer'")
 MODULE = MetaKey("fxpar_module", str, "fxpar.capture",
                  "dotted path of the user's module that produced the node ('' for the root)")

@@ -81,8 +81,8 @@ class GraphKind(str, enum.Enum):
     """The graphs a stage's joint graph is cut into (``passes.split_graphs``), by the action that calls each.
 
     These are the core kinds. A feature that cuts graphs of its own names them with its own strings, declared once
-    by the passes that cut them and never a core kind's name (the cross-iteration carry's ``FIRST``, ``DRAIN`` and
-    ``F_UPDATE``, in ``passes.comm_schedule``); a stage's graph dict may then hold both."""
+    by the passes that cut them and never a core kind's name (the cross-iteration carry's first-step, drain and
+    forward-with-update graphs); a stage's graph dict may then hold both."""
     FULL = "FULL"                  # the whole step as one graph (one stage, one microbatch)
     UNSHARD = "UNSHARD"            # ZeRO-3 under a pipeline: the stage's parameters gathered once per step
     F = "F"                        # forward, once per microbatch
