@@ -17,6 +17,7 @@ class HostSettings:
     comm_priority: bool = False          # ClusterSpec.comm_priority: raise the gloo threads (:func:`raise_comm_threads`)
     host_memory_reuse: bool = True       # ClusterSpec.host_memory_reuse: :func:`reuse_freed_memory` before the first step
 
+
 # gloo's threads: its TCP transport's event loop (one per device) and ProcessGroupGloo's workers (2 per group)
 COMM_THREAD_NAMES = ("gloo_tcp_loop", "pt_gloo_runloop")
 
