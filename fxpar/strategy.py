@@ -55,14 +55,6 @@ class Strategy(metaclass=_StrategyType):
                                        "gradient accumulation with pp=1)")
     split_points: list | None = _core(None, "(pp > 1) the module path each stage after the first starts "
                                             "at; None: the planner balances the stages")
-    bucket_cap_mb: float | None = _core(None, (
-        "gradient bucket size for data parallelism. None (default): DDP's 25 MB, unless an enabled feature picks "
-        "the size (its Plan section records the choice). 0 means one collective per gradient."))
-    first_bucket_cap_mb: float = _core(1.0, (
-        "cap of the first bucket backward fills (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``: 1 MiB), so the first "
-        "all_reduce starts early and overlaps the rest of backward. Never above ``bucket_cap_mb``."))
-    broadcast_buffers: bool = _core(True, "like DDP's flag: after each step every dp rank takes dp-rank 0's buffers "
-                                          "(BatchNorm running statistics)")
     passes: list = _core(doc=(
         "your own passes (fxpar.Pass), appended after fxpar's, in order; a pass whose ``before`` names one of "
         "fxpar's (e.g. ``before=('data_parallel',)``) is placed just ahead of it."), factory=list)
@@ -87,11 +79,6 @@ class Strategy(metaclass=_StrategyType):
         if self.loss_average not in LOSS_AVERAGES:
             raise StrategyError(f"Strategy(loss_average={self.loss_average!r}): choose one of {LOSS_AVERAGES} "
                                 "('global': single-process semantics, 'per_shard': each shard's mean averaged, as DDP)")
-        if self.bucket_cap_mb is not None and (not isinstance(self.bucket_cap_mb, (int, float))
-                                               or self.bucket_cap_mb < 0):
-            raise StrategyError(f"Strategy(bucket_cap_mb={self.bucket_cap_mb}): must be >= 0 (0: one collective per gradient)")
-        if self.first_bucket_cap_mb < 0:
-            raise StrategyError(f"Strategy(first_bucket_cap_mb={self.first_bucket_cap_mb}): must be >= 0")
         if isinstance(self.schedule, str) and self.schedule.lstrip().startswith("#"):
             try:
                 self.schedule = Schedule.parse(self.schedule)

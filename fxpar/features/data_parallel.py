@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, Slot, get_feature, register_feature
 from fxpar.planner_comm import plan_buckets
 from passes.bucket import BucketGradients
@@ -79,10 +80,14 @@ class DataParallel(Feature):
     name = "data_parallel"
     doc = "gradients summed across replicas in DDP-style buckets, buffers from dp-rank 0 (Li et al., VLDB'20)"
     options = {
-        "bucket_cap_mb": Option(None, "gradient bucket size in MiB (None: DDP's 25, or tuned by the gradient-sync "
-                                      "method; 0: one collective per gradient)"),
-        "first_bucket_cap_mb": Option(1.0, "cap of the first bucket backward fills, in MiB (DDP's 1 MiB)"),
-        "broadcast_buffers": Option(True, "after each step every dp rank takes dp-rank 0's buffers (DDP's flag)"),
+        "bucket_cap_mb": Option(None, "gradient bucket size for data parallelism, in MiB. None (default): DDP's 25, "
+                                      "unless an enabled feature picks the size (its Plan section records the "
+                                      "choice); 0: one collective per gradient"),
+        "first_bucket_cap_mb": Option(1.0, "cap of the first bucket backward fills, in MiB (DDP's "
+                                           "``_DEFAULT_FIRST_BUCKET_BYTES``: 1 MiB), so the first all_reduce starts "
+                                           "early and overlaps the rest of backward. Never above ``bucket_cap_mb``"),
+        "broadcast_buffers": Option(True, "like DDP's flag: after each step every dp rank takes dp-rank 0's buffers "
+                                          "(BatchNorm running statistics)"),
     }
     section = DataParallelSection
     passes = ((Slot.GRAD_SYNC, DataParallelGradSync),   # each gradient summed over the ranks the planner named
@@ -92,7 +97,15 @@ class DataParallel(Feature):
     def enabled(self, strategy) -> bool:
         # a gradient may be summed across ranks: over dp, or (pp > 1) over the stages sharing a tied parameter and
         # Chimera's two pipelines; plan() leaves the section off where none is
-        return strategy.dp > 1 or strategy.pp > 1
+        return strategy.dp > 1 or strategy.pp > 1 or super().enabled(strategy)
+
+    def validate(self, strategy) -> None:
+        cap, first = strategy.bucket_cap_mb, strategy.first_bucket_cap_mb
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or cap < 0):
+            raise StrategyError(f"Strategy(bucket_cap_mb={cap!r}): must be a number >= 0 (0: one collective per "
+                                "gradient) or None (DDP's 25 MiB)")
+        if isinstance(first, bool) or not isinstance(first, (int, float)) or first < 0:
+            raise StrategyError(f"Strategy(first_bucket_cap_mb={first!r}): must be a number >= 0")
 
     def plan(self, strategy, plan, cluster):
         if not gradients_summed(plan):
