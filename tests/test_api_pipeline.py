@@ -26,6 +26,7 @@ def test_parallelize_pipeline_matches_single_process(clusters, dp, schedule):
     assert max_abs_diff(res.state_dict(), ref_state) <= 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 def test_user_split_points_and_plan():
     """Split points reach the plan and explain(). A Plan is accepted for pipelines as for every strategy:

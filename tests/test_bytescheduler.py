@@ -77,6 +77,7 @@ def test_cross_iteration_matches_single_process(clusters, kind, opt, dp):
     _assert_matches(prog.run_local(batches, cluster=clusters.get(dp)), model, batches, loss_fn, opt)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_cross_iteration_only_where_the_cost_model_says_it_pays(clusters):
     """Where an overlapped transfer costs the compute more than a waited one (full CPU cores: ``comm_cpu_per_byte``)
@@ -293,6 +294,7 @@ def _measured_train(payload, batches):
     return {"peak": m.peak, "issued": m.issued, "losses": out["loss_sums"]}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_inflight_bytes_never_exceed_credit(clusters):
     _, batches, _, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL))

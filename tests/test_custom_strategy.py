@@ -238,6 +238,7 @@ class _Unused(fxpar.PlanSection):
     x: int = 0
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 def test_a_section_round_trips_through_json():
     assert _Unused(3).to_dict() == {"x": 3} and _Unused(3).lines() == ["x=3"]

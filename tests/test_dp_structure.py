@@ -211,6 +211,7 @@ def test_gradient_sync_is_one_copy_like_ddp():
     assert gm.meta["fxpar_grad_prescale"] == 4
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_graph_without_a_loss_seed_divides_the_bucket_in_place(clusters):
     """A graph whose backward is not seeded by ones_like(loss) (here: the seed removed by a user

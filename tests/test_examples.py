@@ -78,6 +78,7 @@ def test_tensor_parallel_example_splits_and_matches_pytorch():
     assert "forward all_reduce" in rows[0][2]          # the Megatron preset's row-parallel all-reduce
 
 
+@pytest.mark.slow
 def test_custom_strategy_example_matches_its_reference():
     text = _run("examples/custom_strategy.py")
     assert "ef16:" in text and "error_feedback_sum" in text

@@ -25,6 +25,7 @@ def _run(clusters, model, batches, loss_fn, opt, **kw):
     return prog, res
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_herring_gpt_adamw_matches_single_process(clusters):
     _run(clusters, tiny_gpt(), token_batches(3), gpt_loss, ADAMW,

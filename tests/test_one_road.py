@@ -205,6 +205,7 @@ def test_zb1p_skip_connection_and_untraced_optimizer(clusters):
            microbatches=2)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_gradient_accumulation_without_a_pipeline(clusters):
     prog, _ = _check(clusters, tiny_gpt(layers=4), token_batches(2, batch=16), gpt_loss, ADAMW, dp=2, microbatches=4)

@@ -67,6 +67,7 @@ def _spawned_where(queue):
     queue.put(_where())
 
 
+@pytest.mark.slow
 def test_child_processes_import_the_same_packages_as_the_tests(tmp_path):
     """The ways tests start Python again: a script that puts the checkout on sys.path first (as the examples
     do) run from the checkout, ``python -c`` from the checkout (which puts the working directory first), and a

@@ -65,6 +65,7 @@ def test_eight_microbatches_match_single_process(clusters, model, pp, schedule):
         assert f"F saves {n_saved} tensors ({fmt_bytes(per_mb)}) per microbatch" in text
 
 
+@pytest.mark.slow
 def test_eight_microbatches_pp2_dp2(clusters):
     prog, res = _run(clusters, TinyGPT(layers=2).double(), tiny_gpt_batches(2, batch=16), flat_gpt_loss,
                      pp=2, dp=2, schedule="1f1b")

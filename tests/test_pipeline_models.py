@@ -93,6 +93,7 @@ def test_batch_not_divisible_by_microbatches_times_dp():
                pp=2, dp=2, schedule="gpipe", microbatches=3)
 
 
+@pytest.mark.slow
 def test_program_graphs_schedule_and_sends():
     torch.manual_seed(0)
     prog = _build(TinyGPT().double(), tiny_gpt_batches(1)[0], flat_gpt_loss, pp=2, dp=2, schedule="1f1b", microbatches=4)
@@ -109,6 +110,7 @@ def test_program_graphs_schedule_and_sends():
     assert "bubble 0.200" in text and "wte.weight" in text
 
 
+@pytest.mark.slow
 def test_stage_graphs_compose_to_autograd_gradients():
     """Run stage forwards then backwards in one process: the gradients equal torch.autograd's.
 
@@ -160,6 +162,7 @@ def test_buffers_written_in_forward_are_refused():
                torch.nn.functional.cross_entropy, pp=2, schedule="gpipe", microbatches=2)
 
 
+@pytest.mark.slow
 def test_history_and_collectives_of_a_pipeline_rank():
     """history(rank): each pass's graph per held stage, ending in the graphs the rank runs;
     collectives(rank): its sends/recvs in schedule order, then the dp and tied-weight all-reduces of REDUCE_GRAD."""

@@ -39,6 +39,7 @@ def test_tied_gpt_pp2_matches_single_process(clusters, schedule):
     assert res.state_dict()["head.weight"] is res.state_dict()["wte.weight"]
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_skip_connection_across_the_cut_pp2_adamw(clusters):
     prog, res = _check(clusters, SkipNet().double(), class_batches(3), CE, ADAMW,
@@ -53,6 +54,7 @@ def test_skip_connection_across_the_cut_pp2_adamw(clusters):
         assert res.comm[r]["sent_bytes"] == 12 * 2 * (2 * 16 * 8)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_lead_gpt_with_adamw_and_lr_scheduler(clusters):
     model, batches = tiny_gpt(), token_batches(3)
@@ -87,6 +89,7 @@ def test_skip_pp4(clusters, schedule):
     _check(clusters, SkipNet().double(), class_batches(3), CE, SGD_M, pp=4, schedule=schedule, microbatches=4)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_gpt_pp4_interleaved_eight_stages(clusters):
     prog, _ = _check(clusters, TinyGPT().double(), tiny_gpt_batches(3), flat_gpt_loss, SGD_M,
@@ -137,6 +140,7 @@ def test_rank_runner_the_torchrun_path(clusters):
         assert max_abs_diff(state, ref_state) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 def test_stage_step_runs_in_place_bitwise():
     """Synchronous schedules update a stage's weights and moments in place: the STEP graph, cut out of the

@@ -261,6 +261,7 @@ def gpt4():
     return model, batch, capture_training_step(model, batch, gpt_loss, resolve_optimizer(ADAMW))
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 @pytest.mark.parametrize("layers,distinct", [(2, 2), (4, 3)])
 @pytest.mark.parametrize("g", [2, 4])
