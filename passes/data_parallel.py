@@ -29,16 +29,17 @@ import torch
 from fxpar import meta as M
 from fxpar.collectives import insert_all_reduce, insert_broadcast
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import Role
 
 __all__ = ["DataParallelGradSync", "SyncBuffers"]
 
 
 def grad_nodes(gm) -> list:
     """The raw gradient nodes capture marked (one per parameter), in graph order."""
-    sig = gm.meta.get("fxpar_signature")
+    sig = gm.meta.get(M.SIGNATURE.name)
     out = gm.graph.find_nodes(op="output")
     if sig is not None and out:
-        nodes = [n for n, (r, _) in zip(out[0].args[0], sig.outputs) if r == "grad" and isinstance(n, torch.fx.Node)]
+        nodes = [n for n, (r, _) in zip(out[0].args[0], sig.outputs) if r == Role.GRAD and isinstance(n, torch.fx.Node)]
         order = {n: i for i, n in enumerate(gm.graph.nodes)}
         return sorted(dict.fromkeys(n for n in nodes if M.get(n, M.GRAD_OF) is not None), key=order.get)
     return [n for n in gm.graph.nodes if M.get(n, M.GRAD_OF) is not None]
@@ -46,12 +47,12 @@ def grad_nodes(gm) -> list:
 
 def loss_seed(gm) -> torch.fx.Node | None:
     """The ``ones_like(loss)`` / ``full_like(loss, c)`` that seeds backward, when there is exactly one."""
-    sig = gm.meta.get("fxpar_signature")
+    sig = gm.meta.get(M.SIGNATURE.name)
     out = gm.graph.find_nodes(op="output")
     if sig is None or not out:
         return None
     try:
-        (li,) = sig.index("loss", outputs=True)
+        (li,) = sig.index(Role.LOSS, outputs=True)
     except (ValueError, KeyError, TypeError):
         return None
     loss = out[0].args[0][li]
@@ -65,9 +66,9 @@ def _prescale_seed(gm, dp: int) -> bool:
     """Seed backward with c/dp instead of c, so every gradient comes out divided by dp. A stage that
     receives its output gradients (not the last) gets them already scaled by the stage after it."""
     seed = loss_seed(gm)
-    sig = gm.meta.get("fxpar_signature")
+    sig = gm.meta.get(M.SIGNATURE.name)
     if seed is None:
-        return sig is not None and bool(sig.index("tangent"))
+        return sig is not None and bool(sig.index(Role.TANGENT))
     g = gm.graph
     value = 1.0 if seed.target is torch.ops.aten.ones_like.default else float(seed.args[1])
     with g.inserting_after(seed):
@@ -75,7 +76,7 @@ def _prescale_seed(gm, dp: int) -> bool:
     M.copy_meta(seed, new)
     seed.replace_all_uses_with(new)
     g.erase_node(seed)
-    gm.meta["fxpar_grad_prescale"] = dp
+    gm.meta[M.GRAD_PRESCALE.name] = dp
     return True
 
 
@@ -137,12 +138,12 @@ class SyncBuffers(Pass):
         section = ctx.plan.section("data_parallel")
         if dp == 1 or section is None or not section.broadcast_buffers or ctx.plan.n_stages > 1:
             return PassResult(gm, False)
-        sig = gm.meta["fxpar_signature"]
+        sig = gm.meta[M.SIGNATURE.name]
         out = gm.graph.find_nodes(op="output")[0]
         outs = list(out.args[0])
         ranks = ctx.mesh.group(ctx.rank, "dp")
         changed = 0
-        for i in sig.index("new_buffer", outputs=True):
+        for i in sig.index(Role.NEW_BUFFER, outputs=True):
             node = outs[i]
             v = node.meta.get("val")
             if not isinstance(v, torch.Tensor) or not v.is_floating_point():

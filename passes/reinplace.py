@@ -25,6 +25,7 @@ import torch
 
 from fxpar import meta as M
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import Role
 
 from .fuse_optimizer import fuse_adam
 from .graph_utils import OWNED_ROLES, last_read
@@ -112,7 +113,8 @@ def reinplace_step_graph(gm: torch.fx.GraphModule, n_params: int, n_state: int,
     (``fxpar.pipeline.autodiff.trace_step``), rewritten in place: its outputs are then its parameter and
     state inputs, updated. ``n_state``: state tensors per parameter. Returns a new GraphModule."""
     gm = copy.deepcopy(gm)
-    roles = ["param"] * n_params + ["grad"] * n_params + ["opt_state"] * (n_params * n_state) + ["lr", "step"]
+    roles = ([Role.PARAM] * n_params + [Role.GRAD] * n_params + [Role.OPT_STATE] * (n_params * n_state)
+             + [Role.LR, Role.STEP])
     phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     if len(phs) != len(roles):
         raise ValueError(f"step graph has {len(phs)} inputs; expected {len(roles)} for {n_params} parameters "

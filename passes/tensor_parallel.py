@@ -30,6 +30,7 @@ from fxpar import meta as M
 from fxpar.errors import PassError
 from fxpar.mesh import Mesh
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import Role
 from fxpar.sharding import ShardingError
 
 from .lower_sharding import lower_shardings
@@ -48,7 +49,7 @@ def _gradients_laid_out(gm, sig) -> None:
     out = gm.graph.output_node()
     leaves = [a for a in torch.utils._pytree.tree_flatten(out.args[0])[0] if isinstance(a, torch.fx.Node)]
     for (role, key), x in zip(sig.outputs, leaves):
-        if role != "grad" or M.get(x, M.GRAD_OF) == key:
+        if role != Role.GRAD or M.get(x, M.GRAD_OF) == key:
             continue
         chain, n = [], x
         while M.get(n, M.GRAD_OF) != key:
@@ -88,7 +89,7 @@ class TensorParallel(Pass):
     def run(self, gm, ctx: PassContext) -> PassResult:
         sh = ctx.plan.section(SECTION)
         mesh = Mesh(tuple((a, int(n)) for a, n in sh.axes))
-        sig = gm.meta["fxpar_signature"]
+        sig = gm.meta[M.SIGNATURE.name]
         entry = sh.stages[ctx.stage] if ctx.stage < len(sh.stages) else {}
         choice = stage_choice(entry, sh.mode)
         if choice is None:
@@ -120,7 +121,7 @@ class TensorParallel(Pass):
         ctx.notes.append(f"tensor_parallel: {split} of {len(entry['params'])} parameter(s) split over "
                          f"{dict(mesh.axes)}, {n_coll} collective(s) inserted"
                          + (f"; ops without a sharding rule, run whole: {whole}" if res.no_rule else ""))
-        new.meta["fxpar_shardings"] = res                 # program.shardings(rank) reads it
-        new.meta["fxpar_tp_modules"] = {n.name: M.get(n, M.MODULE) or (M.get(n, M.PARAM) or "").split(":")[-1]
-                                        .rpartition(".")[0] for n in gm.graph.nodes}
+        new.meta[M.SHARDINGS.name] = res                  # program.shardings(rank) reads it
+        new.meta[M.TP_MODULES.name] = {n.name: M.get(n, M.MODULE) or (M.get(n, M.PARAM) or "").split(":")[-1]
+                                       .rpartition(".")[0] for n in gm.graph.nodes}
         return PassResult(new, True, {"split_params": split, "collectives": n_coll})

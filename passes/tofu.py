@@ -46,6 +46,7 @@ import torch.fx
 
 from cost_models.compute import concrete, node_cost
 from fxpar import meta as M
+from fxpar.roles import Role
 from fxpar.sharding import R, Sharding, ShardingError, collective_bytes, redistribute_bytes, redistribute_steps
 
 from .propagate_sharding import ShardingResult, placement_fits
@@ -133,7 +134,7 @@ class _Graph:
         self.fed_whole = set()          # whole_io: placeholders the runtime feeds whole (all but params and state)
         if self.whole_io:
             self.fed_whole = {n for n, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs)
-                              if role not in ("param", "opt_state")}
+                              if role not in (Role.PARAM, Role.OPT_STATE)}
         self.nodes = [n for n in gm.graph.nodes if n.op in ("placeholder", "call_function")]
         self.info, self.groups, self.work, self.leaves, self.key, self.floats = {}, {}, {}, {}, {}, {}
         cache: dict = {}
@@ -175,8 +176,8 @@ class _Graph:
         by_key = dict(zip(self.signature.inputs, phs))
         out = []
         for (role, key), x in zip(self.signature.outputs, leaves):
-            ph = by_key.get((role[4:], key)) if role.startswith("new_") else by_key.get(("param", key)) \
-                if role == "grad" else None
+            ph = by_key.get((role[4:], key)) if role.startswith("new_") else by_key.get((Role.PARAM, key)) \
+                if role == Role.GRAD else None
             out.append((x, WHOLE if ph is None and self.whole_io else ph))
         return out
 
@@ -228,7 +229,7 @@ class _Level:
                 v = self.p.var(len(labels))
                 self.vars[(n, 0)] = (v, labels)
                 self.prod[n] = (n, 0, 0)
-                if c.mem_s_per_byte and M.get(n, M.ROLE) in ("param", "opt_state"):
+                if c.mem_s_per_byte and M.get(n, M.ROLE) in (Role.PARAM, Role.OPT_STATE):
                     held = _nbytes(n) / 2 ** self._split_before(n)
                     self.p.unary(v, [held * c.mem_s_per_byte / (2 if isinstance(lb[1][0], int) else 1) for lb in labels])
             elif n.target is operator.getitem:
@@ -514,7 +515,7 @@ def plan_cost(gm, res: ShardingResult, cost: TofuCost | None = None, signature=N
             nb = nb / k if isinstance(pa, int) else nb
         return total
     for n in g.nodes:
-        if n.op == "placeholder" and _is_tensor(n) and M.get(n, M.ROLE) in ("param", "opt_state"):
+        if n.op == "placeholder" and _is_tensor(n) and M.get(n, M.ROLE) in (Role.PARAM, Role.OPT_STATE):
             memory += _local_bytes(n, res.out[n.name][0], dict(sizes)) * cost.mem_s_per_byte
         if n not in g.info:
             continue

@@ -29,6 +29,7 @@ from __future__ import annotations
 import operator
 
 from fxpar import meta as M
+from fxpar.roles import Role
 
 __all__ = ["block_of", "assign_blocks", "block_lists"]
 
@@ -47,7 +48,7 @@ def block_of(path: str) -> tuple:
 
 def _anchor(n):
     if n.op == "placeholder":
-        if M.get(n, M.ROLE) not in ("param", "opt_state"):
+        if M.get(n, M.ROLE) not in (Role.PARAM, Role.OPT_STATE):
             return None
         key = M.get(n, M.PARAM) or ""
         return block_of(key.split(":", 1)[-1]) or OUT

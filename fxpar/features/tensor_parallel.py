@@ -31,6 +31,7 @@ from fxpar.errors import PassError, StrategyError
 from fxpar.explain import fmt_bytes
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
 from fxpar.mesh import Mesh
+from fxpar.roles import Role
 from fxpar.sharding import Sharding, ShardingError
 from passes import tofu
 from passes.propagate_sharding import ShardingResult, propagate_shardings
@@ -143,10 +144,10 @@ def _tied_layouts(section, plan, stage: int, sig) -> dict:
     match."""
     out = {}
     for role, key in sig.inputs:
-        if role not in ("param", "opt_state") or key.split(":", 1)[-1] not in (plan.tied or {}):
+        if role not in (Role.PARAM, Role.OPT_STATE) or key.split(":", 1)[-1] not in (plan.tied or {}):
             continue
         for t in range(min(stage, len(section.stages))):
-            part = section.stages[t].get("params" if role == "param" else "opt_state", {})
+            part = section.stages[t].get("params" if role == Role.PARAM else "opt_state", {})
             if key in part:
                 out[(role, key)] = part[key]
                 break
@@ -205,7 +206,7 @@ def _choose(section, plan, stage: int, captured, cluster, mesh: Mesh, entry: dic
         preset = megatron_layouts(gm, mesh.size, mesh.names[0])
         extra["megatron"] = {k: list(v) for k, v in preset.items()}
         layouts = {**preset, **layouts}
-    layouts.update({k: tuple(dims) for (r, k), dims in tied.items() if r == "param"})
+    layouts.update({k: tuple(dims) for (r, k), dims in tied.items() if r == Role.PARAM})
     res = propagate_shardings(gm, mesh, layouts, aliases=getattr(captured, "aliases", None) or {}, signature=sig,
                               whole_io=True)
     extra["propagated"] = res.to_json()
@@ -286,8 +287,8 @@ class TensorParallelFeature(Feature):
             raise PassError(f"tensor parallelism over {dict(mesh.axes)} (sharding={section.mode!r}), stage {stage}: "
                             f"{e}") from None
         roles = dict(zip([p.name for p in captured.gm.graph.find_nodes(op="placeholder")], captured.signature.inputs))
-        entry["params"] = {k: list(res.out[n][0].dims) for n, (r, k) in roles.items() if r == "param"}
-        entry["opt_state"] = {k: list(res.out[n][0].dims) for n, (r, k) in roles.items() if r == "opt_state"}
+        entry["params"] = {k: list(res.out[n][0].dims) for n, (r, k) in roles.items() if r == Role.PARAM}
+        entry["opt_state"] = {k: list(res.out[n][0].dims) for n, (r, k) in roles.items() if r == Role.OPT_STATE}
         entry.update(extra)
 
     def rank_info(self, section, program, rank):

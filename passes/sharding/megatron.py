@@ -15,6 +15,7 @@ import operator
 import torch
 
 from fxpar import meta as M
+from fxpar.roles import Role
 from fxpar.sharding import ShardingError
 
 __all__ = ["megatron_layouts", "linears"]
@@ -39,7 +40,7 @@ def _param_of(n):
     """The parameter key ``n`` is (through transposes and views), or None."""
     while n.op == "call_function" and n.target in _THROUGH_W:
         n = n.args[0]
-    if n.op == "placeholder" and M.get(n, M.ROLE) == "param":
+    if n.op == "placeholder" and M.get(n, M.ROLE) == Role.PARAM:
         return M.get(n, M.PARAM)
     return None
 
