@@ -27,7 +27,7 @@ class Plan:
     mesh_axes: list = field(default_factory=lambda: [["pp", 1], ["dp", 1]])   # [[name, size], ...], row-major
     batch_dim: int = 0                         # dim of every batch tensor that dp and microbatches split
     global_batch: int = 0
-    microbatches: int = 1                      # per pipeline replica and step (both directions of a bidirectional schedule)
+    microbatches: int = 1                      # per pipeline replica and step (every direction of a bidirectional one)
     cuts: list = field(default_factory=list)   # module path each stage after the first starts at
     candidates: list = field(default_factory=list)     # every module path a cut may go before
     stage_to_rank: list = field(default_factory=list)  # per stage: the pipeline ranks holding it
@@ -66,8 +66,9 @@ class Plan:
     def schedule(self, value: str) -> None:
         sec = self.schedule_section
         if sec is None:
-            raise ValueError(f"Plan.schedule = {value!r}: this Plan runs the one-stage program and has no pipeline "
-                             f"schedule section to edit; ask for the pipeline with Strategy(pp=..., schedule={value!r})")
+            raise ValueError(f"Plan.schedule = {value!r}: this Plan runs the one-stage program and has no "
+                             "pipeline schedule section to edit; ask for the pipeline with "
+                             f"Strategy(pp=..., schedule={value!r})")
         sec.schedule = value
 
     @property

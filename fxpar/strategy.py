@@ -47,8 +47,9 @@ class Strategy(metaclass=_StrategyType):
     tp: int = _core(1, "size of the tensor-parallel mesh axis")
     pp: int = _core(1, "size of the pipeline-parallel mesh axis (the number of stages)")
     schedule: "str | Schedule | None" = _core(None, (
-        "(pp > 1; default ``'1f1b'``) a schedule name a registered pipeline schedule feature builds (its ``schedules``; "
-        "``fxpar/features/pipeline*``, or your own ``PipelineSchedule`` subclass), or a hand-written schedule: a "
+        "(pp > 1; default ``'1f1b'``) a schedule name a registered pipeline schedule feature builds (its "
+        "``schedules``; ``fxpar/features/pipeline*``, or your own ``PipelineSchedule`` subclass), or a hand-written "
+        "schedule: a "
         "``fxpar.schedule.Schedule`` or its text (``str(schedule)``'s grid or ``schedule.format_lists()``), read with "
         "``Schedule.parse``. A hand-written one is validated and dry-run when the program is built: one that would "
         "deadlock raises ``fxpar.schedule.ScheduleDeadlockError`` naming the step and ranks."))

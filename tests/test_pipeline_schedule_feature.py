@@ -15,7 +15,8 @@ from fxpar.feature import schedule_features, schedule_names, unregister_feature
 from fxpar.features.pipeline import PipelineSchedule
 from fxpar.planner import is_asynchronous
 from fxpar.schedule import Schedule, ensure_reduce_grad, get_schedule, simulate
-from fxpar.testing import SkipNet, TinyGPT, class_batches, flat_gpt_loss, max_abs_diff, reference_training, tiny_gpt_batches
+from fxpar.testing import (SkipNet, TinyGPT, class_batches, flat_gpt_loss, max_abs_diff, reference_training,
+                           tiny_gpt_batches)
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 CE = torch.nn.functional.cross_entropy
@@ -27,10 +28,11 @@ def fifo_gpipe(p: int, m: int) -> Schedule:
              f"placement={','.join(f'{s}:{s}' for s in range(p))}"]
     for r in range(p):
         acts = []
+        first, last = r == 0, r == p - 1
         for i in range(m):
-            acts += ([f"RF{r}.{i}<{r - 1}"] if r > 0 else []) + [f"F{r}.{i}"] + ([f"SF{r}.{i}>{r + 1}"] if r < p - 1 else [])
+            acts += ([] if first else [f"RF{r}.{i}<{r - 1}"]) + [f"F{r}.{i}"] + ([] if last else [f"SF{r}.{i}>{r + 1}"])
         for i in range(m):
-            acts += ([f"RB{r}.{i}<{r + 1}"] if r < p - 1 else []) + [f"B{r}.{i}"] + ([f"SB{r}.{i}>{r - 1}"] if r > 0 else [])
+            acts += ([] if last else [f"RB{r}.{i}<{r + 1}"]) + [f"B{r}.{i}"] + ([] if first else [f"SB{r}.{i}>{r - 1}"])
         lines.append(f"rank {r}: " + " ".join(acts + [f"STEP{r}"]))
     return ensure_reduce_grad(Schedule.parse("\n".join(lines) + "\n"))
 
