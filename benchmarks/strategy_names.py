@@ -44,6 +44,8 @@ STRATEGIES = {
                       ("fxpar/features/bytescheduler.py", "fxpar/features/delayed_update.py", "passes/comm_schedule.py",
                        "passes/grad_order.py", "passes/carry_step.py", "passes/delayed_update.py",
                        "cost_models/comm_tuning.py", "fxpar/backward_order.py")),
+    "pipeline": (r"pipedream|\b2bw\b|chimera|zb1p|gpipe|1f1b|interleaved|\bASYNC\b",
+                 ("fxpar/features/pipeline", "fxpar/schedule/")),
 }
 
 

@@ -19,12 +19,12 @@ from .capture import capture_training_step
 from .cluster import ClusterSpec
 from ._tracing import BatchLayout
 from .errors import InputError, StrategyError
-from .feature import get_feature
+from .feature import get_feature, schedule_names
 from .losses import choose_loss
 from .lower import lower
 from .optim import resolve_optimizer
 from .plan import Plan
-from .planner import ASYNC, check_batch, grad_groups, make_plan, schedule_name
+from .planner import check_batch, grad_groups, grad_scale, is_asynchronous, make_plan
 from .program import Program, Stage, stage_messages
 from .strategy import Strategy
 
@@ -72,7 +72,7 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     example = layout.flatten(example_inputs, "example_inputs")
     m = plan.microbatches if plan is not None else strategy.microbatches
     check_batch(example, strategy.dp, m, names=[layout.describe(i, "example_inputs") for i in range(len(example))])
-    loss = choose_loss(strategy.loss_average, loss_fn, asynchronous=schedule_name(strategy, plan) in ASYNC,
+    loss = choose_loss(strategy.loss_average, loss_fn, asynchronous=is_asynchronous(strategy, plan),
                        k=strategy.dp * m)
     batch = example + loss.extra_columns(example, layout.n_inputs, layout.describe(layout.n_inputs, "example_inputs"))
     if any(p.device.type == "meta" for p in model.parameters()):     # a meta model is planned on meta inputs
@@ -83,13 +83,13 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     plan.loss_average = loss.mode
     if loss.note:
         plan.notes.append(loss.note)
-    if plan.schedule in ASYNC and lr_scheduler is not None:
+    if plan.asynchronous and lr_scheduler is not None:
         raise StrategyError(f"schedule {plan.schedule!r} updates weights inside a window of microbatches; an "
                             "lr_scheduler stepped once per batch is not defined for it. Drop lr_scheduler or use a "
-                            "synchronous schedule ('gpipe', '1f1b', 'interleaved', 'zb1p', 'chimera').")
+                            f"synchronous schedule {schedule_names(asynchronous=False)}.")
     m = plan.microbatches
     micro = layout.unflatten(tuple(t.narrow(0, 0, plan.global_batch // (plan.dp * m)) for t in batch))
-    scale = 1.0 if plan.schedule == "pipedream" else 1.0 / m      # PipeDream: one update per microbatch
+    scale = grad_scale(plan)       # 1/m: an update averages the step's microbatches (unless the schedule says)
     if split is None:
         captured = [capture_training_step(model, micro, loss.fn, spec, grad_scale=scale)]
     else:

@@ -46,7 +46,8 @@ from .roles import Role
 __all__ = ["Feature", "Option", "Slot", "PlanSection", "RankState", "ExtraRank", "register_feature", "registered_features",
            "unregister_feature", "get_feature", "enabled_features", "check_strategy", "section_from_dict", "option_owner", "option_defaults",
            "add_state_input", "add_state_output", "BUILTIN_FEATURES", "STATE_ROLE", "NEW_STATE_ROLE", "state_key",
-           "split_state_key", "settle_strategy", "register_shared_option", "shared_options", "option_spec"]
+           "split_state_key", "settle_strategy", "register_shared_option", "shared_options", "option_spec",
+           "schedule_features", "schedule_names"]
 
 # The graph roles of a feature's per-rank state: an input ("state", "<feature>.<name>") the rank's RankState
 # provides, and an output ("new_state", "<feature>.<name>") it takes back after the graph ran.
@@ -100,6 +101,13 @@ class PlanSection:
     ``Plan.from_json`` reads it back through :func:`section_from_dict`, refusing unknown fields by name."""
     # how the feature orders the gradient buckets, for the gradient-sync line of ``print(plan)`` (None: it does not)
     bucket_order: ClassVar[str | None] = None
+    # True in a pipeline schedule's section (``fxpar.features.pipeline.PipelineSection``): its ``schedule`` field is the
+    # schedule the program runs (``Plan.schedule``), and its feature builds it (``make_schedule``), cuts the stages
+    # (``cut_stages``) and scales each update's gradient (``grad_scale``); a Plan holds at most one such section
+    picks_schedule: ClassVar[bool] = False
+    # the schedule keeps several weight versions per stage: a stage updates inside the window, never flushed
+    # (``Plan.asynchronous``: no lr_scheduler, no in-place update, no ZeRO)
+    asynchronous: ClassVar[bool] = False
 
     def to_dict(self) -> dict:
         return json.loads(json.dumps(dataclasses.asdict(self)))
@@ -420,6 +428,18 @@ def get_feature(name: str) -> Feature:
         return _REGISTRY[name]
     except KeyError:
         raise KeyError(f"no feature named {name!r}; registered: {sorted(_REGISTRY)}") from None
+
+
+def schedule_features() -> list:
+    """The registered pipeline schedule features (their section has ``picks_schedule``), in registration order."""
+    return [f for f in registered_features() if f.section is not None and f.section.picks_schedule]
+
+
+def schedule_names(asynchronous: bool | None = None) -> tuple:
+    """The schedule names ``Strategy(schedule=...)`` takes, from the registered pipeline schedule features (their
+    ``schedules``); ``asynchronous``: only those whose schedules keep several weight versions (True) or one (False)."""
+    return tuple(n for f in schedule_features() if asynchronous is None or f.section.asynchronous == asynchronous
+                 for n in getattr(f, "schedules", ()))
 
 
 def option_owner(option: str) -> str | None:

@@ -27,8 +27,7 @@ class Plan:
     mesh_axes: list = field(default_factory=lambda: [["pp", 1], ["dp", 1]])   # [[name, size], ...], row-major
     batch_dim: int = 0                         # dim of every batch tensor that dp and microbatches split
     global_batch: int = 0
-    microbatches: int = 1                      # per pipeline replica and step (all directions, for Chimera)
-    schedule: str = "single"                   # a schedule name, or a hand-written schedule's text
+    microbatches: int = 1                      # per pipeline replica and step (every direction of a bidirectional one)
     cuts: list = field(default_factory=list)   # module path each stage after the first starts at
     candidates: list = field(default_factory=list)     # every module path a cut may go before
     stage_to_rank: list = field(default_factory=list)  # per stage: the pipeline ranks holding it
@@ -49,6 +48,34 @@ class Plan:
     def section(self, name: str):
         """Feature ``name``'s Plan section, or None when the feature is off."""
         return self.features.get(name)
+
+    @property
+    def schedule_section(self):
+        """The section of the pipeline schedule feature that picked the schedule, or None: one stage."""
+        return next((sec for sec in self.features.values() if sec.picks_schedule), None)
+
+    @property
+    def schedule(self) -> str:
+        """The schedule the program runs: a schedule name or a hand-written schedule's text (its pipeline schedule
+        feature's section holds it), or ``"single"``: the one-stage program (gradient accumulation over the
+        microbatches)."""
+        sec = self.schedule_section
+        return "single" if sec is None else sec.schedule
+
+    @schedule.setter
+    def schedule(self, value: str) -> None:
+        sec = self.schedule_section
+        if sec is None:
+            raise ValueError(f"Plan.schedule = {value!r}: this Plan runs the one-stage program and has no "
+                             "pipeline schedule section to edit; ask for the pipeline with "
+                             f"Strategy(pp=..., schedule={value!r})")
+        sec.schedule = value
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether a feature's schedule keeps several weight versions per stage (each stage updates inside the
+        window, never flushed)."""
+        return any(sec.asynchronous for sec in self.features.values())
 
     @property
     def mesh(self) -> Mesh:

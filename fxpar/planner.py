@@ -1,7 +1,8 @@
 """The planner: Strategy + model + cluster → Plan. It decides; passes carry the decisions out.
 
-Decisions, in order: the schedule and its stage placement; the stage cuts (``passes.split_stages``'s
-balanced search over module boundaries, or the user's split points, or an edited Plan's cuts); which
+Decisions, in order: the schedule (the pipeline schedule feature the Strategy enables, ``fxpar/features/pipeline*``,
+or the one-stage program) and its stage placement; the stage cuts (the schedule feature's ``cut_stages``: the
+balanced search over module boundaries, the user's split points, or an edited Plan's cuts); which
 ranks sum which gradients (:func:`grad_groups`: the one place that knows). Each enabled feature
 (``fxpar.features``) decides its own Plan section at the end (how those gradients are summed and in which
 buckets is the ``data_parallel`` feature's, once each stage is captured).
@@ -11,17 +12,13 @@ from __future__ import annotations
 import copy
 
 from .errors import StrategyError
-from .feature import enabled_features, get_feature, registered_features
+from .feature import enabled_features, get_feature, registered_features, schedule_features
 from .plan import Plan
-from .schedule import Schedule, ScheduleError, get_schedule
-from .schedule import ScheduleDeadlockError, ScheduleValidationError, ensure_reduce_grad, simulate, validate
-from .capture import trace_forward
-from passes.split_stages import imbalance_warning, split_stages
+from .schedule import Schedule, ScheduleError, single
 from .strategy import Strategy
 
-__all__ = ["make_plan", "check_batch", "grad_groups", "build_schedule", "schedule_name", "ASYNC"]
-
-ASYNC = ("pipedream", "2bw")
+__all__ = ["make_plan", "check_batch", "grad_groups", "build_schedule", "schedule_feature", "is_asynchronous",
+           "grad_scale"]
 
 
 def check_batch(batch, dp: int, microbatches: int = 1, batch_dim: int = 0, names=None) -> int:
@@ -52,66 +49,66 @@ def check_batch(batch, dp: int, microbatches: int = 1, batch_dim: int = 0, names
     return sizes.pop()
 
 
+def schedule_feature(plan: Plan) -> tuple:
+    """``(feature, section)`` of the pipeline schedule feature that picked ``plan``'s schedule, or ``(None, None)``:
+    the one-stage program."""
+    for name, section in plan.features.items():
+        if section.picks_schedule:
+            return get_feature(name), section
+    return None, None
+
+
 def build_schedule(plan: Plan, n_batches: int = 2, resumed: bool = False) -> Schedule:
-    """The plan's schedule as IR. Asynchronous schedules cover ``n_batches`` batches in one window
-    (``resumed``: a window that continues a checkpointed run, for 2BW's stashed version)."""
-    if "\n" in plan.schedule:
-        return ensure_reduce_grad(Schedule.parse(plan.schedule))
-    name, p, m = plan.schedule, plan.pp, plan.microbatches
-    if name == "pipedream":
-        return get_schedule(name, p, m * n_batches)      # one update per microbatch, never flushed
-    if name == "2bw":
-        return get_schedule(name, p, m, n_batches=n_batches, resumed=resumed)
-    return get_schedule(name, p, m)
+    """The plan's schedule as IR, from its pipeline schedule feature (``single``, the one-stage program, where there
+    is none). An asynchronous schedule covers ``n_batches`` batches in one window (``resumed``: a window that
+    continues a checkpointed run)."""
+    feat, section = schedule_feature(plan)
+    if feat is None:
+        return single(plan.pp, plan.microbatches)
+    return feat.make_schedule(section, plan, n_batches=n_batches, resumed=resumed)
 
 
-def schedule_name(strategy: Strategy, base: Plan | None = None) -> str:
-    """The schedule a program of ``strategy`` runs (a handed-in Plan's, if given): a name or a schedule's text."""
-    return base.schedule if base is not None else _schedule_name(strategy)
+def is_asynchronous(strategy: Strategy, base: Plan | None = None) -> bool:
+    """Before the Plan is made: whether ``strategy``'s schedule (a handed-in Plan's, if given) keeps several weight
+    versions per stage."""
+    if base is not None:
+        return base.asynchronous
+    return any(f.section is not None and f.section.asynchronous for f in enabled_features(strategy))
 
 
-def _schedule_name(strategy: Strategy) -> str:
-    if strategy._custom_schedule:
-        return str(strategy.schedule)
-    if strategy.pp == 1:
-        if strategy.schedule not in (None, "single"):
-            raise StrategyError(f"{strategy}: schedule={strategy.schedule!r} needs a pipeline (pp > 1); with pp=1 "
-                                "the step runs as one stage (microbatches > 1 accumulate gradients). Drop "
-                                "schedule= or set pp.")
-        return "single"
-    return strategy.schedule or "1f1b"
+def grad_scale(plan: Plan) -> float:
+    """The factor each microbatch's gradient gets in backward's seed: 1/microbatches (an update averages the
+    step's microbatches), unless the schedule feature updates otherwise."""
+    feat, section = schedule_feature(plan)
+    return 1.0 / plan.microbatches if feat is None else feat.grad_scale(section, plan)
 
 
-def _check_custom(sched: Schedule, strategy: Strategy) -> None:
-    pp, m = strategy.pp, strategy.microbatches
-    if sched.n_ranks != pp or sorted(sched.actions) != list(range(pp)):
-        raise StrategyError(f"{strategy}: the schedule lists ranks {sorted(sched.actions)}, but pp={pp} needs "
-                            f"ranks 0..{pp - 1}; write one 'rank R:' line per pipeline rank or change pp.")
-    if sched.n_microbatches != m:
-        raise StrategyError(f"{strategy}: the schedule covers {sched.n_microbatches} microbatches but "
-                            f"microbatches={m}; set Strategy(microbatches={sched.n_microbatches}).")
-    if any(a.version is not None for acts in sched.actions.values() for a in acts):
-        raise StrategyError(f"{strategy}: a hand-written schedule with weight versions (@v, asynchronous) is not "
-                            "run yet: the runtime would need it to cover every batch of the run in one window. "
-                            "Use schedule='pipedream' or '2bw', or drop the versions for a synchronous schedule.")
-    try:
-        validate(sched)
-    except ScheduleValidationError as e:
-        raise ScheduleValidationError([f"hand-written schedule {sched.name!r}: {q}" for q in e.problems]) from None
-    try:
-        simulate(sched)
-    except ScheduleDeadlockError as e:
-        raise ScheduleDeadlockError(f"{strategy}: hand-written {e}", e.stuck) from None
+def _pick_schedule(strategy: Strategy, base: Plan | None, plan: Plan, cluster) -> None:
+    """The pipeline schedule feature's section (a handed-back Plan's, re-checked), first of the Plan's sections:
+    every later decision may ask ``plan.asynchronous``. None enabled: the one-stage program."""
+    if base is not None:
+        feat, given = schedule_feature(base)
+        section = None if feat is None else feat.adopt(copy.deepcopy(given), strategy, plan, cluster)
+    else:
+        on = [f for f in schedule_features() if f.enabled(strategy)]
+        if len(on) > 1:
+            raise StrategyError(f"{strategy}: schedule features {[f.name for f in on]} all build schedule "
+                                f"{strategy.schedule!r}; unregister one of them (fxpar.unregister_feature)")
+        feat = on[0] if on else None
+        section = None if feat is None else feat.plan(strategy, plan, cluster)
+    if section is not None:
+        plan.features[feat.name] = section
 
 
 def grad_groups(plan: Plan) -> tuple:
     """Which ranks sum which gradients: ``(groups, per-stage {param key: group name or None})``.
 
-    A stage's gradient is summed over every rank holding the stage (its dp replicas, and Chimera's
-    second pipeline). A parameter several stages use (a tied LM head) is summed over every rank
-    holding any of them, in one collective per rank: a rank holding two such stages sums them
-    locally (the runtime keeps one accumulator per parameter and rank) and reduces the parameter in
-    the first of its stages that uses it; the other stages' steps read that result."""
+    A stage's gradient is summed over every rank holding the stage (its dp replicas, and the other
+    pipeline ranks a bidirectional schedule places it on). A parameter several stages use (a tied LM
+    head) is summed over every rank holding any of them, in one collective per rank: a rank holding
+    two such stages sums them locally (the runtime keeps one accumulator per parameter and rank) and
+    reduces the parameter in the first of its stages that uses it; the other stages' steps read that
+    result."""
     dp, tp, width = plan.dp, plan.tp, plan.width
     groups: dict = {}
     per_stage = []
@@ -157,14 +154,14 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     plan = Plan(mesh_axes=[["pp", pp], ["dp", dp]])
     for f in enabled_features(strategy):       # the features' own mesh axes (a handed-back Plan's stay), fastest last
         plan.mesh_axes += f.mesh_axes(strategy, base.section(f.name) if base is not None else None)
-    plan.schedule = schedule_name(strategy, base)
     plan.microbatches = base.microbatches if base is not None else strategy.microbatches
     plan.global_batch = check_batch(batch, dp, plan.microbatches)
+    _pick_schedule(strategy, base, plan, cluster)
     if optimizer is not None:
         plan.optimizer = {"name": optimizer.name, "traced": optimizer.traced, "why_not_traced": optimizer.why_not_traced}
         if optimizer.traced:      # how the traced update runs: one fused kernel, or torch._foreach_* ops
             kind = getattr(getattr(cluster, "device", None), "kind", "cpu")
-            k, why = optimizer.kernel(kind, in_place=plan.schedule not in ASYNC)
+            k, why = optimizer.kernel(kind, in_place=not plan.asynchronous)
             plan.optimizer.update({"kernel": k, "why_kernel": why})
             if k == "fused":
                 plan.optimizer["hyper"] = optimizer.adam_hyper()
@@ -173,33 +170,22 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
         sched = build_schedule(plan)
     except ScheduleError as e:
         raise StrategyError(f"{strategy}: {e}") from e
-    if "\n" in plan.schedule:
-        _check_custom(sched, strategy)
     plan.stage_to_rank = [list(sched.stage_to_rank[s]) for s in range(sched.n_stages)]
     trace = split = None
     mb = plan.global_batch // (dp * plan.microbatches)
-    if sched.n_stages > 1:
+    if sched.n_stages > 1:        # only a pipeline schedule feature makes several stages: it cuts them
+        feat, section = schedule_feature(plan)
         micro = tuple(t.narrow(0, 0, mb) for t in batch)
-        trace = trace_forward(model, layout.unflatten(micro) if layout is not None else micro, loss_fn)
-        fpb = cluster.device.peak_flops / cluster.intra_node.bandwidth if cluster is not None else 0.0
-        cuts = base.cuts if base is not None and base.cuts else strategy.split_points
-        split = split_stages(trace.gm, trace.roles, sched.n_stages, cuts, trace.module_types, fpb)
-        plan.cuts, plan.candidates = list(split.cuts), list(split.candidates)
-        warn = imbalance_warning(split)
-        if warn:
-            plan.notes.append(warn)
-        plan.stage_params = [list(st.params) for st in split.stages]
-        plan.tied = {k: list(v) for k, v in split.shared_params.items()}
-        if plan.schedule in ASYNC and plan.tied:
-            raise StrategyError(f"schedule {plan.schedule!r} steps each stage at its own time, so a parameter shared by "
-                                f"stages ({sorted(plan.tied)}: {plan.tied}) would get different versions in different "
-                                "stages. Untie it, or use a synchronous schedule.")
+        trace, split = feat.cut_stages(section, strategy, plan, base, model,
+                                       layout.unflatten(micro) if layout is not None else micro, loss_fn, cluster)
     else:
         plan.stage_params = [[k for k, v in dict(model.named_parameters()).items() if v.requires_grad]]
     plan.groups, plan.grad_groups = grad_groups(plan)
     for f in registered_features():     # a ClusterSpec a feature cannot run on, or one asking for a feature that is off
         f.check_cluster(strategy, cluster)
     for f in registered_features():     # each enabled feature decides its section; a handed-back Plan's sections stay
+        if f.section is not None and f.section.picks_schedule:
+            continue                    # the schedule's, decided first
         given = base.section(f.name) if base is not None else None
         if given is None and not f.enabled(strategy):
             continue

@@ -181,7 +181,8 @@ class Program:
 
     @property
     def asynchronous(self) -> bool:
-        return self.plan.schedule in ("pipedream", "2bw")
+        """Whether the schedule keeps several weight versions per stage: a run covers all its batches in one window."""
+        return self.plan.asynchronous
 
     def _check_rank(self, rank: int) -> tuple:
         if not 0 <= rank < self.world_size:
@@ -340,9 +341,9 @@ class Program:
                                resume_from=None if resume_from is None else str(resume_from),
                                host=self._host_settings())
         if self.asynchronous:
-            resumed = resume_from is not None and self.plan.schedule == "2bw"
-            sched = build_schedule(self.plan, n_batches, resumed=resumed)
-            settings.asynchronous, settings.resumed = True, resumed
+            sched = build_schedule(self.plan, n_batches, resumed=resume_from is not None)
+            # the window starts from the checkpoint's stashed versions where the schedule's generator says so
+            settings.asynchronous, settings.resumed = True, "resumed" in sched.meta
         held = self.plan.rank_stages(rank)
         keys = {k for s in held for k in self.stages[s].param_keys}
         reduced_by = {}          # stage -> {tied key: the held stage that reduces it for this rank}

@@ -15,7 +15,7 @@ __all__ = ["Strategy"]
 
 _READY = False      # Strategy.__doc__ lists the options once the class and its fields are made
 
-_SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb1p", "pipedream", "2bw", "chimera", "single")
+ONE_STAGE = "single"      # the core's one-stage program: the schedule where no pipeline schedule feature is on
 
 
 def _core(default=None, doc: str = "", factory=None):
@@ -47,7 +47,9 @@ class Strategy(metaclass=_StrategyType):
     tp: int = _core(1, "size of the tensor-parallel mesh axis")
     pp: int = _core(1, "size of the pipeline-parallel mesh axis (the number of stages)")
     schedule: "str | Schedule | None" = _core(None, (
-        "(pp > 1) a schedule name (``'gpipe'``, ``'1f1b'``, ...), or a hand-written schedule: a "
+        "(pp > 1; default ``'1f1b'``) a schedule name a registered pipeline schedule feature builds (its "
+        "``schedules``; ``fxpar/features/pipeline*``, or your own ``PipelineSchedule`` subclass), or a hand-written "
+        "schedule: a "
         "``fxpar.schedule.Schedule`` or its text (``str(schedule)``'s grid or ``schedule.format_lists()``), read with "
         "``Schedule.parse``. A hand-written one is validated and dry-run when the program is built: one that would "
         "deadlock raises ``fxpar.schedule.ScheduleDeadlockError`` naming the step and ranks."))
@@ -84,8 +86,9 @@ class Strategy(metaclass=_StrategyType):
                 self.schedule = Schedule.parse(self.schedule)
             except ScheduleParseError as e:
                 raise StrategyError(f"Strategy(schedule=<text>): {e}") from None
-        if self.schedule is not None and not self._custom_schedule and self.schedule not in _SCHEDULES:
-            raise StrategyError(f"Strategy(schedule={self.schedule!r}): choose one of {_SCHEDULES}, or pass a "
+        names = _feature_registry.schedule_names() + (ONE_STAGE,)     # what the schedule features build
+        if self.schedule is not None and not self._custom_schedule and self.schedule not in names:
+            raise StrategyError(f"Strategy(schedule={self.schedule!r}): choose one of {names}, or pass a "
                                 "fxpar.schedule.Schedule or its text (starting with its '# schedule ...' header)")
         # each enabled feature's options, the requires / conflicts_with between features, the shared options
         _feature_registry.check_strategy(self)
@@ -174,10 +177,10 @@ class Strategy(metaclass=_StrategyType):
         """The mesh, the pipeline's schedule, then each enabled feature's options off their defaults."""
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
         if self.pp > 1:
-            sched = self.schedule or "1f1b"
+            sched = self.schedule
             if self._custom_schedule:
                 sched = f"<hand-written {sched.name!r}: {sched.n_ranks} ranks, {sched.n_stages} stages>"
-            parts += [f"schedule={sched}", f"microbatches={self.microbatches}"]
+            parts += ([f"schedule={sched}"] if sched is not None else []) + [f"microbatches={self.microbatches}"]
         shown = set(_FIELDS)
         for f in _feature_registry.enabled_features(self):
             for k in (*f.options, *f.enabled_by):

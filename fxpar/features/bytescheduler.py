@@ -37,7 +37,6 @@ from fxpar.backward_order import reordered_backward, why_not_reorder
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
 from fxpar.lower import graph_kinds
-from fxpar.planner import ASYNC
 from fxpar.planner_comm import plan_buckets
 from fxpar.schedule import ActionKind
 from passes.fuse_optimizer import fused_chain_times
@@ -470,7 +469,7 @@ class ByteScheduler(Feature):
         the gradient waits and updates move into the next step (cross-iteration overlap: dp > 1, a traced
         optimizer, a synchronous schedule whose ranks hold one stage each; with a pipeline or several microbatches,
         each stage's STEP moves into the next step's first forward of that stage)."""
-        why = _cross_iteration_why_not(strategy, plan, asynchronous=plan.schedule in ASYNC)
+        why = _cross_iteration_why_not(strategy, plan, asynchronous=plan.asynchronous)
         mb = lambda v: None if v is None else int(v * 2**20)      # noqa: E731
         section = ByteSchedulerSection(
             method=strategy.comm_schedule, partition_bytes=mb(strategy.partition_mb),

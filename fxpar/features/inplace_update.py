@@ -1,8 +1,8 @@
 """The update written into the parameters' own storage, as torch.optim does: a Feature on by default.
 
 Capture traces the optimizer functionally (fresh parameter and moment tensors every step); where the optimizer is
-traced into the step (``Plan.optimizer["traced"]``) and the schedule is synchronous (no weight stashing keeps old
-versions alive: not PipeDream, not 2BW), the pass ``passes.reinplace.ReinplaceOptimizer`` (``Slot.OPTIMIZER``) makes
+traced into the step (``Plan.optimizer["traced"]``) and the schedule is synchronous (``Plan.asynchronous`` is off: no
+weight stashing keeps old versions alive), the pass ``passes.reinplace.ReinplaceOptimizer`` (``Slot.OPTIMIZER``) makes
 the update write into the parameter and optimizer-state buffers the runtime holds, and runs Adam/AdamW as one fused
 kernel where ``Plan.optimizer["kernel"]`` says ``"fused"``. A feature whose own mechanism updates in place (a
 carry of the update into the next step) takes its place through ``Feature.replaces``.
@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fxpar.feature import Feature, PlanSection, Slot, register_feature
-from fxpar.planner import ASYNC
 from passes.reinplace import ReinplaceOptimizer
 
 __all__ = ["InplaceUpdate", "InplaceUpdateSection"]
@@ -45,4 +44,4 @@ class InplaceUpdate(Feature):
 
 def _applies(plan) -> bool:
     """A traced optimizer under a synchronous schedule (weight stashing keeps the old tensors alive)."""
-    return bool((plan.optimizer or {}).get("traced")) and plan.schedule not in ASYNC
+    return bool((plan.optimizer or {}).get("traced")) and not plan.asynchronous

@@ -21,8 +21,7 @@ from fxpar import meta as M
 from fxpar.roles import GraphKind, Role
 from fxpar.errors import StrategyError
 from fxpar.explain import fmt_bytes
-from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
-from fxpar.planner import ASYNC
+from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature, schedule_names
 from fxpar.runtime.groups import group
 from fxpar.schedule import ActionKind, add_unshard
 from fxpar.zero_layout import chunk, describe, unchunk, zero_keys
@@ -153,10 +152,10 @@ class Zero(Feature):
                                 f"{name} is not traced ({opt.get('why_not_traced')}). Use torch.optim.SGD, Adam or "
                                 f"AdamW without those options, or zero=0: then {name} runs eagerly on every rank "
                                 "with whole parameters and state (plain data parallelism).")
-        if plan.schedule in ASYNC:
+        if plan.asynchronous:
             raise StrategyError(f"{strategy}: schedule {plan.schedule!r} keeps several weight versions per stage; ZeRO "
-                                "is built for synchronous schedules (gpipe, 1f1b, interleaved, zb1p, chimera). Use one "
-                                "of those, or zero=0.")
+                                f"is built for synchronous schedules ({', '.join(schedule_names(asynchronous=False))}). "
+                                "Use one of those, or zero=0.")
         section = ZeroSection(stage=z, dp=plan.dp)
         plan.features[self.name] = section            # zero_keys reads the section
         n_keys = sum(len(zero_keys(plan, s)) for s in range(len(plan.stage_params)))

@@ -23,7 +23,6 @@ import torch
 from fxpar import prefetch
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
-from fxpar.planner import ASYNC
 from passes.zero_offload import ZeroOffload as ZeroOffloadPass
 
 __all__ = ["ZeroOffload", "OffloadSection", "OffloadState"]
@@ -165,7 +164,7 @@ class ZeroOffload(Feature):
             raise StrategyError(f"{strategy}: offload=('optimizer',) keeps the traced optimizer's state in files; "
                                 f"{opt.get('name')} is not traced ({opt.get('why_not_traced')}). Use SGD, Adam or "
                                 "AdamW, or offload only 'params'.")
-        if plan.schedule in ASYNC:
+        if plan.asynchronous:
             raise StrategyError(f"{strategy}: schedule {plan.schedule!r} keeps several weight versions; offload is built "
                                 "for synchronous schedules.")
         chunks = plan.section("zero") is not None

@@ -67,7 +67,8 @@ def pipedream_2bw(p: int, m: int, n_batches: int = 2, resumed: bool = False) -> 
     ``resumed=True``: the window continues a run (a resumed checkpoint) instead of starting one: it
     begins holding two versions, 0 = W(t-1) (the stashed previous weights) and 1 = W(t), so batch b
     computes with version b (= W(t+b-1)) and ``STEP@(b+2)`` makes W(t+b+1), exactly as if the run had
-    never stopped.
+    never stopped. Such a window says so in its ``meta`` (``resumed``): the runtime then loads the
+    checkpoint's stashed W(t-1).
     """
     if p < 1 or m < 1 or n_batches < 1:
         raise ScheduleError(f"2bw: need p, m, n_batches >= 1, got p={p}, m={m}, n_batches={n_batches}")

@@ -1,4 +1,8 @@
-"""Look up a schedule generator by name: ``get_schedule("1f1b", p=4, m=8)``.
+"""Look up a schedule generator by name: ``get_schedule("1f1b", p=4, m=8)``, the IR's own table for users and tests.
+
+A program does not read this table: ``Strategy(schedule=...)`` reaches the generators through the pipeline
+schedule features (``fxpar/features/pipeline*``: each lists the names it builds), where a user's own schedule
+is registered too.
 
 =============  =====================================  ==========================================
 name           generator                              paper

@@ -1,0 +1,61 @@
+"""Asynchronous pipelines: ``Strategy(pp=p, schedule="pipedream" | "2bw")``.
+
+Neither flushes: weights change while microbatches are in flight, and each forward's weight version is stashed
+until its backward (``F0.5@2``). PipeDream (Harlap, Narayanan et al., SOSP'19) updates after every microbatch's
+backward; PipeDream-2BW (Narayanan et al., ICML'21) after each batch of m microbatches, computing batch b with
+version b-1: W(t+1) = W(t) - lr * grad f(W(t-1)). A run covers all its batches in one window
+(:meth:`AsyncSchedules.make_schedule`); a resumed 2BW window starts holding the stashed W(t-1) beside W(t). The
+generators are in ``fxpar/schedule/asynchronous.py``; ``fxpar.testing.async_reference`` holds the papers' math.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fxpar.errors import StrategyError
+from fxpar.feature import register_feature
+from fxpar.schedule.asynchronous import pipedream, pipedream_2bw
+
+from .pipeline import PipelineSchedule, PipelineSection
+
+__all__ = ["AsyncSchedules", "AsyncSection"]
+
+
+@dataclass
+class AsyncSection(PipelineSection):
+    """``schedule``: ``"pipedream"`` or ``"2bw"``; several weight versions per stage."""
+    asynchronous = True
+
+
+@register_feature
+class AsyncSchedules(PipelineSchedule):
+    name = "pipedream"
+    doc = "asynchronous pipelines with weight stashing: PipeDream (SOSP'19), PipeDream-2BW (ICML'21)"
+    section = AsyncSection
+    schedules = {"pipedream": pipedream, "2bw": pipedream_2bw}
+    papers = {
+        "pipedream": "PipeDream (Harlap, Narayanan et al., SOSP'19): 1F1B without a flush, an update after every "
+                     "microbatch's backward, each forward's version stashed for its backward",
+        "2bw": "PipeDream-2BW (Narayanan et al., ICML'21): 1F1B without a flush, an update per batch of m "
+               "microbatches computed with the version before: W(t+1) = W(t) - lr * grad f(W(t-1))",
+    }
+
+    def make_schedule(self, section, plan, n_batches: int = 2, resumed: bool = False):
+        """One window covers ``n_batches`` batches (a run covers all of its own). PipeDream: one update per
+        microbatch, so the window is ``m * n_batches`` microbatches; 2BW: ``n_batches`` batches of m, and a
+        ``resumed`` window starts from the checkpoint's stashed previous version."""
+        p, m = plan.pp, plan.microbatches
+        if section.schedule == "pipedream":
+            return pipedream(p, m * n_batches)
+        return pipedream_2bw(p, m, n_batches=n_batches, resumed=resumed)
+
+    def grad_scale(self, section, plan) -> float:
+        """PipeDream updates after every microbatch: its gradient is not averaged over the batch's microbatches."""
+        return 1.0 if section.schedule == "pipedream" else 1.0 / plan.microbatches
+
+    def cut_stages(self, section, strategy, plan, base, model, micro, loss_fn, cluster) -> tuple:
+        trace, split = super().cut_stages(section, strategy, plan, base, model, micro, loss_fn, cluster)
+        if plan.tied:
+            raise StrategyError(f"schedule {section.schedule!r} steps each stage at its own time, so a parameter "
+                                f"shared by stages ({sorted(plan.tied)}: {plan.tied}) would get different versions "
+                                "in different stages. Untie it, or use a synchronous schedule.")
+        return trace, split
