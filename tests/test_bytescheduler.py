@@ -104,6 +104,7 @@ def test_cross_iteration_only_where_the_cost_model_says_it_pays(clusters):
     assert off.plan.section("bytescheduler").why_not_cross_iteration == "Strategy(cross_iteration=False)"
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_cross_iteration_with_lr_scheduler(clusters):
     """The deferred update uses its own step's learning rate and count, not the next step's."""
@@ -138,6 +139,7 @@ def test_microbatches_without_a_pipeline(clusters):
     _assert_matches(prog.run_local(batches, cluster=clusters.get(2)), model, batches, loss_fn, SGD_M)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_resume_under_dp_x_pp_is_exact(clusters, tmp_path):
     model, _, loss_fn, prog = _pp_program(ADAMW, 4)

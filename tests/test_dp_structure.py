@@ -293,6 +293,7 @@ def test_a_data_parallel_section_with_an_unknown_field_is_refused():
         fxpar.Plan.from_json(json.dumps(data))
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 def test_no_gradient_sync_pass_where_no_gradient_is_summed():
     """dp=1, and a pipeline with no tied parameter: no data_parallel section, no gradient-sync pass."""

@@ -73,6 +73,7 @@ def _joint(prog):
     return gm, PassContext(plan=prog.plan, stage=0, signature=st.captured.signature, captured=st.captured)
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 def test_pass_only_moves_nodes_and_makes_the_gradients_in_need_order():
     _, _, prog = _cached("priority")

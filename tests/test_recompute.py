@@ -164,6 +164,7 @@ def test_auto_meets_budget_with_least_recompute():
     assert json.loads(prog.plan.to_json())["features"]["recompute"]["policy"] == "auto"
 
 
+@pytest.mark.slow
 @pytest.mark.structure
 def test_auto_refuses_a_budget_below_the_smallest_plan_and_names_it():
     batches = token_batches(1, own_storage=True)
