@@ -40,9 +40,9 @@ class Plan:
     passes: list = field(default_factory=list)     # the passes each stage's joint graph goes through, in order
     custom_passes: list = field(default_factory=list)
     notes: list = field(default_factory=list)      # what the planner wants the user to know
-    # every strategy's decisions (data parallelism and its buckets, sharding, ZeRO, recompute, communication
-    # order ...): the enabled features' sections (fxpar.Feature), feature name -> its PlanSection dataclass; a
-    # feature that is off has none
+    # every strategy's decisions (the gradient buckets, how state and operators are sharded, what is recomputed,
+    # the order of communication ...): the enabled features' sections (fxpar.Feature), feature name -> its
+    # PlanSection dataclass; a feature that is off has none
     features: dict = field(default_factory=dict)
 
     def section(self, name: str):

@@ -1,8 +1,8 @@
 """The planner's communication decisions: gradient buckets.
 
 :func:`plan_buckets` (DDP-style buckets of a stage, once its joint graph shows backward's order) runs once a stage
-is captured. A feature that plans its own communication (ByteScheduler's pieces and priority, Herring's bucket
-size, Parallax's sparse routes) does it in its own module, ``fxpar/features/``.
+is captured. A feature that plans its own communication (pieces and their priority, a tuned bucket size, gradients
+sent another way than in buckets) does it in its own module, ``fxpar/features/``, through the Feature hooks.
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ __all__ = ["plan_buckets"]
 
 
 def plan_buckets(captured, cap_bytes: int, first_cap_bytes: int | None = None, groups: dict | None = None,
-                 grad_order: list | None = None) -> list:
+                 order: list | None = None) -> list:
     """DDP-style buckets of one stage: gradients in the order backward produces them, cut at ``cap_bytes``;
     the first bucket at ``min(first_cap_bytes, cap_bytes)`` (DDP: 1 MiB), as DDP's rebuilt buckets. Each
     bucket holds one dtype and one group (``groups``: key -> group name; keys mapped to None are left out).
-    ``grad_order``: the order backward makes them when ``passes.grad_order`` reorders it."""
-    order = list(grad_order or [])
+    ``order``: the order backward makes them in, where a feature's pass reorders backward (else as traced)."""
+    order = list(order or [])
     for n in captured.gm.graph.nodes:
         key = M.get(n, M.GRAD_OF)
         if key is not None and key not in order:

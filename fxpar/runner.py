@@ -31,7 +31,8 @@ class RunResult:
     time), ``peak_versions`` / ``peak_version_bytes`` (weight versions held, asynchronous schedules) and with
     ``record_weights`` the ``weight_log``. ``state_bytes``: rank -> the most model-state bytes it held when a step
     updated: ``{"params", "grads", "optimizer"}`` (grads: the accumulated gradients handed to the update; a fused
-    one-microbatch step keeps its gradients inside the graph and reports 0), what ZeRO's formulas count.
+    one-microbatch step keeps its gradients inside the graph and reports 0), the model state a sharding feature's
+    formulas count.
     ``peak_memory_bytes`` (with ``measure_memory=True``): rank -> the most tensor bytes it held at once over its
     steps, its state included (:class:`fxpar.runtime.measure.MemoryTracker`; on CUDA this figure would be
     ``torch.cuda.max_memory_allocated``), to set against ``program.estimate().ranks[r].peak_memory_bytes``;
