@@ -150,9 +150,9 @@ def test_planner_simulates_the_orders_and_keeps_the_fastest():
 @pytest.mark.structure
 def test_bad_settings_are_refused_with_the_fix():
     with pytest.raises(StrategyError, match="choose 'natural', 'priority', or None"):
-        fxpar.Strategy(dp=2, comm_schedule="bytescheduler", grad_order="reverse")._check_comm_schedule()
+        fxpar.Strategy(dp=2, comm_schedule="bytescheduler", grad_order="reverse")
     with pytest.raises(StrategyError, match="add comm_schedule='bytescheduler'"):
-        fxpar.Strategy(dp=2, grad_order="priority")._check_comm_schedule()
+        fxpar.Strategy(dp=2, grad_order="priority")
     model, batches = tiny_gpt(), token_pairs(3, seed=5)
     with pytest.raises(StrategyError, match="REDUCE_GRAD after its last backward"):
         fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=gpt_loss, optimizer=ADAMW,
