@@ -129,19 +129,17 @@ class ErrorFeedback(fxpar.Feature):
     options = {"ef_dtype": fxpar.Option(None, "the dtype gradient buckets travel in ('float16', 'bfloat16', ...)")}
     section = ErrorFeedbackSection
     requires = ("data_parallel",)        # it rewrites how data parallelism's buckets are summed
+    # features that change those buckets or sum them another way: Strategy(...) refuses each, naming both features
+    conflicts_with = ("zero", "tensor_parallel", "herring", "byteps", "parallax", "bytescheduler")
     passes = ((fxpar.Slot.BUCKET_SUM, ErrorFeedbackSum),)
     state = Residuals
 
     def validate(self, strategy):
         if strategy.ef_dtype not in _DTYPES:
             raise fxpar.StrategyError(f"Strategy(ef_dtype={strategy.ef_dtype!r}): choose one of {sorted(_DTYPES)}")
-        others = [k for k, v in (("zero", strategy.zero), ("tp", strategy.tp > 1),
-                                 ("grad_sync", strategy.grad_sync != "allreduce"),
-                                 ("comm_schedule", strategy.comm_schedule != "fifo")) if v]
-        if strategy.dp < 2 or others:
+        if strategy.dp < 2:
             raise fxpar.StrategyError(f"Strategy(ef_dtype={strategy.ef_dtype!r}) rewrites data parallelism's "
-                                      f"all-reduce buckets: it needs dp >= 2 (dp={strategy.dp}) and plain buckets"
-                                      + (f"; drop {', '.join(others)}" if others else ""))
+                                      f"all-reduce buckets: it needs dp >= 2 (dp={strategy.dp})")
 
     def plan(self, strategy, plan, cluster):
         return ErrorFeedbackSection(dtype=strategy.ef_dtype)

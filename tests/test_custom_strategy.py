@@ -215,6 +215,12 @@ def test_bad_options_are_refused(ex):
         fxpar.Strategy(dp=2, ef_dtype="int3")
     with pytest.raises(fxpar.StrategyError, match=r"needs dp >= 2 \(dp=1\)"):
         fxpar.Strategy(dp=1, ef_dtype="float16")
+    # its conflicts_with: the refusal names both features and the options that enabled them
+    with pytest.raises(fxpar.StrategyError, match=r"feature 'ef16' \(ef_dtype='float16'\) conflicts with feature "
+                                                  r"'zero' \(zero=2\)"):
+        fxpar.Strategy(dp=2, ef_dtype="float16", zero=2)
+    with pytest.raises(fxpar.StrategyError, match=r"feature 'ef16' .* conflicts with feature 'herring' .*grad_sync='herring'"):
+        fxpar.Strategy(dp=2, ef_dtype="float16", grad_sync="herring")
 
 
 @pytest.mark.structure
