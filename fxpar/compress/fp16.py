@@ -1,17 +1,17 @@
 """Narrow-dtype gradient buckets: ``FP16()`` and ``BF16()``, torch's ``fp16_compress_hook`` and
 ``bf16_compress_hook`` (``torch/distributed/algorithms/ddp_comm_hooks/default_hooks.py``) on fxpar's buckets.
 
-Per bucket, each rank casts its bucket to the narrow dtype, the narrow buckets are all-reduced (summed in the
-narrow dtype), and the sum is cast back to the bucket's dtype (Micikevicius et al., "Mixed Precision Training",
-ICLR 2018, section 3, for the half-precision format):
+Per bucket, each rank casts its gradients to the narrow dtype, divides them by dp there, the narrow buckets are
+all-reduced (summed in the narrow dtype), and the sum is cast back to the bucket's dtype (Micikevicius et al.,
+"Mixed Precision Training", ICLR 2018, section 3, for the half-precision format):
 
-    g = cast_back( sum_r cast_narrow(g_r / dp) )
+    g = cast_back( sum_r ( cast_narrow(g_r) / dp ) )
 
-The hook casts first, then divides by the world size in the narrow dtype (``buffer.to(float16).div_(n)``); fxpar's
-bucket arrives already divided by dp in its own dtype, so it is ``cast(g_r / dp)`` against the hook's
-``cast(g_r) / dp``. For dp a power of two the two are the same number (the division is exact in both dtypes)
-unless the value is subnormal in the narrow dtype; for other dp they differ by at most one rounding of the narrow
-dtype. Bytes per rank: numel x 2 (one all-reduce), against numel x the bucket's element size.
+That is the hook's order: ``buffer.to(float16).div_(world_size)``, then the all-reduce, then ``copy_`` back. fxpar's
+bucket arrives as ``g_r / dp`` in the bucket's dtype, so the method first multiplies by dp: exactly ``g_r`` for dp a
+power of two (and within one rounding of the bucket's dtype otherwise), then casts and divides as the hook does --
+dividing before the cast would round differently where ``g_r / dp`` is subnormal in the narrow dtype. Bytes per
+rank: numel x 2 (one all-reduce), against numel x the bucket's element size.
 """
 from __future__ import annotations
 
@@ -31,7 +31,8 @@ class _Narrow(Method):
     narrow: ClassVar[torch.dtype] = torch.float16
 
     def sum(self, flat: torch.Tensor, state: dict, inputs: list, bucket: BucketInfo, comm: Comm, variant) -> tuple:
-        summed = comm.all_reduce(flat.to(self.narrow))
+        narrow = (flat * bucket.dp).to(self.narrow).div(bucket.dp)      # the hook's cast, then its divide
+        summed = comm.all_reduce(narrow)
         return summed.to(flat.dtype), state
 
     def wire_bytes(self, bucket: BucketInfo, variant) -> int:

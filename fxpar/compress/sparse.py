@@ -63,8 +63,8 @@ def unpack_sum(gathered: torch.Tensor, k: int, dp: int, numel: int, dtype: torch
     rows = gathered.view(dp, -1)
     out = torch.zeros(numel, dtype=dtype)
     for r in range(dp):
-        idx = rows[r, :4 * k].view(_INDEX).to(torch.int64)
-        vals = rows[r, 4 * k:].view(dtype)
+        idx = rows[r, :4 * k].clone().view(_INDEX).to(torch.int64)     # a copy: its bytes aligned for the view
+        vals = rows[r, 4 * k:].clone().view(dtype)
         out = out.index_add(0, idx, vals)
     return out
 
