@@ -181,3 +181,16 @@ def test_dp_1_and_unknown_methods_are_refused():
         C.TopK.from_dict({"method": "topk", "rank": 2})
     with pytest.raises(TypeError, match="subclass of fxpar.compress.Method"):
         C.register_method(int)
+
+
+@pytest.mark.structure
+def test_the_sum_runs_where_the_all_reduce_was_issued():
+    """Fused one-stage step: in backward's place in the one graph. Microbatches: in REDUCE_GRAD (once per step,
+    after accumulation), the step reading its result."""
+    model, batches = _model(), _batches(1)
+    call = "fxpar_compress_runtime_bucket_sum("
+    whole = _program(model, batches, dp=2, grad_sync="topk").graphs(0)
+    assert len(whole) == 1 and next(iter(whole.values())).code.count(call) == 1
+    split = _program(model, batches, dp=2, microbatches=2, grad_sync="topk").graphs(0)
+    assert [k for k, g in split.items() if call in g.code] == ["stage0.REDUCE_GRAD"]
+    assert split["stage0.REDUCE_GRAD"].code.count(call) == 1
