@@ -156,15 +156,14 @@ def batch_notes(captured: list, dp: int, microbatches: int, global_batch: int, m
     if bns:
         mods = sorted({m or "(top level)" for _, m, _ in bns})
         running = sorted({m or "(top level)" for _, m, r in bns if r})
-        text = (f"BatchNorm: {model_name}'s {', '.join(repr(m) for m in mods)} normalise(s) with the statistics of "
-                f"{where}, not of the global batch of {global_batch} rows (as torch's gradient accumulation and DDP "
-                "do; single-process training on the whole batch would differ)")
+        text = (f"BatchNorm: {model_name}'s {', '.join(repr(m) for m in mods)} normalise with the statistics of "
+                f"{where}, not of the global batch of {global_batch} rows, as torch's gradient accumulation and DDP "
+                "do (one process on the whole batch would differ)")
         if running:
-            text += (f"; the running statistics of {', '.join(repr(m) for m in running)} are updated {microbatches} "
-                     f"time(s) per step (once per microbatch, momentum applied each time; num_batches_tracked "
-                     f"+{microbatches} per step), each dp rank from its own rows, and the state kept is rank 0's")
-        notes.append(text + ". SyncBatchNorm-style statistics over the global batch are not built; docs/semantics.md "
-                     "'BatchNorm'")
+            text += (f"; running statistics are updated {microbatches} time(s) per step (once per microbatch, "
+                     f"num_batches_tracked +{microbatches} per step)"
+                     + (", on each dp rank from its own rows; state_dict() holds rank 0's" if dp > 1 else ""))
+        notes.append(text + ". docs/semantics.md 'BatchNorm'")
     reds = [x for cap in captured for x in batch_reductions(cap.gm, cap.signature)]
     if reds:
         what = "; ".join(f"node {n.name} ({_packet(n).__name__} over dim 0, module "
