@@ -141,10 +141,10 @@ def _meets_rows(red, rows: int, feeds: set, from_batch: set) -> bool:
                                                            for a in u.all_input_nodes) for u in after)
 
 
-def batch_notes(captured: list, dp: int, microbatches: int, global_batch: int, module_types: dict | None = None,
-                model_name: str = "the model") -> list:
+def batch_notes(captured: list, plan, module_types: dict | None = None, model_name: str = "the model") -> list:
     """Plan notes for what the step's pieces compute over their own rows only: BatchNorm in training mode and
     batch-wide statistics, when the global batch runs as more than one piece (``dp * microbatches > 1``)."""
+    dp, microbatches, global_batch = plan.dp, plan.microbatches, plan.global_batch
     pieces = dp * microbatches
     if pieces <= 1:
         return []
@@ -162,7 +162,7 @@ def batch_notes(captured: list, dp: int, microbatches: int, global_batch: int, m
         if running:
             text += (f"; running statistics are updated {microbatches} time(s) per step (once per microbatch, "
                      f"num_batches_tracked +{microbatches} per step)"
-                     + (", on each dp rank from its own rows; state_dict() holds rank 0's" if dp > 1 else ""))
+                     + ("" if dp == 1 else ", on each dp rank from its own rows; state_dict() holds dp-rank 0's"))
         notes.append(text + ". docs/semantics.md 'BatchNorm'")
     reds = [x for cap in captured for x in batch_reductions(cap.gm, cap.signature)]
     if reds:

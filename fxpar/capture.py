@@ -229,7 +229,7 @@ def _trace(fn, flat, mod_name, tracker):
             "randomness runs once, at capture, so whatever it decided (a branch taken, a layer skipped, a scale "
             "drawn) is fixed into the graph and replayed at every step. Use torch's random ops instead "
             "(torch.rand / torch.bernoulli / torch.where on a torch.rand draw), which are drawn afresh every step; "
-            "docs/semantics.md 'Python randomness'.", UserWarning, stacklevel=4)
+            "docs/semantics.md 'Python-level randomness'.", UserWarning, stacklevel=4)
     return gm
 
 
