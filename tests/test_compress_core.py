@@ -235,3 +235,24 @@ def test_the_sum_runs_where_the_all_reduce_was_issued():
     split = _program(model, batches, dp=2, microbatches=2, grad_sync="topk").graphs(0)
     assert [k for k, g in split.items() if call in g.code] == ["stage0.REDUCE_GRAD"]
     assert split["stage0.REDUCE_GRAD"].code.count(call) == 1
+
+
+@pytest.mark.structure
+@pytest.mark.slow
+def test_a_weight_tied_across_stages_keeps_its_all_reduce():
+    """dp=2 x pp=2 on a GPT whose embedding and head are tied across the stages: the buckets summed over dp are
+    compressed, the tied weight's bucket (summed over the two stages' ranks) keeps its plain all-reduce."""
+    from fxpar.testing import TinyGPT, flat_gpt_loss, tiny_gpt_batches
+    torch.manual_seed(0)
+    model, batches = TinyGPT().double(), tiny_gpt_batches(1)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(4), batches[0], loss_fn=flat_gpt_loss, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, pp=2, microbatches=2, grad_sync="topk"))
+    sec = prog.plan.section("topk")
+    dp_sec = prog.plan.section("data_parallel")
+    for s in range(2):
+        assert len(sec.stages[s]) >= 1
+        tied = [i for i in range(len(dp_sec.buckets[s])) if i not in [r["bucket"] for r in sec.stages[s]]]
+        assert tied and all("wte.weight" in dp_sec.buckets[s][i] or "head.weight" in dp_sec.buckets[s][i]
+                            for i in tied)
+        kinds = [c.kind for c in prog.collectives(2 * s)]
+        assert kinds.count("all_gather") == len(sec.stages[s]) and kinds.count("all_reduce") == len(tied)
