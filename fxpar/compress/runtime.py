@@ -124,7 +124,10 @@ class CompressState(RankState):
             for sg in parts.values():
                 bound = False
                 for n in sg.gm.graph.nodes:
-                    if n.op == "call_function" and n.target is bucket_sum and n.args[1] == self.info.feature:
+                    # bucket_sum, or a call an earlier rank state of this process bound (the graphs of a program
+                    # built here are shared: a second runner() binds them again)
+                    if n.op == "call_function" and n.args[1:2] == (self.info.feature,) and (
+                            n.target is bucket_sum or getattr(n.target, "__func__", None) is CompressState.sum):
                         n.target = self.sum
                         bound = True
                 if bound:
