@@ -33,6 +33,7 @@ sums in the same order, so the collectives keep one order across ranks.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -109,7 +110,7 @@ def _traced_collectives(method: Method, b: BucketInfo, variant) -> list:
     dp rank 0; an eager method: none known before it runs)."""
     if method.eager:
         return []
-    b0 = BucketInfo(**{**b.__dict__, "dp_rank": 0})
+    b0 = dataclasses.replace(b, dp_rank=0)
     gen = generator_for(method)
     state = dict(method.init_state(b0, gen))
     inputs = list(method.host_inputs(b0, 0, state, variant, gen))
