@@ -85,7 +85,8 @@ def test_an_eager_method_runs_on_the_ranks_group_and_is_counted(clusters, eager_
     rows = prog.plan.section("eager_sum_test").stages[0]
     assert len(rows) >= 2 and all(r["collectives"] == [] for r in rows)      # not traced: known when it runs
     want = [("all_reduce", r["wire_bytes"]) for r in rows]
-    assert [(c.kind, c.nbytes) for c in prog.collectives(0)] == want == [(c.kind, c.nbytes) for c in plain.collectives(0)]
+    assert [(c.kind, c.nbytes) for c in prog.collectives(0)] == want
+    assert want == [(c.kind, c.nbytes) for c in plain.collectives(0)]
     res = prog.run_local(batches, cluster=clusters.get(2), measure_comm=True)
     assert res.comm_calls[0] == res.comm_calls[1] == [want] * len(batches)     # dist.all_reduce: c10d ops, counted
     ref = plain.run_local(batches, cluster=clusters.get(2))

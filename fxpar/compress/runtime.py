@@ -172,7 +172,8 @@ class CompressState(RankState):
     def _check(self, b, flat, summed, state, new) -> None:
         what = f"{type(self.method).__name__}.sum (stage {b.stage}, bucket {b.index})"
         if not isinstance(summed, torch.Tensor) or summed.shape != flat.shape or summed.dtype != flat.dtype:
-            got = (f"{tuple(summed.shape)} {summed.dtype}" if isinstance(summed, torch.Tensor) else type(summed).__name__)
+            got = (f"{tuple(summed.shape)} {summed.dtype}" if isinstance(summed, torch.Tensor)
+                   else type(summed).__name__)
             raise RuntimeError(f"{what} returned {got} for the bucket of {tuple(flat.shape)} {flat.dtype}: return the "
                                "summed bucket in the bucket's shape and dtype")
         if set(new) != set(state):
@@ -181,7 +182,8 @@ class CompressState(RankState):
         for k, v in new.items():
             if v.shape != state[k].shape or v.dtype != state[k].dtype:
                 raise RuntimeError(f"{what} returned state {k!r} of {tuple(v.shape)} {v.dtype}; init_state made "
-                                   f"{tuple(state[k].shape)} {state[k].dtype}: keep each state tensor's shape and dtype")
+                                   f"{tuple(state[k].shape)} {state[k].dtype}: keep each state tensor's shape and "
+                                   "dtype")
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def save(self) -> dict:
