@@ -143,6 +143,9 @@ def test_strategy_prints_and_plan_round_trips():
     sec = prog.plan.section("topk")
     assert sec.method == {"method": "topk", "ratio": 0.1, "error_feedback": True}
     assert "topk: gradient buckets compressed by 'topk' (ratio=0.1, error_feedback=True)" in str(prog.plan)
+    # the plan says, for the run at hand, that training differs from one process on purpose
+    assert ("grad_sync: TopK(ratio=0.1, error_feedback=True) -- each update uses this method's estimate of the dp sum"
+            in "\n".join(prog.plan.notes)) and "note: grad_sync: TopK(" in prog.explain()
     plan = fxpar.Plan.from_json(prog.plan.to_json())
     assert plan == prog.plan and isinstance(plan.section("topk"), C.CompressSection)
     # a handed-back Plan's section is the method that runs: its options win over the Strategy's

@@ -80,6 +80,12 @@ class CompressSection(PlanSection):
                 f"({wire / max(plain, 1):.3g}x)"]
 
 
+def _note(plan, m: Method) -> None:
+    plan.notes.append(f"grad_sync: {m.summary()} -- each update uses this method's estimate of the dp sum of the "
+                      "gradients, not the sum itself: training differs from one process on purpose "
+                      "(docs/semantics.md, 'Gradient compression')")
+
+
 def bucket_infos(plan, stage: int, captured, dp_rank: int = -1) -> list:
     """Stage ``stage``'s gradient buckets summed over dp (``plan.section("data_parallel").buckets``, less those of
     gradients summed over another group: a weight tied across pipeline stages), as :class:`BucketInfo`, numbered
@@ -225,11 +231,14 @@ class CompressFeature(Feature):
         m.check(strategy.dp)
 
     def plan(self, strategy, plan, cluster):
-        return CompressSection(method=self.method(strategy).to_dict())
+        m = self.method(strategy)
+        _note(plan, m)
+        return CompressSection(method=m.to_dict())
 
     def adopt(self, section, strategy, plan, cluster):
         m = method_of(section)             # a handed-back section: its options are the ones that run
         m.check(plan.dp)
+        _note(plan, m)
         return section
 
     def plan_stage(self, section, plan, stage, captured, cluster, schedule) -> None:
