@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar import compress as C
+from fxpar import meta as M
 from fxpar.compress.feature import bucket_infos
 from fxpar.testing import MLP
 from fxpar.testing.compress import ddp_hook_worker
@@ -260,3 +261,19 @@ def test_a_weight_tied_across_stages_keeps_its_all_reduce():
                             for i in tied)
         kinds = [c.kind for c in prog.collectives(2 * s)]
         assert kinds.count("all_gather") == len(sec.stages[s]) and kinds.count("all_reduce") == len(tied)
+
+
+@pytest.mark.structure
+def test_the_estimate_counts_the_methods_compute():
+    """The cost models see the compress / decompress work of each bucket's traced sum (its aten ops, flops and
+    bytes, on the call that replaced the all-reduce) beside its wire bytes."""
+    model, batches = _model(), _batches(1)
+    prog = _program(model, batches, dp=2, grad_sync=C.TopK(ratio=0.1))
+    row = prog.plan.section("topk").stages[0][0]
+    ops, flops, nbytes = row["compute"]
+    assert ops > 3 and flops > 0 and nbytes >= 8 * row["numel"]        # topk reads the whole float64 bucket at least
+    calls = [n for gm in prog.graphs(0).values() for n in gm.graph.nodes if M.get(n, M.INNER_COMPUTE) is not None]
+    assert [M.get(n, M.INNER_COMPUTE) for n in calls] == [(ops, flops, nbytes, 1)]
+    dev = prog.cluster.device
+    plain = _program(model, batches, dp=2).estimate().ranks[0].compute_time_s
+    assert prog.estimate().ranks[0].compute_time_s - plain >= ops * dev.op_overhead_s

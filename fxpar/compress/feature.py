@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cost_models.compute import node_cost, pays_dispatch
 from fxpar import meta as M
 from fxpar.collectives import C10D
 from fxpar.errors import PassError, StrategyError
@@ -111,11 +112,16 @@ def dp_bucket_indices(plan, stage: int) -> list:
     return [(i, keys) for i, keys in enumerate(buckets) if all(groups.get(k, "dp") == "dp" for k in keys)]
 
 
-def _traced_collectives(method: Method, b: BucketInfo, variant) -> list:
-    """``[[kind, bytes], ...]``: the collectives ``method``'s sum of ``b`` issues, from its graph traced here (as
-    dp rank 0; an eager method: none known before it runs)."""
+# the step whose variant a plan shows and the cost models count: long after any method's start (its steady state)
+STEADY_STEP = 1 << 30
+
+
+def _traced_sum(method: Method, b: BucketInfo, variant) -> tuple:
+    """``(collectives, compute)``: ``[[kind, bytes], ...]``, the collectives ``method``'s sum of ``b`` issues, and
+    ``[aten ops, flops, bytes]`` of its compute, from its graph traced here (as dp rank 0; an eager method: nothing
+    known before it runs)."""
     if method.eager:
-        return []
+        return [], [0, 0, 0]
     b0 = dataclasses.replace(b, dp_rank=0)
     gen = generator_for(method)
     state = dict(method.init_state(b0, gen))
@@ -131,7 +137,12 @@ def _traced_collectives(method: Method, b: BucketInfo, variant) -> list:
                     "all_to_all_single": "all_to_all"}.get(kind, kind)
             v = n.args[0].meta["val"]
             out.append([kind, int(v.numel() * v.element_size())])
-    return out
+    ops = flops = nbytes = 0
+    for n in gm.graph.nodes:
+        if pays_dispatch(n):
+            c = node_cost(n)
+            ops, flops, nbytes = ops + 1, flops + int(c.flops), nbytes + int(c.bytes)
+    return out, [ops, flops, nbytes]
 
 
 class CompressedSum(Pass):
@@ -189,6 +200,8 @@ class CompressedSum(Pass):
             M.set_meta(call, M.BUCKET, row["bucket"])
             kind = info["collectives"][0][0] if info["collectives"] else "all_reduce"
             M.set_meta(call, M.COMM, M.CommInfo(kind, "dp", tuple(ranks), int(info["wire_bytes"])))
+            ops, flops, nbytes = info.get("compute", (0, 0, 0))
+            M.set_meta(call, M.INNER_COMPUTE, (int(ops), int(flops), int(nbytes), len(info["collectives"])))
             out = div if div is not None else wait
             out.replace_all_uses_with(call)
             for dead in ([div] if div is not None else []) + [wait, ar]:
@@ -245,10 +258,17 @@ class CompressFeature(Feature):
         m = method_of(section)
         rows = []
         for (at, _), b in zip(dp_bucket_indices(plan, stage), bucket_infos(plan, stage, captured)):
-            v = m.variant(b, 0, dict(m.init_state(b, generator_for(m))))
-            rows.append({"bucket": at, "keys": list(b.keys), "numel": b.numel, "dtype": b.dtype,
-                         "plain_bytes": b.numel * b.element_size, "wire_bytes": int(m.wire_bytes(b, v)),
-                         "collectives": _traced_collectives(m, b, v)})
+            state = dict(m.init_state(b, generator_for(m)))
+            # the steady state: the variant of a step long after the start (PowerSGD's start_iter, a warm-up ...)
+            v = m.variant(b, STEADY_STEP, state)
+            collectives, compute = _traced_sum(m, b, v)
+            row = {"bucket": at, "keys": list(b.keys), "numel": b.numel, "dtype": b.dtype,
+                   "plain_bytes": b.numel * b.element_size, "wire_bytes": int(m.wire_bytes(b, v)),
+                   "collectives": collectives, "compute": compute}
+            v0 = m.variant(b, 0, state)
+            if v0 != v:              # the first steps sum another way: what they send
+                row["first_step"] = {"wire_bytes": int(m.wire_bytes(b, v0)), "collectives": _traced_sum(m, b, v0)[0]}
+            rows.append(row)
         while len(section.stages) <= stage:
             section.stages.append([])
         section.stages[stage] = rows
