@@ -58,7 +58,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
 
 def dequantize_rows(packed: torch.Tensor, dtype) -> torch.Tensor:
     """The values :func:`quantize_rows` wrote, ``[rows, cols]`` in ``dtype``."""
-    head = packed[:, :8].clone().view(torch.float32).to(dtype)                    # [rows, 2]
+    head = packed[:, :8].clone(memory_format=torch.contiguous_format).view(torch.float32).to(dtype)   # [rows, 2]
     lo, hi = head[:, :1], head[:, 1:]
     return lo + packed[:, 8:].to(dtype) * ((hi - lo) / 255)
 
