@@ -4,7 +4,8 @@ Math on tensors, float64: unbiased (the mean of N draws within 5 standard errors
 standard errors from the draws), the empirical variance against the exact expected variance and the paper's bound,
 AMQ at 1/2 = NUQSGD, ALQ/AMQ never raise the variance they adapt to, QSGD's distance to the plain sum. Then each
 method's ``sum`` on every rank of a gloo group (traced with ``make_fx`` and run, or eager), against the same math
-in one process from the same draws, and the bytes the rank hands to the collective against ``wire_bytes``.
+in one process from the same draws, and the bytes the rank hands to the collective against ``wire_bytes``. Then
+each method in a program (``parallelize(...).run_local``, dp=2) against the same math in one process.
 """
 from __future__ import annotations
 
@@ -12,9 +13,14 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
+import fxpar
+from fxpar import compress as C
+
 from fxpar.collectives import C10D
+from fxpar.compress.feature import bucket_infos
 from fxpar.compress.method import Comm
 from fxpar.compress.quantize import (ALQ, AMQ, NUQSGD, QSGD, alq_adapt, amq_adapt, elias_bit_count,
                                      expected_variance, exponential_levels, level_indices, normalised,
@@ -22,7 +28,8 @@ from fxpar.compress.quantize import (ALQ, AMQ, NUQSGD, QSGD, alq_adapt, amq_adap
                                      uniform_levels)
 from fxpar.compress.wangni import Wangni, capacity, densify, sparsify, wangni_probabilities
 from fxpar.errors import StrategyError
-from fxpar.testing.compress_ranks import bucket_for, sum_steps
+from fxpar.testing import MLP
+from fxpar.testing.compress_ranks import bucket_for, sum_steps, training_reference
 
 N_DRAWS = 20000
 Z = 5.0          # the CLT bound: 5 standard errors
@@ -257,31 +264,40 @@ def test_wangni_unbiased_and_never_over_capacity():
 
 
 # ---- on the ranks ---------------------------------------------------------------------------------------------------
+def _bucket_math(method, infos, flats, states, draws, variant):
+    """One bucket summed over the ranks by the method's math in one process: each rank's estimate from its own
+    draws, added in rank order; the adapted levels (ALQ, AMQ) from that sum. Returns (sum, states per rank)."""
+    numel = flats[0].shape[0]
+    if isinstance(method, Wangni):
+        total, k = torch.zeros(numel, dtype=flats[0].dtype), capacity(numel, method.ratio)
+        for f, d in zip(flats, draws):
+            total = densify(*sparsify(f, wangni_probabilities(f, method.ratio, method.iters), d[0], k), numel,
+                            into=total)
+        return total, states
+    levels, bits = method._levels(states[0]), method._bits()
+    parts = [quantize_dequantize(f, levels, d[0], method.bucket, bits) for f, d in zip(flats, draws)]
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    if variant == "adapt" and isinstance(method, ALQ):
+        states = [{"levels": alq_adapt(total, states[0]["levels"], method.bucket, method.sweeps)}] * len(flats)
+    elif variant == "adapt":
+        states = [{"multiplier": amq_adapt(total, states[0]["multiplier"], method._s(), method.bucket,
+                                           method.grid)}] * len(flats)
+    return total, states
+
+
 def _reference(method, records_by_rank, numel):
     """The method's sum and state per step, in one process, from each rank's data and draws."""
     dp = len(records_by_rank)
-    b = bucket_for(numel, "float64", dp)
-    state = method.init_state(b, torch.Generator().manual_seed(0))
+    infos = [bucket_for(numel, "float64", dp, r) for r in range(dp)]
+    states = [method.init_state(b, torch.Generator().manual_seed(0)) for b in infos]
     out = []
     for step in range(len(records_by_rank[0])):
         recs = [rr[step] for rr in records_by_rank]
-        if isinstance(method, Wangni):
-            total = torch.zeros(numel, dtype=torch.float64)
-            for r in recs:
-                vals, idx = sparsify(r["flat"], wangni_probabilities(r["flat"], method.ratio, method.iters),
-                                     r["inputs"][0], capacity(numel, method.ratio))
-                total = densify(vals, idx, numel, into=total)
-        else:
-            levels, bits = method._levels(state), method._bits()
-            parts = [quantize_dequantize(r["flat"], levels, r["inputs"][0], method.bucket, bits) for r in recs]
-            total = parts[0]
-            for part in parts[1:]:
-                total = total + part
-            if recs[0]["variant"] == "adapt":
-                state = ({"levels": alq_adapt(total, state["levels"], method.bucket, method.sweeps)}
-                         if isinstance(method, ALQ) else
-                         {"multiplier": amq_adapt(total, state["multiplier"], method._s(), method.bucket, method.grid)})
-        out.append((total, {k: v.clone() for k, v in state.items()}))
+        total, states = _bucket_math(method, infos, [r["flat"] for r in recs], states, [r["inputs"] for r in recs],
+                                     recs[0]["variant"])
+        out.append((total, {k: v.clone() for k, v in states[0].items()}))
     return out
 
 
@@ -330,3 +346,89 @@ def test_qsgd_many_levels_on_ranks_within_the_level_step(clusters):
     step = sum(torch.linalg.vector_norm(f.view(4, 50), dim=1).to(torch.float32).to(torch.float64) for f in flats) / 127
     err = records[0][0]["summed"] - (flats[0] + flats[1])
     assert bool((err.abs() <= step.repeat_interleave(50) * (1 + 2.0 ** -23)).all())
+
+
+# ---- in a program: fxpar.parallelize(...).run_local(...) -------------------------------------------------------------
+SGD = (torch.optim.SGD, {"lr": 0.1})
+
+
+def _model(layers=3):
+    torch.manual_seed(0)
+    return MLP(layers=layers).double()
+
+
+def _batches(n, batch=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 16, dtype=torch.float64, generator=g),
+             torch.randn(batch, 8, dtype=torch.float64, generator=g)) for _ in range(n)]
+
+
+def _program(model, batches, **strategy):
+    return fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy["dp"]), batches[0], loss_fn=F.mse_loss,
+                             optimizer=SGD, strategy=fxpar.Strategy(**strategy))
+
+
+PROGRAM_METHODS = [QSGD(levels=8, bucket=64), NUQSGD(bits=3, bucket=64), ALQ(bits=3, bucket=64, update_every=2),
+                   AMQ(bits=3, bucket=64, update_every=2), Wangni(ratio=0.2)]
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+@pytest.mark.parametrize("method", PROGRAM_METHODS, ids=lambda m: type(m).__name__)
+def test_program_at_dp2_matches_the_methods_math(clusters, method):
+    """Training at dp=2 equals the method's math in one process (same draws: the runtime's generator per rank) to
+    1e-10; each bucket is one all-gather of ``wire_bytes`` per step, measured on each rank."""
+    model, batches = _model(), _batches(4)
+    prog = _program(model, batches, dp=2, bucket_cap_mb=0.004, grad_sync=method)
+    infos = bucket_infos(prog.plan, 0, prog.stages[0].captured)
+    assert len(infos) >= 2
+    wire = [method.wire_bytes(b, None) for b in infos]
+    assert [r["collectives"] for r in prog.plan.section(method.name).stages[0]] == [[["all_gather", w]] for w in wire]
+    res = prog.run_local(batches, cluster=clusters.get(2), measure_comm=True)
+    losses, state = training_reference(model, batches, F.mse_loss, 0.1, method, infos, _bucket_math)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
+    got = res.state_dict()
+    for k, v in state.items():
+        torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-10, msg=k)
+    for r in range(2):
+        assert res.comm_calls[r] == [[("all_gather", w) for w in wire]] * len(batches)
+    plain = _program(model, batches, dp=2, bucket_cap_mb=0.004).run_local(batches, cluster=clusters.get(2))
+    assert max((got[k] - v).abs().max().item() for k, v in plain.state_dict().items()) > 1e-6
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_program_with_microbatches_matches_the_methods_math(clusters):
+    """Under microbatches the bucket is summed once per step, after accumulation."""
+    method, model, batches = ALQ(bits=3, bucket=64, update_every=1), _model(), _batches(3)
+    prog = _program(model, batches, dp=2, microbatches=2, bucket_cap_mb=0.004, grad_sync=method)
+    infos = bucket_infos(prog.plan, 0, prog.stages[0].captured)
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    losses, state = training_reference(model, batches, F.mse_loss, 0.1, method, infos, _bucket_math, microbatches=2)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
+    for k, v in state.items():
+        torch.testing.assert_close(res.state_dict()[k], v, rtol=1e-10, atol=1e-10, msg=k)
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+@pytest.mark.parametrize("method", [ALQ(bits=3, bucket=64, update_every=2), AMQ(bits=3, bucket=64, update_every=2)],
+                         ids=["alq", "amq"])
+def test_adapted_levels_resume_bitwise(clusters, tmp_path, method):
+    """3 steps, save, 3 more in a fresh program == 6 straight, bitwise: the adapted levels are in the checkpoint."""
+    model, batches = _model(), _batches(6)
+    straight = _program(model, batches, dp=2, grad_sync=method).run_local(batches, cluster=clusters.get(2))
+    _program(model, batches, dp=2, grad_sync=method).run_local(batches[:3], cluster=clusters.get(2),
+                                                               save_to=tmp_path / "ck")
+    resumed = _program(model, batches, dp=2, grad_sync=method).run_local(batches[3:], cluster=clusters.get(2),
+                                                                         resume_from=tmp_path / "ck")
+    assert resumed.losses == straight.losses[3:]
+    for k, v in straight.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+
+
+@pytest.mark.structure
+def test_names_work_as_grad_sync_strings():
+    for name, cls in [("qsgd", QSGD), ("nuqsgd", NUQSGD), ("alq", ALQ), ("amq", AMQ), ("wangni", Wangni)]:
+        assert C.registered_methods()[name] is cls and getattr(C, cls.__name__) is cls
+        assert fxpar.Strategy(dp=2, grad_sync=name).grad_sync == name

@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 
 __all__ = ["ByteGrad", "quantize_rows", "dequantize_rows", "chunk_size"]
@@ -63,6 +64,7 @@ def dequantize_rows(packed: torch.Tensor, dtype) -> torch.Tensor:
     return lo + packed[:, 8:].to(dtype) * ((hi - lo) / 255)
 
 
+@register_method
 @dataclass(frozen=True)
 class ByteGrad(Method):
     """BAGUA's ByteGrad (Gan et al., VLDB 2022): per chunk min-max uint8 codes, scatter-reduce-gather."""

@@ -25,7 +25,10 @@ probability ``(r - l_t) / (l_t+1 - l_t)``, down otherwise, from a uniform draw `
   at most 1; below ``l_1 = 2^(1-s)`` it is at most ``min(l_1^2 / 4, l_1 r)`` and ``sum r <= sqrt(n)``).
 
 The uniform draws are :meth:`~fxpar.compress.method.Method.host_inputs`: one float per value of the bucket, from
-the rank's generator (each rank's generator is its own, so the ranks' draws are independent).
+:func:`rank_generator`. The generator the runtime hands a method is the same on every rank (seeded from the
+method's ``seed``, 0 here); each step it draws one seed per rank, and each rank draws its values from a generator
+seeded with its own: the ranks' draws differ, and the shared generator, which checkpoints save, advances alike on
+every rank.
 
 **What travels**: ``s`` levels and a sign make ``2s + 1`` signed codes ``s + sign * level`` in ``bits`` bits
 (QSGD: ``bits = ceil(log2(2s + 1))``; NUQSGD, ALQ, AMQ: ``s = 2^(bits-1) - 1``), packed with
@@ -56,11 +59,12 @@ from typing import ClassVar
 
 import torch
 
+from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.compress.packing import elias_omega_length, pack_bits, packed_nbytes, unpack_bits
 from fxpar.errors import StrategyError
 
-__all__ = ["QSGD", "NUQSGD", "ALQ", "AMQ", "uniform_levels", "exponential_levels", "encode", "decode",
+__all__ = ["QSGD", "NUQSGD", "ALQ", "AMQ", "rank_generator", "uniform_levels", "exponential_levels", "encode", "decode",
            "quantize_dequantize", "level_indices", "expected_variance", "normalised", "alq_adapt", "amq_adapt",
            "elias_bit_count", "qsgd_variance_bound", "nuqsgd_variance_bound"]
 
@@ -76,6 +80,13 @@ def exponential_levels(s: int, p=0.5, dtype=torch.float64) -> torch.Tensor:
     p = torch.as_tensor(p, dtype=dtype).reshape(1)
     powers = torch.pow(p, torch.arange(s - 1, -1, -1, dtype=dtype, device=p.device))
     return torch.cat([p.new_zeros(1), powers])
+
+
+def rank_generator(bucket: BucketInfo, gen: torch.Generator) -> torch.Generator:
+    """This rank's generator for one step's draws: ``gen`` (the same on every rank) draws one seed per dp rank; the
+    generator seeded with rank ``bucket.dp_rank``'s seed is returned."""
+    seeds = torch.randint(0, 2 ** 62, (max(bucket.dp, 1),), generator=gen)
+    return torch.Generator().manual_seed(int(seeds[max(bucket.dp_rank, 0)]))
 
 
 # ---- quantizing ----------------------------------------------------------------------------------------------
@@ -265,7 +276,7 @@ class _Quantizer(Method):
         raise NotImplementedError
 
     def host_inputs(self, bucket: BucketInfo, step: int, state: dict, variant, gen: torch.Generator) -> list:
-        return [torch.rand(bucket.numel, generator=gen, dtype=bucket.torch_dtype)]
+        return [torch.rand(bucket.numel, generator=rank_generator(bucket, gen), dtype=bucket.torch_dtype)]
 
     def sum(self, flat, state, inputs, bucket, comm: Comm, variant) -> tuple:
         levels, n, bits = self._levels(state), flat.shape[0], self._bits()
@@ -295,6 +306,7 @@ class _Quantizer(Method):
         return lines
 
 
+@register_method
 @dataclass(frozen=True)
 class QSGD(_Quantizer):
     """QSGD (Alistarh et al., NeurIPS 2017): ``levels`` uniform levels per sign, one L2 norm per ``bucket`` values."""
@@ -332,6 +344,7 @@ class _BitsQuantizer(_Quantizer):
         return self.bits
 
 
+@register_method
 @dataclass(frozen=True)
 class NUQSGD(_BitsQuantizer):
     """NUQSGD (Ramezani-Kebrya et al., JMLR 2021): ``s = 2^(bits-1) - 1`` exponential levels per sign."""
@@ -361,6 +374,7 @@ class _Adaptive(_BitsQuantizer):
         return "adapt" if step % self.update_every == 0 else "fixed"
 
 
+@register_method
 @dataclass(frozen=True)
 class ALQ(_Adaptive):
     """ALQ (Faghri et al., NeurIPS 2020): ``2^(bits-1) - 1`` levels per sign, initialised exponentially (NUQSGD's)
@@ -389,6 +403,7 @@ class ALQ(_Adaptive):
         return {"levels": alq_adapt(summed, state["levels"], self.bucket, self.sweeps)}
 
 
+@register_method
 @dataclass(frozen=True)
 class AMQ(_Adaptive):
     """AMQ (Faghri et al., NeurIPS 2020): levels ``{0, p^(s-1), ..., p, 1}``, ``s = 2^(bits-1) - 1``, the

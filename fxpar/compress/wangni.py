@@ -21,7 +21,8 @@ send index 0 and value 0, which add nothing.
 
 **What travels**: per rank ``K`` values (the bucket's dtype) and ``K`` int32 indices, one uint8 buffer, one
 ``all_gather``; each rank adds every rank's pairs into a zero bucket in rank order (``index_add``), so every rank
-holds the same sum. ``u`` is :meth:`host_inputs`, from the rank's generator (the ranks draw independently).
+holds the same sum. ``u`` is :meth:`host_inputs`, drawn from this rank's own generator
+(:func:`fxpar.compress.quantize.rank_generator`: the ranks draw independently).
 """
 from __future__ import annotations
 
@@ -31,7 +32,9 @@ from typing import ClassVar
 
 import torch
 
+from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
+from fxpar.compress.quantize import rank_generator
 from fxpar.errors import StrategyError
 
 __all__ = ["Wangni", "wangni_probabilities", "capacity", "sparsify", "densify"]
@@ -80,6 +83,7 @@ def densify(vals: torch.Tensor, idx: torch.Tensor, numel: int, into: torch.Tenso
     return base.index_add(0, idx.to(torch.int64), vals)
 
 
+@register_method
 @dataclass(frozen=True)
 class Wangni(Method):
     """Wangni et al. (NeurIPS 2018): keep value i with probability ``p_i = min(1, lambda |g_i|)`` of expected
@@ -106,7 +110,7 @@ class Wangni(Method):
             raise StrategyError(f"Wangni(seed={self.seed!r}): seed must be an int")
 
     def host_inputs(self, bucket: BucketInfo, step: int, state: dict, variant, gen: torch.Generator) -> list:
-        return [torch.rand(1, generator=gen, dtype=torch.float64)]
+        return [torch.rand(1, generator=rank_generator(bucket, gen), dtype=torch.float64)]
 
     def sum(self, flat, state, inputs, bucket, comm: Comm, variant) -> tuple:
         n, k = flat.shape[0], capacity(flat.shape[0], self.ratio)

@@ -6,16 +6,24 @@ by rank and step, already scaled by ``1 / dp``), the state with a generator seed
 every rank) and the host inputs with a generator seeded ``draw_seed + rank`` (a different stream per rank), and
 records, per step, the variant, the data, the host inputs, the sum, the new state and the collectives the rank
 handed bytes to (``CommCounter``). A test replays the same math in one process from those records.
+
+:func:`training_reference` trains a model in one process with a method's bucket math standing in for each
+bucket's all-reduce, calling the method's host side (``init_state``, ``variant``, ``host_inputs``) per rank as
+the rank runtime does, with the runtime's generator per rank.
 """
 from __future__ import annotations
+
+import copy
+import dataclasses
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxpar.compress.method import BucketInfo, Comm
+from fxpar.compress.runtime import generator_for
 from fxpar.runtime.measure import CommCounter
 
-__all__ = ["bucket_for", "rank_data", "sum_steps"]
+__all__ = ["bucket_for", "rank_data", "sum_steps", "training_reference"]
 
 
 def bucket_for(numel: int, dtype: str, dp: int, rank: int = -1) -> BucketInfo:
@@ -62,3 +70,46 @@ def _sum_fn(method, bucket, comm, variant):
     def run(flat, state, inputs):
         return method.sum(flat, state, inputs, bucket, comm, variant)
     return run
+
+
+def training_reference(model, batches, loss_fn, lr: float, method, buckets: list, bucket_math,
+                       microbatches: int = 1) -> tuple:
+    """SGD on ``model`` in one process, data parallel over ``buckets[0].dp`` shards, each bucket summed by
+    ``bucket_math(method, infos, flats, states, inputs, variant) -> (total, new_states)`` (``infos``, ``flats``,
+    ``states``, ``inputs``: per rank, in rank order). ``buckets``: the program's :class:`BucketInfo` of one stage,
+    summed in index order; each shard (cut into ``microbatches``) makes its gradient scaled by
+    ``1 / (dp * microbatches)``. Returns (losses, state_dict)."""
+    m = copy.deepcopy(model)
+    named = dict(m.named_parameters())
+    dp = buckets[0].dp
+    gens = [generator_for(method) for _ in range(dp)]
+    infos = {b.index: [dataclasses.replace(b, dp_rank=r) for r in range(dp)] for b in buckets}
+    states = {i: [dict(method.init_state(infos[i][r], gens[r])) for r in range(dp)] for i in infos}
+    losses = []
+    for step, batch in enumerate(batches):
+        *inputs, target = batch
+        n = target.shape[0] // dp
+        grads, total = [], 0.0
+        for r in range(dp):
+            shard = [t[r * n:(r + 1) * n] for t in (*inputs, target)]
+            acc = None
+            for mb in zip(*(t.chunk(microbatches) for t in shard)):
+                loss = loss_fn(m(*mb[:-1]), mb[-1])
+                total += loss.item() / (dp * microbatches)
+                g = dict(zip(named, torch.autograd.grad(loss / (dp * microbatches), list(named.values()))))
+                acc = g if acc is None else {k: acc[k] + g[k] for k in acc}
+            grads.append(acc)
+        update = {}
+        for b in sorted(buckets, key=lambda b: b.index):
+            flats = [torch.cat([grads[r][k].reshape(-1) for k in b.keys]) for r in range(dp)]
+            variant = method.variant(infos[b.index][0], step, states[b.index][0])
+            draws = [list(method.host_inputs(infos[b.index][r], step, states[b.index][r], variant, gens[r]))
+                     for r in range(dp)]
+            summed, states[b.index] = bucket_math(method, infos[b.index], flats, states[b.index], draws, variant)
+            for key, view in zip(b.keys, b.views(summed)):
+                update[key] = view
+        with torch.no_grad():
+            for key, w in named.items():
+                w -= lr * update[key]
+        losses.append(total)
+    return losses, m.state_dict()
