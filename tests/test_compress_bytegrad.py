@@ -4,18 +4,24 @@ One quantisation errs by at most ``(hi - lo) / 510`` per value (``lo``, ``hi``: 
 rounded outward), plus float64 rounding of at most 4 ulp of ``max(|lo|, |hi|)``; the sum over ``dp`` ranks errs by
 at most the senders' steps plus the summed chunk's, ``sum_r (hi_rc - lo_rc) / 510 + (hi_c - lo_c) / 510``. On a gloo
 group at dp=2 and dp=4, every rank's sum equals the same math in one process exactly; the collectives are one
-all-to-all of ``dp (8 + m)`` bytes and one all-gather of ``8 + m``, ``wire_bytes`` in all.
+all-to-all of ``dp (8 + m)`` bytes and one all-gather of ``8 + m``, ``wire_bytes`` in all. In a program
+(``parallelize(...).run_local``) at dp=2 and dp=4, training equals the same math in one process.
 """
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
+
+import fxpar
 
 from fxpar.collectives import C10D
 from fxpar.compress.bytegrad import ByteGrad, chunk_size, dequantize_rows, quantize_rows
+from fxpar.compress.feature import bucket_infos
 from fxpar.compress.method import Comm
-from fxpar.testing.compress_ranks import bucket_for, sum_steps
+from fxpar.testing import MLP
+from fxpar.testing.compress_ranks import bucket_for, sum_steps, training_reference
 
 EPS = torch.finfo(torch.float64).eps
 
@@ -103,3 +109,35 @@ def test_traced_sum_is_an_all_to_all_then_an_all_gather():
     assert [n.args[0].meta["val"].numel() for n in colls] == [4 * (8 + 250), 8 + 250]
     assert all(n.args[0].meta["val"].dtype == torch.uint8 for n in colls)
     assert ByteGrad().wire_bytes(b, None) == 5 * 258 and ByteGrad().describe(b, None)
+
+
+def _bucket_math(method, infos, flats, states, draws, variant):
+    return _reference(flats), states
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+@pytest.mark.parametrize("dp", [2, 4])
+def test_program_matches_the_same_math(clusters, dp):
+    torch.manual_seed(0)
+    model = MLP(layers=3).double()
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 16, dtype=torch.float64, generator=g), torch.randn(8, 8, dtype=torch.float64, generator=g))
+               for _ in range(3)]
+    method = ByteGrad()
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(dp), batches[0], loss_fn=F.mse_loss,
+                             optimizer=(torch.optim.SGD, {"lr": 0.1}),
+                             strategy=fxpar.Strategy(dp=dp, bucket_cap_mb=0.004, grad_sync=method))
+    infos = bucket_infos(prog.plan, 0, prog.stages[0].captured)
+    assert len(infos) >= 2
+    calls = [[("all_to_all", dp * (8 + chunk_size(b.numel, dp))), ("all_gather", 8 + chunk_size(b.numel, dp))]
+             for b in infos]
+    assert [r["collectives"] for r in prog.plan.section("bytegrad").stages[0]] == [list(map(list, c)) for c in calls]
+    assert [sum(x for _, x in c) for c in calls] == [method.wire_bytes(b, None) for b in infos]
+    res = prog.run_local(batches, cluster=clusters.get(dp), measure_comm=True)
+    losses, state = training_reference(model, batches, F.mse_loss, 0.1, method, infos, _bucket_math)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
+    for k, v in state.items():
+        torch.testing.assert_close(res.state_dict()[k], v, rtol=1e-10, atol=1e-10, msg=k)
+    for r in range(dp):
+        assert res.comm_calls[r] == [[c for bucket in calls for c in bucket]] * len(batches)

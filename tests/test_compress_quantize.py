@@ -139,6 +139,17 @@ def test_wire_bytes_formulas():
 
 
 @pytest.mark.structure
+@pytest.mark.parametrize("method", [QSGD(), Wangni()], ids=["quantizers", "wangni"])
+def test_each_rank_draws_its_own_from_one_shared_stream(method):
+    """The runtime's generator is the same on every rank: the draws differ by rank, the streams advance alike."""
+    b0, b1 = bucket_for(300, "float64", 2, 0), bucket_for(300, "float64", 2, 1)
+    g0, g1 = torch.Generator().manual_seed(0), torch.Generator().manual_seed(0)
+    u0, u1 = method.host_inputs(b0, 0, {}, None, g0)[0], method.host_inputs(b1, 0, {}, None, g1)[0]
+    assert not torch.equal(u0, u1) and torch.equal(g0.get_state(), g1.get_state())
+    assert not torch.equal(u0, method.host_inputs(b0, 1, {}, None, g0)[0])      # and by step
+
+
+@pytest.mark.structure
 def test_elias_bit_count_by_hand():
     # one chunk [3, 0, -4] (norm 5): r = 0.6, 0, 0.8 on levels {0, 1/4, 1/2, 1}; u = 0 rounds every value up
     v = torch.tensor([3.0, 0.0, -4.0], dtype=torch.float64)
