@@ -40,8 +40,8 @@ def _bound(x):
 @pytest.mark.numerics
 def test_one_quantisation_errs_at_most_range_over_510():
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(6, 1000, generator=g, dtype=torch.float64) * torch.tensor([[1e-6], [1.0], [1e3], [1.0], [1.0], [5.0]],
-                                                                               dtype=torch.float64)
+    scales = torch.tensor([[1e-6], [1.0], [1e3], [1.0], [1.0], [5.0]], dtype=torch.float64)
+    x = torch.randn(6, 1000, generator=g, dtype=torch.float64) * scales
     x[3] = 0.125                                     # a constant row: exact
     x[4] = x[4].abs() + 10                           # all positive, far from 0
     packed = quantize_rows(x)
@@ -122,8 +122,8 @@ def test_program_matches_the_same_math(clusters, dp):
     torch.manual_seed(0)
     model = MLP(layers=3).double()
     g = torch.Generator().manual_seed(1)
-    batches = [(torch.randn(8, 16, dtype=torch.float64, generator=g), torch.randn(8, 8, dtype=torch.float64, generator=g))
-               for _ in range(3)]
+    batches = [(torch.randn(8, 16, dtype=torch.float64, generator=g),
+                torch.randn(8, 8, dtype=torch.float64, generator=g)) for _ in range(3)]
     method = ByteGrad()
     prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(dp), batches[0], loss_fn=F.mse_loss,
                              optimizer=(torch.optim.SGD, {"lr": 0.1}),

@@ -101,7 +101,8 @@ def test_amq_at_one_half_has_nuqsgd_levels():
         amq, nuq = AMQ(bits=bits, multiplier=0.5), NUQSGD(bits=bits)
         lv = amq._levels(amq.init_state(bucket_for(64, "float64", 2), torch.Generator()))
         assert torch.equal(lv, nuq._levels({}))
-        assert torch.equal(quantize_dequantize(v, lv, u, 16, bits), quantize_dequantize(v, nuq._levels({}), u, 16, bits))
+        assert torch.equal(quantize_dequantize(v, lv, u, 16, bits),
+                           quantize_dequantize(v, nuq._levels({}), u, 16, bits))
 
 
 METHODS = [QSGD(levels=16, bucket=32), NUQSGD(bits=4, bucket=32), ALQ(bits=3, bucket=32, update_every=2),
@@ -336,7 +337,8 @@ def test_traced_sum_on_two_ranks_equals_the_same_math(clusters, method):
     if isinstance(method, (ALQ, AMQ)):
         assert [r["variant"] for r in records[0]] == ["adapt", "fixed", "adapt"]
         key = "levels" if isinstance(method, ALQ) else "multiplier"
-        assert not torch.equal(records[0][0]["state"][key], method.init_state(bucket_for(numel, "float64", 2), torch.Generator())[key])
+        init = method.init_state(bucket_for(numel, "float64", 2), torch.Generator())[key]
+        assert not torch.equal(records[0][0]["state"][key], init)
 
 
 @pytest.mark.numerics

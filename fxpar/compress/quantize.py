@@ -121,7 +121,7 @@ def encode(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int
     scale32 = _scales(v)
     scale = scale32.to(flat.dtype).unsqueeze(1)
     r = torch.where(scale > 0, v.abs() / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(v))
-    idx = level_indices(r.reshape(-1)[:n], levels.to(device=flat.device, dtype=flat.dtype), u)
+    idx = level_indices(r.reshape(-1)[:n], levels.to(device=flat.device, dtype=flat.dtype), u.to(flat.device))
     codes = s + torch.where(flat < 0, -idx, idx)
     return torch.cat([scale32.view(torch.uint8), pack_bits(codes, bits)])
 
@@ -227,7 +227,8 @@ def alq_adapt(flat: torch.Tensor, levels: torch.Tensor, chunk: int, sweeps: int)
             f = r * pa - pb + (c.sum() - _excl_cumsum(c)) - r * (d.sum() - _excl_cumsum(d))
             k = torch.argmin(torch.where(inside, f, torch.full_like(f, math.inf))).reshape(1)
             cand = r.index_select(0, k).reshape(())
-            better = inside.index_select(0, k).reshape(()) & (_interval_variance(r, w, a, cand, b) < _interval_variance(r, w, a, x0, b))
+            lower = _interval_variance(r, w, a, cand, b) < _interval_variance(r, w, a, x0, b)
+            better = inside.index_select(0, k).reshape(()) & lower
             lv = torch.cat([lv[:j], torch.where(better, cand, x0).reshape(1), lv[j + 1:]])
     return lv
 

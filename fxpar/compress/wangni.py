@@ -65,9 +65,10 @@ def wangni_probabilities(g: torch.Tensor, ratio: float, iters: int) -> torch.Ten
 def sparsify(g: torch.Tensor, p: torch.Tensor, u: torch.Tensor, k: int) -> tuple:
     """``(values, indices)``, ``k`` slots each: the kept values ``g_i / p_i`` and their int32 indices, in index
     order, then zeros (systematic sampling with the uniform ``u``, a 1-element tensor)."""
+    u = u.to(device=g.device, dtype=torch.float64)
     cum = torch.clamp(torch.cumsum(p.to(torch.float64), 0), max=float(k))
-    hits = torch.floor(cum + u.to(torch.float64))
-    before = torch.cat([torch.floor(u.to(torch.float64)), hits[:-1]])
+    hits = torch.floor(cum + u)
+    before = torch.cat([torch.floor(u), hits[:-1]])
     keep = hits > before
     slot = torch.where(keep, hits.to(torch.int64) - 1, torch.full_like(hits, k, dtype=torch.int64))
     safe_p = torch.where(keep, p, torch.ones_like(p))
