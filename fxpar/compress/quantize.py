@@ -245,12 +245,12 @@ def amq_adapt(flat: torch.Tensor, p: torch.Tensor, s: int, chunk: int, grid: int
 
 
 # ---- the methods --------------------------------------------------------------------------------------------
-def _check_int(method: str, option: str, value, lo: int, hi: int | None, why: str) -> None:
+def _check_int(method: str, option: str, value, lo: int, hi: int | None, why: str, example: int) -> None:
     ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
     if not ok:
         rng = f"an int from {lo} to {hi}" if hi is not None else f"an int >= {lo}"
         raise StrategyError(f"{method}({option}={value!r}): {option} must be {rng} ({why}); pass e.g. "
-                            f"{option}={lo if hi is None else min(max(lo, 4), hi)}")
+                            f"{option}={example}")
 
 
 @dataclass(frozen=True)
@@ -262,7 +262,8 @@ class _Quantizer(Method):
         self._check_options()
 
     def _check_options(self) -> None:
-        _check_int(type(self).__name__, "bucket", self.bucket, 1, None, "values per chunk sharing one scale")
+        _check_int(type(self).__name__, "bucket", self.bucket, 1, None, "values per chunk sharing one scale",
+                   1024)
 
     def check(self, dp: int) -> None:
         self._check_options()
@@ -318,7 +319,7 @@ class QSGD(_Quantizer):
     bucket: int = 1024
 
     def _check_options(self) -> None:
-        _check_int("QSGD", "levels", self.levels, 1, 127, "a sign and a level travel in at most 8 bits")
+        _check_int("QSGD", "levels", self.levels, 1, 127, "a sign and a level travel in at most 8 bits", 16)
         super()._check_options()
 
     def _s(self) -> int:
@@ -335,7 +336,7 @@ class QSGD(_Quantizer):
 class _BitsQuantizer(_Quantizer):
     def _check_options(self) -> None:
         _check_int(type(self).__name__, "bits", self.bits, 2, 8,
-                   "bits per value, a sign included: 2**(bits-1) - 1 levels per sign")
+                   "bits per value, a sign included: 2**(bits-1) - 1 levels per sign", 4)
         super()._check_options()
 
     def _s(self) -> int:
@@ -368,7 +369,8 @@ class _Adaptive(_BitsQuantizer):
     adaptive: ClassVar[bool] = True
 
     def _check_options(self) -> None:
-        _check_int(type(self).__name__, "update_every", self.update_every, 1, None, "steps between level updates")
+        _check_int(type(self).__name__, "update_every", self.update_every, 1, None, "steps between level updates",
+                   100)
         super()._check_options()
 
     def variant(self, bucket: BucketInfo, step: int, state: dict):
@@ -389,7 +391,7 @@ class ALQ(_Adaptive):
     sweeps: int = 4
 
     def _check_options(self) -> None:
-        _check_int("ALQ", "sweeps", self.sweeps, 1, None, "coordinate-descent rounds per update")
+        _check_int("ALQ", "sweeps", self.sweeps, 1, None, "coordinate-descent rounds per update", 4)
         super()._check_options()
 
     def init_state(self, bucket, gen) -> dict:
@@ -424,7 +426,7 @@ class AMQ(_Adaptive):
         if isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m < 1:
             raise StrategyError(f"AMQ(multiplier={m!r}): multiplier must be a number in (0, 1), the ratio between "
                                 "consecutive levels; pass e.g. multiplier=0.5 (NUQSGD's levels)")
-        _check_int("AMQ", "grid", self.grid, 1, None, "candidate multipliers tried per update")
+        _check_int("AMQ", "grid", self.grid, 1, None, "candidate multipliers tried per update", 19)
         super()._check_options()
 
     def init_state(self, bucket, gen) -> dict:
