@@ -1,0 +1,173 @@
+"""fxpar PowerSGD against torch DDP + ``powerSGD_hook`` and plain DDP over a bandwidth-capped link; and the bytes
+and step time of every compression method.
+
+Two gloo ranks, one in each of two network namespaces joined by a veth pair capped with tbf
+(benchmarks/netns_link.py; needs root and ``ip netns``, otherwise it says what is missing and runs uncapped). A
+GPT of about 25M parameters (``--layers 8 --d 512``), the same batches for everyone, at each cap, alternating the
+contenders in ``--rounds`` rounds:
+
+- fxpar ``Strategy(dp=2, grad_sync=C.PowerSGD(rank=R, start_iter=2))``;
+- DDP with ``powerSGD_hook`` and ``PowerSGDState(matrix_approximation_rank=R, start_powerSGD_iter=2)``, the model
+  in one DDP bucket (torch's hook issues collectives from future callbacks: with several buckets the two gloo
+  ranks interleave them differently and hang);
+- plain DDP (25 MB buckets), and fxpar plain dp.
+
+Goals: fxpar PowerSGD <= 0.9x the hook's step time, and <= 0.5x plain DDP's at 500 Mbit/s. The fxpar programs are
+planned at each cap on ``ClusterSpec.calibrate()`` with the link as ``netns_link.calibrate_link`` measures the veth
+there, and ``program.estimate()``'s step time is printed beside the measured one (goal: within 25% at 500 Mbit/s).
+Then, uncapped (``--all-methods``), every method's bytes per step per rank and step time in one table.
+
+    python benchmarks/bench_compression.py [--rates none,1gbit,500mbit] [--rank 2] [--steps 5] [--rounds 3]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+from dataclasses import replace
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import fxpar  # noqa: E402
+from fxpar import compress as C  # noqa: E402
+from fxpar.testing import GPT, gpt_loss  # noqa: E402
+from bench_capped_link import ddp_steps, fxpar_worker, per_step_max  # noqa: E402
+from netns_link import CappedLink, NetnsCluster, at_cap, calibrate_link, format_rate, parse_rate  # noqa: E402
+
+
+def ddp_hook_worker(model, batches, loss_fn, optimizer, warmup, rank, start_iter, bucket_cap_mb):
+    """Timed DDP steps with torch's powerSGD_hook (rank > 0) or none (rank 0)."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    m = DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
+    if rank:
+        state = P.PowerSGDState(process_group=None, matrix_approximation_rank=rank, start_powerSGD_iter=start_iter,
+                                min_compression_rate=2, use_error_feedback=True, warm_start=True)
+        m.register_comm_hook(state, P.powerSGD_hook)
+    cls, kw = optimizer
+    window: list = []
+    times = ddp_steps(m, cls(m.parameters(), **kw), batches, loss_fn, warmup, False, window)
+    dist.barrier()
+    return {"step_times": times, "window": tuple(window)}
+
+
+def every_method():
+    return {"allreduce": "allreduce", "FP16": C.FP16(), "PowerSGD r1": C.PowerSGD(rank=1, start_iter=2),
+            "PowerSGD r2": C.PowerSGD(rank=2, start_iter=2), "TopK 1%": C.TopK(ratio=0.01),
+            "RandomK 1%": C.RandomK(ratio=0.01), "Wangni 1%": C.Wangni(ratio=0.01), "QSGD 16": C.QSGD(levels=16),
+            "NUQSGD 4b": C.NUQSGD(bits=4), "ALQ 3b": C.ALQ(bits=3), "AMQ 3b": C.AMQ(bits=3), "ByteGrad": C.ByteGrad()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rates", default="none,1gbit,500mbit")
+    ap.add_argument("--rank", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--d", type=int, default=512)
+    ap.add_argument("--vocab", type=int, default=2048)
+    ap.add_argument("--seq", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--all-methods", action="store_true", help="also every method's bytes and step time, uncapped")
+    args = ap.parse_args()
+    w = 2
+    torch.manual_seed(0)
+    model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(1, args.d // 64), max_seq=args.seq)
+    n = args.warmup + args.steps
+    batches = [(torch.randint(0, args.vocab, (args.batch, args.seq)), torch.randint(0, args.vocab, (args.batch, args.seq)))
+               for _ in range(n)]
+    opt = (torch.optim.AdamW, {"lr": 1e-3})
+    params = sum(p.numel() for p in model.parameters())
+    one_bucket_mb = params * 4 / 2**20 + 1
+
+    def program(grad_sync, cluster=None):
+        return fxpar.parallelize(model, cluster or fxpar.ClusterSpec.local(w), batches[0], loss_fn=gpt_loss,
+                                 optimizer=opt, strategy=fxpar.Strategy(dp=w, grad_sync=grad_sync))
+    rates = [parse_rate(r) for r in args.rates.split(",")]
+    calibrated = fxpar.ClusterSpec.calibrate(world_size=w)
+    raws: dict = {}
+    links = calibrate_link(rates, raw=raws)          # the veth at each cap, as the ranks will cross it
+    kinds = {"fxpar PowerSGD": C.PowerSGD(rank=args.rank, start_iter=2), "fxpar dp": "allreduce"}
+    programs = {}
+    for bps in rates:               # each planned (and predicted) on the link it runs on
+        link = links.get(bps) or calibrated.intra_node
+        cl = at_cap(replace(calibrated, intra_node=link, inter_node=link), raws.get(bps))
+        for k, gs in kinds.items():
+            programs[(bps, k)] = program(gs, cl)
+    payloads = {key: [p.payload(r, n_batches=n) for r in range(w)] for key, p in programs.items()}
+    print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}, {params / 1e6:.1f}M params; global batch "
+          f"{args.batch}x{args.seq}; {w} gloo ranks; PowerSGD rank {args.rank}; {args.steps} timed steps x "
+          f"{args.rounds} rounds per cell; load average {' '.join(Path('/proc/loadavg').read_text().split()[:3])}")
+    res = {}
+    t_start = time.perf_counter()
+    with CappedLink() as link:
+        print("link: " + ("veth pair, tbf per direction" if link.active else f"UNCAPPED (missing: {link.missing})"))
+        with NetnsCluster(w, link) as cl:
+            def cell(key, fn, argv):
+                outs = cl.run(fn, [argv(r) for r in range(w)])
+                res.setdefault(key, []).extend(per_step_max(outs))
+            for rnd in range(args.rounds):
+                for bps in rates:
+                    link.set_rate(bps)
+                    for k in kinds:
+                        cell((bps, k), fxpar_worker, lambda r, k=k: (payloads[(bps, k)][r], batches, args.warmup))
+                    cell((bps, "DDP + powerSGD_hook"), ddp_hook_worker,
+                         lambda r: (model, batches, gpt_loss, opt, args.warmup, args.rank, 2, one_bucket_mb))
+                    cell((bps, "DDP"), ddp_hook_worker, lambda r: (model, batches, gpt_loss, opt, args.warmup, 0, 2, 25))
+                print(f"  round {rnd + 1}/{args.rounds} ({time.perf_counter() - t_start:.0f} s)", flush=True)
+            med = {k: statistics.median(v) for k, v in res.items()}
+            print("\nmedian step time, ms (per step, the slower rank)")
+            print("| link | fxpar PowerSGD | DDP + powerSGD_hook | DDP | fxpar dp | fxpar PowerSGD / hook | "
+                  "fxpar PowerSGD / DDP |")
+            print("|---|---|---|---|---|---|---|")
+            for bps in rates:
+                f, h, d, fd = (med[(bps, k)] for k in ("fxpar PowerSGD", "DDP + powerSGD_hook", "DDP", "fxpar dp"))
+                print(f"| {format_rate(bps)} | {f * 1e3:.0f} | {h * 1e3:.0f} | {d * 1e3:.0f} | {fd * 1e3:.0f} | "
+                      f"{f / h:.2f} | {f / d:.2f} |")
+            print("\nestimate() against measured (median step, ms)")
+            print("| link | program | bytes per step (plan) | predicted | measured | predicted / measured |")
+            print("|---|---|---|---|---|---|")
+            for bps in rates:
+                for k in kinds:
+                    est = programs[(bps, k)].estimate()
+                    m = med[(bps, k)]
+                    print(f"| {format_rate(bps)} | {k} | {int(est.ranks[0].comm_bytes):,} | {est.step_time_s * 1e3:.0f} | "
+                          f"{m * 1e3:.0f} | {est.step_time_s / m:.2f} |")
+            if args.all_methods:
+                link.set_rate(None)
+                print("\nevery method, uncapped: bytes per step per rank (measured) and median step time")
+                print("| method | bytes per step | vs allreduce | step ms |")
+                print("|---|---|---|---|")
+                base = None
+                for label, gs in every_method().items():
+                    p = program(gs)
+                    pl = [p.payload(r, n_batches=n, measure_comm=True) for r in range(w)]
+                    outs = cl.run(_measured_worker, [(pl[r], batches, args.warmup) for r in range(w)])
+                    sent = outs[0]["bytes"]
+                    base = base or sent
+                    print(f"| {label} | {sent:,} | {sent / base:.3f} | {statistics.median(per_step_max(outs)) * 1e3:.0f} |",
+                          flush=True)
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+
+
+def _measured_worker(payload, batches, warmup):
+    from fxpar.runtime.executor import Executor
+    ex = Executor(payload)
+    for b in batches:
+        ex.step(b)
+    ex.drain()
+    return {"step_times": ex.step_times[warmup:], "bytes": sum(b for _, b in ex.comm_calls[-1])}
+
+
+if __name__ == "__main__":
+    main()
