@@ -65,6 +65,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import FxparError
+from ..local_ops import rank_stream_state, set_rank_stream_state
 
 __all__ = ["CheckpointError", "incomplete_message", "save_checkpoint", "load_checkpoint", "is_complete", "read_manifest",
            "optim_key", "split_optim_key", "torch_optimizer_tensors", "torch_optimizer_state_dict",
@@ -146,8 +147,9 @@ def torch_optimizer_state_dict(optimizer: torch.optim.Optimizer, param_keys: lis
 
 
 def rng_state() -> dict:
-    """This process's RNG states (CPU, and CUDA when initialised), for ``extra["rng"]``."""
-    out = {"cpu": torch.get_rng_state()}
+    """This process's RNG states (CPU, and CUDA when initialised) and its rank stream (the dropout on tensors
+    split over tp: ``fxpar.local_ops.rank_stream_state``), for ``extra["rng"]``."""
+    out = {"cpu": torch.get_rng_state(), "rank_stream": rank_stream_state()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         out["cuda"] = torch.cuda.get_rng_state_all()
     return out
@@ -156,6 +158,8 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     """Restore what :func:`rng_state` returned."""
     torch.set_rng_state(state["cpu"])
+    if "rank_stream" in state:
+        set_rank_stream_state(state["rank_stream"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
 

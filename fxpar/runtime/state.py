@@ -10,7 +10,7 @@ other (the keys never name a rank, a stage or a shard):
 * optimizer state as ``optim.<state>.<key>`` (traced SGD/Adam/AdamW and eager torch.optim alike);
 * 2BW's stashed previous weights as ``stash.<key>`` (its next batch computes with them);
 * per rank in ``extra`` (:class:`RankExtra`): the RNG state (restored when the world size is the saved one; otherwise each rank
-  is seeded afresh with ``seed + rank``, so replicas do not share a stream), the step count, the LR scheduler's and the optimizer's
+  is seeded afresh as at the start of a run, so replicas do not share a stream; ``fxpar.runtime.groups.seed_rank``), the step count, the LR scheduler's and the optimizer's
   hyper-parameters (learning rate included: a scheduler's state alone does not restore it).
 """
 from __future__ import annotations
@@ -159,4 +159,4 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     if manifest.get("world_size") == world:
         set_rng_state(extra.rng)
     else:   # another world: rank r got saved rank r % saved's RNG, which replicas would share -- seed afresh
-        seed_rank(ex.p.settings.rng_seed, ex.rank)
+        seed_rank(ex.p.settings.rng_seed, ex.rank, ex.tp_index)
