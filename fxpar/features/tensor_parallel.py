@@ -109,6 +109,11 @@ class Pieces(RankState):
                 if any(dims) and k in ex.state[s]:
                     ex.state[s][k] = self._piece(ex, ex.state[s][k], dims, st["shapes"][k.split(":", 1)[1]])
 
+    def laid_out(self, ex, stage: int, key: str, t: torch.Tensor) -> torch.Tensor:
+        st = self.layouts.get(stage)
+        dims = st["params"].get(key) if st else None
+        return self._piece(ex, t, dims, st["shapes"][key]) if dims and any(dims) else t
+
     def _gather(self, ex, t: torch.Tensor, dims: list) -> torch.Tensor:
         for d, axis in enumerate(dims):
             if axis is None:
