@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .groups import group, seed_rank
-from .checkpoint import (load_checkpoint, optim_key, read_manifest, rng_state, save_checkpoint, set_rng_state,
-                         split_optim_key, torch_optimizer_state_dict, torch_optimizer_tensors)
+from .checkpoint import (CheckpointError, load_checkpoint, optim_key, read_manifest, rng_state, save_checkpoint,
+                         set_rng_state, split_optim_key, torch_optimizer_state_dict, torch_optimizer_tensors)
 
 __all__ = ["save_rank_state", "load_rank_state", "RankExtra"]
 
@@ -71,6 +71,22 @@ def _workers(ex) -> tuple:
                            "the ranks that hold state, and only a feature's ranks beside the workers (dp alone) are extra. Launch exactly "
                            f"{n} processes for this program.")
     return dist.get_rank(), n, group(workers, "dp")   # created by every rank, servers too (Plan.all_groups)
+
+
+def _refuse_nonfinite(path, got: dict, keys: list, world: int, pg) -> None:
+    """Collective: a parameter the checkpoint holds with NaN or inf values refuses the resume on every rank, named
+    (training on would only spread it)."""
+    bad = next((k for k in keys if got[k].is_floating_point() and not bool(torch.isfinite(got[k]).all())), None)
+    error = None if bad is None else (
+        f"parameter {bad!r} in the checkpoint {path} holds NaN or inf values "
+        f"({int((~torch.isfinite(got[bad])).sum())} of {got[bad].numel()}): the run that saved it had diverged. "
+        "Resume from an earlier checkpoint (and lower the learning rate, or clip gradients), or start afresh.")
+    if world > 1 and dist.is_initialized():
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=pg)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise CheckpointError(error)
 
 
 def _whole_optimizer_tensors(ex, tensors: dict) -> dict:
@@ -161,6 +177,7 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
             templates[k] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
     rank, world, pg = _workers(ex)
     got, saved_extra = load_checkpoint(path, templates, rank=rank, world_size=world, process_group=pg)
+    _refuse_nonfinite(path, got, sorted(held), world, pg)
     extra = RankExtra.from_dict(saved_extra)
     for s, ps in ex.params.items():
         ex.params[s] = {k: got[k].clone() for k in ps}
