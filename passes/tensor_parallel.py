@@ -38,7 +38,7 @@ from .lower_sharding import lower_shardings
 from .propagate_sharding import ShardingResult
 from .sharding import strip_annotations, tensor_leaves
 
-__all__ = ["TensorParallel", "stage_choice", "random_ops", "is_random_op", "split_draws"]
+__all__ = ["TensorParallel", "stage_choice", "random_ops", "is_random_op", "split_draws", "draw_from_streams"]
 
 SECTION = "tensor_parallel"          # the Plan section (fxpar.features.tensor_parallel) this pass carries out
 
@@ -133,7 +133,7 @@ def split_draws(gm, res: ShardingResult) -> dict:
     return out
 
 
-def _draw_from_streams(gm, drawn: list, stage: int) -> None:
+def draw_from_streams(gm, drawn: list, stage: int) -> None:
     """Point each random op the decided shardings split at this rank's own stream (``fxpar.rank_bernoulli``: the
     rank draws its piece of the mask); a whole one stays on torch's generator, which the tp ranks seed alike."""
     by_name = {n.name: n for n in gm.graph.nodes}
@@ -199,7 +199,7 @@ class TensorParallel(Pass):
         new.meta.update(gm.meta)
         _gradients_laid_out(new, sig)
         drawn = random_ops(gm, res)
-        _draw_from_streams(new, drawn, ctx.stage)
+        draw_from_streams(new, drawn, ctx.stage)
         if drawn:
             n_rank = sum(d["stream"] == "rank" for d in drawn)
             ctx.notes.append(f"tensor_parallel: {len(drawn)} random op(s) (dropout): {len(drawn) - n_rank} on whole "

@@ -300,12 +300,14 @@ def save_checkpoint(path, tensors: dict, extra: dict, *, rank: int, world_size: 
     state[f"{_EXTRA}{rank}"] = _pickle(extra)
     sums = g.gather_to_rank0({k: checksum(v) for k, v in state.items()})
     import torch.distributed.checkpoint as dcp   # here, not at the top: importing it takes ~0.8 s per process
+    from torch.distributed.checkpoint.api import CheckpointException
     try:
         metadata = _quiet_dcp(dcp.save, state, checkpoint_id=str(partial), process_group=process_group,
                               no_dist=not g.dist)
-    except Exception as e:  # noqa: BLE001 - DCP raises the writers' errors on every rank
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises the writers' errors on every rank
         full = any(getattr(x, "errno", None) == errno.ENOSPC for x in _causes(e))
-        raise CheckpointError(f"writing the checkpoint {p} failed{' (the disk is full)' if full else ''}: {e!r}. "
+        raise CheckpointError(f"writing the checkpoint {p} failed{' (the disk is full)' if full else ''}: "
+                              f"{_describe(e)}. "
                               f"{p} still holds the previous checkpoint (if any), untouched; {partial} is the "
                               "unfinished one (the next save removes it)."
                               + (" Free space on that filesystem or save elsewhere." if full else "")) from e
@@ -385,6 +387,15 @@ def _causes(e: BaseException) -> list:
     return [x for x in out if isinstance(x, BaseException)]
 
 
+def _describe(e: BaseException) -> str:
+    """One line per failing rank (DCP's exception carries each rank's), else the error itself."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {r}: {type(x[0] if isinstance(x, tuple) else x).__name__}: "
+                         f"{x[0] if isinstance(x, tuple) else x}" for r, x in failures.items())
+    return f"{type(e).__name__}: {e}"
+
+
 def _files_of(metadata) -> dict:
     """Key -> the DCP data file(s) that hold it (from DCP's storage index)."""
     out: dict = {}
@@ -454,11 +465,12 @@ def load_checkpoint(path, templates: dict, *, rank: int, world_size: int, proces
     state = {k: torch.empty(t.shape, dtype=t.dtype, device=t.device) for k, t in templates.items()}
     state[extra_key] = b""
     import torch.distributed.checkpoint as dcp   # here, not at the top: importing it takes ~0.8 s per process
+    from torch.distributed.checkpoint.api import CheckpointException
     try:
         _quiet_dcp(dcp.load, state, checkpoint_id=str(Path(path)), process_group=process_group, no_dist=not g.dist)
         error = _verify(path, state, manifest)
-    except Exception as e:  # noqa: BLE001 - DCP raises the readers' errors on every rank
-        error = (f"the checkpoint {path} could not be read: {e!r}. One of its data files "
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises the readers' errors on every rank
+        error = (f"the checkpoint {path} could not be read: {_describe(e)}. One of its data files "
                  f"({', '.join(sorted(x.name for x in Path(path).glob('*.distcp')))}) or its .metadata is damaged or "
                  "truncated. Resume from the previous checkpoint (save to rotating directories to keep one), or "
                  "restore this one from a copy.")
