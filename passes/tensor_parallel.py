@@ -81,9 +81,9 @@ def is_random_op(node: torch.fx.Node) -> bool:
 
 def random_ops(gm, res: ShardingResult) -> list:
     """The random ops of ``gm`` in graph order, each with the layout ``res`` gives its output: ``{"node", "op",
-    "module", "shape", "dims"}`` (per dim the mesh axis it is split over, or None) and ``"stream"``: ``"shared"`` (whole:
-    every tp rank draws the same values from the stream they share) or ``"rank"`` (split: each rank draws its
-    piece from its own stream). docs/semantics.md, "Random numbers under tensor parallelism"."""
+    "module", "shape", "dims"}`` (per dim the mesh axis it is split over, or None) and ``"stream"``: ``"shared"``
+    (whole: every tp rank draws the same values from the stream they share) or ``"rank"`` (split: each rank draws
+    its piece from its own stream). docs/semantics.md, "Random numbers under tensor parallelism"."""
     out = []
     for n in gm.graph.nodes:
         if not is_random_op(n):

@@ -77,7 +77,8 @@ def test_muon_on_whole_parameters_equals_torch(clusters):
 def test_an_elementwise_optimizer_on_pieces_equals_one_process_and_resumes(clusters, tmp_path):
     model, batches = _matrices()
     ref_losses, ref_state = reference_training(model, batches, F.mse_loss, ADAGRAD)
-    prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAGRAD, strategy=fxpar.Strategy(tp=2, sharding="megatron"))
+    prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAGRAD,
+                             strategy=fxpar.Strategy(tp=2, sharding="megatron"))
     assert prog.plan.section("tensor_parallel").stages[0]["params"]["fc1.weight"] == ["tp", None]
     lc = clusters.get(2)
     whole = prog.run_local(batches, cluster=lc)

@@ -6,4 +6,5 @@ from .reference import ddp_reference, ddp_worker, max_abs_diff, reference_traini
 
 __all__ = ["MLP", "CNN", "BNConvNet", "GPT", "MegatronBlock", "EncoderModel", "SkipMLP", "Bag", "TinyGPT", "SkipNet",
            "gpt_loss", "flat_gpt_loss", "tiny_gpt", "token_batches", "tiny_gpt_batches", "token_pairs",
-           "regression_batches", "class_batches", "bag_batches", "reference_training", "tp_streams_reference", "ddp_reference", "ddp_worker", "max_abs_diff"]
+           "regression_batches", "class_batches", "bag_batches", "reference_training", "tp_streams_reference", "ddp_reference", "ddp_worker",
+           "max_abs_diff"]
