@@ -53,7 +53,7 @@ Integrity. The manifest records a CRC-32 of every tensor's bytes and of every ra
 (``"checksums"``: key -> ``{"crc32", "file"}``, the file being the DCP data file that holds it), computed by
 the saving ranks before the write. :func:`load_checkpoint` checks each tensor it loads (and the extra it
 unpickles) against it and refuses a mismatch, naming the file, the tensor and the fix; a data file DCP cannot
-read is refused the same way. Checksumming costs about 0.07 s per 100 MB on each side (docs/benchmarks.md).
+read is refused the same way. Checksumming costs about 0.05 s per 100 MB on each side (docs/benchmarks.md).
 The directories must be on a filesystem every rank sees (as DCP's ``FileSystemWriter`` requires).
 """
 from __future__ import annotations
