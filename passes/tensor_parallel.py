@@ -120,8 +120,9 @@ def split_draws(gm, res: ShardingResult) -> dict:
                     continue
                 sh = next(iter(need))
                 val = u.meta.get("val")
-                if sh.is_replicated and not sh.partial and res.out[u.name] and res.out[u.name][0].is_replicated \
-                        and isinstance(val, torch.Tensor) and tuple(val.shape) == shape and len(u.users) > 0:
+                if sh.is_replicated and len(tensor_leaves(u)) == 1 and res.out[u.name] \
+                        and res.out[u.name][0].is_replicated and isinstance(val, torch.Tensor) \
+                        and tuple(val.shape) == shape and len(u.users) > 0:
                     frontier.append(u)                      # mask / (1 - p): follow it to where it is used
                 elif not sh.partial and not sh.is_replicated and len(sh.dims) == len(shape):
                     wants.add(sh)
