@@ -70,6 +70,7 @@ def test_resume_with_dropout_under_tp_is_bitwise(clusters, tmp_path):
 
 
 @pytest.mark.structure
+@pytest.mark.slow
 def test_split_masks_draw_from_the_rank_stream_and_the_plan_says_so():
     _, _, prog = _program("megatron")
     drawn = prog.plan.section("tensor_parallel").stages[0]["random"]
