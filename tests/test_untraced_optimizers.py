@@ -4,7 +4,8 @@ An eager optimizer steps what the rank holds. Under tensor parallelism that is a
 the whole parameter's update only for an elementwise optimizer (``fxpar.optim.ELEMENTWISE``). Adafactor (factored
 moments) and Muon (an orthogonalised matrix) are refused there, naming the optimizer, the parameter and why; ZeRO
 refuses every untraced optimizer. An elementwise one (Adagrad) under tp=2 equals one process and resumes bitwise
-(its state of split parameters is saved whole). Muon, where it sees whole 2-D parameters (dp=2), equals torch.
+(its state of split parameters is saved whole). Where the update sees whole parameters -- Muon under dp=2 and pp=2,
+Adafactor over parameters offloaded whole (``offload=("params",)`` without ZeRO) -- it equals torch.
 """
 from __future__ import annotations
 
@@ -63,10 +64,11 @@ def test_muon_names_a_parameter_it_cannot_take():
 
 
 @pytest.mark.numerics
-def test_muon_on_whole_parameters_equals_torch(clusters):
+@pytest.mark.parametrize("strategy", [dict(dp=2), dict(pp=2, microbatches=2)], ids=["dp2", "pp2"])
+def test_muon_on_whole_parameters_equals_torch(clusters, strategy):
     model, batches = _matrices()
     ref_losses, ref_state = reference_training(model, batches, F.mse_loss, MUON)
-    prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, MUON, strategy=fxpar.Strategy(dp=2))
+    prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, MUON, strategy=fxpar.Strategy(**strategy))
     res = prog.run_local(batches, cluster=clusters.get(2))
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
     assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
@@ -88,3 +90,14 @@ def test_an_elementwise_optimizer_on_pieces_equals_one_process_and_resumes(clust
     second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck")
     assert first.losses + second.losses == whole.losses
     assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0
+
+
+@pytest.mark.numerics
+def test_an_untraced_optimizer_over_offloaded_whole_parameters_equals_torch(clusters):
+    model, batches = _matrices()
+    ref_losses, ref_state = reference_training(model, batches, F.mse_loss, ADAFACTOR)
+    prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAFACTOR,
+                             strategy=fxpar.Strategy(dp=2, offload=("params",)))
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
+    assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
