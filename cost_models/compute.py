@@ -299,6 +299,9 @@ def node_cost(node: torch.fx.Node) -> OpCost:
         return _ZERO
     ns = getattr(target, "namespace", "")
     if ns == "_c10d_functional" or M.COMM.name in node.meta:
+        inner = M.get(node, M.INNER_COMPUTE)
+        if inner is not None:      # a call that runs a traced graph beside its collectives: that graph's compute
+            return OpCost(inner[1], inner[2], "elementwise", "inner graph")
         return OpCost(0, 0, "collective", "free")
     if "val" not in node.meta:
         return OpCost(0, 0, "other", "default")          # no shape to cost: listed in explain()
@@ -379,6 +382,9 @@ def graph_compute(gm: torch.fx.GraphModule, device) -> GraphCompute:
         # costs the rank's CPU too (DeviceSpec.collective_issue_s), its transfer is the link's (cost_models.comm)
         fixed = (overhead if pays_dispatch(n) else issue if issues_collective(n) else
                  action if n.op == "output" else 0.0)
+        inner = M.get(n, M.INNER_COMPUTE)
+        if inner is not None:        # each aten op of the inner graph pays its dispatch, each collective its issue
+            fixed += overhead * inner[0] + issue * inner[3]
         gc.times[n] = node_time(c, device) + fixed
         if c.rule == "default":
             gc.defaulted[str(n.target)] += 1

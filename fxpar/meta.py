@@ -56,11 +56,14 @@ ORIGIN = MetaKey("fxpar_origin", str, "fxpar.pass_manager", "name of the node th
 PASS = MetaKey("fxpar_pass", str, "fxpar.pass_manager", "name of the pass that created the node")
 RECOMPUTE_OF = MetaKey("fxpar_recompute_of", str, "passes.recompute",
                        "on a backward node that recomputes a forward value: the forward node it copies")
+INNER_COMPUTE = MetaKey("fxpar_inner_compute", tuple, "fxpar.compress.feature",
+                        "on a node that runs a traced graph of its own beside its collectives (a compressed bucket "
+                        "sum): (aten ops, flops, bytes) of that graph's compute, for the cost models")
 UNSHARD = MetaKey("fxpar_unshard", bool, "passes.zero",
                   "ZeRO-3 under a pipeline: the node gathers a parameter once per step (the UNSHARD graph)")
 
 KEYS = {k.name: k for k in (ROLE, PHASE, MODULE, PARAM, GRAD_OF, COMM, BUCKET, REDUCE_GRAD, ORIGIN, PASS,
-                            RECOMPUTE_OF, UNSHARD)}
+                            RECOMPUTE_OF, UNSHARD, INNER_COMPUTE)}
 
 # Keys that stay true when a node is replaced by an equivalent computation.
 _PORTABLE = ("val", "tensor_meta", PHASE.name, MODULE.name)
