@@ -23,7 +23,7 @@ from .errors import InputError, StrategyError
 from .feature import get_feature, schedule_names
 from .losses import choose_loss
 from .lower import lower
-from .optim import resolve_optimizer
+from .optim import check_optimizer_params, resolve_optimizer
 from .plan import Plan
 from .planner import check_batch, grad_groups, grad_scale, is_asynchronous, make_plan
 from .program import Program, Stage, stage_messages
@@ -101,6 +101,7 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     plan.notes += batch_notes(captured, plan, {k: type(v).__name__ for k, v in model.named_modules()},
                               type(model).__name__)
     _check_parameters_fit(captured, cluster, model)
+    check_optimizer_params(spec, {k: cap.param_shapes[k] for cap in captured for k in cap.param_names})
     for name, section in plan.features.items():       # the features' decisions that need each stage's graph (buckets)
         for s, cap in enumerate(captured):
             get_feature(name).plan_stage(section, plan, s, cap, cluster, sched)

@@ -138,6 +138,7 @@ class RankState:
     * :meth:`handlers`: schedule actions it runs itself, ``{ActionKind: handler(action, window, index)}``;
     * :meth:`whole`: whole tensors from what the rank holds, for ``state_dict()`` and checkpoints (a collective
       where ``collective`` is True: then every rank calls it; an instance may set it in :meth:`setup`);
+      :meth:`laid_out`: the other way, for a whole tensor laid out like a parameter;
     * :meth:`after_update`, :meth:`after_load`, :meth:`drain`: after a stage's update, after a checkpoint
       replaced the state with whole tensors, before results and checkpoints are taken.
     """
@@ -175,6 +176,12 @@ class RankState:
     def whole(self, ex, params: dict, state: dict) -> tuple:
         """``(params, state)`` per held stage with whole tensors (copies of the dicts may be changed)."""
         return params, state
+
+    def laid_out(self, ex, stage: int, key: str, t):
+        """``t``, a whole tensor shaped like parameter ``key`` of ``stage`` (an untraced optimizer's state, loaded
+        from a checkpoint), as this rank holds that parameter (its piece, its chunk); :meth:`whole` gathers it back.
+        Default: ``t``."""
+        return t
 
     def after_update(self, ex, stage: int) -> None:
         """After ``stage``'s update wrote new parameters and optimizer state."""

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["axis_chunk", "first_on_axis", "axis_index", "vocab_embedding", "vocab_embedding_backward"]
+__all__ = ["axis_chunk", "first_on_axis", "axis_index", "vocab_embedding", "vocab_embedding_backward", "rank_bernoulli",
+           "seed_rank_stream", "rank_stream_state", "set_rank_stream_state", "RANK_STREAM_OFFSET"]
 
 _LIB = torch.library.Library("fxpar", "FRAGMENT")
 _LIB.define("axis_chunk(Tensor x, int dim, int n, str group) -> Tensor")
@@ -115,3 +116,56 @@ torch.library.register_fake("fxpar::vocab_embedding_backward", _vocab_embedding_
 
 vocab_embedding = torch.ops.fxpar.vocab_embedding.default
 vocab_embedding_backward = torch.ops.fxpar.vocab_embedding_backward.default
+
+
+# --- random numbers on split tensors (Megatron-LM's RNG tracker; Shoeybi et al. 2019, §3) --------------------
+# A random op whose output tensor parallelism keeps whole draws from torch's default generator, which every rank
+# of a tp group seeds alike (``fxpar.runtime.groups.seed_rank``): each draws the same mask. A dropout whose output
+# is split draws its piece from this rank's own stream instead, so the tp ranks' pieces are independent draws:
+#
+#     bernoulli = fxpar.rank_bernoulli(expand, 0.9)     # this rank's piece of the mask, from its own stream
+#
+# The stream is one generator per device type, seeded ``RANK_STREAM_OFFSET + seed + rank`` (docs/semantics.md,
+# "Random numbers under tensor parallelism").
+
+_LIB.define("rank_bernoulli(Tensor self, float p) -> Tensor", tags=(torch.Tag.nondeterministic_seeded,))
+
+RANK_STREAM_OFFSET = 1 << 32        # rank streams never share a seed with a default generator (seed + rank)
+_STREAM: dict = {"seed": None, "gens": {}}   # this process's rank stream: its seed, {device type: generator}
+
+
+def seed_rank_stream(seed: int) -> None:
+    """Seed this process's rank stream with ``seed`` (every device's generator starts afresh from it)."""
+    _STREAM["seed"], _STREAM["gens"] = int(seed), {}
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    gens = _STREAM["gens"]
+    if device.type not in gens:
+        seed = _STREAM["seed"]
+        if seed is None:                  # never seeded (a graph run outside fxpar's executor): from torch's seed
+            seed = RANK_STREAM_OFFSET + torch.initial_seed()
+        gens[device.type] = torch.Generator(device=device).manual_seed(seed)
+    return gens[device.type]
+
+
+def rank_stream_state() -> dict:
+    """The rank stream's seed and each device generator's state (a checkpoint's ``extra["rng"]``)."""
+    return {"seed": _STREAM["seed"], "states": {d: g.get_state() for d, g in _STREAM["gens"].items()}}
+
+
+def set_rank_stream_state(state: dict) -> None:
+    """Restore what :func:`rank_stream_state` returned."""
+    _STREAM["seed"], _STREAM["gens"] = state["seed"], {}
+    for d, st in state["states"].items():
+        _generator(torch.device(d)).set_state(st)
+
+
+def _rank_bernoulli(x, p):
+    return torch.bernoulli(x, p, generator=_generator(x.device))
+
+
+_LIB.impl("rank_bernoulli", _rank_bernoulli, "CompositeExplicitAutograd")
+torch.library.register_fake("fxpar::rank_bernoulli", lambda x, p: torch.empty_like(x), lib=_LIB)
+
+rank_bernoulli = torch.ops.fxpar.rank_bernoulli.default

@@ -28,7 +28,7 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["OptimizerSpec", "resolve_optimizer", "TRACEABLE"]
+__all__ = ["OptimizerSpec", "resolve_optimizer", "check_optimizer_params", "TRACEABLE", "ELEMENTWISE"]
 
 
 @dataclass
@@ -42,6 +42,12 @@ class OptimizerSpec:
     @property
     def name(self) -> str:
         return self.cls.__name__
+
+    @property
+    def elementwise(self) -> bool:
+        """Each element's update reads only that element's parameter, gradient and state (and scalars): stepping
+        pieces of a split parameter is stepping the whole one (:data:`ELEMENTWISE`)."""
+        return self.cls in ELEMENTWISE
 
     @property
     def state_names(self) -> tuple:
@@ -94,6 +100,13 @@ class OptimizerSpec:
 
 
 TRACEABLE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW)
+# torch.optim's optimizers whose update is elementwise: per element, from its gradient, its own state and scalars
+# (the step count, the learning rate). Not here: Adafactor (row and column moments of a matrix), Muon (a matrix
+# orthogonalised as a whole), LBFGS (dot products over every parameter), SparseAdam (sparse gradients), and any
+# subclass (its step may differ).
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.Adagrad,
+               torch.optim.Adadelta, torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD, torch.optim.NAdam,
+               torch.optim.RAdam)
 _UNTRACED_OPTIONS = ("amsgrad", "maximize", "differentiable", "capturable")
 
 
@@ -121,6 +134,23 @@ def resolve_optimizer(optimizer) -> OptimizerSpec:
             spec.why_not_traced = ""  # foreach / fused only change the kernel, not the math (OptimizerSpec.kernel)
     spec.traced = not spec.why_not_traced
     return spec
+
+
+def check_optimizer_params(spec: OptimizerSpec, shapes: dict) -> None:
+    """An untraced optimizer takes every trainable parameter (``shapes``: key -> shape) as torch builds it, checked
+    here on meta tensors, so a parameter it refuses (``torch.optim.Muon`` takes 2-D parameters only) is named before
+    any rank starts."""
+    if spec.traced:
+        return
+    for key, shape in shapes.items():
+        try:
+            spec.cls([torch.empty(tuple(shape), device="meta", requires_grad=True)], **spec.kwargs)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise InputError(f"optimizer=({spec.name}, ...) refuses parameter {key!r} of shape {tuple(shape)}: {e}. "
+                             f"Freeze it (requires_grad=False), or choose an optimizer that takes it"
+                             + (" (Muon updates 2-D weight matrices: train biases, norms and embeddings with "
+                                "another optimizer, which fxpar's one-optimizer programs do not combine yet)"
+                                if spec.cls is getattr(torch.optim, "Muon", None) else "") + ".") from None
 
 
 def _check_optimizer(optimizer) -> None:
@@ -156,7 +186,7 @@ def _check_optimizer(optimizer) -> None:
         raise InputError(f"optimizer=({cls.__name__}, {{'lr': {lr!r}, ...}}): lr must be a number (a float such as "
                          f"1e-3), not a {type(lr).__name__}.")
     try:
-        cls([torch.zeros(1, requires_grad=True)], **kwargs)
+        cls([torch.zeros(1, 1, requires_grad=True)], **kwargs)   # 2-D: Muon takes matrices only
     except (TypeError, ValueError, KeyError, RuntimeError) as e:
         import inspect
         try:

@@ -158,7 +158,8 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     plan.global_batch = check_batch(batch, dp, plan.microbatches)
     _pick_schedule(strategy, base, plan, cluster)
     if optimizer is not None:
-        plan.optimizer = {"name": optimizer.name, "traced": optimizer.traced, "why_not_traced": optimizer.why_not_traced}
+        plan.optimizer = {"name": optimizer.name, "traced": optimizer.traced,
+                          "why_not_traced": optimizer.why_not_traced, "elementwise": optimizer.elementwise}
         if optimizer.traced:      # how the traced update runs: one fused kernel, or torch._foreach_* ops
             kind = getattr(getattr(cluster, "device", None), "kind", "cpu")
             k, why = optimizer.kernel(kind, in_place=not plan.asynchronous)

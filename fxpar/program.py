@@ -389,8 +389,10 @@ class Program:
 
         ``seed``: each rank seeds torch's generator with ``seed + rank`` before training, so random ops
         (dropout) are reproducible and dp ranks draw different masks for their shards -- what torch DDP
-        does when each process calls ``torch.manual_seed(seed + rank)``. ``None`` leaves each process's
-        generator as it is.
+        does when each process calls ``torch.manual_seed(seed + rank)``. Under tensor parallelism the tp ranks
+        of a replica share the first one's seed, and dropout on a split tensor draws each rank's piece from a
+        stream of its own (docs/semantics.md, "Random numbers under tensor parallelism"). ``None`` leaves each
+        process's generator as it is.
 
         Every call starts from the weights the program was built with (a second call does not continue
         the first), unless ``resume_from`` names a checkpoint directory: then parameters, optimizer state,

@@ -163,8 +163,9 @@ def _nbytes(node, pl, n) -> float:
 class _Axis:
     """Propagation along one mesh axis."""
 
-    def __init__(self, gm, axis: str, n: int, fixed: dict, taken: dict):
+    def __init__(self, gm, axis: str, n: int, fixed: dict, taken: dict, preferred=frozenset()):
         self.gm, self.axis, self.n = gm, axis, n
+        self.preferred = preferred
         self.fixed = {node: (sh.placement(axis), src) for node, (sh, src) in fixed.items()}
         self.taken = taken                  # node -> (per input: dims split by earlier axes, per output: ...)
         self.place, self.need, self.pref = {}, {}, {}
@@ -289,7 +290,9 @@ class _Axis:
                 nbytes += sum(redistribute_bytes(P, R, info.out_nbytes[o], self.n) for o, pl in zip(g.outs, c[1])
                               if pl == P)
                 match = -sum(1 for pl in c[1] if want is not None and pl == want)
-                scored.append(((moves, nbytes, changes, match, i), c))
+                # a preferred node (``prefer``) takes its wish where it costs no bytes, even through a local slice
+                scored.append(((moves, nbytes, match, changes, i) if node in self.preferred
+                               else (moves, nbytes, changes, match, i), c))
             _, best = min(scored, key=lambda t: t[0])
             for j, pl in zip(g.ins, best[0]):
                 need[j] = pl
@@ -393,16 +396,21 @@ class _Axis:
 # --- the pass --------------------------------------------------------------------------------------------
 
 def propagate_shardings(gm: torch.fx.GraphModule, mesh, layouts: dict | None = None,
-                        aliases: dict | None = None, signature=None, whole_io: bool = False) -> ShardingResult:
+                        aliases: dict | None = None, signature=None, whole_io: bool = False,
+                        prefer: dict | None = None) -> ShardingResult:
     """Decide every node's sharding over ``mesh`` (a ``fxpar.Mesh`` or ``{axis: size}``) from the graph's
     ``fxpar.shard`` annotations and ``layouts`` (glob over parameter keys -> spec); ``aliases``: tied keys
     (``CapturedStep.aliases``), so a layout may name either key of a tied parameter; ``signature``
     (``CapturedStep.signature``): each ``new_param`` / ``new_opt_state`` / ``new_buffer`` output is made to
     leave laid out as its input came in (the next step reads it), with a redistribution where it is not;
     ``whole_io`` (with ``signature``; what the runtime needs): every input but parameters and optimizer state
-    comes in whole, every gradient output leaves laid out as its parameter, every other output leaves whole."""
+    comes in whole, every gradient output leaves laid out as its parameter, every other output leaves whole.
+    ``prefer``: ``{node name: (Sharding, why)}``, a wish like an annotation's that flows to the node's producers
+    and breaks ties in its own choice (a dropout mask drawn split where its consumer is split)."""
     sizes = axis_sizes(mesh)
     fixed = fixed_shardings(gm, sizes, layouts or {}, aliases or {})
+    if prefer:
+        fixed.update({n: prefer[n.name] for n in gm.graph.nodes if n.name in prefer and n not in fixed})
     if whole_io and signature is not None:
         for node, (role, _) in zip(gm.graph.find_nodes(op="placeholder"), signature.inputs):
             if role not in (Role.PARAM, Role.OPT_STATE) and isinstance(_val(node), torch.Tensor) and node not in fixed:
@@ -412,7 +420,7 @@ def propagate_shardings(gm: torch.fx.GraphModule, mesh, layouts: dict | None = N
     per_axis = []
     taken: dict = {}
     for axis in axes:
-        ax = _Axis(gm, axis, sizes[axis], fixed, taken)
+        ax = _Axis(gm, axis, sizes[axis], fixed, taken, {n for n in fixed if n.name in (prefer or {})})
         ax.backward()
         ax.forward()
         if signature is not None:

@@ -28,6 +28,7 @@ import torch
 
 from fxpar import meta as M
 from fxpar.errors import PassError
+from fxpar.local_ops import rank_bernoulli
 from fxpar.mesh import Mesh
 from fxpar.pass_manager import Pass, PassContext, PassResult
 from fxpar.roles import Role
@@ -35,9 +36,9 @@ from fxpar.sharding import ShardingError
 
 from .lower_sharding import lower_shardings
 from .propagate_sharding import ShardingResult
-from .sharding import strip_annotations
+from .sharding import strip_annotations, tensor_leaves
 
-__all__ = ["TensorParallel", "stage_choice"]
+__all__ = ["TensorParallel", "stage_choice", "random_ops", "is_random_op", "split_draws", "draw_from_streams"]
 
 SECTION = "tensor_parallel"          # the Plan section (fxpar.features.tensor_parallel) this pass carries out
 
@@ -64,6 +65,91 @@ def _gradients_laid_out(gm, sig) -> None:
             anchor.append(c)
             anchor = c
         M.set_meta(x, M.GRAD_OF, key)
+
+
+def is_random_op(node: torch.fx.Node) -> bool:
+    """A seeded random op (torch tags them ``nondeterministic_seeded``: dropout's ``bernoulli``, ``rand*``, an
+    attention op with ``dropout_p`` > 0)."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    schema = getattr(node.target, "_schema", None)
+    for i, arg in enumerate(schema.arguments if schema is not None else ()):
+        if arg.name == "dropout_p":
+            return (node.args[i] if i < len(node.args) else node.kwargs.get("dropout_p", arg.default_value)) != 0.0
+    return True
+
+
+def random_ops(gm, res: ShardingResult) -> list:
+    """The random ops of ``gm`` in graph order, each with the layout ``res`` gives its output: ``{"node", "op",
+    "module", "shape", "dims"}`` (per dim the mesh axis it is split over, or None) and ``"stream"``: ``"shared"``
+    (whole: every tp rank draws the same values from the stream they share) or ``"rank"`` (split: each rank draws
+    its piece from its own stream). docs/semantics.md, "Random numbers under tensor parallelism"."""
+    out = []
+    for n in gm.graph.nodes:
+        if not is_random_op(n):
+            continue
+        sh = res.out.get(n.name)
+        dims = list(sh[0].dims) if sh else []
+        out.append({"node": n.name, "op": str(n.target), "module": M.get(n, M.MODULE) or "<root>",
+                    "shape": list(n.meta["val"].shape) if isinstance(n.meta.get("val"), torch.Tensor) else [],
+                    "dims": dims,
+                    "stream": "rank" if any(d is not None for d in dims) else "shared"})
+    return out
+
+
+def split_draws(gm, res: ShardingResult) -> dict:
+    """``{node name: (Sharding, why)}``: each dropout mask (``bernoulli``) ``res`` draws whole whose every use wants
+    it split, through elementwise ops of its shape (``mask / (1 - p)``) -- drawn split instead, each rank drawing its
+    piece (Megatron's dropout in split regions), as a wish for :func:`propagate_shardings`' ``prefer``."""
+    out = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target is not torch.ops.aten.bernoulli.p or n.name not in res.out:
+            continue
+        if not res.out[n.name][0].is_replicated:
+            continue
+        shape, frontier, wants = tuple(n.meta["val"].shape), [n], set()
+        while frontier and len(wants) <= 1:
+            v = frontier.pop()
+            for u in v.users:
+                if u.op != "call_function" or u.name not in res.need:
+                    wants.add(None)
+                    continue
+                need = {res.need[u.name][j] for j, (_, leaf) in enumerate(tensor_leaves(u)) if leaf is v}
+                if len(need) != 1:
+                    wants.add(None)
+                    continue
+                sh = next(iter(need))
+                val = u.meta.get("val")
+                if sh.is_replicated and len(tensor_leaves(u)) == 1 and res.out[u.name] \
+                        and res.out[u.name][0].is_replicated and isinstance(val, torch.Tensor) \
+                        and tuple(val.shape) == shape and len(u.users) > 0:
+                    frontier.append(u)                      # mask / (1 - p): follow it to where it is used
+                elif not sh.partial and not sh.is_replicated and len(sh.dims) == len(shape):
+                    wants.add(sh)
+                else:
+                    wants.add(None)
+        if len(wants) == 1 and None not in wants:
+            out[n.name] = (next(iter(wants)), f"dropout mask {n.name} ({M.get(n, M.MODULE) or '<root>'}), drawn "
+                                              "split where it is used")
+    return out
+
+
+def draw_from_streams(gm, drawn: list, stage: int) -> None:
+    """Point each random op the decided shardings split at this rank's own stream (``fxpar.rank_bernoulli``: the
+    rank draws its piece of the mask); a whole one stays on torch's generator, which the tp ranks seed alike."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for d in drawn:
+        if d["stream"] != "rank":
+            continue
+        n = by_name[d["node"]]
+        if n.target is not torch.ops.aten.bernoulli.p:
+            raise PassError(f"tensor_parallel, stage {stage}: random op {d['node']!r} ({d['op']}) in module "
+                            f"{d['module']} is split over tp {tuple(d['dims'])}, and only dropout's bernoulli can "
+                            "draw its piece from the rank's own stream; run that module whole (leave it out of "
+                            "Strategy(sharding=...) layouts, or use sharding='megatron'), or set its dropout to 0")
+        n.target = rank_bernoulli
+        n.args, n.kwargs = (n.args[0], n.args[1] if len(n.args) > 1 else n.kwargs.get("p", 0.5)), {}
+    gm.recompile()
 
 
 def stage_choice(entry: dict, mode: str) -> dict | None:
@@ -113,6 +199,14 @@ class TensorParallel(Pass):
                             f"{e}") from None
         new.meta.update(gm.meta)
         _gradients_laid_out(new, sig)
+        drawn = random_ops(gm, res)
+        draw_from_streams(new, drawn, ctx.stage)
+        if drawn:
+            n_rank = sum(d["stream"] == "rank" for d in drawn)
+            ctx.notes.append(f"tensor_parallel: {len(drawn)} random op(s) (dropout): {len(drawn) - n_rank} on whole "
+                             f"tensors draw the same values on every tp rank (the tp group's shared stream), "
+                             f"{n_rank} on split tensors draw each rank's piece from its own stream "
+                             "(docs/semantics.md, 'Random numbers under tensor parallelism')")
         ctx.notes.extend(entry.get("notes", ()))
         split = sum(1 for v in entry["params"].values() if any(v))
         n_coll = sum(1 for n in new.graph.nodes if M.COMM.name in n.meta)

@@ -1,4 +1,7 @@
-"""fxpar.runtime.checkpoint: DCP save/load under model keys, across world sizes, with a safe commit."""
+"""fxpar.runtime.checkpoint: DCP save/load under model keys, across world sizes, with a safe commit; a CRC-32 per
+tensor checked on load (a file damaged in place is refused, naming it and the tensor); faults during a save (a
+full disk, a process killed during the write) leave the previous checkpoint loadable and the unfinished one
+refused by name; a resume refuses NaN parameters."""
 import os
 import shutil
 
@@ -296,3 +299,126 @@ def test_torch_optimizer_round_trip(tmp_path):
     step(m2, opt2)
     for (k, a), (_, b) in zip(m.state_dict().items(), m2.state_dict().items()):
         assert _bitwise_equal(a, b), k
+
+
+# --------------------------------------------------------------- integrity and faults
+
+def _dcp_item(path, key):
+    """(data file, offset, length) of ``key`` in a DCP checkpoint, from its own index."""
+    info = next(i for idx, i in dcp.FileSystemReader(path).read_metadata().storage_data.items() if idx.fqn == key)
+    return os.path.join(path, info.relative_path), info.offset, info.length
+
+
+@pytest.mark.structure
+def test_a_damaged_file_is_refused_naming_the_file_and_the_tensor(tmp_path):
+    path = str(tmp_path / "ck")
+    state = {**_model_state(1), "big": torch.randn(64, 64, dtype=torch.float64)}
+    save_checkpoint(path, state, {"step": 1}, rank=0, world_size=1)
+    sums = ck.read_manifest(path)["checksums"]
+    assert sums["big"]["crc32"] == ck.checksum(state["big"]) and sums["big"]["file"].endswith(".distcp")
+    assert "fxpar.extra.rank0" in sums and ck.read_manifest(path)["tensors"]["big"] == {"shape": [64, 64],
+                                                                                       "dtype": "float64"}
+    templates = {k: torch.empty_like(v) for k, v in state.items()}
+    file, offset, length = _dcp_item(path, "big")
+    with open(file, "r+b") as f:                       # 64 bytes overwritten in place: the file keeps its size
+        f.seek(offset + length // 2)
+        f.write(b"\xff" * 64)
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(path, templates, rank=0, world_size=1)
+    msg = str(e.value)
+    assert "damaged" in msg and "'big'" in msg and os.path.basename(file) in msg and "previous checkpoint" in msg
+    # a key that was not damaged still loads
+    got, _ = load_checkpoint(path, {"head.weight": templates["head.weight"]}, rank=0, world_size=1)
+    assert _bitwise_equal(got["head.weight"], state["head.weight"])
+
+
+@pytest.mark.structure
+def test_a_full_disk_during_a_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    import errno
+    import torch.distributed.checkpoint.filesystem as fs
+    path = str(tmp_path / "ck")
+    v1, v2 = _model_state(1), _model_state(2)
+    save_checkpoint(path, v1, {"step": 1}, rank=0, world_size=1)
+    real, calls = fs._write_item, []
+
+    def write_until_full(*a, **k):
+        calls.append(1)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **k)
+    monkeypatch.setattr(fs, "_write_item", write_until_full)
+    with pytest.raises(CheckpointError) as e:
+        save_checkpoint(path, v2, {"step": 2}, rank=0, world_size=1)
+    monkeypatch.undo()
+    msg = str(e.value)
+    assert "disk is full" in msg and "previous checkpoint" in msg and "Free space" in msg and path in msg
+    assert is_complete(path) and not is_complete(path + ".fxpar-partial")
+    tensors, extra = load_checkpoint(path, {k: torch.empty_like(v) for k, v in v1.items()}, rank=0, world_size=1)
+    assert extra == {"step": 1} and all(_bitwise_equal(tensors[k], v1[k]) for k in v1)
+
+
+_KILLED_SAVE = """
+import sys, time, torch
+import torch.distributed.checkpoint.filesystem as fs
+from fxpar.runtime.checkpoint import save_checkpoint
+path = sys.argv[1]
+state = {f"w{i}": torch.full((256, 256), float(i), dtype=torch.float64) for i in range(8)}
+save_checkpoint(path, state, {"step": 1}, rank=0, world_size=1)
+real, n = fs._write_item, []
+def slow(*a, **k):
+    n.append(1)
+    out = real(*a, **k)
+    if len(n) == 3:                    # halfway through the data file: tell the test, then wait to be killed
+        a[1].flush()
+        print("writing", flush=True)
+        time.sleep(60)
+    return out
+fs._write_item = slow
+save_checkpoint(path, {k: v + 1 for k, v in state.items()}, {"step": 2}, rank=0, world_size=1)
+"""
+
+
+@pytest.mark.structure
+@pytest.mark.slow
+def test_a_save_killed_during_the_write_is_refused_by_name(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    path = str(tmp_path / "ck")
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, path], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert proc.stdout.readline().strip() == "writing"
+        partial = path + ".fxpar-partial"
+        assert any(f.endswith(".distcp") for f in os.listdir(partial))       # the write is under way
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    templates = {f"w{i}": torch.empty(256, 256, dtype=torch.float64) for i in range(8)}
+    with pytest.raises(CheckpointError) as e:
+        load_checkpoint(partial, templates, rank=0, world_size=1)
+    msg = str(e.value)
+    assert partial in msg and "incomplete" in msg and f"previous checkpoint {path}" in msg
+    tensors, extra = load_checkpoint(path, templates, rank=0, world_size=1)       # the previous one is intact
+    assert extra == {"step": 1} and all(bool((tensors[f"w{i}"] == i).all()) for i in range(8))
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_a_checkpoint_with_nan_parameters_is_refused_on_resume(tmp_path):
+    import fxpar
+    from fxpar.testing import SkipMLP, class_batches
+    model, batches = SkipMLP().double(), class_batches(4, seed=2)
+    opt = (torch.optim.AdamW, {"lr": 1e-2})
+    prog = fxpar.parallelize(model, 1, batches[0], torch.nn.functional.cross_entropy, opt)
+    prog.run_local(batches[:2], save_to=tmp_path / "ck")
+    manifest = ck.read_manifest(tmp_path / "ck")
+    templates = {k: torch.empty(m["shape"], dtype=getattr(torch, m["dtype"])) for k, m in manifest["tensors"].items()}
+    tensors, extra = load_checkpoint(tmp_path / "ck", templates, rank=0, world_size=1)
+    key = next(k for k in tensors if k.endswith("weight") and not k.startswith("optim."))
+    tensors[key][0, 0] = float("nan")                  # a diverged run's parameter, saved with a valid checksum
+    save_checkpoint(tmp_path / "nan", tensors, extra, rank=0, world_size=1)
+    with pytest.raises(CheckpointError, match=rf"parameter '{key}' .* NaN or inf .*1 of .*earlier checkpoint"):
+        prog.run_local(batches[2:], resume_from=tmp_path / "nan")

@@ -38,7 +38,7 @@ from passes import tofu
 from passes.propagate_sharding import ShardingResult, propagate_shardings
 from passes.sharding import strip_annotations
 from passes.sharding.megatron import megatron_layouts
-from passes.tensor_parallel import TensorParallel
+from passes.tensor_parallel import TensorParallel, random_ops, split_draws
 
 __all__ = ["TensorParallelFeature", "TensorParallelSection", "Pieces", "MODES"]
 
@@ -109,6 +109,11 @@ class Pieces(RankState):
             for k, dims in st["opt_state"].items():
                 if any(dims) and k in ex.state[s]:
                     ex.state[s][k] = self._piece(ex, ex.state[s][k], dims, st["shapes"][k.split(":", 1)[1]])
+
+    def laid_out(self, ex, stage: int, key: str, t: torch.Tensor) -> torch.Tensor:
+        st = self.layouts.get(stage)
+        dims = st["params"].get(key) if st else None
+        return self._piece(ex, t, dims, st["shapes"][key]) if dims and any(dims) else t
 
     def _gather(self, ex, t: torch.Tensor, dims: list) -> torch.Tensor:
         for d, axis in enumerate(dims):
@@ -208,10 +213,49 @@ def _choose(section, plan, stage: int, captured, cluster, mesh: Mesh, entry: dic
         extra["megatron"] = {k: list(v) for k, v in preset.items()}
         layouts = {**preset, **layouts}
     layouts.update({k: tuple(dims) for (r, k), dims in tied.items() if r == Role.PARAM})
-    res = propagate_shardings(gm, mesh, layouts, aliases=getattr(captured, "aliases", None) or {}, signature=sig,
-                              whole_io=True)
+    aliases = getattr(captured, "aliases", None) or {}
+    res = propagate_shardings(gm, mesh, layouts, aliases=aliases, signature=sig, whole_io=True)
+    draws = split_draws(gm, res)
+    if draws:                                     # dropout masks used split: drawn split, each rank its piece
+        res = propagate_shardings(gm, mesh, layouts, aliases=aliases, signature=sig, whole_io=True, prefer=draws)
     extra["propagated"] = res.to_json()
     return res, extra
+
+
+def _check_optimizer_on_pieces(plan, stage: int, params: dict, mode: str) -> None:
+    """An untraced optimizer steps each rank's piece of a split parameter as torch would step a parameter of that
+    shape: the whole parameter's update only where the update is elementwise (``fxpar.optim.ELEMENTWISE``). Any
+    other (Adafactor's factored moments, Muon's orthogonalised matrix, a user's optimizer) is refused here."""
+    opt = plan.optimizer or {}
+    if not opt or opt.get("traced") or opt.get("elementwise"):
+        return
+    split = [(k, dims) for k, dims in params.items() if any(d is not None for d in dims)]
+    if not split:
+        return
+    key, dims = split[0]
+    more = f" (and {len(split) - 1} more)" if len(split) > 1 else ""
+    raise StrategyError(
+        f"optimizer {opt.get('name')} under tensor parallelism (sharding={mode!r}), stage {stage}: parameter "
+        f"{key!r} is split {tuple(dims)}{more}, so each rank would step its piece on its own, and "
+        f"{opt.get('name')}'s update is not elementwise (it reads the whole parameter: factored row/column moments, "
+        "an orthogonalised matrix, or a step fxpar cannot see), so the pieces' updates would not be the whole "
+        "parameter's. Use an elementwise optimizer (SGD, Adam, AdamW, Adagrad, RMSprop, ...: fxpar.optim.ELEMENTWISE), "
+        "keep that parameter whole (layouts that do not split it), or train with dp/pp instead of tp.")
+
+
+def _random_note(stage: int, drawn: list) -> str | None:
+    """The plan note for a stage with random ops (dropout) under tensor parallelism: which stream each draws from."""
+    if not drawn:
+        return None
+    split = [f"{d['node']} ({d['module']}, split {tuple(d['dims'])})" for d in drawn if d["stream"] == "rank"]
+    whole = [f"{d['node']} ({d['module']})" for d in drawn if d["stream"] == "shared"]
+    return (f"tensor parallelism, stage {stage}: {len(drawn)} random op(s) (dropout). On whole tensors "
+            f"({len(whole)}: {', '.join(whole[:4]) + (' ...' if len(whole) > 4 else '') or 'none'}) every tp rank of "
+            "a replica draws the same mask from the stream the tp group shares; on split tensors "
+            f"({len(split)}: {', '.join(split[:4]) + (' ...' if len(split) > 4 else '') or 'none'}) each tp rank draws "
+            "its piece from its own stream, so the masks differ from one process's with the same seed, and equal "
+            "those of fxpar.testing.tp_streams_reference (docs/semantics.md, 'Random numbers under tensor "
+            "parallelism')")
 
 
 @register_feature
@@ -304,6 +348,11 @@ class TensorParallelFeature(Feature):
         entry["params"] = {k: list(res.out[n][0].dims) for n, (r, k) in roles.items() if r == Role.PARAM}
         entry["opt_state"] = {k: list(res.out[n][0].dims) for n, (r, k) in roles.items() if r == Role.OPT_STATE}
         entry.update(extra)
+        _check_optimizer_on_pieces(plan, stage, entry["params"], section.mode)
+        entry["random"] = random_ops(captured.gm, res)
+        note = _random_note(stage, entry["random"])
+        if note and note not in plan.notes:
+            plan.notes.append(note)
 
     def rank_info(self, section, program, rank):
         return {"axes": section.axes, "stages": {

@@ -110,7 +110,7 @@ class Executor:
         self.width = p.dp * p.tp                          # ranks per pipeline rank
         self.pipe_rank, self.inner = divmod(p.rank, self.width)
         self.dp_index, self.tp_index = divmod(self.inner, p.tp)
-        seed_rank(p.settings.rng_seed, p.rank)
+        seed_rank(p.settings.rng_seed, p.rank, self.tp_index)
         if p.settings.host.host_memory_reuse:     # ClusterSpec.host_memory_reuse: before the first allocation
             reuse_freed_memory()
         if dist.is_initialized():

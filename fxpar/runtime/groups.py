@@ -10,6 +10,7 @@ import torch.fx
 
 from ..collectives import axis_of_tag
 from ..host import raise_comm_threads
+from ..local_ops import RANK_STREAM_OFFSET, seed_rank_stream
 
 __all__ = ["group", "bind_groups", "seed_rank", "comm_priority"]
 
@@ -66,8 +67,19 @@ def bind_groups(gm: torch.fx.GraphModule, names: dict) -> torch.fx.GraphModule:
     return gm
 
 
-def seed_rank(seed: int | None, rank: int) -> None:
-    """``seed`` (``RunSettings.rng_seed``) set: seed torch's generator with it + rank, so random ops (dropout) are
-    reproducible and differ between ranks. None: leave the generator as the process has it."""
+def seed_rank(seed: int | None, rank: int, tp_index: int = 0) -> None:
+    """``seed`` (``RunSettings.rng_seed``) set: seed this rank's two random streams (docs/semantics.md, "Random
+    numbers under tensor parallelism"), so random ops (dropout) are reproducible:
+
+    * torch's default generator with ``seed + rank - tp_index`` (the first rank of its tp group): the stream of
+      random ops on whole tensors, the same on every tp rank of a replica, different between dp ranks and
+      pipeline ranks (without tensor parallelism, ``seed + rank``);
+    * its rank stream (``fxpar.local_ops.seed_rank_stream``) with ``RANK_STREAM_OFFSET + seed + rank``: dropout on
+      a tensor split over tp draws this rank's piece from it.
+
+    None: leave the default generator as the process has it (the rank stream then starts from its seed)."""
     if seed is not None:
-        torch.manual_seed(int(seed) + rank)
+        torch.manual_seed(int(seed) + rank - tp_index)
+        seed_rank_stream(RANK_STREAM_OFFSET + int(seed) + rank)
+    else:
+        seed_rank_stream(RANK_STREAM_OFFSET + torch.initial_seed() + rank)

@@ -12,7 +12,7 @@ __all__ = ["RunSettings"]
 class RunSettings:
     """What ``Program.payload`` hands every rank besides its graphs and state (``RankPayload.settings``)."""
     n_inputs: int = 0                    # batch columns that are model inputs (the rest are targets)
-    rng_seed: int | None = None          # torch's generator seeded with this + rank; None leaves it as it is
+    rng_seed: int | None = None          # the rank's random streams' seed (runtime.groups.seed_rank); None: as they are
     record_weights: bool = False         # log a fingerprint of the weights every F and B computes with
     measure_comm: bool = False           # record every collective the rank runs
     measure_memory: bool = False         # record the most tensor bytes alive at once, per window

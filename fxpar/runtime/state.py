@@ -7,11 +7,13 @@ other (the keys never name a rank, a stage or a shard):
 
 * parameters (every alias of a tied parameter too, so plain ``dcp.load(model.state_dict())`` finds
   each key) and buffers, under the model's keys;
-* optimizer state as ``optim.<state>.<key>`` (traced SGD/Adam/AdamW and eager torch.optim alike);
+* optimizer state as ``optim.<state>.<key>`` (traced SGD/Adam/AdamW and eager torch.optim alike), whole: an
+  eager optimizer's state of a split parameter is gathered like the parameter and cut again on load;
 * 2BW's stashed previous weights as ``stash.<key>`` (its next batch computes with them);
-* per rank in ``extra`` (:class:`RankExtra`): the RNG state (restored when the world size is the saved one; otherwise each rank
-  is seeded afresh with ``seed + rank``, so replicas do not share a stream), the step count, the LR scheduler's and the optimizer's
-  hyper-parameters (learning rate included: a scheduler's state alone does not restore it).
+* per rank in ``extra`` (:class:`RankExtra`): the RNG states, the default generator's and the rank stream's
+  (restored when the world size is the saved one; otherwise each rank is seeded afresh as at the start of a run,
+  so replicas do not share a stream: ``fxpar.runtime.groups.seed_rank``), the step count, the LR scheduler's and
+  the optimizer's hyper-parameters (learning rate included: a scheduler's state alone does not restore it).
 """
 from __future__ import annotations
 
@@ -21,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 from .groups import group, seed_rank
-from .checkpoint import (load_checkpoint, optim_key, read_manifest, rng_state, save_checkpoint, set_rng_state,
-                         split_optim_key, torch_optimizer_state_dict, torch_optimizer_tensors)
+from .checkpoint import (CheckpointError, load_checkpoint, optim_key, read_manifest, rng_state, save_checkpoint,
+                         set_rng_state, split_optim_key, torch_optimizer_state_dict, torch_optimizer_tensors)
 
 __all__ = ["save_rank_state", "load_rank_state", "RankExtra"]
 
@@ -71,6 +73,60 @@ def _workers(ex) -> tuple:
     return dist.get_rank(), n, group(workers, "dp")   # created by every rank, servers too (Plan.all_groups)
 
 
+def _refuse_nonfinite(path, got: dict, keys: list, world: int, pg) -> None:
+    """Collective: a parameter the checkpoint holds with NaN or inf values refuses the resume on every rank, named
+    (training on would only spread it)."""
+    bad = next((k for k in keys if got[k].is_floating_point() and not bool(torch.isfinite(got[k]).all())), None)
+    error = None if bad is None else (
+        f"parameter {bad!r} in the checkpoint {path} holds NaN or inf values "
+        f"({int((~torch.isfinite(got[bad])).sum())} of {got[bad].numel()}): the run that saved it had diverged. "
+        "Resume from an earlier checkpoint (and lower the learning rate, or clip gradients), or start afresh.")
+    if world > 1 and dist.is_initialized():
+        errors = [None] * world
+        dist.all_gather_object(errors, error, group=pg)
+        error = next((e for e in errors if e), None)
+    if error:
+        raise CheckpointError(error)
+
+
+def _whole_optimizer_tensors(ex, tensors: dict) -> dict:
+    """An untraced optimizer's per-parameter tensors (``optim.<state>.<key>``) laid out like their parameters
+    (Adagrad's sum, RMSprop's square average: a piece of a split parameter's), made whole as the features make the
+    parameters whole. Collective where a feature's ``whole`` is."""
+    if not ex.features:
+        return tensors
+    held = {k: (s, ex.params[s][k]) for s, k in ex._leaves}
+    for name in sorted({split_optim_key(k)[0] for k in tensors if split_optim_key(k) is not None}):
+        like: dict = {}
+        for k, (s, p) in held.items():
+            t = tensors.get(optim_key(name, k))
+            if t is not None and t.dim() > 0 and t.shape == p.shape:
+                like.setdefault(s, {})[k] = t
+        for st in ex.features.values():
+            like, _ = st.whole(ex, like, {})
+        for ps in like.values():
+            tensors.update({optim_key(name, k): v for k, v in ps.items()})
+    return tensors
+
+
+def _optimizer_tensors_laid_out(ex, got: dict, templates: dict) -> dict:
+    """The inverse of :func:`_whole_optimizer_tensors` after a load: each whole ``optim.<state>.<key>`` shaped like
+    its parameter, as this rank holds the parameter (``RankState.laid_out``)."""
+    got = dict(got)
+    stage_of = {k: s for s, k in ex._leaves}
+    for ok, t in list(got.items()):
+        parts = split_optim_key(ok)
+        if parts is None or parts[1] not in stage_of:
+            continue
+        k = parts[1]
+        whole = templates.get(k)
+        if whole is not None and t.dim() > 0 and t.shape == whole.shape:
+            for st in ex.features.values():
+                t = st.laid_out(ex, stage_of[k], k, t)
+            got[ok] = t
+    return got
+
+
 def save_rank_state(ex, path, aliases: dict) -> None:
     """Collective: every rank of the program calls it with the same ``path``."""
     tensors = {}
@@ -92,7 +148,7 @@ def save_rank_state(ex, path, aliases: dict) -> None:
                 tensors[optim_key(name, key)] = v
     else:
         opt_tensors, rest = torch_optimizer_tensors(ex.torch_opt.state_dict(), [k for _, k in ex._leaves])
-        tensors.update(opt_tensors)
+        tensors.update(_whole_optimizer_tensors(ex, opt_tensors))
     for s, ps in ex.prev_params.items():
         for k, v in ps.items():
             tensors[_STASH + k] = v
@@ -121,6 +177,7 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
             templates[k] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
     rank, world, pg = _workers(ex)
     got, saved_extra = load_checkpoint(path, templates, rank=rank, world_size=world, process_group=pg)
+    _refuse_nonfinite(path, got, sorted(held), world, pg)
     extra = RankExtra.from_dict(saved_extra)
     for s, ps in ex.params.items():
         ex.params[s] = {k: got[k].clone() for k in ps}
@@ -132,6 +189,7 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
                 st[sk] = got[optim_key(name, key)].clone()
     else:
         keys = [k for _, k in ex._leaves]
+        got = _optimizer_tensors_laid_out(ex, got, templates)
         ex.torch_opt.load_state_dict(torch_optimizer_state_dict(ex.torch_opt, keys, got, extra.optim))
     for st in ex.features.values():       # the features' own layout of what was loaded whole
         st.after_load(ex)
@@ -159,4 +217,4 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     if manifest.get("world_size") == world:
         set_rng_state(extra.rng)
     else:   # another world: rank r got saved rank r % saved's RNG, which replicas would share -- seed afresh
-        seed_rank(ex.p.settings.rng_seed, ex.rank)
+        seed_rank(ex.p.settings.rng_seed, ex.rank, ex.tp_index)

@@ -50,9 +50,13 @@ class BNConvNet(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads, qkv_bias=True):
+    """Pre-LN attention (fused qkv) + MLP. ``dropout > 0``: dropout on the attention's output before its projection
+    and on the MLP's hidden activation (split over tp by Megatron's split), and on the MLP's output (whole)."""
+
+    def __init__(self, d, heads, qkv_bias=True, dropout=0.0):
         super().__init__()
         self.heads = heads
+        self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d, bias=qkv_bias), nn.Linear(d, d)
         self.fc, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
@@ -62,8 +66,8 @@ class Block(nn.Module):
         q, k, v = self.qkv(self.ln1(x)).split(C, dim=2)
         q, k, v = (t.view(B, T, self.heads, C // self.heads).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, C)
-        x = x + self.proj(y)
-        return x + self.fc2(F.gelu(self.fc(self.ln2(x))))
+        x = x + self.proj(self.drop(y))
+        return x + self.drop(self.fc2(self.drop(F.gelu(self.fc(self.ln2(x))))))
 
 
 class MegatronBlock(nn.Module):
@@ -92,14 +96,16 @@ class MegatronBlock(nn.Module):
 class GPT(nn.Module):
     """GPT-2-style decoder: token + learned position table (sliced by sequence length), pre-LN
     blocks with causal SDPA, final LayerNorm, LM head tied to the token embedding (unless
-    ``tie_weights=False``); ``dropout > 0`` adds GPT-2's embedding dropout."""
+    ``tie_weights=False``); ``dropout > 0`` adds GPT-2's embedding dropout, ``block_dropout > 0`` the blocks'
+    (:class:`Block`)."""
 
-    def __init__(self, vocab=64, d=32, layers=2, heads=4, max_seq=32, qkv_bias=True, tie_weights=True, dropout=0.0):
+    def __init__(self, vocab=64, d=32, layers=2, heads=4, max_seq=32, qkv_bias=True, tie_weights=True, dropout=0.0,
+                 block_dropout=0.0):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(max_seq, d)
         self.drop = nn.Dropout(dropout) if dropout else nn.Identity()
-        self.blocks = nn.ModuleList(Block(d, heads, qkv_bias) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, qkv_bias, block_dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
         if tie_weights:
@@ -116,13 +122,13 @@ class GPT(nn.Module):
 
 
 def tiny_gpt(layers: int = 2, heads: int = 2, dropout: float = 0.0, vocab: int = 32, d: int = 16,
-             seed: int | None = 0) -> GPT:
+             seed: int | None = 0, block_dropout: float = 0.0) -> GPT:
     """The float64 :class:`GPT` most tests train (vocab 32, width 16, 2 heads). ``seed``: torch's global generator
     is seeded with it first, so every call builds the same weights; ``None`` draws them from the generator as it
     stands."""
     if seed is not None:
         torch.manual_seed(seed)
-    return GPT(vocab=vocab, d=d, layers=layers, heads=heads, dropout=dropout).double()
+    return GPT(vocab=vocab, d=d, layers=layers, heads=heads, dropout=dropout, block_dropout=block_dropout).double()
 
 
 def gpt_loss(logits, targets):

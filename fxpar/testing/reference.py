@@ -4,10 +4,13 @@ from __future__ import annotations
 import copy
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxpar.local_ops import RANK_STREAM_OFFSET
+from fxpar.mesh import Mesh
 from fxpar.runtime.executor import make_scheduler
 
-__all__ = ["reference_training", "ddp_reference", "ddp_worker", "max_abs_diff"]
+__all__ = ["reference_training", "tp_streams_reference", "ddp_reference", "ddp_worker", "max_abs_diff"]
 
 
 def _loss(model, batch, loss_fn):
@@ -31,6 +34,73 @@ def reference_training(model, batches, loss_fn, optimizer, lr_scheduler=None):
         if sched:
             sched.step()
         losses.append(loss.item())
+    return losses, m.state_dict()
+
+
+class _TpStreams(TorchDispatchMode):
+    """Draws each dropout mask of an eager forward as the tp ranks of one replica draw it: a whole one from torch's
+    generator (the stream the tp group shares), a split one as the pieces each tp rank draws from its own stream,
+    put together."""
+
+    def __init__(self, drawn: list, mesh: Mesh, gens: list):
+        super().__init__()
+        self.drawn, self.mesh, self.gens, self.i = drawn, mesh, gens, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in (torch.ops.aten.bernoulli_.float, torch.ops.aten.bernoulli.p):
+            if torch.Tag.nondeterministic_seeded in func.tags and func is not torch.ops.aten.empty_like.default \
+                    and kwargs.get("dropout_p", args[3] if "attention" in str(func) and len(args) > 3 else 0.0) != 0.0:
+                raise NotImplementedError(f"tp_streams_reference draws dropout masks (bernoulli) only, not {func}")
+            return func(*args, **kwargs)
+        x, p = args[0], (args[1] if len(args) > 1 else kwargs.get("p", 0.5))
+        if self.i >= len(self.drawn):
+            raise AssertionError(f"the forward draws more masks than the graph's {len(self.drawn)} random ops")
+        d = self.drawn[self.i]
+        self.i += 1
+        if tuple(x.shape) != tuple(d["shape"]):
+            raise AssertionError(f"random op {self.i - 1} of the forward has shape {tuple(x.shape)}, the graph's "
+                                 f"{d['node']} {tuple(d['shape'])}: the model draws in another order than its graph")
+        if d["stream"] == "shared":
+            return func(*args, **kwargs)
+        whole = torch.empty_like(x)
+        for c, gen in enumerate(self.gens):
+            coords, piece = self.mesh.coords(c), whole
+            for dim, axis in enumerate(d["dims"]):
+                if axis is not None:
+                    piece = piece.chunk(self.mesh.axis_size(axis), dim)[coords[axis]]
+            piece.copy_(torch.bernoulli(torch.empty_like(piece), p, generator=gen))
+        if func is torch.ops.aten.bernoulli_.float:
+            return x.copy_(whole)
+        return whole
+
+
+def tp_streams_reference(model, batches, loss_fn, optimizer, drawn: list, axes, seed: int = 0):
+    """One process training ``model`` as ``Strategy(tp=n)`` draws its dropout masks (dp=1, one stage, one
+    microbatch; docs/semantics.md, "Random numbers under tensor parallelism"). ``drawn``: the random ops of the
+    stage in graph order (the Plan's ``tensor_parallel`` section, ``stages[0]["random"]``), ``axes``: the tp mesh
+    axes (``[[name, size], ...]``). A mask on a whole tensor is drawn from torch's generator seeded ``seed`` (the
+    stream tp ranks share); a mask on a split tensor is the concatenation of the pieces tp rank ``c`` draws from
+    a generator seeded ``RANK_STREAM_OFFSET + seed + c``, each cut where the Plan's layout cuts it. Returns
+    (losses, state_dict), as :func:`reference_training`."""
+    mesh = Mesh(tuple((a, int(n)) for a, n in axes))
+    gens = [torch.Generator().manual_seed(RANK_STREAM_OFFSET + seed + c) for c in range(mesh.size)]
+    m = copy.deepcopy(model)
+    cls, kw = optimizer
+    opt = cls(m.parameters(), **kw)
+    losses = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for b in batches:
+            opt.zero_grad()
+            mode = _TpStreams(drawn, mesh, gens)
+            with mode:
+                loss = _loss(m, b, loss_fn)
+            if mode.i != len(drawn):
+                raise AssertionError(f"the forward drew {mode.i} mask(s), the graph {len(drawn)}")
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
     return losses, m.state_dict()
 
 

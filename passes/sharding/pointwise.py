@@ -89,6 +89,14 @@ def _like(info: OpInfo) -> list:
     return [info.cand({0: d}, d) for d in range(k) if info.out[d] > 1] + [info.cand({0: P}, R)]
 
 
+@rule(aten.bernoulli.p)
+def _bernoulli(info: OpInfo) -> list:
+    """Dropout's mask, ``bernoulli(x, p)``: ``x`` gives only the shape, so the mask may be drawn split like ``x``.
+    A split mask is drawn from each rank's own stream (``passes.tensor_parallel``, ``fxpar.rank_bernoulli``),
+    a whole one from the stream the tp ranks share."""
+    return elementwise(info)
+
+
 _NEW = [aten.new_ones.default, aten.new_zeros.default, aten.new_empty.default, aten.new_full.default]
 
 
