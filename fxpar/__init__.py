@@ -35,7 +35,7 @@ _EXPORTS = {
     "register_feature": ".feature",
 }
 # public submodules reached as attributes: fxpar.meta, fxpar.nn (layers: fxpar.nn.MoE, fxpar.nn.TiledLinear)
-_SUBMODULES = ("meta", "nn")
+_SUBMODULES = ("meta", "nn", "compress")
 
 __all__ = ["parallelize", "ClusterSpec", "DeviceSpec", "LinkSpec", "Strategy", "Plan", "Program", "RunResult",
            "RankRunner", "Mesh", "Pass", "PassResult", "PassContext", "PassManager", "graph_pass", "LocalCluster",

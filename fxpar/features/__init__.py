@@ -14,3 +14,4 @@ from . import grad_sync  # noqa: F401  the grad_sync option the gradient-sync me
 from . import herring, byteps, parallax      # noqa: F401  gradient-sync methods (Strategy(grad_sync=...))
 from . import bytescheduler  # noqa: F401  ByteScheduler and the delayed update on its carry
 from . import inplace_update  # noqa: F401  the traced update in place (Slot.OPTIMIZER)
+import fxpar.compress  # noqa: F401,E402  gradient-compression methods, one feature each (Strategy(grad_sync=C.TopK()))

@@ -1,7 +1,8 @@
 """Measure what a rank actually does at run time, to check cost-model predictions against.
 
-``CommCounter`` is a TorchDispatchMode that records every functional collective the graph runs
-(its kind and the bytes handed to it): the measured side of "bytes sent per rank per step".
+``CommCounter`` is a TorchDispatchMode that records every collective the rank runs (its kind and the bytes handed
+to it): the graphs' functional collectives and the ``torch.distributed`` calls made on the host while it counts
+(``c10d`` ops: a DDP comm hook's ``dist.all_reduce``) -- the measured side of "bytes sent per rank per step".
 
 ``MemoryTracker`` is the live tensor-storage measuring of :mod:`cost_models.tracker` (the bytes of every storage
 alive on the rank, and their peak: the measured side of "peak memory per rank",
@@ -27,6 +28,23 @@ _KINDS = {
 }
 
 
+# torch.distributed's own ops (``c10d::*``, what ``dist.all_reduce`` and friends dispatch): kind, and the position of
+# the tensor(s) handed to the collective among the op's arguments
+_C10D = {
+    "allreduce_": ("all_reduce", 0), "allreduce_coalesced_": ("all_reduce", 0), "broadcast_": ("broadcast", 0),
+    "allgather_": ("all_gather", 1), "_allgather_base_": ("all_gather", 1),
+    "allgather_into_tensor_coalesced_": ("all_gather", 1), "reduce_scatter_": ("reduce_scatter", 1),
+    "_reduce_scatter_base_": ("reduce_scatter", 1), "reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1),
+    "alltoall_base_": ("all_to_all", 1), "alltoall_": ("all_to_all", 1),
+}
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, (list, tuple)):
+        return sum(_nbytes(x) for x in t)
+    return t.numel() * t.element_size() if hasattr(t, "element_size") else 0
+
+
 class CommCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
@@ -41,6 +59,10 @@ class CommCounter(TorchDispatchMode):
                 t = args[0]
                 tensors = t if isinstance(t, (list, tuple)) else [t]
                 self.calls.append((kind, sum(x.numel() * x.element_size() for x in tensors)))
+        elif func.namespace == "c10d":
+            kind, at = _C10D.get(func._schema.name.split("::")[-1], (None, 0))
+            if kind is not None:
+                self.calls.append((kind, _nbytes(args[at])))
         return func(*args, **kwargs)
 
     @property

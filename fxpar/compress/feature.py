@@ -1,0 +1,299 @@
+"""Gradient compression as a Feature: one generic :class:`CompressFeature`, made and registered per method class
+(:func:`register_method`), its Plan section and its pass.
+
+``Strategy(dp=2, grad_sync=C.TopK(ratio=0.01))`` (or ``grad_sync="topk"``: the method's defaults) enables the
+feature registered for ``TopK``. It:
+
+* requires ``data_parallel``: it changes how data parallelism's gradient buckets are summed, nothing else;
+* conflicts with ``zero`` (its buckets are reduce-scattered into shards, not summed whole), ``herring``,
+  ``byteps`` and ``parallax`` (each sums the same buckets another way: hierarchically, through servers, as sparse
+  pairs beside an all-reduce), ``bytescheduler`` (it cuts, reorders and credits the buckets' all-reduces, which
+  are gone here) and ``tensor_parallel`` (the buckets would hold shards of tp-split weights, which a method's
+  per-bucket math and its sizes do not know about);
+* plans (:meth:`CompressFeature.plan`, then per stage once captured): the method's options, and per stage each
+  bucket's keys, sizes, dtype, the bytes plain all-reduce hands over, the bytes the method hands over
+  (``wire_bytes``) and the collectives its traced sum issues -- a :class:`CompressSection`, JSON round-trip; a
+  handed-back Plan's section rebuilds the method (its options win over the Strategy's);
+* places one pass in ``Slot.BUCKET_SUM`` (:class:`CompressedSum`): each bucket's ``all_reduce_`` and its
+  ``wait_tensor`` become one call of :func:`fxpar.compress.runtime.bucket_sum`, whose result the gradients' views
+  read where they read the all-reduced bucket;
+* keeps per rank a :class:`fxpar.compress.runtime.CompressState` (state, step counters, generator; checkpointed);
+* tells the cost models the wire bytes: the call carries ``fxpar_comm`` (its first collective's kind, the method's
+  ``wire_bytes``), so ``estimate()`` and ``Program.collectives()`` count it as a blocking collective of those
+  bytes; ``state_bytes`` is the methods' state;
+* explains each bucket: what is sent, how, and the bytes before and after.
+
+Why a call and not the traced sum inlined into the joint graph: a method picks its graph per step on the host
+(PowerSGD's ``start_iter``, Accordion's switch), makes host inputs each step (RandomK's draws), or runs as Python
+(a DDP comm hook); one inlined graph carries one variant and no host step. The call runs the method's traced graph
+(one per bucket and variant, its collectives bound to the rank's group), so the compress / collective / decompress
+chain is still compiled; it runs where the all-reduce was issued -- in ``REDUCE_GRAD`` under microbatches (once per
+step, after accumulation), in backward in the fused one-stage step -- synchronously: every rank calls its buckets'
+sums in the same order, so the collectives keep one order across ranks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fxpar import meta as M
+from fxpar.collectives import C10D
+from fxpar.errors import PassError, StrategyError
+from fxpar.feature import Feature, PlanSection, Slot, register_feature
+from fxpar.pass_manager import Pass, PassContext, PassResult
+
+from .method import BucketInfo, Method
+from .runtime import CompressInfo, CompressState, bucket_sum, generator_for, trace_sum
+
+__all__ = ["CompressFeature", "CompressSection", "CompressedSum", "register_method", "registered_methods",
+           "method_of", "CONFLICTS", "bucket_infos"]
+
+aten = torch.ops.aten
+
+# the features a compression method does not compose with (module docstring: why each)
+CONFLICTS = ("zero", "herring", "byteps", "parallax", "bytescheduler", "tensor_parallel")
+
+_METHODS: dict = {}      # method name -> Method class
+
+
+@dataclass
+class CompressSection(PlanSection):
+    """``method``: the method's options (``Method.to_dict()``: ``{"method": name, option: value}``); ``stages``:
+    per stage, per bucket ``{"keys", "numel", "dtype", "plain_bytes", "wire_bytes", "collectives"}`` (the bytes
+    plain all-reduce and the method hand to collectives per rank and step, the method's at its first step; its
+    traced sum's collectives ``[kind, bytes]`` in order, empty for an eager method), filled once captured."""
+    method: dict = field(default_factory=dict)
+    stages: list = field(default_factory=list)
+
+    def lines(self) -> list:
+        buckets = [b for st in self.stages for b in st]
+        plain = sum(b["plain_bytes"] for b in buckets)
+        wire = sum(b["wire_bytes"] for b in buckets)
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.method.items() if k != "method")
+        head = f"gradient buckets compressed by {self.method.get('method')!r} ({opts})"
+        if not buckets:
+            return [head]
+        return [f"{head}: {len(buckets)} bucket(s), {wire} bytes per rank and step on the wire instead of {plain} "
+                f"({wire / max(plain, 1):.3g}x)"]
+
+
+def bucket_infos(plan, stage: int, captured, dp_rank: int = -1) -> list:
+    """Stage ``stage``'s gradient buckets (``plan.section("data_parallel").buckets``) as :class:`BucketInfo`."""
+    buckets = plan.section("data_parallel").buckets[stage]
+    out = []
+    for i, keys in enumerate(buckets):
+        shapes = tuple(tuple(int(s) for s in captured.param_shapes[k]) for k in keys)
+        offsets, off = [], 0
+        for sh in shapes:
+            offsets.append(off)
+            off += int(torch.Size(sh).numel())
+        dtype = str(captured.param_dtypes[keys[0]]).replace("torch.", "")
+        out.append(BucketInfo(stage=stage, index=i, count=len(buckets), keys=tuple(keys), shapes=shapes,
+                              offsets=tuple(offsets), numel=off, dtype=dtype, dp=plan.dp, dp_rank=dp_rank))
+    return out
+
+
+def _traced_collectives(method: Method, b: BucketInfo, variant) -> list:
+    """``[[kind, bytes], ...]``: the collectives ``method``'s sum of ``b`` issues, from its graph traced here (as
+    dp rank 0; an eager method: none known before it runs)."""
+    if method.eager:
+        return []
+    b0 = BucketInfo(**{**b.__dict__, "dp_rank": 0})
+    gen = generator_for(method)
+    state = dict(method.init_state(b0, gen))
+    inputs = list(method.host_inputs(b0, 0, state, variant, gen))
+    flat = torch.zeros(b.numel, dtype=b.torch_dtype)
+    gm = trace_sum(method, b0, variant, flat, state, inputs, sorted(state))
+    out = []
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" \
+                and n.target is not C10D.wait_tensor.default:
+            kind = n.target._schema.name.split("::")[-1].rstrip("_")
+            kind = {"all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                    "all_to_all_single": "all_to_all"}.get(kind, kind)
+            v = n.args[0].meta["val"]
+            out.append([kind, int(v.numel() * v.element_size())])
+    return out
+
+
+class CompressedSum(Pass):
+    """Each data-parallel bucket's all-reduce, replaced by the method's sum.
+
+    Before (one bucket)::
+
+        empty = empty([n]); ... copy_(slot, grad) ...
+        all_reduce_ = all_reduce_(empty, 'sum', 'fxpar:dp')              # issued after the bucket's last gradient
+        ...
+        wait_tensor = wait_tensor(all_reduce_); view = view(slice(wait_tensor, 0, 0, k), [...])
+
+    After::
+
+        empty = empty([n]); ... copy_(slot, grad) ...
+        bucket_sum = fxpar.compress.runtime.bucket_sum(empty, 'topk', 0, 0)   # compress, collectives, decompress
+        ...
+        view = view(slice(bucket_sum, 0, 0, k), [...])
+    """
+    name = "compressed_sum"
+    requires = ("bucket",)
+
+    def __init__(self, feature: str):
+        self.feature = feature
+
+    def run(self, gm, ctx: PassContext) -> PassResult:
+        section = ctx.plan.section(self.feature)
+        g = gm.graph
+        ars = {M.get(n, M.BUCKET): n for n in g.nodes if n.op == "call_function"
+               and n.target is C10D.all_reduce_.default and M.get(n, M.BUCKET) is not None
+               and M.get(n, M.COMM).axis == "dp"}
+        planned = section.stages[ctx.stage] if ctx.stage < len(section.stages) else []
+        if sorted(ars) != list(range(len(planned))):
+            raise PassError(f"{self.name}: stage {ctx.stage} has dp buckets {sorted(ars)}, the Plan section "
+                            f"{self.feature!r} planned {len(planned)}: plan again (parallelize without plan=)")
+        ranks = ctx.plan.group_of("dp", ctx.rank)
+        for b, ar in sorted(ars.items()):
+            info = planned[b]
+            buf = ar.args[0]
+            val = buf.meta["val"]
+            if val.numel() != info["numel"]:
+                raise PassError(f"{self.name}: stage {ctx.stage} bucket {b} holds {val.numel()} values, the Plan "
+                                f"section {self.feature!r} {info['numel']}: plan again (parallelize without plan=)")
+            wait = next(u for u in ar.users if u.target is C10D.wait_tensor.default)
+            src = buf
+            div = next((u for u in wait.users if u.target is aten.div_.Tensor), None)
+            if div is not None:          # a backward without the 1/dp seed: the bucket is divided before it is summed
+                with g.inserting_before(ar):
+                    src = g.call_function(aten.div.Tensor, (buf, div.args[1]))
+                _stamp(src, ar, val)
+            with g.inserting_before(ar):
+                call = g.call_function(bucket_sum, (src, self.feature, ctx.stage, b))
+            _stamp(call, ar, val)
+            M.set_meta(call, M.BUCKET, b)
+            kind = info["collectives"][0][0] if info["collectives"] else "all_reduce"
+            M.set_meta(call, M.COMM, M.CommInfo(kind, "dp", tuple(ranks), int(info["wire_bytes"])))
+            out = div if div is not None else wait
+            out.replace_all_uses_with(call)
+            for dead in ([div] if div is not None else []) + [wait, ar]:
+                g.erase_node(dead)
+        g.lint()
+        ctx.notes.append(f"{self.name}: {len(ars)} bucket(s) summed by {section.method.get('method')!r} "
+                         "(compress, collectives, decompress) where their all-reduce was")
+        return PassResult(gm, bool(ars), {"buckets": len(ars)})
+
+
+def _stamp(node, like, val) -> None:
+    node.meta["val"] = val
+    for k in (M.PHASE.name, M.MODULE.name, M.REDUCE_GRAD.name):
+        if k in like.meta:
+            node.meta[k] = like.meta[k]
+
+
+class CompressFeature(Feature):
+    """The feature of one compression method class (``method_cls``); :func:`register_method` makes one per class."""
+    method_cls: type = Method
+    section = CompressSection
+    requires = ("data_parallel",)
+    conflicts_with = CONFLICTS
+    enabled_by = ("grad_sync",)
+    state = CompressState
+
+    def enabled(self, strategy) -> bool:
+        g = strategy.grad_sync
+        return isinstance(g, self.method_cls) or (isinstance(g, str) and g == self.name)
+
+    def method(self, strategy) -> Method:
+        g = strategy.grad_sync
+        return g if isinstance(g, self.method_cls) else self.method_cls()
+
+    def validate(self, strategy) -> None:
+        m = self.method(strategy)
+        if strategy.dp < 2:
+            raise StrategyError(f"Strategy(grad_sync={m!r}) compresses the gradient buckets summed over data-parallel "
+                                f"ranks: it needs dp >= 2 (dp={strategy.dp}); set dp or drop grad_sync")
+        m.check(strategy.dp)
+
+    def plan(self, strategy, plan, cluster):
+        return CompressSection(method=self.method(strategy).to_dict())
+
+    def adopt(self, section, strategy, plan, cluster):
+        m = method_of(section)             # a handed-back section: its options are the ones that run
+        m.check(plan.dp)
+        return section
+
+    def plan_stage(self, section, plan, stage, captured, cluster, schedule) -> None:
+        m = method_of(section)
+        rows = []
+        for b in bucket_infos(plan, stage, captured):
+            v = m.variant(b, 0, dict(m.init_state(b, generator_for(m))))
+            rows.append({"keys": list(b.keys), "numel": b.numel, "dtype": b.dtype,
+                         "plain_bytes": b.numel * b.element_size, "wire_bytes": int(m.wire_bytes(b, v)),
+                         "collectives": _traced_collectives(m, b, v)})
+        while len(section.stages) <= stage:
+            section.stages.append([])
+        section.stages[stage] = rows
+
+    def make_passes(self, section) -> list:
+        return [(Slot.BUCKET_SUM, CompressedSum(self.name))]
+
+    def _buckets(self, section, program, rank: int) -> list:
+        dp_ranks = program.plan.group_of("dp", rank)
+        me = list(dp_ranks).index(rank)
+        return [b for s in program.plan.rank_stages(rank)
+                for b in bucket_infos(program.plan, s, program.stages[s].captured, me)]
+
+    def rank_info(self, section, program, rank):
+        buckets = self._buckets(section, program, rank)
+        if not buckets:
+            return None
+        return CompressInfo(self.name, method_of(section), tuple(buckets), tuple(program.plan.group_of("dp", rank)))
+
+    def state_bytes(self, section, program, rank) -> int:
+        m = method_of(section)
+        gen = generator_for(m)
+        return sum(t.numel() * t.element_size() for b in self._buckets(section, program, rank)
+                   for t in m.init_state(b, gen).values())
+
+    def explain(self, section, program) -> list:
+        m = method_of(section)
+        lines = section.lines() + [f"method: {m.summary()}" + (f"; {m.paper}" if m.paper else "")]
+        for s in range(len(section.stages)):
+            for b, row in zip(bucket_infos(program.plan, s, program.stages[s].captured), section.stages[s]):
+                v = m.variant(b, 0, dict(m.init_state(b, generator_for(m))))
+                coll = ", ".join(f"{k} of {n} bytes" for k, n in row["collectives"]) or "collectives run eagerly"
+                lines.append(f"stage {s} bucket {b.index}: {b.numel} values ({b.dtype}), {row['plain_bytes']} bytes "
+                             f"all-reduced plainly -> wire_bytes={row['wire_bytes']} ({coll})")
+                lines += [f"  {x}" for x in m.describe(b, v)]
+        return lines
+
+
+def method_of(section: CompressSection) -> Method:
+    """The method a section's options describe."""
+    name = section.method.get("method")
+    cls = _METHODS.get(name)
+    if cls is None:
+        raise StrategyError(f"Plan section names compression method {name!r}, which no registered method carries "
+                            f"out (registered: {sorted(_METHODS)}); import the module that registers it")
+    return cls.from_dict(section.method)
+
+
+def register_method(cls):
+    """Register a :class:`Method` subclass (usable as a class decorator): makes and registers its
+    :class:`CompressFeature`, named ``cls.name``, enabled by ``Strategy(grad_sync=cls(...))`` or
+    ``grad_sync=cls.name`` (the method's defaults)."""
+    if not (isinstance(cls, type) and issubclass(cls, Method)):
+        raise TypeError(f"register_method({cls!r}): pass a subclass of fxpar.compress.Method")
+    if not cls.name or not cls.name.isidentifier():
+        raise StrategyError(f"compression method {cls.__name__}: set `name` to an identifier (the grad_sync "
+                            f"string and the feature's name); got {cls.name!r}")
+    doc = (cls.__doc__ or "").strip().split("\n")[0]
+    feat = type(f"Compress_{cls.__name__}", (CompressFeature,),
+                {"name": cls.name, "method_cls": cls, "doc": f"{doc} {cls.paper}".strip(),
+                 "__module__": cls.__module__, "__qualname__": f"Compress_{cls.__qualname__}"})
+    register_feature(feat)
+    _METHODS[cls.name] = cls
+    return cls
+
+
+def registered_methods() -> dict:
+    """Method name -> Method class, every registered compression method."""
+    return dict(_METHODS)

@@ -1,0 +1,196 @@
+"""The compression road (fxpar/compress): the Feature every method rides on, its Plan section, pass, rank runtime,
+checkpoints and bytes, shown with FP16 / BF16 against torch's DDP comm hooks, and TopK / RandomK's bytes."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar import compress as C
+from fxpar.compress.feature import bucket_infos
+from fxpar.testing import MLP
+from fxpar.testing.compress import ddp_hook_worker
+
+SGD = (torch.optim.SGD, {"lr": 0.1})
+
+
+def _model(layers=2):
+    torch.manual_seed(0)
+    return MLP(layers=layers).double()
+
+
+def _batches(n, batch=8):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 16, dtype=torch.float64, generator=g),
+             torch.randn(batch, 8, dtype=torch.float64, generator=g)) for _ in range(n)]
+
+
+def _program(model, batches, **strategy):
+    world = strategy.get("dp", 1) * strategy.get("pp", 1)
+    return fxpar.parallelize(model, fxpar.ClusterSpec.local(world), batches[0], loss_fn=F.mse_loss, optimizer=SGD,
+                             strategy=fxpar.Strategy(**strategy))
+
+
+# ---- against torch's own DDP comm hooks ------------------------------------------------------------------------
+@pytest.mark.numerics
+@pytest.mark.parametrize("method,hook", [(C.FP16(), "fp16_compress_hook"), (C.BF16(), "bf16_compress_hook")],
+                         ids=["fp16", "bf16"])
+def test_narrow_dtype_equals_ddp_with_torchs_hook(clusters, method, hook):
+    """The MLP in one DDP bucket, dp=2: fxpar's buckets cast, all-reduced and cast back as torch's hook does them."""
+    model, batches = _model(), _batches(4)
+    prog = _program(model, batches, dp=2, grad_sync=method)
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    ddp = clusters.get(2).run(ddp_hook_worker, [(model, batches, F.mse_loss, SGD, hook)] * 2)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ddp[0]["losses"]), rtol=1e-10, atol=1e-10)
+    state = res.state_dict()
+    for k, v in ddp[0]["state"].items():
+        torch.testing.assert_close(state[k], v, rtol=1e-10, atol=1e-10, msg=k)
+    # the narrow dtype changed the math: not plain data parallelism
+    plain = _program(model, batches, dp=2).run_local(batches, cluster=clusters.get(2)).state_dict()
+    assert max((state[k] - plain[k]).abs().max().item() for k in plain) > 1e-8
+
+
+# ---- bytes: measured == wire_bytes == the section == estimate == explain() ----------------------------------------
+@pytest.mark.numerics
+@pytest.mark.parametrize("method,kind", [(C.FP16(), "all_reduce"), (C.TopK(ratio=0.05), "all_gather"),
+                                         (C.RandomK(ratio=0.2, error_feedback=True), "all_gather")],
+                         ids=["fp16", "topk", "randomk"])
+def test_collectives_and_bytes_per_bucket(clusters, method, kind):
+    model, batches = _model(layers=3), _batches(2)
+    prog = _program(model, batches, dp=2, bucket_cap_mb=0.004, grad_sync=method)
+    sec = prog.plan.section(method.name)
+    rows = sec.stages[0]
+    assert len(rows) >= 2                                          # several buckets, one call each
+    infos = bucket_infos(prog.plan, 0, prog.stages[0].captured)
+    wire = [method.wire_bytes(b, None) for b in infos]
+    assert [r["wire_bytes"] for r in rows] == wire
+    assert [r["collectives"] for r in rows] == [[[kind, w]] for w in wire]     # one collective per bucket, traced
+    assert [(c.kind, c.nbytes) for c in prog.collectives(0)] == [(kind, w) for w in wire]
+    text = prog.explain()
+    assert [int(x) for x in re.findall(r"wire_bytes=(\d+)", text)] == wire
+    assert prog.estimate().ranks[0].comm_bytes == pytest.approx(sum(wire))
+    res = prog.run_local(batches, cluster=clusters.get(2), measure_comm=True)
+    for r in range(2):                         # measured on each rank, each step: the bucket sums' collectives alone
+        assert res.comm_calls[r] == [[(kind, w) for w in wire]] * len(batches)
+
+
+@pytest.mark.structure
+def test_wire_bytes_formulas():
+    model, batches = _model(), _batches(1)
+    prog = _program(model, batches, dp=2, grad_sync="topk")
+    (b,) = bucket_infos(prog.plan, 0, prog.stages[0].captured)
+    assert b.numel == sum(p.numel() for p in model.parameters()) and b.dtype == "float64"
+    k = max(1, round(0.01 * b.numel))
+    assert C.TopK().wire_bytes(b, None) == k * (4 + 8)            # int32 index + float64 value per pair
+    assert C.RandomK(ratio=1.0).wire_bytes(b, None) == b.numel * 12
+    assert C.FP16().wire_bytes(b, None) == C.BF16().wire_bytes(b, None) == 2 * b.numel
+
+
+# ---- the Strategy, the Plan section, explain(), estimate ------------------------------------------------------------
+@pytest.mark.structure
+def test_strategy_prints_and_plan_round_trips():
+    s = fxpar.Strategy(dp=2, grad_sync=C.TopK(ratio=0.1))
+    assert str(s) == "Strategy(dp=2, tp=1, pp=1, grad_sync=TopK(ratio=0.1, error_feedback=True))"
+    assert repr(s) == "Strategy(dp=2, grad_sync=TopK(ratio=0.1, error_feedback=True))"
+    assert s == fxpar.Strategy(dp=2, grad_sync=C.TopK(ratio=0.1)) != fxpar.Strategy(dp=2, grad_sync="topk")
+    model, batches = _model(), _batches(1)
+    prog = _program(model, batches, dp=2, grad_sync=C.TopK(ratio=0.1))
+    sec = prog.plan.section("topk")
+    assert sec.method == {"method": "topk", "ratio": 0.1, "error_feedback": True}
+    assert "topk: gradient buckets compressed by 'topk' (ratio=0.1, error_feedback=True)" in str(prog.plan)
+    plan = fxpar.Plan.from_json(prog.plan.to_json())
+    assert plan == prog.plan and isinstance(plan.section("topk"), C.CompressSection)
+    # a handed-back Plan's section is the method that runs: its options win over the Strategy's
+    plan.section("topk").method["ratio"] = 0.5
+    again = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=F.mse_loss, optimizer=SGD,
+                              strategy=fxpar.Strategy(dp=2, grad_sync=C.TopK(ratio=0.1)), plan=plan)
+    n = sec.stages[0][0]["numel"]
+    assert again.plan.section("topk").stages[0][0]["wire_bytes"] == round(0.5 * n) * 12
+    # a string is the method's defaults
+    assert _program(model, batches, dp=2, grad_sync="topk").plan.section("topk").method["ratio"] == 0.01
+
+
+@pytest.mark.structure
+def test_explain_and_state_bytes():
+    model, batches = _model(), _batches(1)
+    prog = _program(model, batches, dp=2, grad_sync=C.TopK(ratio=0.1))
+    text = prog.explain()
+    assert "Aji & Heafield, EMNLP 2017" in text and "int32 index + float64 value pairs, one all-gather" in text
+    numel = sum(p.numel() for p in model.parameters())
+    assert prog.estimate().ranks[0].memory_breakdown["feature topk"] == 8 * numel       # the float64 residuals
+    no_ef = _program(model, batches, dp=2, grad_sync=C.TopK(ratio=0.1, error_feedback=False))
+    assert "feature topk" not in no_ef.estimate().ranks[0].memory_breakdown
+    graph = prog.graphs(0)
+    code = next(iter(graph.values())).code
+    assert "bucket_sum" in code and "all_reduce_" not in code
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------------------
+@pytest.mark.numerics
+@pytest.mark.parametrize("method", [C.TopK(ratio=0.1), C.RandomK(ratio=0.3, error_feedback=True)],
+                         ids=["topk", "randomk"])
+def test_checkpoint_resumes_bitwise(clusters, tmp_path, method):
+    """3 steps, save, a fresh program loads and trains 3 more == 6 steps straight, bitwise: the residuals, the step
+    counters and the generator are in the checkpoint."""
+    model, batches = _model(), _batches(6)
+    straight = _program(model, batches, dp=2, grad_sync=method).run_local(batches, cluster=clusters.get(2))
+    _program(model, batches, dp=2, grad_sync=method).run_local(batches[:3], cluster=clusters.get(2),
+                                                               save_to=tmp_path / "ck")
+    resumed = _program(model, batches, dp=2, grad_sync=method).run_local(batches[3:], cluster=clusters.get(2),
+                                                                         resume_from=tmp_path / "ck")
+    assert resumed.losses == straight.losses[3:]
+    for k, v in straight.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+    # without the method's state the rest of the run is another one: the checkpoint's state matters
+    restart = _program(model, batches, dp=2, grad_sync=method).run_local(batches[3:], cluster=clusters.get(2))
+    assert restart.losses != straight.losses[3:]
+
+
+# ---- bad input ------------------------------------------------------------------------------------------------------
+@pytest.mark.structure
+@pytest.mark.parametrize("cls", [C.TopK, C.RandomK])
+@pytest.mark.parametrize("ratio", [0, 1.5, -0.1, True])
+def test_ratio_outside_0_1_is_refused(cls, ratio):
+    with pytest.raises(fxpar.StrategyError, match=rf"{cls.__name__}\(ratio={ratio!r}\).*\(0, 1\]"):
+        fxpar.Strategy(dp=2, grad_sync=cls(ratio=ratio))
+
+
+@pytest.mark.structure
+def test_conflicts_name_both_features():
+    with pytest.raises(fxpar.StrategyError, match=r"feature 'topk' \(grad_sync=TopK.*conflicts with feature 'zero' "
+                                                  r"\(zero=1"):
+        fxpar.Strategy(dp=2, zero=1, grad_sync=C.TopK())
+    with pytest.raises(fxpar.StrategyError, match=r"feature 'fp16' \(grad_sync='fp16'\) conflicts with feature "
+                                                  r"'tensor_parallel'"):
+        fxpar.Strategy(dp=2, tp=2, grad_sync="fp16")
+
+
+@pytest.mark.structure
+def test_dp_1_and_unknown_methods_are_refused():
+    with pytest.raises(fxpar.StrategyError, match=r"grad_sync=TopK.*needs dp >= 2 \(dp=1\)"):
+        fxpar.Strategy(dp=1, grad_sync=C.TopK())
+
+    class Unregistered(C.Method):
+        name = "unregistered"
+    with pytest.raises(fxpar.StrategyError, match=r"grad_sync=.*'topk'"):
+        fxpar.Strategy(dp=2, grad_sync=Unregistered())
+    with pytest.raises(fxpar.StrategyError, match=r"unknown option\(s\) \['rank'\]"):
+        C.TopK.from_dict({"method": "topk", "rank": 2})
+    with pytest.raises(TypeError, match="subclass of fxpar.compress.Method"):
+        C.register_method(int)
+
+
+@pytest.mark.structure
+def test_the_sum_runs_where_the_all_reduce_was_issued():
+    """Fused one-stage step: in backward's place in the one graph. Microbatches: in REDUCE_GRAD (once per step,
+    after accumulation), the step reading its result."""
+    model, batches = _model(), _batches(1)
+    call = "fxpar_compress_runtime_bucket_sum("
+    whole = _program(model, batches, dp=2, grad_sync="topk").graphs(0)
+    assert len(whole) == 1 and next(iter(whole.values())).code.count(call) == 1
+    split = _program(model, batches, dp=2, microbatches=2, grad_sync="topk").graphs(0)
+    assert [k for k, g in split.items() if call in g.code] == ["stage0.REDUCE_GRAD"]
+    assert split["stage0.REDUCE_GRAD"].code.count(call) == 1
