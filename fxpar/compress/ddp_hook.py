@@ -16,6 +16,8 @@ of one).
 """
 from __future__ import annotations
 
+import base64
+import pickle
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
@@ -23,6 +25,7 @@ from typing import Any, Callable, ClassVar
 import torch
 from torch.distributed import distributed_c10d as c10d
 
+from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.errors import StrategyError
 
@@ -84,6 +87,7 @@ def _rebuild_state(cls, fields):
     return obj
 
 
+@register_method
 @dataclass(frozen=True, eq=False)
 class DDPHook(Method):
     """Run ``hook(state, bucket)`` on each gradient bucket, as ``DistributedDataParallel`` with
@@ -122,8 +126,18 @@ class DDPHook(Method):
             raise StrategyError(f"DDPHook(timeout_s={self.timeout_s!r}): must be > 0 seconds")
 
     def to_dict(self) -> dict:
+        """The hook's and state's names for reading, and the method itself pickled (``"pickle"``, base64), so a Plan
+        in JSON carries the hook and its state (without its process group) to :meth:`from_dict`."""
         return {"method": self.name, "hook": hook_name(self.hook), "state": type(self.state).__name__,
-                "timeout_s": self.timeout_s}
+                "timeout_s": self.timeout_s, "pickle": base64.b64encode(pickle.dumps(self)).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DDPHook":
+        if "pickle" not in data:
+            raise StrategyError("DDPHook: a Plan section of a DDP comm hook needs its \"pickle\" entry (the hook and "
+                                "its state, as DDPHook.to_dict() writes them); plan again with "
+                                "Strategy(grad_sync=DDPHook(hook, state))")
+        return pickle.loads(base64.b64decode(data["pickle"]))
 
     def summary(self) -> str:
         return f"DDPHook({hook_name(self.hook)}, state={type(self.state).__name__}, timeout_s={self.timeout_s})"
@@ -132,7 +146,9 @@ class DDPHook(Method):
     def bind(self, comm: Comm):
         """The state the hook receives on this rank: ``None`` becomes the dp process group; a state whose
         ``process_group`` is ``None`` gets the dp group."""
-        group = c10d._resolve_process_group(comm.group)
+        group = getattr(comm, "pg", None)
+        if group is None:
+            group = c10d._resolve_process_group(comm.group) if comm.size > 1 else c10d._get_default_group()
         if self.state is None:
             return group
         if _has_group(self.state) and getattr(self.state, "process_group", None) is None:

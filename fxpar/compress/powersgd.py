@@ -7,7 +7,9 @@ run equals DDP with that hook and the same ``PowerSGDState`` to the last bits:
 
 - each gradient ``G`` of the bucket is viewed as ``n x m`` (``n = G.shape[0]``) and compressed at rank
   ``r' = min(n, m, rank)`` when ``(n + m) r' * min_compression_rate < n m`` (torch's ``_should_compress``); the
-  others are all-reduced whole, in one flat buffer, and divided by the world size;
+  others are all-reduced whole, in one flat buffer, and divided by the world size. The compressed ones are taken
+  grouped by matrix shape, as the hook takes them (:func:`compress_order`): that order places P and Q in their
+  buffers and draws the initial Qs;
 - with error feedback, ``M = G_local + e`` (``e``: this rank's residual of the previous compressed step, in the
   hook's units: DDP hands the hook un-divided local gradients);
 - Algorithm 1: ``Q <- orth(Q)``; ``P = M Q``; all-reduce P (a sum); ``P <- orth(P)``; ``Q = M^T P``; all-reduce Q
@@ -31,10 +33,11 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.errors import StrategyError
 
-__all__ = ["PowerSGD", "TensorPlan", "bucket_layout", "power_step", "orthogonalize", "rng_state_tensor",
+__all__ = ["PowerSGD", "TensorPlan", "bucket_layout", "compress_order", "power_step", "orthogonalize", "rng_state_tensor",
            "draw_seed"]
 
 _SEED_BOUND = 1_000_000_000      # torch's ``state.rng.randint(1_000_000_000)``
@@ -136,11 +139,23 @@ def draw_seed(rng: torch.Tensor, index: int, count: int) -> tuple:
     return seeds[index], _pack(rs.get_state())
 
 
+def compress_order(layout: tuple) -> list:
+    """The compressed gradients in the order torch's hook takes them: grouped by matrix shape ``(n, m)``, the groups
+    in the order their first member appears in the bucket (its ``shape_to_tensors`` dict). P and Q lie in this
+    order in their flat buffers, and the initial Qs are drawn in it."""
+    groups: dict = {}
+    for t in layout:
+        if t.compressed:
+            groups.setdefault((t.rows, t.cols), []).append(t)
+    return [t for g in groups.values() for t in g]
+
+
 def random_q(layout: tuple, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """The initial Qs of one bucket, flat: ``torch.randn(1, m, r)`` per compressed gradient, in order, after
-    ``torch.manual_seed(seed)`` (a generator of its own seeded alike gives the same numbers)."""
+    """The initial Qs of one bucket, flat: ``torch.randn(1, m, r)`` per compressed gradient in
+    :func:`compress_order`, after ``torch.manual_seed(seed)`` (a generator of its own seeded alike gives the same
+    numbers)."""
     g = torch.Generator().manual_seed(seed)
-    parts = [torch.randn((1, t.cols, t.rank), generator=g, dtype=dtype).reshape(-1) for t in layout if t.compressed]
+    parts = [torch.randn((1, t.cols, t.rank), generator=g, dtype=dtype).reshape(-1) for t in compress_order(layout)]
     return torch.cat(parts) if parts else torch.zeros(0, dtype=dtype)
 
 
@@ -161,7 +176,7 @@ def power_step(x: torch.Tensor, q_in: torch.Tensor, layout: tuple, comm: Comm, e
     ``(estimate of the mean over ranks, Q after the step)`` (Vogels et al. 2019, Algorithm 1; torch's
     ``powerSGD_hook`` steps I-III). ``q_in``: the Qs to start from, flat, before orthogonalisation."""
     world = comm.size
-    comp = [t for t in layout if t.compressed]
+    comp = compress_order(layout)
     mats, qs, ps = [], [], []
     qo = 0
     for t in comp:
@@ -187,16 +202,18 @@ def power_step(x: torch.Tensor, q_in: torch.Tensor, layout: tuple, comm: Comm, e
         q_all = comm.all_reduce(torch.cat([q.reshape(-1) for q in qs])) / world
     else:
         q_all = q_in
-    # the estimate, in the buffer's order
-    pieces, wo, qo, ci, at = [], 0, 0, 0, 0
+    # the estimates P Q^T, then the buffer in its own order
+    approx, qo = {}, 0
+    for t, p in zip(comp, ps):
+        q = q_all[qo:qo + t.cols * t.rank].view(1, t.cols, t.rank)
+        qo += t.cols * t.rank
+        approx[t.offset] = torch.bmm(p, q.transpose(1, 2)).reshape(-1)
+    pieces, wo, at = [], 0, 0
     for t in layout:
         if t.offset > at:                        # padding between gradients: kept as it is
             pieces.append(x[at:t.offset])
         if t.compressed:
-            q = q_all[qo:qo + t.cols * t.rank].view(1, t.cols, t.rank)
-            qo += t.cols * t.rank
-            pieces.append(torch.bmm(ps[ci], q.transpose(1, 2)).reshape(-1))
-            ci += 1
+            pieces.append(approx[t.offset])
         else:
             pieces.append(whole_sum[wo:wo + t.numel])
             wo += t.numel
@@ -206,6 +223,7 @@ def power_step(x: torch.Tensor, q_in: torch.Tensor, layout: tuple, comm: Comm, e
     return torch.cat(pieces), q_all
 
 
+@register_method
 @dataclass(frozen=True)
 class PowerSGD(Method):
     """PowerSGD (Vogels, Karimireddy & Jaggi, NeurIPS 2019) on each gradient bucket, exactly as torch's
