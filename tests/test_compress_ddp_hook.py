@@ -263,3 +263,90 @@ def test_hook_bucket_answers_as_grad_bucket():
     new = buf.float()
     hb.set_buffer(new)
     assert hb.buffer() is new and hb.gradients()[1].dtype == torch.float32
+
+
+# ---- end to end: fxpar.parallelize(...).run_local with DDPHook against DDP with the hook ------------------------------
+SGD = (torch.optim.SGD, {"lr": 0.1})
+
+
+def bf16_hook(state, bucket):
+    """torch's bf16_compress_hook by another name: DDP refuses that hook by its name off CUDA + NCCL."""
+    return dh.bf16_compress_hook(state, bucket)
+
+
+E2E_HOOKS = {"allreduce": (dh.allreduce_hook, None), "fp16": (dh.fp16_compress_hook, None),
+             "bf16": (bf16_hook, None),
+             "powerSGD": (psgd.powerSGD_hook, dict(matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                                   min_compression_rate=1.0, random_seed=5))}
+
+
+def ddp_run(model, batches, loss_fn, hook, state_opts):
+    """On a rank: torch's DDP (one bucket) with ``hook``; losses gathered after training, rank 0's state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = DDP(copy.deepcopy(model), bucket_cap_mb=25.0)
+    m.register_comm_hook(None if state_opts is None else psgd.PowerSGDState(None, **state_opts), hook)
+    opt = SGD[0](m.parameters(), **SGD[1])
+    local = []
+    for b in batches:
+        n = b[0].shape[0] // world
+        x, y = (t[rank * n:(rank + 1) * n] for t in b)
+        opt.zero_grad()
+        loss = loss_fn(m(x), y)
+        loss.backward()
+        opt.step()
+        local.append(loss.item())
+    t = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(t)
+    return {"losses": (t / world).tolist(), "state": m.module.state_dict() if rank == 0 else None}
+
+
+def _data(kind):
+    from fxpar.testing import gpt_loss, regression_batches, tiny_gpt, token_batches
+    if kind == "gpt":
+        return tiny_gpt(), token_batches(5), gpt_loss
+    torch.manual_seed(0)
+    return MLP().double(), regression_batches(5), F.mse_loss
+
+
+@NUMERICS
+@pytest.mark.parametrize("name, kind", [(n, "mlp") for n in E2E_HOOKS] + [("bf16", "gpt"), ("powerSGD", "gpt")])
+def test_run_local_equals_ddp_with_the_hook(clusters, name, kind):
+    import fxpar
+    from fxpar import compress as C
+    hook, opts = E2E_HOOKS[name]
+    model, batches, loss_fn = _data(kind)
+    state = None if opts is None else psgd.PowerSGDState(None, **opts)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(hook, state)))
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    ddp = clusters.get(2).run(ddp_run, [(model, batches, loss_fn, hook, opts)] * 2)
+    assert max(abs(a - b) for a, b in zip(res.losses, ddp[0]["losses"])) <= 1e-10
+    got = res.state_dict()
+    assert max(float((got[k] - v).abs().max()) for k, v in ddp[0]["state"].items()) <= 1e-10
+
+
+@NUMERICS
+def test_measured_bytes_and_explain(clusters):
+    """A hook's bytes are not known before it runs: the plan counts the bucket's plain all-reduce, explain() says
+    so, and a measured run reports what the hook handed over (fp16: half the bucket)."""
+    import fxpar
+    from fxpar import compress as C
+    model, batches, loss_fn = _data("mlp")
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(dh.fp16_compress_hook)))
+    numel = sum(p.numel() for p in model.parameters())
+    assert f"wire_bytes={numel * 8}" in prog.explain() and "measured" in prog.explain()
+    res = prog.run_local(batches[:2], cluster=clusters.get(2), measure_comm=True)
+    for r in range(2):
+        assert res.comm_calls[r] == [[("all_reduce", numel * 2)]] * 2
+
+
+@NUMERICS
+def test_run_local_stops_on_a_future_that_never_completes(clusters):
+    import fxpar
+    from fxpar import compress as C
+    model, batches, loss_fn = _data("mlp")
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(never_completes, timeout_s=0.5)))
+    with pytest.raises(fxpar.RankFailedError, match=r"never_completes.*did not complete in 0.5 s"):
+        prog.run_local(batches[:1], cluster=clusters.get(2))

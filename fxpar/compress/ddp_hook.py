@@ -194,12 +194,14 @@ class DDPHook(Method):
         return out, dict(state)
 
     def wire_bytes(self, bucket: BucketInfo, variant) -> int:
-        """Unknown for a user's hook: the bytes are those measured."""
-        return -1
+        """A hook's bytes are not known before it runs: the plan counts the bucket's plain all-reduce; a run with
+        ``measure_comm=True`` reports what the hook handed over."""
+        return bucket.numel * bucket.element_size
 
     def describe(self, bucket: BucketInfo, variant) -> list:
-        return [f"bucket {bucket.index}: DDP comm hook {hook_name(self.hook)} "
-                f"(state {type(self.state).__name__}); its bytes are unknown ahead: explain() reports those measured"]
+        return [f"DDP comm hook {hook_name(self.hook)} (state {type(self.state).__name__}) sums the bucket; its bytes "
+                "are not known before it runs: wire_bytes counts a plain all-reduce of the bucket, "
+                "run_local(measure_comm=True) reports those measured"]
 
 
 def _has_group(state) -> bool:
