@@ -49,8 +49,8 @@ def main():
     batches = [(torch.randint(0, 2048, (args.batch, args.seq)), torch.randint(0, 2048, (args.batch, args.seq)))
                for _ in range(args.steps + 3)]
     program = fxpar.parallelize(model, cluster, batches[0], loss_fn=gpt_loss, optimizer=(torch.optim.AdamW, {"lr": 1e-3}),
-                                strategy=fxpar.Strategy(dp=w // args.tp, tp=args.tp, sharding=args.sharding,
-                                                        bucket_cap_mb=args.bucket_mb))
+                                strategy=fxpar.Strategy(dp=w // args.tp, tp=args.tp, bucket_cap_mb=args.bucket_mb,
+                                                        **(dict(sharding=args.sharding) if args.tp > 1 else {})))
     print(f"strategy: {program.strategy}")
     est = program.estimate()
     with fxpar.LocalCluster(w) as lc:

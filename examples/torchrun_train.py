@@ -40,7 +40,8 @@ def main():
     if k:
         strategy = fxpar.Strategy(dp=workers, grad_sync="byteps")
     else:
-        strategy = fxpar.Strategy(dp=workers // args.tp, tp=args.tp, sharding="megatron")
+        split = dict(sharding="megatron") if args.tp > 1 else {}
+        strategy = fxpar.Strategy(dp=workers // args.tp, tp=args.tp, **split)
     program = fxpar.parallelize(model, fxpar.ClusterSpec.local(workers, cpu_servers=k), batches[0], loss_fn=gpt_loss,
                                 optimizer=(torch.optim.AdamW, {"lr": 1e-2}), strategy=strategy)
     with program.runner() as runner:       # leaving the block waits for every rank, then leaves the group

@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from .batch_semantics import batch_notes
 from .capture import capture_training_step
 from .cluster import ClusterSpec
 from ._tracing import BatchLayout
@@ -97,6 +98,8 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
                     for st in split.stages]
     t1 = time.perf_counter()
     _without_gradient(plan, captured, model)
+    plan.notes += batch_notes(captured, plan, {k: type(v).__name__ for k, v in model.named_modules()},
+                              type(model).__name__)
     _check_parameters_fit(captured, cluster, model)
     for name, section in plan.features.items():       # the features' decisions that need each stage's graph (buckets)
         for s, cap in enumerate(captured):

@@ -31,7 +31,9 @@ the module whose activations or parameters they read.
 """
 from __future__ import annotations
 
+import random
 import time
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -45,6 +47,11 @@ from ._tracing import ModuleTracker, call_model, capture_context, clean_name, ex
 from .errors import CaptureError, StrategyError
 from .optim import OptimizerSpec
 from .roles import Role
+
+try:
+    import numpy as np
+except ImportError:                     # numpy is optional: only its random state is compared
+    np = None
 
 __all__ = ["StepSignature", "CapturedStep", "ForwardTrace", "capture_training_step", "trace_forward"]
 
@@ -193,14 +200,37 @@ def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
     return ForwardTrace(gm, roles, pnames, bnames, aliases, types)
 
 
+def _python_random_state() -> tuple:
+    """Python's and numpy's global random states (numpy's None where it is not installed)."""
+    return random.getstate(), (None if np is None else np.random.get_state())
+
+
+def _python_random_used(before: tuple, after: tuple) -> list:
+    """Which of Python's ``random`` and ``numpy.random`` drew numbers between two states."""
+    used = ["random"] if before[0] != after[0] else []
+    if before[1] is not None and not all(np.array_equal(a, b) for a, b in zip(before[1], after[1])):
+        used.append("numpy.random")
+    return used
+
+
 def _trace(fn, flat, mod_name, tracker):
+    state = _python_random_state()
     try:
         with fx_traceback.preserve_node_meta(), tracker, capture_context():
-            return make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake")(*flat)
+            gm = make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake")(*flat)
     except CaptureError:
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the user's module named
         raise explain_trace_error(e, mod_name, tracker) from e
+    used = _python_random_used(state, _python_random_state())
+    if used:
+        warnings.warn(
+            f"{mod_name}'s training step drew from {' and '.join(used)} while fxpar captured it: Python-level "
+            "randomness runs once, at capture, so whatever it decided (a branch taken, a layer skipped, a scale "
+            "drawn) is fixed into the graph and replayed at every step. Use torch's random ops instead "
+            "(torch.rand / torch.bernoulli / torch.where on a torch.rand draw), which are drawn afresh every step; "
+            "docs/semantics.md 'Python-level randomness'.", UserWarning, stacklevel=4)
+    return gm
 
 
 class _StageRunner(torch.fx.Interpreter):

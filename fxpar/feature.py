@@ -248,6 +248,17 @@ class Feature:
     def validate(self, strategy) -> None:
         """Refuse option values this feature cannot carry out (raise :class:`fxpar.StrategyError` naming them)."""
 
+    def check_off(self, strategy) -> None:
+        """``strategy`` leaves this feature off: refuse its options set off their defaults, which nothing would
+        carry out. Default: a :class:`fxpar.StrategyError` naming them and what turns the feature on."""
+        given = [f"{k}={strategy.option(k)!r}" for k, o in self.options.items() if strategy.option(k) != o.default]
+        if given:
+            on = (f"{', '.join(self.enabled_by)} turns it on" if self.enabled_by
+                  else f"it is on with any of {', '.join(self.options)} off its default")
+            raise StrategyError(f"Strategy({', '.join(given)}): option(s) of feature {self.name!r}, which this "
+                                f"Strategy leaves off ({on}), so nothing would use them; turn the feature on or "
+                                "drop them")
+
     def mesh_axes(self, strategy, given) -> list:
         """The mesh axes this feature adds after ``pp`` and ``dp`` (``[[name, size], ...]``, fastest last), from
         ``strategy`` or, where a Plan is handed back, from its section ``given`` (else None). Asked when the Plan
@@ -481,10 +492,14 @@ def settle_strategy(strategy) -> None:
 
 def check_strategy(strategy) -> list:
     """Validate every enabled feature's options and the declared ``requires`` / ``conflicts_with`` between them,
-    and that a shared option off its default is carried out by an enabled feature; returns the enabled features.
+    that a shared option off its default is carried out by an enabled feature, and that no feature left off has
+    options given (:meth:`Feature.check_off`); returns the enabled features.
     Errors name both features and the options that enabled them."""
     on = enabled_features(strategy)
     names = {f.name for f in on}
+    for f in registered_features():
+        if f.name not in names:
+            f.check_off(strategy)
 
     def why(f) -> str:
         set_ = [f"{k}={strategy.option(k)!r}" for k, o in f.options.items() if strategy.option(k) != o.default]

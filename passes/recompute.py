@@ -5,9 +5,13 @@ A *policy* decides, per forward node, ``"save"`` or ``"recompute"`` (decisions a
 JAX's ``checkpoint_policies``); the feature ``fxpar.features.recompute`` records the decision per stage in
 the Plan's ``recompute`` section; this pass carries it out. For each forward value marked ``recompute``
 that a backward node reads, the forward chain that makes it is copied into the backward phase just before
-its first backward use, up to values that are kept: ``save``-marked nodes, placeholders and random ops
+its first backward use, up to values that are kept: ``save``-marked nodes, placeholders, random ops
 (``bernoulli``, ``rand*``, ``native_dropout``, ``empty``: never recomputed, so a dropout mask is the
-forward's own and the math is unchanged bit for bit). The copies are tagged ``fxpar_phase="backward"``,
+forward's own and the math is unchanged bit for bit) and ops that write an input (:func:`writes_input`:
+BatchNorm in training mode updates its running statistics; run twice, it would update them twice). A
+training BatchNorm's output is still recomputed, from the batch statistics its forward saved
+(``x * (invstd * weight) + (bias - mean * invstd * weight)``, as torch's CPU kernel computes it): the
+recomputed values are the forward's, and the running statistics are written once. The copies are tagged ``fxpar_phase="backward"``,
 keep ``fxpar_module`` and record ``fxpar_recompute_of`` (the forward node they copy); backward's uses point
 at them. ``split_graphs`` then saves, per microbatch, only what backward still reads from the forward.
 
@@ -41,13 +45,14 @@ from math import comb
 
 import torch
 import torch.fx
+from torch._guards import detect_fake_mode
 
 from fxpar import meta as M
 from fxpar.errors import PassError
 from fxpar.pass_manager import Pass, PassContext, PassResult
 from fxpar.roles import Role
 
-__all__ = ["Recompute", "SAVE", "RECOMPUTE", "POLICIES", "is_random", "decide", "demands", "saved_bytes",
+__all__ = ["Recompute", "SAVE", "RECOMPUTE", "POLICIES", "is_random", "writes_input", "decide", "demands", "saved_bytes",
            "auto_decide", "revolve_forward_steps", "policy_full", "policy_selective", "policy_none"]
 
 SAVE, RECOMPUTE = "save", "recompute"
@@ -55,6 +60,13 @@ aten = torch.ops.aten
 _MATMULS = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.linear, aten.matmul}
 _UNINITIALISED = {aten.empty, aten.empty_like, aten.empty_strided, aten.new_empty, aten.new_empty_strided}
 _STORAGE_ALIASES = {aten._unsafe_view.default, aten._reshape_alias.default}
+# BatchNorm ops that update running statistics in place when ``training`` (argument 5) is true, though their
+# schema does not mark the write
+_BATCH_NORM_UNMARKED = {aten.native_batch_norm, aten.cudnn_batch_norm, aten.miopen_batch_norm, aten.batch_norm}
+# BatchNorm ops returning (output, batch mean, batch invstd, ...) in training mode: output recomputable from the
+# saved statistics; op -> index of its ``training`` argument (None: always training)
+_BATCH_NORM_STATS = {aten.native_batch_norm.default: 5, aten._native_batch_norm_legit.default: 5,
+                     aten._batch_norm_with_update.default: None}
 
 
 # ---- what a node is ------------------------------------------------------------------------------------------
@@ -70,6 +82,55 @@ def is_random(node: torch.fx.Node) -> bool:
     if _packet(node) in _UNINITIALISED:
         return True
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ()) and _dropout_p(node) != 0.0
+
+
+def writes_input(node: torch.fx.Node) -> bool:
+    """A node that writes one of its inputs in place -- BatchNorm in training mode updating its running
+    statistics (``native_batch_norm``, ``_native_batch_norm_legit``, ``_batch_norm_with_update``). Recomputing
+    it would write them again, so it is never recomputed."""
+    if node.op != "call_function":
+        return False
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and schema.is_mutable:
+        return True
+    if _packet(node) in _BATCH_NORM_UNMARKED:
+        running_mean = node.args[3] if len(node.args) > 3 else node.kwargs.get("running_mean")
+        training = node.args[5] if len(node.args) > 5 else node.kwargs.get("training", False)
+        return bool(training) and running_mean is not None
+    return False
+
+
+def _kept(node) -> bool:
+    """A forward node never recomputed: a random op or one that writes an input."""
+    return is_random(node) or writes_input(node)
+
+
+def _batch_norm_parts(node):
+    """For ``getitem(bn, 0)`` of a training BatchNorm whose batch mean and invstd the forward reads out
+    (``getitem(bn, 1)``, ``getitem(bn, 2)``): ``(bn, input, weight, bias, mean, invstd)``, from which the output
+    is recomputed without running the BatchNorm again. None for any other node."""
+    if node.op != "call_function" or node.target is not operator.getitem or node.args[1] != 0:
+        return None
+    bn = node.args[0]
+    if not isinstance(bn, torch.fx.Node) or bn.op != "call_function" or bn.target not in _BATCH_NORM_STATS:
+        return None
+    at = _BATCH_NORM_STATS[bn.target]
+    if at is not None and not (bn.args[at] if len(bn.args) > at else bn.kwargs.get("training", False)):
+        return None
+    items = {u.args[1]: u for u in bn.users if u.target is operator.getitem and _is_forward(u)}
+    if 1 not in items or 2 not in items:
+        return None
+    x, w, b = (bn.args + (None, None))[:3]
+    return bn, x, w, b, items[1], items[2]
+
+
+def _reads(node) -> list:
+    """The nodes a recomputed copy of ``node`` reads: a training BatchNorm's output reads the BatchNorm's
+    input, weight, bias and saved statistics, any other node its own inputs."""
+    parts = _batch_norm_parts(node)
+    if parts is None:
+        return list(node.all_input_nodes)
+    return [a for a in parts[1:] if isinstance(a, torch.fx.Node)]
 
 
 def _dropout_p(node):
@@ -151,19 +212,21 @@ POLICIES = {"none": policy_none, "full": policy_full, "selective": policy_select
 
 
 def decide(gm: torch.fx.GraphModule, policy) -> list:
-    """Names of the forward nodes ``policy`` marks ``recompute`` (random ops never; a ``getitem`` only
-    with its multi-output source, so a tuple is never handed from forward to backward)."""
+    """Names of the forward nodes ``policy`` marks ``recompute`` (random ops and ops that write an input
+    never; a ``getitem`` only with its multi-output source, so a tuple is never handed from forward to
+    backward -- except a training BatchNorm's output, recomputed from the statistics its forward saved)."""
     out, chosen = [], set()
     for n in gm.graph.nodes:
-        if not _is_forward(n) or is_random(n):
+        if not _is_forward(n) or _kept(n):
             continue
         d = policy(n)
         if d not in (SAVE, RECOMPUTE):
             raise PassError(f"recompute policy {getattr(policy, '__name__', policy)!r} returned {d!r} for node "
                             f"{n.name} ({n.target}, module {M.get(n, M.MODULE, '')!r}); return 'save' or "
                             "'recompute' (activation offload is not built yet)")
-        if d == RECOMPUTE and not (n.target is operator.getitem and n.args[0] not in chosen
-                                   and _tuple_valued(n.args[0])):
+        if d == RECOMPUTE and (_batch_norm_parts(n) is not None
+                               or not (n.target is operator.getitem and n.args[0] not in chosen
+                                       and _tuple_valued(n.args[0]))):
             chosen.add(n)
             out.append(n.name)
     return out
@@ -186,7 +249,7 @@ def demands(gm: torch.fx.GraphModule, recompute) -> tuple:
         seen.add(a)
         if a.name in names and _is_forward(a):
             copied.append(a)
-            stack += [x for x in a.all_input_nodes if x.op != "get_attr"]
+            stack += [x for x in _reads(a) if x.op != "get_attr"]
         else:
             saved.append(a)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
@@ -284,11 +347,11 @@ def _min_cut(gm, roles, flops_of, lam: float) -> list:
                            else _nbytes(root.meta.get("val")))
             else:
                 g.add_edge((n, 0), (n, 1), capacity=_nbytes(root.meta.get("val")))
-            if is_random(n):
+            if _kept(n):
                 g.add_edge(S, (n, 0))                                 # never recomputed
             else:
                 g.add_edge(S, (n, 0), capacity=int(round(lam * flops_of(n))))
-            for a in n.all_input_nodes:
+            for a in _reads(n):
                 if a.op == "placeholder" or _is_forward(a):
                     g.add_edge((a, 1), (n, 0))
         else:
@@ -296,7 +359,7 @@ def _min_cut(gm, roles, flops_of, lam: float) -> list:
         if n in needed:
             g.add_edge((n, 1), T)
     _, (src_side, _) = nx.minimum_cut(g, S, T)
-    return [n.name for n in gm.graph.nodes if _is_forward(n) and (n, 0) not in src_side and not is_random(n)]
+    return [n.name for n in gm.graph.nodes if _is_forward(n) and (n, 0) not in src_side and not _kept(n)]
 
 
 # ---- the pass ------------------------------------------------------------------------------------------------
@@ -306,10 +369,12 @@ def apply_recompute(gm: torch.fx.GraphModule, recompute) -> int:
     graph = gm.graph
     names = set(recompute)
     marked = {n for n in graph.nodes if n.name in names}
-    bad = [n for n in marked if not _is_forward(n) or is_random(n)]
+    bad = [n for n in marked if not _is_forward(n) or _kept(n)]
     if bad:
         n = bad[0]
         why = ("a random op (its value would change)" if is_random(n)
+               else "an op that writes its input (run again, it would write it twice: BatchNorm's running "
+                    "statistics)" if writes_input(n)
                else f"not a forward node ({n.op}, phase {M.get(n, M.PHASE)!r})")
         raise PassError(f"recompute: node {n.name} ({n.target}, module {M.get(n, M.MODULE, '')!r}) is {why}; "
                         "it cannot be recomputed. Mark it 'save' in the policy (or drop it from the Plan's recompute "
@@ -320,18 +385,27 @@ def apply_recompute(gm: torch.fx.GraphModule, recompute) -> int:
         todo = [v]
         while todo:                                  # post-order without recursion: inputs first
             x = todo[-1]
-            pending = [a for a in x.all_input_nodes if a in marked and a not in copies]
+            pending = [a for a in _reads(x) if a in marked and a not in copies]
             if pending:
                 todo += pending
                 continue
             todo.pop()
             if x in copies:
                 continue
+            remap = lambda a: copies.get(a, a) if a in marked else a      # noqa: E731
             with graph.inserting_before(before):
-                c = graph.node_copy(x, lambda a: copies.get(a, a) if a in marked else a)
-            c.meta = {k: x.meta[k] for k in ("val", "tensor_meta", M.MODULE.name) if k in x.meta}
-            c.meta[M.PHASE.name] = "backward"
-            M.set_meta(c, M.RECOMPUTE_OF, x.name)
+                parts = _batch_norm_parts(x)
+                if parts is None:
+                    c = graph.node_copy(x, remap)
+                    made = [c]
+                else:
+                    c, made = _normalise_from_stats(graph, x, *(remap(a) if isinstance(a, torch.fx.Node) else a
+                                                                for a in parts[1:]))
+            for m in made:
+                m.meta.update({k: x.meta[k] for k in (M.MODULE.name,) if k in x.meta})
+                m.meta[M.PHASE.name] = "backward"
+                M.set_meta(m, M.RECOMPUTE_OF, x.name)
+            c.meta.update({k: x.meta[k] for k in ("val", "tensor_meta") if k in x.meta})
             copies[x] = c
         return copies[v]
 
@@ -344,11 +418,39 @@ def apply_recompute(gm: torch.fx.GraphModule, recompute) -> int:
     return len(copies)
 
 
+def _normalise_from_stats(graph, out, x, w, b, mean, invstd):
+    """``out`` (a training BatchNorm's output) recomputed from its input and the batch statistics its forward
+    saved, as torch's CPU kernel computes it: ``alpha = invstd * weight``, ``beta = bias - mean * alpha``,
+    ``x * alpha + beta`` (per channel, dim 1). Returns (the output node, every node made)."""
+    val = out.meta.get("val")
+    shape = [1, -1] + [1] * (val.dim() - 2) if isinstance(val, torch.Tensor) else [1, -1]
+    fake_mode = detect_fake_mode([a.meta.get("val") for a in (x, mean, invstd) if isinstance(a, torch.fx.Node)])
+    made = []
+
+    def op(target, *args, **kwargs):
+        made.append(graph.call_function(target, args, kwargs))
+        if fake_mode is not None:                                     # the value's fake tensor, for later passes
+            with fake_mode:
+                made[-1].meta["val"] = target(*(a.meta["val"] if isinstance(a, torch.fx.Node) else a for a in args),
+                                              **kwargs)
+        return made[-1]
+
+    alpha = invstd if w is None else op(aten.mul.Tensor, invstd, w)
+    shift = op(aten.mul.Tensor, mean, alpha)
+    beta = op(aten.neg.default, shift) if b is None else op(aten.sub.Tensor, b, shift)
+    y = op(aten.add.Tensor, op(aten.mul.Tensor, x, op(aten.view.default, alpha, shape)),
+           op(aten.view.default, beta, shape))
+    stat_val = mean.meta.get("val")
+    if isinstance(val, torch.Tensor) and isinstance(stat_val, torch.Tensor) and stat_val.dtype != val.dtype:
+        y = op(aten._to_copy.default, y, dtype=val.dtype)
+    return y, made
+
+
 def _drop_unread_forward(gm) -> None:
-    """Erase forward nodes nothing reads any more (values only backward used to read); random ops stay, so
-    the random stream is the one the forward drew."""
+    """Erase forward nodes nothing reads any more (values only backward used to read); random ops and ops
+    that write an input stay, so the random stream is the one the forward drew and buffers are written once."""
     for n in reversed(list(gm.graph.nodes)):
-        if _is_forward(n) and not n.users and not is_random(n):
+        if _is_forward(n) and not n.users and not _kept(n):
             gm.graph.erase_node(n)
 
 

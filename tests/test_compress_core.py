@@ -3,6 +3,8 @@ checkpoints and bytes, shown with FP16 / BF16 against torch's DDP comm hooks, an
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import ClassVar
 
 import pytest
 import torch
@@ -53,6 +55,46 @@ def test_narrow_dtype_equals_ddp_with_torchs_hook(clusters, method, hook):
     assert max((state[k] - plain[k]).abs().max().item() for k in plain) > 1e-8
 
 
+# ---- an eager method: sum runs as Python each step, its dist.* calls counted ------------------------------------
+@dataclass(frozen=True)
+class EagerSum(C.Method):
+    """Plain all-reduce through torch.distributed, run eagerly (as a DDP comm hook runs)."""
+    name: ClassVar[str] = "eager_sum_test"
+    eager: ClassVar[bool] = True
+
+    def sum(self, flat, state, inputs, bucket, comm, variant):
+        assert isinstance(comm, C.EagerComm) and comm.size == 2 and comm.rank == bucket.dp_rank
+        return comm.all_reduce(flat), state
+
+    def wire_bytes(self, bucket, variant):
+        return bucket.numel * bucket.element_size
+
+
+@pytest.fixture
+def eager_method():
+    C.register_method(EagerSum)
+    yield EagerSum
+    C.unregister_method(EagerSum.name)
+
+
+@pytest.mark.numerics
+def test_an_eager_method_runs_on_the_ranks_group_and_is_counted(clusters, eager_method):
+    model, batches = _model(layers=3), _batches(2)
+    plain = _program(model, batches, dp=2, bucket_cap_mb=0.004)
+    prog = _program(model, batches, dp=2, bucket_cap_mb=0.004, grad_sync=eager_method())
+    rows = prog.plan.section("eager_sum_test").stages[0]
+    assert len(rows) >= 2 and all(r["collectives"] == [] for r in rows)      # not traced: known when it runs
+    want = [("all_reduce", r["wire_bytes"]) for r in rows]
+    assert [(c.kind, c.nbytes) for c in prog.collectives(0)] == want
+    assert want == [(c.kind, c.nbytes) for c in plain.collectives(0)]
+    res = prog.run_local(batches, cluster=clusters.get(2), measure_comm=True)
+    assert res.comm_calls[0] == res.comm_calls[1] == [want] * len(batches)     # dist.all_reduce: c10d ops, counted
+    ref = plain.run_local(batches, cluster=clusters.get(2))
+    assert res.losses == ref.losses
+    for k, v in ref.state_dict().items():
+        assert torch.equal(res.state_dict()[k], v), k
+
+
 # ---- bytes: measured == wire_bytes == the section == estimate == explain() ----------------------------------------
 @pytest.mark.numerics
 @pytest.mark.parametrize("method,kind", [(C.FP16(), "all_reduce"), (C.TopK(ratio=0.05), "all_gather"),
@@ -101,6 +143,9 @@ def test_strategy_prints_and_plan_round_trips():
     sec = prog.plan.section("topk")
     assert sec.method == {"method": "topk", "ratio": 0.1, "error_feedback": True}
     assert "topk: gradient buckets compressed by 'topk' (ratio=0.1, error_feedback=True)" in str(prog.plan)
+    # the plan says, for the run at hand, that training differs from one process on purpose
+    assert ("grad_sync: TopK(ratio=0.1, error_feedback=True) -- each update uses this method's estimate of the dp sum"
+            in "\n".join(prog.plan.notes)) and "note: grad_sync: TopK(" in prog.explain()
     plan = fxpar.Plan.from_json(prog.plan.to_json())
     assert plan == prog.plan and isinstance(plan.section("topk"), C.CompressSection)
     # a handed-back Plan's section is the method that runs: its options win over the Strategy's
@@ -194,3 +239,24 @@ def test_the_sum_runs_where_the_all_reduce_was_issued():
     split = _program(model, batches, dp=2, microbatches=2, grad_sync="topk").graphs(0)
     assert [k for k, g in split.items() if call in g.code] == ["stage0.REDUCE_GRAD"]
     assert split["stage0.REDUCE_GRAD"].code.count(call) == 1
+
+
+@pytest.mark.structure
+@pytest.mark.slow
+def test_a_weight_tied_across_stages_keeps_its_all_reduce():
+    """dp=2 x pp=2 on a GPT whose embedding and head are tied across the stages: the buckets summed over dp are
+    compressed, the tied weight's bucket (summed over the two stages' ranks) keeps its plain all-reduce."""
+    from fxpar.testing import TinyGPT, flat_gpt_loss, tiny_gpt_batches
+    torch.manual_seed(0)
+    model, batches = TinyGPT().double(), tiny_gpt_batches(1)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(4), batches[0], loss_fn=flat_gpt_loss, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, pp=2, microbatches=2, grad_sync="topk"))
+    sec = prog.plan.section("topk")
+    dp_sec = prog.plan.section("data_parallel")
+    for s in range(2):
+        assert len(sec.stages[s]) >= 1
+        tied = [i for i in range(len(dp_sec.buckets[s])) if i not in [r["bucket"] for r in sec.stages[s]]]
+        assert tied and all("wte.weight" in dp_sec.buckets[s][i] or "head.weight" in dp_sec.buckets[s][i]
+                            for i in tied)
+        kinds = [c.kind for c in prog.collectives(2 * s)]
+        assert kinds.count("all_gather") == len(sec.stages[s]) and kinds.count("all_reduce") == len(tied)

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import re
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fxpar
 from fxpar.errors import StrategyError
-from fxpar.testing import (SkipMLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt,
-                           token_batches)
+from fxpar.testing import (BNConvNet, SkipMLP, ddp_reference, gpt_loss, max_abs_diff, reference_training,
+                           regression_batches, tiny_gpt, token_batches)
 from passes import recompute as R
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -110,6 +112,56 @@ def test_dropout_recompute_is_bitwise_the_program_without_it(clusters, layout):
             if bern:          # the mask (or the mask scaled by 1/(1-p)) is one of F's saved values
                 kept = {k for r, k in st.graphs["F"].outputs if r == "saved"}
                 assert kept & ({bern[0].name} | {u.name for u in bern[0].users}), policy
+
+
+# ---- BatchNorm: running statistics written once; its output recomputed from the saved batch statistics ------
+_BN_OPS = (torch.ops.aten.native_batch_norm.default, torch.ops.aten._native_batch_norm_legit.default,
+           torch.ops.aten._batch_norm_with_update.default)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("policy", ["full", "selective", "auto"])
+@pytest.mark.parametrize("dp", [1, 2])
+def test_batch_norm_running_statistics_are_updated_once(clusters, policy, dp):
+    """conv + BatchNorm2d + Linear, 3 SGD steps: parameters, running_mean/var and num_batches_tracked equal
+    single-process torch (dp=1) or DDP's per-rank statistics (dp=2) to 1e-12; the BatchNorm runs once."""
+    torch.manual_seed(0)
+    model = BNConvNet().double()
+    batches = [(torch.randn(8, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (8,))) for _ in range(3)]
+    sgd = (torch.optim.SGD, {"lr": 0.1})
+    ref_losses, ref_state = (reference_training(model, batches, F.cross_entropy, sgd) if dp == 1
+                             else ddp_reference(model, batches, F.cross_entropy, sgd, dp))
+    kw = dict(memory_budget_gb=13e-6 / dp) if policy == "auto" else {}
+    prog, res = _run(clusters, model, batches, F.cross_entropy, sgd, fxpar.Strategy(recompute=policy, dp=dp, **kw))
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-12
+    state = res.state_dict()
+    for k in ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked"):
+        assert (state[k].double() - ref_state[k].double()).abs().max().item() < 1e-12, k
+    assert max_abs_diff(state, ref_state) < 1e-12
+    joint = prog.stages[0].joint.graph
+    assert [n.meta["fxpar_phase"] for n in joint.nodes if n.target in _BN_OPS] == ["forward"]
+    copied = [n for n in joint.nodes if "fxpar_recompute_of" in n.meta]
+    assert copied
+    if policy != "full":        # selective and auto recompute the BatchNorm's output, from its saved statistics
+        fwd = {n.name: n for n in prog.stages[0].captured.gm.graph.nodes}
+        assert any(fwd[n.meta["fxpar_recompute_of"]].args[0].target in _BN_OPS for n in copied
+                   if fwd[n.meta["fxpar_recompute_of"]].target is operator.getitem)
+
+
+@pytest.mark.structure
+def test_a_policy_cannot_mark_a_batch_norm_for_recompute():
+    """A BatchNorm in training mode writes its running statistics: no policy recomputes it, and a Plan that
+    names it is refused by name."""
+    x = torch.randn(4, 3, 8, 8)
+    prog = fxpar.parallelize(BNConvNet(), 1, (x, torch.zeros(4, dtype=torch.long)), F.cross_entropy, SGD_M,
+                             strategy=fxpar.Strategy(recompute=lambda n: "recompute"))
+    bn = next(n for n in prog.stages[0].captured.gm.graph.nodes if n.target in _BN_OPS)
+    assert R.writes_input(bn) and bn.name not in prog.plan.section("recompute").stages[0]["recompute"]
+    plan = fxpar.Plan.from_json(prog.plan.to_json())
+    plan.section("recompute").stages[0]["recompute"].append(bn.name)
+    with pytest.raises(fxpar.errors.PassError, match=f"{bn.name} .*writes its input"):
+        fxpar.parallelize(BNConvNet(), 1, (x, torch.zeros(4, dtype=torch.long)), F.cross_entropy, SGD_M,
+                          strategy=fxpar.Strategy(recompute=lambda n: "recompute"), plan=plan)
 
 
 # ---- structure: full keeps the block boundaries; measured bytes equal the prediction -----------------------

@@ -15,7 +15,7 @@ import importlib
 import importlib.util
 
 from .method import BucketInfo, Comm, Method
-from .feature import CompressFeature, CompressSection, register_method, registered_methods
+from .feature import CompressFeature, CompressSection, register_method, registered_methods, unregister_method
 from .runtime import EagerComm
 from .fp16 import BF16, FP16
 from .sparse import RandomK, TopK
@@ -28,7 +28,8 @@ for _mod in dict.fromkeys(_MODULES.values()):        # registered at import: the
     if importlib.util.find_spec(f"{__name__}.{_mod}") is not None:
         importlib.import_module(f"{__name__}.{_mod}")
 
-__all__ = ["Method", "BucketInfo", "Comm", "EagerComm", "register_method", "registered_methods", "CompressFeature",
+__all__ = ["Method", "BucketInfo", "Comm", "EagerComm", "register_method", "unregister_method", "registered_methods",
+           "CompressFeature",
            "CompressSection", "FP16", "BF16", "TopK", "RandomK"] + [
     n for n, m in _MODULES.items() if importlib.util.find_spec(f"{__name__}.{m}") is not None]
 

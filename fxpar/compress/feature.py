@@ -33,6 +33,7 @@ sums in the same order, so the collectives keep one order across ranks.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -40,14 +41,14 @@ import torch
 from fxpar import meta as M
 from fxpar.collectives import C10D
 from fxpar.errors import PassError, StrategyError
-from fxpar.feature import Feature, PlanSection, Slot, register_feature
+from fxpar.feature import Feature, PlanSection, Slot, register_feature, unregister_feature
 from fxpar.pass_manager import Pass, PassContext, PassResult
 
 from .method import BucketInfo, Method
 from .runtime import CompressInfo, CompressState, bucket_sum, generator_for, trace_sum
 
-__all__ = ["CompressFeature", "CompressSection", "CompressedSum", "register_method", "registered_methods",
-           "method_of", "CONFLICTS", "bucket_infos"]
+__all__ = ["CompressFeature", "CompressSection", "CompressedSum", "register_method", "unregister_method",
+           "registered_methods", "method_of", "CONFLICTS", "bucket_infos", "dp_bucket_indices"]
 
 aten = torch.ops.aten
 
@@ -60,7 +61,8 @@ _METHODS: dict = {}      # method name -> Method class
 @dataclass
 class CompressSection(PlanSection):
     """``method``: the method's options (``Method.to_dict()``: ``{"method": name, option: value}``); ``stages``:
-    per stage, per bucket ``{"keys", "numel", "dtype", "plain_bytes", "wire_bytes", "collectives"}`` (the bytes
+    per stage, per bucket summed over dp ``{"bucket", "keys", "numel", "dtype", "plain_bytes", "wire_bytes",
+    "collectives"}`` (its index among the ``data_parallel`` section's buckets of the stage; the bytes
     plain all-reduce and the method hand to collectives per rank and step, the method's at its first step; its
     traced sum's collectives ``[kind, bytes]`` in order, empty for an eager method), filled once captured."""
     method: dict = field(default_factory=dict)
@@ -78,20 +80,35 @@ class CompressSection(PlanSection):
                 f"({wire / max(plain, 1):.3g}x)"]
 
 
+def _note(plan, m: Method) -> None:
+    plan.notes.append(f"grad_sync: {m.summary()} -- each update uses this method's estimate of the dp sum of the "
+                      "gradients, not the sum itself: training differs from one process on purpose "
+                      "(docs/semantics.md, 'Gradient compression')")
+
+
 def bucket_infos(plan, stage: int, captured, dp_rank: int = -1) -> list:
-    """Stage ``stage``'s gradient buckets (``plan.section("data_parallel").buckets``) as :class:`BucketInfo`."""
-    buckets = plan.section("data_parallel").buckets[stage]
+    """Stage ``stage``'s gradient buckets summed over dp (``plan.section("data_parallel").buckets``, less those of
+    gradients summed over another group: a weight tied across pipeline stages), as :class:`BucketInfo`, numbered
+    among themselves in issue order."""
+    dp_buckets = [keys for _, keys in dp_bucket_indices(plan, stage)]
     out = []
-    for i, keys in enumerate(buckets):
+    for i, keys in enumerate(dp_buckets):
         shapes = tuple(tuple(int(s) for s in captured.param_shapes[k]) for k in keys)
         offsets, off = [], 0
         for sh in shapes:
             offsets.append(off)
             off += int(torch.Size(sh).numel())
         dtype = str(captured.param_dtypes[keys[0]]).replace("torch.", "")
-        out.append(BucketInfo(stage=stage, index=i, count=len(buckets), keys=tuple(keys), shapes=shapes,
+        out.append(BucketInfo(stage=stage, index=i, count=len(dp_buckets), keys=tuple(keys), shapes=shapes,
                               offsets=tuple(offsets), numel=off, dtype=dtype, dp=plan.dp, dp_rank=dp_rank))
     return out
+
+
+def dp_bucket_indices(plan, stage: int) -> list:
+    """``[(index among the data_parallel section's buckets of the stage, keys)]`` of the buckets summed over dp."""
+    buckets = plan.section("data_parallel").buckets[stage]
+    groups = plan.grad_groups[stage] if stage < len(plan.grad_groups) else {}
+    return [(i, keys) for i, keys in enumerate(buckets) if all(groups.get(k, "dp") == "dp" for k in keys)]
 
 
 def _traced_collectives(method: Method, b: BucketInfo, variant) -> list:
@@ -99,7 +116,7 @@ def _traced_collectives(method: Method, b: BucketInfo, variant) -> list:
     dp rank 0; an eager method: none known before it runs)."""
     if method.eager:
         return []
-    b0 = BucketInfo(**{**b.__dict__, "dp_rank": 0})
+    b0 = dataclasses.replace(b, dp_rank=0)
     gen = generator_for(method)
     state = dict(method.init_state(b0, gen))
     inputs = list(method.host_inputs(b0, 0, state, variant, gen))
@@ -147,12 +164,13 @@ class CompressedSum(Pass):
                and n.target is C10D.all_reduce_.default and M.get(n, M.BUCKET) is not None
                and M.get(n, M.COMM).axis == "dp"}
         planned = section.stages[ctx.stage] if ctx.stage < len(section.stages) else []
-        if sorted(ars) != list(range(len(planned))):
+        if sorted(ars) != [row["bucket"] for row in planned]:
             raise PassError(f"{self.name}: stage {ctx.stage} has dp buckets {sorted(ars)}, the Plan section "
-                            f"{self.feature!r} planned {len(planned)}: plan again (parallelize without plan=)")
+                            f"{self.feature!r} planned {[row['bucket'] for row in planned]}: plan again (parallelize "
+                            "without plan=)")
         ranks = ctx.plan.group_of("dp", ctx.rank)
-        for b, ar in sorted(ars.items()):
-            info = planned[b]
+        for b, row in enumerate(planned):
+            ar, info = ars[row["bucket"]], row
             buf = ar.args[0]
             val = buf.meta["val"]
             if val.numel() != info["numel"]:
@@ -168,7 +186,7 @@ class CompressedSum(Pass):
             with g.inserting_before(ar):
                 call = g.call_function(bucket_sum, (src, self.feature, ctx.stage, b))
             _stamp(call, ar, val)
-            M.set_meta(call, M.BUCKET, b)
+            M.set_meta(call, M.BUCKET, row["bucket"])
             kind = info["collectives"][0][0] if info["collectives"] else "all_reduce"
             M.set_meta(call, M.COMM, M.CommInfo(kind, "dp", tuple(ranks), int(info["wire_bytes"])))
             out = div if div is not None else wait
@@ -213,19 +231,22 @@ class CompressFeature(Feature):
         m.check(strategy.dp)
 
     def plan(self, strategy, plan, cluster):
-        return CompressSection(method=self.method(strategy).to_dict())
+        m = self.method(strategy)
+        _note(plan, m)
+        return CompressSection(method=m.to_dict())
 
     def adopt(self, section, strategy, plan, cluster):
         m = method_of(section)             # a handed-back section: its options are the ones that run
         m.check(plan.dp)
+        _note(plan, m)
         return section
 
     def plan_stage(self, section, plan, stage, captured, cluster, schedule) -> None:
         m = method_of(section)
         rows = []
-        for b in bucket_infos(plan, stage, captured):
+        for (at, _), b in zip(dp_bucket_indices(plan, stage), bucket_infos(plan, stage, captured)):
             v = m.variant(b, 0, dict(m.init_state(b, generator_for(m))))
-            rows.append({"keys": list(b.keys), "numel": b.numel, "dtype": b.dtype,
+            rows.append({"bucket": at, "keys": list(b.keys), "numel": b.numel, "dtype": b.dtype,
                          "plain_bytes": b.numel * b.element_size, "wire_bytes": int(m.wire_bytes(b, v)),
                          "collectives": _traced_collectives(m, b, v)})
         while len(section.stages) <= stage:
@@ -292,6 +313,12 @@ def register_method(cls):
     register_feature(feat)
     _METHODS[cls.name] = cls
     return cls
+
+
+def unregister_method(name: str) -> None:
+    """Remove method ``name`` and its feature from the registries (a test's or a notebook's own method)."""
+    _METHODS.pop(name, None)
+    unregister_feature(name)
 
 
 def registered_methods() -> dict:

@@ -124,7 +124,10 @@ class CompressState(RankState):
             for sg in parts.values():
                 bound = False
                 for n in sg.gm.graph.nodes:
-                    if n.op == "call_function" and n.target is bucket_sum and n.args[1] == self.info.feature:
+                    # bucket_sum, or a call an earlier rank state of this process bound (the graphs of a program
+                    # built here are shared: a second runner() binds them again)
+                    if n.op == "call_function" and n.args[1:2] == (self.info.feature,) and (
+                            n.target is bucket_sum or getattr(n.target, "__func__", None) is CompressState.sum):
                         n.target = self.sum
                         bound = True
                 if bound:
@@ -169,7 +172,8 @@ class CompressState(RankState):
     def _check(self, b, flat, summed, state, new) -> None:
         what = f"{type(self.method).__name__}.sum (stage {b.stage}, bucket {b.index})"
         if not isinstance(summed, torch.Tensor) or summed.shape != flat.shape or summed.dtype != flat.dtype:
-            got = (f"{tuple(summed.shape)} {summed.dtype}" if isinstance(summed, torch.Tensor) else type(summed).__name__)
+            got = (f"{tuple(summed.shape)} {summed.dtype}" if isinstance(summed, torch.Tensor)
+                   else type(summed).__name__)
             raise RuntimeError(f"{what} returned {got} for the bucket of {tuple(flat.shape)} {flat.dtype}: return the "
                                "summed bucket in the bucket's shape and dtype")
         if set(new) != set(state):
@@ -178,7 +182,8 @@ class CompressState(RankState):
         for k, v in new.items():
             if v.shape != state[k].shape or v.dtype != state[k].dtype:
                 raise RuntimeError(f"{what} returned state {k!r} of {tuple(v.shape)} {v.dtype}; init_state made "
-                                   f"{tuple(state[k].shape)} {state[k].dtype}: keep each state tensor's shape and dtype")
+                                   f"{tuple(state[k].shape)} {state[k].dtype}: keep each state tensor's shape and "
+                                   "dtype")
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def save(self) -> dict:

@@ -35,7 +35,7 @@ import torch
 from fxpar.errors import StrategyError
 
 from .feature import register_method
-from .method import BucketInfo, Comm, Method
+from .method import BucketInfo, Method
 
 __all__ = ["TopK", "RandomK", "sparse_k", "pack_pairs", "unpack_sum"]
 

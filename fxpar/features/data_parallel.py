@@ -21,6 +21,7 @@ gradients are summed where, in which buckets) and DDP's three knobs, and no one 
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 from fxpar.errors import StrategyError
@@ -109,6 +110,11 @@ class DataParallel(Feature):
 
     def plan(self, strategy, plan, cluster):
         if not gradients_summed(plan):
+            given = [f"{k}={strategy.option(k)!r}" for k, o in self.options.items() if strategy.option(k) != o.default]
+            if given:
+                warnings.warn(f"Strategy({', '.join(given)}): no gradient or buffer is shared across ranks in this "
+                              f"program (dp={plan.dp}, pp={plan.pp}), so these data-parallel settings do nothing; "
+                              "drop them, or set dp > 1", UserWarning, stacklevel=2)
             return None
         cap = strategy.option("bucket_cap_mb")
         return DataParallelSection(bucket_cap_bytes=int((DDP_BUCKET_MB if cap is None else cap) * 2**20),

@@ -9,8 +9,10 @@ from fxpar.feature import Option, register_shared_option
 __all__ = ["GRAD_SYNC", "DP_ALONE", "check_dp_alone"]
 
 GRAD_SYNC = register_shared_option("grad_sync", Option("allreduce", (
-    "how each gradient bucket is summed over dp: ``'allreduce'`` (one all-reduce per bucket) or a gradient-sync "
-    "method, named by the feature that carries it out (each lists ``grad_sync`` in its ``enabled_by``)")), __name__)
+    "how each gradient bucket is summed over dp: ``'allreduce'`` (one all-reduce per bucket), a gradient-sync "
+    "method named by the feature that carries it out (``'herring'``, ``'byteps'``, ``'parallax'``; each lists "
+    "``grad_sync`` in its ``enabled_by``), or a compression method: an instance of one of ``fxpar.compress``'s "
+    "methods (``C.PowerSGD(rank=2)``, ``C.TopK(ratio=0.01)``, ...) or its name for its defaults (``'powersgd'``)")), __name__)
 
 # the features a gradient-sync method does not compose with: it rewrites plain FIFO all-reduce buckets
 DP_ALONE = ("tensor_parallel", "zero", "bytescheduler")

@@ -84,6 +84,10 @@ class Recompute(Feature):
                                 "policy: a callable node -> 'save' | 'recompute'")
         if budget is not None and not (isinstance(budget, (int, float)) and budget > 0):
             raise StrategyError(f"Strategy(memory_budget_gb={budget!r}): must be a positive number of GB")
+        if budget is not None and rc != "auto":
+            raise StrategyError(f"Strategy(memory_budget_gb={budget!r}, recompute={getattr(rc, '__name__', rc)!r}): "
+                                "the budget is what recompute='auto' plans to; other policies decide without it. Set "
+                                "recompute='auto' or drop memory_budget_gb")
         if rc == "auto" and budget is None:
             raise StrategyError("Strategy(recompute='auto') needs memory_budget_gb=...: the saved-activation bytes a "
                                 "stage may hold, in GB; or pick a policy ('full', 'selective')")

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from fxpar import meta as M
 from fxpar.runtime.groups import group
 from fxpar.errors import PassError, StrategyError
+from fxpar.annotate import is_shard_node
 from fxpar.explain import fmt_bytes
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
 from fxpar.mesh import Mesh
@@ -235,6 +236,12 @@ class TensorParallelFeature(Feature):
     def enabled(self, strategy) -> bool:
         return strategy.tp > 1
 
+    def check_off(self, strategy) -> None:
+        if strategy.sharding != self.options["sharding"].default:
+            raise StrategyError(f"Strategy(sharding={strategy.sharding!r}) with tp=1: sharding says how operators "
+                                "are split over the tp ranks, and tp=1 has one; set tp > 1 (e.g. Strategy(tp=2, "
+                                f"sharding={strategy.sharding!r})) or drop sharding")
+
     def validate(self, strategy) -> None:
         if isinstance(strategy.sharding, dict):
             for pat, spec in strategy.sharding.items():
@@ -281,6 +288,13 @@ class TensorParallelFeature(Feature):
         while len(section.stages) <= stage:
             section.stages.append({})
         entry = section.stages[stage]
+        if section.mode == "annotations":
+            entry["annotations"] = sum(is_shard_node(n) for n in captured.gm.graph.nodes)
+            if stage == plan.n_stages - 1 and not any(e.get("annotations") for e in section.stages):
+                raise StrategyError(f"Strategy(sharding='annotations'): {captured.model_class} has no fxpar.shard "
+                                    "annotation, so nothing would be split over the tp ranks. Annotate the tensors "
+                                    "to split (fxpar.shard(x, ('tp', None)) in forward), or choose "
+                                    "sharding='megatron', 'auto' or layouts {param glob: ('tp', None, ...)}")
         try:
             res, extra = _choose(section, plan, stage, captured, cluster, mesh, entry)
         except ShardingError as e:

@@ -128,7 +128,8 @@ class ZeroOffload(Feature):
 
     def enabled(self, strategy) -> bool:
         off = strategy.offload
-        return bool((off,) if isinstance(off, str) else tuple(off)) or strategy.offload_to != "cpu"
+        return (bool((off,) if isinstance(off, str) else tuple(off)) or strategy.offload_to != "cpu"
+                or strategy.offload_dir is not None)
 
     def validate(self, strategy) -> None:
         if isinstance(strategy.offload, str):
@@ -140,6 +141,10 @@ class ZeroOffload(Feature):
                                 "'optimizer' (activation offload is not built yet)")
         if strategy.offload_to not in _TO:
             raise StrategyError(f"Strategy(offload_to={strategy.offload_to!r}): choose 'cpu' or 'disk'")
+        if strategy.offload_dir is not None and strategy.offload_to != "disk":
+            raise StrategyError(f"Strategy(offload_dir={strategy.offload_dir!r}, offload_to={strategy.offload_to!r}): "
+                                "offload_dir is where offload_to='disk' writes its files; add offload_to='disk' or "
+                                "drop offload_dir")
         if strategy.offload_to == "disk":
             if not strategy.offload:
                 raise StrategyError("Strategy(offload_to='disk') with nothing to offload: add offload=('params', "

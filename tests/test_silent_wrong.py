@@ -1,0 +1,294 @@
+"""No silent wrong answers: where a program cannot train like one process on the global batch, the plan says so
+(docs/semantics.md §6-§8), and options nothing would use are refused.
+
+* BatchNorm under microbatches and dp: the plan note states per-piece statistics and the running-statistic
+  updates per step, and those numbers are what a single-process loop over the same pieces computes.
+* A batch-wide statistic in forward (``x - x.mean(0)``, a ``.item()`` of a batch mean): a plan note naming the
+  node and the module; none for the test models and Hugging Face decoders, whose reductions are over features.
+* Python-level randomness at capture: a warning naming the model.
+* Options given without the option or feature that uses them: refused (or, for data-parallel settings with no
+  rank to share with, a warning)."""
+from __future__ import annotations
+
+import copy
+import random
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import fxpar
+from fxpar.batch_semantics import batch_norm_nodes, batch_reductions
+from fxpar.errors import StrategyError
+from fxpar.feature import Feature, Option, register_feature, unregister_feature
+from fxpar.testing import (CNN, MLP, BNConvNet, EncoderModel, SkipMLP, gpt_loss, max_abs_diff, tiny_gpt,
+                           token_batches)
+
+SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+SGD = (torch.optim.SGD, {"lr": 0.1})
+
+
+def _program(model, batch, loss_fn, **strategy):
+    st = fxpar.Strategy(**strategy)
+    return fxpar.parallelize(model, fxpar.ClusterSpec.local(st.size), batch, loss_fn, SGD, strategy=st)
+
+
+def _notes(prog, word):
+    return [n for n in prog.plan.notes if n.startswith(word)]
+
+
+# ---- BatchNorm: statistics of each piece, running statistics once per microbatch ------------------------------
+def _pieces_reference(model, batches, loss_fn, optimizer, dp, m):
+    """One process looping over the step's pieces: rank r's rows in m microbatches, each normalised with its own
+    statistics and updating the running statistics; the gradient the mean over the dp*m pieces; the running
+    statistics kept those of rank 0's pieces."""
+    mdl = copy.deepcopy(model)
+    cls, kw = optimizer
+    opt = cls(mdl.parameters(), **kw)
+    for x, y in batches:
+        n = x.shape[0] // dp
+        rows = n // m
+        opt.zero_grad()
+        for r in reversed(range(dp)):           # rank 0 last: its running statistics are the ones kept
+            base = {k: v.clone() for k, v in mdl.named_buffers()}
+            for j in range(m):
+                sl = slice(r * n + j * rows, r * n + (j + 1) * rows)
+                (loss_fn(mdl(x[sl]), y[sl]) / (dp * m)).backward()
+            if r:
+                with torch.no_grad():
+                    for k, v in mdl.named_buffers():
+                        v.copy_(base[k])
+        opt.step()
+    return mdl.state_dict()
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("dp,m", [(1, 2), (2, 1), (2, 2)])
+def test_batch_norm_note_states_what_each_piece_computes(clusters, dp, m):
+    torch.manual_seed(0)
+    model = BNConvNet().double()
+    batches = [(torch.randn(8, 3, 8, 8, dtype=torch.float64), torch.randint(0, 10, (8,))) for _ in range(3)]
+    st = fxpar.Strategy(dp=dp, microbatches=m)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(dp), batches[0], F.cross_entropy, SGD_M, strategy=st)
+    [note] = _notes(prog, "BatchNorm")
+    pieces, rows = dp * m, 8 // (dp * m)
+    assert f"each of the {pieces} pieces of the step (dp={dp} shard(s) x {m} microbatch(es), {rows} row(s) each)" \
+        in note and "'bn'" in note and "global batch of 8 rows" in note
+    assert f"updated {m} time(s) per step" in note and f"num_batches_tracked +{m} per step" in note
+    assert ("rank 0's" in note) == (dp > 1)
+    assert "note: BatchNorm" in prog.explain()
+    res = prog.run_local(batches, cluster=clusters.get(dp) if dp > 1 else None)
+    state = res.state_dict()
+    assert max_abs_diff(state, _pieces_reference(model, batches, F.cross_entropy, SGD_M, dp, m)) < 1e-12
+    assert state["bn.num_batches_tracked"].item() == len(batches) * m
+
+
+@pytest.mark.structure
+def test_no_batch_norm_note_without_batch_norm_or_with_one_piece():
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))
+    assert not _notes(_program(CNN(), (x, y), F.cross_entropy, dp=2, microbatches=2), "BatchNorm")
+    assert not _notes(_program(BNConvNet(), (x, y), F.cross_entropy), "BatchNorm")
+    eval_bn = BNConvNet()
+    eval_bn.bn.eval()               # running statistics used, not batch statistics: rows are independent
+    prog = _program(eval_bn, (x, y), F.cross_entropy, dp=2)
+    assert not batch_norm_nodes(prog.stages[0].captured.gm) and not _notes(prog, "BatchNorm")
+
+
+class _InstanceNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.InstanceNorm2d(4, affine=True), nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.fc(self.norm(self.conv(x)).flatten(1))
+
+
+@pytest.mark.structure
+def test_instance_norm_is_per_row_and_gets_no_note():
+    prog = _program(_InstanceNormNet(), (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))), F.cross_entropy, dp=2)
+    assert not _notes(prog, "BatchNorm")
+
+
+# ---- batch-wide statistics -----------------------------------------------------------------------------------
+class _Centred(nn.Module):
+    """Centres a hidden layer over the batch: a statistic of the rows each piece sees."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return self.out(h - h.mean(0))
+
+
+class _Scaled(nn.Module):
+    """Divides by a Python number read off the batch (``.item()``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return h / h.abs().mean().item()
+
+
+def _sums_loss(out, target):
+    """Reduces over the batch only to make the loss (its sums meet nothing with the batch's rows)."""
+    return (out.sum(0) - target.sum(0)).pow(2).sum()
+
+
+def _batch(rows=8):
+    return torch.randn(rows, 4), torch.randn(rows, 2)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("model,node", [(_Centred, "mean"), (_Scaled, "mean")])
+def test_batch_wide_statistic_is_noted_under_dp(model, node):
+    prog = _program(model(), _batch(), F.mse_loss, dp=2)
+    [note] = _notes(prog, "batch-wide statistic")
+    assert f"node {node} (mean over dim 0, top level)" in note and f"{model.__name__}'s forward" in note
+    assert "each of the 2 pieces" in note and "4 row(s) each" in note
+    assert not _notes(_program(model(), _batch(), F.mse_loss), "batch-wide statistic")     # one piece: exact
+
+
+class _Wrapped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = _Centred()
+
+    def forward(self, x):
+        return self.body(x)
+
+
+@pytest.mark.structure
+def test_batch_wide_statistic_names_the_module():
+    [note] = _notes(_program(_Wrapped(), _batch(), F.mse_loss, microbatches=2), "batch-wide statistic")
+    assert "module 'body'" in note
+
+
+@pytest.mark.structure
+def test_batch_reductions_that_only_make_the_loss_are_not_noted():
+    prog = _program(MLP(4, 8, 2), _batch(), _sums_loss, dp=2)
+    assert not _notes(prog, "batch-wide statistic")
+
+
+_TEST_MODELS = {
+    "mlp": lambda: (MLP(), (torch.randn(8, 16), torch.randn(8, 8)), F.mse_loss),
+    "cnn": lambda: (CNN(), (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))), F.cross_entropy),
+    "bn": lambda: (BNConvNet(), (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,))), F.cross_entropy),
+    "gpt": lambda: (tiny_gpt(), token_batches(1)[0], gpt_loss),
+    "encoder": lambda: (EncoderModel(), (torch.randn(4, 6, 32), torch.randint(0, 5, (4,))), F.cross_entropy),
+    "skip": lambda: (SkipMLP(), (torch.randn(4, 16), torch.randn(4, 4)), F.mse_loss),
+}
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("name", sorted(_TEST_MODELS))
+@pytest.mark.parametrize("dp", [2, 4])          # dp=4 on a batch of 4: one row a piece
+def test_no_batch_wide_note_for_the_test_models(name, dp):
+    model, batch, loss_fn = _TEST_MODELS[name]()
+    prog = _program(model, batch, loss_fn, dp=dp)
+    assert not batch_reductions(prog.stages[0].captured.gm, prog.stages[0].captured.signature)
+    assert not _notes(prog, "batch-wide statistic")
+
+
+@pytest.mark.slow
+@pytest.mark.structure
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+def test_no_batch_wide_note_for_hugging_face_models(name):
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+    from fxpar.testing.hf import hf_batches, hf_example
+    model, _, loss_fn = hf_example(name, n_layers=2)
+    prog = _program(model, hf_batches(name, 1, batch=4)[0], loss_fn, dp=2, microbatches=2)
+    assert not _notes(prog, "batch-wide statistic") and not _notes(prog, "BatchNorm")
+
+
+# ---- Python randomness at capture ----------------------------------------------------------------------------
+class _Coin(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 2)
+
+    def forward(self, x):
+        h = self.inp(x)
+        return 2 * h if random.random() < 0.5 else h
+
+
+class _NumpyScale(_Coin):
+    def forward(self, x):
+        import numpy as np
+        return self.inp(x) * float(np.random.rand())
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("model,source", [(_Coin, "random"), (_NumpyScale, "numpy.random")])
+def test_python_randomness_at_capture_warns(model, source):
+    if source == "numpy.random":
+        pytest.importorskip("numpy")
+    with pytest.warns(UserWarning, match=rf"{model.__name__}'s training step drew from {source} while fxpar "
+                                         r"captured it.*replayed at every step.*torch\.rand"):
+        _program(model(), _batch(), F.mse_loss)
+
+
+@pytest.mark.structure
+def test_no_randomness_warning_for_a_plain_model():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _program(MLP(4, 8, 2), _batch(), F.mse_loss)
+
+
+# ---- options nothing would use -------------------------------------------------------------------------------
+@pytest.mark.structure
+@pytest.mark.parametrize("kw,match", [
+    (dict(sharding={"inp.weight": ("tp", None)}), r"sharding=\{'inp.weight'.*with tp=1.*set tp > 1"),
+    (dict(sharding="megatron"), r"sharding='megatron'\) with tp=1.*drop sharding"),
+    (dict(memory_budget_gb=1.0), r"memory_budget_gb=1.0, recompute='none'.*Set recompute='auto'"),
+    (dict(memory_budget_gb=1.0, recompute="full"), r"recompute='full'.*Set recompute='auto' or drop memory_budget_gb"),
+    (dict(offload_dir="unused-dir"), r"offload_dir='unused-dir', offload_to='cpu'.*add offload_to='disk'"),
+])
+def test_options_without_the_setting_that_uses_them_are_refused(kw, match):
+    with pytest.raises(StrategyError, match=match):
+        fxpar.Strategy(**kw)
+
+
+@pytest.mark.structure
+def test_annotations_mode_on_a_model_without_annotations_is_refused():
+    with pytest.raises(StrategyError, match=r"sharding='annotations'\): _Centred has no fxpar.shard annotation.*"
+                                            r"sharding='megatron'"):
+        _program(_Centred(), _batch(), F.mse_loss, tp=2, sharding="annotations")
+
+
+@pytest.mark.structure
+def test_data_parallel_settings_without_a_rank_to_share_with_warn():
+    with pytest.warns(UserWarning, match=r"bucket_cap_mb=5.*\(dp=1, pp=1\).*do nothing"):
+        _program(_Centred(), _batch(), F.mse_loss, bucket_cap_mb=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _program(MLP(4, 8, 2), _batch(), F.mse_loss, dp=2, bucket_cap_mb=5)
+
+
+class _Switch(Feature):
+    name = "test_switch"
+    doc = "a feature turned on by dp > 1 only"
+    options = {"switch_level": Option(0, "a level, used with dp > 1")}
+    enabled_by = ("dp",)
+
+    def enabled(self, strategy) -> bool:
+        return strategy.dp > 1
+
+
+@pytest.mark.structure
+def test_a_feature_left_off_refuses_its_options():
+    register_feature(_Switch)
+    try:
+        with pytest.raises(StrategyError, match=r"switch_level=3\): option\(s\) of feature 'test_switch', which this "
+                                                r"Strategy leaves off \(dp turns it on\)"):
+            fxpar.Strategy(switch_level=3)
+        fxpar.Strategy(dp=2, switch_level=3)
+    finally:
+        unregister_feature("test_switch")
