@@ -65,8 +65,9 @@ class HookBucket:
         raise StrategyError(
             f"DDPHook: the hook called bucket.parameters() on bucket {self._info.index} "
             f"({', '.join(map(str, self._info.keys))}); fxpar's ranks run traced graphs and hold no nn.Parameter, "
-            "so hooks that read or step parameters (ZeroRedundancyOptimizer's, optimizer-overlap and "
-            "mixed-precision hooks) cannot run here; use fxpar's own zero= or optimizer options instead")
+            "so hooks that read or step parameters (the optimizer-overlap, mixed-precision and sharded-optimizer "
+            "hooks) cannot run here; give fxpar the optimizer (parallelize(optimizer=...)) and its Strategy options "
+            "instead")
 
 
 def _state_without_group(state):

@@ -101,7 +101,7 @@ def orthogonalize(m: torch.Tensor, epsilon: float) -> torch.Tensor:
     for i in range(rank):
         col = m[:, :, i:i + 1]
         # PowerSGD's orthogonalisation (Vogels et al. 2019, Algorithm 1): normalise the column (plus epsilon, against
-        # an all-zero column), then remove its component from the columns after it
+        # a column of zeros), then remove its component from the columns after it
         if epsilon == 0:
             col.div_(torch.norm(col, dim=1, keepdim=True))
         else:
@@ -260,7 +260,7 @@ class PowerSGD(Method):
                                 "(0 compresses every matrix)")
         if self.orthogonalization_epsilon < 0:
             raise StrategyError(f"PowerSGD(orthogonalization_epsilon={self.orthogonalization_epsilon!r}): must be "
-                                ">= 0 (1e-8 guards against all-zero columns)")
+                                ">= 0 (1e-8 guards against columns of zeros)")
 
     # ---- plan ----
     def layout(self, bucket: BucketInfo) -> tuple:
