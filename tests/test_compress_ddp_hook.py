@@ -16,10 +16,12 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import fxpar
+from fxpar import compress as C
 from fxpar.compress.ddp_hook import DDPHook, HookBucket
 from fxpar.compress.method import BucketInfo, Comm
 from fxpar.errors import StrategyError
-from fxpar.testing import MLP, class_batches
+from fxpar.testing import MLP, class_batches, gpt_loss, regression_batches, tiny_gpt, token_batches
 
 NUMERICS, STRUCTURE = pytest.mark.numerics, pytest.mark.structure
 
@@ -265,7 +267,7 @@ def test_hook_bucket_answers_as_grad_bucket():
     assert hb.buffer() is new and hb.gradients()[1].dtype == torch.float32
 
 
-# ---- end to end: fxpar.parallelize(...).run_local with DDPHook against DDP with the hook ------------------------------
+# ---- end to end: fxpar.parallelize(...).run_local with DDPHook against DDP with the hook ------------------------
 SGD = (torch.optim.SGD, {"lr": 0.1})
 
 
@@ -301,7 +303,6 @@ def ddp_run(model, batches, loss_fn, hook, state_opts):
 
 
 def _data(kind):
-    from fxpar.testing import gpt_loss, regression_batches, tiny_gpt, token_batches
     if kind == "gpt":
         return tiny_gpt(), token_batches(5), gpt_loss
     torch.manual_seed(0)
@@ -311,8 +312,6 @@ def _data(kind):
 @NUMERICS
 @pytest.mark.parametrize("name, kind", [(n, "mlp") for n in E2E_HOOKS] + [("bf16", "gpt"), ("powerSGD", "gpt")])
 def test_run_local_equals_ddp_with_the_hook(clusters, name, kind):
-    import fxpar
-    from fxpar import compress as C
     hook, opts = E2E_HOOKS[name]
     model, batches, loss_fn = _data(kind)
     state = None if opts is None else psgd.PowerSGDState(None, **opts)
@@ -329,8 +328,6 @@ def test_run_local_equals_ddp_with_the_hook(clusters, name, kind):
 def test_measured_bytes_and_explain(clusters):
     """A hook's bytes are not known before it runs: the plan counts the bucket's plain all-reduce, explain() says
     so, and a measured run reports what the hook handed over (fp16: half the bucket)."""
-    import fxpar
-    from fxpar import compress as C
     model, batches, loss_fn = _data("mlp")
     prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
                              strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(dh.fp16_compress_hook)))
@@ -343,8 +340,6 @@ def test_measured_bytes_and_explain(clusters):
 
 @NUMERICS
 def test_run_local_stops_on_a_future_that_never_completes(clusters):
-    import fxpar
-    from fxpar import compress as C
     model, batches, loss_fn = _data("mlp")
     prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
                              strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(never_completes, timeout_s=0.5)))

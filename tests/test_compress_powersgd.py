@@ -3,18 +3,26 @@
 Every rank of a real gloo group runs ``PowerSGD(...).sum`` through an eager :class:`Comm` on the world group and, on
 copies of the same buckets, torch's hook with a ``PowerSGDState`` of the same options, for several steps; the two
 must agree to 1e-10 (they agree bit for bit: the same arithmetic in the same order)."""
+import copy
+import warnings
+
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fxpar
 
 from fxpar.compress.ddp_hook import HookBucket
+from fxpar.compress.feature import bucket_infos as plan_buckets
 from fxpar.compress.method import BucketInfo, Comm
 from fxpar.compress.powersgd import PowerSGD, bucket_layout, draw_seed, orthogonalize, rng_state_tensor
 from fxpar.errors import StrategyError
-from fxpar.testing import MLP, tiny_gpt
+from fxpar.testing import MLP, gpt_loss, regression_batches, tiny_gpt, token_batches
 
 NUMERICS, STRUCTURE = pytest.mark.numerics, pytest.mark.structure
 
@@ -244,13 +252,12 @@ def test_warns_once_when_nothing_is_compressed():
     m = PowerSGD(rank=16, min_compression_rate=2.0)
     with pytest.warns(UserWarning, match="bucket 0"):
         m.layout(info)
-    import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         m.layout(info)
 
 
-# ---- end to end: fxpar.parallelize(...).run_local against DDP with powerSGD_hook --------------------------------------
+# ---- end to end: fxpar.parallelize(...).run_local against DDP with powerSGD_hook --------------------------------
 SGD = (torch.optim.SGD, {"lr": 0.1})
 
 
@@ -258,8 +265,6 @@ def ddp_with_hook(model, batches, loss_fn, optimizer, hook, state_opts):
     """On a rank: torch's DDP (the model in one bucket) with ``hook`` and, when ``state_opts`` is given, a
     ``PowerSGDState(process_group=None, **state_opts)``; the global-batch losses gathered after training and rank 0's
     trained state."""
-    import copy
-    from torch.nn.parallel import DistributedDataParallel as DDP
     rank, world = dist.get_rank(), dist.get_world_size()
     m = DDP(copy.deepcopy(model), bucket_cap_mb=25.0)
     m.register_comm_hook(None if state_opts is None else psgd.PowerSGDState(process_group=None, **state_opts), hook)
@@ -286,8 +291,6 @@ def state_opts(m: PowerSGD) -> dict:
 
 
 def model_and_data(kind: str, n: int):
-    import torch.nn.functional as F
-    from fxpar.testing import gpt_loss, regression_batches, token_batches
     if kind == "gpt":
         return tiny_gpt(), token_batches(n), gpt_loss
     torch.manual_seed(0)
@@ -295,7 +298,6 @@ def model_and_data(kind: str, n: int):
 
 
 def program(model, batches, loss_fn, method, dp=2, **kw):
-    import fxpar
     return fxpar.parallelize(model, fxpar.ClusterSpec.local(dp), batches[0], loss_fn=loss_fn, optimizer=SGD,
                              strategy=fxpar.Strategy(dp=dp, grad_sync=method, **kw))
 
@@ -354,7 +356,6 @@ def test_checkpoint_resumes_warm_start_and_residuals_bitwise(clusters, tmp_path)
 @NUMERICS
 def test_measured_bytes_equal_wire_bytes(clusters):
     """Per step and bucket: a plain all-reduce before start_iter, then the whole tensors, P and Q."""
-    from fxpar.compress.feature import bucket_infos as plan_buckets
     model, batches, loss_fn = model_and_data("mlp", 4)
     method = PowerSGD(rank=2, start_iter=2, min_compression_rate=1.0)
     prog = program(model, batches, loss_fn, method, bucket_cap_mb=0.004)

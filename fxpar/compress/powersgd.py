@@ -37,8 +37,9 @@ from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.errors import StrategyError
 
-__all__ = ["PowerSGD", "TensorPlan", "bucket_layout", "compress_order", "power_step", "orthogonalize", "rng_state_tensor",
-           "draw_seed"]
+__all__ = ["PowerSGD", "TensorPlan", "bucket_layout", "compress_order", "power_step", "orthogonalize",
+           "rng_state_tensor", "draw_seed", "random_q", "describe_layout", "warn_if_nothing_compressed",
+           "should_compress", "p_size", "q_size", "uncompressed_size"]
 
 _SEED_BOUND = 1_000_000_000      # torch's ``state.rng.randint(1_000_000_000)``
 _MT_WORDS = 624                  # MT19937's state: 624 words, then position, has_gauss, cached gaussian
