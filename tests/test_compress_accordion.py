@@ -133,6 +133,7 @@ def test_options_round_trip_and_refusals():
 # ---- end to end ----
 
 @NUMERICS
+@pytest.mark.slow
 def test_run_local_always_critical_equals_powersgd_high(clusters):
     model, batches, loss_fn = model_and_data("gpt", 6)
     high = PowerSGD(rank=2, start_iter=2)
@@ -146,6 +147,7 @@ def test_run_local_always_critical_equals_powersgd_high(clusters):
 
 
 @NUMERICS
+@pytest.mark.slow
 def test_run_local_switches_and_resumes(clusters, tmp_path):
     """threshold 1e9 on the MLP: every matrix drops to rank 1 at step 4; checkpointed after step 5 (the settings,
     norms, log and accumulation in the state), resumed, the rest equals the straight run bitwise."""
