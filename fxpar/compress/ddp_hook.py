@@ -1,0 +1,225 @@
+"""Any DDP communication hook, run on fxpar's gradient buckets the way ``DistributedDataParallel`` runs it.
+
+A hook is the function a user hands to ``DistributedDataParallel.register_comm_hook(state, hook)``:
+``hook(state, bucket) -> torch.futures.Future[Tensor]``. :class:`DDPHook` calls it once per bucket, in DDP's
+bucket index order, with a :class:`HookBucket` that answers what torch's ``GradBucket`` answers: ``buffer()``
+(this rank's local, un-divided gradients, flat, in the bucket's order: DDP divides nothing before a hook, the hook
+averages), ``gradients()`` (each gradient as a view of the buffer), ``index()``, ``is_last()`` and ``set_buffer()``.
+The future is waited for before anything of fxpar's runs again (torch's ``powerSGD_hook`` issues collectives from
+its future's callbacks), with a time limit; its value must be the averaged bucket, the buffer's shape and dtype.
+
+Process groups: a hook state of ``None`` reaches the hook as the rank's data-parallel process group (torch's
+default hooks read ``None`` as the world, which is that group when dp is the whole world); a state object with a
+``process_group`` attribute (``PowerSGDState``) travels to the ranks without it and has it set to the rank's
+data-parallel group there. The hook itself must be picklable: a module-level function (or a ``functools.partial``
+of one).
+"""
+from __future__ import annotations
+
+import base64
+import pickle
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar
+
+import torch
+from torch.distributed import distributed_c10d as c10d
+
+from fxpar.compress.feature import register_method
+from fxpar.compress.method import BucketInfo, Comm, Method
+from fxpar.errors import StrategyError
+
+__all__ = ["DDPHook", "HookBucket", "hook_name"]
+
+
+def hook_name(hook) -> str:
+    fn = getattr(hook, "func", hook)          # functools.partial
+    mod = getattr(fn, "__module__", None)
+    qual = getattr(fn, "__qualname__", None) or repr(fn)
+    return f"{mod}.{qual}" if mod else qual
+
+
+class HookBucket:
+    """What a DDP comm hook sees of one bucket (the methods of torch's ``dist.GradBucket``)."""
+
+    def __init__(self, buffer: torch.Tensor, info: BucketInfo):
+        self._buffer = buffer
+        self._info = info
+
+    def index(self) -> int:
+        return self._info.index
+
+    def is_last(self) -> bool:
+        return self._info.is_last
+
+    def buffer(self) -> torch.Tensor:
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def gradients(self) -> list:
+        return self._info.views(self._buffer)
+
+    def parameters(self) -> list:
+        raise StrategyError(
+            f"DDPHook: the hook called bucket.parameters() on bucket {self._info.index} "
+            f"({', '.join(map(str, self._info.keys))}); fxpar's ranks run traced graphs and hold no nn.Parameter, "
+            "so hooks that read or step parameters (the optimizer-overlap, mixed-precision and sharded-optimizer "
+            "hooks) cannot run here; give fxpar the optimizer (parallelize(optimizer=...)) and its Strategy options "
+            "instead")
+
+
+def _state_without_group(state):
+    """A state object with a ``process_group`` slot or attribute, rebuilt on the rank with ``process_group=None``
+    (a process group cannot be pickled; :meth:`DDPHook.bind` sets the rank's dp group)."""
+    cls = type(state)
+    names = [s for c in cls.__mro__ for s in getattr(c, "__slots__", ())]
+    fields = {s: getattr(state, s) for s in names if s != "process_group" and hasattr(state, s)}
+    fields.update({k: v for k, v in getattr(state, "__dict__", {}).items() if k != "process_group"})
+    return _rebuild_state, (cls, fields)
+
+
+def _rebuild_state(cls, fields):
+    obj = object.__new__(cls)
+    for k, v in fields.items():
+        object.__setattr__(obj, k, v)
+    object.__setattr__(obj, "process_group", None)
+    return obj
+
+
+@register_method
+@dataclass(frozen=True, eq=False)
+class DDPHook(Method):
+    """Run ``hook(state, bucket)`` on each gradient bucket, as ``DistributedDataParallel`` with
+    ``register_comm_hook(state, hook)`` runs it. ``timeout_s``: how long one bucket's future may take before the
+    rank stops with an error naming the hook."""
+    hook: Callable = None
+    state: Any = None
+    timeout_s: float = 300.0
+
+    name: ClassVar[str] = "ddp_hook"
+    paper: ClassVar[str] = "torch.nn.parallel.DistributedDataParallel.register_comm_hook (DDP communication hooks)"
+    eager: ClassVar[bool] = True
+
+    def __eq__(self, other):
+        return self is other
+
+    def __hash__(self):
+        return id(self)
+
+    def __reduce__(self):
+        st = self.state
+        if st is not None and _has_group(st):
+            st = _StateCarrier(st)
+        return _rebuild_hook, (self.hook, st, self.timeout_s)
+
+    # ---- options ----
+    def check(self, dp: int) -> None:
+        if not callable(self.hook):
+            raise StrategyError(f"DDPHook(hook={self.hook!r}): the hook must be a function hook(state, bucket) -> "
+                                "torch.futures.Future, as for DistributedDataParallel.register_comm_hook")
+        if getattr(self.hook, "__name__", "") == "<lambda>" or "<locals>" in getattr(self.hook, "__qualname__", ""):
+            raise StrategyError(f"DDPHook(hook={hook_name(self.hook)}): the hook travels to the ranks by pickle; "
+                                "define it at the top level of a module (a lambda or a nested function cannot be "
+                                "pickled)")
+        if not (self.timeout_s > 0):
+            raise StrategyError(f"DDPHook(timeout_s={self.timeout_s!r}): must be > 0 seconds")
+
+    def to_dict(self) -> dict:
+        """The hook's and state's names for reading, and the method itself pickled (``"pickle"``, base64), so a Plan
+        in JSON carries the hook and its state (without its process group) to :meth:`from_dict`."""
+        return {"method": self.name, "hook": hook_name(self.hook), "state": type(self.state).__name__,
+                "timeout_s": self.timeout_s, "pickle": base64.b64encode(pickle.dumps(self)).decode("ascii")}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "DDPHook":
+        if "pickle" not in data:
+            raise StrategyError("DDPHook: a Plan section of a DDP comm hook needs its \"pickle\" entry (the hook and "
+                                "its state, as DDPHook.to_dict() writes them); plan again with "
+                                "Strategy(grad_sync=DDPHook(hook, state))")
+        return pickle.loads(base64.b64decode(data["pickle"]))
+
+    def summary(self) -> str:
+        return f"DDPHook({hook_name(self.hook)}, state={type(self.state).__name__}, timeout_s={self.timeout_s})"
+
+    # ---- on the rank ----
+    def bind(self, comm: Comm):
+        """The state the hook receives on this rank: ``None`` becomes the dp process group; a state whose
+        ``process_group`` is ``None`` gets the dp group."""
+        group = getattr(comm, "pg", None)
+        if group is None:
+            group = c10d._resolve_process_group(comm.group) if comm.size > 1 else c10d._get_default_group()
+        if self.state is None:
+            return group
+        if _has_group(self.state) and getattr(self.state, "process_group", None) is None:
+            self.state.process_group = group
+        return self.state
+
+    def sum(self, flat: torch.Tensor, state: dict, inputs: list, bucket: BucketInfo, comm: Comm, variant) -> tuple:
+        # DDP hands a hook the local gradients, un-divided: the hook averages
+        buf = flat * comm.size
+        hb = HookBucket(buf, bucket)
+        who = hook_name(self.hook)
+        try:
+            fut = self.hook(self.bind(comm), hb)
+        except StrategyError:
+            raise
+        except Exception as e:
+            raise StrategyError(f"DDPHook {who}: the hook raised {type(e).__name__} on bucket {bucket.index} "
+                                f"({', '.join(map(str, bucket.keys))}): {e}") from e
+        if not isinstance(fut, (torch.futures.Future, torch._C.Future)):
+            raise StrategyError(f"DDPHook {who}: on bucket {bucket.index} the hook returned "
+                                f"{type(fut).__name__}, not a torch.futures.Future of the averaged bucket")
+        deadline = time.monotonic() + self.timeout_s
+        pause = 0.0
+        while not fut.done():
+            if time.monotonic() > deadline:
+                raise StrategyError(f"DDPHook {who}: the future it returned for bucket {bucket.index} did not "
+                                    f"complete in {self.timeout_s:g} s (DDPHook(timeout_s=...)); a hook must "
+                                    "return a future its collectives (or its own code) complete")
+            time.sleep(pause)
+            pause = min(1e-3, pause * 2 or 1e-5)
+        try:
+            out = fut.value()
+        except Exception as e:
+            raise StrategyError(f"DDPHook {who}: the future for bucket {bucket.index} failed: {e}") from e
+        if isinstance(out, (list, tuple)) and len(out) == 1:
+            out = out[0]
+        want = (bucket.numel,)
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != bucket.torch_dtype:
+            got = (f"{tuple(out.shape)} {out.dtype}" if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise StrategyError(f"DDPHook {who}: the future for bucket {bucket.index} "
+                                f"({', '.join(map(str, bucket.keys))}) holds {got}; DDP needs the averaged bucket, "
+                                f"shape {want} and dtype {bucket.torch_dtype}")
+        return out, dict(state)
+
+    def wire_bytes(self, bucket: BucketInfo, variant) -> int:
+        """A hook's bytes are not known before it runs: the plan counts the bucket's plain all-reduce; a run with
+        ``measure_comm=True`` reports what the hook handed over."""
+        return bucket.numel * bucket.element_size
+
+    def describe(self, bucket: BucketInfo, variant) -> list:
+        return [f"DDP comm hook {hook_name(self.hook)} (state {type(self.state).__name__}) sums the bucket; its bytes "
+                "are not known before it runs: wire_bytes counts a plain all-reduce of the bucket, "
+                "run_local(measure_comm=True) reports those measured"]
+
+
+def _has_group(state) -> bool:
+    slots = [s for c in type(state).__mro__ for s in getattr(c, "__slots__", ())]
+    return "process_group" in slots or "process_group" in getattr(state, "__dict__", {})
+
+
+class _StateCarrier:
+    """Pickles a hook state without its process group."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __reduce__(self):
+        return _state_without_group(self.state)
+
+
+def _rebuild_hook(hook, state, timeout_s):
+    return DDPHook(hook, state, timeout_s)
+

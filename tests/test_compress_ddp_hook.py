@@ -1,0 +1,347 @@
+"""DDPHook runs a DDP comm hook on a bucket exactly as DistributedDataParallel does (float64).
+
+The oracle is torch's own DDP: on every rank of a gloo group, DDP trains a model with the hook wrapped in a recorder
+that keeps each bucket DDP hands the hook (index, is_last, the buffer, its gradients' shapes and parameters) and
+what the hook's future returned. Then ``DDPHook(hook, fresh_state).sum`` replays the same buckets, in the same order,
+from fxpar's side (each rank's buffer scaled by 1/dp, as fxpar's buckets come) and must return the same tensors."""
+import copy
+import functools
+import pickle
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks as dh
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import fxpar
+from fxpar import compress as C
+from fxpar.compress.ddp_hook import DDPHook, HookBucket
+from fxpar.compress.method import BucketInfo, Comm
+from fxpar.errors import StrategyError
+from fxpar.testing import MLP, class_batches, gpt_loss, regression_batches, tiny_gpt, token_batches
+
+NUMERICS, STRUCTURE = pytest.mark.numerics, pytest.mark.structure
+
+
+class Recorder:
+    """A hook's state that records what DDP handed the hook and what the hook's future held."""
+
+    def __init__(self, hook, state):
+        self.hook, self.state, self.calls = hook, state, []
+
+
+def recording_hook(rec: Recorder, bucket):
+    names = {id(p): n for n, p in rec.names}
+    call = {"index": bucket.index(), "is_last": bucket.is_last(), "buffer": bucket.buffer().clone(),
+            "shapes": tuple(tuple(g.shape) for g in bucket.gradients()),
+            "views": all(g.data_ptr() >= bucket.buffer().data_ptr() for g in bucket.gradients()),
+            "keys": tuple(names[id(p)] for p in bucket.parameters())}
+    rec.calls.append(call)
+
+    def keep(fut):
+        call["out"] = fut.value().clone()
+        return fut.value()
+    return rec.hook(rec.state, bucket).then(keep)
+
+
+def make_state(kind: str):
+    if kind == "none":
+        return None
+    return psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1 if kind == "psgd1" else 2,
+                              start_powerSGD_iter=2, min_compression_rate=0.5, random_seed=3)
+
+
+HOOKS = {
+    "allreduce": (dh.allreduce_hook, "none"),
+    "fp16": (dh.fp16_compress_hook, "none"),
+    "bf16": (dh.bf16_compress_hook, "none"),
+    "powerSGD": (psgd.powerSGD_hook, "psgd2"),
+}
+BATCHED = {"batched_powerSGD": (psgd.batched_powerSGD_hook, "psgd1")}
+
+
+def info_of(call, n_buckets, dp, rank) -> BucketInfo:
+    offsets, at = [], 0
+    for s in call["shapes"]:
+        offsets.append(at)
+        at += int(torch.Size(s).numel())
+    return BucketInfo(0, call["index"], n_buckets, call["keys"], call["shapes"], tuple(offsets), at, "float64", dp,
+                      rank)
+
+
+def _ddp_then_replay(name: str, steps: int, bucket_cap_mb: float):
+    """On a rank: DDP trains an MLP with the hook (recorded); DDPHook replays the recorded buckets. Returns (max
+    |DDPHook - DDP| over every call, the recorded calls' (index, is_last) per step, whether the buffers were DDP's
+    raw local gradients, the number of calls)."""
+    hook, state_kind = {**HOOKS, **BATCHED}[name]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    model = MLP(d_in=16, hidden=32, d_out=4).double()
+    ddp = DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
+    rec = Recorder(hook, make_state(state_kind))
+    rec.names = list(ddp.module.named_parameters())
+    ddp.register_comm_hook(rec, recording_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    batches = class_batches(steps, 8 * world, 16, 4, seed=5)
+    per_step, raw_ok, ddp_failed = [], True, None
+    for b in batches:
+        x, y = (t[rank * 8:(rank + 1) * 8] for t in b)
+        before = len(rec.calls)
+        opt.zero_grad()
+        # the local gradient, taken without DDP, to check DDP hands the hook the un-divided local gradients
+        local = torch.autograd.grad(F.cross_entropy(ddp.module(x.double()), y), list(ddp.module.parameters()))
+        by_name = {n: g for (n, _), g in zip(rec.names, local)}
+        try:
+            F.cross_entropy(ddp(x.double()), y).backward()
+        except Exception as e:          # torch's own hook failing inside DDP: DDPHook must fail at the same call
+            ddp_failed = (len(rec.calls) - 1, type(e).__name__)
+            per_step.append(tuple((c["index"], c["is_last"]) for c in rec.calls[before:]))
+            break
+        opt.step()
+        calls = rec.calls[before:]
+        per_step.append(tuple((c["index"], c["is_last"]) for c in calls))
+        for c in calls:
+            want = torch.cat([by_name[k].reshape(-1) for k in c["keys"]])
+            raw_ok &= bool(torch.equal(want, c["buffer"])) and c["views"]
+    # replay on fxpar's side: a fresh state, the same buckets in the same order
+    method = DDPHook(hook, make_state(state_kind))
+    comm = Comm(world, rank, group=dist.group.WORLD.group_name)
+    worst, at, ours_failed = 0.0, 0, None
+    for i, step in enumerate(per_step):
+        # the step's bucket count: DDP's, or (the step DDP failed in) that of the step before
+        count = len(step) if i + 1 < len(per_step) or ddp_failed is None else len(per_step[i - 1])
+        for k, c in enumerate(rec.calls[at:at + len(step)]):
+            info = info_of(c, count, world, rank)
+            try:
+                got, _ = method.sum(c["buffer"] / world, {}, [], info, comm, None)
+            except StrategyError as e:
+                ours_failed = (at + k, type(e.__cause__).__name__, hook.__name__ in str(e))
+                break
+            worst = max(worst, float((got - c["out"]).abs().max()))
+        at += len(step)
+    return worst, per_step, raw_ok, len(rec.calls), ddp_failed, ours_failed
+
+
+@NUMERICS
+@pytest.mark.parametrize("name", list(HOOKS))
+def test_equals_ddp_with_the_hook(clusters, name):
+    # 0.001 MB buckets: the MLP's 1 380 float64 gradients fill several buckets. powerSGD_hook gets one bucket: DDP on
+    # gloo with it and several buckets deadlocks (each bucket's future callback blocks one of gloo's two threads in
+    # a wait for the next all-reduce, which needs a free thread); DDPHook waits bucket by bucket and does not
+    cap = 25.0 if "powerSGD" in name else 0.001
+    res = clusters.get(2).run(_ddp_then_replay, [(name, 4, cap)] * 2)
+    for worst, per_step, raw_ok, calls, ddp_failed, ours_failed in res:
+        assert ddp_failed is None and ours_failed is None
+        assert worst <= 1e-12, (name, worst)
+        assert raw_ok                     # DDP hands the hook the local, un-divided gradients, as HookBucket does
+        # DDP starts with one bucket and rebuilds them after the first step
+        assert calls == sum(len(s) for s in per_step) and (len(per_step[-1]) > 1) == (cap < 1)
+        for s in per_step:                # one call per bucket, in index order; is_last on the last
+            assert [i for i, _ in s] == list(range(len(s)))
+            assert [last for _, last in s] == [False] * (len(s) - 1) + [True]
+
+
+@NUMERICS
+def test_batched_powerSGD_fails_where_ddp_fails(clusters):
+    """torch 2.13's ``batched_powerSGD_hook`` hands ``_orthogonalize`` a 2-D matrix, which it refuses (an
+    AssertionError) on the first compressed step, inside DDP too: DDPHook runs the steps before it as DDP does and
+    fails at the same call, naming the hook."""
+    for worst, per_step, raw_ok, calls, ddp_failed, ours_failed in clusters.get(2).run(
+            _ddp_then_replay, [("batched_powerSGD", 4, 25.0)] * 2):
+        assert worst <= 1e-12 and raw_ok and len(per_step) == 3           # steps 0 and 1 ran; step 2 failed
+        assert ddp_failed == (calls - 1, "AssertionError")
+        assert ours_failed == (calls - 1, "AssertionError", True)
+
+
+def never_completes(state, bucket):
+    return torch.futures.Future()
+
+
+def wrong_shape(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer()[:-1].clone())
+    return fut
+
+
+def wrong_dtype(state, bucket):
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer().float())
+    return fut
+
+
+def reads_parameters(state, bucket):
+    bucket.parameters()
+    return dh.allreduce_hook(state, bucket)
+
+
+def _bad_hook(hook, timeout_s):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    info = BucketInfo(0, 1, 2, ("fc.weight", "fc.bias"), ((3, 4), (3,)), (0, 12), 15, "float64", world, rank)
+    comm = Comm(world, rank, group=dist.group.WORLD.group_name)
+    try:
+        DDPHook(hook, None, timeout_s=timeout_s).sum(torch.ones(15, dtype=torch.float64), {}, [], info, comm, None)
+    except StrategyError as e:
+        return str(e)
+    return None
+
+
+@NUMERICS
+@pytest.mark.parametrize("hook, words", [
+    (never_completes, ["never_completes", "did not complete in 0.3 s", "timeout_s", "bucket 1"]),
+    (wrong_shape, ["wrong_shape", "bucket 1", "fc.weight", "(14,)", "shape (15,)", "torch.float64"]),
+    (wrong_dtype, ["wrong_dtype", "torch.float32", "dtype torch.float64"]),
+    (reads_parameters, ["bucket.parameters()", "bucket 1", "nn.Parameter"]),
+])
+def test_bad_hooks_fail_naming_the_hook(clusters, hook, words):
+    for msg in clusters.get(2).run(_bad_hook, [(hook, 0.3)] * 2):
+        assert msg is not None
+        for w in words:
+            assert w in msg, (w, msg)
+
+
+def _pickled_state_binds_group(blob: bytes):
+    """On a rank: the DDPHook unpickled (state without its process group) runs powerSGD_hook on the dp group."""
+    method = pickle.loads(blob)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    comm = Comm(world, rank, group=dist.group.WORLD.group_name)
+    info = BucketInfo(0, 0, 1, ("w", "b"), ((8, 6), (8,)), (0, 48), 56, "float64", world, rank)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        flat = torch.randn(56, generator=g, dtype=torch.float64)
+        got, _ = method.sum(flat / world, {}, [], info, comm, None)
+    return method.state.process_group is not None and method.state.iter == 4, float(got.abs().max())
+
+
+@NUMERICS
+def test_state_travels_without_its_process_group(clusters):
+    st = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    st.iter = 0
+    blob = pickle.dumps(DDPHook(psgd.powerSGD_hook, st))
+    for ok, size in clusters.get(2).run(_pickled_state_binds_group, [(blob,)] * 2):
+        assert ok and size > 0
+
+
+@STRUCTURE
+def test_pickles_with_no_default_group():
+    assert not dist.is_initialized()
+    st = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=5, random_seed=9)
+    back = pickle.loads(pickle.dumps(DDPHook(psgd.powerSGD_hook, st, timeout_s=7.0)))
+    assert back.hook is psgd.powerSGD_hook and back.timeout_s == 7.0
+    assert back.state.process_group is None and back.state.matrix_approximation_rank == 2
+    assert back.state.rng.randint(10 ** 9) == st.rng.randint(10 ** 9)
+
+
+@STRUCTURE
+def test_refuses_hooks_that_cannot_travel():
+    with pytest.raises(StrategyError, match="top level of a module"):
+        DDPHook(lambda s, b: None).check(2)
+    with pytest.raises(StrategyError, match="hook must be a function"):
+        DDPHook("allreduce").check(2)
+    with pytest.raises(StrategyError, match="timeout_s"):
+        DDPHook(dh.allreduce_hook, timeout_s=0).check(2)
+    DDPHook(functools.partial(dh.allreduce_hook)).check(2)
+
+
+@STRUCTURE
+def test_explain_says_bytes_are_measured():
+    info = BucketInfo(0, 0, 1, ("w",), ((4, 4),), (0,), 16, "float64", 2)
+    m = DDPHook(dh.fp16_compress_hook)
+    assert "measured" in " ".join(m.describe(info, None))
+    assert "fp16_compress_hook" in m.summary()
+    assert m.to_dict()["hook"].endswith("default_hooks.fp16_compress_hook")
+
+
+@STRUCTURE
+def test_hook_bucket_answers_as_grad_bucket():
+    info = BucketInfo(0, 2, 3, ("a", "b"), ((2, 3), (4,)), (0, 6), 10, "float64", 2)
+    buf = torch.arange(10, dtype=torch.float64)
+    hb = HookBucket(buf, info)
+    assert hb.index() == 2 and hb.is_last() and hb.buffer() is buf
+    a, b = hb.gradients()
+    assert a.shape == (2, 3) and torch.equal(b, buf[6:]) and a.data_ptr() == buf.data_ptr()
+    new = buf.float()
+    hb.set_buffer(new)
+    assert hb.buffer() is new and hb.gradients()[1].dtype == torch.float32
+
+
+# ---- end to end: fxpar.parallelize(...).run_local with DDPHook against DDP with the hook ------------------------
+SGD = (torch.optim.SGD, {"lr": 0.1})
+
+
+def bf16_hook(state, bucket):
+    """torch's bf16_compress_hook by another name: DDP refuses that hook by its name off CUDA + NCCL."""
+    return dh.bf16_compress_hook(state, bucket)
+
+
+E2E_HOOKS = {"allreduce": (dh.allreduce_hook, None), "fp16": (dh.fp16_compress_hook, None),
+             "bf16": (bf16_hook, None),
+             "powerSGD": (psgd.powerSGD_hook, dict(matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                                   min_compression_rate=1.0, random_seed=5))}
+
+
+def ddp_run(model, batches, loss_fn, hook, state_opts):
+    """On a rank: torch's DDP (one bucket) with ``hook``; losses gathered after training, rank 0's state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = DDP(copy.deepcopy(model), bucket_cap_mb=25.0)
+    m.register_comm_hook(None if state_opts is None else psgd.PowerSGDState(None, **state_opts), hook)
+    opt = SGD[0](m.parameters(), **SGD[1])
+    local = []
+    for b in batches:
+        n = b[0].shape[0] // world
+        x, y = (t[rank * n:(rank + 1) * n] for t in b)
+        opt.zero_grad()
+        loss = loss_fn(m(x), y)
+        loss.backward()
+        opt.step()
+        local.append(loss.item())
+    t = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(t)
+    return {"losses": (t / world).tolist(), "state": m.module.state_dict() if rank == 0 else None}
+
+
+def _data(kind):
+    if kind == "gpt":
+        return tiny_gpt(), token_batches(5), gpt_loss
+    torch.manual_seed(0)
+    return MLP().double(), regression_batches(5), F.mse_loss
+
+
+@NUMERICS
+@pytest.mark.parametrize("name, kind", [(n, "mlp") for n in E2E_HOOKS] + [("bf16", "gpt"), ("powerSGD", "gpt")])
+def test_run_local_equals_ddp_with_the_hook(clusters, name, kind):
+    hook, opts = E2E_HOOKS[name]
+    model, batches, loss_fn = _data(kind)
+    state = None if opts is None else psgd.PowerSGDState(None, **opts)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(hook, state)))
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    ddp = clusters.get(2).run(ddp_run, [(model, batches, loss_fn, hook, opts)] * 2)
+    assert max(abs(a - b) for a, b in zip(res.losses, ddp[0]["losses"])) <= 1e-10
+    got = res.state_dict()
+    assert max(float((got[k] - v).abs().max()) for k, v in ddp[0]["state"].items()) <= 1e-10
+
+
+@NUMERICS
+def test_measured_bytes_and_explain(clusters):
+    """A hook's bytes are not known before it runs: the plan counts the bucket's plain all-reduce, explain() says
+    so, and a measured run reports what the hook handed over (fp16: half the bucket)."""
+    model, batches, loss_fn = _data("mlp")
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(dh.fp16_compress_hook)))
+    numel = sum(p.numel() for p in model.parameters())
+    assert f"wire_bytes={numel * 8}" in prog.explain() and "measured" in prog.explain()
+    res = prog.run_local(batches[:2], cluster=clusters.get(2), measure_comm=True)
+    for r in range(2):
+        assert res.comm_calls[r] == [[("all_reduce", numel * 2)]] * 2
+
+
+@NUMERICS
+def test_run_local_stops_on_a_future_that_never_completes(clusters):
+    model, batches, loss_fn = _data("mlp")
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(never_completes, timeout_s=0.5)))
+    with pytest.raises(fxpar.RankFailedError, match=r"never_completes.*did not complete in 0.5 s"):
+        prog.run_local(batches[:1], cluster=clusters.get(2))
