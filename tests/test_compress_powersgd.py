@@ -378,4 +378,7 @@ def test_measured_bytes_equal_wire_bytes(clusters):
                 want += [("all_reduce", n * 8) for n in parts if n]
             assert calls == want, (r, step)
             assert sum(n for _, n in calls) == sum(method.wire_bytes(b, method.variant(b, step, None)) for b in infos)
-    assert f"wire_bytes={method.wire_bytes(infos[0], 'allreduce')}" in prog.explain()
+    # explain() shows the steady state (compressed) and what the first steps send (a plain all-reduce)
+    steady = method.wire_bytes(infos[0], method.variant(infos[0], 10**6, None))
+    assert f"wire_bytes={steady} (" in prog.explain() and steady < infos[0].numel * 8
+    assert f"until the method starts: wire_bytes={method.wire_bytes(infos[0], 'allreduce')} (" in prog.explain()

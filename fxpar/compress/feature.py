@@ -299,10 +299,14 @@ class CompressFeature(Feature):
         lines = section.lines() + [f"method: {m.summary()}" + (f"; {m.paper}" if m.paper else "")]
         for s in range(len(section.stages)):
             for b, row in zip(bucket_infos(program.plan, s, program.stages[s].captured), section.stages[s]):
-                v = m.variant(b, 0, dict(m.init_state(b, generator_for(m))))
+                v = m.variant(b, STEADY_STEP, dict(m.init_state(b, generator_for(m))))
                 coll = ", ".join(f"{k} of {n} bytes" for k, n in row["collectives"]) or "collectives run eagerly"
                 lines.append(f"stage {s} bucket {b.index}: {b.numel} values ({b.dtype}), {row['plain_bytes']} bytes "
                              f"all-reduced plainly -> wire_bytes={row['wire_bytes']} ({coll})")
+                first = row.get("first_step")
+                if first is not None:        # the first steps (before a start_iter, a warm-up) send otherwise
+                    coll0 = ", ".join(f"{k} of {n} bytes" for k, n in first["collectives"]) or "collectives run eagerly"
+                    lines.append(f"  until the method starts: wire_bytes={first['wire_bytes']} ({coll0})")
                 lines += [f"  {x}" for x in m.describe(b, v)]
         return lines
 
