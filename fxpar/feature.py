@@ -140,7 +140,8 @@ class RankState:
       where ``collective`` is True: then every rank calls it; an instance may set it in :meth:`setup`);
       :meth:`laid_out`: the other way, for a whole tensor laid out like a parameter;
     * :meth:`after_update`, :meth:`after_load`, :meth:`drain`: after a stage's update, after a checkpoint
-      replaced the state with whole tensors, before results and checkpoints are taken.
+      replaced the state with whole tensors, before results and checkpoints are taken;
+    * :meth:`report`: what it tells the run's result (``RunResult.features``).
     """
     input_roles: ClassVar[tuple] = ()
     collective: ClassVar[bool] = False
@@ -191,6 +192,11 @@ class RankState:
 
     def drain(self, ex) -> None:
         """Before results, ``state_dict()`` and checkpoints: finish what is in flight (a collective)."""
+
+    def report(self):
+        """What this state tells the run's result once the run is over (picklable; None: nothing), as
+        ``RunResult.features[rank][<feature>]`` (an adaptive method's decisions, say)."""
+        return None
 
     def save(self) -> dict:
         """This rank's state for a checkpoint (picklable; tensors are copied)."""

@@ -512,6 +512,7 @@ class Program:
                         optimizer_state=results[0].get("optimizer_state", {}))
         res.comm = {i: r["comm"] for i, r in enumerate(results)}
         res.state_bytes = {i: r.get("state_bytes", {}) for i, r in enumerate(results)}
+        res.features = {i: r["features"] for i, r in enumerate(results) if r.get("features")}
         measured = {i: r["peak_memory"] for i, r in enumerate(results) if r.get("peak_memory")}
         res.peak_memory_bytes = {i: max(p for p, _ in m) for i, m in measured.items()}
         res.held_memory_bytes = {i: m[0][1] for i, m in measured.items()}

@@ -39,6 +39,8 @@ class RunResult:
     ``held_memory_bytes``: rank -> the bytes it held when its first step began (state and its microbatches).
     ``servers``: each rank a feature runs beside the workers (``program.extra_ranks()``) -> what it reported
     (:meth:`fxpar.feature.ExtraRank.serve`; a CPU summation server: its steps and, per step, the bytes it received and sent).
+    ``features``: rank -> ``{feature: report}``, what a feature's per-rank state reported at the end of the run
+    (:meth:`fxpar.feature.RankState.report`; Accordion: its switch log per bucket).
 
     Each ``run_local`` call starts from the weights the program was built with (the model's, at
     ``parallelize`` time): it does not continue an earlier call. To continue one, save and resume:
@@ -66,6 +68,7 @@ class RunResult:
     peak_memory_bytes: dict = field(default_factory=dict)
     held_memory_bytes: dict = field(default_factory=dict)
     servers: dict = field(default_factory=dict)     # a rank beside the workers -> what it reported (ExtraRank.serve)
+    features: dict = field(default_factory=dict)    # rank -> {feature: what its RankState reported} (RankState.report)
 
     def state_dict(self) -> dict:
         """Trained parameters and buffers, unsharded, under the model's own keys (tied keys included)."""

@@ -158,6 +158,13 @@ def test_run_local_switches_and_resumes(clusters, tmp_path):
     straight = program(model, batches, loss_fn, acc).run_local(batches, cluster=lc)
     high = program(model, batches, loss_fn, acc.high).run_local(batches, cluster=lc)
     assert straight.losses[:5] == high.losses[:5] and straight.losses[5:] != high.losses[5:]
+    # the switch log reaches the result: every rank made the same switches, each tensor to "low" at step 4 (the
+    # decision is per tensor; a vector is sent whole at either setting)
+    logs = {r: straight.features[r]["accordion"] for r in range(2)}
+    assert logs[0] == logs[1] and logs[0]
+    switched = [row for rep in logs[0].values() for row in rep["log"]]
+    assert sum(rep["count"] for rep in logs[0].values()) == len(switched) > 0
+    assert {k for _, k, _ in switched} == set(model.state_dict()) and {(s, to) for s, _, to in switched} == {(4, "low")}
     program(model, batches, loss_fn, acc).run_local(batches[:5], cluster=lc, save_to=tmp_path / "ck")
     resumed = program(model, batches, loss_fn, acc).run_local(batches[5:], cluster=lc, resume_from=tmp_path / "ck")
     assert resumed.losses == straight.losses[5:]

@@ -211,11 +211,17 @@ class Accordion(Method):
         phase, settings, _ = variant
         head = (f"bucket {bucket.index}: every {self.interval} steps each tensor goes to rank {self.high.rank} "
                 f"(critical: its accumulated gradient norm changed by >= {self.threshold:g} relative) or rank "
-                f"{self.low.rank}; all start at rank {self.high.rank}")
+                f"{self.low.rank}; all start at rank {self.high.rank}; the switches made: "
+                "RunResult.features[rank]['accordion']")
         if phase == "allreduce":
             return [head, f"plain all-reduce of {bucket.numel * bucket.element_size} B before step "
                           f"{self.low.start_iter} (start_iter)"]
         return [head] + describe_layout(bucket, self.layout(bucket, settings))
+
+    def report(self, bucket: BucketInfo, state: dict) -> dict:
+        """The run's result (``RunResult.features[rank]["accordion"][(stage, bucket)]``): the switches made
+        (``count``) and the latest ones, oldest first (``log``: ``(step, parameter key, "high" | "low")``)."""
+        return {"count": int(state["log_count"][0]), "log": self.switch_log(bucket, state)}
 
     def switch_log(self, bucket: BucketInfo, state: dict) -> list:
         """The bucket's switches, oldest first: ``(step, parameter key, "high" or "low")`` (the latest

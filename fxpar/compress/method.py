@@ -155,6 +155,11 @@ class Method:
         """Bytes this rank hands to collectives to sum ``bucket`` (the formula the measured bytes must equal)."""
         raise NotImplementedError(f"{type(self).__name__}.wire_bytes")
 
+    def report(self, bucket: BucketInfo, state: dict):
+        """What this rank's state of ``bucket`` tells the run's result at its end (picklable; None: nothing):
+        ``RunResult.features[rank][<method name>][(stage, index)]``."""
+        return None
+
     def describe(self, bucket: BucketInfo, variant) -> list:
         """Lines for ``explain()``: per tensor of ``bucket``, what is compressed and how."""
         return []

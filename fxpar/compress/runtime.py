@@ -185,6 +185,15 @@ class CompressState(RankState):
                                    f"{tuple(state[k].shape)} {state[k].dtype}: keep each state tensor's shape and "
                                    "dtype")
 
+    def report(self):
+        """``{(stage, index): the method's report of that bucket}`` for buckets it reports on (None: none)."""
+        out = {}
+        for k, b in sorted(self.buckets.items()):
+            r = self.method.report(b, self.state[k])
+            if r is not None:
+                out[k] = r
+        return out or None
+
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def save(self) -> dict:
         return {"state": {bucket_key(*k): {n: t.clone() for n, t in st.items()} for k, st in self.state.items()},

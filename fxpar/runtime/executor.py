@@ -632,6 +632,8 @@ def train(payload: RankPayload, batches: list) -> dict:
            "act_peak_bytes": ex.act_peak_bytes, "action_times": ex.action_times,
            "weight_log": ex.weight_log, "timelines": ex.timelines}
     out["state_bytes"] = {"on_disk": 0, **ex.state_bytes}
+    reports = {name: st.report() for name, st in ex.features.items()}
+    out["features"] = {name: r for name, r in reports.items() if r is not None}
     out["peak_memory"] = ex.peak_memory
     if payload.settings.save_to:
         ex.save(payload.settings.save_to)
