@@ -58,6 +58,38 @@ def methods(names: str) -> dict:
     return out
 
 
+def plot(curves: dict, path: Path, title: str) -> None:
+    """The loss curves (a 10-step running mean) to ``path``, where matplotlib is installed."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("\n(matplotlib not installed: no plot; pip install -e '.[plot]')")
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    k = 10
+    colors = plt.cm.tab20.colors
+    for j, (label, ys) in enumerate(curves.items()):
+        smooth = [sum(ys[max(0, i - k + 1):i + 1]) / len(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
+        ax.plot(smooth, label=label, color="black" if label == "allreduce" else colors[(2 * j) % 20],
+                lw=2.0 if label == "allreduce" else 1.0, ls=("-", "--", ":", "-.")[j % 4])
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"training loss (mean of {k} steps)")
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
+
+
+def from_csv(path: Path) -> dict:
+    """The curves a run wrote (``--replot``)."""
+    with open(path) as f:
+        rows = list(csv.reader(f))
+    return {label: [float(r[j + 1]) for r in rows[1:]] for j, label in enumerate(rows[0][1:])}
+
+
 def text_ids(chars: int) -> torch.Tensor:
     import pydoc_data.topics as topics
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))[:chars]
@@ -75,10 +107,19 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                    help="adamw, or SGD with Nesterov momentum 0.9 (the optimizer PowerSGD's paper trains with)")
     ap.add_argument("--tail", type=int, default=20)
     ap.add_argument("--margin", type=float, default=0.05)
     ap.add_argument("--out", default="docs/img")
+    ap.add_argument("--tag", default="", help="suffix of the CSV and PNG names")
+    ap.add_argument("--replot", default=None, help="a CSV this script wrote: plot it again, train nothing")
     args = ap.parse_args(argv)
+    if args.replot:
+        p = Path(args.replot)
+        plot(from_csv(p), p.with_suffix(".png"), f"gradient compression, {args.ranks} ranks, {args.optimizer}, "
+             "char GPT on pydoc_data.topics")
+        return 0
     ids = text_ids(args.chars)
     g = torch.Generator().manual_seed(0)
     starts = torch.randint(0, len(ids) - args.seq - 1, (args.steps, args.batch), generator=g)
@@ -88,13 +129,16 @@ def main(argv=None) -> int:
     model = GPT(vocab=256, d=args.d, layers=args.layers, heads=max(1, args.d // 16), max_seq=args.seq)
     params = sum(p.numel() for p in model.parameters())
     print(f"char GPT {args.layers} layers, d={args.d}, {params / 1e3:.0f}K params; {len(ids)} characters of "
-          f"pydoc_data.topics; global batch {args.batch}x{args.seq}; {args.steps} steps; {args.ranks} gloo ranks")
+          f"pydoc_data.topics; global batch {args.batch}x{args.seq}; {args.steps} steps; {args.ranks} gloo ranks; "
+          f"{args.optimizer} lr {args.lr}")
+    opt = ((torch.optim.AdamW, {"lr": args.lr}) if args.optimizer == "adamw" else
+           (torch.optim.SGD, {"lr": args.lr, "momentum": 0.9, "nesterov": True}))
     curves, table = {}, []
     with fxpar.LocalCluster(args.ranks) as cluster:
         for label, method in methods(args.methods).items():
             t0 = time.perf_counter()
             program = fxpar.parallelize(model, fxpar.ClusterSpec.local(args.ranks), batches[0], loss_fn=gpt_loss,
-                                        optimizer=(torch.optim.AdamW, {"lr": args.lr}),
+                                        optimizer=opt,
                                         strategy=fxpar.Strategy(dp=args.ranks, grad_sync=method))
             result = program.run_local(batches, cluster=cluster, measure_comm=True)
             losses = [float(x) for x in result.losses]
@@ -107,7 +151,7 @@ def main(argv=None) -> int:
     base = dict((r[0], r[1]) for r in table)["allreduce"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "compression_convergence.csv", "w", newline="") as f:
+    with open(out / f"compression_convergence{args.tag}.csv", "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["step"] + list(curves))
         for i in range(args.steps):
@@ -121,25 +165,8 @@ def main(argv=None) -> int:
         good = rel <= args.margin
         ok &= good
         print(f"| {label} | {sent:,} | {final:.4f} | {rel:+.2%} | {'yes' if good else 'NO'} |")
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("\n(matplotlib not installed: no plot; pip install -e '.[plot]')")
-    else:
-        fig, ax = plt.subplots(figsize=(8, 5))
-        k = 10
-        for label, ys in curves.items():
-            smooth = [sum(ys[max(0, i - k + 1):i + 1]) / len(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
-            ax.plot(smooth, label=label, lw=2.0 if label == "allreduce" else 1.0)
-        ax.set_xlabel("step")
-        ax.set_ylabel(f"training loss (mean of {k} steps)")
-        ax.set_title(f"gradient compression, {args.ranks} ranks, char GPT on pydoc_data.topics")
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        fig.savefig(out / "compression_convergence.png", dpi=110)
-        print(f"\nplot: {out / 'compression_convergence.png'}")
+    plot(curves, out / f"compression_convergence{args.tag}.png",
+         f"gradient compression, {args.ranks} ranks, {args.optimizer}, char GPT on pydoc_data.topics")
     return 0 if ok else 1
 
 
