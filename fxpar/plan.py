@@ -9,7 +9,10 @@ without a pipeline is a one-stage pipeline. Edit one and hand it back::
     program = fxpar.parallelize(..., plan=plan)
 
 Fields a later decision depends on are re-derived when an edit invalidates them (new cuts give new
-stage parameters, so buckets that no longer match a stage are planned again; ``explain()`` says so).
+stage parameters, so buckets that no longer match a stage are planned again; ``explain()`` says so). An edit
+that cannot hold is refused by name (:meth:`Plan.check_edits`): a mesh other than the Strategy's, stage lists of
+different lengths, a parameter name the model does not have (in ``stage_params`` or a bucket), JSON that does
+not parse, an unknown field or section.
 """
 from __future__ import annotations
 
