@@ -67,6 +67,8 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
             f"Strategy(dp={cluster.world_size}) or ClusterSpec.local({strategy.size}).")
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan={plan!r}: pass a fxpar.Plan (e.g. program.plan, or Plan.from_json(text))")
+    if plan is not None:
+        plan.check_edits(strategy, [k for k, _ in model.named_parameters(remove_duplicate=False)])
     spec = resolve_optimizer(optimizer)
     layout = BatchLayout.of(example_inputs, loss_fn)
     _check_call(model, layout)

@@ -533,8 +533,10 @@ def check_strategy(strategy) -> list:
     for name, (spec, carriers) in shared_options().items():
         v = strategy.option(name)
         if v != spec.default and not any(name in f.enabled_by for f in on):
+            cls = (f"; {v.__name__} is a class: pass a setting of it, e.g. {name}={v.__name__}()"
+                   if isinstance(v, type) else "")
             raise StrategyError(f"Strategy({name}={v!r}): choose {spec.default!r} (the default) or a method a "
-                                f"registered feature carries out: {', '.join(repr(n) for n in carriers)}")
+                                f"registered feature carries out: {', '.join(repr(n) for n in carriers)}{cls}")
     return on
 
 

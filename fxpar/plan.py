@@ -9,13 +9,17 @@ without a pipeline is a one-stage pipeline. Edit one and hand it back::
     program = fxpar.parallelize(..., plan=plan)
 
 Fields a later decision depends on are re-derived when an edit invalidates them (new cuts give new
-stage parameters, so buckets that no longer match a stage are planned again; ``explain()`` says so).
+stage parameters, so buckets that no longer match a stage are planned again; ``explain()`` says so). An edit
+that cannot hold is refused by name (:meth:`Plan.check_edits`): a mesh other than the Strategy's, stage lists of
+different lengths, a parameter name the model does not have (in ``stage_params`` or a bucket), JSON that does
+not parse, an unknown field or section.
 """
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
 
+from .errors import StrategyError
 from .feature import section_from_dict
 from .mesh import Mesh
 
@@ -144,7 +148,14 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"Plan.from_json: the text is not valid JSON: {e.msg} at line {e.lineno}, column "
+                             f"{e.colno}. Fix it there (Plan.to_json() writes the format).") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"Plan.from_json: the JSON holds a {type(data).__name__}, not an object of Plan fields; "
+                             "pass the text Plan.to_json() wrote")
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -154,6 +165,35 @@ class Plan:
         plan = cls(**data)
         plan.tied = {k: list(v) for k, v in plan.tied.items()}
         return plan
+
+    def check_edits(self, strategy, param_keys) -> None:
+        """Refuse a handed-back Plan whose hand-edited fields cannot hold: ``microbatches`` not a positive int, a
+        mesh other than the Strategy's, stage lists whose lengths disagree with each other, or ``stage_params``
+        naming a parameter the model does not have (``param_keys``). Fields derived from others are re-derived
+        (module docstring); these would otherwise be dropped without a word."""
+        m = self.microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise StrategyError(f"parallelize(plan=...): the Plan's microbatches={m!r} must be a positive int (the "
+                                "microbatches per step); fix it in the Plan or its JSON")
+        given = {"dp": self.dp, "tp": self.tp, "pp": self.pp}
+        want = {"dp": strategy.dp, "tp": strategy.tp, "pp": strategy.pp}
+        if given != want:
+            raise StrategyError(f"parallelize(plan=...): the Plan's mesh_axes {self.mesh_axes} give "
+                                + ", ".join(f"{k}={v}" for k, v in given.items()) + f", but {strategy} asks for "
+                                + ", ".join(f"{k}={v}" for k, v in want.items()) + ". The mesh comes from the Strategy: "
+                                "change dp/tp/pp in Strategy(...) and plan again, not mesh_axes")
+        if self.stage_to_rank and self.stage_params and len(self.stage_to_rank) != len(self.stage_params):
+            raise StrategyError(f"parallelize(plan=...): the Plan's stage_to_rank lists {len(self.stage_to_rank)} "
+                                f"stage(s) but its stage_params {len(self.stage_params)}. Both follow cuts (one module "
+                                "path per stage after the first): edit cuts (or Strategy(pp=...)) and leave these two "
+                                "as planned")
+        known = set(param_keys)
+        for s, keys in enumerate(self.stage_params):
+            bad = [k for k in keys if k not in known]
+            if bad:
+                raise StrategyError(f"parallelize(plan=...): the Plan's stage_params[{s}] names {bad}, which the model "
+                                    f"does not have (its parameters look like {sorted(known)[:6]}); fix the name, or "
+                                    "plan again from the Strategy")
 
     def __str__(self) -> str:
         lines = [f"mesh: {self.mesh} (global rank = pp index * dp + dp index)" if self.tp == 1 else

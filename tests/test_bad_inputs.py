@@ -15,7 +15,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.errors import InputError, NonFiniteLossError
+import fxpar.compress as C
+from fxpar.errors import InputError, NonFiniteLossError, PassError
 
 CE = F.cross_entropy
 SGD = (torch.optim.SGD, {"lr": 0.1})
@@ -84,6 +85,41 @@ def _spec_json(**change):
         else:
             d[k] = v
     return json.dumps(d)
+
+
+def _dp2(**options):
+    """A dp=2 program with these options: the plan-time checks (no rank starts)."""
+    return _par(world=2, _raw=fxpar.Strategy(dp=2, **options))
+
+
+def _on2(strategy):
+    return _par(world=2, _raw=strategy)
+
+
+@functools.lru_cache(maxsize=None)
+def _plan_json(kind: str) -> str:
+    strategy = fxpar.Strategy(dp=2) if kind == "dp2" else fxpar.Strategy(pp=2, microbatches=2)
+    return _on2(strategy).plan.to_json()
+
+
+def _edited_plan(kind: str, edit):
+    """Plan.from_json of ``kind``'s plan JSON after ``edit(dict)``, handed back to parallelize."""
+    data = json.loads(_plan_json(kind))
+    edit(data)
+    strategy = fxpar.Strategy(dp=2) if kind == "dp2" else fxpar.Strategy(pp=2, microbatches=2)
+    return fxpar.parallelize(_net(), 2, (X, Y), CE, SGD, strategy=strategy, plan=fxpar.Plan.from_json(json.dumps(data)))
+
+
+def _plan_text(**change) -> str:
+    data = json.loads(_plan_json("dp2"))
+    data.update(change)
+    return json.dumps(data)
+
+
+def _set_schedule(data, name):
+    for sec in data["features"].values():
+        if "schedule" in sec:
+            sec["schedule"] = name
 
 
 class NotAnOptimizer:
@@ -285,6 +321,198 @@ CASES = {
     "lr_scheduler_lambda": (lambda: _run("lambda_sched", [(X, Y)]), TypeError,
                             r"lr_scheduler=<function .*<lambda>.* cannot be sent to the spawned ranks",
                             r"a module-level function instead of a lambda"),
+    # ---- every Strategy option of every feature (fxpar.feature.option_defaults()) ----------------------
+    "bucket_cap_negative": (lambda: fxpar.Strategy(dp=2, bucket_cap_mb=-1), fxpar.StrategyError,
+                            r"Strategy\(bucket_cap_mb=-1\)", r"must be a number >= 0 .*or None \(DDP's 25 MiB\)"),
+    "bucket_cap_string": (lambda: fxpar.Strategy(dp=2, bucket_cap_mb="25"), fxpar.StrategyError,
+                          r"Strategy\(bucket_cap_mb='25'\)", r"must be a number >= 0"),
+    "first_bucket_cap_negative": (lambda: fxpar.Strategy(dp=2, first_bucket_cap_mb=-1), fxpar.StrategyError,
+                                  r"Strategy\(first_bucket_cap_mb=-1\)", r"a number of MiB >= 0 \(DDP's is 1.0"),
+    "broadcast_buffers_string": (lambda: fxpar.Strategy(dp=2, broadcast_buffers="yes"), fxpar.StrategyError,
+                                 r"Strategy\(broadcast_buffers='yes'\)", r"True \(dp-rank 0's buffers .*or False"),
+    "comm_schedule_unknown": (lambda: fxpar.Strategy(dp=2, comm_schedule="lifo"), fxpar.StrategyError,
+                              r"Strategy\(comm_schedule='lifo'\)", r"choose one of \('fifo', 'bytescheduler'\)"),
+    "credit_negative": (lambda: fxpar.Strategy(dp=2, comm_schedule="bytescheduler", credit_mb=-2),
+                        fxpar.StrategyError, r"Strategy\(credit_mb=-2\)", r"a positive number of MiB, or None"),
+    "credit_without_bytescheduler": (lambda: _dp2(credit_mb=4), fxpar.StrategyError,
+                                     r"Strategy\(credit_mb=4\) is a ByteScheduler setting",
+                                     r"add comm_schedule='bytescheduler' or drop it"),
+    "partition_without_bytescheduler": (lambda: _dp2(partition_mb=4), fxpar.StrategyError,
+                                        r"Strategy\(partition_mb=4\) is a ByteScheduler setting",
+                                        r"add comm_schedule='bytescheduler' or drop it"),
+    "partition_negative": (lambda: fxpar.Strategy(dp=2, comm_schedule="bytescheduler", partition_mb=-1),
+                           fxpar.StrategyError, r"Strategy\(partition_mb=-1\)", r"a positive number of MiB, or None"),
+    "cross_iteration_string": (lambda: fxpar.Strategy(dp=2, comm_schedule="bytescheduler", cross_iteration="yes"),
+                               fxpar.StrategyError, r"Strategy\(cross_iteration='yes'\)",
+                               r"True, False, or None \(the cost model decides\)"),
+    "cross_iteration_without_bytescheduler": (lambda: _dp2(cross_iteration=True), fxpar.StrategyError,
+                                              r"Strategy\(cross_iteration=True\) is a ByteScheduler setting",
+                                              r"add comm_schedule='bytescheduler' or drop it"),
+    "delayed_update_string": (lambda: fxpar.Strategy(dp=2, delayed_update="on"), fxpar.StrategyError,
+                              r"Strategy\(delayed_update='on'\)", r"True \(each step's update .*or False"),
+    "delayed_update_at_dp1": (lambda: _par(delayed_update=True), fxpar.StrategyError,
+                              r"Strategy\(delayed_update=True\) with dp=1, pp=1, microbatches=1",
+                              r"built for data parallelism \(dp > 1"),
+    "delayed_update_with_a_pipeline": (lambda: _on2(fxpar.Strategy(pp=2, microbatches=2, delayed_update=True)),
+                                       fxpar.StrategyError, r"Strategy\(delayed_update=True\) with dp=1, pp=2",
+                                       r"one stage, one microbatch"),
+    "grad_order_unknown": (lambda: fxpar.Strategy(dp=2, grad_order="random"), fxpar.StrategyError,
+                           r"Strategy\(grad_order='random'\)", r"choose 'natural', 'priority', or None"),
+    "grad_sync_unknown": (lambda: fxpar.Strategy(dp=2, grad_sync="ring"), fxpar.StrategyError,
+                          r"Strategy\(grad_sync='ring'\)", r"choose 'allreduce' \(the default\) or a method .*'herring'"),
+    "grad_sync_typo": (lambda: fxpar.Strategy(dp=2, grad_sync="f16"), fxpar.StrategyError,
+                       r"Strategy\(grad_sync='f16'\)", r"'fp16', 'bf16'"),
+    "grad_sync_a_class": (lambda: fxpar.Strategy(dp=2, grad_sync=C.TopK), fxpar.StrategyError,
+                          r"TopK is a class", r"pass a setting of it, e.g. grad_sync=TopK\(\)"),
+    "grad_sync_herring_with_a_pipeline": (lambda: _on2(fxpar.Strategy(pp=2, microbatches=2, grad_sync="herring")),
+                                          fxpar.StrategyError, r"Strategy\(grad_sync='herring'\) with pp=2",
+                                          r"drop pp or use grad_sync='allreduce'"),
+    "memory_budget_negative": (lambda: fxpar.Strategy(dp=2, recompute="auto", memory_budget_gb=-1),
+                               fxpar.StrategyError, r"Strategy\(memory_budget_gb=-1\)", r"a positive number of GB"),
+    "memory_budget_string": (lambda: fxpar.Strategy(dp=2, recompute="auto", memory_budget_gb="1GB"),
+                             fxpar.StrategyError, r"Strategy\(memory_budget_gb='1GB'\)", r"a positive number of GB"),
+    "memory_budget_without_auto": (lambda: _dp2(memory_budget_gb=1.0), fxpar.StrategyError,
+                                   r"Strategy\(memory_budget_gb=1.0, recompute='none'\)",
+                                   r"Set recompute='auto' or drop memory_budget_gb"),
+    "recompute_unknown": (lambda: fxpar.Strategy(dp=2, recompute="some"), fxpar.StrategyError,
+                          r"Strategy\(recompute='some'\)", r"choose one of \('none', 'full', 'selective', 'auto'\)"),
+    "recompute_a_number": (lambda: fxpar.Strategy(dp=2, recompute=1), fxpar.StrategyError,
+                           r"Strategy\(recompute=1\)", r"or pass a policy: a callable node"),
+    "offload_unknown": (lambda: fxpar.Strategy(dp=2, zero=3, offload=("gradients",)), fxpar.StrategyError,
+                        r"Strategy\(offload=\('gradients',\)\): \['gradients'\] unknown",
+                        r"offload any of 'params', 'optimizer'"),
+    "offload_activations_in_offload": (lambda: fxpar.Strategy(dp=2, offload=("activations",)), fxpar.StrategyError,
+                                       r"\['activations'\] unknown", r"Strategy\(offload_activations=True\)"),
+    "offload_activations_string": (lambda: fxpar.Strategy(dp=2, offload_activations="yes"), fxpar.StrategyError,
+                                   r"Strategy\(offload_activations='yes'\)", r"True \(saved activations .*or False"),
+    "offload_to_unknown": (lambda: fxpar.Strategy(dp=2, zero=3, offload=("params",), offload_to="gpu"),
+                           fxpar.StrategyError, r"Strategy\(offload_to='gpu'\)", r"choose 'cpu' or 'disk'"),
+    "offload_dir_without_disk": (lambda: fxpar.Strategy(dp=2, zero=3, offload=("params",), offload_dir="/tmp/x"),
+                                 fxpar.StrategyError, r"Strategy\(offload_dir='/tmp/x', offload_to='cpu'\)",
+                                 r"add offload_to='disk' or drop offload_dir"),
+    "offload_disk_without_dir": (lambda: fxpar.Strategy(dp=2, zero=3, offload=("params",), offload_to="disk"),
+                                 fxpar.StrategyError, r"Strategy\(offload_to='disk'\) needs offload_dir",
+                                 r"a directory each rank may write its files into"),
+    "offload_disk_with_nothing": (lambda: fxpar.Strategy(dp=2, zero=3, offload_to="disk", offload_dir="/tmp/x"),
+                                  fxpar.StrategyError, r"Strategy\(offload_to='disk'\) with nothing to offload",
+                                  r"add offload=\('params', 'optimizer'\)"),
+    "sharding_unknown": (lambda: fxpar.Strategy(tp=2, sharding="rows"), fxpar.StrategyError,
+                         r"Strategy\(sharding='rows'\)",
+                         r"choose one of \('auto', 'megatron', 'annotations'\) or pass Mesh-TensorFlow layouts"),
+    "sharding_layout_unknown_parameter": (lambda: _on2(fxpar.Strategy(tp=2, sharding={"nope.weight": ("tp", None)})),
+                                          PassError, r"layout pattern 'nope.weight' matches no parameter",
+                                          r"parameter keys look like \['0.bias'.*fix the pattern"),
+    "sharding_layout_over_dp": (lambda: _on2(fxpar.Strategy(tp=2, sharding={"0.weight": ("dp", None)})),
+                                fxpar.StrategyError, r"mesh axis 'dp' is not a tensor-parallel axis",
+                                r"layouts split over 'tp'"),
+    "sharding_layout_too_short": (lambda: _on2(fxpar.Strategy(tp=2, sharding={"0.weight": ("tp",)})), PassError,
+                                  r"parameter '0.weight' \(layout '0.weight': \('tp',\)\) has shape \[8, 6\]",
+                                  r"give one entry \(a mesh axis or None\) per dim"),
+    "zero_stage_four": (lambda: fxpar.Strategy(dp=2, zero=4), fxpar.StrategyError, r"Strategy\(zero=4\)",
+                        r"choose 0 \(off\), 1 .*2 .*or 3"),
+    "zero_stage_string": (lambda: fxpar.Strategy(dp=2, zero="3"), fxpar.StrategyError, r"Strategy\(zero='3'\)",
+                          r"choose 0 \(off\)"),
+    "zero_at_dp1": (lambda: _par(zero=2), fxpar.StrategyError, r"Strategy\(zero=2, dp=1\)",
+                    r"set dp > 1 \(e.g. Strategy\(dp=4, zero=2\)\) or zero=0"),
+    "zero_with_tp": (lambda: _on2(fxpar.Strategy(tp=2, zero=1)), fxpar.StrategyError,
+                     r"feature 'tensor_parallel' \(tp=2\) conflicts with feature 'zero' \(zero=1\)",
+                     r"drop one of them"),
+    "dp_zero": (lambda: fxpar.Strategy(dp=0), fxpar.StrategyError, r"Strategy\(dp=0\)", r"must be a positive int"),
+    "tp_negative": (lambda: fxpar.Strategy(tp=-2), fxpar.StrategyError, r"Strategy\(tp=-2\)",
+                    r"must be a positive int"),
+    "pp_a_float": (lambda: fxpar.Strategy(pp=2.0), fxpar.StrategyError, r"Strategy\(pp=2.0\)",
+                   r"must be a positive int"),
+    "microbatches_zero": (lambda: fxpar.Strategy(pp=2, microbatches=0), fxpar.StrategyError,
+                          r"Strategy\(microbatches=0\)", r"must be a positive int"),
+    "microbatches_not_dividing": (lambda: _on2(fxpar.Strategy(pp=2, microbatches=3)), fxpar.StrategyError,
+                                  r"which dp=1 x microbatches=3 = 3 does not divide",
+                                  r"use a global batch that is a multiple of 3"),
+    "option_typo": (lambda: fxpar.Strategy(dp=2, buket_cap_mb=1), fxpar.StrategyError,
+                    r"Strategy\(buket_cap_mb=...\)", r"did you mean 'bucket_cap_mb'\?"),
+    # ---- the compression methods' settings (fxpar/compress) ----------------------------------------------
+    "topk_ratio_zero": (lambda: _dp2(grad_sync=C.TopK(ratio=0)), fxpar.StrategyError, r"TopK\(ratio=0\)",
+                        r"choose a number in \(0, 1\]"),
+    "topk_ratio_above_one": (lambda: _dp2(grad_sync=C.TopK(ratio=2.0)), fxpar.StrategyError, r"TopK\(ratio=2.0\)",
+                             r"choose a number in \(0, 1\]"),
+    "topk_error_feedback_string": (lambda: _dp2(grad_sync=C.TopK(ratio=0.5, error_feedback="yes")),
+                                   fxpar.StrategyError, r"TopK\(error_feedback='yes'\)",
+                                   r"pass error_feedback=True or error_feedback=False"),
+    "randomk_ratio_negative": (lambda: _dp2(grad_sync=C.RandomK(ratio=-0.1)), fxpar.StrategyError,
+                               r"RandomK\(ratio=-0.1\)", r"choose a number in \(0, 1\]"),
+    "randomk_unbiased_string": (lambda: _dp2(grad_sync=C.RandomK(ratio=0.5, unbiased="yes")), fxpar.StrategyError,
+                                r"RandomK\(unbiased='yes'\)", r"pass unbiased=True or unbiased=False"),
+    "randomk_seed_float": (lambda: _dp2(grad_sync=C.RandomK(ratio=0.5, seed=1.5)), fxpar.StrategyError,
+                           r"RandomK\(seed=1.5\)", r"is an int"),
+    "powersgd_rank_zero": (lambda: _dp2(grad_sync=C.PowerSGD(rank=0)), fxpar.StrategyError, r"PowerSGD\(rank=0\)",
+                           r"must be an int >= 1 \(1 to 4 is usual"),
+    "powersgd_rank_float": (lambda: _dp2(grad_sync=C.PowerSGD(rank=1.5)), fxpar.StrategyError,
+                            r"PowerSGD\(rank=1.5\)", r"must be an int >= 1"),
+    "powersgd_start_negative": (lambda: _dp2(grad_sync=C.PowerSGD(rank=1, start_iter=-1)), fxpar.StrategyError,
+                                r"PowerSGD\(start_iter=-1\)", r"must be an int >= 0"),
+    "qsgd_levels_too_many": (lambda: C.QSGD(levels=200), fxpar.StrategyError, r"QSGD\(levels=200\)",
+                             r"an int from 1 to 127 .*pass e.g. levels=16"),
+    "qsgd_bucket_zero": (lambda: C.QSGD(levels=16, bucket=0), fxpar.StrategyError, r"QSGD\(bucket=0\)",
+                         r"pass e.g. bucket=1024"),
+    "nuqsgd_one_bit": (lambda: C.NUQSGD(bits=1), fxpar.StrategyError, r"NUQSGD\(bits=1\)", r"pass e.g. bits=4"),
+    "nuqsgd_nine_bits": (lambda: C.NUQSGD(bits=9), fxpar.StrategyError, r"NUQSGD\(bits=9\)",
+                         r"an int from 2 to 8"),
+    "alq_zero_bits": (lambda: C.ALQ(bits=0), fxpar.StrategyError, r"ALQ\(bits=0\)", r"pass e.g. bits=4"),
+    "amq_bits_string": (lambda: C.AMQ(bits="3"), fxpar.StrategyError, r"AMQ\(bits='3'\)", r"pass e.g. bits=4"),
+    "wangni_ratio_zero": (lambda: C.Wangni(ratio=0), fxpar.StrategyError, r"Wangni\(ratio=0\)",
+                          r"must be in \(0, 1\]; pass e.g. ratio=0.01"),
+    "accordion_not_powersgd": (lambda: _dp2(grad_sync=C.Accordion(low=C.PowerSGD(rank=1), high="x")),
+                               fxpar.StrategyError, r"Accordion\(high='x'\)", r"give a PowerSGD\(...\) setting"),
+    "accordion_ranks_swapped": (lambda: _dp2(grad_sync=C.Accordion(low=C.PowerSGD(rank=4), high=C.PowerSGD(rank=1))),
+                                fxpar.StrategyError, r"Accordion\(low=PowerSGD\(rank=4\), high=PowerSGD\(rank=1\)\)",
+                                r"the larger rank; swap them"),
+    "ddp_hook_not_callable": (lambda: _dp2(grad_sync=C.DDPHook(3, None)), fxpar.StrategyError,
+                              r"DDPHook\(hook=3\)", r"must be a function hook\(state, bucket\)"),
+    "ddp_hook_lambda": (lambda: _dp2(grad_sync=C.DDPHook(lambda state, bucket: bucket, None)), fxpar.StrategyError,
+                        r"DDPHook\(hook=.*<lambda>", r"define it at the top level of a module"),
+    "compression_with_zero": (lambda: _dp2(zero=2, grad_sync=C.TopK(ratio=0.5)), fxpar.StrategyError,
+                              r"feature 'topk' \(grad_sync=TopK\(ratio=0.5.*conflicts with feature 'zero' \(zero=2\)",
+                              r"drop one of them"),
+    "compression_without_dp": (lambda: _on2(fxpar.Strategy(tp=2, sharding="megatron", grad_sync=C.TopK(ratio=0.5))),
+                               fxpar.StrategyError, r"Strategy\(grad_sync=TopK\(.*it needs dp >= 2 \(dp=1\)",
+                               r"set dp or drop grad_sync"),
+    # ---- a Plan JSON edited by hand -------------------------------------------------------------------
+    "plan_json_broken": (lambda: fxpar.Plan.from_json('{"cuts": [}'), ValueError,
+                         r"Plan.from_json: the text is not valid JSON: Expecting value at line 1, column 11",
+                         r"Fix it there"),
+    "plan_json_not_an_object": (lambda: fxpar.Plan.from_json("[1]"), ValueError, r"the JSON holds a list",
+                                r"pass the text Plan.to_json\(\) wrote"),
+    "plan_unknown_field": (lambda: fxpar.Plan.from_json(_plan_text(bucketz=1)), ValueError,
+                           r"unknown field\(s\) \['bucketz'\]", r"a feature's decisions go under \"features\""),
+    "plan_unknown_section": (lambda: fxpar.Plan.from_json(_plan_text(features={"nosuch": {}})), ValueError,
+                             r"unknown feature section 'nosuch'", r"the sections that exist: \['accordion'"),
+    "plan_unknown_section_field": (lambda: _edited_plan("dp2", lambda d: d["features"]["data_parallel"].update(
+        bogus=1)), ValueError, r"section 'data_parallel' has unknown field\(s\) \['bogus'\]",
+        r"its fields: \['broadcast_buffers'"),
+    "plan_bucket_unknown_parameter": (lambda: _edited_plan("dp2", lambda d: d["features"]["data_parallel"]["buckets"][0]
+                                                           .append(["nope.weight"])), fxpar.StrategyError,
+                                      r"data_parallel section: buckets\[0\]\[\d\] names \['nope.weight'\]",
+                                      r"fix the name, or set buckets to \[\] to have them planned again"),
+    "plan_stage_params_unknown": (lambda: _edited_plan("dp2", lambda d: d["stage_params"][0].append("nope.weight")),
+                                  fxpar.StrategyError, r"stage_params\[0\] names \['nope.weight'\]",
+                                  r"fix the name, or plan again from the Strategy"),
+    "plan_stage_count_mismatch": (lambda: _edited_plan("pp2", lambda d: d.update(stage_to_rank=[[0], [0], [1]])),
+                                  fxpar.StrategyError, r"stage_to_rank lists 3 stage\(s\) but its stage_params 2",
+                                  r"edit cuts \(or Strategy\(pp=...\)\)"),
+    "plan_mesh_mismatch": (lambda: _edited_plan("dp2", lambda d: d.update(mesh_axes=[["pp", 1], ["dp", 4]])),
+                           fxpar.StrategyError, r"mesh_axes \[\['pp', 1\], \['dp', 4\]\] give dp=4",
+                           r"change dp/tp/pp in Strategy\(...\) and plan again"),
+    "plan_microbatches_zero": (lambda: _edited_plan("dp2", lambda d: d.update(microbatches=0)), fxpar.StrategyError,
+                               r"the Plan's microbatches=0", r"must be a positive int"),
+    "plan_microbatches_string": (lambda: _edited_plan("pp2", lambda d: d.update(microbatches="2")),
+                                 fxpar.StrategyError, r"the Plan's microbatches='2'", r"fix it in the Plan or its JSON"),
+    "plan_schedule_unknown": (lambda: _edited_plan("pp2", lambda d: _set_schedule(d, "zigzag")), fxpar.StrategyError,
+                              r"section names schedule 'zigzag'", r"it builds \['1f1b', 'gpipe'.*fix the section"),
+    "plan_cut_unknown": (lambda: _edited_plan("pp2", lambda d: d.update(cuts=["nope"])), fxpar.StrategyError,
+                         r"split point 'nope' is not a module the forward runs", r"candidates: \['1', '2'\]"),
+    "plan_cut_too_many": (lambda: _edited_plan("pp2", lambda d: d.update(cuts=["1", "2"])), fxpar.StrategyError,
+                          r"\['1', '2'\] gives 3 stages but the schedule needs 2", r"give 1 module paths"),
+    "plan_not_a_plan": (lambda: fxpar.parallelize(_net(), 2, (X, Y), CE, SGD, plan={"cuts": []}), TypeError,
+                        r"plan=\{'cuts': \[\]\}", r"pass a fxpar.Plan"),
 }
 
 
@@ -302,7 +530,7 @@ def test_mistake_is_named_with_a_fix(case):
 
 @pytest.mark.structure
 def test_the_corpus_is_large():
-    assert len(CASES) >= 40
+    assert len(CASES) >= 100
 
 
 @pytest.mark.numerics

@@ -47,6 +47,11 @@ def sparse_k(ratio: float, numel: int) -> int:
     return max(1, min(numel, round(ratio * numel)))
 
 
+def _check_flag(cls: str, name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise StrategyError(f"{cls}({name}={value!r}): {name} is True or False; pass {name}=True or {name}=False")
+
+
 def _check_ratio(cls: str, ratio) -> None:
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio <= 1:
         raise StrategyError(f"{cls}(ratio={ratio!r}): ratio is the fraction of each bucket's values sent; choose a "
@@ -104,6 +109,7 @@ class TopK(_Sparse):
 
     def check(self, dp: int) -> None:
         _check_ratio("TopK", self.ratio)
+        _check_flag("TopK", "error_feedback", self.error_feedback)
 
     def sum(self, flat, state, inputs, bucket, comm, variant):
         k = sparse_k(self.ratio, bucket.numel)
@@ -132,6 +138,8 @@ class RandomK(_Sparse):
 
     def check(self, dp: int) -> None:
         _check_ratio("RandomK", self.ratio)
+        _check_flag("RandomK", "unbiased", self.unbiased)
+        _check_flag("RandomK", "error_feedback", self.error_feedback)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise StrategyError(f"RandomK(seed={self.seed!r}): the seed of the ranks' draws is an int")
 

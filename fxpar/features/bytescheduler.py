@@ -410,6 +410,9 @@ class ByteScheduler(Feature):
     state = Carry
 
     def settle(self, strategy):
+        if not isinstance(strategy.delayed_update, bool):
+            raise StrategyError(f"Strategy(delayed_update={strategy.delayed_update!r}): True (each step's update is "
+                                "carried into the next) or False (the default)")
         if strategy.delayed_update:
             if strategy.dp == 1 or strategy.pp > 1 or strategy.microbatches > 1:
                 raise StrategyError(f"Strategy(delayed_update=True) with dp={strategy.dp}, pp={strategy.pp}, microbatches="

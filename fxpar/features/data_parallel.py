@@ -106,7 +106,11 @@ class DataParallel(Feature):
             raise StrategyError(f"Strategy(bucket_cap_mb={cap!r}): must be a number >= 0 (0: one collective per "
                                 "gradient) or None (DDP's 25 MiB)")
         if isinstance(first, bool) or not isinstance(first, (int, float)) or first < 0:
-            raise StrategyError(f"Strategy(first_bucket_cap_mb={first!r}): must be a number >= 0")
+            raise StrategyError(f"Strategy(first_bucket_cap_mb={first!r}): must be a number of MiB >= 0 (DDP's is 1.0; "
+                                "0: the first gradient alone)")
+        if not isinstance(strategy.broadcast_buffers, bool):
+            raise StrategyError(f"Strategy(broadcast_buffers={strategy.broadcast_buffers!r}): True (dp-rank 0's buffers "
+                                "are broadcast after each step, DDP's default) or False (each rank keeps its own)")
 
     def plan(self, strategy, plan, cluster):
         if not gradients_summed(plan):
@@ -132,6 +136,13 @@ class DataParallel(Feature):
         if stage == 0 and len(section.buckets) != plan.n_stages:
             section.buckets = [[] for _ in range(plan.n_stages)]      # none given (or for other stages): plan all
         given = section.buckets[stage]
+        known = {k for keys in plan.stage_params for k in keys}
+        for i, b in enumerate(given):
+            bad = [k for k in b if k not in known]
+            if bad:
+                raise StrategyError(f"the Plan's data_parallel section: buckets[{stage}][{i}] names {bad}, which is no "
+                                    f"trainable parameter of the model (they look like {sorted(known)[:6]}); fix the "
+                                    "name, or set buckets to [] to have them planned again")
         feats = [(get_feature(name), sec) for name, sec in plan.features.items()]
         groups = dict(plan.grad_groups[stage])
         for f, sec in feats:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from passes.offload import OffloadActivations as OffloadPass
 
+from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, Slot, register_feature
 
 __all__ = ["OffloadActivations", "OffloadActivationsSection"]
@@ -34,6 +35,11 @@ class OffloadActivations(Feature):
         "(passes/offload.py). On a CPU backend they are in host memory already: pure cost."))}
     section = OffloadActivationsSection
     passes = ((Slot.REMAT, OffloadPass),)
+
+    def validate(self, strategy) -> None:
+        if not isinstance(strategy.offload_activations, bool):
+            raise StrategyError(f"Strategy(offload_activations={strategy.offload_activations!r}): True (saved "
+                                "activations go to host memory) or False (the default)")
 
     def plan(self, strategy, plan, cluster):
         plan.notes.append("offload_activations: saved activations go to host memory after their last forward use "

@@ -138,7 +138,8 @@ class ZeroOffload(Feature):
         bad = [x for x in strategy.offload if x not in _WHAT]
         if bad:
             raise StrategyError(f"Strategy(offload={strategy.offload!r}): {bad} unknown; offload any of 'params', "
-                                "'optimizer' (activation offload is not built yet)")
+                                "'optimizer'" + (" (saved activations: Strategy(offload_activations=True))"
+                                                 if "activations" in bad else ""))
         if strategy.offload_to not in _TO:
             raise StrategyError(f"Strategy(offload_to={strategy.offload_to!r}): choose 'cpu' or 'disk'")
         if strategy.offload_dir is not None and strategy.offload_to != "disk":

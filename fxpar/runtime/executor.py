@@ -37,6 +37,7 @@ from ..feature import NEW_STATE_ROLE, STATE_ROLE, split_state_key
 from ..host import reuse_freed_memory
 from ..roles import GraphKind, Role
 from ..schedule import ActionKind
+from .launch import note_step
 from .measure import CommCounter, MemoryTracker
 from .settings import RunSettings
 from .groups import bind_groups, comm_priority, group, seed_rank
@@ -617,14 +618,18 @@ class Executor:
 
 def train(payload: RankPayload, batches: list) -> dict:
     """Worker entry: run every step; return loss sums, times, measurements and (dp index 0) the state."""
+    note_step("before")        # where this rank is, for the launcher's report if it fails or dies
     ex = Executor(payload)
     if payload.settings.resume_from:
         ex.load(payload.settings.resume_from)
     if payload.settings.asynchronous:
+        note_step("window")    # one window over every batch: no step boundary to name
         ex.run_async(batches)
     else:
-        for b in batches:
+        for i, b in enumerate(batches):
+            note_step(i)
             ex.step(b)
+        note_step("after")
         ex.drain()             # what the features hold in flight, before results and checkpoints
     out = {"loss_sums": ex.loss_sums, "step_times": ex.step_times, "comm": ex.comm, "busy": ex.busy,
            "comm_calls": ex.comm_calls, "peak_versions": ex.peak_versions,

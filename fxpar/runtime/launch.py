@@ -7,15 +7,18 @@ several programs can run on one group without paying process start-up again::
         program_a.run_local(batches, cluster=lc)
         program_b.run_local(batches, cluster=lc)
 
-If any rank raises, every worker is stopped within ``grace_s`` seconds and the caller gets
-:class:`~fxpar.errors.RankFailedError` carrying that rank's traceback: a failure never hangs.
-A run that does not finish in ``timeout_s`` stops the same way and names the ranks still busy.
+If any rank raises or dies (killed, out of memory), every worker is stopped within ``grace_s`` seconds and
+the caller gets :class:`~fxpar.errors.RankFailedError` naming that rank, the step it was in (each rank notes
+its step in memory the parent reads, :func:`note_step`) and its traceback: a failure never hangs. A rank
+that died is named before the ranks whose collectives failed because of it. A run that does not finish in
+``timeout_s`` stops the same way and names the ranks still busy.
 """
 from __future__ import annotations
 
 import ast
 import atexit
 import os
+import signal
 import socket
 import sys
 import time
@@ -29,12 +32,45 @@ import torch.multiprocessing as mp
 from ..errors import ClusterSpecError, InputError, RankFailedError
 
 __all__ = ["LocalCluster", "find_free_port", "init_from_env", "shutdown_env_group", "serve", "check_main_guard",
-           "check_local_capacity", "RANK_BASE_BYTES"]
+           "check_local_capacity", "note_step", "RANK_BASE_BYTES"]
 
 # Memory of one spawned rank before any model state: the interpreter, torch and a gloo group. Measured
 # here as the rise of the machine's used memory per rank (PSS of a rank: about 190 MB; 64 ranks took
 # 14.5 GB, 226 MB each); rounded up.
 RANK_BASE_BYTES = 240 * 2**20
+
+
+# Where each rank of a LocalCluster is, in memory shared with the parent (one slot per rank): set in a rank
+# by _worker; None in a process LocalCluster did not start (torchrun, the parent itself).
+_PROGRESS = None
+# slot values besides a step index: between runs; after the last step; before the first; an asynchronous window
+_IDLE, _AFTER, _BEFORE, _WINDOW = -1, -2, -3, -4
+
+
+def note_step(step: int | str) -> None:
+    """Note in the parent-visible slot of this rank that it runs step ``step`` (0-based, the index of the global
+    batch), or ``"before"`` its first step (building its executor, loading a checkpoint), ``"after"`` its last
+    (saving, gathering state) or ``"window"`` (an asynchronous schedule's one window over every batch). The parent names it when the rank fails or dies. One store; nothing in a process
+    a LocalCluster did not start."""
+    if _PROGRESS is not None:
+        slots, rank = _PROGRESS
+        slots[rank] = {"before": _BEFORE, "after": _AFTER, "window": _WINDOW}.get(step, step)
+
+
+def _where(value: int) -> str:
+    if value >= 0:
+        return f" at step {value} (batches[{value}])"
+    return {_AFTER: " after its last step", _BEFORE: " before its first step",
+            _WINDOW: " in its asynchronous window over every batch"}.get(value, "")
+
+
+def _exit_text(code) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def _guard_blocks(source: str) -> list:
@@ -190,10 +226,14 @@ def serve(conn) -> None:
         pass
 
 
-def _worker(rank: int, world: int, port: int, conn, backend: str, threads: int, timeout_s: float) -> None:
+def _worker(rank: int, world: int, port: int, conn, backend: str, threads: int, timeout_s: float,
+            progress=None) -> None:
+    global _PROGRESS
     import torch.distributed as dist
     import torch._higher_order_ops.triton_kernel_wrap  # noqa: F401 - unpickling a GraphModule needs it loaded
     torch.set_num_threads(threads)
+    if progress is not None:
+        _PROGRESS = (progress, rank)
     try:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
@@ -224,9 +264,11 @@ class LocalCluster:
         port = find_free_port()
         threads = max(1, (os.cpu_count() or 1) // world_size)
         self.conns, self.procs = [], []
+        self.progress = ctx.Array("q", [_IDLE] * world_size, lock=False)     # each rank's step (note_step)
         for r in range(world_size):
             parent, child = ctx.Pipe()
-            p = ctx.Process(target=_worker, args=(r, world_size, port, child, backend, threads, timeout_s),
+            p = ctx.Process(target=_worker, args=(r, world_size, port, child, backend, threads, timeout_s,
+                                                  self.progress),
                             daemon=True, name=f"fxpar-rank{r}")
             p.start()
             child.close()
@@ -239,6 +281,7 @@ class LocalCluster:
         """Call ``fn(*per_rank_args[r])`` on every rank r; return the results in rank order."""
         if not self.alive:
             raise RuntimeError("this LocalCluster was stopped after a failure; create a new one")
+        self.progress[:] = [_IDLE] * self.world_size
         for conn, args in zip(self.conns, per_rank_args):
             conn.send((fn, tuple(args)))
         return self._collect(None, what=getattr(fn, "__name__", "run"), timeout_s=timeout_s)
@@ -252,10 +295,13 @@ class LocalCluster:
         while pending:
             left = deadline - time.monotonic()
             if left <= 0:
+                where = {r: _where(self.progress[r]) for r in sorted(pending)}
                 self.close(force=True)
                 raise RankFailedError(min(pending), f"timed out after {timeout_s or self.timeout_s:.0f}s while "
-                                      f"{what}; ranks still busy: {sorted(pending)} (a deadlock, or a rank much "
-                                      "slower than the others)")
+                                      f"{what}; ranks still busy: {sorted(pending)} ("
+                                      + ", ".join(f"rank {r}{w}" for r, w in where.items() if w)
+                                      + ("; " if any(where.values()) else "")
+                                      + "a deadlock, or a rank much slower than the others)")
             ready = connection.wait([self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending],
                                     timeout=left)
             for obj in ready:
@@ -265,23 +311,58 @@ class LocalCluster:
                         continue
                     try:
                         kind, value = obj.recv()
-                    except EOFError:
-                        kind, value = "err", f"rank {r} closed its pipe (exit code {self.procs[r].exitcode})"
+                    except EOFError:             # the pipe closes as the process dies: report the death
+                        self._fail({r: None}, what)
                     if kind == "err":
-                        self._fail(r, value)
+                        self._fail({r: value}, what)
                     results[r] = value
                     pending.discard(r)
                 elif obj in by_sentinel and by_sentinel[obj] in pending:
                     r = by_sentinel[obj]
                     if not self.conns[r].poll():
-                        self._fail(r, f"rank {r} died with exit code {self.procs[r].exitcode} while {what}")
+                        self._fail({r: None}, what)
         return results
 
-    def _fail(self, rank: int, text: str) -> None:
-        # give the other ranks a moment to report their own errors, then stop everyone
-        time.sleep(min(self.grace_s, 0.2))
+    def _fail(self, failed: dict, what: str) -> None:
+        """Stop everyone and raise for the rank that failed first. ``failed``: rank -> its traceback, or None for
+        a rank that died without one. The others get a moment to report theirs; a rank that died is named
+        before ranks that raised, whose collectives usually failed because a peer was gone."""
+        where = {r: _where(self.progress[r]) for r in range(self.world_size)}
+        deadline = time.monotonic() + min(self.grace_s, 0.5)
+        while time.monotonic() < deadline:
+            for r, p in enumerate(self.procs):
+                if r in failed:
+                    continue
+                if self.conns[r].poll():
+                    try:
+                        kind, value = self.conns[r].recv()
+                    except (EOFError, OSError):
+                        kind, value = "err", None
+                    if kind == "err":
+                        failed[r] = value
+                elif p.exitcode is not None:
+                    failed[r] = None
+            if any(v is None for v in failed.values()):
+                break
+            time.sleep(0.02)
+        for r in failed:
+            if failed[r] is None:
+                self.procs[r].join(timeout=1.0)
+        codes = {r: self.procs[r].exitcode for r in failed}
         self.close(force=True)
-        raise RankFailedError(rank, text)
+        dead = sorted(r for r, v in failed.items() if v is None)
+        root = dead[0] if dead else next(iter(failed))
+        if failed[root] is None:
+            text = (f"rank {root} {_exit_text(codes[root])}{where[root]} while {what}, without a traceback (a "
+                    "signal such as SIGKILL from the OOM killer or a user, or os._exit); the other ranks were stopped.")
+        else:
+            text = f"rank {root} raised{where[root]} while {what}:\n{failed[root]}"
+        others = [r for r in failed if r != root]
+        if others:
+            text += "\nAlso reported: " + "; ".join(
+                f"rank {r}{where[r]}: " + (_exit_text(codes[r]) if failed[r] is None else
+                                            (failed[r].strip().splitlines() or [""])[-1][:300]) for r in others)
+        raise RankFailedError(root, text)
 
     def close(self, force: bool = False) -> None:
         if not self.procs:
