@@ -32,6 +32,12 @@ _PASS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, ate
          aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
          aten._scaled_dot_product_flash_attention.default, aten.scaled_dot_product_attention.default,
          aten.contiguous.default, operator.getitem}
+# ops that join tensors (a rotary embedding: q·cos + rotate_half(q)·sin, halves cut by slice and joined by cat): a
+# column-parallel output passes them only where every tensor they join comes from that same output, never a residual
+_JOIN = {aten.add.Tensor, aten.sub.Tensor, aten.cat.default}
+# ops a rotary embedding applies to a head-split tensor on the way, one input each
+_PASS |= {aten.neg.default, aten.slice.Tensor, aten.detach.default, aten.alias.default, aten.select.int,
+          aten.stack.default, aten.flatten.using_ints}
 _SDPA = {aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
          aten._scaled_dot_product_flash_attention.default, aten.scaled_dot_product_attention.default}
 
@@ -64,21 +70,30 @@ def linears(gm) -> list:
 
 
 def _reaches(start, targets: dict) -> tuple:
-    """The Linears (by matmul node) whose input ``start`` reaches through ops in ``_PASS`` only, and the SDPA
-    nodes on the way."""
-    seen, todo, hit, sdpa = {start}, [start], [], []
+    """The Linears (by matmul node) whose input ``start`` reaches through ops in ``_PASS`` only (and ``_JOIN``
+    ops whose every tensor input ``start`` reaches), and the SDPA nodes on the way."""
+    seen, todo, hit, sdpa, waiting = {start}, [start], [], [], set()
+
+    def visit(u):
+        seen.add(u)
+        if u in targets:
+            hit.append(targets[u])
+        if u.target in _SDPA:
+            sdpa.append(u)
+        if u.target in _PASS or u.target in _JOIN:
+            todo.append(u)
+
     while todo:
-        n = todo.pop()
-        for u in n.users:
+        for u in todo.pop().users:
             if u in seen or M.get(u, M.PHASE) != "forward":
                 continue
-            seen.add(u)
-            if u in targets:
-                hit.append(targets[u])
-            if u.target in _SDPA:
-                sdpa.append(u)
-            if u.target in _PASS:
-                todo.append(u)
+            if u.target in _JOIN and not all(a in seen for a in u.all_input_nodes):
+                waiting.add(u)                # its other inputs may be reached later
+                continue
+            visit(u)
+        if not todo:                          # the joins whose inputs have all been reached since
+            for u in [u for u in waiting if u not in seen and all(a in seen for a in u.all_input_nodes)]:
+                visit(u)
     return hit, sdpa
 
 
