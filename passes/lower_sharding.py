@@ -278,7 +278,7 @@ def lower_shardings(gm: torch.fx.GraphModule, res, mesh, rank: int = 0, world=No
 def _check_shapes(gm, low: _Lowering) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = []
-    # the joint graph's placeholder each local one stands for (fx may rename it: "LayerNorm_weight" -> "layer_norm_weight")
+    # the joint graph's placeholder each local one stands for (fx may rename it: LayerNorm_weight -> layer_norm_weight)
     joint = {new: old for old, new in low.env.items() if old.op == "placeholder"}
     for n in gm.graph.nodes:
         if n.op == "placeholder":

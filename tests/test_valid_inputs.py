@@ -64,8 +64,9 @@ def _decoder(tf, name: str, dropout: float = 0.0) -> nn.Module:
                                                    max_position_embeddings=32, rotary_pct=0.5, attention_dropout=0.0,
                                                    hidden_dropout=0.0, **common))
     elif name == "opt":
-        m = tf.OPTForCausalLM(tf.OPTConfig(hidden_size=32, num_attention_heads=4, ffn_dim=64, max_position_embeddings=32,
-                                           word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, **common))
+        m = tf.OPTForCausalLM(tf.OPTConfig(hidden_size=32, num_attention_heads=4, ffn_dim=64,
+                                           max_position_embeddings=32, word_embed_proj_dim=32, dropout=0.0,
+                                           attention_dropout=0.0, **common))
     elif name == "phi":
         m = tf.PhiForCausalLM(tf.PhiConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64,
                                            max_position_embeddings=32, partial_rotary_factor=0.5, resid_pdrop=dropout,
