@@ -155,6 +155,22 @@ def _scalar_loss(loss, mod_name: str, loss_fn) -> None:
                else "With loss_fn=None the model must return a scalar loss; pass loss_fn= instead."))
 
 
+def _refuse_parameter_writes(model: torch.nn.Module, mod_name: str) -> None:
+    """Modules whose forward writes their own parameter in place, which one captured graph cannot replay: an
+    ``nn.Embedding`` or ``nn.EmbeddingBag`` with ``max_norm`` renormalises the rows it looks up in its weight
+    (``torch.embedding_renorm_``) before the optimizer ever sees them."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and mod.max_norm is not None:
+            kind = type(mod).__name__
+            raise CaptureError(
+                f"cannot capture {mod_name}: module '{name or '(top level)'}' (nn.{kind}) has max_norm="
+                f"{mod.max_norm}, so its forward renormalises the rows it looks up in its weight in place "
+                "(torch.embedding_renorm_): a write to a parameter during forward, which fxpar's captured training "
+                f"step cannot replay. Build the {kind} without max_norm, or bound the rows' norms out of place in "
+                f"forward (rows = F.embedding(idx, w); rows * (max_norm / rows.norm(dim=-1, keepdim=True))"
+                ".clamp(max=1)), which trains a traceable variant of the model.")
+
+
 def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
     """``loss_fn(model(*inputs), target)`` on one microbatch, as an aten graph of fake tensors. Every
     ``call_function`` node carries ``fxpar_module``; the one output is the scalar loss."""
@@ -164,6 +180,7 @@ def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
     n_p, n_b = len(pnames), len(bnames)
     tracker = ModuleTracker(model)
     mod_name = type(model).__name__
+    _refuse_parameter_writes(model, mod_name)
 
     def fwd(*flat):
         p, b = dict(zip(pnames, flat[:n_p])), dict(zip(bnames, flat[n_p:n_p + n_b]))
@@ -273,6 +290,7 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
     if frozen_keys:                      # held like buffers: read by the forward, never updated
         buffers = {**{k: trainable.pop(k).detach() for k in frozen_keys}, **buffers}
     mod_name = type(model).__name__
+    _refuse_parameter_writes(model, mod_name)
     tracker = ModuleTracker(model)
     if stage is None:
         in_sig = [(Role.PARAM, k) for k in trainable] + [(Role.BUFFER, k) for k in buffers] + \

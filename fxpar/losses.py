@@ -171,6 +171,9 @@ class LossChoice:
         if self.visible is None or len(flat) <= n_inputs:
             return ()
         target = flat[n_inputs]
+        if target.is_meta:          # example inputs on the meta device: shapes to plan with, no values to check or
+            # count; the count column of a real batch is computed from its values before each step
+            return (torch.empty((target.shape[0],), dtype=torch.float64, device="meta"),) if self.counted else ()
         self.visible.check_classes(target, self.n_classes, where)
         if not self.counted:
             return ()

@@ -278,10 +278,12 @@ def lower_shardings(gm: torch.fx.GraphModule, res, mesh, rank: int = 0, world=No
 def _check_shapes(gm, low: _Lowering) -> None:
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = []
+    # the joint graph's placeholder each local one stands for (fx may rename it: LayerNorm_weight -> layer_norm_weight)
+    joint = {new: old for old, new in low.env.items() if old.op == "placeholder"}
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             sh, shape, what = low.expect[n]
-            dtype = next(o for o in low.gm.graph.nodes if o.name == n.name).meta["val"].dtype
+            dtype = joint[n].meta["val"].dtype
             with mode:
                 fakes.append(torch.empty(sh.local_shape(shape, low.sizes, name=what), dtype=dtype))
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)

@@ -98,7 +98,8 @@ class TofuResult:
         head = (f"tofu over {g} devices (levels {self.levels}): predicted {self.predicted:.3g} s = "
                 + " + ".join(f"{k} {v:.3g}" for k, v in self.parts.items())
                 + f"; searched in {self.seconds:.2f} s, largest DP table {self.max_table}"
-                + "".join(f"; {ax}: {b['solved']} of {b['blocks']} blocks eliminated"
+                + "".join(f"; {ax}: one flat elimination (block boundaries too wide)" if b.get("flat") else
+                          f"; {ax}: {b['solved']} of {b['blocks']} blocks eliminated"
                           for ax, b in zip(self.levels, self.blocks) if b))
         return head + "\n" + self.sharding.explain(limit)
 

@@ -382,7 +382,7 @@ CASES = {
                         r"Strategy\(offload=\('gradients',\)\): \['gradients'\] unknown",
                         r"offload any of 'params', 'optimizer'"),
     "offload_activations_in_offload": (lambda: fxpar.Strategy(dp=2, offload=("activations",)), fxpar.StrategyError,
-                                       r"\['activations'\] unknown", r"Strategy\(offload_activations=True\)"),
+                                       r"Strategy\(offload=\('activations',\)\)", r"Strategy\(offload_activations=True\)"),
     "offload_activations_string": (lambda: fxpar.Strategy(dp=2, offload_activations="yes"), fxpar.StrategyError,
                                    r"Strategy\(offload_activations='yes'\)", r"True \(saved activations .*or False"),
     "offload_to_unknown": (lambda: fxpar.Strategy(dp=2, zero=3, offload=("params",), offload_to="gpu"),

@@ -37,7 +37,7 @@ from fxpar.sharding import Sharding, ShardingError
 from passes import tofu
 from passes.propagate_sharding import ShardingResult, propagate_shardings
 from passes.sharding import strip_annotations
-from passes.sharding.megatron import megatron_layouts
+from passes.sharding.megatron import megatron_layouts, megatron_whole
 from passes.tensor_parallel import TensorParallel, random_ops, split_draws
 
 __all__ = ["TensorParallelFeature", "TensorParallelSection", "Pieces", "MODES"]
@@ -72,6 +72,12 @@ class TensorParallelSection(PlanSection):
             out.append(f"  stage {s}: {len(split)} of {len(st.get('params', {}))} parameter(s) split"
                        + (": " + ", ".join(f"{k} {tuple(v)}" for k, v in list(split.items())[:6])
                           + (" ..." if len(split) > 6 else "") if split else ""))
+            whole = [(m, why) for m, why in st.get("megatron_whole", ())
+                     if not any(any(d is not None for d in v) for k, v in split.items() if k.startswith(m + "."))]
+            if whole:
+                out.append(f"  stage {s}: the Megatron preset left {len(whole)} Linear(s) whole: "
+                           + "; ".join(f"{m} ({why})" for m, why in whole[:6]) + ("; ..." if len(whole) > 6 else "")
+                           + ". Split them with layouts {param glob: ('tp', None)}, or sharding='auto'")
         return out
 
 
@@ -211,6 +217,7 @@ def _choose(section, plan, stage: int, captured, cluster, mesh: Mesh, entry: dic
     if section.mode == "megatron":
         preset = megatron_layouts(gm, mesh.size, mesh.names[0])
         extra["megatron"] = {k: list(v) for k, v in preset.items()}
+        extra["megatron_whole"] = [list(w) for w in megatron_whole(gm, preset)]
         layouts = {**preset, **layouts}
     layouts.update({k: tuple(dims) for (r, k), dims in tied.items() if r == Role.PARAM})
     aliases = getattr(captured, "aliases", None) or {}

@@ -135,11 +135,15 @@ class ZeroOffload(Feature):
         if isinstance(strategy.offload, str):
             strategy.offload = (strategy.offload,)
         strategy.offload = tuple(strategy.offload)
+        if "activations" in strategy.offload:
+            rest = tuple(x for x in strategy.offload if x != "activations")
+            raise StrategyError(f"Strategy(offload={strategy.offload!r}): offload= moves ZeRO's parameters and "
+                                "optimizer state ('params', 'optimizer'); saved activations have their own option: "
+                                f"Strategy(offload_activations=True{f', offload={rest!r}' if rest else ''})")
         bad = [x for x in strategy.offload if x not in _WHAT]
         if bad:
             raise StrategyError(f"Strategy(offload={strategy.offload!r}): {bad} unknown; offload any of 'params', "
-                                "'optimizer'" + (" (saved activations: Strategy(offload_activations=True))"
-                                                 if "activations" in bad else ""))
+                                "'optimizer'")
         if strategy.offload_to not in _TO:
             raise StrategyError(f"Strategy(offload_to={strategy.offload_to!r}): choose 'cpu' or 'disk'")
         if strategy.offload_dir is not None and strategy.offload_to != "disk":

@@ -18,7 +18,7 @@ from fxpar import meta as M
 from fxpar.roles import Role
 from fxpar.sharding import ShardingError
 
-__all__ = ["megatron_layouts", "linears"]
+__all__ = ["megatron_layouts", "megatron_whole", "linears"]
 
 aten = torch.ops.aten
 _MATMUL = (aten.mm.default, aten.addmm.default)
@@ -32,6 +32,12 @@ _PASS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, ate
          aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
          aten._scaled_dot_product_flash_attention.default, aten.scaled_dot_product_attention.default,
          aten.contiguous.default, operator.getitem}
+# ops that join tensors (a rotary embedding: q·cos + rotate_half(q)·sin, halves cut by slice and joined by cat): a
+# column-parallel output passes them only where every tensor they join comes from that same output, never a residual
+_JOIN = {aten.add.Tensor, aten.sub.Tensor, aten.cat.default}
+# ops a rotary embedding applies to a head-split tensor on the way, one input each
+_PASS |= {aten.neg.default, aten.slice.Tensor, aten.detach.default, aten.alias.default, aten.select.int,
+          aten.stack.default, aten.flatten.using_ints}
 _SDPA = {aten._scaled_dot_product_flash_attention_for_cpu.default, aten._scaled_dot_product_efficient_attention.default,
          aten._scaled_dot_product_flash_attention.default, aten.scaled_dot_product_attention.default}
 
@@ -64,22 +70,38 @@ def linears(gm) -> list:
 
 
 def _reaches(start, targets: dict) -> tuple:
-    """The Linears (by matmul node) whose input ``start`` reaches through ops in ``_PASS`` only, and the SDPA
-    nodes on the way."""
-    seen, todo, hit, sdpa = {start}, [start], [], []
+    """The Linears (by matmul node) whose input ``start`` reaches through ops in ``_PASS`` only (and ``_JOIN``
+    ops whose every tensor input ``start`` reaches), and the SDPA nodes on the way."""
+    return _walk(start, targets)[:2]
+
+
+def _walk(start, targets: dict) -> tuple:
+    """``_reaches``, and the ops the walk stopped at (outside ``_PASS`` and ``_JOIN``, or joins with other inputs)."""
+    seen, todo, hit, sdpa, waiting, stops = {start}, [start], [], [], set(), set()
+
+    def visit(u):
+        seen.add(u)
+        if u in targets:
+            hit.append(targets[u])
+        if u.target in _SDPA:
+            sdpa.append(u)
+        if u.target in _PASS or u.target in _JOIN:
+            todo.append(u)
+        elif u not in targets:
+            stops.add(u)
+
     while todo:
-        n = todo.pop()
-        for u in n.users:
+        for u in todo.pop().users:
             if u in seen or M.get(u, M.PHASE) != "forward":
                 continue
-            seen.add(u)
-            if u in targets:
-                hit.append(targets[u])
-            if u.target in _SDPA:
-                sdpa.append(u)
-            if u.target in _PASS:
-                todo.append(u)
-    return hit, sdpa
+            if u.target in _JOIN and not all(a in seen for a in u.all_input_nodes):
+                waiting.add(u)                # its other inputs may be reached later
+                continue
+            visit(u)
+        if not todo:                          # the joins whose inputs have all been reached since
+            for u in [u for u in waiting if u not in seen and all(a in seen for a in u.all_input_nodes)]:
+                visit(u)
+    return hit, sdpa, stops | {u for u in waiting if u not in seen}
 
 
 def megatron_layouts(gm, tp: int, axis: str = "tp") -> dict:
@@ -122,6 +144,35 @@ def megatron_layouts(gm, tp: int, axis: str = "tp") -> dict:
         if bias is not None and r == "col":
             out[bias] = (axis,)
     return {**_tied_vocabulary(gm, lins, tp, axis), **out}
+
+
+def megatron_whole(gm, layouts: dict) -> list:
+    """The forward's Linears the preset left whole (weight not in ``layouts``), each with why:
+    ``[(module, "meets aten.bmm, aten._softmax")]`` -- the ops its output met before any other Linear, outside the
+    elementwise ops, views and attention the preset splits by heads (an output meeting none is the model's last)."""
+    lins = linears(gm)
+    targets = {}
+    for n, _, _, x in lins:
+        targets[x] = targets.get(x, ()) + (n,)
+    out = []
+    for n, key, _, _ in lins:
+        if key in layouts:
+            continue
+        hits, _, stops = _walk(n, targets)
+        ops = sorted({_op_name(u) for u in stops if M.get(u, M.PHASE) == "forward" and u.op == "call_function"})
+        if hits:
+            why = "the Linears its output reaches are split another way"
+        elif ops:
+            why = f"its output meets {', '.join(ops[:4])}{' ...' if len(ops) > 4 else ''} before any other Linear"
+        else:
+            why = "its output reaches no other Linear"
+        out.append((M.get(n, M.MODULE) or key.rpartition(".")[0], why))
+    return out
+
+
+def _op_name(n) -> str:
+    t = n.target
+    return f"aten.{t._overloadpacket.__name__}" if hasattr(t, "_overloadpacket") else getattr(t, "__name__", str(t))
 
 
 def _tied_vocabulary(gm, lins, tp: int, axis: str) -> dict:

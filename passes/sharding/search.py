@@ -77,10 +77,13 @@ class Problem:
         return const, labels
 
 
-def _eliminate(factors: list, targets):
+def _eliminate(factors: list, targets, sizes=None):
     """Variable elimination of ``targets`` (every variable when None), min-degree first, over ``factors``
     (``[(scope tuple, table)]``). Returns ``(factors left, trace, constant, largest table)``; the factors left
-    span only variables not eliminated."""
+    span only variables not eliminated. With ``sizes`` (labels per variable) it is a dry run: the same order,
+    scopes only, no table built; it returns ``(scopes left, entries of every table it would build, largest)``."""
+    if sizes is not None:
+        return _dry_run(factors, targets, sizes)
     live: dict = {}                          # factor id -> (scope, table)
     of: dict = {}                            # var -> factor ids touching it
     adj: dict = {}                           # var -> neighbours
@@ -128,6 +131,48 @@ def _eliminate(factors: list, targets):
     return list(live.values()), trace, const, biggest
 
 
+def _dry_run(scopes: list, targets, sizes) -> tuple:
+    """``_eliminate``'s order on scopes alone: ``(scopes left, entries of every table built, largest table)``."""
+    of: dict = {}
+    adj: dict = {}
+    live = dict(enumerate(scopes))
+    for fid, fs in live.items():
+        for v in fs:
+            of.setdefault(v, set()).add(fid)
+            adj.setdefault(v, set()).update(w for w in fs if w != v)
+    fid = len(scopes)
+    todo = set(adj) if targets is None else set(targets) & set(adj)
+    heap = [(len(adj[v]), v) for v in todo]
+    heapq.heapify(heap)
+    work = biggest = 0
+    while heap:
+        deg, x = heapq.heappop(heap)
+        if x not in todo or deg != len(adj[x]):
+            continue
+        todo.discard(x)
+        rest = tuple(sorted(adj[x]))
+        size = sizes[x]
+        for v in rest:
+            size *= sizes[v]
+        work, biggest = work + size, max(biggest, size)
+        for f in of.pop(x):
+            for v in live.pop(f):
+                if v != x:
+                    of[v].discard(f)
+        if rest:
+            live[fid] = rest
+            for v in rest:
+                of[v].add(fid)
+                adj[v].discard(x)
+                adj[v].update(w for w in rest if w != v)
+            fid += 1
+            for v in rest:
+                if v in todo:
+                    heapq.heappush(heap, (len(adj[v]), v))
+        del adj[x]
+    return list(live.values()), work, biggest
+
+
 def _back_substitute(trace, labels) -> None:
     for x, scope, table in reversed(trace):
         idx = (slice(None),) + tuple(labels[v] for v in scope[1:])
@@ -167,7 +212,7 @@ def solve_blocks(p: Problem, blocks: list, reuse: bool = True):
     owner = {v: b for b, vs in enumerate(blocks) for v in vs}
     if len(owner) != sum(len(vs) for vs in blocks):
         raise ValueError("solve_blocks: the blocks overlap")
-    cache, outer, parts, const, biggest, kept = {}, [], [], 0.0, 0, set()
+    local_problems, kept = [], set()
     for b, vs in enumerate(blocks):
         loc = {v: i for i, v in enumerate(vs)}
         keep = [any(owner.get(w, b) != b for w in nbrs[v]) for v in vs]
@@ -185,6 +230,13 @@ def solve_blocks(p: Problem, blocks: list, reuse: bool = True):
         if reuse:
             sig = (tuple(p.sizes[v] for v in allv), tuple(keep), b"".join(un[v].tobytes() for v in vs),
                    tuple((a, c) for a, c, _ in local), b"".join(t.tobytes() for _, _, t in local))
+        local_problems.append((b, vs, keep, allv, local, sig))
+    if _blocks_dearer(p, local_problems, owner, kept, pairs, n):
+        const, labels = p.solve()                          # a flat elimination builds far smaller tables
+        p.stats = {"blocks": 0, "solved": 0, "wide": len(blocks), "flat": True}
+        return const, labels
+    cache, outer, parts, const, biggest = {}, [], [], 0.0, 0
+    for b, vs, keep, allv, local, sig in local_problems:
         solved = cache.get(sig) if sig is not None else None
         if solved is None:
             fs = [((i,), un[v]) for i, v in enumerate(vs)] + [((a, c), t) for a, c, t in local]
@@ -213,6 +265,28 @@ def solve_blocks(p: Problem, blocks: list, reuse: bool = True):
     p.max_table = max(biggest, big)
     p.stats = {"blocks": len(kept), "solved": len(cache) if reuse else len(kept), "wide": len(blocks) - len(kept)}
     return const + k, labels
+
+
+def _blocks_dearer(p: Problem, local_problems: list, owner: dict, kept: set, pairs: dict, n: int) -> bool:
+    """Whether eliminating block by block would build tables wider than ``WIDEST`` and over four times the entries
+    of one flat elimination (by dry runs of both orders: scopes only). Keeping every block's boundary can force
+    wide tables where the flat min-degree order does not (a joint graph whose blocks share many saved tensors)."""
+    outer, work, seen, biggest = [], 0, set(), 0
+    for _, vs, keep, allv, local, sig in local_problems:
+        fs = [(i,) for i in range(len(vs))] + [(a, c) for a, c, _ in local]
+        rest, w, big = _eliminate(fs, [i for i in range(len(vs)) if not keep[i]], [p.sizes[v] for v in allv])
+        if sig is None or sig not in seen:
+            work, biggest = work + w, max(biggest, big)
+            seen.add(sig)
+        outer += [tuple(allv[i] for i in r) for r in rest]
+    outer += [(v,) for v in range(n) if owner.get(v) not in kept]
+    outer += [key for key in pairs if not _consumed(owner.get(key[0]), owner.get(key[1]), kept)]
+    _, w, big = _eliminate(outer, None, p.sizes)
+    work, biggest = work + w, max(biggest, big)
+    if biggest <= WIDEST:
+        return False
+    _, flat, _ = _eliminate([(v,) for v in range(n)] + list(p.pairs), None, p.sizes)
+    return 4 * flat < work
 
 
 def _consumed(a, b, kept) -> bool:
