@@ -206,8 +206,9 @@ class _Lowering:
         outs = self.res.out.get(node.name, ())
         if len(outs) == 1:
             self.versions[node] = {outs[0]: new}
-            if not alias and node.op != "placeholder":
-                self.expect.setdefault(new, (outs[0], tuple(node.meta["val"].shape), node.name))
+            val = node.meta.get("val")
+            if not alias and node.op != "placeholder" and isinstance(val, torch.Tensor):   # not a list (_foreach_*)
+                self.expect.setdefault(new, (outs[0], tuple(val.shape), node.name))
 
     def _op(self, node):
         if node.target is operator.getitem:

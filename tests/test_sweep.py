@@ -159,9 +159,6 @@ KNOWN_BUGS = {
     ("dp", "tp_megatron"): _TIED_VOCAB_BN.format("at dp=2 the embedding's update differs by ~2e-2"),
     ("grad_accumulation", "tp_megatron"): _TIED_VOCAB_BN.format(
         "with 2 microbatches the gradient accumulation adds a (16, 8) and an (8, 8) gradient and fails"),
-    **{(tp, pp): "tp with a pipeline on this model: PassError in pass 'tensor_parallel' on rank 2 ('list' object "
-                 "has no attribute 'shape'), tied or not"
-       for tp in ("tp_megatron", "tp_tofu") for pp in ("gpipe", "1f1b", "zb1p")},
 }
 
 
