@@ -41,6 +41,8 @@ def test_user_split_points_and_plan():
     q = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
                           strategy=fxpar.Strategy(pp=2, microbatches=4), plan=fxpar.Plan.from_json(p.plan.to_json()))
     assert q.plan.cuts == ["blocks.1"] and q.plan.stage_params == p.plan.stage_params
-    with pytest.raises(fxpar.StrategyError, match="one-stage schedule and needs p=1"):
+    # a one-stage Plan handed to a pp=2 Strategy: refused, naming both meshes and the fix
+    with pytest.raises(fxpar.StrategyError, match=r"the Plan's mesh_axes .* give dp=1, tp=1, pp=1, but "
+                                                  r"Strategy\(.*pp=2.*\) asks for dp=1, tp=1, pp=2.*change dp/tp/pp"):
         fxpar.parallelize(model, fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
                           strategy=fxpar.Strategy(pp=2, microbatches=4), plan=fxpar.Plan())
