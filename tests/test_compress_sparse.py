@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import fxpar
+from fxpar.testing.compress import mlp_batches, mlp_program
 from fxpar.compress.method import BucketInfo, Comm
 from fxpar.compress.sparse import RandomK, TopK
 from fxpar.testing import MLP
@@ -23,15 +24,11 @@ def _model(layers=3):
 
 
 def _batches(n, batch=8):
-    g = torch.Generator().manual_seed(1)
-    return [(torch.randn(batch, 16, dtype=torch.float64, generator=g),
-             torch.randn(batch, 8, dtype=torch.float64, generator=g)) for _ in range(n)]
+    return mlp_batches(n, batch)
 
 
 def _program(model, batches, **strategy):
-    world = strategy.get("dp", 1) * strategy.get("pp", 1)
-    return fxpar.parallelize(model, fxpar.ClusterSpec.local(world), batches[0], loss_fn=F.mse_loss, optimizer=SGD,
-                             strategy=fxpar.Strategy(**strategy))
+    return mlp_program(model, batches, **strategy)
 
 
 @pytest.mark.numerics

@@ -5,8 +5,11 @@ from __future__ import annotations
 import copy
 
 import torch
+import torch.nn.functional as F
 
-__all__ = ["ddp_hook_worker", "sparse_reference", "sparse_bucket_math"]
+import fxpar
+
+__all__ = ["ddp_hook_worker", "sparse_reference", "sparse_bucket_math", "mlp_batches", "mlp_program"]
 
 
 def ddp_hook_worker(model, batches, loss_fn, optimizer, hook: str, bucket_cap_mb: float = 25.0) -> dict:
@@ -107,3 +110,17 @@ def sparse_reference(model, batches, loss_fn, lr: float, dp: int, buckets: list,
                 w -= lr * update[key]
         losses.append(total)
     return losses, m.state_dict()
+
+
+def mlp_batches(n: int, batch: int = 8) -> list:
+    """``n`` float64 (input, target) batches for :class:`fxpar.testing.MLP` (16 in, 8 out), from a fixed generator."""
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, 16, dtype=torch.float64, generator=g),
+             torch.randn(batch, 8, dtype=torch.float64, generator=g)) for _ in range(n)]
+
+
+def mlp_program(model, batches, lr: float = 0.1, **strategy):
+    """``parallelize`` of ``model`` with MSE and SGD(``lr``) on ``dp x pp`` local ranks, ``Strategy(**strategy)``."""
+    world = strategy.get("dp", 1) * strategy.get("pp", 1)
+    return fxpar.parallelize(model, fxpar.ClusterSpec.local(world), batches[0], loss_fn=F.mse_loss,
+                             optimizer=(torch.optim.SGD, {"lr": lr}), strategy=fxpar.Strategy(**strategy))
