@@ -68,6 +68,7 @@ class _Lowering:
         self.g = torch.fx.Graph()
         self.env = {}
         self.versions = {}          # old node -> {Sharding: new node}
+        self.from_canon = {}        # gradient node -> {Sharding: new node made from its parameter-laid-out value}
         self.expect = {}            # new node -> (Sharding, global shape, what)
         # a parameter's gradient, laid out as the parameter: what the optimizer and the outputs derive theirs from
         self.canon = {M.get(n, M.PARAM): res.out[n.name][0] for n in gm.graph.find_nodes(op="placeholder")
@@ -87,14 +88,23 @@ class _Lowering:
     # --- redistribution ----------------------------------------------------------------------------------
     def get(self, leaf, want: Sharding, consumer):
         vers = self.versions[leaf]
-        if want in vers:
-            return vers[want]
         canon = self.canon.get(M.get(leaf, M.GRAD_OF)) if M.get(consumer, M.PHASE) != "backward" else None
         if canon is not None and want != canon:
             # after backward a gradient is first laid out as its parameter (the value microbatches sum and data
-            # parallelism reduces, passes.tensor_parallel), and every other layout is made from that one
+            # parallelism reduces, passes.tensor_parallel), and every other layout is made from that one, never
+            # from a layout backward made before it (which holds this rank's unreduced gradient)
+            derived = self.from_canon.setdefault(leaf, {})
+            if want in derived:
+                return derived[want]
             base = self.get(leaf, canon, consumer)
-            vers = {canon: base}
+            derived[want] = self._convert(leaf, {canon: base}, want, consumer, derived)
+            return derived[want]
+        if want in vers:
+            return vers[want]
+        return self._convert(leaf, vers, want, consumer, vers)
+
+    def _convert(self, leaf, vers, want: Sharding, consumer, cache):
+        """``leaf`` as ``want``, made from the cheapest of ``vers``; the layouts passed on the way go to ``cache``."""
         shape = tuple(leaf.meta["val"].shape)
         nbytes = leaf.meta["val"].numel() * leaf.meta["val"].element_size()
 
@@ -103,14 +113,13 @@ class _Lowering:
                 s.placement(a), int) else 1), n) for a, n in self.sizes.items() if n > 1)
         cur_sh = min(vers, key=cost)
         cur = vers[cur_sh]
-        vers = self.versions[leaf]
         steps = [(a, k, src, dst) for a in self.sizes if self.sizes[a] > 1
                  for k, src, dst in redistribute_steps(cur_sh.placement(a), want.placement(a))]
         for axis, kind, _, dst in sorted(steps, key=lambda s: _ORDER[s[1]]):
             nxt = cur_sh.with_placement(axis, dst)
             cur = self._step(kind, cur, cur_sh, nxt, axis, shape, consumer, leaf)
             cur_sh = nxt
-            vers.setdefault(cur_sh, cur)
+            cache.setdefault(cur_sh, cur)
         return cur
 
     def _step(self, kind, x, src: Sharding, dst: Sharding, axis, shape, consumer, leaf):

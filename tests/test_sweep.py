@@ -149,17 +149,11 @@ def _merge(a: str, b: str):
 
 PAIRS = [(a, b) for a, b in itertools.combinations(FEATURES, 2) if _merge(a, b) is not None]
 QUICK = {("dp",), ("zero3",), ("tp_megatron",), ("1f1b",), ("recompute_full",), ("dp", "grad_accumulation"),
-         ("zero2", "recompute_full")}
+         ("zero2", "recompute_full"), ("dp", "tp_megatron")}
 
 # Deviations the sweep found that docs/semantics.md does not describe: bugs, kept here (strict xfail, so a fix
 # turns them into failures to remove from this table) until they are fixed.
-_TIED_VOCAB_BN = ("Megatron's vocabulary-parallel embedding tied to the head, with a BatchNorm in the model: {}; "
-                  "exact without the BatchNorm or without the tie")
-KNOWN_BUGS = {
-    ("dp", "tp_megatron"): _TIED_VOCAB_BN.format("at dp=2 the embedding's update differs by ~2e-2"),
-    ("grad_accumulation", "tp_megatron"): _TIED_VOCAB_BN.format(
-        "with 2 microbatches the gradient accumulation adds a (16, 8) and an (8, 8) gradient and fails"),
-}
+KNOWN_BUGS: dict = {}
 
 
 def _spec(names):

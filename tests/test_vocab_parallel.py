@@ -177,3 +177,42 @@ def test_handed_back_plan_runs_the_vocabulary_backward_on_4_ranks(setup, cluster
     res = prog.run_local(batches, cluster=clusters.get(4))
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
     assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
+
+
+class _TiedBatchNormNet(torch.nn.Module):
+    """A tied embedding/head with a BatchNorm between: the preset leaves the Linears whole, so backward computes the
+    tied weight's gradient whole and the update runs on it whole (the solver's choice), chunked after."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(16, 8)
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.bn = torch.nn.BatchNorm1d(16)
+        self.fc2 = torch.nn.Linear(16, 8)
+        self.head = torch.nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(self.fc2(torch.tanh(self.bn(self.fc1(self.emb(ids))))))
+
+
+@pytest.mark.structure
+def test_the_update_reads_the_summed_gradient_when_it_runs_on_another_layout():
+    """dp=2 x tp=2: whatever layout the update's ops run in, every gradient they read is made from the data-parallel
+    sum (a view of the bucket after its all_reduce), never from the rank's own unreduced gradient."""
+    torch.manual_seed(0)
+    model = _TiedBatchNormNet().double()
+    batch = (torch.randint(0, 16, (16,)), torch.randint(0, 16, (16,)))
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(4), batch, torch.nn.functional.cross_entropy,
+                             (torch.optim.SGD, {"lr": 0.1}), strategy=fxpar.Strategy(dp=2, tp=2, sharding="megatron"))
+    gm = prog.graphs(0)["step"]
+    synced = [n for n in collective_nodes(gm) if n.target == torch.ops._c10d_functional.all_reduce_.default]
+    assert len(synced) == 1
+    after = set()
+    for n in gm.graph.nodes:
+        if n in synced or any(a in after for a in n.all_input_nodes):
+            after.add(n)
+    update = [n for n in gm.graph.nodes if M.get(n, M.PHASE) == "optimizer"]
+    assert update
+    read = {a for n in update for a in n.all_input_nodes if M.get(a, M.PHASE) == "backward"}
+    assert read and read <= after, sorted(a.name for a in read - after)
