@@ -166,8 +166,24 @@ def _cluster(strategy: fxpar.Strategy, options: dict):
     return fxpar.ClusterSpec.local(strategy.size, **options)
 
 
+_BUILT: dict = {}
+
+
 def _build(names):
-    """(program, model, batches) for a feature or a pair, or the plan-time refusal."""
+    """(program, model, batches, strategy) for a feature or a pair, or its plan-time refusal raised: built once per
+    module (the parametrised test asks whether a pair is accepted, then runs it; the refusal test reads them all)."""
+    if names not in _BUILT:
+        try:
+            _BUILT[names] = (_make(names), None)
+        except FxparError as e:
+            _BUILT[names] = (None, e)
+    built, refusal = _BUILT[names]
+    if refusal is not None:
+        raise refusal
+    return built
+
+
+def _make(names):
     options, cluster_options = _spec(names)
     pipeline, tp = options.get("pp", 1) > 1, options.get("tp", 1) > 1
     model = _model(batch_norm=not pipeline, p=0.0 if (pipeline or tp) else 0.25)
