@@ -265,7 +265,7 @@ def _warn_attributes_changed(changed: list, mod_name: str) -> None:
         "forward, a time stamp) is fixed into the graph and replayed at every step, and the attribute does not change "
         "again while training. Make the decision a tensor op (torch.where on a tensor the step updates, such as a "
         "buffer), or keep the state outside forward and pass what it decides in as an input; docs/semantics.md "
-        "'Python-level randomness'.", UserWarning, stacklevel=5)
+        "'Python-level randomness and state'.", UserWarning, stacklevel=5)
 
 
 def _trace(fn, flat, mod_name, tracker, model=None):

@@ -173,8 +173,9 @@ def _whisper(tf) -> nn.Module:
 
 def _whisper_batches(n: int, rows: int = 4) -> list:
     g = torch.Generator().manual_seed(1)
-    return [(torch.randn(rows, 8, 16, generator=g, dtype=torch.float64), torch.randint(3, VOCAB, (rows, 6), generator=g),
-             torch.randint(3, VOCAB, (rows, 6), generator=g)) for _ in range(n)]
+    return [(torch.randn(rows, 8, 16, generator=g, dtype=torch.float64),
+             torch.randint(3, VOCAB, (rows, 6), generator=g), torch.randint(3, VOCAB, (rows, 6), generator=g))
+            for _ in range(n)]
 
 
 @pytest.mark.slow
