@@ -192,7 +192,7 @@ def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
         return loss
 
     flat = _distinct([*trainable.values(), *buffers.values(), *inputs, *target])
-    gm = _trace(fwd, flat, mod_name, tracker)
+    gm = _trace(fwd, flat, mod_name, tracker, model)
     roles = {}
     sig = [(Role.PARAM, k) for k in pnames] + [(Role.BUFFER, k) for k in bnames] + \
           [(Role.INPUT, str(i)) for i in range(len(inputs))] + [(Role.TARGET, str(i)) for i in range(len(target))]
@@ -230,8 +230,47 @@ def _python_random_used(before: tuple, after: tuple) -> list:
     return used
 
 
-def _trace(fn, flat, mod_name, tracker):
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(v) -> bool:
+    return isinstance(v, _PLAIN) or (isinstance(v, tuple) and len(v) <= 16 and all(isinstance(x, _PLAIN) for x in v))
+
+
+def _module_attributes(model: torch.nn.Module | None) -> dict:
+    """``{(module path, attribute): value}`` for every plain Python attribute (bool, int, float, str, None, a
+    short tuple of them) in the ``__dict__`` of ``model``'s modules: the Python state a forward can change."""
+    if model is None:
+        return {}
+    return {(path, k): v for path, mod in model.named_modules(remove_duplicate=True)
+            for k, v in mod.__dict__.items() if _plain(v)}
+
+
+_UNSET = "(unset)"
+
+
+def _attributes_changed(before: dict, after: dict) -> list:
+    """``[(module path, attribute, before, after)]`` for the attributes a traced forward set or changed
+    (``before`` is ``"(unset)"`` for one it set)."""
+    return [(path, k, before.get((path, k), _UNSET), v) for (path, k), v in after.items()
+            if (path, k) not in before or not (before[(path, k)] is v or before[(path, k)] == v)]
+
+
+def _warn_attributes_changed(changed: list, mod_name: str) -> None:
+    shown = "; ".join(f"module '{path or '(top level)'}' attribute {k!r}: {old if old is _UNSET else repr(old)} -> "
+                      f"{new!r}" for path, k, old, new in changed[:4]) + ("; ..." if len(changed) > 4 else "")
+    warnings.warn(
+        f"{mod_name}'s forward changed Python attributes of its modules while fxpar captured it ({shown}). Python "
+        "code in forward runs once, at capture: a decision that reads such state (a call counter, a flag toggled in "
+        "forward, a time stamp) is fixed into the graph and replayed at every step, and the attribute does not change "
+        "again while training. Make the decision a tensor op (torch.where on a tensor the step updates, such as a "
+        "buffer), or keep the state outside forward and pass what it decides in as an input; docs/semantics.md "
+        "'Python-level randomness and state'.", UserWarning, stacklevel=5)
+
+
+def _trace(fn, flat, mod_name, tracker, model=None):
     state = _python_random_state()
+    attributes = _module_attributes(model)
     try:
         with fx_traceback.preserve_node_meta(), tracker, capture_context():
             gm = make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake")(*flat)
@@ -239,6 +278,9 @@ def _trace(fn, flat, mod_name, tracker):
         raise
     except Exception as e:  # noqa: BLE001 - re-raised with the user's module named
         raise explain_trace_error(e, mod_name, tracker) from e
+    changed = _attributes_changed(attributes, _module_attributes(model))
+    if changed:
+        _warn_attributes_changed(changed, mod_name)
     used = _python_random_used(state, _python_random_state())
     if used:
         warnings.warn(
@@ -395,7 +437,7 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
             new_s = [new_by_state[j][i] for i in range(n_p) for j in range(k_state)]
         return (*outs, *new_p, *new_buffers, *new_s, *pgrads, *agrads)
 
-    gm = _trace(step, flat, mod_name, tracker)
+    gm = _trace(step, flat, mod_name, tracker, model if stage is None else None)
     sig = StepSignature(list(full_in), list(out_sig))
     if optimizer.traced:
         sig.outputs += [(Role.NEW_PARAM, k) for k in pkeys]
@@ -410,9 +452,11 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
             raise CaptureError(f"the loss of {mod_name} does not depend on any of its trainable parameters "
                                f"({', '.join(pkeys[:4])}{', ...' if len(pkeys) > 4 else ''}): nothing would train. Check "
                                "that forward uses its parameters and that the loss is computed from the model's output.")
-        if unused:
-            return capture_training_step(model, batch, loss_fn, optimizer, stage=stage, grad_scale=grad_scale,
-                                         frozen=unused)
+        if unused:              # the same forward traced again: the first trace gave its warnings
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return capture_training_step(model, batch, loss_fn, optimizer, stage=stage, grad_scale=grad_scale,
+                                             frozen=unused)
     _annotate(gm, sig)
     gm.meta[M.SIGNATURE.name] = sig
     return CapturedStep(gm, sig, pkeys, bkeys, aliases, optimizer, mod_name, time.perf_counter() - t0,

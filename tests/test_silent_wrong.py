@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 import warnings
 
 import pytest
@@ -292,3 +293,175 @@ def test_a_feature_left_off_refuses_its_options():
         fxpar.Strategy(dp=2, switch_level=3)
     finally:
         unregister_feature("test_switch")
+
+
+# ---- batch-wide statistics in every form: products over the batch, nonlinear reductions, .item() ------------
+class _BatchMix(nn.Module):
+    """``inp`` -> a statistic of the batch mixed back into every row -> ``out``; the statistic is the class's
+    ``mix``, run inside the submodule ``stat`` so that the note's module is the user's."""
+
+    class _Stat(nn.Module):
+        def __init__(self, mix):
+            super().__init__()
+            self.mix = mix
+
+        def forward(self, h):
+            return self.mix(h)
+
+    def __init__(self, mix):
+        super().__init__()
+        self.inp, self.stat, self.out = nn.Linear(4, 8), self._Stat(mix), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.out(self.stat(self.inp(x)))
+
+
+BATCH_WIDE = {                                  # form -> (statistic, the op the note names, how it reduces)
+    "x.T @ x": (lambda h: h @ (h.T @ h), "mm", "contracting the batch dimension"),
+    "torch.mm(x.t(), x)": (lambda h: torch.mm(h, torch.mm(h.t(), h)), "mm", "contracting the batch dimension"),
+    "einsum bi,bj->ij": (lambda h: h @ torch.einsum("bi,bj->ij", h, h), "bmm", "contracting the batch dimension"),
+    "var(0)": (lambda h: h / h.var(0), "var", "over dim 0"),
+    "std(0)": (lambda h: h / h.std(0), "std", "over dim 0"),
+    "max(0)": (lambda h: h - h.max(0).values, "max", "over dim 0"),
+    "logsumexp(0)": (lambda h: h - h.logsumexp(0), "logsumexp", "over dim 0"),
+    "normalize(dim=0)": (lambda h: F.normalize(h, dim=0), "linalg_vector_norm", "over dim 0"),
+    "x.T.sum(1)": (lambda h: h - h.T.sum(1), "sum", "over the batch dimension"),
+    ".item() of max(0)": (lambda h: h / h.abs().max(0).values.sum().item(), "max", "over dim 0"),
+}
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("form", sorted(BATCH_WIDE))
+def test_every_form_of_batch_wide_statistic_is_noted(form):
+    mix, op, how = BATCH_WIDE[form]
+    prog = _program(_BatchMix(mix), _batch(), F.mse_loss, dp=2)
+    cap = prog.stages[0].captured
+    found = batch_reductions(cap.gm, cap.signature)
+    assert found and all(m == "stat" for _, m in found), found
+    [note] = _notes(prog, "batch-wide statistic")
+    assert f"({op} {how}, module 'stat')" in note, note
+    assert "_BatchMix's forward" in note and "each of the 2 pieces" in note
+
+
+@pytest.mark.structure
+def test_a_product_over_features_or_a_transposed_weight_is_not_a_batch_statistic():
+    """``h @ W.T`` and attention within each row (``q @ k.T`` per row) contract the features, and backward's weight
+    gradient (``grad.T @ x``) contracts the batch outside forward: none is noted."""
+    model = _BatchMix(None)
+    model.stat.w = nn.Parameter(torch.randn(8, 8))
+    def per_row(h):                                     # a linear layer, and attention within each row
+        a = h.view(-1, 2, 4)
+        return h @ model.stat.w.T + ((a @ a.transpose(1, 2)).softmax(-1) @ a).reshape(h.shape)
+    model.stat.mix = per_row
+    prog = _program(model, _batch(), F.mse_loss, dp=2)
+    cap = prog.stages[0].captured
+    assert not batch_reductions(cap.gm, cap.signature) and not _notes(prog, "batch-wide statistic")
+
+
+@pytest.mark.structure
+def test_torch_cov_is_refused_at_capture_not_run_silently():
+    """``torch.cov`` decides on a tensor's value inside torch (fake tensors cannot answer it): capture refuses
+    the model rather than training per shard."""
+    with pytest.raises(fxpar.errors.CaptureError, match=r"_BatchMix.*control flow that depends on tensor values"):
+        _program(_BatchMix(lambda h: h @ torch.cov(h.T)), _batch(), F.mse_loss, dp=2)
+
+
+# ---- Python state a forward changes: frozen at capture ---------------------------------------------------------
+class _Counted(nn.Module):
+    """Takes another branch every second call: decided once, at capture."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.calls = nn.Linear(4, 2), 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.inp(x) * 2 if self.calls % 2 else self.inp(x)
+
+
+class _Toggled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.gate = nn.Linear(4, 2), _Gate()
+
+    def forward(self, x):
+        return self.gate(self.inp(x))
+
+
+class _Gate(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.flip = False
+
+    def forward(self, h):
+        self.flip = not self.flip
+        return h.relu() if self.flip else h
+
+
+class _Stamped(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(4, 2)
+
+    def forward(self, x):
+        self.seen_at = time.time()
+        return self.inp(x) * (1.0 if self.seen_at > 0 else 0.0)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("model,match", [
+    (_Counted, r"module '\(top level\)' attribute 'calls': 0 -> 1"),
+    (_Toggled, r"module 'gate' attribute 'flip': False -> True"),
+    (_Stamped, r"module '\(top level\)' attribute 'seen_at': \(unset\) -> \d"),
+])
+def test_python_state_changed_by_forward_warns(model, match):
+    with pytest.warns(UserWarning, match=rf"{model.__name__}'s forward changed Python attributes of its modules while "
+                                         rf"fxpar captured it \({match}.*replayed at every step.*Make the decision a "
+                                         r"tensor op.*keep the state outside forward") as rec:
+        _program(model(), _batch(), F.mse_loss)
+    assert sum("changed Python attributes" in str(w.message) for w in rec) == 1
+
+
+@pytest.mark.structure
+def test_python_state_warning_once_when_capture_runs_again_for_an_unused_parameter():
+    model = _Counted()
+    model.spare = nn.Linear(2, 2)                   # never called: capture runs a second time with it frozen
+    with pytest.warns(UserWarning, match="attribute 'calls': 0 -> 1") as rec:
+        _program(model, _batch(), F.mse_loss)
+    assert sum("changed Python attributes" in str(w.message) for w in rec) == 1
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("name", sorted(_TEST_MODELS))
+def test_no_python_state_warning_for_the_test_models(name):
+    model, batch, loss_fn = _TEST_MODELS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        _program(model, batch, loss_fn)
+
+
+@pytest.mark.slow
+@pytest.mark.structure
+@pytest.mark.parametrize("name", ["gpt2", "llama", "bert", "t5"])
+def test_no_python_state_warning_for_hugging_face_models(name):
+    tf = pytest.importorskip("transformers")
+    tf.logging.set_verbosity_error()
+    from fxpar.testing.hf import hf_batches, hf_example
+    model, _, loss_fn = hf_example(name, n_layers=2)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        _program(model, hf_batches(name, 1, batch=4)[0], loss_fn)
+    assert not [w for w in rec if "changed Python attributes" in str(w.message)]
+
+
+@pytest.mark.structure
+def test_python_state_snapshot_is_cheap_on_gpt2_small():
+    tf = pytest.importorskip("transformers")
+    from fxpar.capture import _attributes_changed, _module_attributes
+    model = tf.GPT2LMHeadModel(tf.GPT2Config())
+    took = []
+    for _ in range(5):                            # a capture takes one snapshot before and one after, compared
+        t0 = time.perf_counter()
+        _attributes_changed(_module_attributes(model), _module_attributes(model))
+        took.append(time.perf_counter() - t0)
+    assert min(took) < 0.025, took

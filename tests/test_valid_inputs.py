@@ -5,8 +5,9 @@ planning, and the refusals that stand in where fxpar cannot take a model as it i
   ``LayerNorm`` parameters' placeholders are renamed by fx (``layer_norm``), and the lowering finds them.
 * The Megatron preset splits HF attention by heads -- q/k/v column-parallel through the rotary embedding
   (Llama), a fused ``query_key_value`` (GPT-NeoX: its ``[heads, 3, head_dim]`` rows cut by heads), OPT's
-  separate projections -- and the o projection row-parallel; tp=2 trains as one process. Where it leaves a
-  Linear whole (GPT-J's eager attention: bmm and a float32 cast), ``explain()`` names the module and the op.
+  separate projections, Whisper's encoder, decoder and cross-attention -- and the o projection row-parallel;
+  tp=2 trains as one process. Where it leaves a Linear whole (GPT-J's eager attention: bmm and a float32 cast),
+  ``explain()`` names the module and the op.
 * Tofu's search on Phi with dropout eliminates flat where block boundaries would build wide tables.
 * A meta-device model with meta example inputs and ``cross_entropy`` plans (dp=2: the global-batch count).
 * ``nn.Embedding(max_norm=...)`` and ``offload=('activations',)`` are refused by name, with what to do.
@@ -25,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxpar
+from fxpar.batch_semantics import batch_reductions
 from fxpar.testing.hf import VOCAB, CausalLM, hf_batches, hf_example, lm_loss
 from fxpar.testing.reference import max_abs_diff, reference_training
 
@@ -146,6 +148,56 @@ def test_megatron_names_the_linears_it_leaves_whole_and_why(tf):
     text = prog.explain()
     assert "the Megatron preset left" in text and "model.transformer.h.0.attn.q_proj (its output meets" in text
     assert "Split them with layouts" in text
+
+
+class SpeechSeq2Seq(nn.Module):
+    """``model(input_features, decoder_input_ids, labels) -> loss`` for Whisper: the model computes its own
+    cross-entropy."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_features, decoder_input_ids, labels):
+        return self.model(input_features=input_features, decoder_input_ids=decoder_input_ids, labels=labels).loss
+
+
+def _whisper(tf) -> nn.Module:
+    """A tiny Whisper (one encoder and one decoder layer, 4 heads) from a config, float64: 8 mel bins, 16 frames."""
+    cfg = tf.WhisperConfig(vocab_size=VOCAB, num_mel_bins=8, encoder_layers=1, decoder_layers=1, d_model=32,
+                           encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                           max_source_positions=8, max_target_positions=16, dropout=0.0, attention_dropout=0.0,
+                           activation_dropout=0.0, use_cache=False, decoder_start_token_id=1, **SPECIAL)
+    return SpeechSeq2Seq(tf.WhisperForConditionalGeneration(cfg)).double()
+
+
+def _whisper_batches(n: int, rows: int = 4) -> list:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, 8, 16, generator=g, dtype=torch.float64),
+             torch.randint(3, VOCAB, (rows, 6), generator=g), torch.randint(3, VOCAB, (rows, 6), generator=g))
+            for _ in range(n)]
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_megatron_splits_whisper_attention_by_heads_and_trains_as_one_process(clusters, tf):
+    """Encoder self-attention, decoder self-attention and cross-attention: q/k/v column-parallel (k without a
+    bias), out_proj row-parallel; tp=2 equals one process for 2 AdamW steps. Its forward holds no batch-wide
+    statistic (the convolutions and attention act within each row)."""
+    torch.manual_seed(0)
+    prog = _tp_run(clusters, _whisper(tf), _whisper_batches(2), None, "megatron")
+    entry = prog.plan.section("tensor_parallel").stages[0]
+    text = prog.explain()
+    attentions = ["model.model.encoder.layers.0.self_attn", "model.model.decoder.layers.0.self_attn",
+                  "model.model.decoder.layers.0.encoder_attn"]
+    for att in attentions:
+        for m in ("q_proj", "k_proj", "v_proj"):
+            assert entry["megatron"][f"{att}.{m}.weight"] == ["tp", None], (att, m, entry["megatron"])
+            assert f"{att}.{m}: split weight ('tp', None)" in text
+        assert entry["megatron"][f"{att}.out_proj.weight"] == [None, "tp"]
+    assert not entry.get("megatron_whole"), entry.get("megatron_whole")
+    assert "Megatron preset left" not in text
+    assert not batch_reductions(prog.stages[0].captured.gm, prog.stages[0].captured.signature)
 
 
 @pytest.mark.slow
