@@ -280,9 +280,12 @@ def _copied(who: str, what: str, value):
 def _batched_can_run() -> bool:
     """Whether this torch's ``batched_powerSGD_hook`` can run its compressed steps: it orthogonalizes one 2-D
     matrix per bucket with ``_orthogonalize``, which some torch versions accept only as a batch of matrices."""
+    orthogonalize = getattr(torch_powersgd, "_orthogonalize", None)
+    if orthogonalize is None:           # a torch that orthogonalizes otherwise: nothing known to refuse
+        return True
     try:
-        torch_powersgd._orthogonalize(torch.ones(2, 1))
-    except AssertionError:
+        orthogonalize(torch.ones(2, 1))
+    except Exception:
         return False
     return True
 
