@@ -292,7 +292,14 @@ def _server_of(info, cluster, server_nodes) -> tuple | None:
 
 def comm_info_cost(info, cluster, algorithm: str = "auto", server_nodes=None) -> CommCost:
     """Cost of the collective a node's :class:`fxpar.meta.CommInfo` describes. ``server_nodes[j]``: the worker
-    node BytePS's CPU server ``j`` sits on (None or absent: machines of their own)."""
+    node BytePS's CPU server ``j`` sits on (None or absent: machines of their own). A node that issues several
+    collectives (``info.parts``) costs their sum, each with its own latency terms and algorithm."""
+    parts = getattr(info, "parts", ())
+    if parts:
+        costs = [collective_cost(kind, nbytes, info.ranks, cluster, algorithm) for kind, nbytes in parts]
+        return CommCost(sum(c.time_s for c in costs), sum(c.wire_bytes for c in costs),
+                        sum(c.intra_bytes for c in costs), sum(c.inter_bytes for c in costs),
+                        "+".join(c.algorithm for c in costs), sum(c.cut_bytes for c in costs))
     server = _server_of(info, cluster, server_nodes)
     if server is not None:
         return server_exchange_cost(info.nbytes, info.ranks, cluster, server[1])
@@ -305,14 +312,16 @@ GLOO_THREADS = 2     # ProcessGroupGloo's worker threads per group (its Options'
 def latency_part(info, cluster, seconds: float) -> float:
     """The part of a collective's ``seconds`` that is latency, not bytes: its algorithm's steps times the
     slowest link's α (ring: 2(N-1) for all_reduce, N-1 for reduce_scatter, all_gather and all_to_all,
-    ⌈log2 N⌉ for broadcast, 1 for a message), at most ``seconds``. Two collectives in flight at once overlap
-    these parts while their bytes share the wire (:func:`cost_models.simulate.simulate`, ``slots``)."""
+    ⌈log2 N⌉ for broadcast, 1 for a message; summed over ``info.parts``), at most ``seconds``. Two collectives
+    in flight at once overlap these parts while their bytes share the wire (:func:`cost_models.simulate.simulate`,
+    ``slots``)."""
     ranks = tuple(info.ranks)
     n = len(ranks)
     if n <= 1:
         return 0.0
     nodes = {cluster.node_of(r) for r in ranks}
     alpha = max(cluster.intra_node.latency, cluster.inter_node.latency) if len(nodes) > 1 else cluster.intra_node.latency
-    steps = {"all_reduce": 2 * (n - 1), "broadcast": math.ceil(math.log2(n)),
-             "send": 1, "recv": 1}.get(info.kind, n - 1)
+    kinds = [kind for kind, _ in getattr(info, "parts", ())] or [info.kind]
+    steps = sum({"all_reduce": 2 * (n - 1), "broadcast": math.ceil(math.log2(n)),
+                 "send": 1, "recv": 1}.get(kind, n - 1) for kind in kinds)
     return min(seconds, steps * alpha)

@@ -278,7 +278,7 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
         if key not in comm_cache:
             costs = []
             for info in p.infos:
-                ck = (info.kind, info.nbytes, tuple(info.ranks), info.axis)
+                ck = (info.kind, info.nbytes, tuple(info.ranks), info.axis, getattr(info, "parts", ()))
                 c = comm_cache.get(ck)
                 if c is None:
                     c = comm_cache[ck] = comm_info_cost(info, cluster, algorithm, server_nodes)

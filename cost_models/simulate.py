@@ -171,12 +171,13 @@ def cold_ops(gm, device=None) -> dict:
 
 
 def comm_cpu(info, device) -> float:
-    """CPU seconds a collective's own threads take from its rank's compute (``DeviceSpec.comm_cpu_s`` +
-    ``comm_cpu_per_byte`` x its buffer's bytes; 0 where calibrate() found spare cores for them)."""
+    """CPU seconds a collective's own threads take from its rank's compute (``DeviceSpec.comm_cpu_s`` per collective
+    -- a node issuing several, ``info.parts``, pays it for each -- + ``comm_cpu_per_byte`` x its buffer's bytes; 0
+    where calibrate() found spare cores for them)."""
     per, per_byte = getattr(device, "comm_cpu_s", 0.0), getattr(device, "comm_cpu_per_byte", 0.0)
     if not (per or per_byte) or info is None or info.kind in ("send", "recv"):
         return 0.0
-    return per + per_byte * info.nbytes
+    return per * max(1, len(getattr(info, "parts", ()))) + per_byte * info.nbytes
 
 
 def _returned_nodes(gm) -> set:

@@ -34,6 +34,9 @@ class CommInfo:
     nbytes: int               # size of the tensor handed to the collective on this rank
     # for "send"/"recv", ranks is (src, dst) on both sides
     reduce_op: str = "sum"
+    # a node that issues several collectives one after another on this group (a compressed bucket sum):
+    # ((kind, bytes), ...) in order, each costed on its own; empty: the one collective kind and nbytes describe
+    parts: tuple = ()
 
 
 ROLE = MetaKey("fxpar_role", Role, "fxpar.capture",

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 import fxpar
+from cost_models.comm import collective_cost, comm_info_cost
 from fxpar.testing.compress import mlp_batches, mlp_program
 from fxpar import compress as C
 from fxpar import meta as M
@@ -274,3 +275,64 @@ def test_the_estimate_counts_the_methods_compute():
     dev = prog.cluster.device
     plain = _program(model, batches, dp=2).estimate().ranks[0].compute_time_s
     assert prog.estimate().ranks[0].compute_time_s - plain >= ops * dev.op_overhead_s
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("method", [C.PowerSGD(rank=1, start_iter=2, min_compression_rate=0.5), C.ByteGrad(),
+                                    C.TopK(ratio=0.1)], ids=["powersgd", "bytegrad", "topk"])
+def test_the_estimate_costs_each_collective_of_a_bucket_sum(method):
+    """A bucket sum that issues k collectives (PowerSGD: P and Q all-reduced, the whole tensors a third where the
+    bucket holds some; ByteGrad: an all-to-all and an all-gather) pays k latency terms, each collective at its own algorithm's factor: the
+    estimate's communication time is the sum of cost_models' formula per collective of the traced sums."""
+    model, batches = _model(layers=3), _batches(1)
+    prog = _program(model, batches, dp=2, bucket_cap_mb=0.004, grad_sync=method)
+    rows = prog.plan.section(method.name).stages[0]
+    infos = prog.collectives(0)
+    assert len(rows) >= 2 and len(infos) == len(rows)            # the bucket sums are the step's only collectives
+    cluster = prog.cluster
+    want = 0.0
+    for info, row in zip(infos, rows):
+        per = [collective_cost(kind, nbytes, info.ranks, cluster) for kind, nbytes in row["collectives"]]
+        assert sum(n for _, n in row["collectives"]) == row["wire_bytes"] == info.nbytes
+        assert comm_info_cost(info, cluster).time_s == pytest.approx(sum(c.time_s for c in per), rel=1e-12)
+        want += sum(c.time_s for c in per)
+        if len(per) > 1:    # one collective of all the bytes would pay one latency: less than the k collectives
+            assert len(info.parts) == len(per)
+            one = collective_cost(row["collectives"][0][0], info.nbytes, info.ranks, cluster).time_s
+            assert sum(c.time_s for c in per) > one
+    assert max(len(r["collectives"]) for r in rows) == {"powersgd": 2, "bytegrad": 2, "topk": 1}[method.name]
+    assert prog.estimate().ranks[0].comm_time_s == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.structure
+def test_an_eager_method_declares_its_collectives_to_the_estimate(eager_method):
+    """An eager method's sum is not traced: the cost models count what it declares (Method.collectives; the default
+    is one all-reduce of wire_bytes)."""
+    model, batches = _model(), _batches(1)
+    prog = _program(model, batches, dp=2, grad_sync=eager_method())
+    (row,) = prog.plan.section(eager_method.name).stages[0]
+    assert row["collectives"] == [] and row["declared"] == [["all_reduce", row["wire_bytes"]]]
+    (info,) = prog.collectives(0)
+    assert (info.kind, info.nbytes, info.parts) == ("all_reduce", row["wire_bytes"], ())
+
+    C.register_method(DeclaredSum)        # a subclass with a name of its own: its feature alone is enabled
+    try:
+        prog2 = _program(model, batches, dp=2, grad_sync=DeclaredSum())
+        (info2,) = prog2.collectives(0)
+        half = row["wire_bytes"] // 2
+        assert info2.parts == (("reduce_scatter", 2 * half), ("all_gather", half))
+        cl = prog2.cluster
+        assert prog2.estimate().ranks[0].comm_time_s == pytest.approx(
+            sum(collective_cost(k, n, info2.ranks, cl).time_s for k, n in info2.parts), rel=1e-12)
+    finally:
+        C.unregister_method(DeclaredSum.name)
+
+
+@dataclass(frozen=True)
+class DeclaredSum(EagerSum):
+    """An eager method that declares its collectives: a reduce-scatter, then an all-gather of the half."""
+    name: ClassVar[str] = "declared_sum_test"
+
+    def collectives(self, bucket, variant):
+        half = self.wire_bytes(bucket, variant) // 2
+        return [("reduce_scatter", 2 * half), ("all_gather", half)]

@@ -7,6 +7,7 @@ from fxpar's side (each rank's buffer scaled by 1/dp, as fxpar's buckets come) a
 import copy
 import functools
 import pickle
+import threading
 
 import pytest
 import torch
@@ -154,6 +155,17 @@ def test_batched_powerSGD_fails_where_ddp_fails(clusters):
         assert worst <= 1e-12 and raw_ok and len(per_step) == 3           # steps 0 and 1 ran; step 2 failed
         assert ddp_failed == (calls - 1, "AssertionError")
         assert ours_failed == (calls - 1, "AssertionError", True)
+
+
+@STRUCTURE
+def test_batched_powerSGD_is_refused_by_name():
+    """What the test above shows, said before a run: the Strategy refuses the hook, naming it and the fix."""
+    st = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    with pytest.raises(StrategyError, match=r"DDPHook\(.*batched_powerSGD_hook\).*2-D matrix.*powerSGD_hook"):
+        fxpar.Strategy(dp=2, grad_sync=C.DDPHook(psgd.batched_powerSGD_hook, st))
+    with pytest.raises(StrategyError, match="batched_powerSGD_hook"):
+        C.DDPHook(functools.partial(psgd.batched_powerSGD_hook), st).check(2)
+    C.DDPHook(psgd.powerSGD_hook, st).check(2)
 
 
 def never_completes(state, bucket):
@@ -345,3 +357,124 @@ def test_run_local_stops_on_a_future_that_never_completes(clusters):
                              strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(never_completes, timeout_s=0.5)))
     with pytest.raises(fxpar.RankFailedError, match=r"never_completes.*did not complete in 0.5 s"):
         prog.run_local(batches[:1], cluster=clusters.get(2))
+
+
+# ---- the hook's state in checkpoints ------------------------------------------------------------------------------
+CK_HOOKS = {"fp16": (dh.fp16_compress_hook, None),
+            "powerSGD": (psgd.powerSGD_hook, dict(matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                                  min_compression_rate=1.0, random_seed=5)),
+            # no warm start: each compressed step draws its Qs from the state's numpy generator
+            "powerSGD_cold": (psgd.powerSGD_hook, dict(matrix_approximation_rank=1, start_powerSGD_iter=2,
+                                                       min_compression_rate=1.0, random_seed=5, warm_start=False))}
+
+
+def _hook_program(model, batches, loss_fn, hook, opts):
+    state = None if opts is None else psgd.PowerSGDState(None, **opts)
+    return fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(hook, state)))
+
+
+@NUMERICS
+@pytest.mark.parametrize("name", list(CK_HOOKS))
+def test_checkpoint_resumes_the_hook_state_bitwise(clusters, tmp_path, name):
+    """3 steps (PowerSGD compresses from step 2), save, a fresh program resumes for 3 more == 6 steps straight,
+    bitwise: each rank's PowerSGDState (error_dict, p/q_memory_dict, iter, its numpy rng) is in the checkpoint."""
+    hook, opts = CK_HOOKS[name]
+    model = _data("mlp")[0]
+    batches = regression_batches(6)
+    straight = _hook_program(model, batches, F.mse_loss, hook, opts).run_local(batches, cluster=clusters.get(2))
+    _hook_program(model, batches, F.mse_loss, hook, opts).run_local(batches[:3], cluster=clusters.get(2),
+                                                                     save_to=tmp_path / "ck")
+    resumed = _hook_program(model, batches, F.mse_loss, hook, opts).run_local(
+        batches[3:], cluster=clusters.get(2), resume_from=tmp_path / "ck")
+    assert resumed.losses == straight.losses[3:]
+    for k, v in straight.state_dict().items():
+        assert torch.equal(v, resumed.state_dict()[k]), k
+    if opts is not None:         # a hook state started afresh is another run: the saved state is what resumes it
+        restart = _hook_program(model, batches, F.mse_loss, hook, opts).run_local(batches[3:], cluster=clusters.get(2))
+        assert restart.losses != straight.losses[3:]
+
+
+class CountingState:
+    """A user's hook state with state_dict() / load_state_dict(): what a checkpoint keeps of it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def state_dict(self):
+        return {"calls": self.calls}
+
+    def load_state_dict(self, d):
+        self.calls = d["calls"]
+
+
+class PlainState:
+    def __init__(self):
+        self.calls = 0
+
+
+def locking_hook(state, bucket):
+    """Counts its calls, and keeps a lock in its state (which no checkpoint can save)."""
+    state.calls += 1
+    state.lock = threading.Lock()
+    return dh.allreduce_hook(None, bucket)
+
+
+@STRUCTURE
+def test_host_state_is_what_a_checkpoint_keeps():
+    st = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1, start_powerSGD_iter=2, random_seed=4)
+    st.process_group = object()              # the rank's group: never saved, never replaced
+    m = DDPHook(psgd.powerSGD_hook, st)
+    saved = m.host_state()["attributes"]
+    assert "process_group" not in saved and {"error_dict", "p_memory_dict", "q_memory_dict", "iter", "rng"} <= set(saved)
+    draw = st.rng.randint(10 ** 9)
+    st.iter, st.error_dict[0] = 7, torch.ones(3)
+    group = st.process_group
+    m.load_host_state({"attributes": saved})
+    assert st.iter == 0 and st.error_dict == {} and st.rng.randint(10 ** 9) == draw and st.process_group is group
+    counting = CountingState()
+    counting.calls = 3
+    assert DDPHook(dh.allreduce_hook, counting).host_state() == {"state_dict": {"calls": 3}}
+    DDPHook(dh.allreduce_hook, counting).load_host_state({"state_dict": {"calls": 1}})
+    assert counting.calls == 1
+    assert DDPHook(dh.allreduce_hook, None).host_state() is None
+    plain = PlainState()
+    plain.lock = threading.Lock()
+    with pytest.raises(StrategyError, match=r"DDPHook\(.*locking_hook, state=PlainState\): the checkpoint cannot save "
+                                            r"the hook state's attribute 'lock'.*state_dict\(\) and load_state_dict"):
+        DDPHook(locking_hook, plain).host_state()
+
+
+@NUMERICS
+def test_checkpoint_refuses_a_state_it_cannot_save(clusters, tmp_path):
+    model, batches, loss_fn = _data("mlp")
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(locking_hook, PlainState())))
+    with pytest.raises(fxpar.RankFailedError, match=r"locking_hook.*attribute 'lock'"):
+        prog.run_local(batches[:2], cluster=clusters.get(2), save_to=tmp_path / "ck")
+
+
+# ---- bytes: what a hook issues from its future's callbacks is counted ---------------------------------------------
+@NUMERICS
+def test_measured_bytes_of_powerSGD_hook_include_its_callbacks(clusters):
+    """powerSGD_hook all-reduces the uncompressed tensors from the hook, then P and Q from its future's callbacks
+    (on gloo's threads): each is counted, and each equals the hook's formula -- per matrix n x m (m: the rest of the
+    dims) compressed at r' = min(n, m, rank) when (n + m) r' min_compression_rate < n m, P = sum n r', Q = sum m r';
+    the rest (the biases, rank 1) all-reduced whole. The steps before start_powerSGD_iter: one plain all-reduce."""
+    model, batches, loss_fn = _data("mlp")
+    opts = dict(matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=1.0, random_seed=5)
+    prog = _hook_program(model, batches[:4], loss_fn, psgd.powerSGD_hook, opts)
+    res = prog.run_local(batches[:4], cluster=clusters.get(2), measure_comm=True)
+    whole = P = Q = 0
+    for p in model.parameters():
+        n, m = p.shape[0], p.numel() // p.shape[0]
+        r = min(n, m, 2)
+        if p.dim() > 1 and (n + m) * r * 1.0 < n * m:
+            P, Q = P + n * r, Q + m * r
+        else:
+            whole += p.numel()
+    numel = sum(p.numel() for p in model.parameters())
+    assert P > 0 and whole > 0
+    for r in range(2):
+        assert res.comm_calls[r] == [[("all_reduce", numel * 8)]] * 2 + \
+            [[("all_reduce", whole * 8), ("all_reduce", P * 8), ("all_reduce", Q * 8)]] * 2

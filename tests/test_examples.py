@@ -85,3 +85,23 @@ def test_custom_strategy_example_matches_its_reference():
     got = [float(x) for x in re.search(r"losses    : \[(.*)\]", text).group(1).split(",")]
     ref = [float(x) for x in re.search(r"reference : \[(.*)\]", text).group(1).split(",")]
     assert len(got) == 4 and got == ref
+
+
+@pytest.mark.slow
+def test_compression_example_sends_what_explain_says():
+    text = _run("examples/compression.py", "--steps", "5")
+    # explain(): PowerSGD's bucket sends P, Q and the whole tensors once it starts, a plain all-reduce before; TopK's
+    # bucket one all-gather of its pairs
+    psgd, plain = map(int, re.search(r"powersgd:\n(?:.*\n)*?.*wire_bytes=(\d+) .*\n.*until the method starts: "
+                                     r"wire_bytes=(\d+)", text).groups())
+    topk = int(re.search(r"topk:\n(?:.*\n)*?.*wire_bytes=(\d+) \(all_gather", text).group(1))
+    assert psgd < plain / 4 and topk < plain / 4
+    rows = re.findall(r"^\s*(\d+) \|" + r"\s+([0-9.]+)\s+([0-9,]+) \|" * 2 + r"\s+([0-9.]+)\s+([0-9,]+)$", text, re.M)
+    assert [int(r[0]) for r in rows] == list(range(5))
+    loss = [[float(r[i]) for r in rows] for i in (1, 3, 5)]
+    sent = [[int(r[i].replace(",", "")) for r in rows] for i in (2, 4, 6)]
+    # measured on the ranks, per step: the bytes explain() gives
+    assert sent == [[plain] * 5, [plain] * 3 + [psgd] * 2, [topk] * 5]
+    # PowerSGD sums plainly until start_iter=3: the losses of steps 0-3 are plain dp's; TopK's first loss too
+    assert loss[1][:4] == loss[0][:4] and loss[2][0] == loss[0][0]
+    assert loss[1][4] != loss[0][4] and f"({plain / psgd:.1f}x fewer)" in text

@@ -13,21 +13,38 @@ default hooks read ``None`` as the world, which is that group when dp is the who
 ``process_group`` attribute (``PowerSGDState``) travels to the ranks without it and has it set to the rank's
 data-parallel group there. The hook itself must be picklable: a module-level function (or a ``functools.partial``
 of one).
+
+Checkpoints: the hook's state object is saved with each rank's checkpoint and restored into the rank's state on
+resume (:meth:`DDPHook.host_state`): through its ``state_dict()`` / ``load_state_dict()`` where its class has both,
+else every attribute but ``process_group`` (``PowerSGDState``: ``error_dict``, ``p_memory_dict``,
+``q_memory_dict``, ``iter``, its numpy ``rng``, the statistics), copied at the save. An attribute that does not
+pickle is refused by name when the checkpoint is taken.
+
+Bytes: collectives a hook issues from its future's callbacks (``powerSGD_hook``'s all-reduces of P and Q) run on
+the backend's threads; the callbacks the hook chains are run under the rank's ``CommCounter`` there too, so a run
+with ``measure_comm=True`` counts every collective the hook issues (:func:`_counted_callbacks`).
 """
 from __future__ import annotations
 
 import base64
+import contextlib
+import copy
+import functools
 import pickle
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
 from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.errors import StrategyError
+from fxpar.runtime.measure import CommCounter
 
 __all__ = ["DDPHook", "HookBucket", "hook_name"]
 
@@ -125,6 +142,12 @@ class DDPHook(Method):
                                 "pickled)")
         if not (self.timeout_s > 0):
             raise StrategyError(f"DDPHook(timeout_s={self.timeout_s!r}): must be > 0 seconds")
+        if getattr(self.hook, "func", self.hook) is torch_powersgd.batched_powerSGD_hook and not _batched_can_run():
+            raise StrategyError(
+                f"DDPHook({hook_name(self.hook)}): this torch's batched_powerSGD_hook cannot run, in DDP or here: at "
+                "its first compressed step it hands torch's _orthogonalize a 2-D matrix, which that function refuses "
+                "(AssertionError); use torch's powerSGD_hook with the same PowerSGDState "
+                "(C.DDPHook(powerSGD_hook, state)), or fxpar's own C.PowerSGD(rank=..., start_iter=...)")
 
     def to_dict(self) -> dict:
         """The hook's and state's names for reading, and the method itself pickled (``"pickle"``, base64), so a Plan
@@ -162,7 +185,8 @@ class DDPHook(Method):
         hb = HookBucket(buf, bucket)
         who = hook_name(self.hook)
         try:
-            fut = self.hook(self.bind(comm), hb)
+            with _counted_callbacks(_active_counters()):
+                fut = self.hook(self.bind(comm), hb)
         except StrategyError:
             raise
         except Exception as e:
@@ -194,6 +218,33 @@ class DDPHook(Method):
                                 f"shape {want} and dtype {bucket.torch_dtype}")
         return out, dict(state)
 
+    # ---- checkpoints ----
+    def host_state(self):
+        """The hook's state object as this rank's checkpoint keeps it: ``{"state_dict": ...}`` from its
+        ``state_dict()`` where its class has ``state_dict`` and ``load_state_dict``, else ``{"attributes": {name:
+        value}}``, every attribute but ``process_group``, copied; None where the state is ``None`` or holds no
+        attribute (the hook keeps nothing between calls). An attribute that does not pickle is refused, by name."""
+        st = self.state
+        if st is None:
+            return None
+        who = f"DDPHook({hook_name(self.hook)}, state={type(st).__name__})"
+        if callable(getattr(st, "state_dict", None)) and callable(getattr(st, "load_state_dict", None)):
+            return {"state_dict": _copied(who, "state_dict()", st.state_dict())}
+        fields = _fields(st)
+        if not fields:
+            return None
+        return {"attributes": {k: _copied(who, f"attribute {k!r}", v) for k, v in fields.items()}}
+
+    def load_host_state(self, saved) -> None:
+        """Put a checkpoint's :meth:`host_state` back into this rank's hook state (its process group stays)."""
+        if saved is None:
+            return
+        if "state_dict" in saved:
+            self.state.load_state_dict(copy.deepcopy(saved["state_dict"]))
+            return
+        for k, v in saved["attributes"].items():
+            object.__setattr__(self.state, k, copy.deepcopy(v))
+
     def wire_bytes(self, bucket: BucketInfo, variant) -> int:
         """A hook's bytes are not known before it runs: the plan counts the bucket's plain all-reduce; a run with
         ``measure_comm=True`` reports what the hook handed over."""
@@ -203,6 +254,106 @@ class DDPHook(Method):
         return [f"DDP comm hook {hook_name(self.hook)} (state {type(self.state).__name__}) sums the bucket; its bytes "
                 "are not known before it runs: wire_bytes counts a plain all-reduce of the bucket, "
                 "run_local(measure_comm=True) reports those measured"]
+
+
+def _fields(state) -> dict:
+    """A state object's attributes (its slots and its ``__dict__``), less ``process_group``."""
+    names = [n for c in type(state).__mro__ for n in getattr(c, "__slots__", ()) if n != "__weakref__"]
+    out = {n: getattr(state, n) for n in names if n not in ("process_group", "__dict__") and hasattr(state, n)}
+    out.update({k: v for k, v in getattr(state, "__dict__", {}).items() if k != "process_group"})
+    return out
+
+
+def _copied(who: str, what: str, value):
+    """``value`` copied through pickle (what a checkpoint stores), or a StrategyError naming ``what``."""
+    try:
+        return pickle.loads(pickle.dumps(value))
+    except Exception as e:
+        raise StrategyError(
+            f"{who}: the checkpoint cannot save the hook state's {what} ({type(value).__name__}: {e}); a checkpoint "
+            "keeps the hook's state with each rank's: keep only values that pickle in the state (tensors, numbers, "
+            "dicts, numpy generators), or give its class state_dict() and load_state_dict() that return and take "
+            "such values") from e
+
+
+@functools.lru_cache(maxsize=None)
+def _batched_can_run() -> bool:
+    """Whether this torch's ``batched_powerSGD_hook`` can run its compressed steps: it orthogonalizes one 2-D
+    matrix per bucket with ``_orthogonalize``, which some torch versions accept only as a batch of matrices."""
+    orthogonalize = getattr(torch_powersgd, "_orthogonalize", None)
+    if orthogonalize is None:           # a torch that orthogonalizes otherwise: nothing known to refuse
+        return True
+    try:
+        orthogonalize(torch.ones(2, 1))
+    except Exception:
+        return False
+    return True
+
+
+def _active_counters() -> list:
+    """The rank's ``CommCounter`` modes active on this thread (a run with ``measure_comm=True``)."""
+    return [m for m in _get_current_dispatch_mode_stack() if isinstance(m, CommCounter)]
+
+
+class _Relay(TorchDispatchMode):
+    """Hands every op dispatched on another thread (a future's callback on the backend's thread) to ``mode``, which
+    counts it there as on the rank's own thread. One per callback run: a mode's entry keeps flags of its own."""
+
+    def __init__(self, mode):
+        super().__init__()
+        self.mode = mode
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self.mode.__torch_dispatch__(func, types, args, kwargs)
+
+
+_PATCH_LOCK = threading.Lock()
+_patch_depth = 0
+_THEN = torch._C.Future.then
+_ADD_DONE = torch._C.Future.add_done_callback
+
+
+def _counting(callback, counters):
+    """``callback`` run under ``counters``: on a thread where they are not active, each through a :class:`_Relay`;
+    callbacks it chains in turn are counted alike."""
+    def run(fut):
+        on = _get_current_dispatch_mode_stack()
+        with contextlib.ExitStack() as stack:
+            for c in counters:
+                if not any(m is c for m in on):
+                    stack.enter_context(_Relay(c))
+            stack.enter_context(_counted_callbacks(counters))
+            return callback(fut)
+    return run
+
+
+@contextlib.contextmanager
+def _counted_callbacks(counters):
+    """While a hook runs: every callback chained on a ``torch.futures.Future`` (``then``, ``add_done_callback``) runs
+    under ``counters``. A DDP hook issues collectives from its future's callbacks, which the backend runs on its own
+    threads, where the rank's counter (a thread's dispatch mode) does not see them otherwise. Nothing to count:
+    nothing changes."""
+    global _patch_depth
+    if not counters:
+        yield
+        return
+
+    def then(self, callback):
+        return _THEN(self, _counting(callback, counters))
+
+    def add_done_callback(self, callback):
+        return _ADD_DONE(self, _counting(callback, counters))
+    with _PATCH_LOCK:
+        if _patch_depth == 0:
+            torch._C.Future.then, torch._C.Future.add_done_callback = then, add_done_callback
+        _patch_depth += 1
+    try:
+        yield
+    finally:
+        with _PATCH_LOCK:
+            _patch_depth -= 1
+            if _patch_depth == 0:
+                torch._C.Future.then, torch._C.Future.add_done_callback = _THEN, _ADD_DONE
 
 
 def _has_group(state) -> bool:

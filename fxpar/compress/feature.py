@@ -19,8 +19,9 @@ feature registered for ``TopK``. It:
   read where they read the all-reduced bucket;
 * keeps per rank a :class:`fxpar.compress.runtime.CompressState` (state, step counters, generator; checkpointed);
 * tells the cost models the wire bytes: the call carries ``fxpar_comm`` (its first collective's kind, the method's
-  ``wire_bytes``), so ``estimate()`` and ``Program.collectives()`` count it as a blocking collective of those
-  bytes; ``state_bytes`` is the methods' state;
+  ``wire_bytes``, and where the sum issues several collectives each one's kind and bytes as ``parts``), so
+  ``Program.collectives()`` counts it as one blocking collective of those bytes and ``estimate()`` costs each
+  collective on its own (its latency terms, its algorithm) and adds them; ``state_bytes`` is the methods' state;
 * explains each bucket: what is sent, how, and the bytes before and after.
 
 Why a call and not the traced sum inlined into the joint graph: a method picks its graph per step on the host
@@ -65,7 +66,8 @@ class CompressSection(PlanSection):
     per stage, per bucket summed over dp ``{"bucket", "keys", "numel", "dtype", "plain_bytes", "wire_bytes",
     "collectives"}`` (its index among the ``data_parallel`` section's buckets of the stage; the bytes
     plain all-reduce and the method hand to collectives per rank and step, the method's at its first step; its
-    traced sum's collectives ``[kind, bytes]`` in order, empty for an eager method), filled once captured."""
+    traced sum's collectives ``[kind, bytes]`` in order, empty for an eager method, whose row has ``"declared"``
+    instead: its :meth:`Method.collectives`, what the cost models count), filled once captured."""
     method: dict = field(default_factory=dict)
     stages: list = field(default_factory=list)
 
@@ -198,8 +200,11 @@ class CompressedSum(Pass):
                 call = g.call_function(bucket_sum, (src, self.feature, ctx.stage, b))
             _stamp(call, ar, val)
             M.set_meta(call, M.BUCKET, row["bucket"])
-            kind = info["collectives"][0][0] if info["collectives"] else "all_reduce"
-            M.set_meta(call, M.COMM, M.CommInfo(kind, "dp", tuple(ranks), int(info["wire_bytes"])))
+            # each collective the sum issues is costed on its own (its latency terms, its algorithm)
+            parts = info["collectives"] or info.get("declared") or [["all_reduce", info["wire_bytes"]]]
+            parts = tuple((str(k), int(n)) for k, n in parts)
+            M.set_meta(call, M.COMM, M.CommInfo(parts[0][0], "dp", tuple(ranks), int(info["wire_bytes"]),
+                                                parts=parts if len(parts) > 1 else ()))
             ops, flops, nbytes = info.get("compute", (0, 0, 0))
             M.set_meta(call, M.INNER_COMPUTE, (int(ops), int(flops), int(nbytes), len(info["collectives"])))
             out = div if div is not None else wait
@@ -230,7 +235,8 @@ class CompressFeature(Feature):
 
     def enabled(self, strategy) -> bool:
         g = strategy.grad_sync
-        return isinstance(g, self.method_cls) or (isinstance(g, str) and g == self.name)
+        # a registered subclass of a registered method (a name of its own) enables its own feature only
+        return (isinstance(g, self.method_cls) and g.name == self.name) or (isinstance(g, str) and g == self.name)
 
     def method(self, strategy) -> Method:
         g = strategy.grad_sync
@@ -265,6 +271,8 @@ class CompressFeature(Feature):
             row = {"bucket": at, "keys": list(b.keys), "numel": b.numel, "dtype": b.dtype,
                    "plain_bytes": b.numel * b.element_size, "wire_bytes": int(m.wire_bytes(b, v)),
                    "collectives": collectives, "compute": compute}
+            if m.eager:              # not traced: the collectives the method declares, for the cost models
+                row["declared"] = [[str(k), int(n)] for k, n in m.collectives(b, v)]
             v0 = m.variant(b, 0, state)
             if v0 != v:              # the first steps sum another way: what they send
                 row["first_step"] = {"wire_bytes": int(m.wire_bytes(b, v0)), "collectives": _traced_sum(m, b, v0)[0]}

@@ -155,6 +155,20 @@ class Method:
         """Bytes this rank hands to collectives to sum ``bucket`` (the formula the measured bytes must equal)."""
         raise NotImplementedError(f"{type(self).__name__}.wire_bytes")
 
+    def collectives(self, bucket: BucketInfo, variant) -> list:
+        """``[(kind, bytes), ...]``: the collectives this rank issues to sum ``bucket``, in order, for the cost
+        models (each pays its own latency and algorithm). A traced method's are read from its graph; an eager
+        method's from here. Default: one all-reduce of :meth:`wire_bytes`."""
+        return [("all_reduce", int(self.wire_bytes(bucket, variant)))]
+
+    def host_state(self):
+        """What of this method's own objects (not its per-bucket state tensors) a rank's checkpoint keeps
+        (picklable; None: nothing), such as a DDP comm hook's state object."""
+        return None
+
+    def load_host_state(self, saved) -> None:
+        """Restore what :meth:`host_state` returned, on resume."""
+
     def report(self, bucket: BucketInfo, state: dict):
         """What this rank's state of ``bucket`` tells the run's result at its end (picklable; None: nothing):
         ``RunResult.features[rank][<method name>][(stage, index)]``."""

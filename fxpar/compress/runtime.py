@@ -12,8 +12,9 @@ bucket's all-reduce was. When the rank starts, its :class:`CompressState` binds 
    hook), ``sum`` itself with an :class:`EagerComm` on the rank's group;
 3. keeps the new state and counts the step.
 
-Everything it keeps -- each bucket's state tensors, each bucket's step counter and the generator's state -- is
-saved in checkpoints (:meth:`CompressState.save`) and restored bitwise (:meth:`CompressState.load`). The
+Everything it keeps -- each bucket's state tensors, each bucket's step counter, the generator's state and the
+method's own objects (:meth:`Method.host_state`: a DDP hook's state object) -- is saved in checkpoints
+(:meth:`CompressState.save`) and restored bitwise (:meth:`CompressState.load`). The
 collectives the traced graphs issue run inside the executor's ``CommCounter`` like any other graph's; an eager
 method's ``dist.*`` calls are counted there too (``c10d`` ops).
 """
@@ -196,9 +197,13 @@ class CompressState(RankState):
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def save(self) -> dict:
-        return {"state": {bucket_key(*k): {n: t.clone() for n, t in st.items()} for k, st in self.state.items()},
-                "steps": {bucket_key(*k): n for k, n in self.steps.items()},
-                "generator": self.gen.get_state().clone()}
+        out = {"state": {bucket_key(*k): {n: t.clone() for n, t in st.items()} for k, st in self.state.items()},
+               "steps": {bucket_key(*k): n for k, n in self.steps.items()},
+               "generator": self.gen.get_state().clone()}
+        host = self.method.host_state()
+        if host is not None:
+            out["host"] = host
+        return out
 
     def load(self, saved: dict) -> None:
         mine = {bucket_key(*k): k for k in self.buckets}
@@ -216,6 +221,12 @@ class CompressState(RankState):
             self.state[k] = {n: t.clone() for n, t in st.items()}
             self.steps[k] = int(saved["steps"][name])
         self.gen.set_state(saved["generator"].clone())
+        if "host" in saved:
+            self.method.load_host_state(saved["host"])
+        elif self.method.host_state() is not None:
+            raise RuntimeError(f"rank {self.rank}: the checkpoint holds no state of {self.method.summary()}'s own "
+                               "objects (a DDP hook's state object), which this run keeps: it was saved by a run "
+                               "without them; resume from a checkpoint this method saved")
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
