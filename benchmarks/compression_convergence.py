@@ -2,7 +2,8 @@
 
 The text is the Python documentation's topic pages that every CPython ships (``pydoc_data.topics``, about
 750 KB; the first ``--chars`` characters), read as bytes (vocabulary 256). The same model, the same batches
-(random windows, fixed seed) and the same AdamW for every method, at ``--ranks`` gloo ranks; each method's loss
+(random windows, fixed seed) and the same AdamW for every method (QAdam, which carries Adam's moments itself, with
+its ``QAdamOptimizer`` at the same learning rate), at ``--ranks`` gloo ranks; each method's loss
 per step goes to a CSV, its final loss (the mean of the last ``--tail`` steps) beside plain dp's in a table, and,
 where matplotlib is installed (``pip install -e ".[plot]"``), the curves to a PNG.
 
@@ -44,6 +45,7 @@ def methods(names: str) -> dict:
         "amq-3b": lambda: C.AMQ(bits=3),
         "accordion": lambda: C.Accordion(low=C.PowerSGD(rank=1, start_iter=10), high=C.PowerSGD(rank=2, start_iter=10)),
         "bytegrad": lambda: C.ByteGrad(),
+        "qadam": lambda: C.QAdam(warmup_steps=100),
     }
     want = list(table) if names == "all" else ["allreduce"] + [n for n in names.split(",") if n != "allreduce"]
     out = {}
@@ -56,6 +58,10 @@ def methods(names: str) -> dict:
         except AttributeError as e:          # a method this checkout does not ship
             print(f"skipping {n}: {e}")
     return out
+
+
+# methods that carry the optimizer's moments themselves, and the optimizer each pairs with, given the learning rate
+OWN_OPTIMIZER = {"qadam": lambda lr: (C.QAdamOptimizer, {"lr": lr})}
 
 
 def plot(curves: dict, path: Path, title: str) -> None:
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
         for label, method in methods(args.methods).items():
             t0 = time.perf_counter()
             program = fxpar.parallelize(model, fxpar.ClusterSpec.local(args.ranks), batches[0], loss_fn=gpt_loss,
-                                        optimizer=opt,
+                                        optimizer=OWN_OPTIMIZER[label](args.lr) if label in OWN_OPTIMIZER else opt,
                                         strategy=fxpar.Strategy(dp=args.ranks, grad_sync=method))
             result = program.run_local(batches, cluster=cluster, measure_comm=True)
             losses = [float(x) for x in result.losses]

@@ -251,12 +251,14 @@ class CompressFeature(Feature):
 
     def plan(self, strategy, plan, cluster):
         m = self.method(strategy)
+        m.check_plan(plan)
         _note(plan, m)
         return CompressSection(method=m.to_dict())
 
     def adopt(self, section, strategy, plan, cluster):
         m = method_of(section)             # a handed-back section: its options are the ones that run
         m.check(plan.dp)
+        m.check_plan(plan)
         _note(plan, m)
         return section
 

@@ -117,6 +117,11 @@ class Method:
         """Refuse option values this method cannot carry out (raise :class:`fxpar.StrategyError` naming the option
         and the fix)."""
 
+    def check_plan(self, plan) -> None:
+        """Refuse what the rest of the plan asks that this method cannot run with (``plan.optimizer``, the stages'
+        ``grad_groups``), raising :class:`fxpar.StrategyError` naming it and the fix: a method that carries part of
+        the optimizer's math (QAdam) names the optimizer it pairs with."""
+
     def to_dict(self) -> dict:
         return {"method": self.name, **dataclasses.asdict(self)}
 

@@ -1,15 +1,18 @@
 """References for gradient compression (``fxpar.compress``): torch's DDP with a comm hook on real ranks, and the
-sparsification methods' math in one process."""
+sparsification methods' and QAdam's math in one process."""
 from __future__ import annotations
 
 import copy
+import math
 
 import torch
 import torch.nn.functional as F
 
 import fxpar
+from fxpar.compress.bytegrad import dequantize_rows, quantize_rows
 
-__all__ = ["ddp_hook_worker", "sparse_reference", "sparse_bucket_math", "mlp_batches", "mlp_program"]
+__all__ = ["ddp_hook_worker", "sparse_reference", "sparse_bucket_math", "qadam_bucket_math", "qadam_reference",
+           "mlp_batches", "mlp_program"]
 
 
 def ddp_hook_worker(model, batches, loss_fn, optimizer, hook: str, bucket_cap_mb: float = 25.0) -> dict:
@@ -110,6 +113,90 @@ def sparse_reference(model, batches, loss_fn, lr: float, dp: int, buckets: list,
                 w -= lr * update[key]
         losses.append(total)
     return losses, m.state_dict()
+
+
+def _minmax_uint8_average(parts: list) -> torch.Tensor:
+    """The mean of ``parts`` (one flat tensor per rank) as BAGUA's scatter-reduce-gather in 8 bits computes it:
+    chunk ``c`` of every rank, each as uint8 codes against its float32 min and max, decoded and added in rank order
+    by rank ``c``, which codes the sum again for everyone; the parts arrive already divided by the rank count."""
+    dp, n = len(parts), parts[0].shape[0]
+    m = -(-n // dp)
+    rows = [torch.cat([p, p.new_zeros(m * dp - n)]).view(dp, m) for p in parts]
+    decoded = [dequantize_rows(quantize_rows(r), r.dtype) for r in rows]
+    out = []
+    for c in range(dp):
+        total = decoded[0][c]
+        for r in range(1, dp):
+            total = total + decoded[r][c]
+        out.append(dequantize_rows(quantize_rows(total.view(1, m)), total.dtype)[0])
+    return torch.cat(out)[:n]
+
+
+def qadam_bucket_math(flats: list, m: torch.Tensor, v: torch.Tensor, t: int, warmup_steps: int, betas: tuple,
+                      eps: float) -> tuple:
+    """QAdam on one bucket at step ``t`` (1 first), every rank: ``flats`` the ranks' gradients scaled by 1/dp, ``m``
+    and ``v`` the moments before. Warm-up (``t <= warmup_steps``): Adam's moments of the summed gradient. After:
+    ``v`` kept, each rank's ``lerp(m, dp * flat, 1 - b1)`` averaged in 8 bits. Returns ``(direction, m, v)``, the
+    direction ``m / (sqrt(v) / sqrt(1 - b2^t) + eps) / (1 - b1^t)``."""
+    b1, b2 = betas
+    dp = len(flats)
+    if t <= warmup_steps:
+        g = flats[0]
+        for f in flats[1:]:
+            g = g + f
+        m = torch.lerp(m, g, 1 - b1)
+        v = v * b2 + g * g * (1 - b2)
+    else:
+        m = _minmax_uint8_average([torch.lerp(m, f * dp, 1 - b1) / dp for f in flats])
+    bc1 = torch.tensor(1 - b1 ** t, dtype=torch.float64)
+    bc2_sqrt = torch.tensor(math.sqrt(1 - b2 ** t), dtype=torch.float64)
+    return m / (v.sqrt() / bc2_sqrt + eps) / bc1, m, v
+
+
+def qadam_reference(model, batches, loss_fn, lr: float, dp: int, buckets: list, warmup_steps: int,
+                    betas: tuple = (0.9, 0.999), eps: float = 1e-8, microbatches: int = 1) -> tuple:
+    """QAdam with its learning-rate step ``p <- p - lr d``, in one process: ``dp`` shards (cut into ``microbatches``)
+    each make their gradient scaled by 1/(dp * microbatches); ``buckets``: the parameter keys of each of one stage's
+    buckets, in bucket order. Returns (losses, state_dict)."""
+    m = copy.deepcopy(model)
+    named = dict(m.named_parameters())
+    moments: dict = {}
+    losses = []
+    for t, batch in enumerate(batches, start=1):
+        grads, total = _shard_grads(m, named, batch, loss_fn, dp, microbatches)
+        update = {}
+        for b, keys in enumerate(buckets):
+            flats = [torch.cat([grads[r][k].reshape(-1) for k in keys]) for r in range(dp)]
+            mom, sq = moments.get(b, (torch.zeros_like(flats[0]), torch.zeros_like(flats[0])))
+            d, mom, sq = qadam_bucket_math(flats, mom, sq, t, warmup_steps, betas, eps)
+            moments[b] = (mom, sq)
+            off = 0
+            for key in keys:
+                sz = named[key].numel()
+                update[key] = d[off:off + sz].view(named[key].shape)
+                off += sz
+        with torch.no_grad():
+            for key, w in named.items():
+                w -= lr * update[key]
+        losses.append(total)
+    return losses, m.state_dict()
+
+
+def _shard_grads(m, named, batch, loss_fn, dp: int, microbatches: int) -> tuple:
+    """Per shard, its gradients scaled by 1/(dp * microbatches), and the global batch's loss."""
+    *inputs, target = batch
+    n = target.shape[0] // dp
+    grads, total = [], 0.0
+    for r in range(dp):
+        shard = [t[r * n:(r + 1) * n] for t in (*inputs, target)]
+        acc = None
+        for mb in zip(*(t.chunk(microbatches) for t in shard)):
+            loss = loss_fn(m(*mb[:-1]), mb[-1])
+            total += loss.item() / (dp * microbatches)
+            g = dict(zip(named, torch.autograd.grad(loss / (dp * microbatches), list(named.values()))))
+            acc = g if acc is None else {k: acc[k] + g[k] for k in acc}
+        grads.append(acc)
+    return grads, total
 
 
 def mlp_batches(n: int, batch: int = 8) -> list:
