@@ -7,7 +7,8 @@
   node and the module; none for the test models and Hugging Face decoders, whose reductions are over features.
 * Python-level randomness at capture: a warning naming the model.
 * Options given without the option or feature that uses them: refused (or, for data-parallel settings with no
-  rank to share with, a warning)."""
+  rank to share with, a warning).
+* An untraced optimizer's state in ``RunResult.optimizer_state``: whole, under the model's keys, as one process's."""
 from __future__ import annotations
 
 import copy
@@ -292,3 +293,41 @@ def test_a_feature_left_off_refuses_its_options():
         fxpar.Strategy(dp=2, switch_level=3)
     finally:
         unregister_feature("test_switch")
+
+
+# ---------------------------------------------------------------- an untraced optimizer's state, whole
+
+def _eager_optimizer_state(model, batches, loss_fn, optimizer) -> dict:
+    """One process's torch optimizer state after training on ``batches``, as ``<state>:<key>``."""
+    m = copy.deepcopy(model)
+    names = {id(p): k for k, p in m.named_parameters()}
+    opt = optimizer[0](m.parameters(), **optimizer[1])
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(m(*b[:-1]), b[-1]).backward()
+        opt.step()
+    return {f"{name}:{names[id(p)]}": v for p, st in opt.state.items() for name, v in st.items()}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("strategy", [dict(tp=2, sharding="megatron"), dict(pp=2, microbatches=2)],
+                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("optimizer", [(torch.optim.Adagrad, {"lr": 0.05}),
+                                       (torch.optim.RMSprop, {"lr": 1e-2, "momentum": 0.9})],
+                         ids=["Adagrad", "RMSprop"])
+def test_an_untraced_optimizers_state_is_whole_under_the_models_keys(clusters, strategy, optimizer):
+    """RunResult.optimizer_state of an eager optimizer: every parameter's state, whole (a split parameter's gathered
+    over tp, every pipeline stage's), equal to one process's torch optimizer state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8)).double()
+    batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)) for _ in range(3)]
+    st = fxpar.Strategy(**strategy)
+    prog = fxpar.parallelize(model, st.size, batches[0], F.mse_loss, optimizer, strategy=st)
+    if "tp" in strategy:
+        assert prog.plan.section("tensor_parallel").stages[0]["params"]["0.weight"] == ["tp", None]
+    got = prog.run_local(batches, cluster=clusters.get(2)).optimizer_state
+    want = _eager_optimizer_state(model, batches, F.mse_loss, optimizer)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for k, v in want.items():
+        assert got[k].shape == v.shape, (k, got[k].shape, v.shape)
+        assert (got[k].double() - v.double()).abs().max().item() < 1e-10, k
