@@ -11,8 +11,12 @@ without a pipeline is a one-stage pipeline. Edit one and hand it back::
 Fields a later decision depends on are re-derived when an edit invalidates them (new cuts give new
 stage parameters, so buckets that no longer match a stage are planned again; ``explain()`` says so). An edit
 that cannot hold is refused by name (:meth:`Plan.check_edits`): a mesh other than the Strategy's, stage lists of
-different lengths, a parameter name the model does not have (in ``stage_params`` or a bucket), JSON that does
-not parse, an unknown field or section.
+different lengths, a parameter name the model does not have (in ``stage_params`` or a bucket), cuts without a
+pipeline or against the Strategy's ``split_points``, a ``batch_dim`` other than 0, JSON that does not parse, an
+unknown field or section. What the run reads from a handed-back Plan: ``microbatches``, ``cuts``, the feature
+sections (the schedule, buckets, layouts ...). Every other field is derived from what the run is given, and an
+edit of one (a value other than the one the run derives) is refused by name too (:meth:`Plan.check_derived`);
+``notes`` are written afresh.
 """
 from __future__ import annotations
 
@@ -24,6 +28,26 @@ from .feature import section_from_dict
 from .mesh import Mesh
 
 __all__ = ["Plan"]
+
+
+def _groups_by_param(grad_groups: list) -> dict:
+    """``grad_groups`` without the stages (which follow the cuts): param key -> the groups it is summed over."""
+    out: dict = {}
+    for per in grad_groups:
+        for k, g in per.items():
+            out.setdefault(k, set()).add(g)
+    return {k: sorted(v, key=repr) for k, v in sorted(out.items())}
+
+
+def _as_json(value):
+    """``value`` as a JSON round trip gives it back (tuples as lists, int keys as strings): a Plan read from JSON
+    compares equal to the one written."""
+    return json.loads(json.dumps(value))
+
+
+def _short(value, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -168,8 +192,9 @@ class Plan:
 
     def check_edits(self, strategy, param_keys) -> None:
         """Refuse a handed-back Plan whose hand-edited fields cannot hold: ``microbatches`` not a positive int, a
-        mesh other than the Strategy's, stage lists whose lengths disagree with each other, or ``stage_params``
-        naming a parameter the model does not have (``param_keys``). Fields derived from others are re-derived
+        mesh other than the Strategy's, stage lists whose lengths disagree with each other, ``stage_params``
+        naming a parameter the model does not have (``param_keys``), ``batch_dim`` other than 0, cuts without a
+        pipeline (pp=1) or other than the Strategy's ``split_points``. Fields derived from others are re-derived
         (module docstring); these would otherwise be dropped without a word."""
         m = self.microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
@@ -231,7 +256,7 @@ class Plan:
         "tied": ("the parameters several stages use", "tie or untie them in the model", lambda v: sorted(v), False),
         "groups": ("the mesh and the schedule's placement", "change dp/tp/pp or the schedule", None, True),
         "grad_groups": ("the mesh, the schedule's placement and the tied parameters", "change dp/tp/pp or the "
-                        "schedule", lambda v: sorted({(k, g) for per in v for k, g in per.items()}, key=repr), True),
+                        "schedule", _groups_by_param, True),
     }
 
     def check_derived(self, planned: "Plan") -> None:
@@ -280,14 +305,3 @@ class Plan:
             lines.append(f"passes: {' -> '.join(self.passes)}")
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
-
-
-def _as_json(value):
-    """``value`` as a JSON round trip gives it back (tuples as lists, int keys as strings): a Plan read from JSON
-    compares equal to the one written."""
-    return json.loads(json.dumps(value))
-
-
-def _short(value, limit: int = 160) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
