@@ -81,8 +81,9 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     if any(p.device.type == "meta" for p in model.parameters()):     # a meta model is planned on meta inputs
         batch = tuple(t.to("meta") for t in batch)
     t0 = time.perf_counter()
+    given = plan
     plan, sched, trace, split = make_plan(strategy, batch, model=model, loss_fn=loss.fn, cluster=cluster,
-                                          base=plan, optimizer=spec, layout=layout)
+                                          base=given, optimizer=spec, layout=layout)
     plan.loss_average = loss.mode
     if loss.note:
         plan.notes.append(loss.note)
@@ -111,6 +112,8 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     plan.passes = [h.pass_name for h in lowered[0][2][1:] if not h.pass_name.startswith("split_graphs:")]
     stages = [Stage(s, cap, parts, gm, hist, notes, stage_messages(cap))
               for s, (cap, (parts, gm, hist, notes)) in enumerate(zip(captured, lowered))]
+    if given is not None:
+        given.check_derived(plan)          # an edit of a field the run derives is refused, not dropped
     t2 = time.perf_counter()
     return Program(model=model, plan=plan, strategy=strategy, cluster=cluster, schedule=sched, stages=stages,
                    split=split, trace=trace, optimizer=spec, lr_scheduler=lr_scheduler, n_inputs=layout.n_inputs,

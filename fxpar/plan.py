@@ -11,8 +11,12 @@ without a pipeline is a one-stage pipeline. Edit one and hand it back::
 Fields a later decision depends on are re-derived when an edit invalidates them (new cuts give new
 stage parameters, so buckets that no longer match a stage are planned again; ``explain()`` says so). An edit
 that cannot hold is refused by name (:meth:`Plan.check_edits`): a mesh other than the Strategy's, stage lists of
-different lengths, a parameter name the model does not have (in ``stage_params`` or a bucket), JSON that does
-not parse, an unknown field or section.
+different lengths, a parameter name the model does not have (in ``stage_params`` or a bucket), cuts without a
+pipeline or against the Strategy's ``split_points``, a ``batch_dim`` other than 0, JSON that does not parse, an
+unknown field or section. What the run reads from a handed-back Plan: ``microbatches``, ``cuts``, the feature
+sections (the schedule, buckets, layouts ...). Every other field is derived from what the run is given, and an
+edit of one (a value other than the one the run derives) is refused by name too (:meth:`Plan.check_derived`);
+``notes`` are written afresh.
 """
 from __future__ import annotations
 
@@ -24,6 +28,26 @@ from .feature import section_from_dict
 from .mesh import Mesh
 
 __all__ = ["Plan"]
+
+
+def _groups_by_param(grad_groups: list) -> dict:
+    """``grad_groups`` without the stages (which follow the cuts): param key -> the groups it is summed over."""
+    out: dict = {}
+    for per in grad_groups:
+        for k, g in per.items():
+            out.setdefault(k, set()).add(g)
+    return {k: sorted(v, key=repr) for k, v in sorted(out.items())}
+
+
+def _as_json(value):
+    """``value`` as a JSON round trip gives it back (tuples as lists, int keys as strings): a Plan read from JSON
+    compares equal to the one written."""
+    return json.loads(json.dumps(value))
+
+
+def _short(value, limit: int = 160) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 @dataclass
@@ -168,8 +192,9 @@ class Plan:
 
     def check_edits(self, strategy, param_keys) -> None:
         """Refuse a handed-back Plan whose hand-edited fields cannot hold: ``microbatches`` not a positive int, a
-        mesh other than the Strategy's, stage lists whose lengths disagree with each other, or ``stage_params``
-        naming a parameter the model does not have (``param_keys``). Fields derived from others are re-derived
+        mesh other than the Strategy's, stage lists whose lengths disagree with each other, ``stage_params``
+        naming a parameter the model does not have (``param_keys``), ``batch_dim`` other than 0, cuts without a
+        pipeline (pp=1) or other than the Strategy's ``split_points``. Fields derived from others are re-derived
         (module docstring); these would otherwise be dropped without a word."""
         m = self.microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
@@ -187,6 +212,20 @@ class Plan:
                                 f"stage(s) but its stage_params {len(self.stage_params)}. Both follow cuts (one module "
                                 "path per stage after the first): edit cuts (or Strategy(pp=...)) and leave these two "
                                 "as planned")
+        if self.batch_dim != 0:
+            raise StrategyError(f"parallelize(plan=...): the Plan's batch_dim={self.batch_dim!r}, but fxpar splits every "
+                                "batch tensor on dim 0 (over dp and microbatches). Set batch_dim to 0 and put the batch "
+                                "on dim 0 of every tensor of example_inputs (docs/semantics.md, 'Inputs')")
+        if self.cuts and self.pp == 1:
+            raise StrategyError(f"parallelize(plan=...): the Plan's cuts {self.cuts} cut a pipeline, but its mesh and "
+                                f"{strategy} have pp=1: a one-stage program has no cuts, so they would be ignored. "
+                                "Set cuts to [] for one stage, or ask for a pipeline (Strategy(pp=2, ...)) and edit "
+                                "the cuts of that program's Plan")
+        if self.cuts and strategy.split_points and list(self.cuts) != list(strategy.split_points):
+            raise StrategyError(f"parallelize(plan=...): the Plan's cuts {self.cuts} and Strategy(split_points="
+                                f"{list(strategy.split_points)}) disagree, and the Plan's would win without a word. "
+                                "Keep one: drop split_points from the Strategy, or set the Plan's cuts to [] (or to "
+                                "the same list)")
         known = set(param_keys)
         for s, keys in enumerate(self.stage_params):
             bad = [k for k in keys if k not in known]
@@ -194,6 +233,52 @@ class Plan:
                 raise StrategyError(f"parallelize(plan=...): the Plan's stage_params[{s}] names {bad}, which the model "
                                     f"does not have (its parameters look like {sorted(known)[:6]}); fix the name, or "
                                     "plan again from the Strategy")
+
+    # fields the planner derives, each from what the run is given (not from the Plan), and what of each is compared
+    # with the run's: a handed-back Plan that sets one (not left at its default) to another value than the run
+    # derives would have that edit dropped. Which stage holds a parameter follows the cuts, and a Plan whose cuts
+    # were edited still lists the stages of the old cuts: of the per-stage fields only what no cut changes is
+    # compared (which parameters train, which are tied, each one's gradient group), and the placement and the
+    # groups only where the number of stages is the run's (an edited schedule may change it).
+    _DERIVED = {
+        "global_batch": ("the rows of example_inputs", "give example_inputs that many rows", None, False),
+        "candidates": ("the model's module boundaries", "choose cuts among them", None, False),
+        "optimizer": ("parallelize(optimizer=...) and the cluster's device", "pass that optimizer", None, False),
+        "loss_average": ("Strategy(loss_average=...) and loss_fn", "set Strategy(loss_average=...)", None, False),
+        "custom_passes": ("Strategy(passes=[...])", "pass them in Strategy(passes=[...])", None, False),
+        "passes": ("the Strategy and the Plan's feature sections", "add a pass of your own with "
+                   "Strategy(passes=[...]); the order of the built-in passes is fixed (fxpar/lower.py)", None, False),
+        "stage_to_rank": ("the pipeline schedule", "set Strategy(schedule=...) or write the placement in a "
+                          "hand-written schedule", None, True),
+        "stage_params": ("the model's trainable parameters", "freeze a parameter with requires_grad_(False) "
+                         "before parallelize; move one to another stage by editing cuts",
+                         lambda v: sorted({k for keys in v for k in keys}), False),
+        "tied": ("the parameters several stages use", "tie or untie them in the model", lambda v: sorted(v), False),
+        "groups": ("the mesh and the schedule's placement", "change dp/tp/pp or the schedule", None, True),
+        "grad_groups": ("the mesh, the schedule's placement and the tied parameters", "change dp/tp/pp or the "
+                        "schedule", _groups_by_param, True),
+    }
+
+    def check_derived(self, planned: "Plan") -> None:
+        """After planning from this handed-back Plan: refuse a field the run does not read from it (it derives it,
+        ``_DERIVED``) that this Plan sets to another value than ``planned`` holds -- a hand edit that would be
+        dropped. A field left at its default is not given."""
+        default = Plan()
+        same_count = len(self.stage_to_rank) == len(planned.stage_to_rank)
+        for name, (source, fix, norm, per_stage) in self._DERIVED.items():
+            given, got = getattr(self, name), getattr(planned, name)
+            if given == getattr(default, name) or (per_stage and not same_count):
+                continue
+            if norm is not None:
+                given, got = norm(given), norm(got)
+            if _as_json(given) == _as_json(got):
+                continue
+            if isinstance(given, dict) and isinstance(got, dict):      # name only the entries that differ
+                keys = [k for k in {**got, **given} if _as_json(given.get(k)) != _as_json(got.get(k))]
+                given, got = {k: given.get(k) for k in keys}, {k: got.get(k) for k in keys}
+            raise StrategyError(f"parallelize(plan=...): the Plan's {name} gives {_short(given)}, but this run derives "
+                                f"{_short(got)} from {source}; the Plan's {name} is not read, so that edit would be "
+                                f"dropped: {fix}, or hand back {name} as planned (program.plan.{name})")
 
     def __str__(self) -> str:
         lines = [f"mesh: {self.mesh} (global rank = pp index * dp + dp index)" if self.tp == 1 else

@@ -509,7 +509,7 @@ class Program:
                         per_rank_losses={i: r["loss_sums"] for i, r in enumerate(results)},
                         comm_calls={i: r["comm_calls"] for i, r in enumerate(results)},
                         _state=self._full_state([r.get("state", {}) for r in results]),
-                        optimizer_state=results[0].get("optimizer_state", {}))
+                        optimizer_state={k: v for r in results for k, v in r.get("optimizer_state", {}).items()})
         res.comm = {i: r["comm"] for i, r in enumerate(results)}
         res.state_bytes = {i: r.get("state_bytes", {}) for i, r in enumerate(results)}
         res.features = {i: r["features"] for i, r in enumerate(results) if r.get("features")}

@@ -7,7 +7,10 @@
   node and the module; none for the test models and Hugging Face decoders, whose reductions are over features.
 * Python-level randomness at capture: a warning naming the model.
 * Options given without the option or feature that uses them: refused (or, for data-parallel settings with no
-  rank to share with, a warning)."""
+  rank to share with, a warning).
+* An untraced optimizer's state in ``RunResult.optimizer_state``: whole, under the model's keys, as one process's.
+* ``offload`` to the CPU without the ZeRO stage that moves it: refused; the parameter offloads that run equal one
+  process."""
 from __future__ import annotations
 
 import copy
@@ -24,8 +27,8 @@ import fxpar
 from fxpar.batch_semantics import batch_norm_nodes, batch_reductions
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, register_feature, unregister_feature
-from fxpar.testing import (CNN, MLP, BNConvNet, EncoderModel, SkipMLP, gpt_loss, max_abs_diff, tiny_gpt,
-                           token_batches)
+from fxpar.testing import (CNN, MLP, BNConvNet, EncoderModel, SkipMLP, gpt_loss, max_abs_diff, reference_training,
+                           tiny_gpt, token_batches)
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 SGD = (torch.optim.SGD, {"lr": 0.1})
@@ -465,3 +468,93 @@ def test_python_state_snapshot_is_cheap_on_gpt2_small():
         _attributes_changed(_module_attributes(model), _module_attributes(model))
         took.append(time.perf_counter() - t0)
     assert min(took) < 0.025, took
+# ---------------------------------------------------------------- an untraced optimizer's state, whole
+
+def _eager_optimizer_state(model, batches, loss_fn, optimizer) -> dict:
+    """One process's torch optimizer state after training on ``batches``, as ``<state>:<key>``."""
+    m = copy.deepcopy(model)
+    names = {id(p): k for k, p in m.named_parameters()}
+    opt = optimizer[0](m.parameters(), **optimizer[1])
+    for b in batches:
+        opt.zero_grad()
+        loss_fn(m(*b[:-1]), b[-1]).backward()
+        opt.step()
+    return {f"{name}:{names[id(p)]}": v for p, st in opt.state.items() for name, v in st.items()}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("strategy", [dict(tp=2, sharding="megatron"), dict(pp=2, microbatches=2)],
+                         ids=["tp2", "pp2"])
+@pytest.mark.parametrize("optimizer", [(torch.optim.Adagrad, {"lr": 0.05}),
+                                       (torch.optim.RMSprop, {"lr": 1e-2, "momentum": 0.9})],
+                         ids=["Adagrad", "RMSprop"])
+def test_an_untraced_optimizers_state_is_whole_under_the_models_keys(clusters, strategy, optimizer):
+    """RunResult.optimizer_state of an eager optimizer: every parameter's state, whole (a split parameter's gathered
+    over tp, every pipeline stage's), equal to one process's torch optimizer state."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 8)).double()
+    batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)) for _ in range(3)]
+    st = fxpar.Strategy(**strategy)
+    prog = fxpar.parallelize(model, st.size, batches[0], F.mse_loss, optimizer, strategy=st)
+    if "tp" in strategy:
+        assert prog.plan.section("tensor_parallel").stages[0]["params"]["0.weight"] == ["tp", None]
+    got = prog.run_local(batches, cluster=clusters.get(2)).optimizer_state
+    want = _eager_optimizer_state(model, batches, F.mse_loss, optimizer)
+    assert set(got) == set(want), (sorted(got), sorted(want))
+    for k, v in want.items():
+        assert got[k].shape == v.shape, (k, got[k].shape, v.shape)
+        assert (got[k].double() - v.double()).abs().max().item() < 1e-10, k
+
+
+# ---------------------------------------------------------------- offload: only what a mechanism moves
+
+@pytest.mark.structure
+@pytest.mark.parametrize("kw, refused", [
+    (dict(dp=2, offload=("optimizer",)), r"offload=\('optimizer',\), zero=0\).*Set zero=1, 2 or 3"),
+    (dict(dp=2, offload=("params",)), r"offload=\('params',\), zero=0\).*Set zero=3"),
+    (dict(dp=2, zero=1, offload=("params",)), r"offload=\('params',\), zero=1\).*Set zero=3"),
+    (dict(dp=2, zero=2, offload=("params", "optimizer")), r"offload=\('params', 'optimizer'\), zero=2\).*Set zero=3"),
+    (dict(dp=2, zero=1, offload=("optimizer",)), None),
+    (dict(dp=2, zero=3, offload=("params",)), None),
+    (dict(dp=2, zero=3, offload=("params", "optimizer")), None),
+    (dict(dp=2, offload=("params", "optimizer"), offload_to="disk"), None),
+    (dict(dp=2, zero=2, offload=("params",), offload_to="disk"), None),
+])
+def test_offload_to_the_cpu_without_the_zero_stage_that_moves_it_is_refused(kw, refused, tmp_path):
+    """``offload_to='cpu'`` is carried out by ZeRO's chunks (the zero_offload pass); where no stage moves what
+    ``offload`` names, the option would do nothing: refused, naming ``offload`` and ``zero``. The combinations that
+    run are proven by tests/test_zero_offload.py, tests/test_zero_infinity.py and the sweep."""
+    if kw.get("offload_to") == "disk":
+        kw = dict(kw, offload_dir=tmp_path)
+    if refused is None:
+        st = fxpar.Strategy(**kw)
+        prog = _program(MLP().double(), (torch.randn(8, 16, dtype=torch.float64),
+                                         torch.randn(8, 8, dtype=torch.float64)), F.mse_loss, **kw)
+        assert prog.plan.section("zero_offload").what == list(st.offload)
+        return
+    with pytest.raises(StrategyError, match=refused):
+        fxpar.Strategy(**kw)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("kw", [dict(zero=3, offload=("params",)), dict(zero=2, offload=("params",), offload_to="disk")],
+                         ids=["zero3-params-cpu", "zero2-params-disk"])
+def test_parameter_offload_that_runs_trains_like_one_process(clusters, kw, tmp_path):
+    """The parameter offloads no other test runs: ZeRO-3's chunks on the host, and whole parameters in files under
+    ZeRO-2: losses and parameters equal one process's to 1e-10."""
+    if kw.get("offload_to") == "disk":
+        kw = dict(kw, offload_dir=tmp_path)
+    torch.manual_seed(0)
+    model = MLP().double()
+    batches = [(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 8, dtype=torch.float64)) for _ in range(3)]
+    adamw = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+    ref_losses, ref_state = reference_training(model, batches, F.mse_loss, adamw)
+    st = fxpar.Strategy(dp=2, **kw)
+    prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, adamw, strategy=st)
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
+    assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
+    if kw.get("offload_to") == "disk":
+        assert res.state_bytes[0]["on_disk"] == sum(p.numel() * 8 for p in model.parameters())
+    else:
+        assert prog.stages[0].joint.meta["fxpar_zero_offload"]["to_device"] > 0    # each gather copies a chunk over

@@ -36,24 +36,32 @@ def _program(sharding, **strategy):
 
 @pytest.mark.numerics
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["megatron", "layouts", "auto"])
-def test_dropout_under_tp_equals_one_process_drawing_the_same_way(clusters, mode):
-    model, batches, prog = _program(LAYOUTS if mode == "layouts" else mode)
+@pytest.mark.parametrize("mode, dp", [("megatron", 1), ("layouts", 1), ("auto", 1), ("megatron", 2), ("layouts", 2)],
+                         ids=["megatron", "layouts", "auto", "megatron-dp2", "layouts-dp2"])
+def test_dropout_under_tp_equals_one_process_drawing_the_same_way(clusters, mode, dp):
+    model, batches, prog = _program(LAYOUTS if mode == "layouts" else mode, dp=dp)
     sec = prog.plan.section("tensor_parallel")
     drawn = sec.stages[0]["random"]
     streams = {d["stream"] for d in drawn}
     assert len(drawn) == 7 and "rank" in streams, drawn           # 1 embedding + 3 per block; some split
     if mode != "auto":                 # the embedding's and the MLP output's masks are on whole tensors
         assert "shared" in streams
-    res = prog.run_local(batches, cluster=clusters.get(2))
-    ref_losses, ref_state = tp_streams_reference(model, batches, gpt_loss, ADAMW, drawn, sec.axes)
+    res = prog.run_local(batches, cluster=clusters.get(2 * dp))
+    ref_losses, ref_state = tp_streams_reference(model, batches, gpt_loss, ADAMW, drawn, sec.axes, dp=dp)
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-12, (res.losses, ref_losses)
     assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
-    assert res.per_rank_losses[0] == res.per_rank_losses[1]          # one replica: one loss
+    for d in range(dp):                                              # each replica: one loss over its tp ranks
+        assert res.per_rank_losses[2 * d] == res.per_rank_losses[2 * d + 1]
     # the split masks are drawn differently from one process's with the same seed: the reference is not vacuous
     torch.manual_seed(0)
     plain, _ = reference_training(model, batches, gpt_loss, ADAMW)
     assert max(abs(a - b) for a, b in zip(plain, ref_losses)) > 1e-6
+    if dp > 1:   # replica 1 (ranks 2, 3) draws from streams seeded by its first rank, 2: not replica 0's
+        rows = [tuple(t[4:] for t in batches[0])]
+        own, _ = tp_streams_reference(model, rows, gpt_loss, ADAMW, drawn, sec.axes, seed=2)
+        other, _ = tp_streams_reference(model, rows, gpt_loss, ADAMW, drawn, sec.axes, seed=0)
+        assert abs(res.per_rank_losses[2][0] - own[0]) < 1e-12
+        assert abs(res.per_rank_losses[2][0] - other[0]) > 1e-6
 
 
 @pytest.mark.numerics

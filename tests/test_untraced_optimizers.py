@@ -5,7 +5,8 @@ the whole parameter's update only for an elementwise optimizer (``fxpar.optim.EL
 moments) and Muon (an orthogonalised matrix) are refused there, naming the optimizer, the parameter and why; ZeRO
 refuses every untraced optimizer. An elementwise one (Adagrad) under tp=2 equals one process and resumes bitwise
 (its state of split parameters is saved whole). Where the update sees whole parameters -- Muon under dp=2 and pp=2,
-Adafactor over parameters offloaded whole (``offload=("params",)`` without ZeRO) -- it equals torch.
+Adafactor over parameters offloaded whole to files (``offload=("params",), offload_to="disk"`` without ZeRO) -- it
+equals torch.
 """
 from __future__ import annotations
 
@@ -93,11 +94,11 @@ def test_an_elementwise_optimizer_on_pieces_equals_one_process_and_resumes(clust
 
 
 @pytest.mark.numerics
-def test_an_untraced_optimizer_over_offloaded_whole_parameters_equals_torch(clusters):
+def test_an_untraced_optimizer_over_offloaded_whole_parameters_equals_torch(clusters, tmp_path):
     model, batches = _matrices()
     ref_losses, ref_state = reference_training(model, batches, F.mse_loss, ADAFACTOR)
     prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAFACTOR,
-                             strategy=fxpar.Strategy(dp=2, offload=("params",)))
+                             strategy=fxpar.Strategy(dp=2, offload=("params",), offload_to="disk", offload_dir=tmp_path))
     res = prog.run_local(batches, cluster=clusters.get(2))
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
     assert max_abs_diff(res.state_dict(), ref_state) < 1e-10

@@ -166,6 +166,31 @@ class ZeroOffload(Feature):
                 raise StrategyError(f"Strategy(offload_dir={strategy.offload_dir!r}): cannot write there ({e.strerror}); "
                                     "give a directory this user can create files in") from None
             strategy.offload_dir = d
+        self._check_zero(strategy)
+
+    @staticmethod
+    def _check_zero(strategy) -> None:
+        """``offload_to='cpu'`` moves only what ZeRO's pass moves: refuse what would stay where it is.
+        (``offload_to='disk'`` keeps any stage's tensors in files, ZeRO or not.)"""
+        z = strategy.zero
+        if strategy.offload_to != "cpu" or isinstance(z, bool) or z not in (0, 1, 2, 3):
+            return                                  # the zero feature refuses a zero that is not a stage
+        disk = (f"offload_to='disk' with offload_dir=... to keep each rank's whole {{what}} in memory-mapped files")
+        if "optimizer" in strategy.offload and z == 0:
+            raise StrategyError(
+                f"Strategy(offload={strategy.offload!r}, zero=0): offload 'optimizer' to the CPU is ZeRO-Offload -- "
+                "the host holds each rank's ZeRO chunks of optimizer state and runs their update there -- and with "
+                "zero=0 there are no chunks, so the optimizer state would stay where it is. Set zero=1, 2 or 3 "
+                f"(with dp > 1), or {disk.format(what='optimizer state')}, or drop offload.")
+        if "params" in strategy.offload and z in (0, 1, 2):
+            keep = (" (with zero=1 or 2, offload=('optimizer',) already keeps the master copy of each rank's "
+                    "parameter chunks on the host)") if z else ""
+            raise StrategyError(
+                f"Strategy(offload={strategy.offload!r}, zero={z}): offload 'params' to the CPU keeps each rank's "
+                "ZeRO-3 parameter chunks on the host (each gather copies one to the device); with "
+                f"zero={z} the parameters stay whole on the device for forward and backward, so nothing would move. "
+                f"Set zero=3 (with dp > 1), or {disk.format(what='parameters')}, or drop 'params' from offload"
+                f"{keep}.")
 
     def plan(self, strategy, plan, cluster):
         what, to = list(strategy.offload), strategy.offload_to

@@ -41,7 +41,7 @@ from .launch import note_step
 from .measure import CommCounter, MemoryTracker
 from .settings import RunSettings
 from .groups import bind_groups, comm_priority, group, seed_rank
-from .state import load_rank_state, save_rank_state
+from .state import eager_optimizer_state, load_rank_state, save_rank_state
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
 __all__ = ["RankPayload", "RunSettings", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group"]
@@ -591,11 +591,12 @@ class Executor:
         return out
 
     def optimizer_state(self) -> dict:
-        """Optimizer state under ``<state>:<key>`` (whole tensors; collective where a feature's state is)."""
+        """Optimizer state of the stages this rank holds under ``<state>:<key>``, traced or untraced (torch's
+        per-parameter state: ``"sum:fc1.weight"``), whole tensors; collective where a feature's state is."""
         if self.spec.traced:
             state = self.whole()[1] if self.features else self.state
             return {k: v for st in state.values() for k, v in st.items()}
-        return self.torch_opt.state_dict()
+        return eager_optimizer_state(self)
 
     def _fingerprint(self, kind: str, s: int, i: int, version, saved, weights: dict, versions_held=None):
         """Log which weights an F or B of stage s, microbatch i computes with. ``saved``: the forward's saved
@@ -646,7 +647,8 @@ def train(payload: RankPayload, batches: list) -> dict:
     state = ex.state_dict() if ex.dp_index == 0 or collective else None
     if ex.dp_index == 0:
         out["state"] = state
-    opt = ex.optimizer_state() if payload.rank == 0 or collective else None     # collective over a feature's group
-    if payload.rank == 0:
+    first = ex.dp_index == 0 and ex.tp_index == 0        # one rank per pipeline rank returns its stages' state
+    opt = ex.optimizer_state() if first or collective else None     # collective over a feature's group
+    if first:
         out["optimizer_state"] = opt
     return out

@@ -26,7 +26,7 @@ from .groups import group, seed_rank
 from .checkpoint import (CheckpointError, load_checkpoint, optim_key, read_manifest, rng_state, save_checkpoint,
                          set_rng_state, split_optim_key, torch_optimizer_state_dict, torch_optimizer_tensors)
 
-__all__ = ["save_rank_state", "load_rank_state", "RankExtra"]
+__all__ = ["save_rank_state", "load_rank_state", "RankExtra", "torch_optimizer_whole", "eager_optimizer_state"]
 
 _STASH = "stash."
 
@@ -109,6 +109,28 @@ def _whole_optimizer_tensors(ex, tensors: dict) -> dict:
     return tensors
 
 
+def torch_optimizer_whole(ex) -> tuple[dict, dict]:
+    """An untraced optimizer's state on this rank as :func:`~fxpar.runtime.checkpoint.torch_optimizer_tensors`
+    splits it, ``(tensors, rest)``, each tensor shaped like its parameter made whole as the parameter is.
+    Collective where a feature's ``whole`` is."""
+    tensors, rest = torch_optimizer_tensors(ex.torch_opt.state_dict(), [k for _, k in ex._leaves])
+    return _whole_optimizer_tensors(ex, tensors), rest
+
+
+def eager_optimizer_state(ex) -> dict:
+    """An untraced optimizer's per-parameter state under ``<state>:<key>`` (``"sum:fc1.weight"``), as the traced
+    optimizers' is: tensors whole (a split parameter's state gathered like the parameter), other values as torch's
+    optimizer holds them. Collective where a feature's ``whole`` is."""
+    tensors, rest = torch_optimizer_whole(ex)
+    out = {}
+    for ok, v in tensors.items():
+        name, key = split_optim_key(ok)
+        out[f"{name}:{key}"] = v
+    for key, scalars in rest["scalars"].items():
+        out.update({f"{name}:{key}": v for name, v in scalars.items()})
+    return out
+
+
 def _optimizer_tensors_laid_out(ex, got: dict, templates: dict) -> dict:
     """The inverse of :func:`_whole_optimizer_tensors` after a load: each whole ``optim.<state>.<key>`` shaped like
     its parameter, as this rank holds the parameter (``RankState.laid_out``)."""
@@ -147,8 +169,8 @@ def save_rank_state(ex, path, aliases: dict) -> None:
                 name, key = sk.split(":", 1)
                 tensors[optim_key(name, key)] = v
     else:
-        opt_tensors, rest = torch_optimizer_tensors(ex.torch_opt.state_dict(), [k for _, k in ex._leaves])
-        tensors.update(_whole_optimizer_tensors(ex, opt_tensors))
+        opt_tensors, rest = torch_optimizer_whole(ex)
+        tensors.update(opt_tensors)
     for s, ps in ex.prev_params.items():
         for k, v in ps.items():
             tensors[_STASH + k] = v

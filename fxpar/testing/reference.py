@@ -75,32 +75,57 @@ class _TpStreams(TorchDispatchMode):
         return whole
 
 
-def tp_streams_reference(model, batches, loss_fn, optimizer, drawn: list, axes, seed: int = 0):
-    """One process training ``model`` as ``Strategy(tp=n)`` draws its dropout masks (dp=1, one stage, one
+def tp_streams_reference(model, batches, loss_fn, optimizer, drawn: list, axes, seed: int = 0, dp: int = 1):
+    """One process training ``model`` as ``Strategy(dp=dp, tp=n)`` draws its dropout masks (one stage, one
     microbatch; docs/semantics.md, "Random numbers under tensor parallelism"). ``drawn``: the random ops of the
     stage in graph order (the Plan's ``tensor_parallel`` section, ``stages[0]["random"]``), ``axes``: the tp mesh
-    axes (``[[name, size], ...]``). A mask on a whole tensor is drawn from torch's generator seeded ``seed`` (the
-    stream tp ranks share); a mask on a split tensor is the concatenation of the pieces tp rank ``c`` draws from
-    a generator seeded ``RANK_STREAM_OFFSET + seed + c``, each cut where the Plan's layout cuts it. Returns
-    (losses, state_dict), as :func:`reference_training`."""
+    axes (``[[name, size], ...]``).
+
+    Each global batch is cut on dim 0 into ``dp`` replicas' rows. Replica ``d`` is the tp group of ranks
+    ``d*n .. d*n + n-1``: a mask on a whole tensor is drawn from a generator seeded ``seed + d*n`` (the stream its
+    tp ranks share); a mask on a split tensor is the concatenation of the pieces tp rank ``c`` draws from a
+    generator seeded ``RANK_STREAM_OFFSET + seed + d*n + c``, each cut where the Plan's layout cuts it. Every
+    stream continues from step to step. The step's loss and gradient are the mean over the replicas (each
+    replica's rows count the same), the buffers those of replica 0 (``broadcast_buffers``). Returns (losses,
+    state_dict), as :func:`reference_training`."""
     mesh = Mesh(tuple((a, int(n)) for a, n in axes))
-    gens = [torch.Generator().manual_seed(RANK_STREAM_OFFSET + seed + c) for c in range(mesh.size)]
+    width = mesh.size
+    gens = [[torch.Generator().manual_seed(RANK_STREAM_OFFSET + seed + d * width + c) for c in range(width)]
+            for d in range(dp)]
     m = copy.deepcopy(model)
     cls, kw = optimizer
     opt = cls(m.parameters(), **kw)
     losses = []
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        shared = []
+        for d in range(dp):
+            torch.manual_seed(seed + d * width)
+            shared.append(torch.get_rng_state())
         for b in batches:
+            rows = b[0].shape[0] // dp
+            base = {k: v.clone() for k, v in m.named_buffers()}
             opt.zero_grad()
-            mode = _TpStreams(drawn, mesh, gens)
-            with mode:
-                loss = _loss(m, b, loss_fn)
-            if mode.i != len(drawn):
-                raise AssertionError(f"the forward drew {mode.i} mask(s), the graph {len(drawn)}")
-            loss.backward()
+            step_losses, kept = [], None
+            for d in range(dp):
+                with torch.no_grad():
+                    for k, v in m.named_buffers():
+                        v.copy_(base[k])
+                torch.set_rng_state(shared[d])
+                mode = _TpStreams(drawn, mesh, gens[d])
+                with mode:
+                    loss = _loss(m, tuple(t[d * rows:(d + 1) * rows] for t in b), loss_fn)
+                if mode.i != len(drawn):
+                    raise AssertionError(f"the forward drew {mode.i} mask(s), the graph {len(drawn)}")
+                shared[d] = torch.get_rng_state()
+                (loss / dp if dp > 1 else loss).backward()
+                step_losses.append(loss.item())
+                if d == 0:
+                    kept = {k: v.clone() for k, v in m.named_buffers()}
+            with torch.no_grad():
+                for k, v in m.named_buffers():
+                    v.copy_(kept[k])
             opt.step()
-            losses.append(loss.item())
+            losses.append(sum(step_losses) / dp)
     return losses, m.state_dict()
 
 
