@@ -428,6 +428,13 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
         it_d, it_a = iter(douts), iter(aux)
         outs = [next(it_d) if j in diff_out else next(it_a) for j in range(len(out_sig))]
         pgrads = [g for i, g in zip(diff_in, grads) if in_sig[i][0] == Role.PARAM]
+        # one tensor for two parameters' gradients (an LSTM's bias_ih and bias_hh): each parameter gets its own
+        # node, which data parallelism syncs and the update reads as that parameter's gradient
+        seen = set()
+        for i, g in enumerate(pgrads):
+            if id(g) in seen:
+                pgrads[i] = g.clone()
+            seen.add(id(g))
         agrads = [g for i, g in zip(diff_in, grads) if in_sig[i][0] == Role.ACT]
         tracker.set("optimizer", "")
         new_p, new_s = [], []

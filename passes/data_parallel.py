@@ -120,7 +120,9 @@ class DataParallelGradSync(Pass):
                 M.set_meta(avg, M.REDUCE_GRAD, "wait")
             M.set_meta(avg, M.GRAD_OF, key)      # the synchronised node is the gradient; the raw one keeps its key
             for u in users:
-                u.replace_input_with(grad, avg)
+                # backward itself reads this rank's gradient (another parameter's gradient copied from it)
+                if u.op == "output" or M.get(u, M.PHASE) != "backward":
+                    u.replace_input_with(grad, avg)
             n_sync += 1
         how = "backward seeded with 1/dp, then all_reduce(sum)" if prescaled else "all_reduce(sum)/dp"
         names = sorted(set(groups[M.get(n, M.GRAD_OF)] for n in grads))

@@ -271,3 +271,30 @@ def test_offload_activations_points_to_its_own_option():
         fxpar.Strategy(dp=2, zero=3, offload=("activations",))
     with pytest.raises(fxpar.StrategyError, match=r"offload_activations=True, offload=\('optimizer',\)\)"):
         fxpar.Strategy(dp=2, zero=3, offload=("activations", "optimizer"))
+
+
+class _LSTMHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(4, 8, batch_first=True)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.fc(self.rnn(x)[0][:, -1])
+
+
+@pytest.mark.numerics
+def test_an_lstm_whose_two_biases_share_one_gradient_trains_at_dp2(clusters):
+    """In float32 torch's LSTM backward returns one tensor as both ``bias_ih`` and ``bias_hh``'s gradient: each
+    parameter gets its own gradient node, both are synchronised, and dp=2 trains as one process (float32 sums
+    reordered: 1e-6)."""
+    torch.manual_seed(0)
+    model = _LSTMHead()
+    batches = [(torch.randn(8, 5, 4), torch.randint(0, 3, (8,))) for _ in range(2)]
+    prog = fxpar.parallelize(model, 2, batches[0], F.cross_entropy, SGD, strategy=fxpar.Strategy(dp=2))
+    buckets = [k for b in prog.plan.section("data_parallel").buckets[0] for k in b]
+    assert {"rnn.bias_ih_l0", "rnn.bias_hh_l0"} <= set(buckets)
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    ref_losses, ref_state = reference_training(model, batches, F.cross_entropy, SGD)
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-6
+    assert max_abs_diff(res.state_dict(), ref_state) < 1e-6
