@@ -36,16 +36,28 @@ def _traced_true(orig):
     return predicate
 
 
-def _bindings(package: str, fn) -> list:
-    """``(module, name)`` for every loaded module of ``package`` whose global ``name`` is ``fn``.
-    Reads ``vars(module)`` so lazy modules (transformers' ``_LazyModule``) import nothing."""
+_SCANNED: dict = {}       # (package, id(fn)) -> (the loaded module names scanned, their bindings)
+
+
+def _bindings(package: str, fn, only=None) -> list:
+    """``(module, name)`` for every loaded module of ``package`` (or of the names ``only``) whose global ``name``
+    is ``fn``. Reads ``vars(module)`` so lazy modules (transformers' ``_LazyModule``) import nothing. A scan of
+    the whole package is kept while no module is loaded or unloaded (a capture scans once, not twice per trace);
+    each kept binding is checked again before use."""
+    key = (package, id(fn))
+    loaded = frozenset(sys.modules) if only is None else None
+    if only is None and key in _SCANNED and _SCANNED[key][0] == loaded:
+        return [(mod, name) for mod, name in _SCANNED[key][1] if vars(mod).get(name) is fn]
     out = []
-    for mod_name, mod in list(sys.modules.items()):
+    for mod_name in (list(sys.modules) if only is None else only):
+        mod = sys.modules.get(mod_name)
         if mod is None or not (mod_name == package or mod_name.startswith(package + ".")):
             continue
         for name, value in list(getattr(mod, "__dict__", {}).items()):
             if value is fn:
                 out.append((mod, name))
+    if only is None:
+        _SCANNED[key] = (loaded, out)
     return out
 
 
@@ -74,11 +86,14 @@ def capture_context():
     """
     patched = []          # (module, name, original)
     replaced = []         # (package, replacement, original)
+    before = None         # module name -> how many globals it had
     for home_name, fn_name in TRACING_PREDICATES:
         home = sys.modules.get(home_name)
         orig = vars(home).get(fn_name) if home is not None else None
         if orig is None:
             continue
+        if before is None:
+            before = {m: len(getattr(mod, "__dict__", ())) for m, mod in list(sys.modules.items())}
         package, repl = home_name.split(".", 1)[0], _traced_true(orig)
         replaced.append((package, repl, orig))
         for mod, name in _bindings(package, orig):
@@ -89,8 +104,12 @@ def capture_context():
     finally:
         for mod, name, orig in reversed(patched):
             setattr(mod, name, orig)
-        for package, repl, orig in replaced:      # modules first imported while tracing bound repl
-            for mod, name in _bindings(package, repl):
+        # modules first imported while tracing, or whose globals grew (a lazy module caches what it resolved),
+        # may have bound repl
+        new = [m for m, mod in list(sys.modules.items())
+               if before.get(m) != len(getattr(mod, "__dict__", ()))] if replaced else []
+        for package, repl, orig in replaced:
+            for mod, name in _bindings(package, repl, only=new):
                 setattr(mod, name, orig)
 
 

@@ -71,6 +71,8 @@ def test_capture_context_answers_is_tracing_and_restores_every_binding(transform
     orig = import_utils.is_tracing
     x = torch.ones(2)
     assert masking_utils.is_tracing(x) is False
+    lazy = types.ModuleType("transformers.fxpar_test_lazy")      # loaded before, resolves the name while tracing
+    sys.modules[lazy.__name__] = lazy
     with capture_context():
         assert masking_utils.is_tracing(x) is True and import_utils.is_tracing() is True
         assert transformers.utils.is_tracing is not orig
@@ -80,11 +82,12 @@ def test_capture_context_answers_is_tracing_and_restores_every_binding(transform
         late = types.ModuleType("transformers.fxpar_test_late")   # a module first imported while tracing
         late.is_tracing = import_utils.is_tracing
         sys.modules[late.__name__] = late
+        lazy.is_tracing = import_utils.is_tracing
     try:
         assert masking_utils.is_tracing is orig and import_utils.is_tracing is orig
-        assert transformers.utils.is_tracing is orig and late.is_tracing is orig
+        assert transformers.utils.is_tracing is orig and late.is_tracing is orig and lazy.is_tracing is orig
     finally:
-        del sys.modules[late.__name__]
+        del sys.modules[late.__name__], sys.modules[lazy.__name__]
 
 
 class _Seq2Seq(nn.Module):
