@@ -54,7 +54,7 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
-from fxpar.compress.feature import register_method
+from fxpar.compress.feature import STEADY_STEP, register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.compress.runtime import CompressState
 from fxpar.errors import StrategyError
@@ -232,7 +232,9 @@ class Decentralized(Method):
         return {"delta": torch.zeros(bucket.numel, dtype=bucket.torch_dtype)}
 
     def variant(self, bucket: BucketInfo, step: int, state: dict):
-        return MIX if step % self.communication_interval == 0 else LOCAL
+        """``"mix"`` on an averaging step, ``"local"`` on the others. The step the plan shows and the cost models
+        count (``STEADY_STEP``) is an averaging step: the plan lists what an averaging step sends."""
+        return MIX if step % self.communication_interval == 0 or step >= STEADY_STEP else LOCAL
 
     def host_inputs(self, bucket: BucketInfo, step: int, state: dict, variant, gen: torch.Generator) -> list:
         """The averaging step's index ``k = step // communication_interval`` (shift_one's pairing)."""
