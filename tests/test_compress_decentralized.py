@@ -19,7 +19,8 @@ from fxpar import compress as C
 from fxpar.compress.decentralized import peers_of
 from fxpar.compress.feature import bucket_infos, method_of
 from fxpar.testing import MLP, reference_training
-from fxpar.testing.compress import decentralized_reference, mixing_matrix, mlp_batches
+from fxpar.testing.compress import (decentralized_reference, low_precision_decentralized_reference, mixing_matrix,
+                                    mlp_batches)
 from fxpar.testing.compress_ranks import bucket_for
 
 LR = 0.1
@@ -66,7 +67,13 @@ def test_peers_bytes_and_lines():
             [j for j in range(4) if j != r and w[r, j] != 0] for r in range(4)]
     assert [peers_of("shift_one", 0, 4, k) for k in range(3)] == [[2], [3], [2]]
     assert peers_of("ring", 0, 4, 0) == [1, 3] and peers_of("all", 2, 4, 0) == [0, 1, 3]
-    assert "no gradient collective" in ring.describe(b, "mix")[0] and "both ring neighbours" in ring.describe(b, "mix")[0]
+    line = ring.describe(b, "mix")[0]
+    assert "no gradient collective" in line and "both ring neighbours" in line
+    low = C.Decentralized(peers="ring", low_precision=True)
+    assert [low.variant(b, s, {}) for s in range(3)] == ["low_precision"] * 3
+    assert low.collectives(b, "low_precision") == [("all_to_all", 2 * (8 + 1001))]
+    assert sorted(low.init_state(b, torch.Generator())) == ["left", "right", "weight"]
+    assert "uint8 codes" in low.describe(b, "low_precision")[0]
     assert C.Decentralized.from_dict(ring.to_dict()) == ring
 
 
@@ -131,6 +138,32 @@ def test_microbatches_average_once_per_step(clusters):
         _close(got, reps[r], f"replica {r}")
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("weight_decay", [0.0, 0.01])
+def test_low_precision_equals_its_reference(clusters, weight_decay):
+    """Low precision (bagua's ring, Tang et al.'s compressed differences), dp=4, three buckets, 4 steps: every
+    replica equals ``low_precision_decentralized_reference`` (the same 8-bit codes, each replica's copies of its
+    neighbours) to 1e-10; the compression shows (the replicas are not full precision's); per step and bucket one
+    all-to-all of ``2 (8 + numel)`` bytes. The update steps from the rank's own weights, so weight decay runs."""
+    model, batches = _model(), mlp_batches(4)
+    method = C.Decentralized(peers="ring", low_precision=True)
+    prog = _program(model, batches, method, optimizer=(torch.optim.SGD, {"lr": LR, "weight_decay": weight_decay}),
+                    bucket_cap_mb=0.005)
+    infos = bucket_infos(prog.plan, 0, prog.stages[0].captured)
+    assert len(infos) == 3
+    res = prog.run_local(batches, cluster=clusters.get(4), measure_comm=True)
+    losses, reps = low_precision_decentralized_reference(model, batches, F.mse_loss, LR, 4, [b.keys for b in infos],
+                                                         weight_decay)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
+    replicas = _replicas(res, 4)
+    for r, got in enumerate(replicas):
+        _close(got, reps[r], f"replica {r}")
+    _, full = decentralized_reference(model, batches, F.mse_loss, LR, 4, "ring")
+    assert max((replicas[0][k] - full[0][k]).abs().max().item() for k in full[0]) > 1e-6
+    for r in range(4):
+        assert res.comm_calls[r] == [[("all_to_all", 2 * (8 + b.numel)) for b in infos]] * 4
+
+
 # ---- plan, explain, checkpoints -------------------------------------------------------------------------------------
 @pytest.mark.structure
 def test_plan_json_round_trip_notes_and_explain():
@@ -150,13 +183,16 @@ def test_plan_json_round_trip_notes_and_explain():
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("optimizer", [(torch.optim.SGD, {"lr": LR, "momentum": 0.9}), (torch.optim.Adagrad, {"lr": LR})],
-                         ids=["SGD-momentum", "Adagrad-untraced"])
-def test_checkpoint_at_step_2_resumes_every_replica_bitwise(clusters, tmp_path, optimizer):
+@pytest.mark.parametrize("optimizer,low_precision", [((torch.optim.SGD, {"lr": LR, "momentum": 0.9}), False),
+                                                     ((torch.optim.Adagrad, {"lr": LR}), False),
+                                                     ((torch.optim.SGD, {"lr": LR, "momentum": 0.9}), True)],
+                         ids=["SGD-momentum", "Adagrad-untraced", "low-precision"])
+def test_checkpoint_at_step_2_resumes_every_replica_bitwise(clusters, tmp_path, optimizer, low_precision):
     """Ring, dp=4: save after 2 steps, 2 more == 4 straight, bitwise, per replica: each rank's own weights and
-    optimizer state (momentum; Adagrad's sums, untraced) are in its checkpoint extra."""
+    optimizer state (momentum; Adagrad's sums, untraced) are in its checkpoint extra; low precision's copies of the
+    neighbours' weights are the method's state."""
     model, batches = _model(), mlp_batches(4)
-    method = C.Decentralized(peers="ring")
+    method = C.Decentralized(peers="ring", low_precision=low_precision)
     straight = _program(model, batches, method, optimizer=optimizer).run_local(batches, cluster=clusters.get(4))
     saved = _program(model, batches, method, optimizer=optimizer).run_local(batches[:2], cluster=clusters.get(4),
                                                                             save_to=tmp_path / "ck")

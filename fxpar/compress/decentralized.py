@@ -28,7 +28,7 @@ bucket is summed (before the update); the sum exchanges them with the peers, kee
 (:meth:`DecentralizedState.after_update`) the rank adds ``delta`` to the updated weights:
 ``x_r <- opt(x_r, g_r) + (y_r - x_r)``, which is ``opt(y_r, g_r)`` for an optimizer whose step does not depend on the
 weights' values -- every torch optimizer without weight decay. One with weight decay (AdamW's default 0.01) is
-refused (:meth:`Decentralized.check_optimizer`).
+refused in full precision (:meth:`Decentralized.check_optimizer`).
 
 **What travels** per bucket on an averaging step (``B = numel * element_size``): ``"all"`` one all-reduce of ``B``;
 ``"ring"`` one all-to-all handing ``2 B`` (the weights to each neighbour); ``"shift_one"`` one all-to-all handing
@@ -41,10 +41,19 @@ weights are in ``RunResult.features[rank]["decentralized"]["replica"]``; the los
 shard at its own weights, averaged; a checkpoint keeps each replica's own weights and optimizer state in its rank's
 extra, and a resume on as many ranks restores them bitwise.
 
+**Low precision** (``low_precision=True``; ``peers="ring"``, ``communication_interval=1``, as bagua's
+``LowPrecisionDecentralizedAlgorithm``, which follows Tang, Gan, Zhang, Zhang and Liu, "Communication Compression for
+Decentralized Training", NeurIPS 2018): the weights move *after* the update, and what travels is the change, not the
+weights. Per bucket a rank keeps ``weight`` (its weights as its neighbours know them) and ``left``, ``right`` (its
+copies of its neighbours'), all the starting weights at first; its weights are ``weight``. Each step: the optimizer
+steps ``p = opt(weight, g_r)``; the difference ``z = p + left/3 + right/3 - 5/3 weight`` (the ring average's step
+less ``weight``) is coded as one row of min-max uint8 codes (:func:`~fxpar.compress.bytegrad.quantize_rows`: a
+float32 min and max, then a code per value) and sent to both neighbours in one all-to-all, ``2 (8 + numel)`` bytes;
+each received code moves the copy of its sender, and the rank's own moves ``weight`` (:meth:`Decentralized.settle`).
+
 Where this differs from bagua: bagua averages ``hierarchical``ly (inside a node first) by default; here dp is one
-flat group. Bagua's full-precision decentralized op has no ``"ring"``; its low-precision one does (Tang et al.,
-"Communication Compression for Decentralized Training", NeurIPS 2018), which is not built here:
-``low_precision=True`` is refused.
+flat group. Bagua's full-precision decentralized op has no ``"ring"`` (its low-precision op does); here full
+precision has it too.
 """
 from __future__ import annotations
 
@@ -54,15 +63,16 @@ from typing import ClassVar
 import torch
 import torch.distributed as dist
 
+from fxpar.compress.bytegrad import dequantize_rows, quantize_rows
 from fxpar.compress.feature import STEADY_STEP, register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
-from fxpar.compress.runtime import CompressState
+from fxpar.compress.runtime import CompressState, EagerComm
 from fxpar.errors import StrategyError
 from fxpar.runtime.state import load_replica_state, replica_state
 
 __all__ = ["Decentralized", "DecentralizedState", "peers_of"]
 
-MIX, LOCAL = "mix", "local"
+MIX, LOCAL, LOW = "mix", "local", "low_precision"
 PEERS = ("all", "ring", "shift_one")
 
 
@@ -103,11 +113,17 @@ class DecentralizedState(CompressState):
         super().setup(ex)
         self.ex = ex
         self.moved: set = set()            # buckets whose sum averaged weights in this step: after_update moves them
+        if self.method.low_precision:      # the replica's own weights and its estimates of its neighbours': its own
+            for key, b in self.buckets.items():
+                w = self._flat(ex.params[b.stage], b)
+                self.state[key] = {"weight": w.clone(), "left": w.clone(), "right": w.clone()}
+
+    @staticmethod
+    def _flat(params: dict, b: BucketInfo) -> torch.Tensor:
+        return torch.cat([params[k].detach().reshape(-1) for k in b.keys])
 
     def inputs(self, b: BucketInfo, step: int, state: dict, variant) -> list:
-        ps = self.ex.params[b.stage]
-        weights = torch.cat([ps[k].detach().reshape(-1) for k in b.keys])
-        return [weights, *super().inputs(b, step, state, variant)]
+        return [self._flat(self.ex.params[b.stage], b), *super().inputs(b, step, state, variant)]
 
     def sum(self, flat, feature, stage, index):
         key = (stage, index)
@@ -118,6 +134,9 @@ class DecentralizedState(CompressState):
         return out
 
     def after_update(self, ex, stage: int) -> None:
+        if self.method.low_precision:
+            self._settle_low_precision(ex, stage)
+            return
         keys = sorted(k for k in self.moved if k[0] == stage)
         if not keys:
             return
@@ -127,6 +146,18 @@ class DecentralizedState(CompressState):
             for k, d in zip(b.keys, b.views(self.state[key]["delta"])):
                 ps[k] = ps[k] + d
             self.moved.discard(key)
+        ex.params[stage] = ps
+
+    def _settle_low_precision(self, ex, stage: int) -> None:
+        """After the update: each bucket's weights settled by :meth:`Decentralized.settle` (the compressed
+        difference exchanged with both neighbours); the rank's weights become the settled ones."""
+        ps = dict(ex.params[stage])
+        for key in sorted(k for k in self.buckets if k[0] == stage):
+            b = self.buckets[key]
+            comm = EagerComm(b.dp, b.dp_rank, self.pg)
+            weight, self.state[key] = self.method.settle(self._flat(ps, b), dict(self.state[key]), b, comm)
+            for k, v in zip(b.keys, b.views(weight)):
+                ps[k] = v.clone()
         ex.params[stage] = ps
 
     def whole(self, ex, params: dict, state: dict) -> tuple:
@@ -193,11 +224,12 @@ class Decentralized(Method):
                                 "be an int >= 1 (1: average every step)")
         if not isinstance(self.low_precision, bool):
             raise StrategyError(f"Decentralized(low_precision={self.low_precision!r}): pass True or False")
-        if self.low_precision:
-            raise StrategyError("Decentralized(low_precision=True): the low-precision variant (Tang et al., NeurIPS "
-                                "2018: the weights' differences sent as 8-bit min-max codes) is not built in fxpar; "
-                                "pass low_precision=False (full-precision weights), or grad_sync=C.ByteGrad() for "
-                                "8-bit gradient sums")
+        if self.low_precision and (self.peers != "ring" or n != 1):
+            raise StrategyError(f"Decentralized(low_precision=True, peers={self.peers!r}, "
+                                f"communication_interval={n!r}): the low-precision variant (bagua's, Tang et al. "
+                                "NeurIPS 2018) exchanges every step "
+                                "with both ring neighbours; pass peers='ring', communication_interval=1, or "
+                                "low_precision=False")
         if dp and self.peers == "ring" and dp < 3:
             raise StrategyError(f"Strategy(dp={dp}, grad_sync=Decentralized(peers='ring')): a ring's two neighbours "
                                 "are one rank when dp < 3; use peers='all' or 'shift_one', or dp >= 3")
@@ -213,7 +245,7 @@ class Decentralized(Method):
 
     def check_optimizer(self, spec) -> None:
         wd = spec.kwargs.get("weight_decay", 1e-2 if spec.cls is torch.optim.AdamW else 0)
-        if wd:
+        if wd and not self.low_precision:      # low precision steps from the rank's own weights: any optimizer
             raise StrategyError(
                 f"Strategy(grad_sync={self.summary()}) with optimizer {spec.name}(weight_decay={wd}): the update is "
                 "applied to each replica's own weights and the averaging's change added after, which is BAGUA's update "
@@ -221,19 +253,29 @@ class Decentralized(Method):
                 f"weight_decay=0 to {spec.name}, or add the decay to the loss")
 
     def plan_note(self) -> str:
-        return ("no gradient all-reduce: each dp replica updates its own weights with its own gradient, and every "
-                f"{self.communication_interval} step(s) averages them with its peers ({self.peers!r}) before the "
-                "update; the replicas differ between averaging steps. state_dict(), optimizer_state() and checkpoints' "
+        how = ("after each update moves them toward its ring neighbours' by 8-bit codes of the change" if
+               self.low_precision else f"every {self.communication_interval} step(s) averages them with its peers "
+               f"({self.peers!r}) before the update")
+        return (f"no gradient all-reduce: each dp replica updates its own weights with its own gradient, and {how}; "
+                "the replicas differ between averaging steps. state_dict(), optimizer_state() and checkpoints' "
                 "model keys hold the replicas' average, RunResult.features[rank]['decentralized']['replica'] each "
                 "replica's own (docs/semantics.md, 'Replicas that differ')")
 
     # ---- per bucket, on the host ----------------------------------------------------------------------
     def init_state(self, bucket: BucketInfo, gen: torch.Generator) -> dict:
-        return {"delta": torch.zeros(bucket.numel, dtype=bucket.torch_dtype)}
+        """Full precision: ``delta``, the averaging's change of the weights. Low precision: ``weight``, the replica's
+        own weights as its neighbours know them, and ``left`` and ``right``, its copies of its neighbours' (the rank
+        state sets all three to the starting weights)."""
+        z = torch.zeros(bucket.numel, dtype=bucket.torch_dtype)
+        if self.low_precision:
+            return {"weight": z, "left": z.clone(), "right": z.clone()}
+        return {"delta": z}
 
     def variant(self, bucket: BucketInfo, step: int, state: dict):
         """``"mix"`` on an averaging step, ``"local"`` on the others. The step the plan shows and the cost models
         count (``STEADY_STEP``) is an averaging step: the plan lists what an averaging step sends."""
+        if self.low_precision:
+            return LOW
         return MIX if step % self.communication_interval == 0 or step >= STEADY_STEP else LOCAL
 
     def host_inputs(self, bucket: BucketInfo, step: int, state: dict, variant, gen: torch.Generator) -> list:
@@ -246,6 +288,8 @@ class Decentralized(Method):
         gradient and ``delta``, the averaged weights less its own (zeros on a step that does not average)."""
         mine, k = inputs[0], int(inputs[1])
         local = flat * comm.size
+        if variant == LOW:                 # the weights move after the update (settle)
+            return local, state
         if variant == LOCAL:
             return local, {"delta": torch.zeros_like(mine)}
         if self.peers == "all":
@@ -254,6 +298,24 @@ class Decentralized(Method):
             averaged = mix(self.peers, mine, _exchange(mine, peers_of(self.peers, comm.rank, comm.size, k), comm))
         return local, {"delta": averaged - mine}
 
+    def settle(self, updated: torch.Tensor, state: dict, bucket: BucketInfo, comm) -> tuple:
+        """Low precision, after the update, one bucket: ``updated`` is the rank's weights after its optimizer step
+        (from ``weight``). The difference ``z = updated + left/3 + right/3 - 5/3 weight`` (the averaged step's
+        weights less ``weight``) goes as one row of min-max uint8 codes (ByteGrad's ``quantize_rows``) to both ring
+        neighbours; each received code moves the copy of its sender, the rank's own moves ``weight``. Returns
+        ``(weights, new_state)``: the rank's weights are ``weight``."""
+        w, left, right = state["weight"], state["left"], state["right"]
+        z = updated + left * (1 / 3) + right * (1 / 3) + w * (-5 / 3)
+        packed = quantize_rows(z.view(1, -1)).reshape(-1)
+        low, high = peers_of("ring", comm.rank, comm.size, 0)
+        got = _exchange(packed, [low, high], comm)
+        ring_left, ring_right = (comm.rank - 1) % comm.size, (comm.rank + 1) % comm.size
+        m = packed.numel()
+        left = left + dequantize_rows(got[ring_left].view(1, m), w.dtype).reshape(-1)
+        right = right + dequantize_rows(got[ring_right].view(1, m), w.dtype).reshape(-1)
+        w = dequantize_rows(packed.view(1, m), w.dtype).reshape(-1) + w
+        return w, {"weight": w, "left": left, "right": right}
+
     # ---- what it costs and says -----------------------------------------------------------------------------
     def wire_bytes(self, bucket: BucketInfo, variant) -> int:
         return sum(n for _, n in self.collectives(bucket, variant))
@@ -261,6 +323,8 @@ class Decentralized(Method):
     def collectives(self, bucket: BucketInfo, variant) -> list:
         if variant == LOCAL:
             return []
+        if variant == LOW:
+            return [("all_to_all", 2 * (8 + bucket.numel))]
         nbytes = bucket.numel * bucket.element_size
         if self.peers == "all":
             return [("all_reduce", nbytes)]
@@ -268,6 +332,11 @@ class Decentralized(Method):
 
     def describe(self, bucket: BucketInfo, variant) -> list:
         nbytes = bucket.numel * bucket.element_size
+        if variant == LOW:
+            return [f"Decentralized, low precision: no gradient collective; after each update the change of the "
+                    f"bucket's weights from the ring average, as {bucket.numel} uint8 codes and a float32 min and max, "
+                    f"sent to both ring neighbours ({2 * (8 + bucket.numel)} B in one all-to-all, {2 * nbytes} B in "
+                    "full precision); the replicas differ"]
         how = {"all": f"all-reduced over the {bucket.dp} replicas ({nbytes} B), weights 1/{bucket.dp}",
                "ring": f"sent to both ring neighbours ({2 * nbytes} B in one all-to-all), weights 1/3",
                "shift_one": f"exchanged with one peer that changes each averaging ({nbytes} B in one all-to-all), "

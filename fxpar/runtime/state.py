@@ -273,5 +273,6 @@ def load_replica_state(ex, saved: dict) -> None:
     else:
         if "torch_optim" not in saved:
             raise RuntimeError(f"rank {ex.rank}: the checkpoint holds this replica's state of a traced optimizer, "
-                               f"and this program runs {ex.spec.name} untraced: resume with the optimizer that saved it")
+                               f"and this program runs {ex.spec.name} untraced: resume with the optimizer that "
+                               "saved it")
         ex.torch_opt.load_state_dict(copy.deepcopy(saved["torch_optim"]))
