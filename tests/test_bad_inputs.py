@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -657,3 +658,49 @@ def test_a_guarded_script_runs(tmp_path):
     script.write_text("def main():\n" + body + "\n\nif __name__ == \"__main__\":\n    main()\n")
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+
+# ---- decentralized SGD (fxpar/compress/decentralized.py): its options and what it cannot run with ------------------
+DECENTRALIZED_CASES = {
+    "decentralized_peers_unknown": (lambda: C.Decentralized(peers="star"), fxpar.StrategyError,
+                                    r"Decentralized\(peers='star'\)", r"one of \['all', 'ring', 'shift_one'\]"),
+    "decentralized_interval_zero": (lambda: C.Decentralized(communication_interval=0), fxpar.StrategyError,
+                                    r"Decentralized\(communication_interval=0\)", r"must be an int >= 1"),
+    "decentralized_low_precision_all": (lambda: C.Decentralized(low_precision=True), fxpar.StrategyError,
+                                        r"Decentralized\(low_precision=True, peers='all', communication_interval=1\)",
+                                        r"pass peers='ring', communication_interval=1, or low_precision=False"),
+    "decentralized_ring_of_two": (lambda: _dp2(grad_sync=C.Decentralized(peers="ring")), fxpar.StrategyError,
+                                  r"Strategy\(dp=2, grad_sync=Decentralized\(peers='ring'\)\)",
+                                  r"use peers='all' or 'shift_one', or dp >= 3"),
+    "decentralized_shift_one_odd_dp": (lambda: _par(world=3, grad_sync=C.Decentralized(peers="shift_one")),
+                                       fxpar.StrategyError, r"Decentralized\(peers='shift_one'\)\).*dp must be even",
+                                       r"use an even dp"),
+    "decentralized_with_pp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, pp=2, microbatches=2,
+                                                                       grad_sync=C.Decentralized())),
+                              fxpar.StrategyError, r"grad_sync=Decentralized\(.*with a pipeline \(pp > 1\)",
+                              r"train with pp=1"),
+    "decentralized_with_zero": (lambda: _dp2(zero=1, grad_sync=C.Decentralized()), fxpar.StrategyError,
+                                r"feature 'decentralized' \(grad_sync=Decentralized\(.*conflicts with feature 'zero'",
+                                r"drop one of them"),
+    "decentralized_with_tp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, tp=2, grad_sync="decentralized")),
+                              fxpar.StrategyError,
+                              r"feature 'decentralized' \(grad_sync='decentralized'\) conflicts with feature "
+                              r"'tensor_parallel'", r"drop one of them"),
+    "decentralized_with_weight_decay": (lambda: _par(world=2, optimizer=(torch.optim.SGD, {"lr": 0.1,
+                                                                                         "weight_decay": 1e-4}),
+                                                     grad_sync=C.Decentralized()).run_local([(X, Y)]),
+                                        fxpar.StrategyError, r"with optimizer SGD\(weight_decay=0.0001\)",
+                                        r"Pass weight_decay=0 to SGD, or add the decay to the loss"),
+}
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("case", list(DECENTRALIZED_CASES))
+def test_decentralized_mistake_is_named_with_a_fix(case):
+    fn, exc, names_it, says_fix = DECENTRALIZED_CASES[case]
+    with pytest.raises(exc) as info:
+        fn()
+    msg = str(info.value)
+    assert re.search(names_it, msg, re.S), f"does not name the user's thing ({names_it!r}):\n{msg}"
+    assert re.search(says_fix, msg, re.S), f"does not say what to do ({says_fix!r}):\n{msg}"

@@ -23,7 +23,7 @@ from .sparse import RandomK, TopK
 # The method modules beside the ones above, each registering its classes when imported: name -> module
 _MODULES = {"PowerSGD": "powersgd", "Accordion": "accordion", "DDPHook": "ddp_hook", "QSGD": "quantize",
             "NUQSGD": "quantize", "ALQ": "quantize", "AMQ": "quantize", "Wangni": "wangni", "ByteGrad": "bytegrad",
-            "QAdam": "qadam", "QAdamOptimizer": "qadam"}
+            "QAdam": "qadam", "QAdamOptimizer": "qadam", "Decentralized": "decentralized"}
 
 for _mod in dict.fromkeys(_MODULES.values()):        # registered at import: their names work as grad_sync strings
     if importlib.util.find_spec(f"{__name__}.{_mod}") is not None:

@@ -84,9 +84,7 @@ class CompressSection(PlanSection):
 
 
 def _note(plan, m: Method) -> None:
-    plan.notes.append(f"grad_sync: {m.summary()} -- each update uses this method's estimate of the dp sum of the "
-                      "gradients, not the sum itself: training differs from one process on purpose "
-                      "(docs/semantics.md, 'Gradient compression')")
+    plan.notes.append(f"grad_sync: {m.summary()} -- {m.plan_note()}")
 
 
 def bucket_infos(plan, stage: int, captured, dp_rank: int = -1) -> list:
@@ -296,6 +294,7 @@ class CompressFeature(Feature):
         buckets = self._buckets(section, program, rank)
         if not buckets:
             return None
+        method_of(section).check_optimizer(program.optimizer)
         return CompressInfo(self.name, method_of(section), tuple(buckets), tuple(program.plan.group_of("dp", rank)))
 
     def state_bytes(self, section, program, rank) -> int:
@@ -343,7 +342,8 @@ def register_method(cls):
     doc = (cls.__doc__ or "").strip().split("\n")[0]
     feat = type(f"Compress_{cls.__name__}", (CompressFeature,),
                 {"name": cls.name, "method_cls": cls, "doc": f"{doc} {cls.paper}".strip(),
-                 "__module__": cls.__module__, "__qualname__": f"Compress_{cls.__qualname__}"})
+                 "__module__": cls.__module__, "__qualname__": f"Compress_{cls.__qualname__}",
+                 "state": cls.rank_state or CompressState})
     register_feature(feat)
     _METHODS[cls.name] = cls
     return cls

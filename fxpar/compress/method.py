@@ -111,6 +111,10 @@ class Method:
     # True: ``sum`` runs as Python every step (it calls code that cannot be traced, such as a user's DDP comm hook);
     # ``comm`` is then an eager :class:`Comm` on the rank's real group
     eager: ClassVar[bool] = False
+    # the RankState class of the method's feature where its sum needs more of the rank than the bucket (a subclass of
+    # fxpar.compress.runtime.CompressState: Decentralized reads the bucket's weights and moves them after the update);
+    # None: CompressState
+    rank_state: ClassVar[type | None] = None
 
     # ---- options -----------------------------------------------------------------------------------
     def check(self, dp: int) -> None:
@@ -121,6 +125,11 @@ class Method:
         """Refuse what the rest of the plan asks that this method cannot run with (``plan.optimizer``, the stages'
         ``grad_groups``), raising :class:`fxpar.StrategyError` naming it and the fix: a method that carries part of
         the optimizer's math (QAdam) names the optimizer it pairs with."""
+
+    def check_optimizer(self, spec) -> None:
+        """Refuse optimizer settings this method cannot run with (``spec``: the program's
+        :class:`fxpar.optim.OptimizerSpec`, its ``cls`` and ``kwargs``), raising :class:`fxpar.StrategyError` naming the
+        setting and the fix. Checked when the program's ranks are made."""
 
     def to_dict(self) -> dict:
         return {"method": self.name, **dataclasses.asdict(self)}
@@ -182,6 +191,11 @@ class Method:
     def describe(self, bucket: BucketInfo, variant) -> list:
         """Lines for ``explain()``: per tensor of ``bucket``, what is compressed and how."""
         return []
+
+    def plan_note(self) -> str:
+        """What the plan's notes say of this method's training, after its summary."""
+        return ("each update uses this method's estimate of the dp sum of the gradients, not the sum itself: training "
+                "differs from one process on purpose (docs/semantics.md, 'Gradient compression')")
 
     def summary(self) -> str:
         """One line: the method and its options."""

@@ -144,7 +144,7 @@ class CompressState(RankState):
                                "Plan section and the graphs disagree -- plan again (parallelize without plan=)")
         m, step, state = self.method, self.steps[key], self.state[key]
         variant = m.variant(b, step, state)
-        inputs = list(m.host_inputs(b, step, state, variant, self.gen))
+        inputs = self.inputs(b, step, state, variant)
         if m.eager:
             summed, new = m.sum(flat, dict(state), inputs, b, EagerComm(b.dp, b.dp_rank, self.pg), variant)
         else:
@@ -155,6 +155,11 @@ class CompressState(RankState):
         self.state[key] = dict(new)
         self.steps[key] = step + 1
         return summed
+
+    def inputs(self, b: BucketInfo, step: int, state: dict, variant) -> list:
+        """The host inputs of bucket ``b``'s sum at ``step``: the method's (:meth:`Method.host_inputs`). A method's
+        own rank state (:attr:`Method.rank_state`) may hand over more of what the rank holds."""
+        return list(self.method.host_inputs(b, step, state, variant, self.gen))
 
     def _graph(self, b: BucketInfo, variant, flat, state, inputs):
         """The traced sum of bucket ``b`` for ``variant`` (traced at its first use, then kept)."""

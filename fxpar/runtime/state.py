@@ -17,6 +17,7 @@ other (the keys never name a rank, a stage or a shard):
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -26,7 +27,8 @@ from .groups import group, seed_rank
 from .checkpoint import (CheckpointError, load_checkpoint, optim_key, read_manifest, rng_state, save_checkpoint,
                          set_rng_state, split_optim_key, torch_optimizer_state_dict, torch_optimizer_tensors)
 
-__all__ = ["save_rank_state", "load_rank_state", "RankExtra", "torch_optimizer_whole", "eager_optimizer_state"]
+__all__ = ["save_rank_state", "load_rank_state", "RankExtra", "torch_optimizer_whole", "eager_optimizer_state",
+           "replica_state", "load_replica_state"]
 
 _STASH = "stash."
 
@@ -240,3 +242,37 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
         set_rng_state(extra.rng)
     else:   # another world: rank r got saved rank r % saved's RNG, which replicas would share -- seed afresh
         seed_rank(ex.p.settings.rng_seed, ex.rank, ex.tp_index)
+
+
+def replica_state(ex) -> dict:
+    """This rank's own parameters and optimizer state, as it holds them (copies), for a feature whose dp replicas
+    differ on purpose (decentralized SGD): the checkpoint's global keys hold one model, and the feature keeps each
+    replica's own in the rank's ``extra`` (its :meth:`~fxpar.feature.RankState.save`)."""
+    out = {"params": {s: {k: v.clone() for k, v in ps.items()} for s, ps in ex.params.items()}}
+    if ex.spec.traced:
+        out["optim"] = {s: {k: v.clone() for k, v in st.items()} for s, st in ex.state.items()}
+    else:
+        out["torch_optim"] = copy.deepcopy(ex.torch_opt.state_dict())
+    return out
+
+
+def load_replica_state(ex, saved: dict) -> None:
+    """Put back what :func:`replica_state` saved (after the checkpoint's global keys were loaded), bitwise."""
+    held = {s: sorted(ps) for s, ps in ex.params.items()}
+    got = {s: sorted(ps) for s, ps in saved["params"].items()}
+    if held != got:
+        raise RuntimeError(f"rank {ex.rank}: the checkpoint's own parameters of this replica (stages and keys "
+                           f"{got}) are not the ones this program holds ({held}): it was saved by another program; "
+                           "resume with the program that saved it")
+    ex.params = {s: {k: v.clone() for k, v in ps.items()} for s, ps in saved["params"].items()}
+    if ex.spec.traced:
+        if "optim" not in saved:
+            raise RuntimeError(f"rank {ex.rank}: the checkpoint holds this replica's state of an untraced optimizer, "
+                               f"and this program traces {ex.spec.name}: resume with the optimizer that saved it")
+        ex.state = {s: {k: v.clone() for k, v in st.items()} for s, st in saved["optim"].items()}
+    else:
+        if "torch_optim" not in saved:
+            raise RuntimeError(f"rank {ex.rank}: the checkpoint holds this replica's state of a traced optimizer, "
+                               f"and this program runs {ex.spec.name} untraced: resume with the optimizer that "
+                               "saved it")
+        ex.torch_opt.load_state_dict(copy.deepcopy(saved["torch_optim"]))

@@ -12,7 +12,8 @@ import fxpar
 from fxpar.compress.bytegrad import dequantize_rows, quantize_rows
 
 __all__ = ["ddp_hook_worker", "sparse_reference", "sparse_bucket_math", "qadam_bucket_math", "qadam_reference",
-           "mlp_batches", "mlp_program"]
+           "mlp_batches", "mlp_program", "mixing_matrix", "decentralized_reference",
+           "low_precision_decentralized_reference"]
 
 
 def ddp_hook_worker(model, batches, loss_fn, optimizer, hook: str, bucket_cap_mb: float = 25.0) -> dict:
@@ -211,3 +212,105 @@ def mlp_program(model, batches, lr: float = 0.1, **strategy):
     world = strategy.get("dp", 1) * strategy.get("pp", 1)
     return fxpar.parallelize(model, fxpar.ClusterSpec.local(world), batches[0], loss_fn=F.mse_loss,
                              optimizer=(torch.optim.SGD, {"lr": lr}), strategy=fxpar.Strategy(**strategy))
+
+
+def mixing_matrix(peers: str, dp: int, k: int) -> torch.Tensor:
+    """Decentralized SGD's ``W`` (float64, ``dp x dp``) at averaging step ``k``: row ``r`` holds the weights rank ``r``
+    averages the replicas with. ``"all"``: every entry ``1/dp``; ``"ring"``: ``1/3`` on the diagonal and the two ring
+    neighbours; ``"shift_one"``: ``1/2`` on the diagonal and bagua's peer of step ``k`` (rank ``r < dp/2`` with
+    ``(k + r) mod (dp/2) + dp/2``, the others the rank that picks them)."""
+    w = torch.zeros(dp, dp, dtype=torch.float64)
+    for r in range(dp):
+        if peers == "all":
+            w[r] = 1 / dp
+        elif peers == "ring":
+            for j in (r - 1, r, r + 1):
+                w[r, j % dp] = 1 / 3
+        else:
+            half = dp // 2
+            for a in range(half):
+                b = (k + a) % half + half
+                if r in (a, b):
+                    w[r, a] = w[r, b] = 1 / 2
+    return w
+
+
+def decentralized_reference(model, batches, loss_fn, lr: float, dp: int, peers: str = "all",
+                            communication_interval: int = 1) -> tuple:
+    """Decentralized SGD (Lian et al.'s D-PSGD, BAGUA's order) with plain SGD in one process: ``dp`` replicas of
+    ``model``, replica ``r`` training on shard ``r`` of each batch. Step ``t``: each replica's gradient at its own
+    weights; on an averaging step (``t % communication_interval == 0``) ``y = W x`` (:func:`mixing_matrix` at
+    ``k = t // communication_interval``), else ``y = x``; then ``x_r = y_r - lr g_r``. Returns (losses: the mean over
+    replicas of each one's shard loss, replicas: each one's state_dict)."""
+    replicas = [copy.deepcopy(model) for _ in range(dp)]
+    named = [dict(m.named_parameters()) for m in replicas]
+    losses = []
+    for t, batch in enumerate(batches):
+        *inputs, target = batch
+        n = target.shape[0] // dp
+        grads, total = [], 0.0
+        for r in range(dp):
+            shard = [x[r * n:(r + 1) * n] for x in (*inputs, target)]
+            loss = loss_fn(replicas[r](*shard[:-1]), shard[-1])
+            total += loss.item() / dp
+            grads.append(dict(zip(named[r], torch.autograd.grad(loss, list(named[r].values())))))
+        mixing = t % communication_interval == 0
+        w = mixing_matrix(peers, dp, t // communication_interval) if mixing else None
+        with torch.no_grad():
+            for key in named[0]:
+                xs = [named[r][key].detach().clone() for r in range(dp)]
+                for r in range(dp):
+                    y = sum(w[r, j] * xs[j] for j in range(dp) if w[r, j] != 0) if mixing else xs[r]
+                    named[r][key].copy_(y - lr * grads[r][key])
+        losses.append(total)
+    return losses, [m.state_dict() for m in replicas]
+
+
+def low_precision_decentralized_reference(model, batches, loss_fn, lr: float, dp: int, buckets: list,
+                                          weight_decay: float = 0.0) -> tuple:
+    """BAGUA's low-precision decentralized SGD (Tang et al., NeurIPS 2018, on a ring) with plain SGD in one process.
+    ``buckets``: the parameter keys of each bucket, in bucket order. Replica ``r`` holds per bucket its weights ``w_r``
+    and its copies ``l_r``, ``h_r`` of its ring neighbours' (``r - 1``, ``r + 1``), all the starting weights at first.
+    Step: the gradient at ``w_r``; ``p_r = w_r - lr (g_r + weight_decay w_r)`` (torch's SGD); ``z_r = p_r + l_r/3 + h_r/3 - 5/3 w_r`` as one row of
+    min-max uint8 codes ``c_r``; ``l_r += c_{r-1}``, ``h_r += c_{r+1}``, ``w_r = c_r + w_r`` (decoded). Returns
+    (losses, replicas: each one's state_dict)."""
+    replicas = [copy.deepcopy(model) for _ in range(dp)]
+    named = [dict(m.named_parameters()) for m in replicas]
+
+    def flat(r, keys):
+        return torch.cat([named[r][k].detach().reshape(-1) for k in keys])
+
+    state = [[{"w": flat(r, keys), "l": flat(r, keys), "h": flat(r, keys)} for keys in buckets] for r in range(dp)]
+    losses = []
+    for batch in batches:
+        *inputs, target = batch
+        n = target.shape[0] // dp
+        total = 0.0
+        codes = []
+        for r in range(dp):
+            shard = [x[r * n:(r + 1) * n] for x in (*inputs, target)]
+            loss = loss_fn(replicas[r](*shard[:-1]), shard[-1])
+            total += loss.item() / dp
+            g = dict(zip(named[r], torch.autograd.grad(loss, list(named[r].values()))))
+            mine = []
+            for b, keys in enumerate(buckets):
+                st = state[r][b]
+                grad = torch.cat([g[k].reshape(-1) for k in keys])
+                p = st["w"] - lr * (grad + weight_decay * st["w"] if weight_decay else grad)
+                z = p + st["l"] * (1 / 3) + st["h"] * (1 / 3) + st["w"] * (-5 / 3)
+                mine.append(dequantize_rows(quantize_rows(z.view(1, -1)), z.dtype).reshape(-1))
+            codes.append(mine)
+        with torch.no_grad():
+            for r in range(dp):
+                for b, keys in enumerate(buckets):
+                    st = state[r][b]
+                    st["l"] = st["l"] + codes[(r - 1) % dp][b]
+                    st["h"] = st["h"] + codes[(r + 1) % dp][b]
+                    st["w"] = codes[r][b] + st["w"]
+                    off = 0
+                    for k in keys:
+                        size = named[r][k].numel()
+                        named[r][k].copy_(st["w"][off:off + size].view(named[r][k].shape))
+                        off += size
+        losses.append(total)
+    return losses, [m.state_dict() for m in replicas]
