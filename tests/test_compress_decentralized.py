@@ -7,6 +7,8 @@ replicas' average. With ``peers="all"`` and interval 1 the first step is synchro
 batch to 1e-10; after it the replicas' gradients are taken at weights that differ, so later steps are not (BAGUA's
 order: average, then update with the gradient of the weights before the average). The collectives per step are
 measured on the ranks against ``Method.collectives``; a checkpoint at step 2 resumes every replica bitwise.
+One averaging on ranks whose weights differ is ``W X``: it keeps the replicas' mean and shrinks their spread by
+at most the mixing matrix's second eigenvalue magnitude.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from fxpar.compress.feature import bucket_infos, method_of
 from fxpar.testing import MLP, reference_training
 from fxpar.testing.compress import (decentralized_reference, low_precision_decentralized_reference, mixing_matrix,
                                     mlp_batches)
-from fxpar.testing.compress_ranks import bucket_for
+from fxpar.testing.compress_ranks import bucket_for, mix_once
 
 LR = 0.1
 
@@ -220,3 +222,23 @@ def test_weight_decay_is_refused():
     prog = _program(model, batches, C.Decentralized(), optimizer=(torch.optim.AdamW, {"lr": 1e-3}))
     with pytest.raises(fxpar.StrategyError, match=r"AdamW\(weight_decay=0.01\).*Pass weight_decay=0 to AdamW"):
         prog.run_local(batches)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("peers,k", [("ring", 0), ("shift_one", 0), ("shift_one", 1), ("all", 0)])
+def test_one_averaging_keeps_the_mean_and_shrinks_the_spread_by_the_second_eigenvalue(clusters, peers, k):
+    """Lian et al. 2017 (§3, the mixing matrix W symmetric and doubly stochastic): one averaging on 4 ranks whose
+    weights differ maps X to W X, so it keeps the replicas' mean, and the spread ||X - mean|| shrinks by at most
+    |lambda_2(W)|, the second largest eigenvalue magnitude (1/3 for the ring of 4, 1 for a pairing, 0 for "all")."""
+    dp, numel = 4, 257
+    out = clusters.get(dp).run(mix_once, [(C.Decentralized(peers=peers), numel, k)] * dp)
+    before = torch.stack([o[0] for o in out])
+    after = torch.stack([o[1] for o in out])
+    w = mixing_matrix(peers, dp, k)
+    torch.testing.assert_close(after, w @ before, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(after.mean(0), before.mean(0), rtol=1e-12, atol=1e-12)
+    lam2 = sorted(torch.linalg.eigvalsh(w).abs().tolist())[-2]
+    assert lam2 == pytest.approx({"ring": 1 / 3, "shift_one": 1.0, "all": 0.0}[peers], abs=1e-12)
+    spread = lambda x: (x - x.mean(0)).norm()      # noqa: E731
+    assert spread(after) <= lam2 * spread(before) + 1e-12
+    assert spread(after) < spread(before)          # X's spread has a part off W's eigenvalue-1 directions

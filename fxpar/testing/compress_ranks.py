@@ -20,10 +20,10 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from fxpar.compress.method import BucketInfo, Comm
-from fxpar.compress.runtime import generator_for
+from fxpar.compress.runtime import EagerComm, generator_for
 from fxpar.runtime.measure import CommCounter
 
-__all__ = ["bucket_for", "rank_data", "sum_steps", "training_reference"]
+__all__ = ["bucket_for", "rank_data", "sum_steps", "mix_once", "training_reference"]
 
 
 def bucket_for(numel: int, dtype: str, dp: int, rank: int = -1) -> BucketInfo:
@@ -64,6 +64,19 @@ def sum_steps(method, numel: int, dtype: str, steps: int, traced: bool, state_se
         records.append({"variant": variant, "flat": flat, "inputs": inputs, "summed": summed,
                         "state": {k: v.clone() for k, v in state.items()}, "calls": counter.calls})
     return records
+
+
+def mix_once(method, numel: int, k: int) -> tuple:
+    """On a rank of the default group: one averaging of decentralized SGD (``method``, variant ``"mix"`` at
+    averaging step ``k``) on weights that differ per rank (:func:`rank_data` at step 0, unscaled). Returns the
+    rank's weights before and after."""
+    import torch.distributed as dist
+    rank, dp = dist.get_rank(), dist.get_world_size()
+    bucket = bucket_for(numel, "float64", dp, rank)
+    comm = EagerComm(dp, rank, dist.group.WORLD)          # as the runtime runs this eager method
+    mine = rank_data(rank, 0, numel, "float64", 1)
+    _, state = method.sum(torch.zeros_like(mine), {}, [mine, torch.tensor(k)], bucket, comm, "mix")
+    return mine, mine + state["delta"]
 
 
 def _sum_fn(method, bucket, comm, variant):
