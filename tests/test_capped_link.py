@@ -158,6 +158,7 @@ def _fail_on_rank1():
     return 0
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.skipif(not _can_build_link(), reason="needs root and a working `ip netns` (a capped link is built)")
@@ -177,6 +178,7 @@ def test_real_link_exchange_and_cleanup():
     assert subprocess.run(["tc", "qdisc", "show", "dev", "lo"], capture_output=True, text=True).stdout == lo_before
 
 
+@pytest.mark.serial
 @pytest.mark.numerics
 @pytest.mark.skipif(not _can_build_link(), reason="needs root and a working `ip netns`")
 def test_real_cleanup_of_a_dead_runs_leftovers():

@@ -108,6 +108,7 @@ def _train_raised(spec, grad_sync, n_batches, seed):
     return probes, prog
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.numerics
 @pytest.mark.skipif(not hasattr(os, "sched_setscheduler"), reason="SCHED_FIFO is Linux's")

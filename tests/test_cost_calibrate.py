@@ -4,7 +4,7 @@ import pytest
 from fxpar.tools.calibrate import fit_alpha_beta, index_row_overhead
 from fxpar.cluster import ClusterSpec
 
-pytestmark = pytest.mark.cost
+pytestmark = [pytest.mark.cost, pytest.mark.serial]      # it measures the machine
 
 
 def test_fit_recovers_ring_alpha_beta():

@@ -238,6 +238,7 @@ def _flat_then_herring(numel, dev, reps=5):
     return flat, herring
 
 
+@pytest.mark.serial
 @pytest.mark.slow
 @pytest.mark.skipif(os.geteuid() != 0 or nl.preflight() is not None,
                     reason="needs root and a working `ip netns` (benchmarks/netns_link.py builds the link)")

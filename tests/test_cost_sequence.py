@@ -239,6 +239,7 @@ def test_sequence_memory_holds_saved_activations_until_their_backward():
 
 
 # speed and timeline ------------------------------------------------------------------------------
+@pytest.mark.serial
 def test_eight_ranks_sixteen_microbatches_four_stages_is_fast():
     p, dp, m = 4, 2, 16
     F, B = _mms(1), _mms(1)
