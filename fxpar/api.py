@@ -12,11 +12,12 @@ from __future__ import annotations
 import difflib
 import inspect
 import time
+import warnings
 
 import torch
 
 from .batch_semantics import batch_notes
-from .capture import capture_training_step
+from .capture import capture_training_step, captures_differ
 from .cluster import ClusterSpec
 from ._tracing import BatchLayout
 from .errors import InputError, StrategyError
@@ -33,7 +34,7 @@ __all__ = ["parallelize"]
 
 
 def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, optimizer=None,
-                strategy="auto", lr_scheduler=None, plan: Plan | None = None) -> Program:
+                strategy="auto", lr_scheduler=None, plan: Plan | None = None, check_capture: bool = False) -> Program:
     """Compile ``model``'s training step into one program per rank.
 
     model: an ``nn.Module`` that trains on one device.
@@ -51,6 +52,9 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
         stepped after every optimizer step.
     plan: a Plan to use instead of the planner's (e.g. one you edited from ``program.plan``): its
         schedule, microbatches, cuts and buckets are taken; what depends on an edit is planned again.
+    check_capture: capture the step a second time and warn where the two graphs differ: a decision forward takes in
+        Python on something other than the batch (a clock, a global, a counter) is frozen into the graph at
+        capture, and one that changes between two captures shows here (docs/semantics.md). Doubles capture time.
     """
     if isinstance(cluster, int):
         cluster = ClusterSpec.local(cluster)
@@ -94,11 +98,24 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     m = plan.microbatches
     micro = layout.unflatten(tuple(t.narrow(0, 0, plan.global_batch // (plan.dp * m)) for t in batch))
     scale = grad_scale(plan)       # 1/m: an update averages the step's microbatches (unless the schedule says)
-    if split is None:
-        captured = [capture_training_step(model, micro, loss.fn, spec, grad_scale=scale)]
-    else:
-        captured = [capture_training_step(model, micro, loss.fn, spec, stage=st, grad_scale=scale)
-                    for st in split.stages]
+
+    def capture_all():
+        if split is None:
+            return [capture_training_step(model, micro, loss.fn, spec, grad_scale=scale)]
+        return [capture_training_step(model, micro, loss.fn, spec, stage=st, grad_scale=scale) for st in split.stages]
+    captured = capture_all()
+    if check_capture:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")           # what the first capture warned about, it said once
+            again = capture_all()
+        for s, (a, b) in enumerate(zip(captured, again)):
+            diff = captures_differ(a.gm, b.gm)
+            if diff:
+                warnings.warn(f"{type(model).__name__}: two captures of the training step{'' if split is None else f' (stage {s})'} "
+                              f"differ: {diff}. forward takes a decision in Python on something other than the batch (a "
+                              "clock, a global, a counter, Python's random), and the graph replays the branch of the first "
+                              "capture every step; make the decision a tensor op on the batch, or fix it before "
+                              "parallelize (docs/semantics.md, Python-level randomness and state).", stacklevel=2)
     t1 = time.perf_counter()
     _without_gradient(plan, captured, model)
     plan.notes += batch_notes(captured, plan, {k: type(v).__name__ for k, v in model.named_modules()},

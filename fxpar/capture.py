@@ -545,3 +545,22 @@ def _annotate(gm: torch.fx.GraphModule, sig: StepSignature) -> None:
             M.set_meta(node, M.GRAD_OF, key)
     g.lint()
     gm.recompile()
+
+
+def captures_differ(a: torch.fx.GraphModule, b: torch.fx.GraphModule) -> str | None:
+    """Where two captures of one training step differ (the first node whose op, shape or dtype differs, with its
+    module), or None where they are the same graph."""
+    def key(n):
+        v = n.meta.get("val")
+        shape = tuple(v.shape) if isinstance(v, torch.Tensor) else None
+        return n.op, str(n.target), shape, getattr(v, "dtype", None)
+
+    na, nb = list(a.graph.nodes), list(b.graph.nodes)
+    for i, (x, y) in enumerate(zip(na, nb)):
+        if key(x) != key(y):
+            where = M.get(x, M.MODULE, "") or M.get(y, M.MODULE, "")
+            return (f"node {i} is {x.op} {x.target} in the first and {y.op} {y.target} in the second"
+                    + (f" (module {where!r}, {M.get(x, M.PHASE, '')})" if where else ""))
+    if len(na) != len(nb):
+        return f"the first has {len(na)} nodes, the second {len(nb)}"
+    return None

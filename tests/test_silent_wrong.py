@@ -547,3 +547,46 @@ def test_parameter_offload_that_runs_trains_like_one_process(clusters, kw, tmp_p
         assert res.state_bytes[0]["on_disk"] == sum(p.numel() * 8 for p in model.parameters())
     else:
         assert prog.stages[0].joint.meta["fxpar_zero_offload"]["to_device"] > 0    # each gather copies a chunk over
+
+
+# ---------------------------------------------------------------- a Python decision that changes between captures
+_CALLS = [0]
+
+
+class _Alternating(nn.Module):
+    """Branches on a global counter forward increments: no module attribute changes, no random state."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        _CALLS[0] += 1
+        h = self.fc(x)
+        return torch.tanh(h) if _CALLS[0] % 2 else h
+
+
+def _capture_warnings(model, check: bool, **strategy) -> list:
+    batch = (torch.randn(8, 4, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64))
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        fxpar.parallelize(model.double(), fxpar.ClusterSpec.local(strategy.get("dp", 1)), batch, F.mse_loss,
+                          check_capture=check, strategy=fxpar.Strategy(**strategy))
+    return [str(w.message) for w in rec if "two captures" in str(w.message)]
+
+
+@pytest.mark.structure
+def test_check_capture_names_where_two_captures_differ():
+    """A branch on a global counter is decided at capture (not seen by the attribute check); capturing twice shows
+    it: the warning names the model, the node where the graphs part and what to do. Without the option, nothing."""
+    assert _capture_warnings(_Alternating(), check=False) == []
+    (msg,) = _capture_warnings(_Alternating(), check=True, dp=2)
+    assert "_Alternating: two captures of the training step differ: node" in msg
+    assert "aten.tanh" in msg and "make the decision a tensor op" in msg
+
+
+@pytest.mark.structure
+def test_check_capture_is_quiet_on_models_that_decide_nothing_in_python():
+    """Dropout and BatchNorm are graph ops: the two captures of the sweep's model are the same graph."""
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.2), nn.Linear(8, 4))
+    assert _capture_warnings(model, check=True, dp=2) == []
