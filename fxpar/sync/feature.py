@@ -187,7 +187,7 @@ class SyncFeature(Feature):
     def explain(self, section, program) -> list:
         m = method_of(section)
         lines = section.lines() + [f"method: {m.summary()}; {m.paper}"]
-        first = m.averaging_steps(m.warmup_steps + 3 * m.period)
+        first = m.averaging_steps(m.warmup_steps + 3 * m.period + 1)
         lines.append(f"steps 0..{m.warmup_steps - 1} all-reduce the gradients (warm-up); " if m.warmup_steps else "")
         lines[-1] += (f"from step {m.warmup_steps} each replica steps alone; the parameters are averaged (one "
                       f"all-reduce) after steps {', '.join(map(str, first))}, ... (t >= {m.warmup_steps} and "
