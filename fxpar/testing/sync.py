@@ -12,7 +12,7 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-__all__ = ["post_local_sgd_worker", "local_sgd_reference"]
+__all__ = ["post_local_sgd_worker", "local_sgd_reference", "nesterov_outer", "slowmo_outer"]
 
 
 def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmup_steps: int,
@@ -114,3 +114,35 @@ def local_sgd_reference(model, batches, loss_fn, optimizer, dp: int, period: int
                 anchor = {k: v.clone() for k, v in new.items()}
         losses.append(total)
     return losses, [m.state_dict() for m in reps]
+
+
+def nesterov_outer(lr: float, momentum: float):
+    """DiLoCo's outer step with Nesterov momentum (Douillard et al. 2023, Alg. 1, OuterOpt = SGD with Nesterov
+    momentum), written out for :func:`local_sgd_reference`'s ``outer``: the pseudo-gradient ``d = anchor - average``,
+    the buffer ``b = d`` at the first outer step and ``b = momentum b + d`` after, and ``anchor - lr (d + momentum
+    b)``. Keeps its buffer between calls."""
+    buf: dict = {}
+
+    def step(anchor: dict, average: dict) -> dict:
+        out = {}
+        for k in anchor:
+            d = anchor[k] - average[k]
+            buf[k] = d.clone() if k not in buf else momentum * buf[k] + d
+            out[k] = anchor[k] - lr * (d + momentum * buf[k])
+        return out
+    return step
+
+
+def slowmo_outer(inner_lr: float, slow_lr: float, slow_momentum: float):
+    """SlowMo's outer step (Wang et al. ICLR 2020, Alg. 1, lines 8-9) for :func:`local_sgd_reference`'s ``outer``:
+    ``u = slow_momentum u + (anchor - average) / inner_lr`` (``u = 0`` at first) and ``anchor - slow_lr inner_lr u``.
+    Keeps ``u`` between calls."""
+    u: dict = {}
+
+    def step(anchor: dict, average: dict) -> dict:
+        out = {}
+        for k in anchor:
+            u[k] = slow_momentum * u.get(k, torch.zeros_like(anchor[k])) + (anchor[k] - average[k]) / inner_lr
+            out[k] = anchor[k] - (slow_lr * inner_lr) * u[k]
+        return out
+    return step
