@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -139,6 +140,9 @@ class DiLoCo(SyncMethod):
         except (TypeError, ValueError) as e:
             raise StrategyError(f"DiLoCo(outer=({cls.__name__}, {kw!r})): {cls.__name__} refuses these arguments "
                                 f"({e}); pass ones it takes") from None
+
+    def __hash__(self):               # ``outer`` holds a dict: hash the JSON form
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     def make_outer(self, params: list) -> torch.optim.Optimizer:
         cls, kw = _outer_spec(self.outer)

@@ -2,6 +2,7 @@
 SlowMo's math in one process."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import warnings
 
@@ -42,7 +43,7 @@ def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmu
         total = 0.0
         for i, mb in enumerate(parts):
             last = i == len(parts) - 1
-            ctx = m.no_sync() if not last else _nothing()
+            ctx = m.no_sync() if not last else contextlib.nullcontext()
             with ctx:
                 loss = loss_fn(m(*mb[:-1]), mb[-1])
                 (loss / microbatches).backward()
@@ -52,14 +53,6 @@ def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmu
     t = torch.tensor(local, dtype=torch.float64)
     dist.all_reduce(t)
     return {"losses": (t / world).tolist(), "state": {k: v.detach().clone() for k, v in m.module.state_dict().items()}}
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def local_sgd_reference(model, batches, loss_fn, optimizer, dp: int, period: int, warmup_steps: int = 0,
