@@ -332,6 +332,10 @@ class Feature:
         """What rank ``rank``'s :class:`RankState` starts from (picklable), or None: no state on that rank."""
         return None
 
+    def check_run(self, section, program, n_batches: int, resume_from) -> None:
+        """Before ``program.run_local`` starts its ranks on ``n_batches`` batches (``resume_from``: the checkpoint it
+        resumes from, or None): refuse, or warn about, a run this feature cannot serve as asked. Default: nothing."""
+
     # ---- what it costs and what it says --------------------------------------------------------------
     def state_bytes(self, section, program, rank: int) -> int:
         """Bytes rank ``rank`` holds for this feature beside what its graphs hold (per-rank state)."""

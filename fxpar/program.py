@@ -418,6 +418,8 @@ class Program:
         if resume_from is not None:
             if not is_complete(resume_from):
                 raise CheckpointError(incomplete_message(resume_from))
+        for name, section in self.plan.features.items():
+            get_feature(name).check_run(section, self, len(batches), resume_from)
         servers = self.extra_ranks()       # ranks beside the workers (the features')
         n_ranks = self.world_size + len(servers)
         if n_ranks > 1 and cluster is None:

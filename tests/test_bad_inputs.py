@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 
 import fxpar
 import fxpar.compress as C
+import fxpar.sync as S
 from fxpar.errors import InputError, NonFiniteLossError, PassError
 
 CE = F.cross_entropy
@@ -704,3 +706,68 @@ def test_decentralized_mistake_is_named_with_a_fix(case):
     msg = str(info.value)
     assert re.search(names_it, msg, re.S), f"does not name the user's thing ({names_it!r}):\n{msg}"
     assert re.search(says_fix, msg, re.S), f"does not say what to do ({says_fix!r}):\n{msg}"
+
+
+# ---- synchronisation methods (fxpar/sync/): their options and what they cannot run with -------------------------------
+SYNC_CASES = {
+    "sync_period_zero": (lambda: S.LocalSGD(period=0), fxpar.StrategyError, r"LocalSGD\(period=0\)",
+                         r"must be an int >= 1"),
+    "sync_period_float": (lambda: S.SlowMo(period=2.5), fxpar.StrategyError, r"SlowMo\(period=2.5\)",
+                          r"must be an int >= 1"),
+    "sync_warmup_negative": (lambda: S.LocalSGD(period=2, warmup_steps=-1), fxpar.StrategyError,
+                             r"LocalSGD\(warmup_steps=-1\)", r"an int >= 0"),
+    "sync_not_a_method": (lambda: _dp2(sync="local_sgd"), fxpar.StrategyError, r"Strategy\(sync='local_sgd'\)",
+                          r"pass a method of fxpar.sync \(S.LocalSGD\(period=8\)"),
+    "sync_dp1": (lambda: _par(world=1, sync=S.LocalSGD(period=2)), fxpar.StrategyError,
+                 r"Strategy\(sync=LocalSGD\(period=2, warmup_steps=0\)\).*needs dp >= 2", r"set dp or drop sync"),
+    "sync_with_zero": (lambda: _dp2(zero=1, sync=S.LocalSGD(period=2)), fxpar.StrategyError,
+                       r"feature 'sync' \(sync=LocalSGD\(.*conflicts with feature 'zero' \(zero=1\)",
+                       r"drop one of them"),
+    "sync_with_tp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, tp=2, sync=S.LocalSGD(period=2))),
+                     fxpar.StrategyError, r"feature 'sync' \(sync=LocalSGD\(.*conflicts with feature 'tensor_parallel'",
+                     r"drop one of them"),
+    "sync_with_grad_sync": (lambda: _dp2(grad_sync=C.TopK(ratio=0.5), sync=S.LocalSGD(period=2)), fxpar.StrategyError,
+                            r"Strategy\(sync=LocalSGD\(period=2, warmup_steps=0\), grad_sync=TopK\(",
+                            r"drop one of them"),
+    "sync_with_herring": (lambda: _dp2(grad_sync="herring", sync=S.DiLoCo(period=2)), fxpar.StrategyError,
+                          r"sync=DiLoCo\(.*(grad_sync='herring'|feature 'herring')", r"drop one of them"),
+    "sync_with_bytescheduler": (lambda: _dp2(comm_schedule="bytescheduler", sync=S.LocalSGD(period=2)),
+                                fxpar.StrategyError, r"feature 'sync' \(sync=LocalSGD\(.*feature 'bytescheduler'",
+                                r"drop one of them"),
+    "sync_with_pp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, pp=2, microbatches=2,
+                                                               sync=S.LocalSGD(period=2))),
+                     fxpar.StrategyError, r"Strategy\(sync=LocalSGD\(period=2, warmup_steps=0\), pp=2\)",
+                     r"train with pp=1 or drop sync"),
+    "diloco_outer_not_optimizer": (lambda: S.DiLoCo(period=2, outer=("sgd", {"lr": 0.7})), fxpar.StrategyError,
+                                   r"DiLoCo\(outer=\('sgd'", r"pass \(torch optimizer class, its keyword arguments\)"),
+    "diloco_outer_bad_kwargs": (lambda: S.DiLoCo(period=2, outer=(torch.optim.SGD, {"lr": 0.7, "nesterov": True})),
+                                fxpar.StrategyError, r"DiLoCo\(outer=\(SGD, .*SGD refuses these arguments",
+                                r"pass ones it takes"),
+    "slowmo_momentum_one": (lambda: S.SlowMo(period=2, slow_momentum=1.0), fxpar.StrategyError,
+                            r"SlowMo\(slow_momentum=1.0\)", r"a number in \[0, 1\)"),
+    "slowmo_base_unknown": (lambda: S.SlowMo(period=2, base="sgp"), fxpar.StrategyError, r"SlowMo\(base='sgp'\)",
+                            r"'localsgd' is the one built"),
+}
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("case", list(SYNC_CASES))
+def test_sync_mistake_is_named_with_a_fix(case):
+    fn, exc, names_it, says_fix = SYNC_CASES[case]
+    with pytest.raises(exc) as info:
+        fn()
+    msg = str(info.value)
+    assert re.search(names_it, msg, re.S), f"does not name the user's thing ({names_it!r}):\n{msg}"
+    assert re.search(says_fix, msg, re.S), f"does not say what to do ({says_fix!r}):\n{msg}"
+
+
+@pytest.mark.structure
+def test_sync_warmup_longer_than_the_run_warns():
+    """A warm-up that covers the whole run trains plain data parallelism: run_local warns, naming the option, before
+    any rank starts (the warning raised as an error here stops it there)."""
+    prog = _dp2(sync=S.LocalSGD(period=2, warmup_steps=3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        with pytest.raises(UserWarning, match=r"warmup_steps=3 covers the whole run of 3 step\(s\).*lower "
+                                              r"warmup_steps or train longer"):
+            prog.run_local([(X, Y)] * 3)

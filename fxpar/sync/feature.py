@@ -1,0 +1,203 @@
+"""The ``sync`` feature: the Strategy option, its Plan section, its pass, its cost and its words.
+
+``Strategy(dp=N, sync=S.LocalSGD(period=H, warmup_steps=W))`` (or :class:`~fxpar.sync.method.DiLoCo`,
+:class:`~fxpar.sync.method.SlowMo`). The pass puts a host call where each dp gradient bucket's all-reduce was
+(``fxpar.compress``'s :class:`~fxpar.compress.feature.CompressedSum`, fed by :class:`GradientStep`): it all-reduces
+the bucket during the warm-up and hands back the rank's own gradient after. The rank's :class:`SyncState`
+(:mod:`fxpar.sync.runtime`) averages the parameters after the optimizer step of each averaging step.
+
+What travels per rank: during the warm-up, each bucket's all-reduce, as plain data parallelism; after, nothing on
+the steps between two averagings and one all-reduce of the stage's parameters (``P`` bytes, the same bytes as
+the gradient buckets) on each averaging step: ``P`` bytes per ``H`` steps. ``estimate()`` counts the window's mean,
+``P // H`` bytes per step, where the buckets' all-reduces were.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from fxpar.compress.feature import CompressedSum, bucket_infos, dp_bucket_indices
+from fxpar.compress.method import BucketInfo, Method
+from fxpar.errors import StrategyError
+from fxpar.feature import Feature, Option, PlanSection, Slot, register_feature
+
+from .method import SyncMethod, method_from_dict
+from .runtime import SyncInfo, SyncState
+
+__all__ = ["SyncFeature", "SyncSection", "GradientStep", "FEATURE"]
+
+FEATURE = "sync"
+ALLREDUCE, LOCAL = "allreduce", "local"
+# features whose gradient or parameter layout assumes replicas that agree every step
+CONFLICTS = ("tensor_parallel", "zero", "zero_offload", "bytescheduler", "herring", "byteps", "parallax")
+
+
+@dataclass(frozen=True)
+class GradientStep(Method):
+    """How a sync method sums a gradient bucket (not a ``grad_sync`` value of its own): an all-reduce on the
+    warm-up's steps, the rank's own gradient after (the bucket arrives scaled by 1/dp: times dp)."""
+    name: ClassVar[str] = "sync_gradient"
+    eager: ClassVar[bool] = True
+    warmup_steps: int = 0
+    period: int = 1
+
+    def variant(self, bucket: BucketInfo, step: int, state: dict):
+        return ALLREDUCE if step < self.warmup_steps else LOCAL
+
+    def sum(self, flat, state, inputs, bucket, comm, variant):
+        if variant == ALLREDUCE:
+            return comm.all_reduce(flat), state
+        return flat * bucket.dp, state
+
+    def wire_bytes(self, bucket: BucketInfo, variant) -> int:
+        return bucket.numel * bucket.element_size if variant == ALLREDUCE else 0
+
+    def collectives(self, bucket: BucketInfo, variant) -> list:
+        return [("all_reduce", self.wire_bytes(bucket, variant))] if variant == ALLREDUCE else []
+
+
+@dataclass
+class SyncSection(PlanSection):
+    """``method``: the method's options (``SyncMethod.to_dict()``); ``stages``: per stage, per dp gradient bucket
+    ``{"bucket", "keys", "numel", "dtype", "plain_bytes", "window_bytes", "wire_bytes", "collectives", "declared",
+    "first_step"}``: ``window_bytes`` the bucket's parameters' bytes one averaging all-reduces (per ``period``
+    steps), ``wire_bytes`` their mean per step (what the cost models count where the bucket's all-reduce was),
+    ``first_step`` the warm-up's all-reduce of the gradient bucket."""
+    method: dict = field(default_factory=dict)
+    stages: list = field(default_factory=list)
+
+    def lines(self) -> list:
+        m = method_from_dict(self.method)
+        rows = [b for st in self.stages for b in st]
+        head = m.summary()
+        if not rows:
+            return [head]
+        window = sum(b["window_bytes"] for b in rows)
+        return [f"{head}: {window} bytes per rank per averaging (every {m.period} step(s)) instead of {window} "
+                "per step, no gradient all-reduce between averagings"]
+
+
+def _note(plan, m: SyncMethod) -> None:
+    warm = (f"the first {m.warmup_steps} step(s) all-reduce the gradients (synchronous data parallelism); after, "
+            if m.warmup_steps else "")
+    plan.notes.append(
+        f"sync: {m.summary()} -- {warm}each dp replica steps its own optimizer with its own gradient and the "
+        f"replicas' parameters are averaged after steps {m.warmup_steps}, {m.warmup_steps + m.period}, ... "
+        f"({m.outer_words()}); the optimizer state is not averaged. The replicas differ between averagings: "
+        "state_dict() and checkpoints hold the replicas' average, each replica's own weights are in "
+        "RunResult.features[rank]['sync']['replica'] (docs/semantics.md, 'Synchronisation methods')")
+
+
+def method_of(section: SyncSection) -> SyncMethod:
+    return method_from_dict(section.method)
+
+
+class SyncFeature(Feature):
+    name = FEATURE
+    doc = "synchronisation methods: Local SGD (post-local SGD), DiLoCo, SlowMo (fxpar.sync)"
+    options = {FEATURE: Option(None, (
+        "when the dp replicas agree (``fxpar.sync``): ``S.LocalSGD(period=H, warmup_steps=W)``, "
+        "``S.DiLoCo(period=H, outer=(torch.optim.SGD, {...}))``, ``S.SlowMo(period=H, slow_lr=a, slow_momentum=b)``; "
+        "None: every step's gradients are all-reduced"))}
+    section = SyncSection
+    requires = ("data_parallel",)
+    conflicts_with = CONFLICTS
+    state = SyncState
+
+    def method(self, strategy) -> SyncMethod:
+        return strategy.option(FEATURE)
+
+    def validate(self, strategy) -> None:
+        m = self.method(strategy)
+        if not isinstance(m, SyncMethod):
+            raise StrategyError(f"Strategy(sync={m!r}): pass a method of fxpar.sync (S.LocalSGD(period=8), "
+                                "S.DiLoCo(period=500), S.SlowMo(period=48)) or None")
+        if strategy.dp < 2:
+            raise StrategyError(f"Strategy(sync={m.summary()}) decides when the data-parallel replicas agree: it "
+                                f"needs dp >= 2 (dp={strategy.dp}); set dp or drop sync")
+        g = strategy.option("grad_sync")
+        if g != "allreduce":
+            raise StrategyError(f"Strategy(sync={m.summary()}, grad_sync={g!r}): the sync method removes the gradient "
+                                "all-reduce after its warm-up, and the grad_sync method would change that all-reduce; "
+                                "they do not compose: drop one of them")
+        if strategy.pp > 1 or strategy.schedule is not None:
+            raise StrategyError(f"Strategy(sync={m.summary()}, pp={strategy.pp}): each replica's parameters are "
+                                "averaged after its one stage's update, which is built for pp=1; train with pp=1 or "
+                                "drop sync")
+
+    def plan(self, strategy, plan, cluster):
+        m = self.method(strategy)
+        _note(plan, m)
+        return SyncSection(method=m.to_dict())
+
+    def adopt(self, section, strategy, plan, cluster):
+        _note(plan, method_of(section))
+        return section
+
+    def plan_stage(self, section, plan, stage, captured, cluster, schedule) -> None:
+        m = method_of(section)
+        g = GradientStep(warmup_steps=m.warmup_steps, period=m.period)
+        rows = []
+        for (at, _), b in zip(dp_bucket_indices(plan, stage), bucket_infos(plan, stage, captured)):
+            nbytes = b.numel * b.element_size
+            row = {"bucket": at, "keys": list(b.keys), "numel": b.numel, "dtype": b.dtype, "plain_bytes": nbytes,
+                   "window_bytes": nbytes, "wire_bytes": nbytes // m.period, "collectives": [],
+                   "declared": [["all_reduce", nbytes // m.period]]}
+            if m.warmup_steps:
+                row["first_step"] = {"wire_bytes": g.wire_bytes(b, ALLREDUCE), "collectives": []}
+            rows.append(row)
+        while len(section.stages) <= stage:
+            section.stages.append([])
+        section.stages[stage] = rows
+
+    def make_passes(self, section) -> list:
+        return [(Slot.BUCKET_SUM, CompressedSum(FEATURE))]
+
+    def _buckets(self, program, rank: int) -> list:
+        dp_ranks = program.plan.group_of("dp", rank)
+        me = list(dp_ranks).index(rank)
+        return [b for s in program.plan.rank_stages(rank)
+                for b in bucket_infos(program.plan, s, program.stages[s].captured, me)]
+
+    def rank_info(self, section, program, rank):
+        buckets = self._buckets(program, rank)
+        if not buckets:
+            return None
+        m = method_of(section)
+        return SyncInfo(FEATURE, GradientStep(warmup_steps=m.warmup_steps, period=m.period), tuple(buckets),
+                        tuple(program.plan.group_of("dp", rank)), sync=m)
+
+    def state_bytes(self, section, program, rank) -> int:
+        """DiLoCo and SlowMo keep the parameters of the last averaging and one state tensor per parameter (the
+        outer optimizer's momentum, the slow momentum); Local SGD keeps nothing beside the graphs."""
+        m = method_of(section)
+        if not m.keeps_anchor:
+            return 0
+        held = sum(b.numel * b.element_size for b in self._buckets(program, rank))
+        return 2 * held
+
+    def check_run(self, section, program, n_batches: int, resume_from) -> None:
+        m = method_of(section)
+        if resume_from is None and m.warmup_steps >= n_batches:
+            warnings.warn(f"Strategy(sync={m.summary()}): warmup_steps={m.warmup_steps} covers the whole run of "
+                          f"{n_batches} step(s), so every step all-reduces the gradients (plain data parallelism); "
+                          "lower warmup_steps or train longer", UserWarning, stacklevel=3)
+
+    def explain(self, section, program) -> list:
+        m = method_of(section)
+        lines = section.lines() + [f"method: {m.summary()}; {m.paper}"]
+        first = m.averaging_steps(m.warmup_steps + 3 * m.period + 1)
+        lines.append(f"steps 0..{m.warmup_steps - 1} all-reduce the gradients (warm-up); " if m.warmup_steps else "")
+        lines[-1] += (f"from step {m.warmup_steps} each replica steps alone; the parameters are averaged (one "
+                      f"all-reduce) after steps {', '.join(map(str, first))}, ... (t >= {m.warmup_steps} and "
+                      f"(t - {m.warmup_steps}) % {m.period} == 0; 0 is the first step); then {m.outer_words()}")
+        for s in range(len(section.stages)):
+            for row in section.stages[s]:
+                lines.append(f"stage {s} bucket {row['bucket']}: {row['numel']} values ({row['dtype']}): no gradient "
+                             f"collective after the warm-up; its parameters, {row['window_bytes']} bytes, all-reduced "
+                             f"once per averaging ({row['wire_bytes']} bytes per step over a window of {m.period})")
+        return lines
+
+
+register_feature(SyncFeature)

@@ -1,0 +1,215 @@
+"""What every synchronisation method is: its options, when it averages, what it does with the average.
+
+A synchronisation method (the value of ``Strategy(sync=...)``) changes *when* the data-parallel replicas agree, not
+how a gradient is summed. Every method here shares one schedule, torch's post-local SGD
+(``PostLocalSGDState(start_localSGD_iter=W, post_local_gradient_allreduce=False)`` with
+``PeriodicModelAverager(period=H, warmup_steps=W)``), steps counted from 0:
+
+* steps ``t < W`` (the warm-up): the gradient buckets are all-reduced, as plain data parallelism;
+* steps ``t >= W``: no gradient collective; each replica steps its own optimizer with its own gradient;
+* after the optimizer step of every step with ``t >= W`` and ``(t - W) % H == 0`` (``W``, ``W + H``, ...), the
+  replicas' parameters are averaged over dp (one all-reduce of the parameters, each divided by dp first); the
+  optimizer state is not averaged.
+
+What each method does with the average (:meth:`SyncMethod.outer`):
+
+* :class:`LocalSGD` keeps it (Lin, Stich, Patel and Jaggi, "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020);
+* :class:`DiLoCo` treats ``anchor - average`` (``anchor``: the parameters at the last averaging) as a gradient of
+  an outer optimizer that steps the anchor (Douillard et al., "DiLoCo: Distributed Low-Communication Training of
+  Language Models", 2023, Algorithm 1);
+* :class:`SlowMo` applies slow momentum: ``u = beta u + (anchor - average) / gamma``,
+  ``x = anchor - alpha gamma u`` (``gamma``: the inner learning rate; Wang, Tantia, Ballas and Rabbat, "SlowMo:
+  Improving Communication-Efficient Distributed SGD with Slow Momentum", ICLR 2020, Algorithm 1).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from fxpar.errors import StrategyError
+
+__all__ = ["SyncMethod", "LocalSGD", "DiLoCo", "SlowMo", "method_from_dict", "METHODS"]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SyncMethod:
+    """Base of a synchronisation method's options (a frozen dataclass of JSON values): ``period`` (steps between two
+    averagings, ``H``) and ``warmup_steps`` (synchronous steps first, ``W``)."""
+    name: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    # whether its outer step reads the parameters of the last averaging (kept per rank, checkpointed)
+    keeps_anchor: ClassVar[bool] = True
+    period: int = 1
+    warmup_steps: int = 0
+
+    def __post_init__(self):
+        self.check()
+
+    def check(self) -> None:
+        me = type(self).__name__
+        if not _is_int(self.period) or self.period < 1:
+            raise StrategyError(f"{me}(period={self.period!r}): the steps between two averagings of the replicas "
+                                "must be an int >= 1 (1: average after every step)")
+        if not _is_int(self.warmup_steps) or self.warmup_steps < 0:
+            raise StrategyError(f"{me}(warmup_steps={self.warmup_steps!r}): the synchronous steps before the "
+                                "replicas train apart must be an int >= 0 (0: none)")
+
+    # ---- the schedule ----------------------------------------------------------------------------------------
+    def gradient_allreduce(self, step: int) -> bool:
+        """Whether the gradient buckets are all-reduced at ``step`` (0 first): the warm-up's steps."""
+        return step < self.warmup_steps
+
+    def averages(self, step: int) -> bool:
+        """Whether the replicas' parameters are averaged after ``step``'s optimizer step."""
+        return step >= self.warmup_steps and (step - self.warmup_steps) % self.period == 0
+
+    def averaging_steps(self, steps: int) -> list:
+        """The steps among the first ``steps`` after which the replicas are averaged."""
+        return [t for t in range(steps) if self.averages(t)]
+
+    # ---- what it does with the average ------------------------------------------------------------------------
+    def init_outer(self, anchor: dict) -> dict:
+        """The rank's outer state from the parameters at the start (``{key: tensor}``, copies it may keep)."""
+        return {}
+
+    def outer(self, anchor: dict, average: dict, state: dict, inner_lr: float) -> tuple:
+        """``(new parameters, new outer state)`` from ``anchor`` (the parameters at the last averaging) and
+        ``average`` (the replicas' mean); the new parameters become the next anchor. Default: the average."""
+        return average, state
+
+    # ---- JSON and words ---------------------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return {"method": self.name, **dataclasses.asdict(self)}
+
+    def summary(self) -> str:
+        opts = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self))
+        return f"{type(self).__name__}({opts})"
+
+    def outer_words(self) -> str:
+        """What the method does with each average, for plan notes and explain()."""
+        return "the replicas continue from the average"
+
+
+@dataclass(frozen=True)
+class LocalSGD(SyncMethod):
+    """Post-local SGD: synchronous data parallelism for ``warmup_steps`` steps, then local steps with the replicas'
+    parameters averaged every ``period`` steps (torch's ``PostLocalSGDOptimizer`` + ``PeriodicModelAverager``)."""
+    name: ClassVar[str] = "local_sgd"
+    paper: ClassVar[str] = ("Lin, Stich, Patel and Jaggi, Don't Use Large Mini-Batches, Use Local SGD, ICLR 2020 "
+                            "(post-local SGD)")
+    keeps_anchor: ClassVar[bool] = False
+
+
+def _outer_spec(outer) -> tuple:
+    """``(torch optimizer class, kwargs)`` of DiLoCo's ``outer`` option, checked."""
+    if not (isinstance(outer, (tuple, list)) and len(outer) == 2 and isinstance(outer[0], type)
+            and issubclass(outer[0], torch.optim.Optimizer) and isinstance(outer[1], dict)):
+        raise StrategyError(f"DiLoCo(outer={outer!r}): pass (torch optimizer class, its keyword arguments), e.g. "
+                            "(torch.optim.SGD, {'lr': 0.7, 'momentum': 0.9, 'nesterov': True})")
+    return outer[0], dict(outer[1])
+
+
+@dataclass(frozen=True)
+class DiLoCo(SyncMethod):
+    """DiLoCo: the user's optimizer is the inner one; after every ``period`` steps the pseudo-gradient
+    ``anchor - average`` is handed to the ``outer`` optimizer (a torch optimizer class and its keyword arguments),
+    which steps the anchor; every replica continues from it. The outer optimizer's state is kept per rank."""
+    name: ClassVar[str] = "diloco"
+    paper: ClassVar[str] = ("Douillard et al., DiLoCo: Distributed Low-Communication Training of Language Models, "
+                            "2023, Alg. 1")
+    outer: tuple = (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+
+    def check(self) -> None:
+        super().check()
+        cls, kw = _outer_spec(self.outer)
+        try:
+            cls([torch.zeros(1, requires_grad=True)], **kw)
+        except (TypeError, ValueError) as e:
+            raise StrategyError(f"DiLoCo(outer=({cls.__name__}, {kw!r})): {cls.__name__} refuses these arguments "
+                                f"({e}); pass ones it takes") from None
+
+    def __hash__(self):               # ``outer`` holds a dict: hash the JSON form
+        return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    def make_outer(self, params: list) -> torch.optim.Optimizer:
+        cls, kw = _outer_spec(self.outer)
+        return cls(params, **kw)
+
+    def to_dict(self) -> dict:
+        cls, kw = _outer_spec(self.outer)
+        return {"method": self.name, "period": self.period, "warmup_steps": self.warmup_steps,
+                "outer": [f"{cls.__module__}.{cls.__qualname__}", kw]}
+
+    def outer_words(self) -> str:
+        cls, kw = _outer_spec(self.outer)
+        return (f"the outer optimizer {cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kw.items())}) steps the "
+                "parameters of the last averaging with their difference to the average as its gradient")
+
+
+@dataclass(frozen=True)
+class SlowMo(SyncMethod):
+    """SlowMo on local SGD (``base="localsgd"``): after every ``period`` steps ``u = slow_momentum u +
+    (anchor - average) / lr`` and ``x = anchor - slow_lr lr u`` (``lr``: the inner optimizer's learning rate then)."""
+    name: ClassVar[str] = "slowmo"
+    paper: ClassVar[str] = ("Wang, Tantia, Ballas and Rabbat, SlowMo: Improving Communication-Efficient Distributed "
+                            "SGD with Slow Momentum, ICLR 2020, Alg. 1")
+    slow_lr: float = 1.0
+    slow_momentum: float = 0.5
+    base: str = "localsgd"
+
+    def check(self) -> None:
+        super().check()
+        if self.base != "localsgd":
+            raise StrategyError(f"SlowMo(base={self.base!r}): the base algorithm between two averagings; "
+                                "'localsgd' is the one built (each replica steps its own optimizer)")
+        if not _is_number(self.slow_lr) or self.slow_lr <= 0:
+            raise StrategyError(f"SlowMo(slow_lr={self.slow_lr!r}): the slow learning rate alpha must be a number > 0 "
+                                "(1.0: the paper's default)")
+        if not _is_number(self.slow_momentum) or not 0 <= self.slow_momentum < 1:
+            raise StrategyError(f"SlowMo(slow_momentum={self.slow_momentum!r}): the slow momentum beta must be a "
+                                "number in [0, 1) (0: no slow momentum)")
+
+    def init_outer(self, anchor: dict) -> dict:
+        return {k: torch.zeros_like(v) for k, v in anchor.items()}
+
+    def outer(self, anchor: dict, average: dict, state: dict, inner_lr: float) -> tuple:
+        u = {k: self.slow_momentum * state[k] + (anchor[k] - average[k]) / inner_lr for k in anchor}
+        return {k: anchor[k] - (self.slow_lr * inner_lr) * u[k] for k in anchor}, u
+
+    def outer_words(self) -> str:
+        return (f"slow momentum u = {self.slow_momentum} u + (x_prev - x_avg) / lr, then "
+                f"x = x_prev - {self.slow_lr} lr u (x_prev: the parameters of the last averaging)")
+
+
+METHODS = {cls.name: cls for cls in (LocalSGD, DiLoCo, SlowMo)}
+
+
+def method_from_dict(data: dict) -> SyncMethod:
+    """The method a Plan section's ``method`` (``SyncMethod.to_dict()``) describes."""
+    name = data.get("method")
+    cls = METHODS.get(name)
+    if cls is None:
+        raise StrategyError(f"Plan section 'sync' names method {name!r}; the methods: {sorted(METHODS)}")
+    opts = {k: v for k, v in data.items() if k != "method"}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(opts) - fields)
+    if unknown:
+        raise StrategyError(f"{cls.__name__}: unknown option(s) {unknown}; its options: {sorted(fields)}")
+    if cls is DiLoCo and "outer" in opts:
+        path, kw = opts["outer"]
+        mod, _, qual = path.rpartition(".")
+        opts["outer"] = (getattr(importlib.import_module(mod), qual), dict(kw))
+    return cls(**opts)

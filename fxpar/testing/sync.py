@@ -1,0 +1,141 @@
+"""References for the synchronisation methods (``fxpar.sync``): torch's post-local SGD on real ranks, and DiLoCo's and
+SlowMo's math in one process."""
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.optim import PostLocalSGDOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+__all__ = ["post_local_sgd_worker", "local_sgd_reference", "nesterov_outer", "slowmo_outer"]
+
+
+def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmup_steps: int,
+                          microbatches: int = 1) -> dict:
+    """Post-local SGD as torch runs it, on every rank of a LocalCluster (the initialised default group): DDP (the
+    model in one bucket) with ``post_localSGD_hook`` (``PostLocalSGDState(start_localSGD_iter=warmup_steps,
+    post_local_gradient_allreduce=False)``) and ``PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period,
+    warmup_steps))``. Each rank trains on its shard of each batch, cut into ``microbatches`` (the gradients of all
+    but the last accumulated under ``no_sync``, each loss divided by ``microbatches``). Returns the losses (the
+    ranks' shard losses averaged, gathered once after training) and this rank's trained state."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    m = DDP(copy.deepcopy(model), bucket_cap_mb=1024)
+    state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=warmup_steps,
+                              post_local_gradient_allreduce=False)
+    m.register_comm_hook(state, post_localSGD_hook)
+    cls, kw = optimizer
+    with warnings.catch_warnings():                   # period=1 warns that DDP alone would do
+        warnings.simplefilter("ignore")
+        averager = PeriodicModelAverager(period=period, warmup_steps=warmup_steps)
+    opt = PostLocalSGDOptimizer(cls(m.parameters(), **kw), averager)
+    local = []
+    for b in batches:
+        n = b[0].shape[0] // world
+        shard = tuple(t[rank * n:(rank + 1) * n] for t in b)
+        parts = list(zip(*(t.chunk(microbatches) for t in shard)))
+        opt.zero_grad()
+        total = 0.0
+        for i, mb in enumerate(parts):
+            last = i == len(parts) - 1
+            ctx = m.no_sync() if not last else contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(m(*mb[:-1]), mb[-1])
+                (loss / microbatches).backward()
+            total += loss.item() / microbatches
+        opt.step()
+        local.append(total)
+    t = torch.tensor(local, dtype=torch.float64)
+    dist.all_reduce(t)
+    return {"losses": (t / world).tolist(), "state": {k: v.detach().clone() for k, v in m.module.state_dict().items()}}
+
+
+def local_sgd_reference(model, batches, loss_fn, optimizer, dp: int, period: int, warmup_steps: int = 0,
+                        outer=None) -> tuple:
+    """Local SGD in one process, the averaging handed to ``outer``: ``dp`` replicas of ``model``, each with its own
+    ``optimizer`` (``(class, kwargs)``), replica ``r`` training on shard ``r`` of each batch. Steps ``t <
+    warmup_steps`` step every replica with the replicas' mean gradient; after, each its own. After step ``t >=
+    warmup_steps`` with ``(t - warmup_steps) % period == 0`` the replicas' parameters are averaged (the mean, in
+    rank order), and ``outer(anchor, average) -> parameters`` (None: the average) makes every replica's parameters
+    from the parameters of the last averaging (``anchor``, ``{key: tensor}``) and the average; they become the
+    next anchor. Returns (losses: the replicas' shard losses averaged, replicas: each one's state_dict)."""
+    reps = [copy.deepcopy(model) for _ in range(dp)]
+    named = [dict(m.named_parameters()) for m in reps]
+    cls, kw = optimizer
+    opts = [cls(m.parameters(), **kw) for m in reps]
+    anchor = {k: v.detach().clone() for k, v in named[0].items()}
+    losses = []
+    for t, batch in enumerate(batches):
+        *inputs, target = batch
+        n = target.shape[0] // dp
+        grads, total = [], 0.0
+        for r in range(dp):
+            shard = [x[r * n:(r + 1) * n] for x in (*inputs, target)]
+            loss = loss_fn(reps[r](*shard[:-1]), shard[-1])
+            total += loss.item() / dp
+            grads.append(dict(zip(named[r], torch.autograd.grad(loss, list(named[r].values())))))
+        for r in range(dp):
+            for k, p in named[r].items():
+                if t < warmup_steps:
+                    g = grads[0][k] / dp
+                    for j in range(1, dp):
+                        g = g + grads[j][k] / dp
+                    p.grad = g
+                else:
+                    p.grad = grads[r][k]
+            opts[r].step()
+        if t < warmup_steps:
+            if t == warmup_steps - 1:
+                anchor = {k: v.detach().clone() for k, v in named[0].items()}
+        elif (t - warmup_steps) % period == 0:
+            with torch.no_grad():
+                avg = {}
+                for k in named[0]:
+                    s = named[0][k] / dp
+                    for j in range(1, dp):
+                        s = s + named[j][k] / dp
+                    avg[k] = s
+                new = avg if outer is None else outer(anchor, avg)
+                for r in range(dp):
+                    for k, p in named[r].items():
+                        p.copy_(new[k])
+                anchor = {k: v.clone() for k, v in new.items()}
+        losses.append(total)
+    return losses, [m.state_dict() for m in reps]
+
+
+def nesterov_outer(lr: float, momentum: float):
+    """DiLoCo's outer step with Nesterov momentum (Douillard et al. 2023, Alg. 1, OuterOpt = SGD with Nesterov
+    momentum), written out for :func:`local_sgd_reference`'s ``outer``: the pseudo-gradient ``d = anchor - average``,
+    the buffer ``b = d`` at the first outer step and ``b = momentum b + d`` after, and ``anchor - lr (d + momentum
+    b)``. Keeps its buffer between calls."""
+    buf: dict = {}
+
+    def step(anchor: dict, average: dict) -> dict:
+        out = {}
+        for k in anchor:
+            d = anchor[k] - average[k]
+            buf[k] = d.clone() if k not in buf else momentum * buf[k] + d
+            out[k] = anchor[k] - lr * (d + momentum * buf[k])
+        return out
+    return step
+
+
+def slowmo_outer(inner_lr: float, slow_lr: float, slow_momentum: float):
+    """SlowMo's outer step (Wang et al. ICLR 2020, Alg. 1, lines 8-9) for :func:`local_sgd_reference`'s ``outer``:
+    ``u = slow_momentum u + (anchor - average) / inner_lr`` (``u = 0`` at first) and ``anchor - slow_lr inner_lr u``.
+    Keeps ``u`` between calls."""
+    u: dict = {}
+
+    def step(anchor: dict, average: dict) -> dict:
+        out = {}
+        for k in anchor:
+            u[k] = slow_momentum * u.get(k, torch.zeros_like(anchor[k])) + (anchor[k] - average[k]) / inner_lr
+            out[k] = anchor[k] - (slow_lr * inner_lr) * u[k]
+        return out
+    return step
