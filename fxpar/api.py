@@ -111,9 +111,10 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
         for s, (a, b) in enumerate(zip(captured, again)):
             diff = captures_differ(a.gm, b.gm)
             if diff:
-                warnings.warn(f"{type(model).__name__}: two captures of the training step{'' if split is None else f' (stage {s})'} "
-                              f"differ: {diff}. forward takes a decision in Python on something other than the batch (a "
-                              "clock, a global, a counter, Python's random), and the graph replays the branch of the first "
+                where = "" if split is None else f" (stage {s})"
+                warnings.warn(f"{type(model).__name__}: two captures of the training step{where} differ: {diff}. "
+                              "forward takes a decision in Python on something other than the batch (a clock, a "
+                              "global, a counter, Python's random), and the graph replays the branch of the first "
                               "capture every step; make the decision a tensor op on the batch, or fix it before "
                               "parallelize (docs/semantics.md, Python-level randomness and state).", stacklevel=2)
     t1 = time.perf_counter()

@@ -210,8 +210,8 @@ class CompressedSum(Pass):
             for dead in ([div] if div is not None else []) + [wait, ar]:
                 g.erase_node(dead)
         g.lint()
-        ctx.notes.append(f"{self.name}: {len(ars)} bucket(s) summed by {section.method.get('method')!r} "
-                         "(compress, collectives, decompress) where their all-reduce was")
+        ctx.notes.append(f"{self.name}: {len(ars)} bucket(s) summed by {section.method.get('method')!r} (the method's "
+                         "own sum: its collectives and the compute around them) where their all-reduce was")
         return PassResult(gm, bool(ars), {"buckets": len(ars)})
 
 
