@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar.compress.bytegrad import dequantize_rows, quantize_rows
+from fxpar.testing.reference import replica_gradients
 
 __all__ = ["ddp_hook_worker", "sparse_reference", "sparse_bucket_math", "qadam_bucket_math", "qadam_reference",
            "mlp_batches", "mlp_program", "mixing_matrix", "decentralized_reference",
@@ -246,14 +247,7 @@ def decentralized_reference(model, batches, loss_fn, lr: float, dp: int, peers: 
     named = [dict(m.named_parameters()) for m in replicas]
     losses = []
     for t, batch in enumerate(batches):
-        *inputs, target = batch
-        n = target.shape[0] // dp
-        grads, total = [], 0.0
-        for r in range(dp):
-            shard = [x[r * n:(r + 1) * n] for x in (*inputs, target)]
-            loss = loss_fn(replicas[r](*shard[:-1]), shard[-1])
-            total += loss.item() / dp
-            grads.append(dict(zip(named[r], torch.autograd.grad(loss, list(named[r].values())))))
+        grads, total = replica_gradients(replicas, batch, loss_fn)
         mixing = t % communication_interval == 0
         w = mixing_matrix(peers, dp, t // communication_interval) if mixing else None
         with torch.no_grad():
@@ -283,15 +277,10 @@ def low_precision_decentralized_reference(model, batches, loss_fn, lr: float, dp
     state = [[{"w": flat(r, keys), "l": flat(r, keys), "h": flat(r, keys)} for keys in buckets] for r in range(dp)]
     losses = []
     for batch in batches:
-        *inputs, target = batch
-        n = target.shape[0] // dp
-        total = 0.0
+        gs, total = replica_gradients(replicas, batch, loss_fn)
         codes = []
         for r in range(dp):
-            shard = [x[r * n:(r + 1) * n] for x in (*inputs, target)]
-            loss = loss_fn(replicas[r](*shard[:-1]), shard[-1])
-            total += loss.item() / dp
-            g = dict(zip(named[r], torch.autograd.grad(loss, list(named[r].values()))))
+            g = gs[r]
             mine = []
             for b, keys in enumerate(buckets):
                 st = state[r][b]

@@ -10,7 +10,8 @@ from fxpar.local_ops import RANK_STREAM_OFFSET
 from fxpar.mesh import Mesh
 from fxpar.runtime.executor import make_scheduler
 
-__all__ = ["reference_training", "tp_streams_reference", "ddp_reference", "ddp_worker", "max_abs_diff"]
+__all__ = ["reference_training", "tp_streams_reference", "ddp_reference", "ddp_worker", "max_abs_diff",
+           "replica_gradients"]
 
 
 def _loss(model, batch, loss_fn):
@@ -210,3 +211,20 @@ def ddp_worker(model, batches, loss_fn, optimizer, bucket_cap_mb: float = 25.0, 
     dist.all_reduce(t)
     losses = (t / world).tolist()
     return {"losses": losses, "step_times": times, "state": m.module.state_dict() if rank == 0 else None}
+
+
+def replica_gradients(replicas: list, batch, loss_fn) -> tuple:
+    """Replica ``r`` of ``replicas`` (dp of them) on shard ``r`` of ``batch`` (``(inputs..., target)``, split on dim 0):
+    ``(grads, loss)``, ``grads[r]`` its ``{name: gradient}`` at its own weights, ``loss`` the mean of the shard
+    losses. The step of the one-process references of methods whose replicas differ."""
+    *inputs, target = batch
+    dp = len(replicas)
+    n = target.shape[0] // dp
+    grads, total = [], 0.0
+    for r, m in enumerate(replicas):
+        shard = [x[r * n:(r + 1) * n] for x in (*inputs, target)]
+        loss = loss_fn(m(*shard[:-1]), shard[-1])
+        total += loss.item() / dp
+        named = dict(m.named_parameters())
+        grads.append(dict(zip(named, torch.autograd.grad(loss, list(named.values())))))
+    return grads, total

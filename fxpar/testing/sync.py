@@ -13,6 +13,8 @@ from torch.distributed.algorithms.model_averaging.averagers import PeriodicModel
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fxpar.testing.reference import replica_gradients
+
 __all__ = ["post_local_sgd_worker", "local_sgd_reference", "nesterov_outer", "slowmo_outer"]
 
 
@@ -71,14 +73,7 @@ def local_sgd_reference(model, batches, loss_fn, optimizer, dp: int, period: int
     anchor = {k: v.detach().clone() for k, v in named[0].items()}
     losses = []
     for t, batch in enumerate(batches):
-        *inputs, target = batch
-        n = target.shape[0] // dp
-        grads, total = [], 0.0
-        for r in range(dp):
-            shard = [x[r * n:(r + 1) * n] for x in (*inputs, target)]
-            loss = loss_fn(reps[r](*shard[:-1]), shard[-1])
-            total += loss.item() / dp
-            grads.append(dict(zip(named[r], torch.autograd.grad(loss, list(named[r].values())))))
+        grads, total = replica_gradients(reps, batch, loss_fn)
         for r in range(dp):
             for k, p in named[r].items():
                 if t < warmup_steps:
