@@ -74,6 +74,12 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     if plan is not None:
         plan.check_edits(strategy, [k for k, _ in model.named_parameters(remove_duplicate=False)])
     spec = resolve_optimizer(optimizer)
+    needs = getattr(spec.cls, "fxpar_grad_sync", None)        # an optimizer made for one gradient-sync feature
+    if needs is not None and not get_feature(needs).enabled(strategy) and (plan is None or plan.section(needs) is None):
+        raise StrategyError(f"optimizer {spec.cls.__name__} steps along the direction the grad_sync feature {needs!r} "
+                            f"computes, not along a gradient; {strategy} has no grad_sync={needs!r}, so it would run "
+                            f"plain SGD. Pass Strategy(grad_sync={needs!r}) (or the method with its options), or "
+                            "another optimizer, e.g. (torch.optim.Adam, {'lr': 1e-3}).")
     layout = BatchLayout.of(example_inputs, loss_fn)
     _check_call(model, layout)
     example = layout.flatten(example_inputs, "example_inputs")

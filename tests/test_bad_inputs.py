@@ -481,6 +481,9 @@ CASES = {
     "qadam_with_adam": (lambda: _par(world=2, optimizer=(torch.optim.Adam, {"lr": 1e-3}), grad_sync=C.QAdam()),
                         fxpar.StrategyError, r"grad_sync=QAdam\(warmup_steps=100.* with optimizer Adam",
                         r"Pass optimizer=\(fxpar.compress.QAdamOptimizer, \{'lr': ...\}\)"),
+    "qadam_optimizer_without_qadam": (lambda: _par(world=2, optimizer=(C.QAdamOptimizer, {"lr": 1e-3})),
+                                      fxpar.StrategyError, r"optimizer QAdamOptimizer .* no grad_sync='qadam'",
+                                      r"Pass Strategy\(grad_sync='qadam'\)"),
     "qadam_with_zero": (lambda: _dp2(zero=1, grad_sync=C.QAdam()), fxpar.StrategyError,
                         r"feature 'qadam' \(grad_sync=QAdam\(warmup_steps=100.*conflicts with feature 'zero' "
                         r"\(zero=1\)", r"drop one of them"),

@@ -56,6 +56,9 @@ class QAdamOptimizer(torch.optim.Optimizer):
     """The optimizer a program with ``grad_sync=QAdam(...)`` takes: ``p <- p - lr * d``, where ``d`` is the Adam
     direction QAdam's bucket sum hands over in place of the gradient (Adam's moments, bias correction and
     ``betas``/``eps`` are QAdam's options and state). ``optimizer=(fxpar.compress.QAdamOptimizer, {"lr": 1e-3})``."""
+    # the grad_sync feature whose sum hands this optimizer its direction: parallelize refuses it without that feature
+    # (it would run plain SGD on the gradient)
+    fxpar_grad_sync = "qadam"
 
     def __init__(self, params, lr: float = 1e-3):
         if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0:
