@@ -593,6 +593,85 @@ CASES = {
 }
 
 
+# ---- decentralized SGD (fxpar/compress/decentralized.py): its options and what it cannot run with ------------------
+DECENTRALIZED_CASES = {
+    "decentralized_peers_unknown": (lambda: C.Decentralized(peers="star"), fxpar.StrategyError,
+                                    r"Decentralized\(peers='star'\)", r"one of \['all', 'ring', 'shift_one'\]"),
+    "decentralized_interval_zero": (lambda: C.Decentralized(communication_interval=0), fxpar.StrategyError,
+                                    r"Decentralized\(communication_interval=0\)", r"must be an int >= 1"),
+    "decentralized_low_precision_all": (lambda: C.Decentralized(low_precision=True), fxpar.StrategyError,
+                                        r"Decentralized\(low_precision=True, peers='all', communication_interval=1\)",
+                                        r"pass peers='ring', communication_interval=1, or low_precision=False"),
+    "decentralized_ring_of_two": (lambda: _dp2(grad_sync=C.Decentralized(peers="ring")), fxpar.StrategyError,
+                                  r"Strategy\(dp=2, grad_sync=Decentralized\(peers='ring'\)\)",
+                                  r"use peers='all' or 'shift_one', or dp >= 3"),
+    "decentralized_shift_one_odd_dp": (lambda: _par(world=3, grad_sync=C.Decentralized(peers="shift_one")),
+                                       fxpar.StrategyError, r"Decentralized\(peers='shift_one'\)\).*dp must be even",
+                                       r"use an even dp"),
+    "decentralized_with_pp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, pp=2, microbatches=2,
+                                                                       grad_sync=C.Decentralized())),
+                              fxpar.StrategyError, r"grad_sync=Decentralized\(.*with a pipeline \(pp > 1\)",
+                              r"train with pp=1"),
+    "decentralized_with_zero": (lambda: _dp2(zero=1, grad_sync=C.Decentralized()), fxpar.StrategyError,
+                                r"feature 'decentralized' \(grad_sync=Decentralized\(.*conflicts with feature 'zero'",
+                                r"drop one of them"),
+    "decentralized_with_tp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, tp=2, grad_sync="decentralized")),
+                              fxpar.StrategyError,
+                              r"feature 'decentralized' \(grad_sync='decentralized'\) conflicts with feature "
+                              r"'tensor_parallel'", r"drop one of them"),
+    "decentralized_with_weight_decay": (lambda: _par(world=2, optimizer=(torch.optim.SGD, {"lr": 0.1,
+                                                                                         "weight_decay": 1e-4}),
+                                                     grad_sync=C.Decentralized()).run_local([(X, Y)]),
+                                        fxpar.StrategyError, r"with optimizer SGD\(weight_decay=0.0001\)",
+                                        r"Pass weight_decay=0 to SGD, or add the decay to the loss"),
+}
+
+
+# ---- synchronisation methods (fxpar/sync/): their options and what they cannot run with -------------------------------
+SYNC_CASES = {
+    "sync_period_zero": (lambda: S.LocalSGD(period=0), fxpar.StrategyError, r"LocalSGD\(period=0\)",
+                         r"must be an int >= 1"),
+    "sync_period_float": (lambda: S.SlowMo(period=2.5), fxpar.StrategyError, r"SlowMo\(period=2.5\)",
+                          r"must be an int >= 1"),
+    "sync_warmup_negative": (lambda: S.LocalSGD(period=2, warmup_steps=-1), fxpar.StrategyError,
+                             r"LocalSGD\(warmup_steps=-1\)", r"an int >= 0"),
+    "sync_not_a_method": (lambda: _dp2(sync="local_sgd"), fxpar.StrategyError, r"Strategy\(sync='local_sgd'\)",
+                          r"pass a method of fxpar.sync \(S.LocalSGD\(period=8\)"),
+    "sync_dp1": (lambda: _par(world=1, sync=S.LocalSGD(period=2)), fxpar.StrategyError,
+                 r"Strategy\(sync=LocalSGD\(period=2, warmup_steps=0\)\).*needs dp >= 2", r"set dp or drop sync"),
+    "sync_with_zero": (lambda: _dp2(zero=1, sync=S.LocalSGD(period=2)), fxpar.StrategyError,
+                       r"feature 'sync' \(sync=LocalSGD\(.*conflicts with feature 'zero' \(zero=1\)",
+                       r"drop one of them"),
+    "sync_with_tp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, tp=2, sync=S.LocalSGD(period=2))),
+                     fxpar.StrategyError, r"feature 'sync' \(sync=LocalSGD\(.*conflicts with feature 'tensor_parallel'",
+                     r"drop one of them"),
+    "sync_with_grad_sync": (lambda: _dp2(grad_sync=C.TopK(ratio=0.5), sync=S.LocalSGD(period=2)), fxpar.StrategyError,
+                            r"Strategy\(sync=LocalSGD\(period=2, warmup_steps=0\), grad_sync=TopK\(",
+                            r"drop one of them"),
+    "sync_with_herring": (lambda: _dp2(grad_sync="herring", sync=S.DiLoCo(period=2)), fxpar.StrategyError,
+                          r"sync=DiLoCo\(.*(grad_sync='herring'|feature 'herring')", r"drop one of them"),
+    "sync_with_bytescheduler": (lambda: _dp2(comm_schedule="bytescheduler", sync=S.LocalSGD(period=2)),
+                                fxpar.StrategyError, r"feature 'sync' \(sync=LocalSGD\(.*feature 'bytescheduler'",
+                                r"drop one of them"),
+    "sync_with_pp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, pp=2, microbatches=2,
+                                                               sync=S.LocalSGD(period=2))),
+                     fxpar.StrategyError, r"Strategy\(sync=LocalSGD\(period=2, warmup_steps=0\), pp=2\)",
+                     r"train with pp=1 or drop sync"),
+    "diloco_outer_not_optimizer": (lambda: S.DiLoCo(period=2, outer=("sgd", {"lr": 0.7})), fxpar.StrategyError,
+                                   r"DiLoCo\(outer=\('sgd'", r"pass \(torch optimizer class, its keyword arguments\)"),
+    "diloco_outer_bad_kwargs": (lambda: S.DiLoCo(period=2, outer=(torch.optim.SGD, {"lr": 0.7, "nesterov": True})),
+                                fxpar.StrategyError, r"DiLoCo\(outer=\(SGD, .*SGD refuses these arguments",
+                                r"pass ones it takes"),
+    "slowmo_momentum_one": (lambda: S.SlowMo(period=2, slow_momentum=1.0), fxpar.StrategyError,
+                            r"SlowMo\(slow_momentum=1.0\)", r"a number in \[0, 1\)"),
+    "slowmo_base_unknown": (lambda: S.SlowMo(period=2, base="sgp"), fxpar.StrategyError, r"SlowMo\(base='sgp'\)",
+                            r"'localsgd' is the one built"),
+}
+
+CASES.update(DECENTRALIZED_CASES)
+CASES.update(SYNC_CASES)
+
+
 @pytest.mark.structure
 @pytest.mark.parametrize("case", list(CASES))
 def test_mistake_is_named_with_a_fix(case):
@@ -600,7 +679,6 @@ def test_mistake_is_named_with_a_fix(case):
     with pytest.raises(exc) as info:
         fn()
     msg = str(info.value)
-    import re
     assert re.search(names_it, msg, re.S), f"does not name the user's thing ({names_it!r}):\n{msg}"
     assert re.search(says_fix, msg, re.S), f"does not say what to do ({says_fix!r}):\n{msg}"
 
@@ -664,104 +742,6 @@ def test_a_guarded_script_runs(tmp_path):
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
 
-
-
-# ---- decentralized SGD (fxpar/compress/decentralized.py): its options and what it cannot run with ------------------
-DECENTRALIZED_CASES = {
-    "decentralized_peers_unknown": (lambda: C.Decentralized(peers="star"), fxpar.StrategyError,
-                                    r"Decentralized\(peers='star'\)", r"one of \['all', 'ring', 'shift_one'\]"),
-    "decentralized_interval_zero": (lambda: C.Decentralized(communication_interval=0), fxpar.StrategyError,
-                                    r"Decentralized\(communication_interval=0\)", r"must be an int >= 1"),
-    "decentralized_low_precision_all": (lambda: C.Decentralized(low_precision=True), fxpar.StrategyError,
-                                        r"Decentralized\(low_precision=True, peers='all', communication_interval=1\)",
-                                        r"pass peers='ring', communication_interval=1, or low_precision=False"),
-    "decentralized_ring_of_two": (lambda: _dp2(grad_sync=C.Decentralized(peers="ring")), fxpar.StrategyError,
-                                  r"Strategy\(dp=2, grad_sync=Decentralized\(peers='ring'\)\)",
-                                  r"use peers='all' or 'shift_one', or dp >= 3"),
-    "decentralized_shift_one_odd_dp": (lambda: _par(world=3, grad_sync=C.Decentralized(peers="shift_one")),
-                                       fxpar.StrategyError, r"Decentralized\(peers='shift_one'\)\).*dp must be even",
-                                       r"use an even dp"),
-    "decentralized_with_pp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, pp=2, microbatches=2,
-                                                                       grad_sync=C.Decentralized())),
-                              fxpar.StrategyError, r"grad_sync=Decentralized\(.*with a pipeline \(pp > 1\)",
-                              r"train with pp=1"),
-    "decentralized_with_zero": (lambda: _dp2(zero=1, grad_sync=C.Decentralized()), fxpar.StrategyError,
-                                r"feature 'decentralized' \(grad_sync=Decentralized\(.*conflicts with feature 'zero'",
-                                r"drop one of them"),
-    "decentralized_with_tp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, tp=2, grad_sync="decentralized")),
-                              fxpar.StrategyError,
-                              r"feature 'decentralized' \(grad_sync='decentralized'\) conflicts with feature "
-                              r"'tensor_parallel'", r"drop one of them"),
-    "decentralized_with_weight_decay": (lambda: _par(world=2, optimizer=(torch.optim.SGD, {"lr": 0.1,
-                                                                                         "weight_decay": 1e-4}),
-                                                     grad_sync=C.Decentralized()).run_local([(X, Y)]),
-                                        fxpar.StrategyError, r"with optimizer SGD\(weight_decay=0.0001\)",
-                                        r"Pass weight_decay=0 to SGD, or add the decay to the loss"),
-}
-
-
-@pytest.mark.structure
-@pytest.mark.parametrize("case", list(DECENTRALIZED_CASES))
-def test_decentralized_mistake_is_named_with_a_fix(case):
-    fn, exc, names_it, says_fix = DECENTRALIZED_CASES[case]
-    with pytest.raises(exc) as info:
-        fn()
-    msg = str(info.value)
-    assert re.search(names_it, msg, re.S), f"does not name the user's thing ({names_it!r}):\n{msg}"
-    assert re.search(says_fix, msg, re.S), f"does not say what to do ({says_fix!r}):\n{msg}"
-
-
-# ---- synchronisation methods (fxpar/sync/): their options and what they cannot run with -------------------------------
-SYNC_CASES = {
-    "sync_period_zero": (lambda: S.LocalSGD(period=0), fxpar.StrategyError, r"LocalSGD\(period=0\)",
-                         r"must be an int >= 1"),
-    "sync_period_float": (lambda: S.SlowMo(period=2.5), fxpar.StrategyError, r"SlowMo\(period=2.5\)",
-                          r"must be an int >= 1"),
-    "sync_warmup_negative": (lambda: S.LocalSGD(period=2, warmup_steps=-1), fxpar.StrategyError,
-                             r"LocalSGD\(warmup_steps=-1\)", r"an int >= 0"),
-    "sync_not_a_method": (lambda: _dp2(sync="local_sgd"), fxpar.StrategyError, r"Strategy\(sync='local_sgd'\)",
-                          r"pass a method of fxpar.sync \(S.LocalSGD\(period=8\)"),
-    "sync_dp1": (lambda: _par(world=1, sync=S.LocalSGD(period=2)), fxpar.StrategyError,
-                 r"Strategy\(sync=LocalSGD\(period=2, warmup_steps=0\)\).*needs dp >= 2", r"set dp or drop sync"),
-    "sync_with_zero": (lambda: _dp2(zero=1, sync=S.LocalSGD(period=2)), fxpar.StrategyError,
-                       r"feature 'sync' \(sync=LocalSGD\(.*conflicts with feature 'zero' \(zero=1\)",
-                       r"drop one of them"),
-    "sync_with_tp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, tp=2, sync=S.LocalSGD(period=2))),
-                     fxpar.StrategyError, r"feature 'sync' \(sync=LocalSGD\(.*conflicts with feature 'tensor_parallel'",
-                     r"drop one of them"),
-    "sync_with_grad_sync": (lambda: _dp2(grad_sync=C.TopK(ratio=0.5), sync=S.LocalSGD(period=2)), fxpar.StrategyError,
-                            r"Strategy\(sync=LocalSGD\(period=2, warmup_steps=0\), grad_sync=TopK\(",
-                            r"drop one of them"),
-    "sync_with_herring": (lambda: _dp2(grad_sync="herring", sync=S.DiLoCo(period=2)), fxpar.StrategyError,
-                          r"sync=DiLoCo\(.*(grad_sync='herring'|feature 'herring')", r"drop one of them"),
-    "sync_with_bytescheduler": (lambda: _dp2(comm_schedule="bytescheduler", sync=S.LocalSGD(period=2)),
-                                fxpar.StrategyError, r"feature 'sync' \(sync=LocalSGD\(.*feature 'bytescheduler'",
-                                r"drop one of them"),
-    "sync_with_pp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, pp=2, microbatches=2,
-                                                               sync=S.LocalSGD(period=2))),
-                     fxpar.StrategyError, r"Strategy\(sync=LocalSGD\(period=2, warmup_steps=0\), pp=2\)",
-                     r"train with pp=1 or drop sync"),
-    "diloco_outer_not_optimizer": (lambda: S.DiLoCo(period=2, outer=("sgd", {"lr": 0.7})), fxpar.StrategyError,
-                                   r"DiLoCo\(outer=\('sgd'", r"pass \(torch optimizer class, its keyword arguments\)"),
-    "diloco_outer_bad_kwargs": (lambda: S.DiLoCo(period=2, outer=(torch.optim.SGD, {"lr": 0.7, "nesterov": True})),
-                                fxpar.StrategyError, r"DiLoCo\(outer=\(SGD, .*SGD refuses these arguments",
-                                r"pass ones it takes"),
-    "slowmo_momentum_one": (lambda: S.SlowMo(period=2, slow_momentum=1.0), fxpar.StrategyError,
-                            r"SlowMo\(slow_momentum=1.0\)", r"a number in \[0, 1\)"),
-    "slowmo_base_unknown": (lambda: S.SlowMo(period=2, base="sgp"), fxpar.StrategyError, r"SlowMo\(base='sgp'\)",
-                            r"'localsgd' is the one built"),
-}
-
-
-@pytest.mark.structure
-@pytest.mark.parametrize("case", list(SYNC_CASES))
-def test_sync_mistake_is_named_with_a_fix(case):
-    fn, exc, names_it, says_fix = SYNC_CASES[case]
-    with pytest.raises(exc) as info:
-        fn()
-    msg = str(info.value)
-    assert re.search(names_it, msg, re.S), f"does not name the user's thing ({names_it!r}):\n{msg}"
-    assert re.search(says_fix, msg, re.S), f"does not say what to do ({says_fix!r}):\n{msg}"
 
 
 @pytest.mark.structure

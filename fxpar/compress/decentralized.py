@@ -171,11 +171,7 @@ class DecentralizedState(CompressState):
 
     def load(self, saved: dict) -> None:
         super().load(saved)
-        if "replica" not in saved:
-            raise RuntimeError(f"rank {self.rank}: the checkpoint holds no weights of this dp replica: it was saved "
-                               f"without {self.method.summary()}, whose replicas differ; resume from a checkpoint a "
-                               "run with it saved")
-        load_replica_state(self.ex, saved["replica"])
+        load_replica_state(self.ex, saved.get("replica"), self.method.summary())
 
 
 def _average(per_stage: dict, pg, dp: int) -> dict:

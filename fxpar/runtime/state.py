@@ -256,8 +256,12 @@ def replica_state(ex) -> dict:
     return out
 
 
-def load_replica_state(ex, saved: dict) -> None:
-    """Put back what :func:`replica_state` saved (after the checkpoint's global keys were loaded), bitwise."""
+def load_replica_state(ex, saved: dict | None, what: str) -> None:
+    """Put back what :func:`replica_state` saved (after the checkpoint's global keys were loaded), bitwise; ``saved``
+    None (a checkpoint saved without the feature ``what``, whose replicas differ) is refused."""
+    if saved is None:
+        raise RuntimeError(f"rank {ex.rank}: the checkpoint holds no weights of this dp replica: it was saved without "
+                           f"{what}, whose replicas differ; resume from a checkpoint a run with it saved")
     held = {s: sorted(ps) for s, ps in ex.params.items()}
     got = {s: sorted(ps) for s, ps in saved["params"].items()}
     if held != got:

@@ -148,11 +148,7 @@ class SyncState(CompressState):
 
     def load(self, saved: dict) -> None:
         super().load(saved)
-        if "replica" not in saved:
-            raise RuntimeError(f"rank {self.rank}: the checkpoint holds no weights of this dp replica: it was saved "
-                               f"without Strategy(sync={self.sync.summary()}), whose replicas differ; resume from a "
-                               "checkpoint a run with it saved")
-        load_replica_state(self.ex, saved["replica"])
+        load_replica_state(self.ex, saved.get("replica"), f"Strategy(sync={self.sync.summary()})")
         self.step = int(saved["step"])
         self.averaged = list(saved["averaged"])
         with torch.no_grad():
