@@ -371,9 +371,9 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
                 examples[(role, key)] = buffers[key]
             elif role in (Role.INPUT, Role.TARGET):
                 src = inputs[int(key)] if role == Role.INPUT else target[int(key)]
-                examples[(role, key)] = torch.empty(src.shape, dtype=src.dtype)
-            else:
-                examples[(role, key)] = torch.empty(v.shape, dtype=v.dtype)
+                examples[(role, key)] = torch.empty(src.shape, dtype=src.dtype, device=src.device)
+            else:       # a boundary activation: where the stage's split traced it (the model's device)
+                examples[(role, key)] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         runner = _StageRunner(stage.gm)
 
         def forward(vals: dict):
@@ -399,7 +399,8 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
     flat = _distinct([examples[rk] for rk in full_in[:len(pkeys) + len(bkeys)]] + state_examples +
                      [torch.zeros((), dtype=torch.float64), torch.ones((), dtype=torch.float64)] +
                      [examples[rk] for rk in in_sig[len(pkeys) + len(bkeys):]] +
-                     ([] if last else [torch.empty(out_vals[j].shape, dtype=out_vals[j].dtype) for j in diff_out]))
+                     ([] if last else [torch.empty(out_vals[j].shape, dtype=out_vals[j].dtype, device=out_vals[j].device)
+                                       for j in diff_out]))
     n_p, n_b, n_s, n_d = len(pkeys), len(bkeys), len(snames), len(in_sig) - len(pkeys) - len(bkeys)
     k_state = len(optimizer.state_names)
 

@@ -17,7 +17,7 @@ from . import meta as M
 
 __all__ = ["group_tag", "axis_of_tag", "insert_all_reduce", "insert_broadcast", "is_collective", "is_wait",
            "collective_nodes", "C10D", "gloo_all_gather_into_tensor", "lower_for_backend", "gathers_beside_collectives",
-           "in_flight_across_graphs"]
+           "in_flight_across_graphs", "stage_through_host", "gloo_group"]
 
 C10D = torch.ops._c10d_functional
 _TAG = "fxpar:"
@@ -202,3 +202,90 @@ def in_flight_across_graphs(gms) -> bool:
     """Whether any of a rank's graphs leaves a collective in flight past its end or waits one an earlier graph
     issued: then a gather may run beside a collective no one graph shows."""
     return any(_in_flight(gm)[1] for gm in gms)
+
+
+# ---- device tensors over a gloo group -------------------------------------------------------------------------
+# Gloo moves host memory: of its collectives only all_reduce and broadcast take CUDA tensors, and its send/recv and
+# gathers read a CUDA pointer as if it were a host one. Ranks that share one GPU over gloo (a one-GPU machine, a
+# debugging run) therefore stage each collective through the host: the input is copied down, the collective runs on
+# the copy and is waited at once, and the result is copied back to the device. Overlap is lost on such a group (the
+# copy back needs the result); NCCL groups, and gloo groups of CPU ranks, are left as they are.
+
+
+def gloo_group(group_name) -> bool:
+    """Whether the process group named ``group_name`` (a bound group name, or a ProcessGroup) is gloo alone (not a
+    ``"cpu:gloo,cuda:nccl"`` group, which sends device tensors to NCCL)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    pg = _resolve_process_group(group_name) if isinstance(group_name, str) else group_name
+    return str(dist.get_backend(pg)) == "gloo"
+
+
+def _host_staged(op):
+    """``op`` (a functional collective) run on host copies of its device tensors, waited, and its result copied back
+    to the device; an in-place op (``all_reduce_``) copies the result into its own device inputs."""
+    in_place = op._schema.name.endswith("_")
+
+    def down(a, devices):
+        if isinstance(a, torch.Tensor):
+            devices.append(a.device)
+            return a.cpu() if a.device.type != "cpu" else a
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor):
+            return type(a)(down(x, devices) for x in a)
+        return a
+
+    def run(*args, **kwargs):
+        devices: list = []
+        host = [down(a, devices) for a in args]
+        out = op(*host, **kwargs)
+        outs = list(out) if isinstance(out, (list, tuple)) else [out]
+        outs = [C10D.wait_tensor.default(t) for t in outs]
+        if in_place:
+            firsts = args[0] if isinstance(args[0], (list, tuple)) else [args[0]]
+            for dst, src in zip(firsts, outs):
+                if dst.device.type != "cpu":
+                    dst.copy_(src)
+            return args[0]
+        dev = devices[0] if devices else torch.device("cpu")
+        outs = [t.to(dev) for t in outs]
+        return outs if isinstance(out, (list, tuple)) else outs[0]
+
+    run.__name__ = f"host_staged_{op._schema.name.split('::')[-1]}"
+    run.__qualname__ = run.__name__
+    return run
+
+
+_STAGED: dict = {}
+
+
+def _group_arg(n: torch.fx.Node):
+    """The bound group name a collective node names (its last string argument)."""
+    for a in reversed(n.args):
+        if isinstance(a, str):
+            return a
+    return None
+
+
+def stage_through_host(gm: torch.fx.GraphModule) -> int:
+    """On a rank whose tensors live on a device and whose groups are bound: every collective over a gloo-only group
+    runs through :func:`_host_staged` (host copies, waited at once, copied back). The graph's ``wait_tensor`` nodes
+    stay and find nothing in flight. Returns how many nodes changed."""
+    changed = 0
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or not hasattr(n.target, "_schema"):
+            continue
+        name = n.target._schema.name
+        short = name.split("::")[-1]
+        if not (n.target is gloo_all_gather_into_tensor or
+                (name.startswith("_c10d_functional::") and short in _COLLECTIVE_OPS)):
+            continue
+        group_name = _group_arg(n)
+        if group_name is None or group_name.startswith(_TAG) or not gloo_group(group_name):
+            continue
+        if n.target not in _STAGED:
+            _STAGED[n.target] = _host_staged(n.target)
+        n.target = _STAGED[n.target]
+        changed += 1
+    if changed:
+        gm.recompile()
+    return changed

@@ -106,7 +106,8 @@ class RankRunner(GroupExit):
         if self.program.layout is not None:        # checked against example_inputs; the loss's extra columns added
             batch = self.program._prepare(batch, f"runner.step(batch) (step {len(self.executor.loss_sums)})")
         loss = self.executor.step(batch)
-        t = torch.tensor([loss if self.executor.tp_index == 0 else 0.0], dtype=torch.float64)  # on last stages, tp 0
+        on = "cpu" if "gloo" in str(dist.get_backend()) else self.executor.device    # NCCL sums device tensors
+        t = torch.tensor([loss if self.executor.tp_index == 0 else 0.0], dtype=torch.float64, device=on)  # last stages, tp 0
         dist.all_reduce(t)
         return float(t) / (self.program.plan.microbatches * self.program.dp)
 

@@ -293,9 +293,9 @@ def _check_shapes(gm, low: _Lowering) -> None:
     for n in gm.graph.nodes:
         if n.op == "placeholder":
             sh, shape, what = low.expect[n]
-            dtype = joint[n].meta["val"].dtype
+            val = joint[n].meta["val"]       # the local piece keeps the joint value's dtype and device (cuda, meta)
             with mode:
-                fakes.append(torch.empty(sh.local_shape(shape, low.sizes, name=what), dtype=dtype))
+                fakes.append(torch.empty(sh.local_shape(shape, low.sizes, name=what), dtype=val.dtype, device=val.device))
     FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
     for n in gm.graph.nodes:
         if n in low.expect and n.op != "placeholder":

@@ -73,10 +73,26 @@ class OffloadState(RankState):
                     self.on_disk[(s, kind, k)] = f
                     prefetch.track(f, path)
 
+    def _to_host(self, ex) -> None:
+        """``offload_to="cpu"`` on a rank that computes on a device: the offloaded state moves to host memory, where
+        the zero_offload pass's update reads it -- the optimizer state, and the parameter chunks under ZeRO-3 (the
+        chunk is the host master the update writes) or when parameters are offloaded."""
+        if self.info["to"] != "cpu" or ex.device.type == "cpu":
+            return
+        what, zero = self.info["what"], ex.features.get("zero")
+        for s in sorted(ex.params):
+            stage3 = zero is not None and zero.stages.get(s, {}).get("stage") == 3
+            if "params" in what or (stage3 and "optimizer" in what):
+                ex.params[s] = {k: v.cpu() for k, v in ex.params[s].items()}
+            if "optimizer" in what:
+                ex.state[s] = {k: v.cpu() for k, v in ex.state[s].items()}
+
     def setup(self, ex) -> None:
+        self._to_host(ex)
         self._map(ex)
 
     def after_load(self, ex) -> None:
+        self._to_host(ex)
         self._map(ex)
 
     def after_update(self, ex, stage) -> None:
@@ -215,4 +231,5 @@ class ZeroOffload(Feature):
         return super().make_passes(section) if section.chunks else []     # the pass works on ZeRO's chunks
 
     def rank_info(self, section, program, rank):
-        return {"what": list(section.what), "to": section.to, "dir": section.dir} if section.to == "disk" else None
+        # every rank gets the state: on a device, host offload places tensors in host memory; on disk, in files
+        return {"what": list(section.what), "to": section.to, "dir": section.dir}

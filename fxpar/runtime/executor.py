@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import prefetch  # noqa: F401  registers fxpar::prefetch before any graph holding it is unpacked on a rank
-from ..collectives import in_flight_across_graphs, lower_for_backend
+from ..collectives import gloo_group, in_flight_across_graphs, lower_for_backend, stage_through_host
 from ..feature import NEW_STATE_ROLE, STATE_ROLE, split_state_key
 from ..host import reuse_freed_memory
 from ..roles import GraphKind, Role
@@ -110,6 +110,9 @@ class Executor:
         self.rank = p.rank
         self.width = p.dp * p.tp                          # ranks per pipeline rank
         self.pipe_rank, self.inner = divmod(p.rank, self.width)
+        # the compute device: where the program's parameters are (a model moved to CUDA before parallelize)
+        self.device = next((t.device for t in p.params.values()), torch.device("cpu"))
+        self.p2p_staged = False
         self.dp_index, self.tp_index = divmod(self.inner, p.tp)
         seed_rank(p.settings.rng_seed, p.rank, self.tp_index)
         if p.settings.host.host_memory_reuse:     # ClusterSpec.host_memory_reuse: before the first allocation
@@ -123,6 +126,10 @@ class Executor:
             for gm in gms:
                 bind_groups(gm, names)
                 lower_for_backend(gm, anywhere=across)   # gloo: a gather beside another collective, through dist
+                if self.device.type != "cpu":
+                    stage_through_host(gm)               # device tensors over a gloo group: through the host
+            # point-to-point (pipelines) over gloo moves host memory: device tensors go through the host
+            self.p2p_staged = self.device.type != "cpu" and gloo_group(dist.group.WORLD)
             if p.settings.host.comm_priority:
                 dist.barrier()                    # every group's threads up (and named) before they are raised
                 comm_priority(p.rank)
@@ -500,6 +507,8 @@ class Executor:
         peer = a.peer * self.width + self.inner
         for key, _, _ in order:
             t = box[key].contiguous()
+            if self.p2p_staged:
+                t = t.cpu()
             w.sends.append((dist.isend(t, peer, tag=tag), t))
             self.comm["sent_bytes"] += t.numel() * t.element_size()
         self.comm["sends"] += 1
@@ -508,11 +517,14 @@ class Executor:
         s, i = a.stage, a.microbatch
         fwd = a.kind == _K.RECV_F
         metas = self.p.messages[s]["acts_in" if fwd else "grads_in"]
-        bufs = {key: torch.empty(shape, dtype=dt) for key, shape, dt in metas}
+        on = torch.device("cpu") if self.p2p_staged else self.device        # gloo receives into host memory
+        bufs = {key: torch.empty(shape, dtype=dt, device=on) for key, shape, dt in metas}
         peer = a.peer * self.width + self.inner
         works = [dist.irecv(bufs[key], peer, tag=_tag("F" if fwd else "B", s)) for key, _, _ in metas]
         for work in works:
             work.wait()
+        if self.p2p_staged:
+            bufs = {key: t.to(self.device) for key, t in bufs.items()}
         self.comm["recvs"] += 1
         (w.fwd if fwd else w.bwd)[(s, i)] = bufs
 
