@@ -128,8 +128,8 @@ def delayed_pipeline_reference(model, stage_keys: list, batches: list, loss_fn, 
     ``D_s = p - s - 1`` updates late. Written from the papers' equations, for SGD with momentum m, learning rate lr,
     gradient g (weight decay included), momentum buffer v:
 
-    * spike compensation (Kosson et al. sec. 4.1): ``v' = m v + g``, ``w' = w - lr (m^D v' + (1 - m^D)/(1 - m) g)``;
-    * linear weight prediction (sec. 4.2): the forward computes with ``w - lr D v``;
+    * spike compensation (Kosson et al.): ``v' = m v + g``, ``w' = w - lr (m^D v' + (1 - m^D)/(1 - m) g)``;
+    * linear weight prediction (Kosson et al.): the forward computes with ``w - lr D v``;
     * PipeMare's learning rate (Yang et al., technique 1): ``lr_k = lr max(D, 1)^-(1 - min(k/K, 1))`` at update k;
     * PipeMare's discrepancy correction (technique 2): ``delta' = gamma delta + (1 - gamma)(w' - w)``,
       ``gamma = 0.1^(1/D)``, the backward on ``w - D delta``.
