@@ -86,7 +86,7 @@ class DelayedState(RankState):
         if role == Role.FORWARD_PARAM:            # linear weight prediction: D updates ahead at today's velocity
             lr = float(ex.torch_opt.param_groups[0]["lr"])
             return weights[key] - (lr * delay) * ex.state[stage][f"momentum_buffer:{key}"]
-        w = ex.params[stage][key]                 # the backward: the stage's weights now
+        w = ex.params[stage][key]                 # the backward: the stage's weights when it runs
         if self.info["discrepancy_correction"] and delay:
             return w - delay * self.tensors[f"delta:{key}"]
         return w
