@@ -15,6 +15,10 @@ role                 where      value (key)
 ==================  =========  ==============================================================================
 ``PARAM``            input      the rank's parameter (model key)
 ``PARAM_SHARD``      input      this rank's ZeRO chunk of a parameter (model key)
+``FORWARD_PARAM``    input      the weights a forward computes with where a feature supplies them (model key):
+                                a prediction of later weights (linear weight prediction)
+``BACKWARD_PARAM``   input      the weights a backward differentiates through where the forward saved none
+                                (model key): an asynchronous schedule without weight stashing supplies them
 ``BUFFER``           input      a buffer (model key)
 ``OPT_STATE``        input      optimizer state (``"<state>:<model key>"``)
 ``LR``, ``STEP``     input      the learning rate and the step count, float64 scalars the executor makes
@@ -47,6 +51,8 @@ __all__ = ["Role", "GraphKind"]
 class Role(str, enum.Enum):
     PARAM = "param"
     PARAM_SHARD = "param_shard"
+    FORWARD_PARAM = "forward_param"
+    BACKWARD_PARAM = "backward_param"
     BUFFER = "buffer"
     OPT_STATE = "opt_state"
     LR = "lr"

@@ -668,8 +668,55 @@ SYNC_CASES = {
                             r"'localsgd' is the one built"),
 }
 
+
+
+def _pp2(optimizer=SGD, **options):
+    """A pp=2 program of the two-stage net with these Strategy options (the plan-time checks: no rank starts)."""
+    return fxpar.parallelize(_net(), 2, (X, Y), CE, optimizer, strategy=fxpar.Strategy(pp=2, microbatches=2, **options))
+
+
+def _warned(fn):
+    """Call ``fn`` with warnings raised as errors: the warning is the exception the case checks."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        return fn()
+
+
+# ---- asynchronous pipelines without weight stashing (fxpar/features/pipeline_delayed.py) -------------------------
+DELAYED_CASES = {
+    "pbp_correction_unknown": (lambda: fxpar.Strategy(pp=2, schedule="pipelined_bp", correction="spike"),
+                               fxpar.StrategyError, r"Strategy\(schedule='pipelined_bp', correction='spike'\): "
+                               r"unknown correction", r"\[None, 'sc', 'lwp', 'sc\+lwp'\].*Pick one of them"),
+    "pipemare_given_correction": (lambda: fxpar.Strategy(pp=2, schedule="pipemare", correction="sc"),
+                                  fxpar.StrategyError, r"correction= belongs to schedule='pipelined_bp'",
+                                  r"PipeMare corrects with lr_warmup= and discrepancy_correction=.*Drop correction= "
+                                  r"or set schedule='pipelined_bp'"),
+    "pbp_given_lr_warmup": (lambda: fxpar.Strategy(pp=2, schedule="pipelined_bp", lr_warmup=10),
+                            fxpar.StrategyError, r"lr_warmup=10\): lr_warmup= belongs to schedule='pipemare'",
+                            r"Drop lr_warmup= or set schedule='pipemare'"),
+    "1f1b_given_discrepancy_correction": (lambda: fxpar.Strategy(pp=2, schedule="1f1b", discrepancy_correction=True),
+                                         fxpar.StrategyError, r"Strategy\(schedule='1f1b', discrepancy_correction="
+                                         r"True\): discrepancy_correction= belongs to schedule='pipemare'",
+                                         r"Drop discrepancy_correction= or set schedule='pipemare'"),
+    "pipemare_lr_warmup_negative": (lambda: fxpar.Strategy(pp=2, schedule="pipemare", lr_warmup=-1),
+                                    fxpar.StrategyError, r"lr_warmup=-1\): the warm-up is a number of updates",
+                                    r"pass lr_warmup=N"),
+    "pbp_spike_compensation_with_adamw": (lambda: _pp2((torch.optim.AdamW, {"lr": 0.1}), schedule="pipelined_bp",
+                                                       correction="sc"), fxpar.StrategyError,
+                                          r"correction='sc'\) corrects SGD with momentum.*it is AdamW",
+                                          r"Pass optimizer=\(torch.optim.SGD, \{'lr': ..., 'momentum': 0.9\}\), or "
+                                          r"correction=None"),
+    "pbp_weight_prediction_without_momentum": (lambda: _pp2(schedule="pipelined_bp", correction="lwp"),
+                                               fxpar.StrategyError, r"correction='lwp'\).*its momentum is 0",
+                                               r"'momentum': 0.9"),
+    "pipemare_one_stage_is_sgd": (lambda: _warned(lambda: fxpar.Strategy(pp=1, schedule="pipemare", microbatches=2)),
+                                  UserWarning, r"Strategy\(pp=1, schedule='pipemare'\): with one stage no gradient "
+                                  r"is late", r"is plain SGD with an update per microbatch; use pp > 1"),
+}
+
 CASES.update(DECENTRALIZED_CASES)
 CASES.update(SYNC_CASES)
+CASES.update(DELAYED_CASES)
 
 
 @pytest.mark.structure

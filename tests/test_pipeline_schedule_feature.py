@@ -90,7 +90,7 @@ def test_user_schedule_feature_plan_round_trip_and_unregister(fifo):
 @pytest.mark.structure
 def test_builtin_schedule_families_and_the_asynchronous_question():
     """Each built-in name enables exactly one schedule feature; the Plan (and, before it, the Strategy) says
-    asynchronous exactly for the schedules that keep several weight versions."""
+    asynchronous exactly for the schedules whose actions name weight versions (a stage updates inside the window)."""
     owners = {}
     for name in schedule_names():
         on = [f.name for f in schedule_features() if f.enabled(fxpar.Strategy(pp=2, schedule=name, microbatches=2))]
@@ -99,7 +99,8 @@ def test_builtin_schedule_families_and_the_asynchronous_question():
         versions = any(a.version is not None for acts in get_schedule(name, 2, 2).actions.values() for a in acts)
         assert is_asynchronous(fxpar.Strategy(pp=2, schedule=name, microbatches=2)) == versions, name
     assert owners == {"gpipe": "pipeline_flush", "1f1b": "pipeline_flush", "interleaved": "pipeline_flush",
-                      "zb1p": "zero_bubble", "chimera": "chimera", "pipedream": "pipedream", "2bw": "pipedream"}
+                      "zb1p": "zero_bubble", "chimera": "chimera", "pipedream": "pipedream", "2bw": "pipedream",
+                      "pipelined_bp": "delayed_pipeline", "pipemare": "delayed_pipeline"}
     assert not is_asynchronous(fxpar.Strategy(pp=2)) and not is_asynchronous(fxpar.Strategy(dp=2))
     prog = fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), class_batches(1)[0], CE, SGD_M,
                              strategy=fxpar.Strategy(pp=2, schedule="2bw", microbatches=2))

@@ -4,6 +4,7 @@ Importing this package registers them (``fxpar.feature`` imports it the first ti
 """
 from . import data_parallel  # noqa: F401  first: its plan() and plan_stage() (the buckets) come before the others'
 from . import pipeline_flush, pipeline_zero_bubble, pipeline_async, pipeline_chimera  # noqa: F401  (schedule=)
+from . import pipeline_delayed  # noqa: F401  (schedule='pipelined_bp' | 'pipemare')
 from . import pipeline  # noqa: F401  hand-written schedules (Strategy(schedule=Schedule or its text))
 from . import tensor_parallel  # noqa: F401  (Strategy(tp=N, sharding=...))
 from . import recompute  # noqa: F401  (before offload_activations: both passes sit in Slot.REMAT, in this order)

@@ -11,12 +11,13 @@
 
 Modules: :mod:`.ir` (Action, Schedule, text grammar), :mod:`.synchronous` (the one-stage program,
 GPipe, 1F1B, interleaved), :mod:`.zero_bubble` (ZB-H1), :mod:`.asynchronous` (PipeDream,
-PipeDream-2BW), :mod:`.chimera`, :mod:`.registry` (``get_schedule``), :mod:`.reduce_grad` (where the
+PipeDream-2BW), :mod:`.delayed` (Pipelined Backpropagation, PipeMare), :mod:`.chimera`, :mod:`.registry` (``get_schedule``), :mod:`.reduce_grad` (where the
 ``RG`` actions go), :mod:`.validate` (structural checks), :mod:`.dryrun` (``simulate``, the dry run,
 and the runtime semantics an executor must follow).
 """
 from fxpar.schedule.asynchronous import pipedream, pipedream_2bw
 from fxpar.schedule.chimera import chimera
+from fxpar.schedule.delayed import pipelined_bp, pipemare, steady_state_bubble
 from fxpar.schedule.dryrun import SimResult, simulate
 from fxpar.schedule.exceptions import (ScheduleDeadlockError, ScheduleError, ScheduleParseError,
                                    ScheduleValidationError)
@@ -29,6 +30,7 @@ from fxpar.schedule.zero_bubble import zb1p
 
 __all__ = ["Action", "ActionKind", "Schedule", "parse_action",
            "single", "gpipe", "one_f_one_b", "interleaved", "zb1p", "pipedream", "pipedream_2bw", "chimera",
+           "pipelined_bp", "pipemare", "steady_state_bubble",
            "SCHEDULES", "get_schedule", "ensure_reduce_grad", "add_unshard", "simulate", "SimResult", "validate",
            "find_problems", "ScheduleError", "ScheduleParseError", "ScheduleValidationError",
            "ScheduleDeadlockError"]

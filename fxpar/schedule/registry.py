@@ -13,6 +13,8 @@ gpipe          :func:`~.synchronous.gpipe`            Huang et al., NeurIPS'19
 interleaved    :func:`~.synchronous.interleaved`      Narayanan et al., SC'21 (Megatron-LM)
 pipedream      :func:`~.asynchronous.pipedream`       Harlap, Narayanan et al., SOSP'19
 2bw            :func:`~.asynchronous.pipedream_2bw`   Narayanan et al., ICML'21 (PipeDream-2BW)
+pipelined_bp   :func:`~.delayed.pipelined_bp`         Kosson et al., MLSys'21 (Pipelined Backpropagation)
+pipemare       :func:`~.delayed.pipemare`             Yang et al., MLSys'21 (PipeMare)
 chimera        :func:`~.chimera.chimera`              Li & Hoefler, SC'21
 zb1p           :func:`~.zero_bubble.zb1p`             Qi et al., ICLR'24 (ZB-H1)
 =============  =====================================  ==========================================
@@ -25,6 +27,7 @@ from typing import Callable
 
 from fxpar.schedule.asynchronous import pipedream, pipedream_2bw
 from fxpar.schedule.chimera import chimera
+from fxpar.schedule.delayed import pipelined_bp, pipemare
 from fxpar.schedule.exceptions import ScheduleError
 from fxpar.schedule.ir import Schedule
 from fxpar.schedule.synchronous import gpipe, interleaved, one_f_one_b, single
@@ -39,6 +42,8 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "interleaved": interleaved,
     "pipedream": pipedream,
     "2bw": pipedream_2bw,
+    "pipelined_bp": pipelined_bp,
+    "pipemare": pipemare,
     "chimera": chimera,
     "zb1p": zb1p,
 }
@@ -48,7 +53,7 @@ def get_schedule(name: str, p: int, m: int, **kw) -> Schedule:
     """Build the schedule ``name`` for p pipeline ranks and m microbatches; ``kw`` goes to the generator
     (``v`` for interleaved, ``n_batches`` for 2bw)."""
     key = name.lower().replace("_", "").replace("-", "")
-    key = {"onefoneb": "1f1b", "pipedreamflush": "1f1b", "pipedream2bw": "2bw", "zbh1": "zb1p"}.get(key, key)
+    key = {"onefoneb": "1f1b", "pipedreamflush": "1f1b", "pipedream2bw": "2bw", "zbh1": "zb1p", "pipelinedbp": "pipelined_bp"}.get(key, key)
     if key not in SCHEDULES:
         near = difflib.get_close_matches(name, list(SCHEDULES), n=1)
         hint = f" Did you mean {near[0]!r}?" if near else ""

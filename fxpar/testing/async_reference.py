@@ -9,7 +9,14 @@ backward, stage s updates once with that microbatch's gradient: ``W_s^{k+1} = st
 PipeDream-2BW (Narayanan et al. ICML'21): batch b's gradient (m microbatches accumulated) is computed
 with ``W^{max(b-1, 0)}`` on every stage, and ``W^{b+1} = step(W^b, g^b)``.
 
-Both take the stage partition (``[program.stages[s].param_keys for s]``) and an optimizer
+Pipelined Backpropagation (Kosson et al. MLSys'21) and PipeMare (Yang et al. MLSys'21), without weight stashing:
+microbatch i's forward on stage s computes with ``W_s^{max(0, i - D_s)}`` (``D_s = p - s - 1``) and its backward
+differentiates through ``W_s^i``, the stage's weights when the backward runs: every tensor autograd saves that is a
+weight (or a view of one) is swapped for the same view of the backward's weights, the rest (activations) stay the
+forward's. Then ``W_s^{i+1} = step(W_s^i, g_s^i)``, with the corrections written out as the papers state them
+(:func:`delayed_pipeline_reference`).
+
+All take the stage partition (``[program.stages[s].param_keys for s]``) and an optimizer
 ``(cls, kwargs)``; each stage's parameters advance with torch's own optimizer, the state per parameter.
 """
 from __future__ import annotations
@@ -18,7 +25,7 @@ import copy
 
 import torch
 
-__all__ = ["pipedream_reference", "pipedream_2bw_reference"]
+__all__ = ["pipedream_reference", "pipedream_2bw_reference", "delayed_pipeline_reference"]
 
 
 def _setup(model, optimizer):
@@ -83,6 +90,99 @@ def pipedream_2bw_reference(model, batches: list, loss_fn, optimizer):
         g = dict(zip(weights, torch.autograd.grad(loss, list(weights.values()))))
         W.append(_step(opt, params, keys, W[b], g))
     return losses, _state(m, W[-1])
+
+
+def _microbatches(batches, microbatches: int, dp: int) -> list:
+    """Update i's rows: microbatch i of every dp replica (replica d's share of a batch is its d-th slice)."""
+    return [tuple(torch.cat([t.chunk(dp)[d].chunk(microbatches)[j] for d in range(dp)]) for t in b)
+            for b in batches for j in range(microbatches)]
+
+
+def _weights_swapped_at_backward(forward: dict, backward: dict):
+    """Saved-tensor hooks: a tensor autograd saves that lives in a weight of ``forward`` comes back as the same view
+    of ``backward``'s weight under that key; every other saved tensor comes back as it was saved."""
+    by_ptr = {t.untyped_storage().data_ptr(): k for k, t in forward.items()}
+
+    def pack(t):
+        k = by_ptr.get(t.untyped_storage().data_ptr())
+        if k is None:
+            return t
+        return (k, t.size(), t.stride(), t.storage_offset() - forward[k].storage_offset())
+
+    def unpack(x):
+        if isinstance(x, torch.Tensor):
+            return x
+        k, size, stride, offset = x
+        w = backward[k]
+        return w.as_strided(size, stride, w.storage_offset() + offset)
+
+    return torch.autograd.graph.saved_tensors_hooks(pack, unpack)
+
+
+def delayed_pipeline_reference(model, stage_keys: list, batches: list, loss_fn, optimizer, microbatches: int,
+                               schedule: str = "pipelined_bp", correction: str | None = None, lr_warmup: int = 0,
+                               discrepancy_correction: bool = False, dp: int = 1):
+    """Losses per batch (mean of its microbatches) and the final state dict of Pipelined Backpropagation
+    (``schedule="pipelined_bp"``, ``correction`` None, "sc", "lwp" or "sc+lwp") or PipeMare (``"pipemare"``,
+    ``lr_warmup``, ``discrepancy_correction``): one update per microbatch on every stage, stage s's gradient
+    ``D_s = p - s - 1`` updates late. Written from the papers' equations, for SGD with momentum m, learning rate lr,
+    gradient g (weight decay included), momentum buffer v:
+
+    * spike compensation (Kosson et al.): ``v' = m v + g``, ``w' = w - lr (m^D v' + (1 - m^D)/(1 - m) g)``;
+    * linear weight prediction (Kosson et al.): the forward computes with ``w - lr D v``;
+    * PipeMare's learning rate (Yang et al., technique 1): ``lr_k = lr max(D, 1)^-(1 - min(k/K, 1))`` at update k;
+    * PipeMare's discrepancy correction (technique 2): ``delta' = gamma delta + (1 - gamma)(w' - w)``,
+      ``gamma = 0.1^(1/D)``, the backward on ``w - D delta``.
+
+    Without spike compensation each update is the torch optimizer's own step at that learning rate."""
+    m, params, buffers, opt = _setup(model, optimizer)
+    p = len(stage_keys)
+    delays = [p - s - 1 for s in range(p)]
+    sc, lwp = "sc" in (correction or ""), "lwp" in (correction or "")
+    kw = optimizer[1]
+    mom, wd = kw.get("momentum", 0.0), kw.get("weight_decay", 0.0)
+    base_lr = [g["lr"] for g in opt.param_groups]
+    W = [[{k: params[k].detach().clone() for k in keys}] for keys in stage_keys]       # W[s][v]: version v
+    V = [[{k: torch.zeros_like(w) for k, w in W[s][0].items()}] for s in range(p)]    # momentum buffer per version
+    delta = [{k: torch.zeros_like(w) for k, w in W[s][0].items()} for s in range(p)]
+    micro = _microbatches(batches, microbatches, dp)
+    losses = [0.0] * len(batches)
+    for i, mb in enumerate(micro):
+        fwd, bwd = {}, {}
+        for s in range(p):
+            D, v = delays[s], max(0, i - delays[s])
+            for k, w in W[s][v].items():
+                w = w - (base_lr[0] * D) * V[s][v][k] if lwp and D else w.clone()
+                fwd[k] = w.requires_grad_(True)
+            for k, w in W[s][i].items():
+                bwd[k] = w - D * delta[s][k] if discrepancy_correction and D else w
+        with _weights_swapped_at_backward(fwd, bwd):
+            loss = _loss(m, fwd, buffers, mb, loss_fn)
+        losses[i // microbatches] += float(loss.detach()) / microbatches
+        g = dict(zip(fwd, torch.autograd.grad(loss, list(fwd.values()))))
+        for s, keys in enumerate(stage_keys):
+            D, w0 = delays[s], W[s][i]
+            factor = float(max(D, 1)) ** -(1.0 - min(i / lr_warmup, 1.0)) if lr_warmup else 1.0
+            for group, base in zip(opt.param_groups, base_lr):
+                group["lr"] = base * factor
+            lr = opt.param_groups[0]["lr"]
+            if sc:
+                a = mom ** D
+                b = (1.0 - a) / (1.0 - mom)
+                gw = {k: g[k] + wd * w0[k] for k in keys}
+                v1 = {k: mom * V[s][i][k] + gw[k] for k in keys}
+                w1 = {k: w0[k] - lr * (a * v1[k] + b * gw[k]) for k in keys}
+            else:
+                w1 = _step(opt, params, set(keys), w0, g)
+                v1 = {k: opt.state[params[k]]["momentum_buffer"].clone() if mom else torch.zeros_like(w0[k])
+                      for k in keys}
+            if discrepancy_correction and D:
+                gamma = 0.1 ** (1.0 / D)
+                delta[s] = {k: gamma * delta[s][k] + (1.0 - gamma) * (w1[k] - w0[k]) for k in keys}
+            W[s].append(w1)
+            V[s].append(v1)
+    state = {k: v for vs in W for k, v in vs[-1].items()}
+    return losses, _state(m, state)
 
 
 def _state(m, weights: dict) -> dict:

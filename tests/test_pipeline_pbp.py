@@ -1,0 +1,151 @@
+"""Pipelined Backpropagation and PipeMare compute the math their papers define (DESIGN §6), checked against
+:func:`fxpar.testing.async_reference.delayed_pipeline_reference`, float64 to 1e-10; with one stage each is SGD;
+each stage holds one weight version (PipeDream holds p - s); the dry run has no bubble in steady state."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.roles import GraphKind, Role
+from fxpar.schedule import get_schedule, simulate, steady_state_bubble
+from fxpar.testing import SkipNet, class_batches, max_abs_diff, reference_training
+from fxpar.testing.async_reference import delayed_pipeline_reference, pipedream_reference
+
+CE = torch.nn.functional.cross_entropy
+SGD = (torch.optim.SGD, {"lr": 0.1})
+SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01})
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+MARE = {"lr_warmup": 5, "discrepancy_correction": True}
+
+
+def _program(model, batch, optimizer, **strategy):
+    strategy = fxpar.Strategy(**strategy)
+    return fxpar.parallelize(model, fxpar.ClusterSpec.local(strategy.size), batch, CE, optimizer, strategy=strategy)
+
+
+def _check(res, ref):
+    ref_losses, ref_state = ref
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
+    assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
+
+
+def _stage_bytes(model, prog) -> list:
+    params = dict(model.named_parameters())
+    return [sum(params[k].numel() * params[k].element_size() for k in sp.param_keys) for sp in prog.stages]
+
+
+# ---- the schedule ---------------------------------------------------------------------------------------------
+@pytest.mark.structure
+@pytest.mark.parametrize("name", ["pipelined_bp", "pipemare"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_one_version_per_stage_and_no_bubble_in_steady_state(name, p):
+    """Every F and B uses the stage's newest version (B k at version k, after k updates); the dry run holds one version
+    per stage (PipeDream: p - s); between each rank's first backward and last forward nothing idles, and the
+    window's bubble is the one fill and drain, (p-1)/(M+p-1) over M microbatches (1F1B's per step: (p-1)/(m+p-1))."""
+    m, n = 4, 3
+    sched = get_schedule(name, p, m * n)
+    for r, acts in sched.actions.items():
+        steps = 0
+        for a in acts:
+            if a.kind.value == "STEP":
+                steps += 1
+                assert a.version == steps
+            elif a.kind.value in ("F", "B"):
+                assert a.version == steps, (r, a)
+    sim = simulate(sched)
+    assert sim.peak_versions == {s: 1 for s in range(p)}
+    assert simulate(get_schedule("pipedream", p, m * n)).peak_versions == {s: p - s for s in range(p)}
+    assert steady_state_bubble(sim) == 0.0
+    assert sim.bubble_fraction == pytest.approx((p - 1) / (m * n + p - 1))
+    assert simulate(get_schedule("1f1b", p, m)).bubble_fraction == pytest.approx((p - 1) / (m + p - 1))
+
+
+@pytest.mark.structure
+def test_forward_saves_no_weights_and_backward_reads_them():
+    """``passes.backward_weights``: the forward's saved outputs hold no parameter (nor a view of one); the backward
+    reads each weight its input gradient needs as a ``backward_param`` input, and weight prediction turns the
+    forward's parameter inputs into ``forward_param``."""
+    model, batches = SkipNet().double(), class_batches(1)
+    stash = _program(model, batches[0], SGD_M, pp=2, schedule="pipedream", microbatches=4)
+    prog = _program(model, batches[0], SGD_M, pp=2, schedule="pipelined_bp", microbatches=4, correction="sc+lwp")
+    for s in range(2):
+        before, after = stash.stages[s].graphs, prog.stages[s].graphs
+        n_saved = lambda sg: sum(r == Role.SAVED for r, _ in sg.outputs)       # noqa: E731
+        read = [k for r, k in after[GraphKind.B].inputs if r == Role.BACKWARD_PARAM]
+        assert read and all(k.endswith(".weight") for k in read)
+        assert n_saved(after[GraphKind.F]) == n_saved(before[GraphKind.F]) - len(read)
+        roles = {r for r, _ in after[GraphKind.F].inputs}
+        assert (Role.FORWARD_PARAM in roles) == (s == 0) and (Role.PARAM in roles) == (s == 1)   # stage 1: D = 0
+    assert [k for r, k in prog.stages[1].graphs[GraphKind.F].inputs if r == Role.PARAM] == ["out.weight", "out.bias"]
+
+
+# ---- the math ------------------------------------------------------------------------------------------------
+@pytest.mark.numerics
+@pytest.mark.parametrize("correction", [None, "sc", "lwp", "sc+lwp"])
+def test_pipelined_bp_math(clusters, correction):
+    model, batches, m = SkipNet().double(), class_batches(3), 4
+    prog = _program(model, batches[0], SGD_M, pp=2, schedule="pipelined_bp", microbatches=m, correction=correction)
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    keys = [sp.param_keys for sp in prog.stages]
+    _check(res, delayed_pipeline_reference(model, keys, batches, CE, SGD_M, m, correction=correction))
+    if correction is None:      # not PipeDream: the backward reads today's weights, not the forward's stash
+        stashed, _ = pipedream_reference(model, keys, batches, CE, SGD_M, m)
+        assert abs(res.losses[-1] - stashed[-1]) > 1e-6
+    else:                       # the correction changes the math
+        plain, _ = delayed_pipeline_reference(model, keys, batches, CE, SGD_M, m)
+        assert abs(res.losses[-1] - plain[-1]) > 1e-6
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_pipelined_bp_math_pp4(clusters):
+    model, batches, m = SkipNet().double(), class_batches(3), 4
+    prog = _program(model, batches[0], SGD_M, pp=4, schedule="pipelined_bp", microbatches=m, correction="sc+lwp")
+    res = prog.run_local(batches, cluster=clusters.get(4))
+    _check(res, delayed_pipeline_reference(model, [sp.param_keys for sp in prog.stages], batches, CE, SGD_M, m,
+                                           correction="sc+lwp"))
+    assert res.peak_versions == {s: 1 for s in range(4)}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("pp,optimizer", [(2, SGD_M), pytest.param(4, ADAMW, marks=pytest.mark.slow)])
+def test_pipemare_math_and_memory(clusters, pp, optimizer):
+    """PipeMare's warm-up and extrapolated backward against the reference; one weight copy per stage, measured by
+    the runtime's version store, against PipeDream's stash of p - s versions on the same program."""
+    model, batches, m = SkipNet().double(), class_batches(3), 4
+    prog = _program(model, batches[0], optimizer, pp=pp, schedule="pipemare", microbatches=m, **MARE)
+    res = prog.run_local(batches, cluster=clusters.get(pp))
+    keys = [sp.param_keys for sp in prog.stages]
+    _check(res, delayed_pipeline_reference(model, keys, batches, CE, optimizer, m, schedule="pipemare", **MARE))
+    plain, _ = delayed_pipeline_reference(model, keys, batches, CE, optimizer, m, schedule="pipemare")
+    assert abs(res.losses[-1] - plain[-1]) > 1e-6              # warm-up and correction change the math
+    stage_bytes = _stage_bytes(model, prog)
+    assert res.peak_versions == {s: 1 for s in range(pp)}
+    assert res.peak_version_bytes == max(stage_bytes)
+    # the velocity estimate: one more weight-sized buffer per stage, reported by the feature's state
+    assert sorted(r["delayed_pipeline"]["velocity_bytes"] for r in res.features.values()) == sorted(stage_bytes)
+    stash = _program(model, batches[0], optimizer, pp=pp, schedule="pipedream", microbatches=m)
+    pd = stash.run_local(batches, cluster=clusters.get(pp))
+    assert pd.peak_versions == {s: pp - s for s in range(pp)}
+    assert pd.peak_version_bytes > res.peak_version_bytes
+
+
+# ---- reductions: one stage is SGD ----------------------------------------------------------------------------
+@pytest.mark.numerics
+@pytest.mark.parametrize("schedule,optimizer,options", [
+    ("pipelined_bp", SGD_M, {"correction": "sc+lwp"}),
+    ("pipemare", SGD, MARE),
+    ("pipemare", SGD_M, MARE),
+])
+def test_one_stage_is_sgd(clusters, schedule, optimizer, options):
+    """pp=1: no gradient is late (D = 0), so every correction is the identity and each microbatch is one SGD step,
+    with and without momentum; the Strategy warns that it is SGD."""
+    model, batches, m = SkipNet().double(), class_batches(2), 4
+    with pytest.warns(UserWarning, match=rf"schedule='{schedule}'.*plain SGD with an update per microbatch"):
+        prog = _program(model, batches[0], optimizer, pp=1, schedule=schedule, microbatches=m, **options)
+    res = prog.run_local(batches, cluster=clusters.get(1))
+    micro = [tuple(t.chunk(m)[j] for t in b) for b in batches for j in range(m)]
+    sgd_losses, sgd_state = reference_training(model, micro, CE, optimizer)
+    per_batch = [sum(sgd_losses[b * m:(b + 1) * m]) / m for b in range(len(batches))]
+    _check(res, (per_batch, sgd_state))
