@@ -217,7 +217,9 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
             continue
         if isinstance(val, torch.Tensor):
             # a ZeRO stage 1/2 ``param_shard`` input is the runtime's view of a whole parameter already counted
-            raw = 0 if n.op == "placeholder" and n.meta.get(M.ROLE.name) == Role.PARAM_SHARD else tensor_bytes(val)
+            # host memory (ZeRO-Offload on a device: M.ON_HOST) is not the device's
+            raw = 0 if (n.op == "placeholder" and n.meta.get(M.ROLE.name) == Role.PARAM_SHARD) or \
+                n.meta.get(M.ON_HOST.name) else tensor_bytes(val)
             s = Storage(concrete(raw), n, 0 if n.op == "placeholder" else i, i, size=raw, key=_storage_key(val),
                         role=n.meta.get(M.ROLE.name) if n.op == "placeholder" else None)
             storages.append(s)
@@ -226,7 +228,7 @@ def liveness(gm: torch.fx.GraphModule, phases: dict | None = None) -> Liveness:
             outs = []
             for v in val:
                 if isinstance(v, torch.Tensor):
-                    raw = tensor_bytes(v)
+                    raw = 0 if n.meta.get(M.ON_HOST.name) else tensor_bytes(v)
                     s = Storage(concrete(raw), n, i, i, size=raw, key=_storage_key(v),
                                 role=n.meta.get(M.ROLE.name) if n.op == "placeholder" else None)
                     storages.append(s)

@@ -64,9 +64,13 @@ INNER_COMPUTE = MetaKey("fxpar_inner_compute", tuple, "fxpar.compress.feature",
                         "sum): (aten ops, flops, bytes) of that graph's compute, for the cost models")
 UNSHARD = MetaKey("fxpar_unshard", bool, "passes.zero",
                   "ZeRO-3 under a pipeline: the node gathers a parameter once per step (the UNSHARD graph)")
+ON_HOST = MetaKey("fxpar_on_host", bool, "passes.zero_offload",
+                  "offload to the host on a rank that computes on a device: the value lives in host memory (the "
+                  "offloaded state, the gradient chunks copied down, the update's values); the memory model counts "
+                  "device memory without it")
 
 KEYS = {k.name: k for k in (ROLE, PHASE, MODULE, PARAM, GRAD_OF, COMM, BUCKET, REDUCE_GRAD, ORIGIN, PASS,
-                            RECOMPUTE_OF, UNSHARD, INNER_COMPUTE)}
+                            RECOMPUTE_OF, UNSHARD, INNER_COMPUTE, ON_HOST)}
 
 # Keys that stay true when a node is replaced by an equivalent computation.
 _PORTABLE = ("val", "tensor_meta", PHASE.name, MODULE.name)

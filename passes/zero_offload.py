@@ -125,6 +125,29 @@ def chunks_to_device(g, device) -> list:
     return out
 
 
+def mark_host_values(g, roles: dict, what: set, stage: int) -> int:
+    """On a rank that computes on a device: mark (``fxpar_on_host``) every value that lives in host memory -- the
+    offloaded inputs (optimizer state; the parameter chunks under stage 3 or with parameters offloaded), the copies
+    to the host, and whatever is computed from host values alone (the update) -- so that the memory model counts
+    device memory without them. Returns how many nodes it marked."""
+    host_roles = ({Role.OPT_STATE} if "optimizer" in what else set()) | \
+        ({Role.PARAM} if "params" in what or (stage == 3 and "optimizer" in what) else set())
+    on_host: set = {ph for ph, (role, _) in roles.items() if role in host_roles}
+    for n in g.nodes:
+        if n.op != "call_function" or n in on_host:
+            continue
+        if _is_copy(n):
+            if n.kwargs.get("device") == HOST:
+                on_host.add(n)
+            continue                                   # a copy to the device is device memory
+        ins = [a for a in n.all_input_nodes if isinstance(a.meta.get("val"), (torch.Tensor, list, tuple))]
+        if ins and all(a in on_host for a in ins):
+            on_host.add(n)
+    for n in on_host:
+        M.set_meta(n, M.ON_HOST, True)
+    return len(on_host)
+
+
 # ---- ZeRO-Infinity: read ahead from disk -----------------------------------------------------------------
 def _prefetch_after(g, anchor, ph, phase):
     with g.inserting_after(anchor):
@@ -217,6 +240,8 @@ class ZeroOffload(Pass):
             on_disk = ({Role.PARAM, Role.PARAM_SHARD} if "params" in what else set()) | \
                       ({Role.OPT_STATE} if "optimizer" in what else set())
             stats["prefetch"] = len(prefetch_update_reads(g, roles, on_disk)) + len(prefetch_reads(g, roles, on_disk))
+        if device != HOST:
+            stats["on_host"] = mark_host_values(g, roles, what, stage)
         g.lint()
         gm.meta[M.ZERO_OFFLOAD.name] = {"host": str(HOST), "device": str(device), **stats}
         ctx.notes.append(

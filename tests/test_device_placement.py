@@ -91,3 +91,22 @@ def test_collectives_staged_through_the_host_give_what_the_functional_ops_give()
     writes its own input, and the rewrite of a bound graph replaces the collective and keeps its wait."""
     out = subprocess.run([sys.executable, "-c", STAGED], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0 and "STAGED OK" in out.stdout, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("offload", [("optimizer",), ("params", "optimizer")])
+def test_offloaded_state_is_not_counted_as_device_memory(offload):
+    """ZeRO-3 + offload on a device: the optimizer state and the parameter chunks (the host masters the update
+    writes) live in host memory, so the estimate's device peak holds neither; the activations are the same as
+    without offload."""
+    def program(off):
+        with torch.device("meta"):
+            model = GPT(vocab=256, d=64, layers=2, heads=4, max_seq=32)
+        x = torch.randint(0, 256, (8, 32), device="meta")
+        return fxpar.parallelize(model, fxpar.ClusterSpec.preset("h100-80gb", gpus_per_node=2), (x, x),
+                                 loss_fn=gpt_loss, optimizer=(torch.optim.AdamW, {"lr": 1e-3}),
+                                 strategy=fxpar.Strategy(dp=2, zero=3, offload=off))
+    kept, moved = program(()).estimate().ranks[0], program(offload).estimate().ranks[0]
+    assert kept.memory_breakdown["opt_state"] > 0 and kept.memory_breakdown["param"] > 0
+    assert moved.memory_breakdown["opt_state"] == 0 and moved.memory_breakdown["param"] == 0
+    assert moved.memory_breakdown["activation"] == kept.memory_breakdown["activation"]
+    assert moved.peak_memory_bytes < kept.peak_memory_bytes
