@@ -205,13 +205,6 @@ def trace_forward(model: torch.nn.Module, batch, loss_fn) -> ForwardTrace:
         if n.op == "call_function":
             M.set_meta(n, M.MODULE, (custom or {}).get(M.MODULE.name, ""))
             M.set_meta(n, M.PHASE, "forward")
-            if n.target is torch.ops.aten.copy_.default and n.args[0].op == "placeholder":
-                key = roles[n.args[0].name][1]
-                raise StrategyError(
-                    f"{mod_name} writes to buffer {key!r} during forward (module "
-                    f"'{key.rsplit('.', 1)[0] if '.' in key else '(top level)'}', e.g. BatchNorm running statistics); pipeline stages "
-                    "do not carry buffer updates yet. Use a norm without running statistics (LayerNorm, "
-                    "GroupNorm), put those modules in eval mode, or train without a pipeline (pp=1).")
     gm.recompile()
     types = {name: type(mod).__name__ for name, mod in model.named_modules()}
     return ForwardTrace(gm, roles, pnames, bnames, aliases, types)
@@ -375,11 +368,18 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
             else:       # a boundary activation: where the stage's split traced it (the model's device)
                 examples[(role, key)] = torch.empty(v.shape, dtype=v.dtype, device=v.device)
         runner = _StageRunner(stage.gm)
+        written = list(getattr(stage, "written", []))      # buffers the stage's forward writes (BatchNorm)
 
         def forward(vals: dict):
+            vals = dict(vals)
+            new = []
+            tracker.set("forward", "")                                 # the copies are forward work
+            for k in written:                # written in place on a copy, which leaves as the buffer's new value
+                vals[(Role.BUFFER, k)] = vals[(Role.BUFFER, k)].clone()
+                new.append(vals[(Role.BUFFER, k)])
             outs = runner.run(*[vals[as_buffer.get(rk, rk)] for rk in stage_sig])
             outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
-            return outs, []
+            return outs, new
         buffers = {k: buffers[k] for k in used_buffers}
     pkeys = [k for r, k in in_sig if r == Role.PARAM]
     bkeys = [k for r, k in in_sig if r == Role.BUFFER]
@@ -449,7 +449,7 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
     sig = StepSignature(list(full_in), list(out_sig))
     if optimizer.traced:
         sig.outputs += [(Role.NEW_PARAM, k) for k in pkeys]
-    sig.outputs += [(Role.NEW_BUFFER, k) for k in (bkeys if stage is None else [])]
+    sig.outputs += [(Role.NEW_BUFFER, k) for k in (bkeys if stage is None else written)]
     if optimizer.traced:
         sig.outputs += [(Role.NEW_OPT_STATE, k) for k in snames]
     sig.outputs += [(Role.GRAD, k) for k in pkeys]

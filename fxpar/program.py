@@ -373,7 +373,10 @@ class Program:
                            stage_params={s: self.stages[s].param_keys for s in held},
                            params={k: self._params[k] for k in keys}, buffers=dict(self._buffers),
                            optimizer=self.optimizer, groups=all_groups, bindings=bindings,
-                           lr_scheduler=self._lr_scheduler, settings=settings)
+                           lr_scheduler=self._lr_scheduler, settings=settings,
+                           foreign_buffers=tuple(sorted(
+                               k for s, st in enumerate(self.stages) if self.plan.stage_to_rank[s][0] != pr
+                               for sg in st.graphs.values() for r, k in sg.outputs if r == Role.NEW_BUFFER)))
 
     def run_local(self, batches, cluster: LocalCluster | None = None, timeout_s: float = 600.0,
                   measure_comm: bool = False, record_weights: bool = False, seed: int | None = 0,

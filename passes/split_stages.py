@@ -63,6 +63,7 @@ class StageGraph:
     replicated: list               # names of the replicated nodes it recomputes
     modules: list                  # module paths it runs, in order
     flops: int = 0
+    written: list = field(default_factory=list)   # buffer keys its forward writes (BatchNorm running statistics)
 
     @property
     def params(self) -> list:
@@ -331,14 +332,16 @@ def _build(gm, roles, cut_pos, cuts, candidates, n_stages) -> StageSplit:
 
     act_stage = {n: stage_of(n) for n in nodes if n.name in acts}
     act_stage[loss] = n_stages - 1
+    writers, written = _buffer_writes(gm, roles, act_stage)
     # the last stage to use each activation (the loss counts as a use on the last stage)
     last_use = {n: max([act_stage[u] for u in n.users if u in act_stage] + [act_stage[n]]) for n in act_stage}
     boundary = {s: [n for n in nodes if n in act_stage and act_stage[n] < s <= last_use[n]] for s in range(n_stages + 1)}
     stages, shared = [], {}
     for s in range(n_stages):
-        own = [n for n in nodes if act_stage.get(n) == s]
+        own = [n for n in nodes if act_stage.get(n) == s or writers.get(n) == s]
         outs = [loss] if s == n_stages - 1 else boundary[s + 1]
         st = _stage_graph(gm, roles, s, own, boundary[s], outs, acts, is_last=s == n_stages - 1)
+        st.written = [k for k, ws in written.items() if ws == s]
         for k in st.params:
             shared.setdefault(k, []).append(s)
         stages.append(st)
@@ -346,6 +349,47 @@ def _build(gm, roles, cut_pos, cuts, candidates, n_stages) -> StageSplit:
             raise StrategyError(f"stage {s} would compute nothing (cuts {cuts}); choose split points that each start a "
                                 f"different part of the model, from {candidates}")
     return StageSplit(stages, list(cuts), candidates, {k: v for k, v in shared.items() if len(v) > 1})
+
+
+def _writes(n: torch.fx.Node) -> list:
+    """The argument nodes an in-place op writes (``copy_``'s destination; ``native_batch_norm``'s running statistics)."""
+    schema = getattr(n.target, "_schema", None)
+    if n.op != "call_function" or schema is None:
+        return []
+    if n.target is torch.ops.aten.native_batch_norm.default:    # writes its running statistics, undeclared
+        training = n.args[5] if len(n.args) > 5 else n.kwargs.get("training", False)
+        return [a for a in n.args[3:5] if isinstance(a, torch.fx.Node)] if training else []
+    out = []
+    for arg, a in zip(schema.arguments, n.args):
+        if arg.alias_info is not None and arg.alias_info.is_write and isinstance(a, torch.fx.Node):
+            out.append(a)
+    return out
+
+
+def _buffer_writes(gm, roles: dict, act_stage: dict) -> tuple:
+    """Buffers the forward writes (BatchNorm's running statistics and step count): each belongs to the one stage whose
+    activations read it, and the nodes that write it run there. Returns ``(writer node -> stage, buffer key ->
+    stage)``; a written buffer read by two stages is refused (its update would happen on one of them only)."""
+    writers, written = {}, {}
+    for n in gm.graph.nodes:
+        for dst in _writes(n):
+            if dst.op != "placeholder" or roles.get(dst.name, (None,))[0] != Role.BUFFER:
+                continue
+            key = roles[dst.name][1]
+            readers = sorted({act_stage[u] for u in dst.users if u in act_stage})
+            if len(readers) > 1:
+                raise StrategyError(
+                    f"buffer {key!r} is written in forward (module '{key.rsplit('.', 1)[0] if '.' in key else '(top)'}', "
+                    f"e.g. BatchNorm running statistics) and read by pipeline stages {readers}: each stage would "
+                    "keep its own copy of it. Cut the model so that the module's reads fall in one stage "
+                    "(Strategy(split_points=[...])), or put that module in eval mode.")
+            if not readers:            # a step count (add(num_batches_tracked, 1)): the stage that runs its module
+                mod = key.rsplit(".", 1)[0] if "." in key else ""
+                readers = sorted({st for m, st in act_stage.items() if _within(M.get(m, M.MODULE, ""), {mod})})
+            stage = readers[0] if readers else 0
+            writers[n] = stage
+            written[key] = stage
+    return writers, written
 
 
 def _stage_graph(gm, roles, s, own, acts_in, outs, acts, is_last) -> StageGraph:

@@ -10,8 +10,9 @@ docs/semantics.md says it computes:
 
 Where a feature's semantics make that reference the wrong one, the sweep runs the documented special case:
 tensor parallelism and pipelines run with dropout off (§10: split masks are drawn per rank by design, and each
-pipeline rank has its own stream; ``tests/test_tp_rng.py`` checks those draws), and pipelines without BatchNorm
-(the support matrix: buffers written in forward are refused in pipelines; ``test_pipeline_refuses_batch_norm``).
+pipeline rank has its own stream; ``tests/test_tp_rng.py`` checks those draws), and pipelines with data parallelism
+without BatchNorm (the support matrix: buffers written in forward are refused in a pipeline with dp > 1;
+``test_pipeline_refuses_batch_norm_with_data_parallelism``).
 Compression methods run at the setting where their math is plain data parallelism (§9: ``TopK`` / ``RandomK``
 with ratio 1, ``PowerSGD`` before ``start_iter``); their own math away from it is checked against
 ``fxpar.testing.compress*`` references in tests/test_compress_*.py. Methods that change the math on purpose with no
@@ -186,7 +187,7 @@ def _build(names):
 def _make(names):
     options, cluster_options = _spec(names)
     pipeline, tp = options.get("pp", 1) > 1, options.get("tp", 1) > 1
-    model = _model(batch_norm=not pipeline, p=0.0 if (pipeline or tp) else 0.25)
+    model = _model(batch_norm=not (pipeline and options.get("dp", 1) > 1), p=0.0 if (pipeline or tp) else 0.25)
     batches = _batches()
     strategy = fxpar.Strategy(**options)
     program = fxpar.parallelize(model, _cluster(strategy, cluster_options), batches[0], F.cross_entropy,
@@ -207,8 +208,7 @@ def _check(names, clusters):
     program, model, batches, strategy = _build(names)
     n = program.world_size + len(program.extra_ranks())
     res = program.run_local(batches, cluster=clusters.get(n) if n > 1 else None, seed=SEED)
-    m = program.plan.microbatches if program.plan.pp == 1 else 1
-    losses, state = reference(model, batches, strategy.dp, m)
+    losses, state = reference(model, batches, strategy.dp, program.plan.microbatches)
     got = res.state_dict()
     assert max(abs(a - b) for a, b in zip(res.losses, losses)) < 1e-10, (names, res.losses, losses)
     assert max_abs_diff(got, state) < 1e-10, (names, max_abs_diff(got, state))
@@ -257,11 +257,15 @@ def test_every_refused_pair_is_refused_with_a_reason():
 
 
 @pytest.mark.structure
-def test_pipeline_refuses_batch_norm():
+@pytest.mark.parametrize("options", [dict(dp=2, pp=2, microbatches=2), dict(pp=2, schedule="chimera", microbatches=2)])
+def test_pipeline_refuses_batch_norm_with_data_parallelism(options):
+    """BatchNorm's running statistics in a pipeline are exact with one copy of each stage (the sweep's pipelines);
+    dp replicas of the pipeline, or a stage held twice (Chimera), would each keep their own: refused by name."""
     model, batches = _model(batch_norm=True, p=0.0), _batches()
-    with pytest.raises(FxparError, match=r"(?i)buffer"):
-        fxpar.parallelize(model, 2, batches[0], F.cross_entropy, (torch.optim.SGD, {"lr": LR}),
-                          strategy=fxpar.Strategy(pp=2, microbatches=2))
+    strategy = fxpar.Strategy(**options)
+    with pytest.raises(fxpar.StrategyError, match=r"bn\.running_mean.*(dp=2|two pipeline ranks)"):
+        fxpar.parallelize(model, strategy.size, batches[0], F.cross_entropy, (torch.optim.SGD, {"lr": LR}),
+                          strategy=strategy)
 
 
 @pytest.mark.structure

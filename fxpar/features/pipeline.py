@@ -119,12 +119,35 @@ class PipelineSchedule(Feature):
             plan.notes.append(warn)
         plan.stage_params = [list(st.params) for st in split.stages]
         plan.tied = {k: list(v) for k, v in split.shared_params.items()}
+        _check_written_buffers(split, plan, model)
         return trace, split
 
     # ---- its words ---------------------------------------------------------------------------------------
     def explain(self, section, program) -> list:
         paper = self.papers.get(section.schedule)
         return ([paper] if paper else []) + section.lines()
+
+
+def _check_written_buffers(split, plan, model) -> None:
+    """Buffers a stage's forward updates (BatchNorm's running statistics) stay exact when one pipeline rank holds the
+    stage and one replica trains it: the rank updates them microbatch by microbatch, in order, as one process with
+    gradient accumulation does. A stage held twice (Chimera) would split the updates between its copies, and dp
+    replicas of a pipeline are not made to agree on them: refused by name."""
+    written = {k: st.index for st in split.stages for k in st.written}
+    if not written:
+        return
+    what = (f"{type(model).__name__} updates buffers in forward ({', '.join(repr(k) for k in list(written)[:4])}"
+            f"{', ...' if len(written) > 4 else ''}: BatchNorm running statistics)")
+    fix = ("Put those modules in eval mode, use a norm without running statistics (LayerNorm, GroupNorm), or ")
+    twice = sorted({s for s in written.values() if len(plan.stage_to_rank[s]) > 1})
+    if twice:
+        raise StrategyError(f"{what}; schedule {plan.schedule!r} holds stage(s) {twice} on two pipeline ranks, which "
+                            f"would each update their own copy. {fix}use a schedule with one copy of each stage "
+                            "(gpipe, 1f1b, interleaved, zb1p).")
+    if plan.dp > 1:
+        raise StrategyError(f"{what}; with dp={plan.dp} each data-parallel replica of the pipeline would keep its own "
+                            f"running statistics (buffers are broadcast from dp-rank 0 only without a pipeline). {fix}"
+                            "train this model with dp alone or pp alone.")
 
 
 @dataclass

@@ -69,6 +69,7 @@ class RankPayload:
     settings: RunSettings = field(default_factory=RunSettings)   # the run's settings (n_inputs, seed, measuring ...)
     features: dict = field(default_factory=dict)   # feature name -> (its RankState class, the rank's info)
     tp: int = 1                    # tensor-parallel ranks per dp replica: rank = (pipe rank * dp + dp index) * tp + tp index
+    foreign_buffers: tuple = ()    # buffers a stage's forward updates whose first holder is another pipeline rank
 
 
 def make_scheduler(spec, optimizer):
@@ -599,8 +600,13 @@ class Executor:
                 continue
             for k, v in params[s].items():
                 out.setdefault(k, v)
-        out.update(self.buffers)
+        out.update(self.own_buffers())
         return out
+
+    def own_buffers(self) -> dict:
+        """The buffers of the stages this rank is the first holder of: a stage's forward may update them (BatchNorm's
+        running statistics), and another pipeline rank holds only their initial values."""
+        return {k: v for k, v in self.buffers.items() if k not in self.p.foreign_buffers}
 
     def optimizer_state(self) -> dict:
         """Optimizer state of the stages this rank holds under ``<state>:<key>``, traced or untraced (torch's

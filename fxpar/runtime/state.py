@@ -163,7 +163,7 @@ def save_rank_state(ex, path, aliases: dict) -> None:
             tensors[k] = v
             for alias in by_canon.get(k, ()):
                 tensors[alias] = v
-    tensors.update(ex.buffers)
+    tensors.update(ex.own_buffers())      # a buffer from the rank whose stage updates it (BatchNorm under pp)
     rest = None
     if ex.spec.traced:
         for st in state.values():
