@@ -320,6 +320,10 @@ class Program:
         return HostSettings(comm_priority=bool(getattr(self.cluster, "comm_priority", False)),
                             host_memory_reuse=bool(getattr(self.cluster, "host_memory_reuse", True)))
 
+    def initial_params(self) -> dict:
+        """The parameters every run starts from, ``{key: tensor}`` (the program's own tensors: do not modify)."""
+        return dict(self._params)
+
     def extra_ranks(self) -> list:
         """The ranks the enabled features run beside the workers (``fxpar.feature.ExtraRank``, ranks ``world_size ..``: e.g.
         CPU summation servers), none else."""
