@@ -48,12 +48,12 @@ class SSPState(SyncState):
         need = -1 if self.sync.dynamic() else c + 1 - self.sync.bounds()[0]
         self._read(ex, stage, c + 1, need)
 
-    def _read(self, ex, stage: int, clock: int, need: int) -> None:
+    def _read(self, ex, stage: int, clock: int, need: int, final: bool = False) -> None:
         """The parameters of ``clock``: the first server's shard (it answers with the bound), then the others'."""
         t0 = time.perf_counter()
         got, fresh, s = {}, None, None
         for j, (server, keys) in enumerate(zip(self.servers, self.shards)):
-            dist.send(torch.tensor([PULL, clock, need, 0], dtype=torch.float64), server, tag=TAG_HEAD)
+            dist.send(torch.tensor([PULL, clock, need, int(final)], dtype=torch.float64), server, tag=TAG_HEAD)
             head = torch.empty(4, dtype=torch.float64)
             dist.recv(head, server, tag=TAG_REPLY)
             shard = torch.empty(sum(self.base[k].numel() for k in keys), dtype=self.base[keys[0]].dtype)
@@ -77,7 +77,7 @@ class SSPState(SyncState):
         if self.drained_at == self.step:
             return
         self.drained_at = self.step
-        self._read(ex, self.stage, self.step, self.step)
+        self._read(ex, self.stage, self.step, self.step, final=True)
 
     def whole(self, ex, params: dict, state: dict) -> tuple:
         return params, state
