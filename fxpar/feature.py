@@ -282,9 +282,9 @@ class Feature:
         """Refuse a ClusterSpec (None: not known) this feature cannot run on, or one that asks for this feature while
         ``strategy`` leaves it off (a resource only it uses). Called for every registered feature, on or off."""
 
-    def takes_cpu_servers(self, strategy) -> bool:
-        """Whether ``strategy`` has this feature run on the ClusterSpec's ``cpu_servers`` ranks (a ClusterSpec with
-        servers that no enabled feature takes is refused). Default: False."""
+    def uses_server_ranks(self, strategy) -> bool:
+        """Whether ``strategy`` has this feature run on the ClusterSpec's CPU-only server ranks (a ClusterSpec with
+        server ranks that no enabled feature uses is refused). Default: False."""
         return False
 
     def plan(self, strategy, plan, cluster):

@@ -60,12 +60,12 @@ class BytePS(Feature):
     def validate(self, strategy) -> None:
         check_dp_alone(strategy)
 
-    def takes_cpu_servers(self, strategy) -> bool:
+    def uses_server_ranks(self, strategy) -> bool:
         return self.enabled(strategy)
 
     def check_cluster(self, strategy, cluster) -> None:
         k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
-        if k and not any(f.takes_cpu_servers(strategy) for f in registered_features()):
+        if k and not any(f.uses_server_ranks(strategy) for f in registered_features()):
             raise StrategyError(f"{strategy}: the ClusterSpec has cpu_servers={k} CPU server rank(s), which no feature "
                                 "of this Strategy uses (BytePS sums gradients on them, SSP/DSSP keep the parameters "
                                 "there); set Strategy(grad_sync='byteps'), Strategy(sync=S.SSP(...)), or "

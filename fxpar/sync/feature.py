@@ -170,11 +170,11 @@ class SyncFeature(Feature):
                                 "averaged after its one stage's update, which is built for pp=1; train with pp=1 or "
                                 "drop sync")
 
-    def takes_cpu_servers(self, strategy) -> bool:
+    def uses_server_ranks(self, strategy) -> bool:
         return self.enabled(strategy) and getattr(self.method(strategy), "uses_servers", False)
 
     def check_cluster(self, strategy, cluster) -> None:
-        if cluster is None or not self.takes_cpu_servers(strategy):
+        if cluster is None or not self.uses_server_ranks(strategy):
             return
         if getattr(cluster, "cpu_servers", 0) < 1:
             m = self.method(strategy)
