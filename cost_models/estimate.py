@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .comm import GLOO_THREADS, comm_info_cost, latency_part
 from .sequence import SequenceProgram, compile_sequence
-from .simulate import compile_program, simulate
+from .simulate import compile_program, simulate, slowed
 
 __all__ = ["RankEstimate", "Estimate", "estimate"]
 
@@ -267,10 +267,16 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
     order (graphs, ``(label, graph)``, :class:`~cost_models.sequence.Item`, send/recv
     ``CommInfo``, ``("wait", label)``; see :mod:`cost_models.sequence`). ``server_nodes[j]``: the
     worker node BytePS's CPU server ``j`` sits on (default: machines of their own; ``cost_models.comm``).
+    A straggler of ``cluster.slowdown`` (``{rank: factor}`` pairs) runs its compute ``factor`` times as long
+    (:func:`cost_models.simulate.slowed`); a collective starts when its slowest member issues it, so synchronous
+    data parallelism's step is the straggler's.
     """
     cache: dict = {}
     programs = {r: compile_sequence(g, cluster, cache, r) if isinstance(g, (list, tuple))
                 else compile_program(g, cluster, cache) for r, g in graphs.items()}
+    for r, factor in getattr(cluster, "slowdown", ()):      # stragglers: their compute, factor times as long
+        if r in programs and factor != 1:
+            programs[r] = slowed(programs[r], factor)
     comm_cache: dict = {}
     durations, wire, latency = {}, {}, {}
     for r, p in programs.items():

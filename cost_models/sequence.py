@@ -190,10 +190,12 @@ class SequenceProgram:
         self.compute_time_s = sum(p.compute_time_s for p in parts if p is not None)
         self.peak_bytes, self.memory_breakdown, self.peak_item = memory
 
+    slowdown: float = 1.0             # a straggler's copy (cost_models.simulate.slowed)
+
     @property
     def class_key(self):
-        """Equal for sequences that run the same steps (same graphs' code, same item kinds)."""
-        return id(self._flat)
+        """Equal for sequences that run the same steps (same graphs' code, same item kinds) as fast."""
+        return (id(self._flat), self.slowdown)
 
     @property
     def programs(self) -> list:

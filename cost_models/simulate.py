@@ -35,6 +35,7 @@ class is simulated and its timeline shared (the usual data/tensor-parallel case)
 """
 from __future__ import annotations
 
+import copy
 import operator
 from bisect import bisect_right
 
@@ -45,7 +46,7 @@ from fxpar import meta as M
 from .compute import graph_compute, pays_dispatch
 from .memory import liveness
 
-__all__ = ["Program", "cold_ops", "compile_program", "simulate", "SimResult", "DeadlockError"]
+__all__ = ["Program", "cold_ops", "compile_program", "simulate", "SimResult", "DeadlockError", "slowed"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _P2P = ("send", "recv")
@@ -131,10 +132,26 @@ class Program:
         self.infos = [n.meta[M.COMM.name] for n in self.comm_nodes]
         self.comm_names = [n.name for n in self.comm_nodes]
 
+    slowdown: float = 1.0             # a straggler's copy (:func:`slowed`): its compute takes this many times as long
+
     @property
     def class_key(self):
-        """Equal for programs that run the same steps (the same code on the same shapes)."""
-        return id(self.compute)
+        """Equal for programs that run the same steps (the same code on the same shapes) as fast."""
+        return (id(self.compute), self.slowdown)
+
+
+def slowed(program, factor: float):
+    """A copy of ``program`` (a :class:`Program` or a :class:`cost_models.sequence.SequenceProgram`) whose compute
+    takes ``factor`` times as long, communication unchanged: a straggler (``ClusterSpec.slowdown``). Its class key
+    differs, so the simulation waits for it wherever a collective pairs it with others."""
+    p = copy.copy(program)
+    p.steps = [("compute", st[1] * factor, st[2]) if st[0] == "compute" else st for st in program.steps]
+    p.segments = [[(name, t * factor) for name, t in seg] for seg in program.segments]
+    p.compute_time_s = program.compute_time_s * factor
+    if getattr(program, "parts", None) is not None:       # a sequence: its graphs' own figures too
+        p.parts = [None if q is None else slowed(q, factor) for q in program.parts]
+    p.slowdown = program.slowdown * factor
+    return p
 
 
 def cold_ops(gm, device=None) -> dict:

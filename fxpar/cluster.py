@@ -110,6 +110,12 @@ class ClusterSpec:
     handing it back to the OS and faulting it in again (glibc's mmap and trim thresholds raised,
     :func:`fxpar.host.reuse_freed_memory`; where the C library is not glibc, nothing changes). A rank then holds
     its peak of freed host memory, as CUDA's caching allocator holds device memory. False: the C library's defaults.
+
+    ``slowdown``: stragglers, ``{rank: factor}`` (a factor >= 1 per slowed worker rank; ``ClusterSpec.local(4,
+    slowdown={1: 2.0})``), kept as sorted ``(rank, factor)`` pairs. A run's rank sleeps ``(factor - 1)`` times the
+    compute seconds of each compute action it runs (the smaller of the action's wall time and its process CPU time,
+    so a wait inside it does not count), so its compute takes ``factor`` times as long; ``estimate()`` multiplies
+    that rank's compute by the factor (:func:`cost_models.estimate.estimate`). :meth:`slowdown_of` reads it.
     """
     device: DeviceSpec = field(default_factory=DeviceSpec)
     nodes: int = 1
@@ -121,8 +127,13 @@ class ClusterSpec:
     server_nodes: tuple | None = None
     comm_priority: bool = False
     host_memory_reuse: bool = True
+    slowdown: tuple = ()
 
     def __post_init__(self):
+        if isinstance(self.slowdown, dict):       # {rank: factor} -> sorted (rank, factor) pairs: hashable, one order
+            object.__setattr__(self, "slowdown", tuple(sorted(self.slowdown.items())))
+        elif isinstance(self.slowdown, list):
+            object.__setattr__(self, "slowdown", tuple(tuple(p) if isinstance(p, list) else p for p in self.slowdown))
         self.validate()
 
     # ---- construction -------------------------------------------------------------------
@@ -171,8 +182,14 @@ class ClusterSpec:
         """The link class between ranks ``a`` and ``b``."""
         return self.intra_node if self.node_of(a) == self.node_of(b) else self.inter_node
 
+    def slowdown_of(self, rank: int) -> float:
+        """The factor rank ``rank``'s compute is slowed by (1.0: not a straggler)."""
+        return float(dict(self.slowdown).get(rank, 1.0))
+
     def with_world_size(self, world_size: int) -> "ClusterSpec":
-        return replace(self, nodes=1, devices_per_node=world_size)
+        """The same machines, ``world_size`` ranks on one node (stragglers beyond them dropped)."""
+        return replace(self, nodes=1, devices_per_node=world_size,
+                       slowdown=tuple((r, f) for r, f in self.slowdown if r < world_size))
 
     # ---- checks -------------------------------------------------------------------------
     def validate(self) -> None:
@@ -184,6 +201,7 @@ class ClusterSpec:
                 raise ClusterSpecError(f"ClusterSpec({name}={v!r}): {name} must be a positive int.")
         _check_cpu_servers(self.cpu_servers, self.backend)
         _check_server_nodes(self.server_nodes, self.cpu_servers, self.nodes)
+        _check_slowdown(self.slowdown, self.world_size)
         if not isinstance(self.comm_priority, bool):
             raise ClusterSpecError(f"ClusterSpec(comm_priority={self.comm_priority!r}): give True (gloo's "
                                    "communication threads under SCHED_FIFO on every rank) or False (as the OS "
@@ -268,7 +286,8 @@ class ClusterSpec:
                    backend=d.get("backend", "gloo"), cpu_servers=int(d.get("cpu_servers", 0)),
                    server_nodes=None if d.get("server_nodes") is None else tuple(d["server_nodes"]),
                    comm_priority=d.get("comm_priority", False),
-                   host_memory_reuse=d.get("host_memory_reuse", True))
+                   host_memory_reuse=d.get("host_memory_reuse", True),
+                   slowdown=d.get("slowdown", ()))
 
     @classmethod
     def from_json(cls, text_or_path) -> "ClusterSpec":
@@ -304,7 +323,8 @@ class ClusterSpec:
                 f"inter {self.inter_node.bandwidth / 1e9:.3g} GB/s"
                 + (f", + {self.cpu_servers} CPU summation server(s)" if self.cpu_servers else "")
                 + (", gloo's threads under SCHED_FIFO (comm_priority)" if self.comm_priority else "")
-                + ("" if self.host_memory_reuse else ", freed host memory returned to the OS (host_memory_reuse=False)"))
+                + ("" if self.host_memory_reuse else ", freed host memory returned to the OS (host_memory_reuse=False)")
+                + ("".join(f", rank {r} {f:g}x slower" for r, f in self.slowdown)))
 
 
 def _check_server_nodes(where, k: int, nodes: int) -> None:
@@ -328,6 +348,25 @@ def _check_cpu_servers(k, backend: str) -> None:
                                "backend='gloo' (CPU tensors), or cpu_servers=0 (grad_sync='allreduce').")
 
 
+def _check_slowdown(pairs, world_size: int) -> None:
+    """Stragglers: ``(rank, factor)`` pairs, each rank a worker once, each factor a number >= 1."""
+    fix = ("Give {rank: factor}, a factor >= 1 per slowed worker rank, e.g. ClusterSpec.local(4, slowdown={1: 2.0}) "
+           "(rank 1's compute takes twice as long), or leave it out (no straggler).")
+    ok = isinstance(pairs, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in pairs)
+    if not ok:
+        raise ClusterSpecError(f"ClusterSpec(slowdown={pairs!r}): {fix}")
+    ranks = [r for r, _ in pairs]
+    for r, f in pairs:
+        if not isinstance(r, int) or isinstance(r, bool) or not 0 <= r < world_size:
+            raise ClusterSpecError(f"ClusterSpec(slowdown={dict(pairs)!r}): rank {r!r} is not a worker rank "
+                                   f"(0..{world_size - 1}). {fix}")
+        if not isinstance(f, (int, float)) or isinstance(f, bool) or not f >= 1:
+            raise ClusterSpecError(f"ClusterSpec(slowdown={dict(pairs)!r}): rank {r}'s factor {f!r} must be a number "
+                                   f">= 1 (1: as fast as the others). {fix}")
+    if len(set(ranks)) != len(ranks):
+        raise ClusterSpecError(f"ClusterSpec(slowdown={pairs!r}): a rank is named twice. {fix}")
+
+
 def _host_memory_bytes() -> int:
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
@@ -342,7 +381,8 @@ _TOP_FIELDS = {"device": (dict, "an object {...} of DeviceSpec fields"), "nodes"
                "cpu_servers": (int, "an integer >= 0 (CPU summation servers)"),
                "server_nodes": ((list, tuple, type(None)), "null or a list of node indices, one per CPU server"),
                "comm_priority": (bool, "true or false (gloo's threads under SCHED_FIFO)"),
-               "host_memory_reuse": (bool, "true or false (ranks keep the memory a step frees)")}
+               "host_memory_reuse": (bool, "true or false (ranks keep the memory a step frees)"),
+               "slowdown": (list, "a list of [rank, factor] pairs (stragglers; a factor >= 1)")}
 _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "memory_bytes": (int, "an integer (bytes)"),
                   "peak_flops": (float, _NUMBER + " (FLOP/s)"), "mem_bandwidth": (float, _NUMBER + " (bytes/s)"),
                   "efficiency": (dict, "an object {op class: fraction}"), "op_overhead_s": (float, _NUMBER + " (seconds)"),

@@ -282,6 +282,11 @@ class Feature:
         """Refuse a ClusterSpec (None: not known) this feature cannot run on, or one that asks for this feature while
         ``strategy`` leaves it off (a resource only it uses). Called for every registered feature, on or off."""
 
+    def uses_server_ranks(self, strategy) -> bool:
+        """Whether ``strategy`` has this feature run on the ClusterSpec's CPU-only server ranks (a ClusterSpec with
+        server ranks that no enabled feature uses is refused). Default: False."""
+        return False
+
     def plan(self, strategy, plan, cluster):
         """Before capture: return this feature's Plan section (or None to leave it off)."""
         return self.section() if self.section is not None else None

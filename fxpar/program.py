@@ -320,6 +320,10 @@ class Program:
         return HostSettings(comm_priority=bool(getattr(self.cluster, "comm_priority", False)),
                             host_memory_reuse=bool(getattr(self.cluster, "host_memory_reuse", True)))
 
+    def initial_params(self) -> dict:
+        """The parameters every run starts from, ``{key: tensor}`` (the program's own tensors: do not modify)."""
+        return dict(self._params)
+
     def extra_ranks(self) -> list:
         """The ranks the enabled features run beside the workers (``fxpar.feature.ExtraRank``, ranks ``world_size ..``: e.g.
         CPU summation servers), none else."""
@@ -339,7 +343,8 @@ class Program:
                                measure_comm=measure_comm, measure_memory=measure_memory, aliases=dict(self.aliases),
                                save_to=None if save_to is None else str(save_to),
                                resume_from=None if resume_from is None else str(resume_from),
-                               host=self._host_settings())
+                               host=self._host_settings(),
+                               slowdown=self.cluster.slowdown_of(rank) if hasattr(self.cluster, "slowdown_of") else 1.0)
         if self.asynchronous:
             sched = build_schedule(self.plan, n_batches, resumed=resume_from is not None)
             # the window starts from the checkpoint's stashed versions where the schedule's generator says so

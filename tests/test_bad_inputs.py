@@ -666,6 +666,28 @@ SYNC_CASES = {
                             r"SlowMo\(slow_momentum=1.0\)", r"a number in \[0, 1\)"),
     "slowmo_base_unknown": (lambda: S.SlowMo(period=2, base="sgp"), fxpar.StrategyError, r"SlowMo\(base='sgp'\)",
                             r"'localsgd' is the one built"),
+    "dssp_low_above_high": (lambda: S.DSSP(low=5, high=2), fxpar.StrategyError, r"DSSP\(low=5, high=2\)",
+                            r"low must be <= high.*DSSP\(low=2, high=5\)"),
+    "ssp_staleness_negative": (lambda: S.SSP(staleness=-1), fxpar.StrategyError, r"SSP\(staleness=-1\)",
+                               r"must be an int >= 0 \(0: synchronous SGD\)"),
+    "ssp_period": (lambda: S.SSP(period=4), fxpar.StrategyError, r"SSP\(period=4, warmup_steps=0\)",
+                   r"leave both out, e.g. SSP\(staleness=...\)"),
+    "ssp_without_servers": (lambda: _servers(0, sync=S.SSP(staleness=2)), fxpar.StrategyError,
+                            r"Strategy\(sync=SSP\(staleness=2\)\).*this ClusterSpec has none \(cpu_servers=0\)",
+                            r"pass ClusterSpec.local\(2, cpu_servers=1\)"),
+    "ssp_with_zero": (lambda: _servers(1, zero=1, sync=S.SSP(staleness=2)), fxpar.StrategyError,
+                      r"Strategy\(sync=SSP\(staleness=2\), zero=1\): ZeRO shards the optimizer state",
+                      r"drop zero .* or drop sync"),
+    "dssp_with_tp": (lambda: _servers(1, world=4, tp=2, sync=S.DSSP(low=1, high=4)), fxpar.StrategyError,
+                     r"Strategy\(sync=DSSP\(low=1, high=4\), tp=2\): the parameter servers hold whole parameters",
+                     r"train with tp=1 or drop sync"),
+    "ssp_with_pp": (lambda: _servers(1, world=4, pp=2, microbatches=2, sync=S.SSP(staleness=1)), fxpar.StrategyError,
+                    r"Strategy\(sync=SSP\(staleness=1\), pp=2\)", r"train with pp=1 or drop sync"),
+    "cpu_servers_unused": (lambda: _servers(1), fxpar.StrategyError,
+                           r"cpu_servers=1 CPU server rank\(s\), which no feature of this Strategy uses",
+                           r"Strategy\(sync=S.SSP\(...\)\), or ClusterSpec\(cpu_servers=0\)"),
+    "slowdown_below_one": (lambda: fxpar.ClusterSpec.local(2, slowdown={1: 0.5}), fxpar.errors.ClusterSpecError,
+                           r"ClusterSpec\(slowdown=\{1: 0.5\}\): rank 1's factor 0.5", r"a factor >= 1 per slowed"),
 }
 
 
@@ -713,6 +735,13 @@ DELAYED_CASES = {
                                   UserWarning, r"Strategy\(pp=1, schedule='pipemare'\): with one stage no gradient "
                                   r"is late", r"is plain SGD with an update per microbatch; use pp > 1"),
 }
+
+def _servers(k: int, world: int = 2, **options):
+    """A program on ``world`` workers and ``k`` CPU server ranks with these Strategy options (dp: the rest)."""
+    dp = world // (options.get("tp", 1) * options.get("pp", 1))
+    return fxpar.parallelize(_net(), fxpar.ClusterSpec.local(world, cpu_servers=k), (X, Y), CE, SGD,
+                             strategy=fxpar.Strategy(dp=dp, **options))
+
 
 CASES.update(DECENTRALIZED_CASES)
 CASES.update(SYNC_CASES)

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from cost_models.byteps_traffic import gain_over_allreduce, server_share
 from fxpar import meta as M
 from fxpar.errors import StrategyError
-from fxpar.feature import Feature, PlanSection, Slot, register_feature
+from fxpar.feature import Feature, PlanSection, Slot, register_feature, registered_features
 from fxpar.runner import GroupExit
 from fxpar.runtime.server import ServerPayload, join_groups, server_payloads, serve_step
 from passes.byteps import ServerSum
@@ -60,11 +60,16 @@ class BytePS(Feature):
     def validate(self, strategy) -> None:
         check_dp_alone(strategy)
 
+    def uses_server_ranks(self, strategy) -> bool:
+        return self.enabled(strategy)
+
     def check_cluster(self, strategy, cluster) -> None:
         k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
-        if k and not self.enabled(strategy):
-            raise StrategyError(f"{strategy}: the ClusterSpec has cpu_servers={k} CPU summation server(s), which only "
-                                "BytePS uses; set Strategy(grad_sync='byteps') or ClusterSpec(cpu_servers=0).")
+        if k and not any(f.uses_server_ranks(strategy) for f in registered_features()):
+            raise StrategyError(f"{strategy}: the ClusterSpec has cpu_servers={k} CPU server rank(s), which no feature "
+                                "of this Strategy uses (BytePS sums gradients on them, SSP/DSSP keep the parameters "
+                                "there); set Strategy(grad_sync='byteps'), Strategy(sync=S.SSP(...)), or "
+                                "ClusterSpec(cpu_servers=0).")
 
     def plan(self, strategy, plan, cluster):
         """The CPU servers' ranks (after the workers'), one group per server (every worker and that server: the

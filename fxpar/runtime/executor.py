@@ -44,7 +44,7 @@ from .groups import bind_groups, comm_priority, group, seed_rank
 from .state import eager_optimizer_state, load_rank_state, save_rank_state
 from .tracking import VersionStore, activation_bytes, digest, weight_storages
 
-__all__ = ["RankPayload", "RunSettings", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group"]
+__all__ = ["RankPayload", "RunSettings", "Executor", "bind_groups", "make_scheduler", "seed_rank", "group", "straggle"]
 
 _K = ActionKind
 
@@ -84,6 +84,14 @@ def make_scheduler(spec, optimizer):
 
 def _tag(channel: str, consumer_stage: int) -> int:
     return 2 * consumer_stage + (0 if channel == "F" else 1)
+
+
+def straggle(factor: float, wall_s: float, cpu_s: float) -> float:
+    """A straggler's compute action took ``wall_s`` (``cpu_s`` of the process's CPU): sleep ``(factor - 1)`` times
+    its compute seconds, the smaller of the two (a wait inside it costs no CPU; ops on several threads cost more
+    CPU than wall time), so the action takes ``factor`` times as long. Returns the time after the sleep."""
+    time.sleep((factor - 1) * max(0.0, min(wall_s, cpu_s)))
+    return time.perf_counter()
 
 
 class _Window:
@@ -234,9 +242,11 @@ class Executor:
         w = _Window(micro, len(micro) // per_batch, VersionStore(self.params, actions, previous))
         w.per_batch = per_batch
         for idx, a in enumerate(actions):
-            tc = time.perf_counter()
+            tc, cpu = time.perf_counter(), time.process_time()
             self.handlers[a.kind](a, w, idx)
             end = time.perf_counter()
+            if self.p.settings.slowdown > 1 and a.is_compute:      # a straggler (ClusterSpec.slowdown)
+                end = straggle(self.p.settings.slowdown, end - tc, time.process_time() - cpu)
             if a.is_compute:
                 w.busy += end - tc
             key = (a.kind.value, a.stage)

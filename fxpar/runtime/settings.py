@@ -23,3 +23,4 @@ class RunSettings:
     resumed: bool = False                # resumed 2BW: the checkpoint holds the stashed weights the first steps read
     reduced_by: dict = field(default_factory=dict)  # stage -> {tied key: the held stage that reduces it here}
     host: HostSettings = field(default_factory=HostSettings)   # the ClusterSpec's settings for this process
+    slowdown: float = 1.0                # ClusterSpec.slowdown: this rank's compute made that many times as long

@@ -17,6 +17,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
+
 from fxpar.compress.feature import CompressedSum, bucket_infos, dp_bucket_indices
 from fxpar.compress.method import BucketInfo, Method
 from fxpar.errors import StrategyError
@@ -24,8 +26,10 @@ from fxpar.feature import Feature, Option, PlanSection, Slot, register_feature
 
 from .method import SyncMethod, method_from_dict
 from .runtime import SyncInfo, SyncState
+from .ssp_server import SSPServer
+from .ssp_worker import SSPState
 
-__all__ = ["SyncFeature", "SyncSection", "GradientStep", "FEATURE"]
+__all__ = ["SyncFeature", "SyncSection", "GradientStep", "FEATURE", "sync_state", "shard_keys"]
 
 FEATURE = "sync"
 ALLREDUCE, LOCAL = "allreduce", "local"
@@ -66,11 +70,16 @@ class SyncSection(PlanSection):
     ``first_step`` the warm-up's all-reduce of the gradient bucket."""
     method: dict = field(default_factory=dict)
     stages: list = field(default_factory=list)
+    servers: list = field(default_factory=list)     # SSP / DSSP: the parameter servers' global ranks
+    shards: list = field(default_factory=list)      # SSP / DSSP: per server, the parameter keys it holds
 
     def lines(self) -> list:
         m = method_from_dict(self.method)
         rows = [b for st in self.stages for b in st]
         head = m.summary()
+        if m.uses_servers:
+            return [f"{head}: the parameters live on {len(self.servers)} parameter server(s) (ranks {self.servers}); "
+                    "each worker pushes its update and reads the parameters every step"]
         if not rows:
             return [head]
         window = sum(b["window_bytes"] for b in rows)
@@ -79,6 +88,13 @@ class SyncSection(PlanSection):
 
 
 def _note(plan, m: SyncMethod) -> None:
+    if m.uses_servers:
+        plan.notes.append(
+            f"sync: {m.summary()} -- the parameters live on the ClusterSpec's cpu_servers ranks; each worker steps its "
+            f"own optimizer, pushes the change divided by dp, and {m.outer_words()}; the workers' optimizer states "
+            "are their own. state_dict() and checkpoints hold the servers' parameters after every push "
+            "(docs/semantics.md, 'Synchronisation methods')")
+        return
     warm = (f"the first {m.warmup_steps} step(s) all-reduce the gradients (synchronous data parallelism); after, "
             if m.warmup_steps else "")
     plan.notes.append(
@@ -93,17 +109,36 @@ def method_of(section: SyncSection) -> SyncMethod:
     return method_from_dict(section.method)
 
 
+def sync_state(info: SyncInfo, rank: int):
+    """The rank's state: an SSP / DSSP worker (:class:`SSPState`) for a method on parameter servers, else
+    :class:`SyncState` (the averaging)."""
+    return (SSPState if info.sync.uses_servers else SyncState)(info, rank)
+
+
+def shard_keys(sizes: dict, k: int) -> list:
+    """``k`` shards of the parameter keys (``sizes``: key -> elements): largest first to the least-filled shard,
+    each shard's keys then in sorted order."""
+    shards, fill = [[] for _ in range(k)], [0] * k
+    for key in sorted(sizes, key=lambda x: (-sizes[x], x)):
+        j = min(range(k), key=lambda i: (fill[i], i))
+        shards[j].append(key)
+        fill[j] += sizes[key]
+    return [sorted(sh) for sh in shards]
+
+
 class SyncFeature(Feature):
     name = FEATURE
-    doc = "synchronisation methods: Local SGD (post-local SGD), DiLoCo, SlowMo (fxpar.sync)"
+    doc = ("synchronisation methods: Local SGD (post-local SGD), DiLoCo, SlowMo, stale synchronous parallel (SSP, DSSP) "
+           "on parameter servers (fxpar.sync)")
     options = {FEATURE: Option(None, (
         "when the dp replicas agree (``fxpar.sync``): ``S.LocalSGD(period=H, warmup_steps=W)``, "
-        "``S.DiLoCo(period=H, outer=(torch.optim.SGD, {...}))``, ``S.SlowMo(period=H, slow_lr=a, slow_momentum=b)``; "
+        "``S.DiLoCo(period=H, outer=(torch.optim.SGD, {...}))``, ``S.SlowMo(period=H, slow_lr=a, slow_momentum=b)``, "
+        "``S.SSP(staleness=s)``, ``S.DSSP(low=a, high=b)`` (these two with ClusterSpec(cpu_servers=k)); "
         "None: every step's gradients are all-reduced"))}
     section = SyncSection
     requires = ("data_parallel",)
     conflicts_with = CONFLICTS
-    state = SyncState
+    state = staticmethod(sync_state)
 
     def method(self, strategy) -> SyncMethod:
         return strategy.option(FEATURE)
@@ -121,18 +156,48 @@ class SyncFeature(Feature):
             raise StrategyError(f"Strategy(sync={m.summary()}, grad_sync={g!r}): the sync method removes the gradient "
                                 "all-reduce after its warm-up, and the grad_sync method would change that all-reduce; "
                                 "they do not compose: drop one of them")
+        if m.uses_servers and strategy.tp > 1:
+            raise StrategyError(f"Strategy(sync={m.summary()}, tp={strategy.tp}): the parameter servers hold whole "
+                                "parameters and each worker pushes the change of its whole replica, which tensor "
+                                "parallelism splits over tp ranks; train with tp=1 or drop sync")
+        if m.uses_servers and strategy.option("zero"):
+            raise StrategyError(f"Strategy(sync={m.summary()}, zero={strategy.option('zero')!r}): ZeRO shards the "
+                                "optimizer state over dp replicas that step together, while SSP's workers step at "
+                                "their own clocks from their own reads; drop zero (each worker keeps its optimizer "
+                                "state) or drop sync")
         if strategy.pp > 1 or strategy.schedule is not None:
             raise StrategyError(f"Strategy(sync={m.summary()}, pp={strategy.pp}): each replica's parameters are "
                                 "averaged after its one stage's update, which is built for pp=1; train with pp=1 or "
                                 "drop sync")
 
+    def uses_server_ranks(self, strategy) -> bool:
+        return self.enabled(strategy) and getattr(self.method(strategy), "uses_servers", False)
+
+    def check_cluster(self, strategy, cluster) -> None:
+        if cluster is None or not self.uses_server_ranks(strategy):
+            return
+        if getattr(cluster, "cpu_servers", 0) < 1:
+            m = self.method(strategy)
+            raise StrategyError(f"Strategy(sync={m.summary()}): the staleness bound is kept by parameter-server ranks, "
+                                "and this ClusterSpec has none (cpu_servers=0); pass "
+                                f"ClusterSpec.local({cluster.world_size}, cpu_servers=1) (or more servers, each "
+                                "holding a shard of the parameters), or use S.LocalSGD")
+
     def plan(self, strategy, plan, cluster):
         m = self.method(strategy)
         _note(plan, m)
-        return SyncSection(method=m.to_dict())
+        section = SyncSection(method=m.to_dict())
+        if m.uses_servers:
+            k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
+            section.servers = list(range(plan.mesh.size, plan.mesh.size + k))
+        return section
 
     def adopt(self, section, strategy, plan, cluster):
-        _note(plan, method_of(section))
+        m = method_of(section)
+        _note(plan, m)
+        if m.uses_servers and cluster is not None:     # the servers are the cluster's
+            k = getattr(cluster, "cpu_servers", 0)
+            section.servers = list(range(plan.mesh.size, plan.mesh.size + k))
         return section
 
     def plan_stage(self, section, plan, stage, captured, cluster, schedule) -> None:
@@ -150,6 +215,22 @@ class SyncFeature(Feature):
         while len(section.stages) <= stage:
             section.stages.append([])
         section.stages[stage] = rows
+        if m.uses_servers:
+            self._plan_shards(section, m, captured)
+
+    def _plan_shards(self, section, m: SyncMethod, captured) -> None:
+        """SSP / DSSP: each server's shard of the stage's parameters; the stage's parameters in one dtype."""
+        dtypes = {str(captured.param_dtypes[k]).replace("torch.", "") for k in captured.param_shapes}
+        if len(dtypes) > 1:
+            raise StrategyError(f"Strategy(sync={m.summary()}): each parameter server holds its shard as one flat "
+                                f"buffer, and the model's parameters have dtypes {sorted(dtypes)}; cast the model to "
+                                "one dtype (model.double() or model.float())")
+        sizes = {k: int(torch.Size(sh).numel()) for k, sh in captured.param_shapes.items()}
+        if len(section.servers) > len(sizes):
+            raise StrategyError(f"Strategy(sync={m.summary()}): ClusterSpec(cpu_servers={len(section.servers)}) is more "
+                                f"servers than the model has parameters ({len(sizes)}); each server holds whole "
+                                f"parameters: use at most cpu_servers={len(sizes)}")
+        section.shards = shard_keys(sizes, len(section.servers))
 
     def make_passes(self, section) -> list:
         return [(Slot.BUCKET_SUM, CompressedSum(FEATURE))]
@@ -166,7 +247,25 @@ class SyncFeature(Feature):
             return None
         m = method_of(section)
         return SyncInfo(FEATURE, GradientStep(warmup_steps=m.warmup_steps, period=m.period), tuple(buckets),
-                        tuple(program.plan.group_of("dp", rank)), sync=m)
+                        tuple(program.plan.group_of("dp", rank)), sync=m, servers=tuple(section.servers),
+                        shards=tuple(tuple(sh) for sh in section.shards))
+
+    def extra_ranks(self, section, program, host) -> list:
+        """SSP / DSSP: one parameter server per ClusterSpec ``cpu_servers``, each starting from its shard of the
+        program's parameters."""
+        m = method_of(section)
+        if not m.uses_servers:
+            return []
+        params = program.initial_params()
+        workers = tuple(program.plan.group_of("dp", 0))
+        return [SSPServer(rank=r, index=j, workers=workers, keys=tuple(keys),
+                          flat=torch.cat([params[k].detach().reshape(-1) for k in keys]), method=m.to_dict(),
+                          groups=list(program.plan.all_groups()), host=host, n_servers=len(section.servers))
+                for j, (r, keys) in enumerate(zip(section.servers, section.shards))]
+
+    def extra_runner(self, payload, program):
+        raise StrategyError(f"Strategy(sync={method_from_dict(payload.method).summary()}) runs its parameter servers "
+                            "under program.run_local only; under torchrun use S.LocalSGD, DiLoCo or SlowMo")
 
     def state_bytes(self, section, program, rank) -> int:
         """DiLoCo and SlowMo keep the parameters of the last averaging and one state tensor per parameter (the
@@ -179,6 +278,11 @@ class SyncFeature(Feature):
 
     def check_run(self, section, program, n_batches: int, resume_from) -> None:
         m = method_of(section)
+        if m.uses_servers and resume_from is not None:
+            raise StrategyError(f"Strategy(sync={m.summary()}): run_local(resume_from=...) would start the parameter "
+                                "servers from the program's weights, not the checkpoint's (their clock table is not "
+                                "saved); load the checkpoint's model keys into the model and build a new program "
+                                "from it, or resume under S.LocalSGD")
         if resume_from is None and m.warmup_steps >= n_batches:
             warnings.warn(f"Strategy(sync={m.summary()}): warmup_steps={m.warmup_steps} covers the whole run of "
                           f"{n_batches} step(s), so every step all-reduces the gradients (plain data parallelism); "
@@ -187,6 +291,14 @@ class SyncFeature(Feature):
     def explain(self, section, program) -> list:
         m = method_of(section)
         lines = section.lines() + [f"method: {m.summary()}; {m.paper}"]
+        if m.uses_servers:
+            lines.append(f"every step each worker pushes (its optimizer step's change) / dp to the servers, which "
+                         f"add it as it arrives; then {m.outer_words()}; a worker's own pushes are always in what "
+                         "it reads")
+            for j, (r, keys) in enumerate(zip(section.servers, section.shards)):
+                lines.append(f"parameter server {j} (rank {r}): {len(keys)} parameter(s) ({', '.join(keys[:4])}"
+                             f"{', ...' if len(keys) > 4 else ''})")
+            return lines
         first = m.averaging_steps(m.warmup_steps + 3 * m.period + 1)
         lines.append(f"steps 0..{m.warmup_steps - 1} all-reduce the gradients (warm-up); " if m.warmup_steps else "")
         lines[-1] += (f"from step {m.warmup_steps} each replica steps alone; the parameters are averaged (one "

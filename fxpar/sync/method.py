@@ -33,7 +33,7 @@ import torch
 
 from fxpar.errors import StrategyError
 
-__all__ = ["SyncMethod", "LocalSGD", "DiLoCo", "SlowMo", "method_from_dict", "METHODS"]
+__all__ = ["SyncMethod", "LocalSGD", "DiLoCo", "SlowMo", "method_from_dict", "register_method", "METHODS"]
 
 
 def _is_int(x) -> bool:
@@ -52,6 +52,8 @@ class SyncMethod:
     paper: ClassVar[str] = ""
     # whether its outer step reads the parameters of the last averaging (kept per rank, checkpointed)
     keeps_anchor: ClassVar[bool] = True
+    # whether the parameters live on parameter-server ranks (ClusterSpec(cpu_servers=k)) instead of being averaged
+    uses_servers: ClassVar[bool] = False
     period: int = 1
     warmup_steps: int = 0
 
@@ -194,7 +196,17 @@ class SlowMo(SyncMethod):
                 f"x = x_prev - {self.slow_lr} lr u (x_prev: the parameters of the last averaging)")
 
 
-METHODS = {cls.name: cls for cls in (LocalSGD, DiLoCo, SlowMo)}
+METHODS: dict = {}            # method name -> class (register_method)
+
+
+def register_method(cls):
+    """Make a :class:`SyncMethod` subclass readable from a Plan section (``method_from_dict``) by its ``name``."""
+    METHODS[cls.name] = cls
+    return cls
+
+
+for _cls in (LocalSGD, DiLoCo, SlowMo):
+    register_method(_cls)
 
 
 def method_from_dict(data: dict) -> SyncMethod:

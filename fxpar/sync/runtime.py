@@ -24,8 +24,11 @@ __all__ = ["SyncInfo", "SyncState", "average_over"]
 
 @dataclass(frozen=True)
 class SyncInfo(CompressInfo):
-    """:class:`CompressInfo` and the sync method (picklable)."""
+    """:class:`CompressInfo` and the sync method (picklable); for a method on parameter servers (SSP) the servers'
+    global ranks and, per server, the parameter keys of its shard."""
     sync: SyncMethod | None = None
+    servers: tuple = ()
+    shards: tuple = ()
 
 
 def average_over(tensors: dict, pg, dp: int, divide_first: bool = True) -> dict:

@@ -1,5 +1,5 @@
-"""References for the synchronisation methods (``fxpar.sync``): torch's post-local SGD on real ranks, and DiLoCo's and
-SlowMo's math in one process."""
+"""References for the synchronisation methods (``fxpar.sync``): torch's post-local SGD on real ranks, and DiLoCo's,
+SlowMo's and SSP's math in one process."""
 from __future__ import annotations
 
 import contextlib
@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from fxpar.testing.reference import replica_gradients
 
-__all__ = ["post_local_sgd_worker", "local_sgd_reference", "nesterov_outer", "slowmo_outer"]
+__all__ = ["post_local_sgd_worker", "local_sgd_reference", "nesterov_outer", "slowmo_outer", "ssp_reference"]
 
 
 def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmup_steps: int,
@@ -134,3 +134,81 @@ def slowmo_outer(inner_lr: float, slow_lr: float, slow_momentum: float):
             out[k] = anchor[k] - (slow_lr * inner_lr) * u[k]
         return out
     return step
+
+
+def ssp_reference(model, batches, loss_fn, optimizer, dp: int, logs: list, shards: list) -> dict:
+    """SSP's read rule in one process, replaying the servers' logs of a run (``RunResult.servers[r]["log"]`` of
+    server ``j`` in ``logs[j]``, its keys in ``shards[j]``): server ``j`` starts from ``model``'s parameters of its
+    shard and adds each push in its log's order; a ``("read", w, c, fresh)`` gives worker ``w`` the shard as it is
+    at that point of the log, its parameters for clock ``c``. Worker ``w``'s clock ``c`` steps its own
+    ``optimizer`` (``(class, kwargs)``, its own state) from its read for ``c`` (``model``'s parameters for ``c =
+    0``) with the gradient of its shard ``w`` of ``batches[c]``, and pushes ``(after - read) / dp``. A push is
+    replayed once its worker has read that clock from every server (the logs of several servers interleave as the
+    run did). Returns ``{"losses": per clock the workers' shard losses averaged, "final": the servers' parameters
+    after the logs, "reads": {(w, c): {key: tensor}}}``."""
+    init = {k: v.detach().clone() for k, v in model.named_parameters()}
+    by_clock = [{} for _ in shards]        # per server: clock -> {key: the sum of its updates so far}
+    reps = [copy.deepcopy(model) for _ in range(dp)]
+    named = [dict(m.named_parameters()) for m in reps]
+    cls, kw = optimizer
+    opts = [cls(m.parameters(), **kw) for m in reps]
+    parts: dict = {}                       # (w, c) -> {server: its shard read}
+    reads = {(w, 0): dict(init) for w in range(dp)}
+    updates: dict = {}
+    losses: dict = {}
+
+    def update(w: int, c: int):
+        if (w, c) in updates:
+            return updates[(w, c)]
+        if (w, c) not in reads:
+            got = parts.get((w, c), {})
+            if len(got) < len(shards):
+                return None                  # not read from every server yet
+            reads[(w, c)] = {k: v for j in range(len(shards)) for k, v in got[j].items()}
+        x = reads[(w, c)]
+        *inputs, target = batches[c]
+        n = target.shape[0] // dp
+        with torch.no_grad():
+            for k, p in named[w].items():
+                p.copy_(x[k])
+        shard = [t[w * n:(w + 1) * n] for t in (*inputs, target)]
+        opts[w].zero_grad()
+        loss = loss_fn(reps[w](*shard[:-1]), shard[-1])
+        loss.backward()
+        opts[w].step()
+        losses.setdefault(c, {})[w] = loss.item()
+        updates[(w, c)] = {k: (p.detach() - x[k]) / dp for k, p in named[w].items()}
+        return updates[(w, c)]
+
+    at = [0] * len(logs)
+    while any(at[j] < len(logs[j]) for j in range(len(logs))):
+        moved = False
+        for j, log in enumerate(logs):
+            while at[j] < len(log):
+                e = log[at[j]]
+                if e[0] == "read":
+                    parts.setdefault((e[1], e[2]), {})[j] = _window(init, shards[j], by_clock[j], e[2] + e[4])
+                else:
+                    u = update(e[1], e[2])
+                    if u is None:
+                        break
+                    got = by_clock[j].get(e[2])
+                    by_clock[j][e[2]] = {k: u[k] if got is None else got[k] + u[k] for k in shards[j]}
+                at[j] += 1
+                moved = True
+        if not moved:
+            raise AssertionError(f"ssp_reference: the logs cannot be replayed (each server waits on a push whose "
+                                 f"read it has not seen): positions {at}")
+    for (w, c) in list(parts):
+        if (w, c) not in reads and len(parts[(w, c)]) == len(shards):
+            reads[(w, c)] = {k: v for j in range(len(shards)) for k, v in parts[(w, c)][j].items()}
+    final = {k: v for j, keys in enumerate(shards) for k, v in _window(init, keys, by_clock[j], 1 << 62).items()}
+    return {"losses": [sum(losses[c].values()) / dp for c in sorted(losses)], "final": final, "reads": reads}
+
+
+def _window(init: dict, keys, by_clock: dict, upto: int) -> dict:
+    """A server's read: its start plus, clock by clock, the updates of clocks ``< upto`` received so far."""
+    x = {k: init[k].clone() for k in keys}
+    for t in sorted(c for c in by_clock if c < upto):
+        x = {k: x[k] + by_clock[t][k] for k in keys}
+    return x

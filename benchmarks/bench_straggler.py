@@ -1,0 +1,96 @@
+"""One straggler among 4 ranks: SSP, DSSP and Local SGD against synchronous data parallelism, time to the same loss.
+
+Rank 3 of ``ClusterSpec.local(4, slowdown={3: 2.0})`` computes twice as long (it sleeps as long again as each of its
+compute actions took). Every method trains the same MLP (float64, SGD-momentum) on the same batches of a fixed
+regression task; SSP and DSSP add one CPU parameter server (``cpu_servers=1``, a fifth process):
+
+- ``sync dp``: ``Strategy(dp=4)``, every step waits for the straggler;
+- ``SSP(s)``: ``Strategy(dp=4, sync=S.SSP(staleness=s))``;
+- ``DSSP(low, high)``: ``S.DSSP(low, high)``;
+- ``LocalSGD(H)``: ``S.LocalSGD(period=H)``.
+
+Measured per method: the wall time from the first rank's start to the step after which the training loss (the
+workers' shard losses averaged, smoothed over ``--window`` steps) first reaches the target -- the highest smoothed
+loss any method ends at, so every method reaches it -- read from the ranks' action timelines; its ratio to
+synchronous dp's; the final smoothed loss. Also ``estimate()``'s step time of synchronous dp with and without the straggler against the measured median
+step times.
+
+    python benchmarks/bench_straggler.py [--steps 60] [--window 5] [--hidden 256] [--batch 256] [--factor 2.0]
+"""
+import argparse
+import statistics
+
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar import sync as S
+from fxpar.testing import MLP
+
+OPT = (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9})
+
+
+def _batches(n: int, batch: int) -> list:
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(16, 8, dtype=torch.float64, generator=g)
+    out = []
+    for _ in range(n):
+        x = torch.randn(batch, 16, dtype=torch.float64, generator=g)
+        out.append((x, torch.tanh(x @ w) + 0.1 * torch.randn(batch, 8, dtype=torch.float64, generator=g)))
+    return out
+
+
+def _smooth(losses: list, k: int) -> list:
+    return [statistics.fmean(losses[max(0, i - k + 1):i + 1]) for i in range(len(losses))]
+
+
+def _ends(res) -> tuple:
+    """Per step, when the last rank finished it (seconds from the first rank's first action)."""
+    t0 = min(tl[0][0][3] for tl in res.timelines.values())
+    n = len(res.losses)
+    return [max(res.timelines[r][i][-1][4] for r in res.timelines) - t0 for i in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--window", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--factor", type=float, default=2.0)
+    a = ap.parse_args()
+    batches = _batches(a.steps, a.batch)
+    methods = [("sync dp", None, 0), ("SSP(2)", S.SSP(staleness=2), 1), ("SSP(4)", S.SSP(staleness=4), 1),
+               ("DSSP(1, 4)", S.DSSP(low=1, high=4), 1), ("LocalSGD(4)", S.LocalSGD(period=4), 0)]
+    runs = []
+    for name, method, servers in methods:
+        torch.manual_seed(0)
+        model = MLP(hidden=a.hidden, layers=a.layers).double()
+        cluster = fxpar.ClusterSpec.local(4, cpu_servers=servers, slowdown={3: a.factor})
+        prog = fxpar.parallelize(model, cluster, batches[0], loss_fn=F.mse_loss, optimizer=OPT,
+                                 strategy=fxpar.Strategy(dp=4, sync=method))
+        res = prog.run_local(batches)
+        runs.append((name, _smooth(res.losses, a.window), _ends(res)))
+        if method is None:
+            est = prog.estimate().step_time_s
+            fast = fxpar.parallelize(model, fxpar.ClusterSpec.local(4), batches[0], loss_fn=F.mse_loss, optimizer=OPT,
+                                     strategy=fxpar.Strategy(dp=4))
+            base = fast.run_local(batches)
+            print(f"sync dp step time, rank 3 {a.factor}x slower: measured median "
+                  f"{statistics.median(res.step_times[2:]) * 1e3:.2f} ms, estimate() {est * 1e3:.2f} ms; without the "
+                  f"straggler: measured {statistics.median(base.step_times[2:]) * 1e3:.2f} ms, estimate() "
+                  f"{fast.estimate().step_time_s * 1e3:.2f} ms")
+    target = max(smooth[-1] for _, smooth, _ in runs)
+    print(f"target: smoothed loss {target:.4f} (the highest any method ends at, after {a.steps} steps)")
+    print(f"{'method':<14} {'time to target':>15} {'x sync dp':>10} {'step':>6} {'final loss':>11} {'all steps':>10}")
+    sync_t = None
+    for name, smooth, ends in runs:
+        hit = next(i for i, v in enumerate(smooth) if v <= target)
+        sync_t = sync_t or ends[hit]
+        print(f"{name:<14} {ends[hit]:>13.2f} s {ends[hit] / sync_t:>10.2f} {hit:>6} {smooth[-1]:>11.4f} "
+              f"{ends[-1]:>8.2f} s")
+
+
+if __name__ == "__main__":
+    main()

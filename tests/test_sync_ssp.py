@@ -1,0 +1,121 @@
+"""Stale synchronous parallel (``S.SSP``) and its dynamic variant (``S.DSSP``) on parameter-server ranks.
+
+Reductions: a bound of 0 is synchronous SGD on the global batch (to 1e-10, SGD-momentum, one and two servers).
+Against the one-process reference of SSP's read rule (``fxpar.testing.sync.ssp_reference``), replaying the servers'
+logs of a run with a straggler: every loss and the final parameters to 1e-10. Invariants measured on the ranks: no
+read is more than its bound behind (the worker's clock minus the clocks every worker had pushed), the servers' clock
+spread stays within the bound, DSSP's chosen bounds stay in [low, high].
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar import sync as S
+from fxpar.testing import MLP, reference_training
+from fxpar.testing.compress import mlp_batches
+from fxpar.testing.sync import ssp_reference
+
+SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+
+
+def _model():
+    torch.manual_seed(0)
+    return MLP(layers=2).double()
+
+
+def _program(model, batches, method, dp=2, servers=1, slowdown=None, optimizer=SGD_M):
+    cluster = fxpar.ClusterSpec.local(dp, cpu_servers=servers, slowdown=slowdown or {})
+    return fxpar.parallelize(model, cluster, batches[0], loss_fn=F.mse_loss, optimizer=optimizer,
+                             strategy=fxpar.Strategy(dp=dp, sync=method))
+
+
+def _close(got: dict, want: dict, msg=""):
+    assert got and sorted(want) == sorted(got)
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-10, atol=1e-10, msg=f"{msg} {k}")
+
+
+def _servers(res) -> list:
+    return [res.servers[r] for r in sorted(res.servers)]
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("method,servers", [(S.SSP(staleness=0), 1), (S.DSSP(low=0, high=0), 2)],
+                         ids=["SSP-s0", "DSSP-0-0-two-servers"])
+def test_bound_zero_is_synchronous_sgd(clusters, method, servers):
+    """Every read waits for every worker's previous clock: the losses and the parameters are synchronous SGD-momentum
+    on the global batch, on every worker, to 1e-10."""
+    model, batches = _model(), mlp_batches(5)
+    res = _program(model, batches, method, servers=servers).run_local(batches, cluster=clusters.get(2 + servers))
+    losses, state = reference_training(model, batches, F.mse_loss, SGD_M)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
+    _close({k: v for k, v in res.state_dict().items()}, state)
+    for r in range(2):
+        _close(res.features[r]["sync"]["replica"], state, f"worker {r}")
+        assert all(c == fresh for c, fresh, _, _ in res.features[r]["sync"]["reads"])
+    assert _servers(res)[0]["clock_table"]["max_spread"] == 0
+
+
+@pytest.mark.numerics
+def test_stale_reads_equal_the_read_rule_replayed(clusters):
+    """dp=2, SSP(staleness=2), worker 1 three times slower, two servers: the run's losses and final parameters equal
+    the one-process replay of the servers' logs; some read was stale (the fast worker ran ahead), none beyond 2."""
+    model, batches = _model(), mlp_batches(8)
+    prog = _program(model, batches, S.SSP(staleness=2), servers=2, slowdown={1: 3.0})
+    res = prog.run_local(batches, cluster=clusters.get(4))
+    servers = _servers(res)
+    ref = ssp_reference(model, batches, F.mse_loss, SGD_M, 2, [s["log"] for s in servers],
+                        [s["keys"] for s in servers])
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ref["losses"]), rtol=1e-10, atol=1e-10)
+    _close(res.state_dict(), ref["final"])
+    reads = [r for w in range(2) for r in res.features[w]["sync"]["reads"][:8]]    # the last: the final read
+    assert len(reads) == 16 and all(s == 2 and c - fresh <= 2 for c, fresh, s, _ in reads)
+    assert max(res.features[w]["sync"]["max_lead"] for w in range(2)) <= 2
+    assert servers[0]["clock_table"]["max_spread"] <= 2
+    assert any(c - fresh > 0 for c, fresh, _, _ in reads), "no read was stale: the straggler did not slow worker 1"
+
+
+@pytest.mark.numerics
+def test_dssp_bounds_stay_in_range(clusters):
+    """dp=2, DSSP(low=1, high=3), worker 1 three times slower: every bound the first server chose is in [1, 3], every
+    read within the bound it was given; the run matches the replay of its logs."""
+    model, batches = _model(), mlp_batches(8)
+    prog = _program(model, batches, S.DSSP(low=1, high=3), dp=2, slowdown={1: 3.0})
+    res = prog.run_local(batches, cluster=clusters.get(3))
+    table = _servers(res)[0]["clock_table"]
+    chosen = [s for _, _, s in table["staleness"]]
+    assert chosen and all(1 <= s <= 3 for s in chosen)
+    for w in range(2):
+        assert all(c - fresh <= s for c, fresh, s, _ in res.features[w]["sync"]["reads"])
+    assert table["max_spread"] <= 3
+    ref = ssp_reference(model, batches, F.mse_loss, SGD_M, 2, [_servers(res)[0]["log"]], [_servers(res)[0]["keys"]])
+    _close(res.state_dict(), ref["final"])
+
+
+@pytest.mark.structure
+def test_extra_clocks_picks_the_push_nearest_the_slowest():
+    """The controller: the fast worker's r-th next push nearest the slowest's next push, in [0, r_max]."""
+    from fxpar.sync.ssp import extra_clocks
+    assert extra_clocks(10.0, 1.0, 9.0, 4.0, 5) == 3          # 13 = 9 + 4
+    assert extra_clocks(10.0, 1.0, 9.0, 40.0, 5) == 5         # capped at r_max
+    assert extra_clocks(10.0, 1.0, 9.0, 0.5, 5) == 0          # the slowest pushes before the next one
+    assert extra_clocks(10.0, None, 9.0, 4.0, 5) == 0         # not measured yet
+    assert extra_clocks(10.0, 1.0, 9.0, 4.0, 0) == 0          # low == high
+
+
+@pytest.mark.structure
+def test_plan_json_and_explain():
+    """The section names the servers and their shards, round-trips through JSON, and explain() says the rule."""
+    model, batches = _model(), mlp_batches(1)
+    prog = _program(model, batches, S.DSSP(low=1, high=4), servers=2)
+    sec = prog.plan.section("sync")
+    assert sec.servers == [2, 3] and sorted(k for sh in sec.shards for k in sh) == sorted(dict(model.named_parameters()))
+    again = fxpar.Plan.from_json(prog.plan.to_json())
+    assert again.section("sync").shards == sec.shards
+    assert again.section("sync").method == {"method": "dssp", "low": 1, "high": 4}
+    text = prog.explain()
+    assert "parameter server 1 (rank 3)" in text and "s chosen per read in [1, 4]" in text
+    assert [type(p).__name__ for p in prog.extra_ranks()] == ["SSPServer", "SSPServer"]
