@@ -628,7 +628,22 @@ DECENTRALIZED_CASES = {
 
 
 # ---- synchronisation methods (fxpar/sync/): their options and what they cannot run with -------------------------------
+def _hierarchical(levels, dp: int = 4):
+    return fxpar.parallelize(_net(), fxpar.ClusterSpec.local(dp), (X, Y), CE, SGD,
+                             strategy=fxpar.Strategy(dp=dp, sync=S.LocalSGD(hierarchical=levels)))
+
+
 SYNC_CASES = {
+    "hierarchical_with_period": (lambda: S.LocalSGD(period=4, hierarchical={2: 2, 4: 4}), fxpar.StrategyError,
+                                 r"LocalSGD\(period=4, hierarchical=\{2: 2, 4: 4\}\)", r"leave period at 1"),
+    "hierarchical_named_wrong": (lambda: S.LocalSGD(hierarchical={"rack": 2, "global": 4}), fxpar.StrategyError,
+                                 r"hierarchical=\{'rack': 2, 'global': 4\}", r"\{'node': period, 'global': period\}"),
+    "hierarchical_group_not_dividing": (lambda: _hierarchical({2: 3, 4: 4}), fxpar.StrategyError,
+                                        r"a group of 3 replica\(s\) \(period 2\) does not divide dp=4",
+                                        r"use group sizes that divide it"),
+    "hierarchical_last_not_every_replica": (lambda: _hierarchical({2: 4, 4: 2}), fxpar.StrategyError,
+                                            r"the largest period's group \(2\) must be every replica \(dp=4\)",
+                                            r"as torch's HierarchicalModelAverager requires"),
     "sync_period_zero": (lambda: S.LocalSGD(period=0), fxpar.StrategyError, r"LocalSGD\(period=0\)",
                          r"must be an int >= 1"),
     "sync_period_float": (lambda: S.SlowMo(period=2.5), fxpar.StrategyError, r"SlowMo\(period=2.5\)",

@@ -167,3 +167,30 @@ def test_plan_json_notes_explain_and_estimate():
     plain = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=F.mse_loss, optimizer=SGD_M,
                               strategy=fxpar.Strategy(dp=2))
     assert plain.estimate().ranks[0].comm_bytes == nbytes
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("levels", [{2: 2, 4: 4}, {"node": 2, "global": 4}], ids=["period-group", "node-global"])
+def test_hierarchical_local_sgd_equals_torch_hierarchical_model_averager(clusters, levels):
+    """dp=4 (two nodes of 2): after step t >= W the replicas are averaged within the groups of the largest period
+    dividing t -- pairs {0,1},{2,3} every 2 steps, all four every 4 -- as torch's HierarchicalModelAverager (on
+    PostLocalSGDOptimizer, its subgroups from dist.new_subgroups) does: every rank's parameters and the losses to
+    1e-10; the named form resolves "node" to the ClusterSpec's devices_per_node."""
+    model, batches = _model(), mlp_batches(7)
+    method = S.LocalSGD(warmup_steps=1, hierarchical=levels)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(4, nodes=2, devices_per_node=2), batches[0],
+                             loss_fn=F.mse_loss, optimizer=SGD_M, strategy=fxpar.Strategy(dp=4, sync=method))
+    assert method_of(prog.plan.section("sync")).hierarchical == ((2, 2), (4, 4))
+    assert [ranks for name, ranks in prog.plan.all_groups() if name == "sync_2"] == [(0, 1), (2, 3)]
+    res = prog.run_local(batches, cluster=clusters.get(4), measure_comm=True)
+    ddp = clusters.get(4).run(post_local_sgd_worker, [(model, batches, F.mse_loss, SGD_M, 1, 1, 1, {2: 2, 4: 4})] * 4)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(ddp[0]["losses"]), rtol=1e-10, atol=1e-10)
+    replicas = _replicas(res, 4)
+    for r in range(4):
+        _close(replicas[r], ddp[r]["state"], f"rank {r}")
+    assert res.features[0]["sync"]["averaged_steps"] == [2, 4, 6]
+    # after step 6 (pairs only) the pairs agree and the two pairs differ
+    assert all(torch.equal(replicas[0][k], replicas[1][k]) for k in replicas[0])
+    assert max((replicas[0][k] - replicas[2][k]).abs().max().item() for k in replicas[0]) > 1e-8
+    nbytes = sum(v.numel() * 8 for v in replicas[0].values())
+    assert res.comm_calls[0] == [[("all_reduce", nbytes)] if t in (0, 2, 4, 6) else [] for t in range(7)]

@@ -13,6 +13,7 @@ the gradient buckets) on each averaging step: ``P`` bytes per ``H`` steps. ``est
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -97,12 +98,41 @@ def _note(plan, m: SyncMethod) -> None:
         return
     warm = (f"the first {m.warmup_steps} step(s) all-reduce the gradients (synchronous data parallelism); after, "
             if m.warmup_steps else "")
+    if getattr(m, "hierarchical", ()):
+        levels = ", ".join(f"every {p} step(s) within groups of {g}" for p, g in m.hierarchical)
+        plan.notes.append(
+            f"sync: {m.summary()} -- {warm}each dp replica steps its own optimizer with its own gradient, and from step "
+            f"{m.warmup_steps} the replicas are averaged {levels} (the largest period dividing the step wins; torch's "
+            "HierarchicalModelAverager); the optimizer state is not averaged. state_dict() and checkpoints hold the "
+            "replicas' average (docs/semantics.md, 'Synchronisation methods')")
+        return
     plan.notes.append(
         f"sync: {m.summary()} -- {warm}each dp replica steps its own optimizer with its own gradient and the "
         f"replicas' parameters are averaged after steps {m.warmup_steps}, {m.warmup_steps + m.period}, ... "
         f"({m.outer_words()}); the optimizer state is not averaged. The replicas differ between averagings: "
         "state_dict() and checkpoints hold the replicas' average, each replica's own weights are in "
         "RunResult.features[rank]['sync']['replica'] (docs/semantics.md, 'Synchronisation methods')")
+
+
+def hierarchy_group(size: int) -> str:
+    """The name of the process groups of ``size`` consecutive dp replicas (hierarchical Local SGD)."""
+    return f"sync_{size}"
+
+
+def _hierarchy(m: SyncMethod, plan, cluster) -> SyncMethod:
+    """Hierarchical Local SGD: its levels resolved for this plan's dp (``"node"``: the replicas on one node), and each
+    level's groups of consecutive dp replicas added to the Plan's process groups (every rank creates them)."""
+    if not getattr(m, "hierarchical", ()):
+        return m
+    if isinstance(m.hierarchical[0][0], str) and cluster is None:
+        raise StrategyError(f"Strategy(sync={m.summary()}): the 'node' level needs the ClusterSpec's devices_per_node")
+    per_node = max(1, cluster.devices_per_node // plan.tp) if cluster is not None else plan.dp
+    levels = m.levels(plan.dp, min(per_node, plan.dp))
+    for _, size in levels:
+        if 1 < size < plan.dp:
+            plan.groups[hierarchy_group(size)] = [list(g[i:i + size]) for g in plan.mesh.groups("dp")
+                                                  for i in range(0, len(g), size)]
+    return dataclasses.replace(m, hierarchical=levels)
 
 
 def method_of(section: SyncSection) -> SyncMethod:
@@ -184,7 +214,7 @@ class SyncFeature(Feature):
                                 "holding a shard of the parameters), or use S.LocalSGD")
 
     def plan(self, strategy, plan, cluster):
-        m = self.method(strategy)
+        m = _hierarchy(self.method(strategy), plan, cluster)
         _note(plan, m)
         section = SyncSection(method=m.to_dict())
         if m.uses_servers:
@@ -193,7 +223,7 @@ class SyncFeature(Feature):
         return section
 
     def adopt(self, section, strategy, plan, cluster):
-        m = method_of(section)
+        m = _hierarchy(method_of(section), plan, cluster)
         _note(plan, m)
         if m.uses_servers and cluster is not None:     # the servers are the cluster's
             k = getattr(cluster, "cpu_servers", 0)

@@ -105,14 +105,90 @@ class SyncMethod:
         return "the replicas continue from the average"
 
 
+_LEVELS = ("node", "global")
+
+
 @dataclass(frozen=True)
 class LocalSGD(SyncMethod):
     """Post-local SGD: synchronous data parallelism for ``warmup_steps`` steps, then local steps with the replicas'
-    parameters averaged every ``period`` steps (torch's ``PostLocalSGDOptimizer`` + ``PeriodicModelAverager``)."""
+    parameters averaged every ``period`` steps (torch's ``PostLocalSGDOptimizer`` + ``PeriodicModelAverager``).
+
+    ``hierarchical``: torch's ``HierarchicalModelAverager`` instead -- ``{period: group size}`` (the dp ranks cut
+    into consecutive groups of that size, as ``dist.new_subgroups`` does; the largest period's group is every dp
+    rank), or ``{"node": period, "global": period}`` (the ranks of one node; every dp rank). After step ``t >= W``
+    the replicas are averaged within the groups of the largest period that divides ``t`` (torch counts ``t`` from
+    0, not from the warm-up's end), and not at all where none does; ``period`` is then left at 1."""
     name: ClassVar[str] = "local_sgd"
     paper: ClassVar[str] = ("Lin, Stich, Patel and Jaggi, Don't Use Large Mini-Batches, Use Local SGD, ICLR 2020 "
                             "(post-local SGD)")
     keeps_anchor: ClassVar[bool] = False
+    hierarchical: tuple = ()
+
+    def __post_init__(self):
+        h = self.hierarchical
+        if isinstance(h, dict):
+            h = tuple(h.items())
+        elif isinstance(h, list):
+            h = tuple(tuple(x) if isinstance(x, list) else x for x in h)
+        object.__setattr__(self, "hierarchical", h if h is not None else ())
+        super().__post_init__()
+
+    def check(self) -> None:
+        super().check()
+        h = self.hierarchical
+        if not h:
+            return
+        if not all(isinstance(x, tuple) and len(x) == 2 for x in h):
+            raise StrategyError(f"LocalSGD(hierarchical={h!r}): pass {{period: group size}}, e.g. {{2: 4, 8: 16}}, "
+                                "or {'node': period, 'global': period}")
+        named = [k for k, _ in h if isinstance(k, str)]
+        if named and (sorted(named) != sorted(_LEVELS) or len(h) != 2 or not all(_is_int(v) and v >= 1 for _, v in h)):
+            raise StrategyError(f"LocalSGD(hierarchical={dict(h)!r}): the named form is {{'node': period, 'global': "
+                                "period}} (both, each an int >= 1); or give {period: group size}")
+        if not named and not all(_is_int(p) and p >= 1 and _is_int(g) and g >= 1 for p, g in h):
+            raise StrategyError(f"LocalSGD(hierarchical={dict(h)!r}): periods and group sizes must be ints >= 1, "
+                                "{period: group size}")
+        if self.period != 1:
+            raise StrategyError(f"LocalSGD(period={self.period}, hierarchical={dict(h)!r}): the periods are "
+                                "hierarchical's keys; leave period at 1")
+
+    def levels(self, dp: int, per_node: int) -> tuple:
+        """``((period, group size), ...)`` by period, the named form resolved for ``dp`` replicas with ``per_node`` of
+        them on one node; checked as torch's averager checks it (the largest period's group is every replica)."""
+        h = self.hierarchical
+        if h and isinstance(h[0][0], str):
+            d = dict(h)
+            h = ((d["node"], per_node), (d["global"], dp))
+        h = tuple(sorted(h))
+        for p, g in h:
+            if dp % g:
+                raise StrategyError(f"LocalSGD(hierarchical=...): a group of {g} replica(s) (period {p}) does not divide "
+                                    f"dp={dp}; use group sizes that divide it")
+        if h and h[-1][1] != dp:
+            raise StrategyError(f"LocalSGD(hierarchical={dict(h)!r}): the largest period's group ({h[-1][1]}) must be "
+                                f"every replica (dp={dp}), as torch's HierarchicalModelAverager requires")
+        return h
+
+    def averages(self, step: int) -> bool:
+        if not self.hierarchical:
+            return super().averages(step)
+        return step >= self.warmup_steps and self.group_at(step) is not None
+
+    def group_at(self, step: int, levels: tuple | None = None):
+        """Hierarchical: the group size of the largest period dividing ``step`` (None: no averaging)."""
+        if levels is None:
+            h = self.hierarchical
+            levels = tuple(sorted((v, k) for k, v in h)) if h and isinstance(h[0][0], str) else tuple(sorted(h))
+        for p, g in reversed(levels):         # the largest period first ("node" / "global" before resolution)
+            if step % p == 0:
+                return g
+        return None
+
+    def to_dict(self) -> dict:
+        out = {"method": self.name, "period": self.period, "warmup_steps": self.warmup_steps}
+        if self.hierarchical:
+            out["hierarchical"] = [list(x) for x in self.hierarchical]
+        return out
 
 
 def _outer_spec(outer) -> tuple:

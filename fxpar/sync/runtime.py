@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.compress.runtime import CompressInfo, CompressState
+from fxpar.runtime.groups import group
 from fxpar.runtime.state import load_replica_state, replica_state
 
 from .method import DiLoCo, SyncMethod
@@ -96,7 +97,12 @@ class SyncState(CompressState):
         if not m.averages(t):
             return
         ps = dict(ex.params[stage])
-        average = average_over(ps, self.pg, self.dp)
+        pg, n = self.pg, self.dp
+        size = m.group_at(t) if getattr(m, "hierarchical", ()) else self.dp
+        if size < self.dp:               # hierarchical: within this rank's group of `size` consecutive replicas
+            name = f"sync_{size}"
+            pg, n = (group(ex.p.bindings[name], name) if size > 1 else None), size
+        average = average_over(ps, pg, n)
         new = self._outer(stage, average)
         ps.update(new)
         ex.params[stage] = ps

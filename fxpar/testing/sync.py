@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import warnings
+from collections import OrderedDict
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
 from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+from torch.distributed.algorithms.model_averaging.hierarchical_model_averager import HierarchicalModelAverager
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -19,11 +21,12 @@ __all__ = ["post_local_sgd_worker", "local_sgd_reference", "nesterov_outer", "sl
 
 
 def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmup_steps: int,
-                          microbatches: int = 1) -> dict:
+                          microbatches: int = 1, hierarchical: dict | None = None) -> dict:
     """Post-local SGD as torch runs it, on every rank of a LocalCluster (the initialised default group): DDP (the
     model in one bucket) with ``post_localSGD_hook`` (``PostLocalSGDState(start_localSGD_iter=warmup_steps,
     post_local_gradient_allreduce=False)``) and ``PostLocalSGDOptimizer(optimizer, PeriodicModelAverager(period,
-    warmup_steps))``. Each rank trains on its shard of each batch, cut into ``microbatches`` (the gradients of all
+    warmup_steps))`` (``hierarchical``, ``{period: group size}``: ``HierarchicalModelAverager`` instead, its subgroups
+    made by ``dist.new_subgroups`` on every rank). Each rank trains on its shard of each batch, cut into ``microbatches`` (the gradients of all
     but the last accumulated under ``no_sync``, each loss divided by ``microbatches``). Returns the losses (the
     ranks' shard losses averaged, gathered once after training) and this rank's trained state."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -34,7 +37,8 @@ def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmu
     cls, kw = optimizer
     with warnings.catch_warnings():                   # period=1 warns that DDP alone would do
         warnings.simplefilter("ignore")
-        averager = PeriodicModelAverager(period=period, warmup_steps=warmup_steps)
+        averager = (PeriodicModelAverager(period=period, warmup_steps=warmup_steps) if hierarchical is None else
+                    HierarchicalModelAverager(OrderedDict(sorted(hierarchical.items())), warmup_steps=warmup_steps))
     opt = PostLocalSGDOptimizer(cls(m.parameters(), **kw), averager)
     local = []
     for b in batches:
