@@ -21,11 +21,25 @@ def _cast(x, dtype):
     return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
+def _untie(low: torch.nn.Module) -> None:
+    """Each use of a tied parameter gets its own copy: its gradient is cast to the master dtype apart from the
+    others' (a pipeline's stages each hold one use and sum them across ranks in the master dtype)."""
+    seen = set()
+    for mod in low.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None and id(p) in seen:
+                mod._parameters[name] = torch.nn.Parameter(p.detach().clone())
+            elif p is not None:
+                seen.add(id(p))
+
+
 def mixed_precision_reference(model, batches, loss_fn, optimizer, compute=torch.bfloat16, pieces: int = 1,
-                              scaler: dict | None = None):
+                              scaler: dict | None = None, untie: bool = False):
     """Train a copy of ``model`` (the masters) on each global batch, cut into ``pieces`` equal pieces along dim 0,
-    each seeded with ``1/pieces`` (the mean over pieces). Returns ``(losses, state_dict, info)``; ``info`` holds the
-    loss scale and skipped steps under ``scaler`` (GradScaler's keyword arguments)."""
+    each seeded with ``1/pieces`` (the mean over pieces). ``untie``: each use of a tied parameter has its own
+    compute-dtype gradient, cast and summed in the master dtype (the uses sit on different pipeline stages).
+    Returns ``(losses, state_dict, info)``; ``info`` holds the loss scale and skipped steps under ``scaler``
+    (GradScaler's keyword arguments)."""
     master = copy.deepcopy(model)
     cls, kw = optimizer
     opt = cls(master.parameters(), **kw)
@@ -34,6 +48,9 @@ def mixed_precision_reference(model, batches, loss_fn, optimizer, compute=torch.
     for batch in batches:
         opt.zero_grad()
         low = copy.deepcopy(master).to(compute)
+        if untie:
+            _untie(low)
+        owner = dict(master.named_parameters(remove_duplicate=False))
         total = 0.0
         for i in range(pieces):
             piece = [_cast(b.chunk(pieces, 0)[i], compute) for b in batch]
@@ -43,7 +60,8 @@ def mixed_precision_reference(model, batches, loss_fn, optimizer, compute=torch.
                 seed = gs.scale(seed.float()).to(loss.dtype)
             loss.backward(seed)
             total += float(loss.detach().float()) / pieces
-            for p, q in zip(master.parameters(), low.parameters()):
+            for name, q in low.named_parameters():
+                p = owner[name]
                 g = q.grad.to(p.dtype)
                 p.grad = g if p.grad is None else p.grad + g
                 q.grad = None
