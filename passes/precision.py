@@ -68,6 +68,8 @@ def _retype(a, master, compute):
         return compute if a == master else a
     if isinstance(a, (list, tuple)):
         return type(a)(_retype(x, master, compute) for x in a)
+    if isinstance(a, dict):
+        return {k: _retype(v, master, compute) for k, v in a.items()}
     return a
 
 
