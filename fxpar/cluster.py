@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 from .errors import ClusterSpecError
 
-__all__ = ["DeviceSpec", "LinkSpec", "ClusterSpec", "PRESETS"]
+__all__ = ["DeviceSpec", "LinkSpec", "ClusterSpec", "PRESETS", "PRESET_ALIASES"]
 
 
 @dataclass(frozen=True)
@@ -76,14 +76,35 @@ class LinkSpec:
 # total (300 GB/s per direction); H100 SXM5: 989 TFLOP/s bf16 dense, 3.35 TB/s HBM3, NVLink4
 # 900 GB/s total. Inter-node: 8x 200 Gb/s HDR (A100, DGX A100) and 8x 400 Gb/s NDR (H100,
 # DGX H100) InfiniBand, i.e. 25 GB/s and 50 GB/s per GPU.
+# Vendor figures per GPU: dense bf16/fp16 tensor-core peak (no sparsity), HBM bandwidth, NVLink bandwidth per
+# direction (half the datasheet's bidirectional figure), and one InfiniBand NIC per GPU across nodes (HDR 200 Gb/s =
+# 25 GB/s; NDR 400 Gb/s = 50 GB/s; EDR 100 Gb/s = 12.5 GB/s). Sources: NVIDIA A100 Tensor Core GPU datasheet
+# (312 TFLOPS bf16; 40GB 1,555 GB/s, 80GB 2,039 GB/s; NVLink 3 600 GB/s), NVIDIA H100 Tensor Core GPU datasheet
+# (SXM 989 TFLOPS bf16, 3.35 TB/s, NVLink 4 900 GB/s; PCIe 756 TFLOPS, 2.0 TB/s, PCIe Gen5 x16 128 GB/s), NVIDIA H200
+# Tensor Core GPU datasheet (SXM 141 GB, 989 TFLOPS bf16, 4.8 TB/s, NVLink 900 GB/s), NVIDIA Tesla V100 datasheet
+# (SXM2 125 TFLOPS fp16 tensor core, 900 GB/s, NVLink 2 300 GB/s). Latencies are typical, not datasheet figures.
+_NVLINK3, _NVLINK4, _NVLINK2 = LinkSpec(300e9, 3e-6), LinkSpec(450e9, 2.5e-6), LinkSpec(150e9, 3e-6)
+_PCIE5 = LinkSpec(64e9, 4e-6)
+_IB_EDR, _IB_HDR, _IB_NDR = LinkSpec(12.5e9, 5e-6), LinkSpec(25e9, 5e-6), LinkSpec(50e9, 5e-6)
 PRESETS = {
     "a100-80gb": dict(device=DeviceSpec("cuda", "A100-SXM4-80GB", 80 * 2**30, 312e12, 2.039e12),
-                      intra=LinkSpec(300e9, 3e-6), inter=LinkSpec(25e9, 5e-6)),
+                      intra=_NVLINK3, inter=_IB_HDR),
     "a100-40gb": dict(device=DeviceSpec("cuda", "A100-SXM4-40GB", 40 * 2**30, 312e12, 1.555e12),
-                      intra=LinkSpec(300e9, 3e-6), inter=LinkSpec(25e9, 5e-6)),
+                      intra=_NVLINK3, inter=_IB_HDR),
     "h100-80gb": dict(device=DeviceSpec("cuda", "H100-SXM5-80GB", 80 * 2**30, 989e12, 3.35e12),
-                      intra=LinkSpec(450e9, 2.5e-6), inter=LinkSpec(50e9, 5e-6)),
+                      intra=_NVLINK4, inter=_IB_NDR),
+    "h100-pcie": dict(device=DeviceSpec("cuda", "H100-PCIe-80GB", 80 * 2**30, 756e12, 2.0e12),
+                      intra=_PCIE5, inter=_IB_NDR),
+    "h200": dict(device=DeviceSpec("cuda", "H200-SXM-141GB", 141 * 2**30, 989e12, 4.8e12),
+                 intra=_NVLINK4, inter=_IB_NDR),
+    "v100-32gb": dict(device=DeviceSpec("cuda", "V100-SXM2-32GB", 32 * 2**30, 125e12, 0.9e12),
+                      intra=_NVLINK2, inter=_IB_EDR),
+    "v100-16gb": dict(device=DeviceSpec("cuda", "V100-SXM2-16GB", 16 * 2**30, 125e12, 0.9e12),
+                      intra=_NVLINK2, inter=_IB_EDR),
 }
+# short names: the SXM part with the most memory
+PRESET_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200-141gb": "h200",
+                  "v100": "v100-32gb"}
 
 
 @dataclass(frozen=True)
@@ -152,10 +173,14 @@ class ClusterSpec:
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1, gpus_per_node: int = 8) -> "ClusterSpec":
-        """A cluster of well-known GPU nodes (``"a100-80gb"``, ``"a100-40gb"``, ``"h100-80gb"``)."""
-        if name not in PRESETS:
-            raise ClusterSpecError(f"unknown ClusterSpec preset {name!r}; choose one of {sorted(PRESETS)}")
-        p = PRESETS[name]
+        """A cluster of well-known GPU nodes: ``"a100-80gb"``, ``"a100-40gb"``, ``"h100-80gb"`` (SXM), ``"h100-pcie"``,
+        ``"h200"``, ``"v100-32gb"``, ``"v100-16gb"`` (vendor figures: the comment above ``PRESETS``), or a short name
+        (``"a100"``, ``"h100"``, ``"v100"``: the SXM part with the most memory)."""
+        key = PRESET_ALIASES.get(name, name)
+        if key not in PRESETS:
+            raise ClusterSpecError(f"unknown ClusterSpec preset {name!r}; choose one of "
+                                   f"{sorted(PRESETS) + sorted(PRESET_ALIASES)}")
+        p = PRESETS[key]
         return cls(device=p["device"], nodes=nodes, devices_per_node=gpus_per_node,
                    intra_node=p["intra"], inter_node=p["inter"], backend="nccl")
 

@@ -73,6 +73,7 @@ def split_state_key(key: str) -> tuple:
 class Slot(enum.IntEnum):
     """Where a feature's pass sits in the one pass list; ``fxpar.lower`` runs the slots top to bottom."""
     PARTITION = 10       # split operators over tp: every later pass works on the rank's local pieces
+    PRECISION = 15       # forward and backward in the compute dtype: every later pass sees its values and bytes
     REMAT = 20           # recompute / activation offload: copies placed before collectives follow backward's order
     GRAD_ORDER = 30      # the order backward makes the gradients in
     GRAD_SYNC = 40       # each gradient summed over the ranks the planner named

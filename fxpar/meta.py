@@ -47,7 +47,8 @@ MODULE = MetaKey("fxpar_module", str, "fxpar.capture",
                  "dotted path of the user's module that produced the node ('' for the root)")
 PARAM = MetaKey("fxpar_param", str, "fxpar.capture",
                 "on param/buffer/opt_state placeholders: the model's key (e.g. 'blocks.0.fc.weight')")
-GRAD_OF = MetaKey("fxpar_grad_of", str, "fxpar.capture (passes.data_parallel and passes.bucket mark the synchronised copy too)",
+GRAD_OF = MetaKey("fxpar_grad_of", str, "fxpar.capture (passes.data_parallel and passes.bucket mark the synchronised copy "
+                  "too; passes.precision moves it to the gradient cast back to the master dtype)",
                   "on a gradient node: the parameter's key (the raw per-microbatch gradient keeps it)")
 COMM = MetaKey("fxpar_comm", CommInfo, "passes (the pass that inserted the collective)",
                "on a functional-collective node: what it sends")

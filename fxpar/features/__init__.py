@@ -7,6 +7,7 @@ from . import pipeline_flush, pipeline_zero_bubble, pipeline_async, pipeline_chi
 from . import pipeline_delayed  # noqa: F401  (schedule='pipelined_bp' | 'pipemare')
 from . import pipeline  # noqa: F401  hand-written schedules (Strategy(schedule=Schedule or its text))
 from . import tensor_parallel  # noqa: F401  (Strategy(tp=N, sharding=...))
+from . import precision  # noqa: F401  (Strategy(precision='bf16' | 'fp16'); Slot.PRECISION, after tp)
 from . import recompute  # noqa: F401  (before offload_activations: both passes sit in Slot.REMAT, in this order)
 from . import offload_activations  # noqa: F401
 from . import zero  # noqa: F401  ZeRO stages 1-3
