@@ -45,9 +45,11 @@ from fxpar.collectives import C10D
 from fxpar.errors import PassError, StrategyError
 from fxpar.feature import Feature, PlanSection, Slot, register_feature, unregister_feature
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import GraphKind
 
 from .method import BucketInfo, Method
-from .runtime import CompressInfo, CompressState, bucket_sum, generator_for, trace_sum
+from .phases import piece_bytes, split_phases
+from .runtime import CompressInfo, CompressState, bucket_sum, bucket_sum_wait, generator_for, trace_sum
 
 __all__ = ["CompressFeature", "CompressSection", "CompressedSum", "register_method", "unregister_method",
            "registered_methods", "method_of", "CONFLICTS", "bucket_infos", "dp_bucket_indices"]
@@ -180,6 +182,8 @@ class CompressedSum(Pass):
                             f"{self.feature!r} planned {[row['bucket'] for row in planned]}: plan again (parallelize "
                             "without plan=)")
         ranks = ctx.plan.group_of("dp", ctx.rank)
+        method = method_of(section)
+        split = tuple(ctx.kinds) != (GraphKind.FULL,)     # several microbatches or a pipeline: REDUCE_GRAD sums
         for b, row in enumerate(planned):
             ar, info = ars[row["bucket"]], row
             buf = ar.args[0]
@@ -194,19 +198,34 @@ class CompressedSum(Pass):
                 with g.inserting_before(ar):
                     src = g.call_function(aten.div.Tensor, (buf, div.args[1]))
                 _stamp(src, ar, val)
+            overlap = not method.eager
             with g.inserting_before(ar):
-                call = g.call_function(bucket_sum, (src, self.feature, ctx.stage, b))
+                call = g.call_function(bucket_sum, (src, self.feature, ctx.stage, b),
+                                       {"overlapped": True} if overlap else {})
             _stamp(call, ar, val)
             M.set_meta(call, M.BUCKET, row["bucket"])
             # each collective the sum issues is costed on its own (its latency terms, its algorithm)
-            parts = info["collectives"] or info.get("declared") or [["all_reduce", info["wire_bytes"]]]
+            parts = row.get("pieces") or info["collectives"] or info.get("declared") \
+                or [["all_reduce", info["wire_bytes"]]]
             parts = tuple((str(k), int(n)) for k, n in parts)
             M.set_meta(call, M.COMM, M.CommInfo(parts[0][0], "dp", tuple(ranks), int(info["wire_bytes"]),
                                                 parts=parts if len(parts) > 1 else ()))
             ops, flops, nbytes = info.get("compute", (0, 0, 0))
-            M.set_meta(call, M.INNER_COMPUTE, (int(ops), int(flops), int(nbytes), len(info["collectives"])))
+            M.set_meta(call, M.INNER_COMPUTE, (int(ops), int(flops), int(nbytes),
+                                               len(row.get("pieces") or info["collectives"])))
             out = div if div is not None else wait
-            out.replace_all_uses_with(call)
+            if overlap:
+                # the sum's last collectives are waited and its last phase runs where the all-reduce was waited (in
+                # REDUCE_GRAD under microbatches, where the sum is issued: once per step, after accumulation);
+                # wait_tensor marks for the cost models where the rank waits for the sum's collectives
+                with g.inserting_before(wait):
+                    w = g.call_function(C10D.wait_tensor.default, (call,))
+                    done = g.call_function(bucket_sum_wait, (w, self.feature, ctx.stage, b))
+                for n in (w, done):
+                    _stamp(n, ar if split else wait, val)
+                out.replace_all_uses_with(done)
+            else:
+                out.replace_all_uses_with(call)
             for dead in ([div] if div is not None else []) + [wait, ar]:
                 g.erase_node(dead)
         g.lint()
