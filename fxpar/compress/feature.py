@@ -191,7 +191,6 @@ class CompressedSum(Pass):
                             f"{self.feature!r} planned {[row['bucket'] for row in planned]}: plan again (parallelize "
                             "without plan=)")
         ranks = ctx.plan.group_of("dp", ctx.rank)
-        method = method_of(section)
         split = tuple(ctx.kinds) != (GraphKind.FULL,)     # several microbatches or a pipeline: REDUCE_GRAD sums
         for b, row in enumerate(planned):
             ar, info = ars[row["bucket"]], row
@@ -207,7 +206,7 @@ class CompressedSum(Pass):
                 with g.inserting_before(ar):
                     src = g.call_function(aten.div.Tensor, (buf, div.args[1]))
                 _stamp(src, ar, val)
-            overlap = not method.eager
+            overlap = "declared" not in row        # a traced sum (an eager one declares its collectives): overlapped
             with g.inserting_before(ar):
                 call = g.call_function(bucket_sum, (src, self.feature, ctx.stage, b),
                                        {"overlapped": True} if overlap else {})
