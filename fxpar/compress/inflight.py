@@ -80,11 +80,14 @@ class InFlight:
         self.used = 0
         self.event = 0
         self.seq = 0
-        self.log: list = []          # ("issue" | "wait", key, collective, piece index, bytes), for tests and explain
+        self.log: list = []          # this step's ("issue" | "wait", key, collective, piece, bytes), for tests
+        self.drained = False
 
     # ---- events -------------------------------------------------------------------------------------------------
     def ready(self, run: Running) -> None:
         """A bucket is made: the sums before it move on, its first phase runs, its first pieces queue and go."""
+        if self.drained:             # a new step
+            self.log, self.drained = [], False
         self.event += 1
         for r in self._by_priority():
             if self.fifo:
@@ -109,6 +112,7 @@ class InFlight:
                     self._advance(r)
                     self._refill()
         self.running = []
+        self.drained = True
 
     # ---- mechanics ------------------------------------------------------------------------------------------------
     def _by_priority(self) -> list:
