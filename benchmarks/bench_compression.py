@@ -6,7 +6,9 @@ Two gloo ranks, one in each of two network namespaces joined by a veth pair capp
 GPT of about 25M parameters (``--layers 8 --d 512``), the same batches for everyone, at each cap, alternating the
 contenders in ``--rounds`` rounds:
 
-- fxpar ``Strategy(dp=2, grad_sync=C.PowerSGD(rank=R, start_iter=2))``;
+- fxpar ``Strategy(dp=2, grad_sync=C.PowerSGD(rank=R, start_iter=2))`` (each bucket's P all-reduce issued in
+  backward as the bucket is made, Q after P's wait, waited before the update: ``fxpar/compress/inflight.py``), and
+  the same with ``comm_schedule="bytescheduler"`` (priority by layer, pieces, credit on the compressed collectives);
 - DDP with ``powerSGD_hook`` and ``PowerSGDState(matrix_approximation_rank=R, start_powerSGD_iter=2)``, the model
   in one DDP bucket (torch's hook issues collectives from future callbacks: with several buckets the two gloo
   ranks interleave them differently and hang);
@@ -90,20 +92,23 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     one_bucket_mb = params * 4 / 2**20 + 1
 
-    def program(grad_sync, cluster=None):
+    def program(grad_sync, cluster=None, **more):
         return fxpar.parallelize(model, cluster or fxpar.ClusterSpec.local(w), batches[0], loss_fn=gpt_loss,
-                                 optimizer=opt, strategy=fxpar.Strategy(dp=w, grad_sync=grad_sync))
+                                 optimizer=opt, strategy=fxpar.Strategy(dp=w, grad_sync=grad_sync, **more))
     rates = [parse_rate(r) for r in args.rates.split(",")]
     calibrated = fxpar.ClusterSpec.calibrate(world_size=w)
     raws: dict = {}
     links = calibrate_link(rates, raw=raws)          # the veth at each cap, as the ranks will cross it
-    kinds = {"fxpar PowerSGD": C.PowerSGD(rank=args.rank, start_iter=2), "fxpar dp": "allreduce"}
+    psgd = C.PowerSGD(rank=args.rank, start_iter=2)
+    kinds = {"fxpar PowerSGD": {"grad_sync": psgd},
+             "fxpar PowerSGD + ByteScheduler": {"grad_sync": psgd, "comm_schedule": "bytescheduler"},
+             "fxpar dp": {"grad_sync": "allreduce"}}
     programs = {}
     for bps in rates:               # each planned (and predicted) on the link it runs on
         link = links.get(bps) or calibrated.intra_node
         cl = at_cap(replace(calibrated, intra_node=link, inter_node=link), raws.get(bps))
-        for k, gs in kinds.items():
-            programs[(bps, k)] = program(gs, cl)
+        for k, kw in kinds.items():
+            programs[(bps, k)] = program(cluster=cl, **kw)
     payloads = {key: [p.payload(r, n_batches=n) for r in range(w)] for key, p in programs.items()}
     print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}, {params / 1e6:.1f}M params; global batch "
           f"{args.batch}x{args.seq}; {w} gloo ranks; PowerSGD rank {args.rank}; {args.steps} timed steps x "
@@ -127,13 +132,14 @@ def main():
                 print(f"  round {rnd + 1}/{args.rounds} ({time.perf_counter() - t_start:.0f} s)", flush=True)
             med = {k: statistics.median(v) for k, v in res.items()}
             print("\nmedian step time, ms (per step, the slower rank)")
-            print("| link | fxpar PowerSGD | DDP + powerSGD_hook | DDP | fxpar dp | fxpar PowerSGD / hook | "
-                  "fxpar PowerSGD / DDP |")
-            print("|---|---|---|---|---|---|---|")
+            print("| link | fxpar PowerSGD | fxpar PowerSGD + ByteScheduler | DDP + powerSGD_hook | DDP | fxpar dp | "
+                  "fxpar PowerSGD / hook | fxpar PowerSGD / DDP | + ByteScheduler / hook | + ByteScheduler / DDP |")
+            print("|---|---|---|---|---|---|---|---|---|---|")
             for bps in rates:
-                f, h, d, fd = (med[(bps, k)] for k in ("fxpar PowerSGD", "DDP + powerSGD_hook", "DDP", "fxpar dp"))
-                print(f"| {format_rate(bps)} | {f * 1e3:.0f} | {h * 1e3:.0f} | {d * 1e3:.0f} | {fd * 1e3:.0f} | "
-                      f"{f / h:.2f} | {f / d:.2f} |")
+                f, fb, h, d, fd = (med[(bps, k)] for k in ("fxpar PowerSGD", "fxpar PowerSGD + ByteScheduler",
+                                                           "DDP + powerSGD_hook", "DDP", "fxpar dp"))
+                print(f"| {format_rate(bps)} | {f * 1e3:.0f} | {fb * 1e3:.0f} | {h * 1e3:.0f} | {d * 1e3:.0f} | "
+                      f"{fd * 1e3:.0f} | {f / h:.2f} | {f / d:.2f} | {fb / h:.2f} | {fb / d:.2f} |")
             print("\nestimate() against measured (median step, ms)")
             print("| link | program | bytes per step (plan) | predicted | measured | predicted / measured |")
             print("|---|---|---|---|---|---|")

@@ -45,9 +45,11 @@ from fxpar.collectives import C10D
 from fxpar.errors import PassError, StrategyError
 from fxpar.feature import Feature, PlanSection, Slot, register_feature, unregister_feature
 from fxpar.pass_manager import Pass, PassContext, PassResult
+from fxpar.roles import GraphKind
 
 from .method import BucketInfo, Method
-from .runtime import CompressInfo, CompressState, bucket_sum, generator_for, trace_sum
+from .phases import piece_bytes, split_phases
+from .runtime import CompressInfo, CompressState, bucket_sum, bucket_sum_wait, generator_for, trace_sum
 
 __all__ = ["CompressFeature", "CompressSection", "CompressedSum", "register_method", "unregister_method",
            "registered_methods", "method_of", "CONFLICTS", "bucket_infos", "dp_bucket_indices"]
@@ -55,7 +57,7 @@ __all__ = ["CompressFeature", "CompressSection", "CompressedSum", "register_meth
 aten = torch.ops.aten
 
 # the features a compression method does not compose with (module docstring: why each)
-CONFLICTS = ("zero", "herring", "byteps", "parallax", "bytescheduler", "tensor_parallel")
+CONFLICTS = ("zero", "herring", "byteps", "parallax", "tensor_parallel")
 
 _METHODS: dict = {}      # method name -> Method class
 
@@ -67,9 +69,13 @@ class CompressSection(PlanSection):
     "collectives"}`` (its index among the ``data_parallel`` section's buckets of the stage; the bytes
     plain all-reduce and the method hand to collectives per rank and step, the method's at its first step; its
     traced sum's collectives ``[kind, bytes]`` in order, empty for an eager method, whose row has ``"declared"``
-    instead: its :meth:`Method.collectives`, what the cost models count), filled once captured."""
+    instead: its :meth:`Method.collectives`, what the cost models count), filled once captured. ``schedule``: None
+    (the sums in flight go FIFO), or ByteScheduler's settings on the compressed pieces (``comm_schedule=
+    'bytescheduler'``): ``{"partition_bytes", "credit_bytes", "priority": per stage the buckets, first first}``, and
+    then each row's ``"pieces"``: ``[kind, bytes]`` of every piece its collectives are sent in."""
     method: dict = field(default_factory=dict)
     stages: list = field(default_factory=list)
+    schedule: dict | None = None
 
     def lines(self) -> list:
         buckets = [b for st in self.stages for b in st]
@@ -79,8 +85,13 @@ class CompressSection(PlanSection):
         head = f"gradient buckets compressed by {self.method.get('method')!r} ({opts})"
         if not buckets:
             return [head]
-        return [f"{head}: {len(buckets)} bucket(s), {wire} bytes per rank and step on the wire instead of {plain} "
-                f"({wire / max(plain, 1):.3g}x)"]
+        out = [f"{head}: {len(buckets)} bucket(s), {wire} bytes per rank and step on the wire instead of {plain} "
+               f"({wire / max(plain, 1):.3g}x)"]
+        if self.schedule:
+            sch = self.schedule
+            out.append(f"  ByteScheduler on the compressed pieces: priority by layer (the first layers first), pieces "
+                       f"of at most {sch['partition_bytes']} bytes, credit {sch['credit_bytes']} bytes")
+        return out
 
 
 def _note(plan, m: Method) -> None:
@@ -180,6 +191,7 @@ class CompressedSum(Pass):
                             f"{self.feature!r} planned {[row['bucket'] for row in planned]}: plan again (parallelize "
                             "without plan=)")
         ranks = ctx.plan.group_of("dp", ctx.rank)
+        split = tuple(ctx.kinds) != (GraphKind.FULL,)     # several microbatches or a pipeline: REDUCE_GRAD sums
         for b, row in enumerate(planned):
             ar, info = ars[row["bucket"]], row
             buf = ar.args[0]
@@ -194,19 +206,34 @@ class CompressedSum(Pass):
                 with g.inserting_before(ar):
                     src = g.call_function(aten.div.Tensor, (buf, div.args[1]))
                 _stamp(src, ar, val)
+            overlap = "declared" not in row        # a traced sum (an eager one declares its collectives): overlapped
             with g.inserting_before(ar):
-                call = g.call_function(bucket_sum, (src, self.feature, ctx.stage, b))
+                call = g.call_function(bucket_sum, (src, self.feature, ctx.stage, b),
+                                       {"overlapped": True} if overlap else {})
             _stamp(call, ar, val)
             M.set_meta(call, M.BUCKET, row["bucket"])
             # each collective the sum issues is costed on its own (its latency terms, its algorithm)
-            parts = info["collectives"] or info.get("declared") or [["all_reduce", info["wire_bytes"]]]
+            parts = row.get("pieces") or info["collectives"] or info.get("declared") \
+                or [["all_reduce", info["wire_bytes"]]]
             parts = tuple((str(k), int(n)) for k, n in parts)
             M.set_meta(call, M.COMM, M.CommInfo(parts[0][0], "dp", tuple(ranks), int(info["wire_bytes"]),
                                                 parts=parts if len(parts) > 1 else ()))
             ops, flops, nbytes = info.get("compute", (0, 0, 0))
-            M.set_meta(call, M.INNER_COMPUTE, (int(ops), int(flops), int(nbytes), len(info["collectives"])))
+            M.set_meta(call, M.INNER_COMPUTE, (int(ops), int(flops), int(nbytes),
+                                               len(row.get("pieces") or info["collectives"])))
             out = div if div is not None else wait
-            out.replace_all_uses_with(call)
+            if overlap:
+                # the sum's last collectives are waited and its last phase runs where the all-reduce was waited (in
+                # REDUCE_GRAD under microbatches, where the sum is issued: once per step, after accumulation);
+                # wait_tensor marks for the cost models where the rank waits for the sum's collectives
+                with g.inserting_before(wait):
+                    w = g.call_function(C10D.wait_tensor.default, (call,))
+                    done = g.call_function(bucket_sum_wait, (w, self.feature, ctx.stage, b))
+                for n in (w, done):
+                    _stamp(n, ar if split else wait, val)
+                out.replace_all_uses_with(done)
+            else:
+                out.replace_all_uses_with(call)
             for dead in ([div] if div is not None else []) + [wait, ar]:
                 g.erase_node(dead)
         g.lint()
@@ -246,12 +273,26 @@ class CompressFeature(Feature):
             raise StrategyError(f"Strategy(grad_sync={m!r}) compresses the gradient buckets summed over data-parallel "
                                 f"ranks: it needs dp >= 2 (dp={strategy.dp}); set dp or drop grad_sync")
         m.check(strategy.dp)
+        if getattr(strategy, "comm_schedule", "fifo") == "bytescheduler":
+            _check_schedulable(m, strategy)
 
     def plan(self, strategy, plan, cluster):
         m = self.method(strategy)
         m.check_plan(plan)
         _note(plan, m)
-        return CompressSection(method=m.to_dict())
+        section = CompressSection(method=m.to_dict())
+        if getattr(strategy, "comm_schedule", "fifo") == "bytescheduler":
+            part = int((strategy.partition_mb or DEFAULT_PARTITION_MB) * 2**20)
+            credit = int(strategy.credit_mb * 2**20) if strategy.credit_mb else CREDIT_PIECES * part
+            section.schedule = {"partition_bytes": part, "credit_bytes": credit, "priority": []}
+            plan.notes.append(
+                f"comm_schedule (bytescheduler) on {m.name}'s compressed pieces: buckets by layer (the first layers "
+                f"first), all-reduces and all-gathers cut in pieces of at most {part} bytes, at most {credit} bytes in "
+                f"flight (fxpar/compress/inflight.py); all-to-alls and reduce-scatters sent whole (their pieces "
+                "would each split among the ranks again)" + ("" if strategy.partition_mb and strategy.credit_mb else
+                                            f"; partition and credit not tuned under compression: "
+                                            f"{DEFAULT_PARTITION_MB} MiB and {CREDIT_PIECES} pieces unless given"))
+        return section
 
     def adopt(self, section, strategy, plan, cluster):
         m = method_of(section)             # a handed-back section: its options are the ones that run
@@ -273,6 +314,9 @@ class CompressFeature(Feature):
                    "collectives": collectives, "compute": compute}
             if m.eager:              # not traced: the collectives the method declares, for the cost models
                 row["declared"] = [[str(k), int(n)] for k, n in m.collectives(b, v)]
+            if section.schedule:
+                part = section.schedule["partition_bytes"]
+                row["pieces"] = [[c.kind, n] for c in _phased(m, b, v).collectives for n in piece_bytes(c, part)]
             v0 = m.variant(b, 0, state)
             if v0 != v:              # the first steps sum another way: what they send
                 row["first_step"] = {"wire_bytes": int(m.wire_bytes(b, v0)), "collectives": _traced_sum(m, b, v0)[0]}
@@ -280,6 +324,13 @@ class CompressFeature(Feature):
         while len(section.stages) <= stage:
             section.stages.append([])
         section.stages[stage] = rows
+        if section.schedule is not None:          # the first layers' buckets first: the next forward needs them first
+            order = list(captured.param_shapes)
+            first = [min(order.index(k) for k in row["keys"]) for row in rows]
+            prio = section.schedule["priority"]
+            while len(prio) <= stage:
+                prio.append([])
+            prio[stage] = sorted(range(len(rows)), key=lambda i: (first[i], i))
 
     def make_passes(self, section) -> list:
         return [(Slot.BUCKET_SUM, CompressedSum(self.name))]
@@ -295,7 +346,14 @@ class CompressFeature(Feature):
         if not buckets:
             return None
         method_of(section).check_optimizer(program.optimizer)
-        return CompressInfo(self.name, method_of(section), tuple(buckets), tuple(program.plan.group_of("dp", rank)))
+        schedule = None
+        if section.schedule:
+            sch = section.schedule
+            schedule = {"partition_bytes": sch["partition_bytes"], "credit_bytes": sch["credit_bytes"],
+                        "priority": {(s, b): (s, at) for s, order in enumerate(sch["priority"])
+                                     for at, b in enumerate(order)}}
+        return CompressInfo(self.name, method_of(section), tuple(buckets), tuple(program.plan.group_of("dp", rank)),
+                            schedule)
 
     def state_bytes(self, section, program, rank) -> int:
         m = method_of(section)
@@ -318,6 +376,35 @@ class CompressFeature(Feature):
                     lines.append(f"  until the method starts: wire_bytes={first['wire_bytes']} ({coll0})")
                 lines += [f"  {x}" for x in m.describe(b, v)]
         return lines
+
+
+DEFAULT_PARTITION_MB = 1      # ByteScheduler's piece under compression, unless partition_mb is given
+CREDIT_PIECES = 4             # ... and its credit, in pieces, unless credit_mb is given
+
+
+def _check_schedulable(m: Method, strategy) -> None:
+    """Refuse what ByteScheduler cannot do with compressed bucket sums (``comm_schedule='bytescheduler'``)."""
+    head = f"Strategy(grad_sync={m.summary()}, comm_schedule='bytescheduler')"
+    if m.eager:
+        raise StrategyError(f"{head}: {type(m).__name__}'s sum runs as Python (eager), so its collectives are not "
+                            "pieces ByteScheduler can order, cut or credit; use comm_schedule='fifo'")
+    if getattr(strategy, "delayed_update", False) or getattr(strategy, "cross_iteration", None):
+        raise StrategyError(f"{head}, cross_iteration/delayed_update: a compressed bucket sum finishes in its step "
+                            "(its residuals and factors feed the next step's sum), so its waits and update cannot "
+                            "move into the next step; drop cross_iteration=True and delayed_update=True")
+    if getattr(strategy, "grad_order", None) == "priority":
+        raise StrategyError(f"{head}, grad_order='priority': backward's need order serves cross-iteration overlap, "
+                            "which compressed sums do not run; drop grad_order")
+
+
+def _phased(m: Method, b: BucketInfo, variant):
+    """``m``'s sum of ``b`` for ``variant`` traced here (as dp rank 0) and cut into phases."""
+    b0 = dataclasses.replace(b, dp_rank=0)
+    gen = generator_for(m)
+    state = dict(m.init_state(b0, gen))
+    inputs = list(m.host_inputs(b0, 0, state, variant, gen))
+    gm = trace_sum(m, b0, variant, torch.zeros(b.numel, dtype=b.torch_dtype), state, inputs, sorted(state))
+    return split_phases(gm, f"{type(m).__name__}.sum (stage {b.stage}, bucket {b.index})")
 
 
 def method_of(section: CompressSection) -> Method:

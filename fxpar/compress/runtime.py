@@ -1,22 +1,29 @@
 """A compression method on a rank: its per-bucket state, step counters and generator, and the bucket sums it runs.
 
-The compression pass (:mod:`fxpar.compress.feature`) puts one call of :func:`bucket_sum` where each data-parallel
-bucket's all-reduce was. When the rank starts, its :class:`CompressState` binds those calls to itself
-(:meth:`CompressState.setup`); each call then, on the host:
+The compression pass (:mod:`fxpar.compress.feature`) puts, for a traced method, one call of :func:`bucket_sum`
+(``overlapped=True``) where each data-parallel bucket's all-reduce was issued and one call of
+:func:`bucket_sum_wait` where its wait was; for an ``eager`` method one call of :func:`bucket_sum` that sums at
+once. When the rank starts, its :class:`CompressState` binds those calls to itself (:meth:`CompressState.setup`).
+
+``bucket_sum`` (:meth:`CompressState.issue`), on the host:
 
 1. asks the method which graph sums the bucket at this step (:meth:`Method.variant`, from the bucket's own step
    counter and state) and for the tensors made on the host (:meth:`Method.host_inputs`, from the rank's generator);
-2. runs that variant's graph: :meth:`Method.sum` traced once per (bucket, variant) with ``make_fx`` on fake
-   tensors, its collectives bound to the rank's dp group (``bind_groups``) and, on gloo, every gather through the
-   path that is safe beside other collectives (``lower_for_backend``) -- or, for an ``eager`` method (a DDP comm
-   hook), ``sum`` itself with an :class:`EagerComm` on the rank's group;
-3. keeps the new state and counts the step.
+2. takes that variant's graph -- :meth:`Method.sum` traced once per (bucket, variant) with ``make_fx`` on fake
+   tensors, its collectives bound to the rank's dp group (``bind_groups``) and cut into compute phases with the
+   collectives between them (:func:`fxpar.compress.phases.split_phases`);
+3. hands the sum to the rank's :class:`fxpar.compress.inflight.InFlight`, which runs its first phase and issues its
+   first collectives (in backward, in the fused one-stage step) and moves the sums before it on.
+
+``bucket_sum_wait`` (:meth:`CompressState.wait`) finishes every sum in flight (their last collectives, waited, and
+their last phases), keeps each bucket's new state and counts its step. An ``eager`` method's ``bucket_sum``
+(:meth:`CompressState.sum`) runs ``sum`` itself with an :class:`EagerComm` on the rank's group, at once.
 
 Everything it keeps -- each bucket's state tensors, each bucket's step counter, the generator's state and the
 method's own objects (:meth:`Method.host_state`: a DDP hook's state object) -- is saved in checkpoints
-(:meth:`CompressState.save`) and restored bitwise (:meth:`CompressState.load`). The
-collectives the traced graphs issue run inside the executor's ``CommCounter`` like any other graph's; an eager
-method's ``dist.*`` calls are counted there too (``c10d`` ops).
+(:meth:`CompressState.save`) and restored bitwise (:meth:`CompressState.load`). The collectives run inside the
+executor's ``CommCounter`` like any graph's (functional collectives, and an eager method's ``dist.*`` calls:
+``c10d`` ops).
 """
 from __future__ import annotations
 
@@ -27,13 +34,16 @@ import torch.distributed as dist
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from fxpar.collectives import lower_for_backend
+from fxpar.collectives import C10D, gloo_all_gather_into_tensor, lower_for_backend
 from fxpar.feature import RankState
 from fxpar.runtime.groups import bind_groups, group
 
+from .inflight import InFlight, Running
 from .method import BucketInfo, Comm, Method
+from .phases import split_phases
 
-__all__ = ["bucket_sum", "CompressInfo", "CompressState", "EagerComm", "bucket_key", "generator_for"]
+__all__ = ["bucket_sum", "bucket_sum_wait", "CompressInfo", "CompressState", "EagerComm", "bucket_key",
+           "generator_for"]
 
 
 def bucket_key(stage: int, index: int) -> str:
@@ -47,23 +57,35 @@ def generator_for(method: Method) -> torch.Generator:
     return torch.Generator().manual_seed(int(getattr(method, "seed", 0) or 0))
 
 
-def bucket_sum(flat: torch.Tensor, feature: str, stage: int, index: int) -> torch.Tensor:
+def bucket_sum(flat: torch.Tensor, feature: str, stage: int, index: int, overlapped: bool = False) -> torch.Tensor:
     """What the compression pass puts in a graph in place of a bucket's all-reduce: the bucket ``flat`` (this rank's
-    gradients, scaled by 1/dp) summed over dp by feature ``feature``'s method. On a rank, :class:`CompressState`
-    replaces each call by its own :meth:`CompressState.sum`; called here, the graph runs outside a rank."""
+    gradients, scaled by 1/dp) summed over dp by feature ``feature``'s method -- at once, or (``overlapped``) begun,
+    returning ``flat`` as the handle that :func:`bucket_sum_wait` reads. On a rank, :class:`CompressState` replaces
+    each call by its own :meth:`CompressState.sum` / :meth:`CompressState.issue`; called here, the graph runs
+    outside a rank."""
     raise RuntimeError(f"graph calls fxpar.compress.runtime.bucket_sum for feature {feature!r} (stage {stage}, bucket "
                        f"{index}) outside a rank: run the program (run_local, runner()) -- its ranks bind the call to "
                        "their compression state")
 
 
+def bucket_sum_wait(handle: torch.Tensor, feature: str, stage: int, index: int) -> torch.Tensor:
+    """Where the update reads a bucket whose sum :func:`bucket_sum` began (``handle``): its sum. On a rank,
+    :class:`CompressState` replaces each call by its own :meth:`CompressState.wait`."""
+    raise RuntimeError(f"graph calls fxpar.compress.runtime.bucket_sum_wait for feature {feature!r} (stage {stage}, "
+                       f"bucket {index}) outside a rank: run the program (run_local, runner())")
+
+
 @dataclass(frozen=True)
 class CompressInfo:
     """What a rank's :class:`CompressState` starts from (picklable): the feature, the method, the buckets of the
-    stages the rank holds (``dp_rank`` set) and the ranks of its dp group."""
+    stages the rank holds (``dp_rank`` set), the ranks of its dp group, and how the sums in flight are ordered
+    (``schedule``: None, FIFO; else ``{"priority": {(stage, bucket): rank}, "partition_bytes", "credit_bytes"}``,
+    ByteScheduler on the compressed pieces)."""
     feature: str
     method: Method
     buckets: tuple
     dp_ranks: tuple
+    schedule: dict | None = None
 
 
 class EagerComm(Comm):
@@ -113,35 +135,44 @@ class CompressState(RankState):
         self.state = {k: dict(self.method.init_state(b, self.gen)) for k, b in sorted(self.buckets.items())}
         self.steps = {k: 0 for k in self.buckets}
         self.graphs: dict = {}         # (stage, index, variant) -> (GraphModule, state names)
+        self.phased: dict = {}         # (stage, index, variant) -> the graph cut into phases (split_phases)
         self.names: dict = {}          # group tag name -> this rank's process group name
         self.pg = None
+        self.gloo = False
+        sch = info.schedule or {}
+        self.flight = InFlight(self._issue, sch.get("priority"), sch.get("partition_bytes"), sch.get("credit_bytes"))
+        self.running: dict = {}        # (stage, index) -> its sum under way (inflight.Running), between issue and wait
+        self.started = 0
 
     # ---- binding the graphs' calls ----------------------------------------------------------------------------
     def setup(self, ex) -> None:
         if dist.is_initialized() and len(self.info.dp_ranks) > 1:
             self.pg = group(self.info.dp_ranks, "dp")
             self.names = {"dp": self.pg.group_name}
+            self.gloo = "gloo" in str(dist.get_backend(self.pg))
         for parts in ex.p.graphs.values():
             for sg in parts.values():
                 bound = False
                 for n in sg.gm.graph.nodes:
-                    # bucket_sum, or a call an earlier rank state of this process bound (the graphs of a program
-                    # built here are shared: a second runner() binds them again)
-                    if n.op == "call_function" and n.args[1:2] == (self.info.feature,) and (
-                            n.target is bucket_sum or getattr(n.target, "__func__", None) is CompressState.sum):
-                        n.target = self.sum
-                        bound = True
+                    # bucket_sum / bucket_sum_wait, or a call an earlier rank state of this process bound (the graphs
+                    # of a program built here are shared: a second runner() binds them again)
+                    if n.op != "call_function" or n.args[1:2] != (self.info.feature,):
+                        continue
+                    if n.target is bucket_sum_wait or _bound(n.target, "wait"):
+                        n.target = self.wait
+                    elif n.target is bucket_sum or _bound(n.target, "sum") or _bound(n.target, "issue"):
+                        n.target = self.issue if n.kwargs.get("overlapped") else self.sum
+                    else:
+                        continue
+                    bound = True
                 if bound:
                     sg.gm.recompile()
 
     # ---- one bucket, one step ------------------------------------------------------------------------------
-    def sum(self, flat: torch.Tensor, feature: str, stage: int, index: int) -> torch.Tensor:
+    def sum(self, flat: torch.Tensor, feature: str, stage: int, index: int, overlapped: bool = False) -> torch.Tensor:
+        """Bucket ``(stage, index)``'s sum at once (an eager method's; module docstring)."""
         key = (stage, index)
-        b = self.buckets.get(key)
-        if b is None:
-            raise RuntimeError(f"rank {self.rank}: a graph sums bucket {index} of stage {stage}, for which "
-                               f"{type(self.method).__name__} holds no state (it holds {sorted(self.buckets)}): the "
-                               "Plan section and the graphs disagree -- plan again (parallelize without plan=)")
+        b = self._bucket(key)
         m, step, state = self.method, self.steps[key], self.state[key]
         variant = m.variant(b, step, state)
         inputs = self.inputs(b, step, state, variant)
@@ -155,6 +186,73 @@ class CompressState(RankState):
         self.state[key] = dict(new)
         self.steps[key] = step + 1
         return summed
+
+    def issue(self, flat: torch.Tensor, feature: str, stage: int, index: int, overlapped: bool = True) -> torch.Tensor:
+        """Begin bucket ``(stage, index)``'s sum (module docstring); returns ``flat``, the handle :meth:`wait`
+        reads."""
+        key = (stage, index)
+        b = self._bucket(key)
+        if key in self.running:
+            raise RuntimeError(f"rank {self.rank}: bucket {index} of stage {stage} begins its sum again before the "
+                               "last one was waited: the graph calls bucket_sum twice for it without bucket_sum_wait "
+                               "between -- plan again (parallelize without plan=)")
+        m, step, state = self.method, self.steps[key], self.state[key]
+        variant = m.variant(b, step, state)
+        inputs = self.inputs(b, step, state, variant)
+        _, names = self._graph(b, variant, flat, state, inputs)
+        phased = self._phases(b, variant)
+        env = dict(zip(phased.inputs, [flat, *[state[k] for k in names], *inputs]))
+        sch = self.info.schedule
+        prio = sch["priority"][key] if sch else self.started
+        self.started += 1
+        run = Running(key, prio, phased, env)
+        self.running[key] = (run, flat, state, names)
+        self.flight.ready(run)
+        return flat
+
+    def wait(self, handle: torch.Tensor, feature: str, stage: int, index: int) -> torch.Tensor:
+        """Bucket ``(stage, index)``'s sum, which :meth:`issue` began: every sum in flight runs to its end (the
+        first wait of a step), then this bucket's result and new state are taken."""
+        key = (stage, index)
+        got = self.running.pop(key, None)
+        if got is None:
+            raise RuntimeError(f"rank {self.rank}: the graph waits for the sum of bucket {index} of stage {stage}, "
+                               "which no bucket_sum began in this step -- plan again (parallelize without plan=)")
+        run, flat, state, names = got
+        if run.result is None:
+            self.flight.drain()
+        b = self.buckets[key]
+        summed, new = run.result[0], dict(zip(names, run.result[1:]))
+        self._check(b, flat, summed, state, new)
+        self.state[key] = dict(new)
+        self.steps[key] += 1
+        return summed
+
+    def _bucket(self, key) -> BucketInfo:
+        b = self.buckets.get(key)
+        if b is None:
+            raise RuntimeError(f"rank {self.rank}: a graph sums bucket {key[1]} of stage {key[0]}, for which "
+                               f"{type(self.method).__name__} holds no state (it holds {sorted(self.buckets)}): the "
+                               "Plan section and the graphs disagree -- plan again (parallelize without plan=)")
+        return b
+
+    def _phases(self, b: BucketInfo, variant):
+        """Bucket ``b``'s traced sum for ``variant`` cut into phases (made once, beside the graph)."""
+        key = (b.stage, b.index, variant)
+        got = self.phased.get(key)
+        if got is None:
+            gm, _ = self.graphs[key]
+            got = self.phased[key] = split_phases(gm, f"{type(self.method).__name__}.sum (stage {b.stage}, bucket "
+                                                      f"{b.index})")
+        return got
+
+    def _issue(self, coll, t: torch.Tensor) -> torch.Tensor:
+        """One collective (or piece) of a phased sum, on the rank's group: on gloo an all-gather by the path safe
+        beside other collectives in flight (``fxpar.collectives.gloo_all_gather_into_tensor``)."""
+        target = coll.target
+        if self.gloo and target is C10D.all_gather_into_tensor.default:
+            target = gloo_all_gather_into_tensor
+        return target(t, *coll.args)
 
     def inputs(self, b: BucketInfo, step: int, state: dict, variant) -> list:
         """The host inputs of bucket ``b``'s sum at ``step``: the method's (:meth:`Method.host_inputs`). A method's
@@ -235,6 +333,11 @@ class CompressState(RankState):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for st in self.state.values() for t in st.values())
+
+
+def _bound(target, name: str) -> bool:
+    """Whether ``target`` is a rank state's method ``name`` (bound by an earlier :meth:`CompressState.setup`)."""
+    return isinstance(getattr(target, "__self__", None), CompressState) and target.__name__ == name
 
 
 def trace_sum(method: Method, b: BucketInfo, variant, flat, state: dict, inputs: list, names: list,

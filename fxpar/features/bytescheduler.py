@@ -68,11 +68,15 @@ class ByteSchedulerSection(PlanSection):
     why_not_cross_iteration: str = ""
     delayed_update: bool = False
     synced: bool = True
+    bucket_sums: str = ""
     stages: list = field(default_factory=list)
 
     bucket_order = "ByteScheduler's order (priority, pieces, credit; see bytescheduler)"
 
     def lines(self) -> list:
+        if self.bucket_sums:
+            return [f"ByteScheduler on the compressed pieces of grad_sync={self.bucket_sums!r}: priority, pieces and "
+                    "credit in that method's section"]
         mib = lambda v: "tuned per stage" if v is None else f"{v / 2**20:.3g} MiB"      # noqa: E731
         out = [f"ByteScheduler: partition {mib(self.partition_bytes)}, credit {mib(self.credit_bytes)}; "
                + ("each bucket's wait and update move into the next step, before its first forward use"
@@ -85,6 +89,14 @@ class ByteSchedulerSection(PlanSection):
                 out.append(f"  stage {s}: {len(e['pieces'])} piece(s), predicted step "
                            f"{e['predicted_step_s'] * 1e3:.3g} ms; backward order {go.get('mode', 'natural')}")
         return out
+
+
+def _bucket_sums(strategy) -> str:
+    """The gradient-compression method whose bucket sums take ByteScheduler's priority, pieces and credit (its
+    name), or ''. Every other ``grad_sync`` method refuses ByteScheduler (``conflicts_with``), so a ``grad_sync``
+    other than plain all-reduce that reaches here is a compression method."""
+    g = getattr(strategy, "grad_sync", "allreduce")
+    return "" if g in (None, "allreduce") else str(getattr(g, "name", g))
 
 
 def _cross_iteration_why_not(strategy, plan, asynchronous: bool) -> str:
@@ -472,13 +484,15 @@ class ByteScheduler(Feature):
         the gradient waits and updates move into the next step (cross-iteration overlap: dp > 1, a traced
         optimizer, a synchronous schedule whose ranks hold one stage each; with a pipeline or several microbatches,
         each stage's STEP moves into the next step's first forward of that stage)."""
-        why = _cross_iteration_why_not(strategy, plan, asynchronous=plan.asynchronous)
+        sums = _bucket_sums(strategy)
+        why = (f"grad_sync={sums!r}: each compressed bucket sum finishes in its step" if sums else
+               _cross_iteration_why_not(strategy, plan, asynchronous=plan.asynchronous))
         mb = lambda v: None if v is None else int(v * 2**20)      # noqa: E731
         section = ByteSchedulerSection(
             method=strategy.comm_schedule, partition_bytes=mb(strategy.partition_mb),
             credit_bytes=mb(strategy.credit_mb), grad_order=strategy.grad_order, cross_iteration=not why,
             cross_iteration_asked=strategy.cross_iteration, why_not_cross_iteration=why,
-            synced=plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()))
+            synced=plan.dp > 1 or any(g for gg in plan.grad_groups for g in gg.values()), bucket_sums=sums)
         if strategy.delayed_update:
             if why:
                 raise StrategyError(f"{strategy}: delayed_update=True carries each step's update into the next, which "
@@ -495,11 +509,14 @@ class ByteScheduler(Feature):
         return section
 
     def plan_stage(self, section, plan, stage, captured, cluster, schedule):
+        if section.bucket_sums:        # the compression method's sums order, cut and credit their own pieces
+            section.stages.append({"priority": [], "pieces": [], "events": [], "predicted_step_s": None})
+            return
         plan_comm_schedule(section, plan, stage, captured, cluster,
                            fused=graph_kinds(schedule, stage) == (GraphKind.FULL,))
 
     def make_passes(self, section):
-        if not section.synced:
+        if not section.synced or section.bucket_sums:
             return []
         # GRAD_ORDER: backward makes the gradients in the planned order, which every later pass then follows;
         # COMM_ORDER (after bucket): pieces of its buckets issued by priority under a credit; with cross-iteration
