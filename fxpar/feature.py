@@ -137,6 +137,8 @@ class RankState:
       pieces, map them to files);
     * ``input_roles`` / :meth:`provide_role`: graph inputs of other roles it provides (``"param_shard"``);
     * :meth:`handlers`: schedule actions it runs itself, ``{ActionKind: handler(action, window, index)}``;
+    * :meth:`after_setup`: once every feature's :meth:`setup` ran: what runs the rank's graphs (a compiler's callables
+      in their place);
     * :meth:`whole`: whole tensors from what the rank holds, for ``state_dict()`` and checkpoints (a collective
       where ``collective`` is True: then every rank calls it; an instance may set it in :meth:`setup`);
       :meth:`laid_out`: the other way, for a whole tensor laid out like a parameter;
@@ -166,6 +168,12 @@ class RankState:
 
     def setup(self, ex) -> None:
         """Once the executor ``ex`` holds the rank's parameters, optimizer state and buffers."""
+
+    def after_setup(self, ex) -> None:
+        """Once every enabled feature's :meth:`setup` ran (the graphs are bound to this rank's groups and to the
+        features' state): a feature may put callables of its own in place of the graphs the rank runs, in
+        ``ex.p.graphs[stage][kind]`` (a :class:`~passes.split_graphs.SplitGraph` copy whose ``gm`` it replaced), never
+        changing the SplitGraphs themselves (a one-rank run shares them with the Program)."""
 
     def provide_role(self, ex, role: str, key: str, stage: int, weights: dict):
         """A graph input of one of ``input_roles``."""

@@ -3,6 +3,7 @@
 Importing this package registers them (``fxpar.feature`` imports it the first time its registry is read).
 """
 from . import data_parallel  # noqa: F401  first: its plan() and plan_stage() (the buckets) come before the others'
+from . import compile  # noqa: F401  (Strategy(compile=True)) early: its plan() sets the update's kernel others read
 from . import pipeline_flush, pipeline_zero_bubble, pipeline_async, pipeline_chimera  # noqa: F401  (schedule=)
 from . import pipeline_delayed  # noqa: F401  (schedule='pipelined_bp' | 'pipemare')
 from . import pipeline  # noqa: F401  hand-written schedules (Strategy(schedule=Schedule or its text))

@@ -154,6 +154,8 @@ class Executor:
                       for s, ps in self.params.items()}
         for st in self.features.values():        # the features' state: chunks, pieces, files, residuals
             st.setup(self)
+        for st in self.features.values():        # then what runs the graphs (a compiler's callables)
+            st.after_setup(self)
         # torch's optimizer: it steps an untraced optimizer; for a traced one it only holds the LR the scheduler
         # moves, so its parameters are empty placeholders (a copy of every weight would cost Ψ per rank)
         self._leaves = {(s, k): torch.nn.Parameter(v.clone() if not spec.traced else v.new_empty(0))

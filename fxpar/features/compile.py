@@ -1,0 +1,296 @@
+"""A compiled backend: every per-rank graph through ``torch._inductor`` as one Feature, ``Strategy(compile=True)``.
+
+fxpar owns each rank's whole step as graphs (the fused one-stage step, or F/B/I/W, REDUCE_GRAD, STEP, UNSHARD and
+the features' own); eager, they run op by op. With ``compile=True`` each rank compiles each graph it runs with
+inductor's ``compile_fx`` (C++ and OpenMP on CPU) at its first call, and runs the compiled code from then on:
+
+* option ``compile`` (False; True); ``"auto"`` is refused until a probe or the cost model decides it;
+* its Plan section :class:`CompileSection`: the backend the ranks use (``"inductor"``, or ``"eager"`` with why:
+  no working C++ compiler, a one-line warning when the Plan is made);
+* its planning (:meth:`Compile.plan`): the traced Adam/AdamW update runs as list ops inductor compiles itself
+  (inductor has no lowering for ``aten._fused_adamw_``, fxpar's fused CPU kernel);
+* its per-rank state :class:`CompileState`: once the rank's graphs are bound to its groups
+  (:meth:`~fxpar.feature.RankState.after_setup`), each graph's callable becomes a :class:`CompiledGraph`. At its
+  first call it makes the graph's collectives functional (``passes.functional_collectives``: inductor refuses the
+  in-place ``all_reduce_``) and compiles it from fake copies of the call's arguments. A graph inductor cannot
+  compile runs eager, with one warning naming the graph, its kind and the op;
+* its report (``RunResult.features[rank]["compile"]``): per graph, compiled or why not, seconds, inductor's cache
+  (``"hit"``: a second ``parallelize`` of the same model compiles nothing) and inductor's code;
+* its lines in ``explain()``: which graphs compile, which run eager and why.
+
+Shapes are static: the graphs are made for ``example_inputs``' shapes, and a batch of another shape (a smaller last
+batch) is refused before any rank starts, with or without ``compile``. So a graph compiles once per run, never again
+(a call whose arguments share storage otherwise than at the first call compiles a variant for that aliasing, with a
+warning; fxpar's executor hands every call the same layout).
+"""
+from __future__ import annotations
+
+import copy
+import hashlib
+import os
+import re
+import shutil
+import time
+import warnings
+from dataclasses import dataclass, replace
+from unittest import mock
+
+import torch
+import torch.fx
+from filelock import FileLock
+from torch.utils._python_dispatch import _disable_current_modes
+
+from fxpar.errors import StrategyError
+from fxpar.feature import Feature, Option, PlanSection, RankState, register_feature
+from fxpar.roles import GraphKind
+from passes.functional_collectives import functional_collectives
+
+__all__ = ["Compile", "CompileSection", "CompileState", "CompiledGraph", "compiler_missing", "eager_reason",
+           "graph_label"]
+
+_OPTION = "compile"
+
+
+def compiler_missing() -> str | None:
+    """What keeps inductor from compiling on this machine's CPU (None: nothing): ``torch._inductor`` that does not
+    import, or no C++ compiler it can find."""
+    try:
+        # loaded here, not at the top: importing inductor costs seconds, paid only where a Strategy compiles
+        from torch._inductor import cpp_builder
+    except Exception as e:  # noqa: BLE001 - any failure to import means: not usable
+        return f"torch._inductor does not import ({type(e).__name__}: {_first_line(e)})"
+    try:
+        cxx = cpp_builder.get_cpp_compiler()
+    except Exception as e:  # noqa: BLE001 - inductor's search raises when it finds none
+        return f"a C++ compiler (inductor found none: {_first_line(e)}; install g++ or set CXX)"
+    if shutil.which(cxx) is None:
+        return f"a C++ compiler ({cxx!r} is not on PATH; install it or set CXX)"
+    return None
+
+
+def graph_label(stage: int, kind) -> str:
+    """How ``program.graphs(rank)`` names a graph: ``"step"`` for the fused one-stage step, else ``"stage{s}.{kind}"``."""
+    return "step" if kind == GraphKind.FULL else f"stage{stage}.{getattr(kind, 'value', kind)}"
+
+
+def eager_reason(gm: torch.fx.GraphModule) -> str | None:
+    """Why ``gm`` cannot go to inductor as it stands (None: nothing known): a node that calls a Python function
+    rather than an operator (inductor would trace it with fake tensors, running its side effects)."""
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and not isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
+                and n.target.__module__ != "_operator":
+            name = getattr(n.target, "__qualname__", None) or repr(n.target)
+            return f"node {n.name} calls the Python function {name}, which inductor cannot compile"
+    return None
+
+
+@dataclass
+class CompileSection(PlanSection):
+    """The decision: the backend each rank's graphs run on (``"inductor"``; ``"eager"`` where ``why`` says what is
+    missing)."""
+    backend: str = "inductor"
+    why: str = ""
+
+    def lines(self) -> list:
+        if self.backend != "inductor":
+            return [f"compile=True asked, but the graphs run eager: {self.why}"]
+        return ["every graph a rank runs is compiled by torch._inductor (C++/OpenMP on CPU) at its first call on the "
+                "rank, and cached on disk (inductor's FX graph cache); shapes static (example_inputs')"]
+
+
+@dataclass
+class CompileInfo:
+    """What a rank's :class:`CompileState` starts from: the graphs known to run eager, label -> why."""
+    eager: dict
+
+
+class CompiledGraph:
+    """One graph of one rank: compiled by inductor at its first call (from fake copies of the call's arguments),
+    eager where inductor cannot compile it. Called like the GraphModule it stands for."""
+
+    def __init__(self, gm: torch.fx.GraphModule, label: str, kind, state: "CompileState"):
+        self.gm, self.label, self.kind, self.state = gm, label, kind, state
+        self.variants: dict = {}           # the arguments' aliasing -> the callable
+
+    def __call__(self, *args):
+        key = _aliasing(args)
+        fn = self.variants.get(key)
+        if fn is None:
+            fn = self.variants[key] = self.state.compile(self, args, len(self.variants))
+        return fn(*args)
+
+
+class CompileState(RankState):
+    """A rank's compiled graphs and what became of each (:meth:`report`)."""
+
+    def __init__(self, info: CompileInfo, rank: int):
+        super().__init__(info, rank)
+        self.graphs: dict = {}             # label -> {"compiled", "why", "seconds", "cache", "code"}
+
+    def after_setup(self, ex) -> None:
+        for s, parts in list(ex.p.graphs.items()):
+            ex.p.graphs[s] = {kind: replace(sg, gm=CompiledGraph(sg.gm, graph_label(s, kind), kind, self))
+                              for kind, sg in parts.items()}
+
+    def compile(self, cg: CompiledGraph, args: tuple, variant: int):
+        """The callable for ``cg`` on arguments like ``args``: inductor's, or the graph itself where it fails."""
+        if variant:
+            warnings.warn(f"Strategy(compile=True): rank {self.rank}: graph {cg.label} is called with arguments that "
+                          f"share storage otherwise than before; it compiles again for them (variant {variant + 1})",
+                          RuntimeWarning, stacklevel=3)
+        why = self.info.eager.get(cg.label) or eager_reason(cg.gm)
+        t0 = time.perf_counter()
+        fn, cache, code = None, None, None
+        if why is None:
+            try:
+                fn, cache, code = _inductor(cg.gm, args)
+            except Exception as e:  # noqa: BLE001 - any compiler failure: the graph runs eager, the run goes on
+                why = f"{_failed_op(e)} did not compile ({_first_line(e)[:200]})"
+        self.graphs[cg.label] = {"kind": str(getattr(cg.kind, "value", cg.kind)), "compiled": fn is not None,
+                                 "why": why, "seconds": time.perf_counter() - t0, "cache": cache, "code": code}
+        if fn is None:
+            _warn_once(f"Strategy(compile=True): graph {cg.label} (kind {self.graphs[cg.label]['kind']}) runs eager: "
+                       f"{why}")
+            return cg.gm
+        return fn
+
+    def report(self):
+        return {label: dict(g) for label, g in self.graphs.items()}
+
+
+@register_feature
+class Compile(Feature):
+    name = "compile"
+    doc = "every per-rank graph compiled by torch._inductor (C++/OpenMP on CPU), eager where a graph cannot compile"
+    options = {_OPTION: Option(False, "True: each rank compiles every graph it runs with torch._inductor's compile_fx "
+                                      "at its first call (cached on disk: a second parallelize of the same model "
+                                      "compiles nothing); a graph that cannot compile runs eager, with a warning. "
+                                      "Shapes are static. False (default): eager. 'auto' is refused (no probe decides "
+                                      "it yet)")}
+    section = CompileSection
+    state = CompileState
+
+    def validate(self, strategy) -> None:
+        v = strategy.option(_OPTION)
+        if v == "auto":
+            raise StrategyError("Strategy(compile='auto'): no probe or cost model decides compilation yet; pass "
+                                "compile=True (every graph through torch._inductor) or compile=False (eager)")
+        if not isinstance(v, bool):
+            raise StrategyError(f"Strategy(compile={v!r}): pass True (every graph through torch._inductor) or False "
+                                "(eager, the default)")
+
+    def plan(self, strategy, plan, cluster):
+        missing = compiler_missing()
+        if missing is not None:
+            warnings.warn(f"Strategy(compile=True): inductor is not usable here, missing {missing}; the graphs run "
+                          "eager", UserWarning, stacklevel=2)
+            return CompileSection(backend="eager", why=f"inductor is not usable here: missing {missing}")
+        _unfuse_update(plan)
+        return CompileSection()
+
+    def adopt(self, section, strategy, plan, cluster):
+        return self.plan(strategy, plan, cluster)
+
+    def rank_info(self, section, program, rank: int):
+        if section.backend != "inductor":
+            return None
+        return CompileInfo(eager=_known_eager(program, rank))
+
+    def explain(self, section, program) -> list:
+        lines = section.lines()
+        if section.backend != "inductor":
+            return lines
+        eager = _known_eager(program, 0)
+        labels = [graph_label(s, k) for s in program.plan.rank_stages(0) for k in program.stages[s].graphs]
+        lines.append("rank 0 compiles: " + (", ".join(lb for lb in labels if lb not in eager) or "nothing"))
+        lines += [f"rank 0 runs eager: {lb} ({why})" for lb, why in eager.items()]
+        lines.append("what each rank compiled, how long it took and inductor's code: "
+                     "RunResult.features[rank]['compile']")
+        return lines
+
+
+# ---- helpers -----------------------------------------------------------------------------------------------
+def _unfuse_update(plan) -> None:
+    """Inductor has no lowering for ``aten._fused_adamw_``: the traced update runs as list ops it compiles."""
+    opt = plan.optimizer or {}
+    if opt.get("kernel") == "fused":
+        opt.pop("hyper", None)
+        opt.update({"kernel": "foreach", "why_kernel": "compile=True: inductor generates the update from the list "
+                                                       "ops (it has no lowering for aten._fused_adamw_)"})
+
+
+def _known_eager(program, rank: int) -> dict:
+    """label -> why, for the graphs of ``rank`` known before any run not to compile."""
+    out = {}
+    for s in program.plan.rank_stages(rank):
+        for kind, sg in program.stages[s].graphs.items():
+            why = eager_reason(sg.gm)
+            if why is not None:
+                out[graph_label(s, kind)] = why
+    return out
+
+
+def _aliasing(args) -> tuple:
+    """For each argument, the index of the first argument on the same storage (compiled code is specialised to it)."""
+    first, out = {}, []
+    for i, a in enumerate(args):
+        out.append(first.setdefault(a.untyped_storage().data_ptr(), i) if isinstance(a, torch.Tensor) else -1)
+    return tuple(out)
+
+
+def _inductor(gm: torch.fx.GraphModule, args: tuple) -> tuple:
+    """``(compiled callable, "hit" | "miss", inductor's code)`` for ``gm`` on arguments like ``args``."""
+    # loaded here, not at the top: importing inductor costs seconds, paid only where a Strategy compiles
+    from torch._dynamo.utils import counters
+    from torch._guards import TracingContext, tracing
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.graph import GraphLowering
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    codes = []
+    with _disable_current_modes():        # compiling is no step's work: a rank's counters and trackers do not see it
+        g = copy.deepcopy(gm)
+        functional_collectives(g)
+        # fake copies under a shape environment, static: inductor's FX graph cache keys on them (real tensors bypass it)
+        fake = FakeTensorMode(shape_env=ShapeEnv())
+        fakes = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        # ranks of one host that run the same graph (every dp rank) compile it once: the first holds the lock, the
+        # others wait for it, then load the result from inductor's cache
+        with FileLock(_lock_path(g, args)), \
+                mock.patch.object(GraphLowering, "save_output_code", codes.append), tracing(TracingContext(fake)):
+            fn = compile_fx(g, fakes)
+    cache = "hit" if counters["inductor"]["fxgraph_cache_hit"] > hits else "miss"
+    return fn, cache, codes[-1] if codes else None
+
+
+def _lock_path(gm: torch.fx.GraphModule, args: tuple) -> str:
+    """A lock file in inductor's cache directory, one per graph code and argument layout."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    layout = [(tuple(a.shape), a.stride(), str(a.dtype)) if isinstance(a, torch.Tensor) else repr(a) for a in args]
+    key = hashlib.sha256((gm.code + repr(layout) + repr(_aliasing(args))).encode()).hexdigest()[:24]
+    os.makedirs(os.path.join(cache_dir(), "fxpar_locks"), exist_ok=True)
+    return os.path.join(cache_dir(), "fxpar_locks", f"{key}.lock")
+
+
+def _failed_op(e: BaseException) -> str:
+    """The op a compiler error names (``aten.foo.default``), or a phrase saying it names none."""
+    text = str(e)
+    m = re.search(r"target=([\w.:]+)", text) or re.search(r"target: ([\w.:]+)", text) \
+        or re.search(r"\b([a-z_0-9]+::[\w.]+)", text)
+    return f"op {m.group(1)}" if m else f"a node ({type(e).__name__})"
+
+
+def _first_line(e: BaseException) -> str:
+    lines = [ln for ln in str(e).splitlines() if ln.strip()]
+    return lines[0].strip() if lines else type(e).__name__
+
+
+_WARNED: set = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
