@@ -243,6 +243,7 @@ def _inductor(gm: torch.fx.GraphModule, args: tuple) -> tuple:
     # loaded here, not at the top: importing inductor costs seconds, paid only where a Strategy compiles
     from torch._dynamo.utils import counters
     from torch._guards import TracingContext, tracing
+    from torch._inductor import config as inductor_config
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.graph import GraphLowering
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -258,7 +259,9 @@ def _inductor(gm: torch.fx.GraphModule, args: tuple) -> tuple:
         hits = counters["inductor"]["fxgraph_cache_hit"]
         # ranks of one host that run the same graph (every dp rank) compile it once: the first holds the lock, the
         # others wait for it, then load the result from inductor's cache
-        with FileLock(_lock_path(g, args)), \
+        # inductor's peak-memory reordering would pull each wait_tensor up to its collective (and the bucket's update
+        # after it), closing the overlap window the passes opened: off, so the compiled code keeps the graph's order
+        with FileLock(_lock_path(g, args)), inductor_config.patch(reorder_for_peak_memory=False), \
                 mock.patch.object(GraphLowering, "save_output_code", codes.append), tracing(TracingContext(fake)):
             fn = compile_fx(g, fakes)
     cache = "hit" if counters["inductor"]["fxgraph_cache_hit"] > hits else "miss"
