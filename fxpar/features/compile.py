@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import operator
 import os
 import re
 import shutil
@@ -38,6 +39,7 @@ from unittest import mock
 import torch
 import torch.fx
 from filelock import FileLock
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
 from fxpar.errors import StrategyError
@@ -231,9 +233,10 @@ def _known_eager(program, rank: int) -> dict:
 
 
 def _aliasing(args) -> tuple:
-    """For each argument, the index of the first argument on the same storage (compiled code is specialised to it)."""
+    """For each argument (a tuple's tensors one by one), the index of the first on the same storage (compiled code is
+    specialised to it)."""
     first, out = {}, []
-    for i, a in enumerate(args):
+    for i, a in enumerate(pytree.tree_leaves(list(args))):
         out.append(first.setdefault(a.untyped_storage().data_ptr(), i) if isinstance(a, torch.Tensor) else -1)
     return tuple(out)
 
@@ -253,9 +256,10 @@ def _inductor(gm: torch.fx.GraphModule, args: tuple) -> tuple:
     with _disable_current_modes():        # compiling is no step's work: a rank's counters and trackers do not see it
         g = copy.deepcopy(gm)
         functional_collectives(g)
+        spec = _flat_outputs(g)            # compile_fx takes a graph that returns a flat tuple of tensors
         # fake copies under a shape environment, static: inductor's FX graph cache keys on them (real tensors bypass it)
         fake = FakeTensorMode(shape_env=ShapeEnv())
-        fakes = [fake.from_tensor(a, static_shapes=True) if isinstance(a, torch.Tensor) else a for a in args]
+        fakes = pytree.tree_map_only(torch.Tensor, lambda a: fake.from_tensor(a, static_shapes=True), list(args))
         hits = counters["inductor"]["fxgraph_cache_hit"]
         # ranks of one host that run the same graph (every dp rank) compile it once: the first holds the lock, the
         # others wait for it, then load the result from inductor's cache
@@ -265,13 +269,50 @@ def _inductor(gm: torch.fx.GraphModule, args: tuple) -> tuple:
                 mock.patch.object(GraphLowering, "save_output_code", codes.append), tracing(TracingContext(fake)):
             fn = compile_fx(g, fakes)
     cache = "hit" if counters["inductor"]["fxgraph_cache_hit"] > hits else "miss"
+    if spec is not None:
+        flat_fn = fn
+
+        def fn(*a):                     # the flat results back in the graph's own structure
+            res = flat_fn(*a)
+            return tuple(res[i] if isinstance(i, int) else tuple(res[k] for k in i) for i in spec)
     return fn, cache, codes[-1] if codes else None
+
+
+def _flat_outputs(gm: torch.fx.GraphModule) -> list | None:
+    """Where ``gm`` returns the whole result of a multi-output op (a tuple: the zero-bubble ``I`` graph saves
+    ``native_layer_norm_backward`` for its ``W``), return its elements one by one instead; returns where each output
+    went (an index, or a list of indices for a tuple), or None where nothing changed."""
+    out = gm.graph.find_nodes(op="output")[0]
+    flat, spec = [], []
+    for x in out.args[0]:
+        schema = getattr(getattr(x, "target", None), "_schema", None)
+        if not (isinstance(x, torch.fx.Node) and x.op == "call_function" and schema is not None
+                and len(schema.returns) > 1):
+            spec.append(len(flat))
+            flat.append(x)
+            continue
+        val = x.meta.get("val")
+        idx = []
+        for j in range(len(schema.returns)):
+            with gm.graph.inserting_before(out):
+                item = gm.graph.call_function(operator.getitem, (x, j))
+            if isinstance(val, (tuple, list)):
+                item.meta["val"] = val[j]
+            idx.append(len(flat))
+            flat.append(item)
+        spec.append(idx)
+    if all(isinstance(i, int) for i in spec):
+        return None
+    out.args = (tuple(flat),)
+    gm.recompile()
+    return spec
 
 
 def _lock_path(gm: torch.fx.GraphModule, args: tuple) -> str:
     """A lock file in inductor's cache directory, one per graph code and argument layout."""
     from torch._inductor.runtime.cache_dir_utils import cache_dir
-    layout = [(tuple(a.shape), a.stride(), str(a.dtype)) if isinstance(a, torch.Tensor) else repr(a) for a in args]
+    layout = [(tuple(a.shape), a.stride(), str(a.dtype)) if isinstance(a, torch.Tensor) else repr(a)
+              for a in pytree.tree_leaves(list(args))]
     key = hashlib.sha256((gm.code + repr(layout) + repr(_aliasing(args))).encode()).hexdigest()[:24]
     os.makedirs(os.path.join(cache_dir(), "fxpar_locks"), exist_ok=True)
     return os.path.join(cache_dir(), "fxpar_locks", f"{key}.lock")

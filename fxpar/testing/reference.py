@@ -173,13 +173,15 @@ def max_abs_diff(a: dict, b: dict) -> float:
 
 
 def ddp_worker(model, batches, loss_fn, optimizer, bucket_cap_mb: float = 25.0, warmup: int = 0,
-               seed: int | None = None) -> dict:
+               seed: int | None = None, compile_model: bool = False) -> dict:
     """Train with torch's own DistributedDataParallel on the already-initialised default group.
 
     Run it on every rank of a LocalCluster: ``lc.run(ddp_worker, [(model, batches, loss_fn, opt)] * n)``.
     Returns this rank's losses (the global-batch loss, averaged over ranks), step times, and (rank 0)
     the trained state. The first ``warmup`` batches are trained but not timed. ``seed``: each rank
-    calls ``torch.manual_seed(seed + rank)`` first (as fxpar's ``run_local(seed=...)`` does).
+    calls ``torch.manual_seed(seed + rank)`` first (as fxpar's ``run_local(seed=...)`` does). ``compile_model``:
+    the DDP model goes through ``torch.compile`` (inductor; DDP's graph breaks at its buckets), compiled in the
+    first, untimed, steps.
     """
     import time
 
@@ -192,6 +194,8 @@ def ddp_worker(model, batches, loss_fn, optimizer, bucket_cap_mb: float = 25.0, 
     m = DDP(copy.deepcopy(model), bucket_cap_mb=bucket_cap_mb)
     cls, kw = optimizer
     opt = cls(m.parameters(), **kw)
+    if compile_model:
+        m = torch.compile(m)
     local, times = [], []
     for i, b in enumerate(batches):
         t0 = time.perf_counter()
