@@ -44,6 +44,9 @@ STRATEGIES = {
                       ("fxpar/features/bytescheduler.py", "fxpar/features/delayed_update.py", "passes/comm_schedule.py",
                        "passes/grad_order.py", "passes/carry_step.py", "passes/delayed_update.py",
                        "cost_models/comm_tuning.py", "fxpar/backward_order.py")),
+    "compile": (r"\bcompile\s*=\s*(True|False)|import compile\b|features\.compile|functional_collectives|"
+                r"FunctionalCollectives|CompileState|CompiledGraph", ("fxpar/features/compile.py",
+                                                                     "passes/functional_collectives.py")),
     "pipeline": (r"pipedream|\b2bw\b|chimera|zb1p|gpipe|1f1b|interleaved|\bASYNC\b",
                  ("fxpar/features/pipeline", "fxpar/schedule/")),
 }
