@@ -25,9 +25,14 @@ from fxpar.testing import GPT, ddp_worker, gpt_loss  # noqa: E402
 
 
 def _compile_seconds(res) -> tuple:
-    """The slowest rank's seconds in compilation, and inductor's cache outcome per graph on rank 0."""
+    """The slowest rank's seconds in compilation (or waiting for the rank that compiled), and inductor's cache
+    outcomes per graph over the ranks (``miss``: one rank compiled it; ``hit``: it was loaded)."""
     secs = max(sum(g["seconds"] for g in f["compile"].values()) for f in res.features.values())
-    return secs, {label: g["cache"] for label, g in res.features[0]["compile"].items()}
+    cache = {}
+    for f in res.features.values():
+        for label, g in f["compile"].items():
+            cache.setdefault(label, []).append(g["cache"])
+    return secs, {label: "/".join(sorted(set(v))) for label, v in cache.items()}
 
 
 def main():
@@ -42,9 +47,11 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--rounds", type=int, default=2, help="alternate the three this many times")
+    ap.add_argument("--cache-dir", default=None, help="inductor's cache directory (default: a new, empty one)")
     args = ap.parse_args()
     # an empty inductor cache of our own: the first program pays compilation, the second finds it cached
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fxpar_bench_compile_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="fxpar_bench_compile_")
+    print(f"inductor cache: {os.environ['TORCHINDUCTOR_CACHE_DIR']}")
     torch.manual_seed(0)
     model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(1, args.d // 64), max_seq=args.seq)
     n = args.warmup + args.steps
@@ -58,7 +65,7 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}, {params / 1e6:.1f}M params; global batch "
           f"{args.batch}x{args.seq}; {w} gloo ranks; bucket {args.bucket_mb} MB; AdamW")
-    ours, ddp, ddp_c = [], [], []
+    ours, ddp, ddp_c, rounds = [], [], [], []
     with fxpar.LocalCluster(w) as lc:
         for i, what in enumerate(("first", "cached")):
             t0 = time.perf_counter()
@@ -69,10 +76,16 @@ def main():
             print(f"{what:6} parallelize {built:.1f} s + compilation on the ranks {secs:.1f} s (inductor cache: "
                   + ", ".join(f"{k} {v}" for k, v in cache.items()) + ")")
         for _ in range(args.rounds):
-            ours += program.run_local(batches, cluster=lc).step_times[args.warmup:]
-            for out, compiled in ((ddp, False), (ddp_c, True)):
+            mine = program.run_local(batches, cluster=lc).step_times[args.warmup:]
+            theirs = []
+            for compiled in (False, True):
                 got = lc.run(ddp_worker, [(model, batches, gpt_loss, opt, args.bucket_mb, args.warmup, None, compiled)] * w)
-                out += [max(o["step_times"][i] for o in got) for i in range(args.steps)]
+                theirs.append([max(o["step_times"][i] for o in got) for i in range(args.steps)])
+            ours += mine
+            ddp += theirs[0]
+            ddp_c += theirs[1]
+            rounds.append(tuple(statistics.median(mine) / statistics.median(t) for t in theirs))
+    print("per-round ratios (/ DDP, / DDP + torch.compile): " + " ".join(f"{a:.3f},{b:.3f}" for a, b in rounds))
     a, b, c = statistics.median(ours), statistics.median(ddp), statistics.median(ddp_c)
     print(f"fxpar dp compile=True        median step {a * 1000:.1f} ms")
     print(f"torch DDP                    median step {b * 1000:.1f} ms")

@@ -79,8 +79,8 @@ def eager_reason(gm: torch.fx.GraphModule) -> str | None:
     """Why ``gm`` cannot go to inductor as it stands (None: nothing known): a node that calls a Python function
     rather than an operator (inductor would trace it with fake tensors, running its side effects)."""
     for n in gm.graph.nodes:
-        if n.op == "call_function" and not isinstance(n.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) \
-                and n.target.__module__ != "_operator":
+        if n.op == "call_function" and not isinstance(n.target, (torch._ops.OperatorBase, torch._ops.OpOverloadPacket)) \
+                and getattr(n.target, "__module__", None) != "_operator":
             name = getattr(n.target, "__qualname__", None) or repr(n.target)
             return f"node {n.name} calls the Python function {name}, which inductor cannot compile"
     return None
