@@ -184,6 +184,11 @@ class LocalSGD(SyncMethod):
                 return g
         return None
 
+    def summary(self) -> str:
+        if not self.hierarchical:
+            return f"LocalSGD(period={self.period!r}, warmup_steps={self.warmup_steps!r})"
+        return f"LocalSGD(warmup_steps={self.warmup_steps!r}, hierarchical={dict(self.hierarchical)!r})"
+
     def to_dict(self) -> dict:
         out = {"method": self.name, "period": self.period, "warmup_steps": self.warmup_steps}
         if self.hierarchical:
