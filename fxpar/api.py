@@ -50,7 +50,7 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
         batch's across shards and microbatches (``Strategy(loss_average=...)``, docs/semantics.md).
     optimizer: ``(torch.optim.X, kwargs)``; SGD, Adam and AdamW are traced into the graph.
     strategy: a :class:`Strategy`; None (data parallel over every rank); ``"auto"`` or ``Strategy.auto(...)`` (the
-        automatic planner: it ranks dp x tp x pp, schedules, microbatches, ZeRO and recompute by the cost models,
+        automatic planner: it ranks meshes, schedules, microbatches and the features' options by the cost models,
         builds the best few and returns the fastest predicted to fit; ``program.explain()`` shows the search); or a
         list of passes (data parallel over every rank, then those passes).
     lr_scheduler: ``(torch.optim.lr_scheduler.X, kwargs)`` or a picklable ``callable(torch_optimizer)``;

@@ -11,7 +11,7 @@ from .errors import StrategyError
 from .losses import LOSS_AVERAGES
 from .schedule import Schedule, ScheduleParseError
 
-__all__ = ["Strategy", "AutoStrategy", "SEARCHED", "ALLOW"]
+__all__ = ["Strategy", "AutoStrategy"]
 
 _READY = False      # Strategy.__doc__ lists the options once the class and its fields are made
 
@@ -164,14 +164,13 @@ class Strategy(metaclass=_StrategyType):
 
     @classmethod
     def auto(cls, allow=(), margin: float = 0.9, finalists: int = 3, **pins) -> "AutoStrategy":
-        """The automatic planner (``fxpar.plan``; docs/strategies/auto.md): it searches dp x tp x pp, the pipeline
-        schedule, microbatches, the tp mode, the ZeRO stage and recompute by the cost models. A keyword of
-        :data:`SEARCHED` pins that dimension to one value or a tuple of values (``Strategy.auto(tp=8)``,
-        ``Strategy.auto(zero=(0, 1))``); any other keyword is a Strategy option every candidate gets
-        (``bucket_cap_mb=50``). Methods that change the math are searched only when ``allow`` names them
-        (:data:`ALLOW`). ``margin``: the share of a device's memory a plan may be predicted to use; ``finalists``:
-        how many of the best candidates are built and estimated in full before one is chosen."""
-        return AutoStrategy(pins=pins, allow=tuple(allow), margin=margin, finalists=finalists)
+        """The automatic planner (docs/strategies/auto.md): it searches the mesh, the pipeline schedule, the
+        microbatches and the features' options it knows by the cost models. A keyword pins a searched dimension to
+        a value or a tuple of values (``Strategy.auto(tp=8)``, ``Strategy.auto(microbatches=(4, 8))``); any other
+        Strategy keyword is an option every candidate gets. Methods that change the math are searched only when
+        ``allow`` names them. ``margin``: the share of a device's memory a plan may be predicted to use;
+        ``finalists``: how many of the best candidates are built and estimated in full before one is chosen."""
+        return AutoStrategy(pins=dict(pins), allow=tuple(allow), margin=margin, finalists=finalists)
 
     @classmethod
     def coerce(cls, strategy, world_size: int) -> "Strategy":
@@ -203,50 +202,32 @@ class Strategy(metaclass=_StrategyType):
         return "Strategy(" + ", ".join(parts) + ")"
 
 
-# the dimensions the automatic planner searches (Strategy.auto pins them)
-SEARCHED = ("dp", "tp", "pp", "schedule", "microbatches", "zero", "recompute", "sharding")
-# methods that change the math, searched only when Strategy.auto(allow=...) names them: name -> what it adds
-ALLOW = {"compression": "bf16 gradient buckets (grad_sync='bf16': half the bytes, rounded sums)",
-         "asynchronous": "the asynchronous pipeline schedule '2bw' (PipeDream-2BW: weights one update stale)"}
-
-
 @dataclass
 class AutoStrategy:
-    """``Strategy.auto(...)``: what the automatic planner may choose (see :meth:`Strategy.auto`)."""
+    """``Strategy.auto(...)``: what the automatic planner may choose (see :meth:`Strategy.auto`). ``pins``: a Strategy
+    field or feature option -> a value or a tuple of values (which of them the planner searches is its own list,
+    ``fxpar.auto.search.SEARCHED``)."""
     pins: dict = field(default_factory=dict)
     allow: tuple = ()
     margin: float = 0.9
     finalists: int = 3
 
     def __post_init__(self):
-        bad = [a for a in self.allow if a not in ALLOW]
-        if bad:
-            raise StrategyError(f"Strategy.auto(allow={self.allow!r}): {bad[0]!r} is not a method the planner knows; "
-                                "known: " + "; ".join(f"{k!r} ({v})" for k, v in ALLOW.items()))
         if not (isinstance(self.margin, (int, float)) and 0 < self.margin <= 1):
             raise StrategyError(f"Strategy.auto(margin={self.margin!r}): the share of a device's memory a plan may "
                                 "use, in (0, 1], e.g. 0.9")
         if not isinstance(self.finalists, int) or self.finalists < 1:
             raise StrategyError(f"Strategy.auto(finalists={self.finalists!r}): how many candidates are built in "
                                 "full, a positive int")
-        fixed = {k: v for k, v in self.pins.items() if k not in SEARCHED}
-        Strategy(**fixed)           # an option no feature declares is refused here, naming the nearest
-        for k in SEARCHED:
-            if k in self.pins and not isinstance(self.pins[k], (tuple, list)):
-                self.pins[k] = (self.pins[k],)
-
-    def choices(self, name: str, default) -> tuple:
-        """The values dimension ``name`` may take: the pinned ones, else ``default``."""
-        return tuple(self.pins[name]) if name in self.pins else tuple(default)
-
-    @property
-    def fixed(self) -> dict:
-        """Options every candidate gets (the keywords that are not searched dimensions)."""
-        return {k: v for k, v in self.pins.items() if k not in SEARCHED}
+        owned = _feature_registry.option_defaults()
+        for k in self.pins:
+            if k not in _FIELDS and k not in owned:
+                near = difflib.get_close_matches(k, list(owned) + sorted(_FIELDS), n=1)
+                raise StrategyError(f"Strategy.auto({k}=...): no Strategy field or registered feature option "
+                                    f"{k!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
 
     def __str__(self) -> str:
-        args = [f"{k}={v[0] if isinstance(v, tuple) and len(v) == 1 else v!r}" for k, v in self.pins.items()]
-        args += [f"allow={self.allow!r}"] if self.allow else []
+        args = [f"{k}={v!r}" for k, v in self.pins.items()] + ([f"allow={self.allow!r}"] if self.allow else [])
         return "Strategy.auto(" + ", ".join(args) + ")"
 
 

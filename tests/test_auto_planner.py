@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.auto.search import finalists
+from fxpar.auto.search import finalists, fixed_options
 from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2})
@@ -30,15 +30,17 @@ def _gpt2_small_meta():
 
 @pytest.mark.structure
 def test_allow_pins_and_margin_are_checked():
-    with pytest.raises(fxpar.StrategyError, match="'compression'.*'asynchronous'"):
-        fxpar.Strategy.auto(allow=("lossy",))
+    model, batches = tiny_gpt(), token_batches(1)
+    with pytest.raises(fxpar.StrategyError, match="allow entry 'lossy'.*known: 'compression'.*'asynchronous'"):
+        fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, strategy=fxpar.Strategy.auto(allow=("lossy",)))
     with pytest.raises(fxpar.StrategyError, match="margin"):
         fxpar.Strategy.auto(margin=1.5)
     with pytest.raises(fxpar.StrategyError, match="did you mean 'bucket_cap_mb'"):
         fxpar.Strategy.auto(bucket_cap_mb2=50)
     auto = fxpar.Strategy.auto(tp=2, zero=(0, 1), bucket_cap_mb=50)
-    assert auto.choices("tp", (1, 2, 4)) == (2,) and auto.choices("zero", (0, 1, 2, 3)) == (0, 1)
-    assert auto.fixed == {"bucket_cap_mb": 50}
+    got = fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, strategy=auto, prune=False)
+    assert {c.tp for c in got} == {2} and {c.zero for c in got} == {0}        # ZeRO is not composed with tp
+    assert all(c.strategy(fixed_options(auto)).bucket_cap_mb == 50 for c in got)
 
 
 @pytest.mark.structure

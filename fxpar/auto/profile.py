@@ -69,8 +69,7 @@ class _Run:
     cls: list = field(default_factory=list)
     part: list = field(default_factory=list)        # index into PART_NAMES
     bwd: list = field(default_factory=list)         # 1 if the op ran in backward
-    saved: dict = field(default_factory=dict)       # (part, split?) -> bytes kept for backward
-    saved_kinds: dict = field(default_factory=dict)  # (part, producer is a matmul?) -> bytes
+    saved_kinds: dict = field(default_factory=dict)  # (part, a matmul made it?) -> bytes kept for backward
     block_in: float = 0.0                           # bytes of one block's input
     linear_out: list = field(default_factory=list)  # bytes of each nn.Linear's output, in forward order
     largest: float = 0.0                            # the largest tensor an op made
@@ -128,7 +127,6 @@ def _probe(model, example: tuple, b: int, loss_fn, blocks, params: dict, mode, o
     counter = _Counter(run, where)
     param_keys = {_key(p) for p in params.values()}
     seen: set = set()
-    block_set = {id(k) for k in blocks[1]} if blocks else set()
     handles = []
 
     def pre(mod, args):
@@ -331,5 +329,6 @@ def profile_model(model: torch.nn.Module, example: tuple, loss_fn, b0: int = 2, 
         block_param_bytes=block_bytes, rest_param_bytes=total - block_bytes * n_blocks, param_bytes=total,
         param_tensors=len(uniq), n_linear=sum(isinstance(m, torch.nn.Linear) for m in model.modules()),
         leaf_modules=sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False))),
-        b0=b0, b1=b1, block_runs=1 if once else max(n_blocks, 1), f0=np.array(r0.flops), f1=np.array(r1.flops), y0=np.array(r0.bytes), y1=np.array(r1.bytes),
+        b0=b0, b1=b1, block_runs=1 if once else max(n_blocks, 1), f0=np.array(r0.flops), f1=np.array(r1.flops),
+        y0=np.array(r0.bytes), y1=np.array(r1.bytes),
         rows=np.array(r0.rows), cls=r0.cls, part=np.array(r0.part), bwd=np.array(r0.bwd), runs=runs)

@@ -24,14 +24,42 @@ from ..errors import StrategyError
 from ..feature import schedule_names
 from ..explain import fmt_bytes
 from ..optim import resolve_optimizer
-from ..strategy import AutoStrategy
+from ..strategy import AutoStrategy, Strategy
 from .profile import profile_model
 from .space import SCHEDULES, Candidate, _Pricer, cost_candidate
 
-__all__ = ["auto_plan", "AutoSearch", "search", "choose", "as_auto", "NoPlanFitsError"]
+__all__ = ["auto_plan", "AutoSearch", "search", "choose", "as_auto", "finalists", "fixed_options", "NoPlanFitsError",
+           "SEARCHED", "ALLOW"]
 
 RECOMPUTE = ("none", "selective", "full")
 MAX_MICROBATCHES = 64
+# the dimensions the search covers (Strategy.auto pins them; its other keywords are options every candidate gets)
+SEARCHED = ("dp", "tp", "pp", "schedule", "microbatches", "zero", "recompute", "sharding")
+# methods that change the math, searched only when Strategy.auto(allow=...) names them: name -> what it adds
+ALLOW = {"compression": "bf16 gradient buckets (grad_sync='bf16': half the bytes, rounded sums)",
+         "asynchronous": "the asynchronous pipeline schedule '2bw' (PipeDream-2BW: weights one update stale)"}
+
+
+def _choices(auto: AutoStrategy, name: str, default) -> tuple:
+    """The values dimension ``name`` may take: the pinned ones, else ``default``."""
+    if name not in auto.pins:
+        return tuple(default)
+    v = auto.pins[name]
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
+def fixed_options(auto: AutoStrategy) -> dict:
+    """Options every candidate gets (the keywords of Strategy.auto that are not searched dimensions)."""
+    return {k: v for k, v in auto.pins.items() if k not in SEARCHED}
+
+
+def _check_auto(auto: AutoStrategy) -> None:
+    """``allow`` entries the search knows; the fixed options make a Strategy."""
+    bad = [a for a in auto.allow if a not in ALLOW]
+    if bad:
+        raise StrategyError(f"{auto}: allow entry {bad[0]!r} is not a method the planner knows; known: "
+                            + "; ".join(f"{k!r} ({v})" for k, v in ALLOW.items()))
+    Strategy(**fixed_options(auto))
 
 
 class NoPlanFitsError(StrategyError):
@@ -84,7 +112,7 @@ class AutoSearch:
         if self.built:
             lines.append(f"  built in full: {len(self.built)} finalist(s) in {self.seconds.get('build', 0):.2f}s")
         if self.chosen is not None:
-            lines.append(f"  chosen: {self.chosen.strategy(self.auto.fixed)}")
+            lines.append(f"  chosen: {self.chosen.strategy(fixed_options(self.auto))}")
         lines += ["", "  ranked: the finalists by their built program's estimate, then the rest by the cheap one",
                   f"  {'':>3}  {'plan':<46} {'cheap step':>10} {'peak':>10} {'built step':>10} {'peak':>10} "
                   f"{'sent/rank':>10}"]
@@ -138,16 +166,16 @@ def _divisors(n: int) -> list:
 def _check_pins(auto: AutoStrategy, prof, world: int, batch: int, model_name: str) -> None:
     """A pinned dimension that the world size or the model rules out is named with what rules it out."""
     for name in ("dp", "tp", "pp"):
-        for v in auto.pins.get(name, ()):
+        for v in _choices(auto, name, ()):
             if not isinstance(v, int) or v < 1 or world % v:
                 raise StrategyError(f"{auto}: {name}={v!r} does not divide the ClusterSpec's world size {world}; "
                                     f"pin one of {_divisors(world)}")
-    for v in auto.pins.get("tp", ()):
+    for v in _choices(auto, "tp", ()):
         if prof.heads and prof.heads % v:
             raise StrategyError(f"{auto}: tp={v} does not divide {model_name}'s {prof.heads} attention heads; pin a "
                                 f"divisor of {prof.heads} that divides {world}: "
                                 f"{[d for d in _divisors(world) if prof.heads % d == 0]}")
-    for v in auto.pins.get("pp", ()):
+    for v in _choices(auto, "pp", ()):
         if prof.n_blocks and prof.n_blocks % v:
             raise StrategyError(f"{auto}: pp={v} does not divide {model_name}'s {prof.n_blocks} layers "
                                 f"({prof.block_path}); pin a divisor of {prof.n_blocks} that divides {world}: "
@@ -155,10 +183,10 @@ def _check_pins(auto: AutoStrategy, prof, world: int, batch: int, model_name: st
         if not prof.n_blocks and v > prof.leaf_modules:
             raise StrategyError(f"{auto}: pp={v} stages but {model_name} has {prof.leaf_modules} modules with "
                                 "parameters to cut between; pin a smaller pp")
-    for v in auto.pins.get("dp", ()):
+    for v in _choices(auto, "dp", ()):
         if batch % v:
             raise StrategyError(f"{auto}: dp={v} does not divide the global batch {batch}; pin a divisor of {batch}")
-    for v in auto.pins.get("schedule", ()):
+    for v in _choices(auto, "schedule", ()):
         if v not in schedule_names():
             raise StrategyError(f"{auto}: schedule={v!r} is not a pipeline schedule; choose among {schedule_names()}")
 
@@ -167,30 +195,33 @@ def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, trace
     """Every candidate the pins, the model and the world size allow (before any cost)."""
     world, per_node = cluster.world_size, cluster.devices_per_node
     out = []
-    tps = auto.choices("tp", [d for d in _divisors(world) if per_node % d == 0 or d <= per_node])
+    tps = _choices(auto, "tp", [d for d in _divisors(world) if per_node % d == 0 or d <= per_node])
     for tp in tps:
         if prof.heads and prof.heads % tp:
             continue
-        for pp in auto.choices("pp", _divisors(world // tp)):
+        for pp in _choices(auto, "pp", _divisors(world // tp)):
             if world % (tp * pp):
                 continue
             if pp > 1 and (prof.n_blocks % pp if prof.n_blocks else pp > prof.leaf_modules):
                 continue
             dp = world // (tp * pp)
-            if "dp" in auto.pins and dp not in auto.pins["dp"]:
+            if "dp" in auto.pins and dp not in _choices(auto, "dp", ()):
                 continue
             if batch % dp:
                 continue
             scheds = [None] if pp == 1 else list(SCHEDULES) + (["2bw"] if "asynchronous" in auto.allow else [])
             if pp > 1:
                 scheds = [s for s in scheds if s != "interleaved" or not prof.n_blocks or prof.n_blocks % (2 * pp) == 0]
-            scheds = [s for s in scheds if s is None or "schedule" not in auto.pins or s in auto.pins["schedule"]]
+            scheds = [s for s in scheds if s is None or s in _choices(auto, "schedule", scheds)]
             per_dp = batch // dp
-            ms = [m for m in _divisors(per_dp) if m <= MAX_MICROBATCHES]
-            ms = [m for m in auto.choices("microbatches", ms if pp > 1 else ms[:4]) if pp == 1 or m >= pp]
-            zeros = auto.choices("zero", (0, 1, 2, 3) if dp > 1 and tp == 1 and traced else (0,))
+            # microbatches: with a pipeline, pp x 1, 2, 4, ... (more shrink the bubble and the microbatch); without,
+            # gradient accumulation's first few (they only save memory)
+            divs = [m for m in _divisors(per_dp) if m <= MAX_MICROBATCHES]
+            ms = [m for m in divs if m >= pp and (m // pp) & (m // pp - 1) == 0 and m % pp == 0] if pp > 1 else divs[:4]
+            ms = [m for m in _choices(auto, "microbatches", ms) if pp == 1 or m >= pp]
+            zeros = _choices(auto, "zero", (0, 1, 2, 3) if dp > 1 and tp == 1 and traced else (0,))
             modes = [None] if tp == 1 else [m for m in ("megatron", "auto") if m != "auto" or not tp & (tp - 1)]
-            modes = [x for x in modes if x is None or "sharding" not in auto.pins or x in auto.pins["sharding"]]
+            modes = [x for x in modes if x is None or x in _choices(auto, "sharding", modes)]
             syncs = [None] + (["bf16"] if "compression" in auto.allow and dp > 1 else [])
             for sched in scheds:
                 for m in ms:
@@ -199,7 +230,7 @@ def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, trace
                     for z in zeros:
                         if z and (dp == 1 or tp > 1 or (sched == "2bw")):
                             continue
-                        for rc in auto.choices("recompute", RECOMPUTE):
+                        for rc in _choices(auto, "recompute", RECOMPUTE):
                             for mode in modes:
                                 for gs in syncs:
                                     if gs and (z or tp > 1):
@@ -225,6 +256,7 @@ def search(model, cluster: ClusterSpec, example: tuple, loss_fn, optimizer, auto
            prune: bool = True, profile=None) -> AutoSearch:
     """Price every candidate; ``prune=False`` keeps the dominated ones in ``ranked`` (for checks)."""
     t0 = time.perf_counter()
+    _check_auto(auto)
     spec = resolve_optimizer(optimizer)
     n_state = len(spec.state_names) if spec.traced else 2
     prof = profile if profile is not None else profile_model(model, example, loss_fn)
@@ -262,7 +294,7 @@ def _no_fit(s: AutoSearch, priced: list) -> NoPlanFitsError:
     return NoPlanFitsError(
         f"{s.auto}: no plan for {s.model_name} fits {s.cluster.world_size} x {dev.name} "
         f"({fmt_bytes(dev.memory_bytes)}, {s.auto.margin:.0%} usable: {fmt_bytes(s.budget_bytes)}). The smallest "
-        f"predicted peak is {fmt_bytes(small.peak_bytes)} per device, by {small.strategy(s.auto.fixed)} "
+        f"predicted peak is {fmt_bytes(small.peak_bytes)} per device, by {small.strategy(fixed_options(s.auto))} "
         f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in small.memory.items())}); it would fit devices of "
         f"{fmt_bytes(small.peak_bytes / s.auto.margin)}. Use more ranks or bigger devices, a smaller global batch, "
         "or allow more (Strategy.auto(margin=...)).")
@@ -325,7 +357,7 @@ def choose(s: AutoSearch, build) -> tuple:
         if i >= len(first) and best is not None:
             break
         try:
-            prog = build(c.strategy(s.auto.fixed))
+            prog = build(c.strategy(fixed_options(s.auto)))
             est = prog.estimate()
         except Exception as e:  # noqa: BLE001 - a candidate the program builder refuses is reported and skipped
             c.full = {"step_s": math.inf, "peak_bytes": c.peak_bytes, "comm_bytes": c.comm_bytes,

@@ -9,8 +9,9 @@ and a microbatch count, the tp mode, the ZeRO stage and the recompute policy. It
   forward it repeats ('full': each block's; 'selective': each block's ops that are not matmuls);
 - tensor parallelism: two all-reduces of a block's input in forward and two in backward per block (Megatron's
   pairs; without repeated blocks, one each way per pair of Linears), over the tp ranks;
-- the pipeline: the schedule generator's own action lists dry-run with those durations (plus each message's
-  point-to-point time), which gives the makespan and the microbatches each rank holds at once;
+- the pipeline: the schedule generator's own action lists dry-run once (forward 1, backward 2), scaled to the
+  slowest stage's forward + backward (plus each message's point-to-point time), which gives the makespan and the
+  microbatches each rank holds at once;
 - data parallelism: the stage's gradients all-reduced over the dp ranks (ZeRO: reduce-scatter + all-gather, and
   ZeRO-3's gathers of each stage's parameters in forward and backward), hidden behind the last backward except
   the last bucket;
@@ -113,6 +114,7 @@ class _Pricer:
         self.dev = cluster.device
         self._comm: dict = {}
         self._sched: dict = {}
+        self._sims: dict = {}
 
     def comm(self, kind: str, nbytes: float, ranks: tuple):
         key = (kind, round(nbytes), ranks)
@@ -120,6 +122,18 @@ class _Pricer:
         if got is None:
             got = self._comm[key] = collective_cost(kind, nbytes, ranks, self.cluster)
         return got
+
+    def dry_run(self, name: str, sched, F: dict, B: dict) -> tuple:
+        """(makespan, most microbatches in flight on a rank) of ``sched``: its dry run with every stage as long as
+        the slowest (the slowest sets the pace of the steady state), once per schedule (forward 1, backward 2),
+        scaled to the slowest stage's forward + backward."""
+        key = (name, sched.n_ranks, sched.n_microbatches)
+        got = self._sims.get(key)
+        if got is None:
+            sim = simulate(sched)
+            got = self._sims[key] = (sim.makespan / 3, max(sim.peak_activations_per_rank.values()))
+        slowest = max(F[s] + B[s] for s in F)
+        return got[0] * slowest, got[1]
 
     def schedule(self, name: str, pp: int, m: int):
         key = (name, pp, m)
@@ -151,7 +165,8 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     if c.pp > 1:
         sched = pr.schedule(c.schedule, c.pp, c.microbatches)
         if sched is None:
-            c.note, c.fits, c.step_s = f"schedule {c.schedule} cannot run {c.microbatches} microbatches", False, float("inf")
+            c.note = f"schedule {c.schedule} cannot run {c.microbatches} microbatches"
+            c.fits, c.step_s = False, float("inf")
             return c
         n_stages = sched.n_stages
     split = _stage_split(prof, n_stages)
@@ -193,8 +208,7 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     if sched is None:
         makespan, in_flight = m * (F[0] + B[0]), 1
     else:
-        sim = simulate(sched, F=F, B=B)
-        makespan, in_flight = sim.makespan, max(sim.peak_activations_per_rank.values())
+        makespan, in_flight = pr.dry_run(c.schedule, sched, F, B)
     # parameters of the heaviest stage (the parts outside the blocks counted on it), split by tp
     heavy = max(split, key=lambda x: x[0])
     per_rank_stages = n_stages // c.pp
