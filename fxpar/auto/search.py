@@ -98,7 +98,9 @@ class AutoSearch:
         for fam, c in sorted(self.families().items(), key=lambda kv: _key(kv[1])):
             if win is not None and fam == win.family:
                 continue
-            out.append((fam, _why(c, win, self.budget_bytes)))
+            failed = [b for b in self.built if b.family == fam and b.full and b.full.get("note")]
+            why = "; ".join(f"finalist {b} built: {b.full['note']}" for b in failed)
+            out.append((fam, (why + "; then " if why else "") + _why(c, win, self.budget_bytes)))
         return out
 
     def explain(self, top: int = 8) -> str:
