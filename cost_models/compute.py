@@ -42,7 +42,7 @@ import torch.fx
 from fxpar import meta as M
 
 __all__ = ["OpCost", "GraphCompute", "FLOP_RULES", "ZERO_COST_TARGETS", "node_cost", "node_time",
-           "graph_compute", "tensor_bytes", "numel", "concrete", "fused_adam_cost"]
+           "graph_compute", "op_cost", "tensor_bytes", "numel", "concrete", "fused_adam_cost"]
 
 aten = torch.ops.aten
 
@@ -305,11 +305,18 @@ def node_cost(node: torch.fx.Node) -> OpCost:
         return OpCost(0, 0, "collective", "free")
     if "val" not in node.meta:
         return OpCost(0, 0, "other", "default")          # no shape to cost: listed in explain()
-    out = node.meta["val"]
+    return op_cost(target, _args(node), node.meta["val"])
+
+
+def op_cost(target, args: list, out) -> OpCost:
+    """FLOPs, bytes and op class of one call of aten op ``target`` on ``args`` (tensors, or values such as fake or
+    meta tensors) giving ``out``: the rule :func:`node_cost` applies to a graph node, for an op seen as it runs
+    (an eager pass under a dispatch mode)."""
+    if target in ZERO_COST_TARGETS or _is_view(target):
+        return _ZERO
     schema = getattr(target, "_schema", None)
     if not _tensors(out) and not (schema is not None and schema.is_mutable):
         return OpCost(0, 0, "size", "free")             # sym_size, operator.mul on SymInts, ...
-    args = _args(node)
     packet = getattr(target, "overloadpacket", target)
     entry = FLOP_RULES.get(packet)
     tags = getattr(target, "tags", ())

@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 # public name -> the submodule that defines it (relative to this package)
 _EXPORTS = {
     "parallelize": ".api",
+    "auto_plan": ".auto", "AutoSearch": ".auto", "Candidate": ".auto", "NoPlanFitsError": ".auto",
     "CapturedStep": ".capture", "StepSignature": ".capture", "capture_training_step": ".capture",
     "trace_forward": ".capture",
     "ClusterSpec": ".cluster", "DeviceSpec": ".cluster", "LinkSpec": ".cluster",
@@ -37,7 +38,7 @@ _EXPORTS = {
 # public submodules reached as attributes: fxpar.meta, fxpar.nn (layers: fxpar.nn.MoE, fxpar.nn.TiledLinear)
 _SUBMODULES = ("meta", "nn", "compress")
 
-__all__ = ["parallelize", "ClusterSpec", "DeviceSpec", "LinkSpec", "Strategy", "Plan", "Program", "RunResult",
+__all__ = ["parallelize", "auto_plan", "AutoSearch", "Candidate", "NoPlanFitsError", "ClusterSpec", "DeviceSpec", "LinkSpec", "Strategy", "Plan", "Program", "RunResult",
            "RankRunner", "Mesh", "Pass", "PassResult", "PassContext", "PassManager", "graph_pass", "LocalCluster",
            "CapturedStep", "StepSignature", "capture_training_step", "trace_forward", "insert_all_reduce", "insert_broadcast", "meta",
            "FxparError", "CaptureError", "StrategyError", "ClusterSpecError", "PassError", "RankFailedError",

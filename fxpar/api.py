@@ -17,6 +17,8 @@ import warnings
 import torch
 
 from .batch_semantics import batch_notes
+from .auto import as_auto, choose
+from .auto import search as auto_search
 from .capture import capture_training_step, captures_differ
 from .cluster import ClusterSpec
 from ._tracing import BatchLayout
@@ -28,13 +30,13 @@ from .optim import check_optimizer_params, resolve_optimizer
 from .plan import Plan
 from .planner import check_batch, grad_groups, grad_scale, is_asynchronous, make_plan
 from .program import Program, Stage, stage_messages
-from .strategy import Strategy
+from .strategy import AutoStrategy, Strategy
 
 __all__ = ["parallelize"]
 
 
 def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, optimizer=None,
-                strategy="auto", lr_scheduler=None, plan: Plan | None = None, check_capture: bool = False) -> Program:
+                strategy=None, lr_scheduler=None, plan: Plan | None = None, check_capture: bool = False) -> Program:
     """Compile ``model``'s training step into one program per rank.
 
     model: an ``nn.Module`` that trains on one device.
@@ -47,7 +49,10 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
         output with a ``loss`` field). Cross-entropy / NLL are seen into: by default the loss is the global
         batch's across shards and microbatches (``Strategy(loss_average=...)``, docs/semantics.md).
     optimizer: ``(torch.optim.X, kwargs)``; SGD, Adam and AdamW are traced into the graph.
-    strategy: a :class:`Strategy`, ``"auto"`` (data parallel over every rank) or a list of passes.
+    strategy: a :class:`Strategy`; None (data parallel over every rank); ``"auto"`` or ``Strategy.auto(...)`` (the
+        automatic planner: it ranks meshes, schedules, microbatches and the features' options by the cost models,
+        builds the best few and returns the fastest predicted to fit; ``program.explain()`` shows the search); or a
+        list of passes (data parallel over every rank, then those passes).
     lr_scheduler: ``(torch.optim.lr_scheduler.X, kwargs)`` or a picklable ``callable(torch_optimizer)``;
         stepped after every optimizer step.
     plan: a Plan to use instead of the planner's (e.g. one you edited from ``program.plan``): its
@@ -63,6 +68,17 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"model is a {type(model).__name__}; fxpar parallelises a torch.nn.Module: pass the module "
                         "(wrap a plain function in an nn.Module whose forward calls it).")
+    if strategy == "auto" or isinstance(strategy, AutoStrategy):
+        if plan is not None:
+            raise StrategyError("parallelize(plan=..., strategy='auto'): a handed-back Plan is already decided; pass "
+                                "its strategy (program.strategy) with it, or drop plan= to search again")
+        layout = BatchLayout.of(example_inputs, loss_fn)
+        found = auto_search(model, cluster, layout.flatten(example_inputs, "example_inputs"), loss_fn, optimizer,
+                            as_auto(strategy))
+        program, _ = choose(found, lambda s: parallelize(model, cluster, example_inputs, loss_fn, optimizer, s,
+                                                         lr_scheduler, check_capture=check_capture))
+        program.auto_search = found
+        return program
     strategy = Strategy.coerce(strategy, cluster.world_size)
     if strategy.size != cluster.world_size:
         raise StrategyError(

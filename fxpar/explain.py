@@ -50,7 +50,10 @@ def _stage_lines(prog) -> list:
 def explain_program(prog) -> str:
     plan, cap = prog.plan, prog.captured
     lines = [f"fxpar program for {prog.model_name}: {prog.strategy} on {prog.world_size} rank(s)",
-             f"cluster: {prog.cluster}", "", "plan:"]
+             f"cluster: {prog.cluster}"]
+    if getattr(prog, "auto_search", None) is not None:        # the automatic planner's choice, and why
+        lines += [""] + prog.auto_search.explain().splitlines()
+    lines += ["", "plan:"]
     lines += ["  " + ln for ln in str(plan).splitlines()]
     if len(prog.stages) == 1:
         p_bytes = sum(_nbytes(cap.param_shapes[k], cap.param_dtypes[k]) for k in cap.param_names)

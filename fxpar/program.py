@@ -153,6 +153,7 @@ class Program:
                          **{k: v.detach() for k, v in model.named_buffers()}}
         self._model_keys = list(model.state_dict().keys())
         self._estimate = None
+        self.auto_search = None        # the automatic planner's search (fxpar.auto.AutoSearch) that chose this plan
         # parameters no stage trains (the loss never reaches them): every rank holds them like buffers, so
         # they stay in state_dict() and checkpoints, unchanged (torch.optim skips a parameter without .grad)
         held = {k for st in stages for k in st.param_keys}

@@ -11,7 +11,7 @@ from .errors import StrategyError
 from .losses import LOSS_AVERAGES
 from .schedule import Schedule, ScheduleParseError
 
-__all__ = ["Strategy"]
+__all__ = ["Strategy", "AutoStrategy"]
 
 _READY = False      # Strategy.__doc__ lists the options once the class and its fields are made
 
@@ -163,14 +163,25 @@ class Strategy(metaclass=_StrategyType):
         return self.dp * self.tp * self.pp
 
     @classmethod
+    def auto(cls, allow=(), margin: float = 0.9, finalists: int = 3, **pins) -> "AutoStrategy":
+        """The automatic planner (docs/strategies/auto.md): it searches the mesh, the pipeline schedule, the
+        microbatches and the features' options it knows by the cost models. A keyword pins a searched dimension to
+        a value or a tuple of values (``Strategy.auto(tp=8)``, ``Strategy.auto(microbatches=(4, 8))``); any other
+        Strategy keyword is an option every candidate gets. Methods that change the math are searched only when
+        ``allow`` names them. ``margin``: the share of a device's memory a plan may be predicted to use;
+        ``finalists``: how many of the best candidates are built and estimated in full before one is chosen."""
+        return AutoStrategy(pins=dict(pins), allow=tuple(allow), margin=margin, finalists=finalists)
+
+    @classmethod
     def coerce(cls, strategy, world_size: int) -> "Strategy":
-        """Accept a Strategy, "auto" / None (data parallel over every rank), or a list of passes."""
-        if strategy is None or strategy == "auto":
+        """Accept a Strategy, None (data parallel over every rank), or a list of passes."""
+        if strategy is None:
             return cls(dp=world_size)
         if isinstance(strategy, (list, tuple)):
             return cls(dp=world_size, passes=list(strategy))
         if not isinstance(strategy, cls):
-            raise StrategyError(f"strategy={strategy!r}: pass fxpar.Strategy(...), 'auto', or a list of passes")
+            raise StrategyError(f"strategy={strategy!r}: pass fxpar.Strategy(...), 'auto' (the automatic planner), "
+                                "fxpar.Strategy.auto(...), None (data parallel over every rank) or a list of passes")
         return strategy
 
     def __str__(self) -> str:
@@ -189,6 +200,35 @@ class Strategy(metaclass=_StrategyType):
                     shown.add(k)
                     parts.append(f"{k}={_brief(self.option(k))}")
         return "Strategy(" + ", ".join(parts) + ")"
+
+
+@dataclass
+class AutoStrategy:
+    """``Strategy.auto(...)``: what the automatic planner may choose (see :meth:`Strategy.auto`). ``pins``: a Strategy
+    field or feature option -> a value or a tuple of values (which of them the planner searches is its own list,
+    ``fxpar.auto.search.SEARCHED``)."""
+    pins: dict = field(default_factory=dict)
+    allow: tuple = ()
+    margin: float = 0.9
+    finalists: int = 3
+
+    def __post_init__(self):
+        if not (isinstance(self.margin, (int, float)) and 0 < self.margin <= 1):
+            raise StrategyError(f"Strategy.auto(margin={self.margin!r}): the share of a device's memory a plan may "
+                                "use, in (0, 1], e.g. 0.9")
+        if not isinstance(self.finalists, int) or self.finalists < 1:
+            raise StrategyError(f"Strategy.auto(finalists={self.finalists!r}): how many candidates are built in "
+                                "full, a positive int")
+        owned = _feature_registry.option_defaults()
+        for k in self.pins:
+            if k not in _FIELDS and k not in owned:
+                near = difflib.get_close_matches(k, list(owned) + sorted(_FIELDS), n=1)
+                raise StrategyError(f"Strategy.auto({k}=...): no Strategy field or registered feature option "
+                                    f"{k!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+
+    def __str__(self) -> str:
+        args = [f"{k}={v!r}" for k, v in self.pins.items()] + ([f"allow={self.allow!r}"] if self.allow else [])
+        return "Strategy.auto(" + ", ".join(args) + ")"
 
 
 def _default(f):

@@ -1,0 +1,102 @@
+"""The automatic planner: how long it takes to plan, and how its pick compares with the plans it passed over.
+
+    python benchmarks/bench_planner.py plan            # planning time (fxpar.auto_plan, nothing built), warm
+    python benchmarks/bench_planner.py measure         # auto's pick and the next candidates run for real, 2 ranks
+
+``plan``: GPT-2 small (12 layers, h=768, seq 1024, global batch 32) on 8 A100s (one node), and a 32-layer h=4096
+GPT (32 heads, seq 2048, global batch 512) on 64 A100s (8 nodes), both on the ``meta`` device: the first call (cold:
+imports and the fake-tensor warm-up) and the best of three more (warm), the profile's share, the candidates priced,
+and the plan ranked first. ``--build`` also times ``parallelize(strategy="auto")`` (the finalists built in full).
+
+``measure``: for each model (the tied GPT of ``fxpar.testing``, an MLP), ``parallelize(strategy="auto")`` on
+2 CPU ranks, then auto's pick and every other built finalist run ``--steps`` steps with ``run_local``; the table
+gives each one's predicted step (built program's estimate), its measured median step, and the pick's rank among
+the measurements.
+"""
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import fxpar  # noqa: E402
+from fxpar.testing import GPT, MLP, gpt_loss, regression_batches, token_batches  # noqa: E402
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-4})
+
+
+def _time_plan(name, model, cluster, batch, build: bool):
+    t0 = time.perf_counter()
+    first = fxpar.auto_plan(model, cluster, (batch, batch), gpt_loss, ADAMW)
+    cold = time.perf_counter() - t0
+    warm = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        got = fxpar.auto_plan(model, cluster, (batch, batch), gpt_loss, ADAMW)
+        warm.append(time.perf_counter() - t0)
+    s = got.search
+    print(f"{name}: {len(s.priced)} candidates, {len(s.ranked)} undominated; cold {cold:.2f}s, warm "
+          f"{min(warm):.2f}s (profile {s.seconds['profile']:.2f}s); first: {got[0].strategy()} "
+          f"predicted {got[0].step_s * 1e3:.1f} ms, {got[0].peak_bytes / 2**30:.1f} GiB")
+    if build:
+        t0 = time.perf_counter()
+        prog = fxpar.parallelize(model, cluster, (batch, batch), gpt_loss, ADAMW, strategy="auto")
+        print(f"  parallelize(strategy='auto'): {time.perf_counter() - t0:.1f}s, "
+              f"{len(prog.auto_search.built)} finalists built, chose {prog.strategy}")
+    del first
+
+
+def plan(args):
+    with torch.device("meta"):
+        gpt2 = GPT(vocab=50257, d=768, layers=12, heads=12, max_seq=1024)
+    _time_plan("GPT-2 small, 8 x A100", gpt2, fxpar.ClusterSpec.preset("a100-80gb", gpus_per_node=8),
+               torch.randint(0, 50257, (32, 1024), device="meta"), args.build)
+    with torch.device("meta"):
+        big = GPT(vocab=50257, d=4096, layers=32, heads=32, max_seq=2048)
+    _time_plan("GPT 32 x 4096, 64 x A100", big, fxpar.ClusterSpec.preset("a100-80gb", nodes=8, gpus_per_node=8),
+               torch.randint(0, 50257, (512, 2048), device="meta"), False)
+
+
+def _models():
+    gpt = GPT(vocab=256, d=64, layers=4, heads=4, max_seq=64).double()
+    yield "tied GPT (4 x 64, seq 64)", gpt, token_batches(8, batch=16, seq=64, vocab=256), gpt_loss
+    mlp = MLP(d_in=256, hidden=512, d_out=16, layers=4).double()
+    yield "MLP (4 x 512)", mlp, regression_batches(8, batch=64, d_in=256, d_out=16), torch.nn.functional.mse_loss
+
+
+def measure(args):
+    cluster = fxpar.ClusterSpec.local(2)
+    for name, model, batches, loss in _models():
+        batches = [tuple(t.double() if t.is_floating_point() else t for t in b) for b in batches[:args.steps]]
+        prog = fxpar.parallelize(model, cluster, batches[0], loss, ADAMW, strategy="auto")
+        rows = []
+        for c in prog.auto_search.built:
+            if c.full is None or c.full.get("note"):
+                continue
+            p = prog if c is prog.auto_search.chosen else fxpar.parallelize(model, cluster, batches[0], loss, ADAMW,
+                                                                           strategy=c.strategy())
+            res = p.run_local(batches)
+            rows.append((c, c.full["step_s"], statistics.median(res.step_times[1:])))
+        fastest = min(r[2] for r in rows)
+        print(f"\n{name}, 2 ranks ({args.steps} steps, median of steps 2..):")
+        print(f"  {'plan':<48} {'predicted':>10} {'measured':>10}  vs fastest")
+        for c, pred, meas in sorted(rows, key=lambda r: r[1]):
+            pick = " <- auto's pick" if c is prog.auto_search.chosen else ""
+            print(f"  {str(c):<48} {pred * 1e3:>8.2f}ms {meas * 1e3:>8.2f}ms  {meas / fastest:>6.2f}x{pick}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("what", choices=("plan", "measure"))
+    ap.add_argument("--build", action="store_true", help="plan: also time parallelize(strategy='auto') on GPT-2")
+    ap.add_argument("--steps", type=int, default=6)
+    args = ap.parse_args()
+    plan(args) if args.what == "plan" else measure(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,384 @@
+"""The automatic planner: enumerate, price cheaply, prune, then build and estimate the finalists in full.
+
+    candidates = fxpar.auto_plan(model, cluster, example_inputs, loss_fn=..., optimizer=...)   # ranked, nothing built
+    program = fxpar.parallelize(model, cluster, example_inputs, ..., strategy="auto")      # the finalists built
+    print(program.explain())        # the chosen plan, the ranked table, why each other family lost
+
+Order of work: the model's profile (one eager forward + backward on fake tensors at two microbatch sizes, the
+first repeated block standing for all); every candidate of the space priced from it (:mod:`fxpar.auto.space`);
+those predicted over ``margin`` x the device's memory dropped, then every candidate another beats on both step time
+and memory (dominated); the rest ranked by predicted step time, ties by memory. ``parallelize`` builds the first
+``finalists`` (each a whole program: capture, plan, lower) and keeps the fastest whose full estimate fits.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .._tracing import BatchLayout
+from ..cluster import ClusterSpec
+from ..errors import StrategyError
+from ..feature import schedule_names
+from ..explain import fmt_bytes
+from ..optim import resolve_optimizer
+from ..strategy import AutoStrategy, Strategy
+from .profile import profile_model
+from .space import SCHEDULES, Candidate, _Pricer, cost_candidate
+
+__all__ = ["auto_plan", "AutoSearch", "search", "choose", "as_auto", "finalists", "fixed_options", "NoPlanFitsError",
+           "SEARCHED", "ALLOW"]
+
+RECOMPUTE = ("none", "selective", "full")
+MAX_MICROBATCHES = 64
+# the dimensions the search covers (Strategy.auto pins them; its other keywords are options every candidate gets)
+SEARCHED = ("dp", "tp", "pp", "schedule", "microbatches", "zero", "recompute", "sharding")
+# methods that change the math, searched only when Strategy.auto(allow=...) names them: name -> what it adds
+ALLOW = {"compression": "bf16 gradient buckets (grad_sync='bf16': half the bytes, rounded sums)",
+         "asynchronous": "the asynchronous pipeline schedule '2bw' (PipeDream-2BW: weights one update stale)"}
+
+
+def _choices(auto: AutoStrategy, name: str, default) -> tuple:
+    """The values dimension ``name`` may take: the pinned ones, else ``default``."""
+    if name not in auto.pins:
+        return tuple(default)
+    v = auto.pins[name]
+    return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
+def fixed_options(auto: AutoStrategy) -> dict:
+    """Options every candidate gets (the keywords of Strategy.auto that are not searched dimensions)."""
+    return {k: v for k, v in auto.pins.items() if k not in SEARCHED}
+
+
+def _check_auto(auto: AutoStrategy) -> None:
+    """``allow`` entries the search knows; the fixed options make a Strategy."""
+    bad = [a for a in auto.allow if a not in ALLOW]
+    if bad:
+        raise StrategyError(f"{auto}: allow entry {bad[0]!r} is not a method the planner knows; known: "
+                            + "; ".join(f"{k!r} ({v})" for k, v in ALLOW.items()))
+    Strategy(**fixed_options(auto))
+
+
+class NoPlanFitsError(StrategyError):
+    """No candidate of the search space is predicted to fit the devices' memory."""
+
+
+@dataclass
+class AutoSearch:
+    """What the search saw and decided: ``ranked`` (fitting, undominated, best first), every candidate it priced,
+    and its timings. ``explain()`` prints it."""
+    model_name: str
+    cluster: ClusterSpec
+    auto: AutoStrategy
+    ranked: list
+    priced: list
+    budget_bytes: float
+    fitting: list = field(default_factory=list)     # every candidate predicted to fit, fastest first (cheap cost)
+    seconds: dict = field(default_factory=dict)
+    chosen: Candidate | None = None
+    built: list = field(default_factory=list)       # finalists built in full, in order, with what happened
+    dominated: int = 0
+
+    def families(self) -> dict:
+        """family -> its best candidate (fitting first, then by step time)."""
+        out: dict = {}
+        for c in self.priced:
+            best = out.get(c.family)
+            if best is None or _key(c) < _key(best):
+                out[c.family] = c
+        return out
+
+    def rejected(self) -> list:
+        """``(family, reason)`` for every family the chosen plan is not of."""
+        win = self.chosen or (self.ranked[0] if self.ranked else None)
+        out = []
+        for fam, c in sorted(self.families().items(), key=lambda kv: _key(kv[1])):
+            if win is not None and fam == win.family:
+                continue
+            failed = [b for b in self.built if b.family == fam and b.full and b.full.get("note")]
+            why = "; ".join(f"finalist {b} built: {b.full['note']}" for b in failed)
+            out.append((fam, (why + "; then " if why else "") + _why(c, win, self.budget_bytes)))
+        return out
+
+    def explain(self, top: int = 8) -> str:
+        lines = [f"automatic plan ({self.auto}) for {self.model_name} on {self.cluster.world_size} rank(s) of "
+                 f"{self.cluster.device.name} ({fmt_bytes(self.cluster.device.memory_bytes)}; a plan may use "
+                 f"{self.auto.margin:.0%}: {fmt_bytes(self.budget_bytes)})"]
+        n_fit = sum(c.fits for c in self.priced)
+        lines.append(f"  searched {len(self.priced)} candidates in {self.seconds.get('search', 0):.2f}s (profile "
+                     f"{self.seconds.get('profile', 0):.2f}s): {len(self.priced) - n_fit} do not fit, "
+                     f"{self.dominated} dominated (another is faster and smaller), {len(self.ranked)} ranked")
+        if self.built:
+            lines.append(f"  built in full: {len(self.built)} finalist(s) in {self.seconds.get('build', 0):.2f}s")
+        if self.chosen is not None:
+            lines.append(f"  chosen: {self.chosen.strategy(fixed_options(self.auto))}")
+        lines += ["", "  ranked: the finalists by their built program's estimate, then the rest by the cheap one",
+                  f"  {'':>3}  {'plan':<46} {'cheap step':>10} {'peak':>10} {'built step':>10} {'peak':>10} "
+                  f"{'sent/rank':>10}"]
+        for i, c in enumerate(self.ranked[:top]):
+            full = c.full or {}
+            built = (f"{full['step_s'] * 1e3:>8.3f}ms {fmt_bytes(full['peak_bytes']):>10}"
+                     if full and math.isfinite(full["step_s"]) else f"{'-':>10} {'-':>10}")
+            lines.append(f"  {i + 1:>3}  {str(c)[:46]:<46} {c.step_s * 1e3:>8.3f}ms {fmt_bytes(c.peak_bytes):>10} "
+                         f"{built} {fmt_bytes(c.predicted[2]):>10}" + (f"  {full['note']}" if full.get("note") else ""))
+        rej = self.rejected()
+        if rej:
+            lines += ["", "  other families, and why they lost (their best candidate):"]
+            lines += [f"    {fam}: {why}" for fam, why in rej]
+        return "\n".join(lines)
+
+
+def _key(c: Candidate) -> tuple:
+    """Fitting first, then built before not built (the full estimate is the better figure), then predicted step
+    time, then peak memory."""
+    step, peak, _ = c.predicted
+    return (not c.fits, c.full is None, step, peak)
+
+
+def _cheap_key(c: Candidate) -> tuple:
+    return (not c.fits, c.step_s, c.peak_bytes)
+
+
+def _why(c: Candidate, win: Candidate | None, budget: float) -> str:
+    if not c.fits:
+        if c.note:
+            return c.note
+        cls = max(c.memory, key=c.memory.get)
+        return (f"does not fit: {fmt_bytes(c.peak_bytes)} > {fmt_bytes(budget)} by {fmt_bytes(c.peak_bytes - budget)}"
+                f" ({str(c)}); the largest class is {cls} at {fmt_bytes(c.memory[cls])}")
+    if win is None:
+        return "not chosen"
+    full = c.full is not None and win.full is not None     # compare like with like: both built, or both cheap
+    step, wstep = (c.full["step_s"], win.full["step_s"]) if full else (c.step_s, win.step_s)
+    how = "built programs' estimates" if full else "cheap cost"
+    extra = {k: c.time.get(k, 0.0) - win.time.get(k, 0.0) for k in c.time}
+    part = max(extra, key=extra.get)
+    return (f"slower by the {how}: {step * 1e3:.3f} ms vs {wstep * 1e3:.3f} ms ({str(c)}); the cheap cost puts "
+            f"most of the difference in {part} ({c.time.get(part, 0.0) * 1e3:.3f} ms vs "
+            f"{win.time.get(part, 0.0) * 1e3:.3f} ms)")
+
+
+def _divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_pins(auto: AutoStrategy, prof, world: int, batch: int, model_name: str) -> None:
+    """A pinned dimension that the world size or the model rules out is named with what rules it out."""
+    for name in ("dp", "tp", "pp"):
+        for v in _choices(auto, name, ()):
+            if not isinstance(v, int) or v < 1 or world % v:
+                raise StrategyError(f"{auto}: {name}={v!r} does not divide the ClusterSpec's world size {world}; "
+                                    f"pin one of {_divisors(world)}")
+    for v in _choices(auto, "tp", ()):
+        if prof.heads and prof.heads % v:
+            raise StrategyError(f"{auto}: tp={v} does not divide {model_name}'s {prof.heads} attention heads; pin a "
+                                f"divisor of {prof.heads} that divides {world}: "
+                                f"{[d for d in _divisors(world) if prof.heads % d == 0]}")
+    for v in _choices(auto, "pp", ()):
+        if prof.n_blocks and prof.n_blocks % v:
+            raise StrategyError(f"{auto}: pp={v} does not divide {model_name}'s {prof.n_blocks} layers "
+                                f"({prof.block_path}); pin a divisor of {prof.n_blocks} that divides {world}: "
+                                f"{[d for d in _divisors(world) if prof.n_blocks % d == 0]}")
+        if not prof.n_blocks and v > prof.leaf_modules:
+            raise StrategyError(f"{auto}: pp={v} stages but {model_name} has {prof.leaf_modules} modules with "
+                                "parameters to cut between; pin a smaller pp")
+    for v in _choices(auto, "dp", ()):
+        if batch % v:
+            raise StrategyError(f"{auto}: dp={v} does not divide the global batch {batch}; pin a divisor of {batch}")
+    for v in _choices(auto, "schedule", ()):
+        if v not in schedule_names():
+            raise StrategyError(f"{auto}: schedule={v!r} is not a pipeline schedule; choose among {schedule_names()}")
+
+
+def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, traced: bool) -> list:
+    """Every candidate the pins, the model and the world size allow (before any cost)."""
+    world, per_node = cluster.world_size, cluster.devices_per_node
+    out = []
+    tps = _choices(auto, "tp", [d for d in _divisors(world) if per_node % d == 0 or d <= per_node])
+    for tp in tps:
+        if prof.heads and prof.heads % tp:
+            continue
+        for pp in _choices(auto, "pp", _divisors(world // tp)):
+            if world % (tp * pp):
+                continue
+            if pp > 1 and (prof.n_blocks % pp if prof.n_blocks else pp > prof.leaf_modules):
+                continue
+            dp = world // (tp * pp)
+            if "dp" in auto.pins and dp not in _choices(auto, "dp", ()):
+                continue
+            if batch % dp:
+                continue
+            scheds = [None] if pp == 1 else list(SCHEDULES) + (["2bw"] if "asynchronous" in auto.allow else [])
+            if pp > 1:
+                scheds = [s for s in scheds if s != "interleaved" or not prof.n_blocks or prof.n_blocks % (2 * pp) == 0]
+            scheds = [s for s in scheds if s is None or s in _choices(auto, "schedule", scheds)]
+            per_dp = batch // dp
+            # microbatches: with a pipeline, pp x 1, 2, 4, ... (more shrink the bubble and the microbatch); without,
+            # gradient accumulation's first few (they only save memory)
+            divs = [m for m in _divisors(per_dp) if m <= MAX_MICROBATCHES]
+            ms = [m for m in divs if m >= pp and (m // pp) & (m // pp - 1) == 0 and m % pp == 0] if pp > 1 else divs[:4]
+            ms = [m for m in _choices(auto, "microbatches", ms) if pp == 1 or m >= pp]
+            zeros = _choices(auto, "zero", (0, 1, 2, 3) if dp > 1 and tp == 1 and traced else (0,))
+            modes = [None] if tp == 1 else [m for m in ("megatron", "auto") if m != "auto" or not tp & (tp - 1)]
+            modes = [x for x in modes if x is None or x in _choices(auto, "sharding", modes)]
+            syncs = [None] + (["bf16"] if "compression" in auto.allow and dp > 1 else [])
+            for sched in scheds:
+                for m in ms:
+                    if per_dp % m:
+                        continue
+                    for z in zeros:
+                        if z and (dp == 1 or tp > 1 or (sched == "2bw")):
+                            continue
+                        for rc in _choices(auto, "recompute", RECOMPUTE):
+                            for mode in modes:
+                                for gs in syncs:
+                                    if gs and (z or tp > 1):
+                                        continue
+                                    out.append(Candidate(dp, tp, pp, sched, m, z, rc, mode, gs))
+    return out
+
+
+def _pareto(fitting: list) -> tuple:
+    """(undominated, best first; how many were dominated). Sorted by (step, memory), a candidate survives when its
+    memory is below every faster one's."""
+    ranked, low, dropped = [], math.inf, 0
+    for c in sorted(fitting, key=_cheap_key):
+        if c.peak_bytes < low or not ranked:
+            ranked.append(c)
+            low = min(low, c.peak_bytes)
+        else:
+            dropped += 1
+    return ranked, dropped
+
+
+def search(model, cluster: ClusterSpec, example: tuple, loss_fn, optimizer, auto: AutoStrategy,
+           prune: bool = True, profile=None) -> AutoSearch:
+    """Price every candidate; ``prune=False`` keeps the dominated ones in ``ranked`` (for checks)."""
+    t0 = time.perf_counter()
+    _check_auto(auto)
+    spec = resolve_optimizer(optimizer)
+    n_state = len(spec.state_names) if spec.traced else 2
+    prof = profile if profile is not None else profile_model(model, example, loss_fn)
+    t1 = time.perf_counter()
+    batch = int(example[0].shape[0])
+    name = type(model).__name__
+    _check_pins(auto, prof, cluster.world_size, batch, name)
+    elem = max((p.element_size() for p in model.parameters()), default=4)
+    pr = _Pricer(prof, cluster, batch, n_state, elem)
+    budget = auto.margin * cluster.device.memory_bytes
+    priced = []
+    for c in _enumerate(auto, prof, cluster, batch, spec.traced):
+        cost_candidate(c, pr)
+        c.fits = c.fits and c.peak_bytes <= budget
+        priced.append(c)
+    fitting = [c for c in priced if c.fits]
+    if prune:
+        ranked, dropped = _pareto(fitting)
+    else:
+        ranked, dropped = sorted(fitting, key=_cheap_key), 0
+    out = AutoSearch(name, cluster, auto, ranked, priced, budget, sorted(fitting, key=_cheap_key), dominated=dropped)
+    out.seconds = {"profile": t1 - t0, "search": time.perf_counter() - t0}
+    if not priced:
+        raise StrategyError(f"{auto}: no candidate plan for {name} on {cluster.world_size} rank(s): the pins, the "
+                            f"global batch {batch} and the model ({prof.n_blocks} layers, {prof.heads} heads) leave "
+                            "none; loosen a pin")
+    if not ranked:
+        raise _no_fit(out, [c for c in priced if c.note == ""])
+    return out
+
+
+def _no_fit(s: AutoSearch, priced: list) -> NoPlanFitsError:
+    small = min(priced or s.priced, key=lambda c: c.peak_bytes)
+    dev = s.cluster.device
+    return NoPlanFitsError(
+        f"{s.auto}: no plan for {s.model_name} fits {s.cluster.world_size} x {dev.name} "
+        f"({fmt_bytes(dev.memory_bytes)}, {s.auto.margin:.0%} usable: {fmt_bytes(s.budget_bytes)}). The smallest "
+        f"predicted peak is {fmt_bytes(small.peak_bytes)} per device, by {small.strategy(fixed_options(s.auto))} "
+        f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in small.memory.items())}); it would fit devices of "
+        f"{fmt_bytes(small.peak_bytes / s.auto.margin)}. Use more ranks or bigger devices, a smaller global batch, "
+        "or allow more (Strategy.auto(margin=...)).")
+
+
+def auto_plan(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, optimizer=None, strategy="auto",
+         prune: bool = True) -> list:
+    """The automatic planner's candidates for ``model`` on ``cluster``, best first, without building a program:
+    each a :class:`~fxpar.auto.space.Candidate` (``.strategy()``, ``.step_s``, ``.peak_bytes``, ``.memory``,
+    ``.time``). ``strategy``: ``"auto"`` or ``Strategy.auto(...)`` (pins, ``allow``, ``margin``).
+    The returned list has the search itself as ``.search`` (an :class:`AutoSearch`; ``print(x.search.explain())``)."""
+    cluster = ClusterSpec.local(cluster) if isinstance(cluster, int) else cluster
+    auto = as_auto(strategy)
+    layout = BatchLayout.of(example_inputs, loss_fn)
+    example = layout.flatten(example_inputs, "example_inputs")
+    s = search(model, cluster, example, loss_fn, optimizer, auto, prune=prune)
+    out = _Ranked(s.ranked)
+    out.search = s
+    return out
+
+
+class _Ranked(list):
+    search: AutoSearch
+
+
+def as_auto(strategy) -> AutoStrategy:
+    if isinstance(strategy, AutoStrategy):
+        return strategy
+    if strategy == "auto":
+        return AutoStrategy()
+    raise StrategyError(f"strategy={strategy!r}: the automatic planner takes 'auto' or fxpar.Strategy.auto(...)")
+
+
+def finalists(s: AutoSearch) -> list:
+    """``(finalists, the rest)``: the fastest fitting candidate (cheap cost) of each of the ``finalists`` families
+    whose fastest is fastest (a family: mesh and schedule), with every tp mode of a tensor-parallel one; then the
+    ranking (the undominated candidates), in order, built only while none of the finalists fits."""
+    first, fams, seen = [], [], set()
+    for c in s.fitting:
+        key = (c.family, c.microbatches, c.zero, c.recompute, c.grad_sync)
+        if c.family not in fams:
+            if len(fams) == s.auto.finalists:
+                continue
+            fams.append(c.family)
+            seen.add(key)
+            first.append(c)
+        elif key in seen and c.sharding is not None:      # the same point under the other tp mode
+            first.append(c)
+    return first, [c for c in s.ranked if all(c is not f for f in first)]
+
+
+def choose(s: AutoSearch, build) -> tuple:
+    """Build the :func:`finalists` with ``build(strategy) -> Program`` and keep the fastest whose full estimate
+    fits (ties: less memory); past them, candidates are built in rank order until one fits. Returns
+    ``(program, candidate)``."""
+    t0 = time.perf_counter()
+    best = None
+    first, rest = finalists(s)
+    for i, c in enumerate(first + rest):
+        if i >= len(first) and best is not None:
+            break
+        try:
+            prog = build(c.strategy(fixed_options(s.auto)))
+            est = prog.estimate()
+        except Exception as e:  # noqa: BLE001 - a candidate the program builder refuses is reported and skipped
+            c.full = {"step_s": math.inf, "peak_bytes": c.peak_bytes, "comm_bytes": c.comm_bytes,
+                      "note": f"refused: {type(e).__name__}: {str(e)[:160]}"}
+            c.fits = False
+            s.built.append(c)
+            continue
+        peak = max(r.peak_memory_bytes for r in est.ranks)
+        c.full = {"step_s": est.step_time_s, "peak_bytes": peak,
+                  "comm_bytes": max(r.comm_bytes for r in est.ranks), "note": ""}
+        if peak > s.budget_bytes:
+            c.full["note"] = f"over memory: {fmt_bytes(peak)}"
+            c.fits = False
+        s.built.append(c)
+        if c.fits and (best is None or _key(c) < _key(best[1])):
+            best = (prog, c)
+    s.seconds["build"] = time.perf_counter() - t0
+    s.ranked = sorted(s.built + [c for c in s.ranked if all(c is not b for b in s.built)], key=_key)
+    if best is None:
+        raise _no_fit(s, [c for c in s.priced if not c.note])
+    s.chosen = best[1]
+    return best

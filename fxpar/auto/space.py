@@ -1,0 +1,274 @@
+"""The automatic planner's search space and its cheap cost: every candidate is priced from the model's profile
+(:mod:`fxpar.auto.profile`) and the cost models' link and schedule figures, without capturing or lowering a graph.
+
+A candidate is ``dp x tp x pp`` (tp the fastest axis, so a tp group sits inside a node first), a pipeline schedule
+and a microbatch count, the tp mode, the ZeRO stage and the recompute policy. Its cheap figures:
+
+- compute: each stage's forward and backward per microbatch (its blocks, plus the embeddings on the first stage and
+  the head and loss on the last), the ops of classes tensor parallelism splits divided by tp; recompute adds the
+  forward it repeats ('full': each block's; 'selective': each block's ops that are not matmuls);
+- tensor parallelism: two all-reduces of a block's input in forward and two in backward per block (Megatron's
+  pairs; without repeated blocks, one each way per pair of Linears), over the tp ranks;
+- the pipeline: the schedule generator's own action lists dry-run once (forward 1, backward 2), scaled to the
+  slowest stage's forward + backward (plus each message's point-to-point time), which gives the makespan and the
+  microbatches each rank holds at once;
+- data parallelism: the stage's gradients all-reduced over the dp ranks (ZeRO: reduce-scatter + all-gather, and
+  ZeRO-3's gathers of each stage's parameters in forward and backward), hidden behind the last backward except
+  the last bucket;
+- the optimizer: one pass over the rank's parameters, gradients and states at memory bandwidth;
+- memory: the heaviest stage's parameters, gradients and optimizer states (ZeRO's shares), the activations of the
+  microbatches in flight, and twice the largest tensor an op makes (a logits tensor and its gradient).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cost_models.comm import collective_cost
+from ..schedule import ScheduleError, simulate
+from ..schedule.registry import get_schedule
+from ..strategy import Strategy
+
+__all__ = ["Candidate", "cost_candidate", "SCHEDULES", "BUCKET_BYTES"]
+
+SCHEDULES = ("1f1b", "interleaved", "zb1p")      # the synchronous pipeline schedules searched
+BUCKET_BYTES = 25 * 2**20                         # DDP's bucket: the last one waits for the end of backward
+OPT_OPS_PER_TENSOR = 4                            # ops the traced update runs per parameter tensor (copies, views)
+ZERO_OPS_PER_TENSOR = 4                           # ops ZeRO adds per parameter tensor (into and out of its chunks)
+ZERO3_EXPOSED = 0.5                               # the share of ZeRO-3's gathers the compute does not hide
+MEMORY_CLASSES = ("parameters", "gradients", "optimizer state", "activations", "workspace")
+TIME_PARTS = ("compute", "recompute", "pipeline bubble", "tp comm", "pp comm", "dp sync", "optimizer")
+
+
+@dataclass
+class Candidate:
+    """One point of the search space with its predicted figures (per device, per step)."""
+    dp: int
+    tp: int
+    pp: int
+    schedule: str | None = None           # None: the one-stage program (pp = 1)
+    microbatches: int = 1
+    zero: int = 0
+    recompute: str = "none"
+    sharding: str | None = None           # the tp mode (tp > 1)
+    grad_sync: str | None = None          # a compression method the user allowed
+    step_s: float = 0.0
+    peak_bytes: float = 0.0
+    comm_bytes: float = 0.0
+    memory: dict = field(default_factory=dict)      # class -> bytes at the peak
+    time: dict = field(default_factory=dict)        # part -> seconds of the step
+    fits: bool = True
+    full: dict | None = None                        # the built program's estimate: step_s, peak_bytes, comm_bytes
+    note: str = ""
+
+    def options(self) -> dict:
+        """The Strategy keywords of this candidate."""
+        kw = dict(dp=self.dp, tp=self.tp, pp=self.pp, microbatches=self.microbatches)
+        if self.schedule is not None:
+            kw["schedule"] = self.schedule
+        if self.zero:
+            kw["zero"] = self.zero
+        if self.recompute != "none":
+            kw["recompute"] = self.recompute
+        if self.sharding is not None:
+            kw["sharding"] = self.sharding
+        if self.grad_sync is not None:
+            kw["grad_sync"] = self.grad_sync
+        return kw
+
+    def strategy(self, fixed: dict | None = None) -> Strategy:
+        return Strategy(**{**(fixed or {}), **self.options()})
+
+    @property
+    def family(self) -> str:
+        """The mesh and its pipeline schedule: ``dp=4 x pp=2 (1f1b)``, ``dp=2 x tp=4``. The tp mode is not part of
+        it: the cheap cost cannot tell Megatron's preset from Tofu's search, the finalists build both."""
+        parts = [f"{k}={v}" for k, v in (("dp", self.dp), ("tp", self.tp), ("pp", self.pp)) if v > 1] or ["dp=1"]
+        return " x ".join(parts) + (f" ({self.schedule})" if self.schedule else "")
+
+    @property
+    def label(self) -> str:
+        """Everything but the mesh: ``m=4, zero=1, recompute=full``."""
+        out = [f"sharding={self.sharding}"] if self.sharding else []
+        out += [f"m={self.microbatches}"] + ([f"zero={self.zero}"] if self.zero else [])
+        out += [f"recompute={self.recompute}"] if self.recompute != "none" else []
+        out += [f"grad_sync={self.grad_sync}"] if self.grad_sync else []
+        return ", ".join(out)
+
+    @property
+    def predicted(self) -> tuple:
+        """(step seconds, peak bytes, bytes sent): the built program's where it was built, else the cheap ones."""
+        if self.full is not None:
+            return self.full["step_s"], self.full["peak_bytes"], self.full["comm_bytes"]
+        return self.step_s, self.peak_bytes, self.comm_bytes
+
+    def __str__(self) -> str:
+        return f"{self.family}, {self.label}"
+
+
+class _Pricer:
+    """Shared figures for pricing many candidates of one model on one cluster (cached link and schedule costs)."""
+
+    def __init__(self, prof, cluster, global_batch: int, n_state: int, elem_bytes: int):
+        self.prof, self.cluster, self.B = prof, cluster, global_batch
+        self.n_state, self.elem = n_state, elem_bytes
+        self.dev = cluster.device
+        self._comm: dict = {}
+        self._sched: dict = {}
+        self._sims: dict = {}
+
+    def comm(self, kind: str, nbytes: float, ranks: tuple):
+        key = (kind, round(nbytes), ranks)
+        got = self._comm.get(key)
+        if got is None:
+            got = self._comm[key] = collective_cost(kind, nbytes, ranks, self.cluster)
+        return got
+
+    def dry_run(self, name: str, sched, F: dict, B: dict) -> tuple:
+        """(makespan, most microbatches in flight on a rank) of ``sched``: its dry run with every stage as long as
+        the slowest (the slowest sets the pace of the steady state), once per schedule (forward 1, backward 2),
+        scaled to the slowest stage's forward + backward."""
+        key = (name, sched.n_ranks, sched.n_microbatches)
+        got = self._sims.get(key)
+        if got is None:
+            sim = simulate(sched)
+            got = self._sims[key] = (sim.makespan / 3, max(sim.peak_activations_per_rank.values()))
+        slowest = max(F[s] + B[s] for s in F)
+        return got[0] * slowest, got[1]
+
+    def schedule(self, name: str, pp: int, m: int):
+        key = (name, pp, m)
+        if key not in self._sched:
+            try:
+                self._sched[key] = get_schedule(name, pp, m)
+            except ScheduleError:
+                self._sched[key] = None
+        return self._sched[key]
+
+
+def _stage_split(prof, n_stages: int) -> list:
+    """Per stage: (blocks, holds the pre part, holds the post part); without repeated blocks every stage gets an
+    equal share of the whole (the balanced cut)."""
+    if prof.n_blocks == 0:
+        return [(0, True, True)] * n_stages
+    per = prof.n_blocks / n_stages
+    return [(per, s == 0, s == n_stages - 1) for s in range(n_stages)]
+
+
+def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
+    """Fill ``c``'s cheap figures; ``c.note`` says why it cannot run (then ``c.fits`` is False and its step is
+    infinite)."""
+    prof, dev = pr.prof, pr.dev
+    b = pr.B / (c.dp * c.microbatches)
+    t = prof.time(b, c.tp, dev)
+    sched = None
+    n_stages = 1
+    if c.pp > 1:
+        sched = pr.schedule(c.schedule, c.pp, c.microbatches)
+        if sched is None:
+            c.note = f"schedule {c.schedule} cannot run {c.microbatches} microbatches"
+            c.fits, c.step_s = False, float("inf")
+            return c
+        n_stages = sched.n_stages
+    split = _stage_split(prof, n_stages)
+    whole = prof.n_blocks == 0
+    share = 1.0 / n_stages if whole else 1.0
+    blk_f, blk_b = t[("block", "fwd")], t[("block", "bwd")]
+    again = {"none": 0.0, "full": blk_f, "selective": blk_f - t["split_fwd"]["block"]}[c.recompute]
+    if whole and c.recompute != "none":      # no blocks: the policy recomputes the whole forward (or its cheap ops)
+        pre_f = t[("pre", "fwd")] + t[("post", "fwd")]
+        again_whole = pre_f if c.recompute == "full" else pre_f - t["split_fwd"]["pre"] - t["split_fwd"]["post"]
+    else:
+        again_whole = 0.0
+    width = c.dp * c.tp
+    tp_ranks = tuple(range(c.tp))
+    msg = prof.block_input(b) if prof.n_blocks else 0.0
+    if c.tp > 1:
+        if prof.n_blocks:
+            ar = pr.comm("all_reduce", msg, tp_ranks).time_s
+            tp_f_block = tp_b_block = 2 * ar
+            tp_whole = 0.0
+        else:
+            tp_f_block = tp_b_block = 0.0
+            tp_whole = sum(pr.comm("all_reduce", x, tp_ranks).time_s for x in prof.linear_pairs(b))
+    else:
+        tp_f_block = tp_b_block = tp_whole = 0.0
+    p2p = pr.comm("send", msg or prof.largest(b) / 4, (0, width)).time_s if c.pp > 1 else 0.0
+    F, B, comp, rec, tpc = {}, {}, 0.0, 0.0, 0.0
+    for s, (nb, first, last) in enumerate(split):
+        f = nb * blk_f + (t[("pre", "fwd")] if first else 0) * (1 if not whole else share) \
+            + (t[("post", "fwd")] if last else 0) * (1 if not whole else share)
+        bw = nb * blk_b + (t[("pre", "bwd")] if first else 0) * (1 if not whole else share) \
+            + (t[("post", "bwd")] if last else 0) * (1 if not whole else share)
+        r = nb * again + again_whole * share
+        tf = nb * tp_f_block + tp_whole * share
+        tb = nb * tp_b_block + tp_whole * share
+        F[s], B[s] = f + tf + p2p, bw + r + tb + p2p
+        comp, rec, tpc = max(comp, f + bw), max(rec, r), max(tpc, tf + tb)
+    m = c.microbatches
+    if sched is None:
+        makespan, in_flight = m * (F[0] + B[0]), 1
+    else:
+        makespan, in_flight = pr.dry_run(c.schedule, sched, F, B)
+    # parameters of the heaviest stage (the parts outside the blocks counted on it), split by tp
+    heavy = max(split, key=lambda x: x[0])
+    per_rank_stages = n_stages // c.pp
+    stage_params = (heavy[0] * per_rank_stages * prof.block_param_bytes + prof.rest_param_bytes
+                    if not whole else prof.param_bytes / c.pp) / c.tp
+    grads = stage_params / (c.dp if c.zero >= 2 else 1)
+    states = pr.n_state * stage_params / (c.dp if c.zero >= 1 else 1)
+    held = stage_params / (c.dp if c.zero == 3 else 1)
+    if c.zero == 3:
+        held += prof.block_param_bytes / c.tp if prof.n_blocks else stage_params * (1 - 1 / c.dp)
+    saved = prof.saved(b, c.tp, c.recompute)
+    blocks_on_rank = heavy[0] * per_rank_stages
+    act_stage = (blocks_on_rank * saved["block"] + saved["pre"] + saved["post"]) if not whole else \
+        (saved["pre"] + saved["post"]) / c.pp
+    acts = act_stage * in_flight / per_rank_stages if per_rank_stages > 1 else act_stage * in_flight
+    if c.recompute == "full":
+        acts += saved["one_block"] if prof.n_blocks else 0.0
+    work = 2 * prof.largest(b)
+    c.memory = {"parameters": held, "gradients": grads, "optimizer state": states, "activations": acts,
+                "workspace": work}
+    c.peak_bytes = sum(c.memory.values())
+    # data parallelism: the heaviest stage's gradients over its dp ranks (tp index 0 of pipeline rank 0)
+    sync_t, sent = 0.0, 0.0
+    g_bytes = stage_params * (0.5 if c.grad_sync == "bf16" and pr.elem == 4 else
+                              0.25 if c.grad_sync == "bf16" else 1.0)
+    if c.dp > 1:
+        dp_ranks = tuple(d * c.tp for d in range(c.dp))
+        last_bwd = B[max(B, key=B.get)]
+
+        def hidden(t: float) -> float:     # what backward hides of a sum issued bucket by bucket: all but the last
+            return max(t - last_bwd, t * min(1.0, BUCKET_BYTES / max(g_bytes, 1.0)))
+        # all_gather's figure is the shard it sends. ZeRO-1 reduce-scatters once after backward; ZeRO-2 and 3 as the
+        # buckets fill; the updated chunks are all-gathered after the update (ZeRO-3: before each use instead)
+        if c.zero == 0:
+            cc = pr.comm("all_reduce", g_bytes, dp_ranks)
+            sync_t, sent = hidden(cc.time_s), cc.wire_bytes
+        else:
+            rs = pr.comm("reduce_scatter", g_bytes, dp_ranks)
+            ag = pr.comm("all_gather", stage_params / c.dp, dp_ranks)
+            sync_t = (rs.time_s if c.zero == 1 else hidden(rs.time_s)) + (ag.time_s if c.zero < 3 else 0.0)
+            sent = rs.wire_bytes + (ag.wire_bytes if c.zero < 3 else 0.0)
+            if c.zero == 3:     # each stage's parameters gathered before its forward and again before its backward
+                gathers = 2 * m * per_rank_stages
+                sync_t += gathers * ag.time_s * ZERO3_EXPOSED
+                sent += gathers * ag.wire_bytes
+            sync_t += ZERO_OPS_PER_TENSOR * prof.param_tensors * getattr(dev, "op_overhead_s", 0.0)
+    if c.tp > 1:
+        n_ar = (4 * blocks_on_rank if prof.n_blocks else 2 * len(prof.linear_pairs(b)) / c.pp) * m
+        sent += n_ar * pr.comm("all_reduce", msg if prof.n_blocks else max(prof.linear_pairs(b) or [0.0]),
+                               tp_ranks).wire_bytes
+    if c.pp > 1:
+        sent += 2 * m * per_rank_stages * (msg or prof.largest(b) / 4)
+    upd = stage_params / (c.dp if c.zero >= 1 else 1)
+    tensors = prof.param_tensors / (c.pp if c.pp > 1 else 1)
+    opt_t = (upd * (3 + 2 * pr.n_state) / (dev.mem_bandwidth * (dev.efficiency or {}).get("memory", 1.0))
+             + OPT_OPS_PER_TENSOR * tensors * getattr(dev, "op_overhead_s", 0.0))
+    c.step_s = makespan + sync_t + opt_t
+    c.comm_bytes = sent
+    busy = m * (comp + rec + tpc) + (0 if sched is None else 2 * m * per_rank_stages * p2p)
+    c.time = {"compute": m * comp, "recompute": m * rec, "tp comm": m * tpc,
+              "pp comm": 0.0 if sched is None else 2 * m * per_rank_stages * p2p,
+              "pipeline bubble": max(makespan - busy, 0.0), "dp sync": sync_t, "optimizer": opt_t}
+    return c

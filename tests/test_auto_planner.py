@@ -1,0 +1,153 @@
+"""The automatic planner (``strategy="auto"``, ``Strategy.auto``, ``fxpar.auto_plan``): search quality against
+enumeration under the same cost model, the plan it picks trains like one process, it never picks a plan predicted
+to exceed memory, and its errors name what rules a choice out."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import fxpar
+from fxpar.auto.search import finalists, fixed_options
+from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
+
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2})
+TOL = 1e-10
+
+
+def _small_memory(world: int, kib: float) -> fxpar.ClusterSpec:
+    """``world`` CPU ranks whose devices hold ``kib`` KiB."""
+    cl = fxpar.ClusterSpec.local(world)
+    return dataclasses.replace(cl, device=dataclasses.replace(cl.device, memory_bytes=int(kib * 1024)))
+
+
+def _gpt2_small_meta():
+    with torch.device("meta"):
+        model = GPT(vocab=50257, d=768, layers=12, heads=12, max_seq=1024)
+    return model, torch.randint(0, 50257, (32, 1024), device="meta")
+
+
+@pytest.mark.structure
+def test_allow_pins_and_margin_are_checked():
+    model, batches = tiny_gpt(), token_batches(1)
+    with pytest.raises(fxpar.StrategyError, match="allow entry 'lossy'.*known: 'compression'.*'asynchronous'"):
+        fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, strategy=fxpar.Strategy.auto(allow=("lossy",)))
+    with pytest.raises(fxpar.StrategyError, match="margin"):
+        fxpar.Strategy.auto(margin=1.5)
+    with pytest.raises(fxpar.StrategyError, match="did you mean 'bucket_cap_mb'"):
+        fxpar.Strategy.auto(bucket_cap_mb2=50)
+    auto = fxpar.Strategy.auto(tp=2, zero=(0, 1), bucket_cap_mb=50)
+    got = fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, strategy=auto, prune=False)
+    assert {c.tp for c in got} == {2} and {c.zero for c in got} == {0}        # ZeRO is not composed with tp
+    assert all(c.strategy(fixed_options(auto)).bucket_cap_mb == 50 for c in got)
+
+
+@pytest.mark.structure
+def test_a_pin_the_world_or_the_model_rules_out_names_both():
+    model, batches = tiny_gpt(), token_batches(1)          # 2 layers, 2 heads
+    plan = lambda world, **pins: fxpar.auto_plan(model, world, batches[0], gpt_loss, ADAMW,   # noqa: E731
+                                                  strategy=fxpar.Strategy.auto(**pins))
+    with pytest.raises(fxpar.StrategyError, match="tp=3 does not divide the ClusterSpec's world size 4"):
+        plan(4, tp=3)
+    with pytest.raises(fxpar.StrategyError, match="tp=4 does not divide GPT's 2 attention heads"):
+        plan(4, tp=4)
+    with pytest.raises(fxpar.StrategyError, match=r"pp=4 does not divide GPT's 2 layers \(blocks\)"):
+        plan(4, pp=4)
+
+
+@pytest.mark.cost
+def test_pruning_keeps_the_enumerated_optimum_of_the_cheap_cost():
+    """On GPT-2 small at 8 A100s (hundreds of candidates), the undominated ranking starts with the candidate an
+    exhaustive sort of every fitting candidate puts first, and the ranking is exactly the Pareto front."""
+    model, x = _gpt2_small_meta()
+    cl = fxpar.ClusterSpec.preset("a100-80gb", gpus_per_node=8)
+    pruned = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW)
+    full = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW, prune=False)
+    assert len(full) > 100 > len(pruned) > 0
+    assert str(pruned[0]) == str(full[0])
+    assert (pruned[0].step_s, pruned[0].peak_bytes) == min((c.step_s, c.peak_bytes) for c in full)
+    front = [c for c in full if not any((o.step_s <= c.step_s and o.peak_bytes < c.peak_bytes) or
+                                        (o.step_s < c.step_s and o.peak_bytes <= c.peak_bytes) for o in full)]
+    assert {str(c) for c in pruned} == {str(c) for c in front}
+
+
+@pytest.mark.slow
+@pytest.mark.cost
+def test_search_returns_the_enumerated_optimum_of_the_built_programs():
+    """Every candidate of a small space built and estimated in full: parallelize(strategy=Strategy.auto(...))
+    returns the one with the least predicted step time (ties: memory), having built fewer."""
+    model, batches = tiny_gpt(), token_batches(1)
+    auto = fxpar.Strategy.auto(recompute="none", zero=0, microbatches=(1, 2), schedule="1f1b")
+    space = fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, strategy=auto, prune=False)
+    assert len(space) == 7
+    built = {}
+    for c in space:
+        est = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=c.strategy()).estimate()
+        built[str(c)] = (est.step_time_s, max(r.peak_memory_bytes for r in est.ranks))
+    best = min(built, key=built.get)
+    prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=auto)
+    assert str(prog.auto_search.chosen) == best, (best, built)
+    assert prog.estimate().step_time_s == pytest.approx(built[best][0], rel=1e-9)
+    assert len(prog.auto_search.built) < len(space)
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+@pytest.mark.parametrize("world", [2, 4])
+def test_the_plan_auto_picks_trains_like_one_process(clusters, world):
+    model, batches = tiny_gpt(), token_batches(3)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(world), batches[0], gpt_loss, ADAMW, strategy="auto")
+    assert prog.auto_search.chosen is not None and prog.world_size == world
+    text = prog.explain()
+    assert "automatic plan" in text and "chosen: " + str(prog.strategy) in text and "why they lost" in text
+    ref_losses, ref_state = reference_training(model, batches, gpt_loss, ADAMW)
+    res = prog.run_local(batches, cluster=clusters.get(world))
+    assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL
+    assert max_abs_diff(res.state_dict(), ref_state) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.cost
+def test_never_predicted_to_exceed_memory_where_plain_dp_does_not_fit():
+    model, batches = tiny_gpt(), token_batches(1)
+    cl = _small_memory(2, 300)                 # 270 KiB usable per device at the default margin
+    dp = fxpar.parallelize(model, cl, batches[0], gpt_loss, ADAMW, strategy=fxpar.Strategy(dp=2)).estimate()
+    assert max(r.peak_memory_bytes for r in dp.ranks) > 0.9 * cl.device.memory_bytes
+    prog = fxpar.parallelize(model, cl, batches[0], gpt_loss, ADAMW, strategy="auto")
+    assert max(r.peak_memory_bytes for r in prog.estimate().ranks) <= 0.9 * cl.device.memory_bytes
+    assert all(c.full["peak_bytes"] > 0.9 * cl.device.memory_bytes for c in prog.auto_search.built if not c.fits
+               and c.full["note"].startswith("over memory"))
+
+
+@pytest.mark.structure
+def test_no_plan_fits_names_the_smallest_memory_and_its_plan():
+    model, batches = tiny_gpt(), token_batches(1)
+    with pytest.raises(fxpar.NoPlanFitsError, match=r"smallest predicted peak is .* by Strategy\(.*would fit "
+                                                    r"devices of"):
+        fxpar.auto_plan(model, _small_memory(2, 20), batches[0], gpt_loss, ADAMW)
+
+
+@pytest.mark.structure
+def test_finalists_are_the_best_of_each_family_with_both_tp_modes():
+    model, batches = tiny_gpt(), token_batches(1)
+    found = fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, strategy=fxpar.Strategy.auto(finalists=3)).search
+    first, rest = finalists(found)
+    fams = list(dict.fromkeys(c.family for c in first))
+    assert len(fams) == 3
+    for fam in fams:
+        best = min((c for c in found.fitting if c.family == fam), key=lambda c: c.step_s)
+        assert any(c.step_s == best.step_s for c in first if c.family == fam)
+    for c in first:
+        if c.tp > 1:
+            assert {x.sharding for x in first if x.family == c.family} == {"megatron", "auto"}
+
+
+@pytest.mark.structure
+def test_math_changing_methods_only_when_allowed():
+    model, batches = tiny_gpt(), token_batches(1)
+    plain = fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, prune=False)
+    assert not any(c.grad_sync or c.schedule == "2bw" for c in plain)
+    allowed = fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, prune=False,
+                              strategy=fxpar.Strategy.auto(allow=("compression", "asynchronous")))
+    assert any(c.grad_sync == "bf16" for c in allowed) and any(c.schedule == "2bw" for c in allowed)
