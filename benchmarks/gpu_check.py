@@ -45,6 +45,7 @@ CHECKS = {   # name -> (world size, backend, strategy keyword arguments)
     "dp_bf16": (2, "gloo", dict(dp=2, precision="bf16")),
     "compile": (2, "gloo", dict(dp=2, compile=True)),
     "nccl1": (1, "nccl", dict(dp=1)),
+    "compile_nccl1": (1, "nccl", dict(dp=1, compile=True)),
     "ddp": (2, "gloo", None),          # torch DDP: the baseline's step time
 }
 STEPS, WARMUP = 8, 3
@@ -144,7 +145,11 @@ def _fxpar_rank(device, kind, strategy, batches, opt, cluster):
     if rank == 0:
         out["pred"] = [r.peak_memory_bytes for r in program.estimate().ranks]
         out["state"] = {k: v.detach().cpu() for k, v in state.items()}
-        out["compiled"] = getattr(program, "compiled_summary", lambda: None)()
+        st = runner.executor.features.get("compile")
+        if st is not None:             # per graph: compiled, or why it ran eager
+            rep = st.report() or {}
+            out["compiled"] = {str(k): {kk: vv for kk, vv in (v.items() if isinstance(v, dict) else [("v", v)])
+                                        if kk != "code"} for k, v in (rep.items() if isinstance(rep, dict) else [])}
     return out
 
 
@@ -258,6 +263,8 @@ def _fmt(r: dict) -> str:
             cols.append("peak/pred MiB " + " ".join(f"{a:.0f}/{b:.0f}" for a, b in zip(r["peak_mib"], r["pred_mib"])))
         if "single_ms" in r:
             cols.append(f"single {r['single_ms']:.2f} ms")
+        if r.get("compiled"):
+            cols.append("compiled: " + json.dumps(r["compiled"])[:600])
     return "  ".join(cols)
 
 
