@@ -289,7 +289,9 @@ class ClusterSpec:
 
     # ---- JSON -----------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["slowdown"] = [list(p) for p in self.slowdown]       # JSON's form: [[rank, factor], ...]
+        return d
 
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=2, sort_keys=True)
