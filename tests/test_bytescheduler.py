@@ -130,6 +130,7 @@ def test_dp2_pp2_matches_single_process(clusters, opt, m):
     _assert_matches(prog.run_local(batches, cluster=clusters.get(4)), model, batches, loss_fn, opt)
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_microbatches_without_a_pipeline(clusters):
     """One stage, two microbatches (graphs F, B, REDUCE_GRAD, STEP): the same move of STEP into the next first F."""
@@ -322,6 +323,7 @@ def _measured_steps(payload, batches):
     return {"peak": m.peak, "issued": m.issued, "carried": carried, "drained": m.now}
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_inflight_bytes_under_dp_x_pp(clusters):
     """dp=2 x pp=2: each stage keeps the plan's credit, measured on all four ranks; the pieces REDUCE_GRAD issues and

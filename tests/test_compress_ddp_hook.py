@@ -374,6 +374,7 @@ def _hook_program(model, batches, loss_fn, hook, opts):
                              strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(hook, state)))
 
 
+@pytest.mark.slow
 @NUMERICS
 @pytest.mark.parametrize("name", list(CK_HOOKS))
 def test_checkpoint_resumes_the_hook_state_bitwise(clusters, tmp_path, name):
@@ -455,6 +456,7 @@ def test_checkpoint_refuses_a_state_it_cannot_save(clusters, tmp_path):
 
 
 # ---- bytes: what a hook issues from its future's callbacks is counted ---------------------------------------------
+@pytest.mark.slow
 @NUMERICS
 def test_measured_bytes_of_powerSGD_hook_include_its_callbacks(clusters):
     """powerSGD_hook all-reduces the uncompressed tensors from the hook, then P and Q from its future's callbacks

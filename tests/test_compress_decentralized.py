@@ -129,6 +129,7 @@ def test_every_replica_equals_the_reference(clusters, peers, dp, interval):
             assert sum(x for _, x in calls) == (0 if variant == "local" else n * (2 if peers == "ring" else 1))
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_microbatches_average_once_per_step(clusters):
     model, batches = _model(), mlp_batches(3)
@@ -189,6 +190,7 @@ def test_plan_json_round_trip_notes_and_explain():
                                                      ((torch.optim.Adagrad, {"lr": LR}), False),
                                                      ((torch.optim.SGD, {"lr": LR, "momentum": 0.9}), True)],
                          ids=["SGD-momentum", "Adagrad-untraced", "low-precision"])
+@pytest.mark.slow
 def test_checkpoint_at_step_2_resumes_every_replica_bitwise(clusters, tmp_path, optimizer, low_precision):
     """Ring, dp=4: save after 2 steps, 2 more == 4 straight, bitwise, per replica: each rank's own weights and
     optimizer state (momentum; Adagrad's sums, untraced) are in its checkpoint extra; low precision's copies of the

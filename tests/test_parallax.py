@@ -52,6 +52,7 @@ def test_parallax_matches_single_process(clusters, dp, opt):
             assert sum(n for k, n in calls if k == "all_reduce") == (6 * 16 + 4 * 16 + 4) * 8
 
 
+@pytest.mark.slow
 @pytest.mark.numerics
 def test_parallax_all_dense_when_the_table_is_small(clusters):
     torch.manual_seed(0)
