@@ -102,6 +102,19 @@ def text_ids(chars: int) -> torch.Tensor:
     return torch.tensor(list(text.encode("utf-8", "replace")), dtype=torch.long)
 
 
+def task(args) -> tuple:
+    """``(ids, batches, model)``: the text, ``args.steps`` batches of ``args.batch`` random windows of ``args.seq``
+    bytes (fixed seed), and the char GPT (seeded), the same for every method and every script that uses it."""
+    ids = text_ids(args.chars)
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, len(ids) - args.seq - 1, (args.steps, args.batch), generator=g)
+    batches = [(torch.stack([ids[s:s + args.seq] for s in row]), torch.stack([ids[s + 1:s + args.seq + 1] for s in row]))
+               for row in starts]
+    torch.manual_seed(0)
+    model = GPT(vocab=256, d=args.d, layers=args.layers, heads=max(1, args.d // 16), max_seq=args.seq)
+    return ids, batches, model
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=300)
@@ -126,13 +139,7 @@ def main(argv=None) -> int:
         plot(from_csv(p), p.with_suffix(".png"), f"gradient compression, {args.ranks} ranks, {args.optimizer}, "
              "char GPT on pydoc_data.topics")
         return 0
-    ids = text_ids(args.chars)
-    g = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, len(ids) - args.seq - 1, (args.steps, args.batch), generator=g)
-    batches = [(torch.stack([ids[s:s + args.seq] for s in row]), torch.stack([ids[s + 1:s + args.seq + 1] for s in row]))
-               for row in starts]
-    torch.manual_seed(0)
-    model = GPT(vocab=256, d=args.d, layers=args.layers, heads=max(1, args.d // 16), max_seq=args.seq)
+    ids, batches, model = task(args)
     params = sum(p.numel() for p in model.parameters())
     print(f"char GPT {args.layers} layers, d={args.d}, {params / 1e3:.0f}K params; {len(ids)} characters of "
           f"pydoc_data.topics; global batch {args.batch}x{args.seq}; {args.steps} steps; {args.ranks} gloo ranks; "

@@ -25,8 +25,8 @@ sys.path.insert(0, str(HERE))
 
 import fxpar  # noqa: E402
 from fxpar import sync as S  # noqa: E402
-from fxpar.testing import GPT, gpt_loss  # noqa: E402
-from compression_convergence import text_ids  # noqa: E402
+from fxpar.testing import gpt_loss  # noqa: E402
+from compression_convergence import task  # noqa: E402
 
 
 def methods(period: int, ranks: int) -> dict:
@@ -87,13 +87,7 @@ def main(argv=None) -> int:
     ap.add_argument("--only", default=None, help="comma-separated labels' first words (e.g. 'sync,LocalSGD')")
     ap.add_argument("--out", default="docs/img")
     args = ap.parse_args(argv)
-    ids = text_ids(args.chars)
-    g = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, len(ids) - args.seq - 1, (args.steps, args.batch), generator=g)
-    batches = [(torch.stack([ids[s:s + args.seq] for s in row]), torch.stack([ids[s + 1:s + args.seq + 1] for s in row]))
-               for row in starts]
-    torch.manual_seed(0)
-    model = GPT(vocab=256, d=args.d, layers=args.layers, heads=max(1, args.d // 16), max_seq=args.seq)
+    _, batches, model = task(args)
     print(f"char GPT {args.layers} layers, d={args.d}, {sum(p.numel() for p in model.parameters()) / 1e3:.0f}K "
           f"params; global batch {args.batch}x{args.seq}; {args.steps} steps; {args.ranks} gloo ranks; AdamW lr {args.lr}")
     opt = (torch.optim.AdamW, {"lr": args.lr})
