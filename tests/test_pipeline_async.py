@@ -62,10 +62,11 @@ def test_pipedream_2bw_math(clusters, pp):
 
 
 @pytest.mark.structure
-def test_async_schedule_refuses_tied_parameters():
-    with pytest.raises(fxpar.StrategyError, match=r"wte.weight.*Untie it"):
+@pytest.mark.parametrize("schedule", ["pipedream", "2bw", "pipelined_bp", "pipemare"])
+def test_async_schedule_refuses_tied_parameters(schedule):
+    with pytest.raises(fxpar.StrategyError, match=rf"schedule '{schedule}' steps each stage.*wte.weight.*Untie it"):
         fxpar.parallelize(TinyGPT().double(), fxpar.ClusterSpec.local(2), tiny_gpt_batches(1)[0], flat_gpt_loss, SGD_M,
-                          strategy=fxpar.Strategy(pp=2, schedule="pipedream", microbatches=4))
+                          strategy=fxpar.Strategy(pp=2, schedule=schedule, microbatches=4))
 
 
 @pytest.mark.numerics

@@ -20,6 +20,15 @@ from .pipeline import PipelineSchedule, PipelineSection
 __all__ = ["AsyncSchedules", "AsyncSection"]
 
 
+
+def refuse_tied_weights(schedule: str, plan) -> None:
+    """An asynchronous schedule steps each stage at its own time: a parameter shared by stages would get a version
+    per stage (docs/semantics.md §1)."""
+    if plan.tied:
+        raise StrategyError(f"schedule {schedule!r} steps each stage at its own time, so a parameter shared by "
+                            f"stages ({sorted(plan.tied)}: {plan.tied}) would get different versions in different "
+                            "stages. Untie it, or use a synchronous schedule.")
+
 @dataclass
 class AsyncSection(PipelineSection):
     """``schedule``: ``"pipedream"`` or ``"2bw"``; several weight versions per stage."""
@@ -54,8 +63,5 @@ class AsyncSchedules(PipelineSchedule):
 
     def cut_stages(self, section, strategy, plan, base, model, micro, loss_fn, cluster) -> tuple:
         trace, split = super().cut_stages(section, strategy, plan, base, model, micro, loss_fn, cluster)
-        if plan.tied:
-            raise StrategyError(f"schedule {section.schedule!r} steps each stage at its own time, so a parameter "
-                                f"shared by stages ({sorted(plan.tied)}: {plan.tied}) would get different versions "
-                                "in different stages. Untie it, or use a synchronous schedule.")
+        refuse_tied_weights(section.schedule, plan)
         return trace, split

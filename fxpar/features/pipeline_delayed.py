@@ -40,6 +40,7 @@ from fxpar.schedule.delayed import pipelined_bp, pipemare, stage_delay
 from passes.backward_weights import read_weights_at_backward
 
 from .pipeline import PipelineSchedule, PipelineSection, asked_schedule
+from .pipeline_async import refuse_tied_weights
 
 __all__ = ["DelayedPipelines", "DelayedSection", "DelayedState", "CORRECTIONS", "lr_factor", "velocity_decay",
            "spike_coefficients"]
@@ -239,10 +240,7 @@ class DelayedPipelines(PipelineSchedule):
 
     def cut_stages(self, section, strategy, plan, base, model, micro, loss_fn, cluster) -> tuple:
         trace, split = super().cut_stages(section, strategy, plan, base, model, micro, loss_fn, cluster)
-        if plan.tied:
-            raise StrategyError(f"schedule {section.schedule!r} steps each stage at its own time, so a parameter "
-                                f"shared by stages ({sorted(plan.tied)}: {plan.tied}) would get different versions "
-                                "in different stages. Untie it, or use a synchronous schedule.")
+        refuse_tied_weights(section.schedule, plan)
         return trace, split
 
     # ---- the mechanism -----------------------------------------------------------------------------
