@@ -177,20 +177,22 @@ def gathers_beside_collectives(gm: torch.fx.GraphModule, anywhere: bool = False)
     return out
 
 
-def lower_for_backend(gm: torch.fx.GraphModule, anywhere: bool = False) -> int:
+def lower_for_backend(gm: torch.fx.GraphModule, anywhere: bool = False, backend: str | None = None) -> int:
     """On a rank whose groups are bound (``bind_groups``): every ``all_gather_into_tensor`` over a gloo group that
     is in flight at once with another collective (:func:`gathers_beside_collectives`; ``anywhere``: every one) runs as
     :data:`gloo_all_gather_into_tensor` instead (see the note above; on a group with gloo for CPU and NCCL for CUDA
     too: the op calls ``dist``, which picks the backend by device). A gather alone keeps the functional op, which ran
-    clean alone. Returns how many nodes changed; graphs over NCCL alone are left as they are."""
+    clean alone. Returns how many nodes changed; graphs over NCCL alone are left as they are. ``backend`` given
+    (``ClusterSpec.backend``): every group is taken to be of it, bound or not (a graph shown outside a run)."""
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
     changed = 0
     for n in gathers_beside_collectives(gm, anywhere):
         name = n.args[2]
-        if not isinstance(name, str) or name.startswith(_TAG):
+        if backend is None and (not isinstance(name, str) or name.startswith(_TAG)):
             continue                  # not bound to a process group (bind_groups first)
-        if "gloo" in str(dist.get_backend(_resolve_process_group(name))):     # "gloo", or "cpu:gloo,cuda:nccl"
+        kind = backend if backend is not None else str(dist.get_backend(_resolve_process_group(name)))
+        if "gloo" in kind:                                                    # "gloo", or "cpu:gloo,cuda:nccl"
             n.target = gloo_all_gather_into_tensor
             changed += 1
     if changed:
@@ -266,10 +268,11 @@ def _group_arg(n: torch.fx.Node):
     return None
 
 
-def stage_through_host(gm: torch.fx.GraphModule) -> int:
+def stage_through_host(gm: torch.fx.GraphModule, backend: str | None = None) -> int:
     """On a rank whose tensors live on a device and whose groups are bound: every collective over a gloo-only group
     runs through :func:`_host_staged` (host copies, waited at once, copied back). The graph's ``wait_tensor`` nodes
-    stay and find nothing in flight. Returns how many nodes changed."""
+    stay and find nothing in flight. Returns how many nodes changed. ``backend`` given (``ClusterSpec.backend``):
+    every group is taken to be of it, bound or not (a graph shown outside a run)."""
     changed = 0
     for n in gm.graph.nodes:
         if n.op != "call_function" or not hasattr(n.target, "_schema"):
@@ -280,7 +283,12 @@ def stage_through_host(gm: torch.fx.GraphModule) -> int:
                 (name.startswith("_c10d_functional::") and short in _COLLECTIVE_OPS)):
             continue
         group_name = _group_arg(n)
-        if group_name is None or group_name.startswith(_TAG) or not gloo_group(group_name):
+        if group_name is None:
+            continue
+        if backend is not None:
+            if backend != "gloo":
+                continue
+        elif group_name.startswith(_TAG) or not gloo_group(group_name):
             continue
         if n.target not in _STAGED:
             _STAGED[n.target] = _host_staged(n.target)

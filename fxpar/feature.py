@@ -359,6 +359,13 @@ class Feature:
         """Plain-language lines for ``program.explain()`` (default: what ``print(plan)`` shows of the section)."""
         return [] if section is None else section.plan_lines(program.plan)
 
+    def code(self, section, program, rank: int, threads: int | None = None) -> dict | None:
+        """The code rank ``rank`` runs in place of its FX graphs where this feature replaces them (a compiler's
+        output, for ``threads`` CPU threads; None: as ``run_local`` gives each rank): ``{label: text}`` with
+        ``program.graphs(rank)``'s labels, for ``program.compiled_code``; None (the default): this feature runs the
+        graphs as they are."""
+        return None
+
     def held_less(self, section, program) -> dict:
         """What each rank does not hold of the model state ``explain()`` lists per rank (one stage):
         ``{"gradients" | "parameters" | "optimizer state": (bytes, why)}``."""

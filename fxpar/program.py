@@ -13,7 +13,7 @@ from .collectives import collective_nodes
 from .runtime.executor import Executor, RankPayload, train
 from .runtime.settings import RunSettings
 from .errors import InputError
-from .feature import ExtraRank, get_feature
+from .feature import ExtraRank, Feature, get_feature, registered_features
 from .host import HostSettings
 from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard, init_from_env
 from .portable import pack_graph_module, unpack_graph_module
@@ -201,6 +201,29 @@ class Program:
             for kind, sg in self.stages[s].graphs.items():
                 out["step" if kind == GraphKind.FULL else f"stage{s}.{kind}"] = sg.gm
         return out
+
+    def compiled_code(self, rank: int = 0, graph: str | None = None, threads: int | None = None):
+        """The code rank ``rank`` runs in place of its FX graphs, where a feature compiles them
+        (``Strategy(compile=True)``: inductor's output, made here from the graphs' shapes): ``{label: code}`` with
+        :meth:`graphs`' labels, or one graph's code (``graph="step"``, ``"stage0.F"``, ...). ``threads``: the CPU
+        threads a rank runs with (the code depends on it; None: as ``run_local`` gives each rank, the machine's cores
+        shared by the ranks)."""
+        self._check_rank(rank)
+        for name, section in self.plan.features.items():
+            out = get_feature(name).code(section, self, rank, threads)
+            if out is not None:
+                break
+        else:
+            offer = [f.name for f in registered_features() if type(f).code is not Feature.code]
+            raise StrategyError("program.compiled_code: no feature of this program compiles its graphs; each rank runs "
+                                f"the FX graphs of program.graphs({rank}) op by op. Features that compile: "
+                                f"{', '.join(offer) or 'none registered'} (e.g. Strategy(compile=True))")
+        if graph is None:
+            return out
+        if graph not in out:
+            raise StrategyError(f"program.compiled_code(rank={rank}, graph={graph!r}): rank {rank} runs no graph "
+                                f"{graph!r}; its graphs: {', '.join(out)}")
+        return out[graph]
 
     def history(self, rank: int = 0) -> list:
         """Per stage this rank holds, the joint graph after capture and after each pass, then each graph the

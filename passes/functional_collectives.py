@@ -66,7 +66,11 @@ def _slots(buf: torch.fx.Node, coll: torch.fx.Node, pos: dict) -> list | None:
         if cp.target is not aten.copy_.default or cp.args[0] is not view or cp.users or pos[cp] > pos[coll]:
             return None
         lo, hi = sl.args[2], sl.args[3]
-        out.append((lo, hi - lo, cp, cp.args[1]))
+        src = cp.args[1]
+        sval = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+        if not isinstance(sval, torch.Tensor) or sval.dtype != val.dtype:
+            return None               # a copy_ that casts (or of an unknown dtype): a cat would not
+        out.append((lo, hi - lo, cp, src))
     out.sort(key=lambda s: s[0])
     at = 0
     for lo, n, _, _ in out:

@@ -69,6 +69,15 @@ def test_fused_step_dp2_float64_matches_eager_and_keeps_collective_windows(clust
     assert [x for x in seq if x != "c"] == fx and fx.index("W") > 1
     first_wait = seq.index("W")
     assert seq[:first_wait].count("c") > 0 and seq[seq.index("I"):first_wait].count("c") > 0   # overlap survives
+    # the Program shows the same code without a run: compiled here from the graph's shapes, each collective naming
+    # its Plan group where the rank's names its process group
+    shown = prog.compiled_code(0, "step")
+    ran = compiled.features[0]["compile"]["step"]["code"]
+    named = re.compile(r"(_c10d_functional\.all_reduce_\.default\(.*, 'sum', )'([^']+)'\)$", flags=re.M)
+    names = {m.group(2) for m in named.finditer(ran)}
+    assert len(names) == 1 and {m.group(2) for m in named.finditer(shown)} == {"fxpar:dp"}
+    assert shown == named.sub(r"\1'fxpar:dp')", ran)
+    assert prog.compiled_code(0) == {"step": shown}
 
 
 @pytest.mark.numerics
@@ -118,6 +127,8 @@ def test_no_c_compiler_runs_eager_with_one_warning(monkeypatch):
     with pytest.warns(UserWarning, match=r"compile=True.*missing a C\+\+ compiler \(g\+\+ is not on PATH\).*eager"):
         prog, batches = _mlp_program(compile=True)
     assert "run eager: inductor is not usable here: missing a C++ compiler" in prog.explain()
+    assert prog.compiled_code(0) == {"step": "# runs eager: inductor is not usable here: missing a C++ compiler (g++ "
+                                             "is not on PATH)"}
     res = prog.run_local(batches)
     eager, _ = _mlp_program()
     assert res.losses == eager.run_local(batches).losses and not res.features
@@ -154,6 +165,7 @@ def test_python_function_in_a_graph_is_named_and_runs_eager():
     prog, batches = _mlp_program(compile=True, passes=[_Insert(_ident)])
     text = prog.explain()
     assert "rank 0 runs eager: step (node" in text and "calls the Python function _ident" in text
+    assert prog.compiled_code(0, "step").startswith("# runs eager: node ") and "_ident" in prog.compiled_code(0, "step")
     with pytest.warns(RuntimeWarning, match=r"graph step \(kind FULL\) runs eager: .*_ident"):
         res = prog.run_local(batches)
     assert res.features[0]["compile"]["step"]["compiled"] is False
@@ -169,6 +181,18 @@ def test_graph_that_fails_to_compile_names_the_op_and_runs_eager():
         res = prog.run_local(batches)
     said = [str(w.message) for w in caught if "runs eager" in str(w.message)]
     assert len(said) == 1 and "graph step (kind FULL)" in said[0] and "fxpar_test_compile" in said[0], said
+    shown = prog.compiled_code(0, "step")
+    assert shown.startswith("# runs eager: op ") and "fxpar_test_compile.ident" in shown and "did not compile" in shown
     assert res.features[0]["compile"]["step"]["compiled"] is False
     eager, _ = _mlp_program(passes=[_Insert(torch.ops.fxpar_test_compile.ident.default)])
     assert res.losses == eager.run_local(batches).losses
+
+
+@pytest.mark.structure
+def test_compiled_code_needs_a_compiling_feature_and_a_graph_the_rank_runs():
+    prog, _ = _mlp_program()
+    with pytest.raises(fxpar.StrategyError, match=r"compiled_code: no feature of this program compiles.*compile=True"):
+        prog.compiled_code(0)
+    prog, _ = _mlp_program(compile=True)
+    with pytest.raises(fxpar.StrategyError, match=r"rank 0 runs no graph 'stage0.F'; its graphs: step"):
+        prog.compiled_code(0, "stage0.F")

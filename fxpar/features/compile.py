@@ -25,6 +25,7 @@ warning; fxpar's executor hands every call the same layout).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import operator
@@ -42,9 +43,11 @@ from filelock import FileLock
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
+from fxpar.collectives import axis_of_tag, in_flight_across_graphs, lower_for_backend, stage_through_host
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, RankState, register_feature
 from fxpar.roles import GraphKind
+from fxpar.runtime.launch import local_threads
 from passes.functional_collectives import functional_collectives
 
 __all__ = ["Compile", "CompileSection", "CompileState", "CompiledGraph", "compiler_missing", "eager_reason",
@@ -198,6 +201,30 @@ class Compile(Feature):
             return None
         return CompileInfo(eager=_known_eager(program, rank))
 
+    def code(self, section, program, rank: int, threads: int | None = None) -> dict:
+        """Inductor's code for each graph of ``rank``, compiled here from the graphs' recorded shapes as the rank
+        compiles them at its first call (groups not bound: each collective names its Plan group, ``'fxpar:dp'``;
+        gathers the rank runs through ``dist`` on gloo lowered as the rank lowers them), for ``threads`` CPU
+        threads (None: as many as ``run_local`` gives each rank, this machine's cores / the ranks). A graph that
+        runs eager gives one line saying why. Compiled once per Program and thread count."""
+        if threads is None:
+            threads = local_threads(program.world_size)
+        cache = program.__dict__.setdefault("_compiled_code", {})
+        if (rank, threads) in cache:
+            return cache[rank, threads]
+        gms = {graph_label(s, k): sg.gm for s in program.plan.rank_stages(rank)
+               for k, sg in program.stages[s].graphs.items()}
+        if section.backend != "inductor":
+            return {lb: f"# runs eager: {section.why}" for lb in gms}
+        across = in_flight_across_graphs(list(gms.values()))
+        groups = {name: tuple(ranks) for name, ranks in program.plan.all_groups() if rank in ranks}
+        out = {}
+        with _stand_in_groups(gms.values(), groups, rank):
+            for lb, gm in gms.items():
+                out[lb] = _code(gm, across, program.cluster.backend, threads)
+        cache[rank, threads] = out
+        return out
+
     def explain(self, section, program) -> list:
         lines = section.lines()
         if section.backend != "inductor":
@@ -206,7 +233,7 @@ class Compile(Feature):
         labels = [graph_label(s, k) for s in program.plan.rank_stages(0) for k in program.stages[s].graphs]
         lines.append("rank 0 compiles: " + (", ".join(lb for lb in labels if lb not in eager) or "nothing"))
         lines += [f"rank 0 runs eager: {lb} ({why})" for lb, why in eager.items()]
-        lines.append("what each rank compiled, how long it took and inductor's code: "
+        lines.append("inductor's code: program.compiled_code(rank); what each rank compiled and how long it took: "
                      "RunResult.features[rank]['compile']")
         return lines
 
@@ -241,8 +268,10 @@ def _aliasing(args) -> tuple:
     return tuple(out)
 
 
-def _inductor(gm: torch.fx.GraphModule, args: tuple) -> tuple:
-    """``(compiled callable, "hit" | "miss", inductor's code)`` for ``gm`` on arguments like ``args``."""
+def _inductor(gm: torch.fx.GraphModule, args: tuple | None, threads: int | None = None) -> tuple:
+    """``(compiled callable, "hit" | "miss", inductor's code)`` for ``gm`` on arguments like ``args`` (None: like
+    its placeholders' recorded values, each on storage of its own, as :meth:`Compile.code` shows it); ``threads``:
+    the CPU threads the code is made for (None: this process's)."""
     # loaded here, not at the top: importing inductor costs seconds, paid only where a Strategy compiles
     from torch._dynamo.utils import counters
     from torch._guards import TracingContext, tracing
@@ -251,21 +280,32 @@ def _inductor(gm: torch.fx.GraphModule, args: tuple) -> tuple:
     from torch._inductor.graph import GraphLowering
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
     codes = []
     with _disable_current_modes():        # compiling is no step's work: a rank's counters and trackers do not see it
         g = copy.deepcopy(gm)
-        functional_collectives(g)
-        spec = _flat_outputs(g)            # compile_fx takes a graph that returns a flat tuple of tensors
         # fake copies under a shape environment, static: inductor's FX graph cache keys on them (real tensors bypass it)
         fake = FakeTensorMode(shape_env=ShapeEnv())
-        fakes = pytree.tree_map_only(torch.Tensor, lambda a: fake.from_tensor(a, static_shapes=True), list(args))
-        hits = counters["inductor"]["fxgraph_cache_hit"]
+        if args is None:
+            with fake:
+                fakes = [_like(n.meta.get("val"), n.name) for n in g.graph.find_nodes(op="placeholder")]
+        else:
+            fakes = pytree.tree_map_only(torch.Tensor, lambda a: fake.from_tensor(a, static_shapes=True), list(args))
+        if any("val" not in n.meta for n in g.graph.nodes if n.op == "call_function"):
+            # a rank's graphs come without their values (a Program ships graphs as plain data): recorded again from
+            # the call's, so the pass below sees shapes and dtypes as it does on the Program's graphs
+            FakeTensorProp(g, mode=fake).propagate_dont_convert_inputs(*fakes)
+        functional_collectives(g)
+        spec = _flat_outputs(g)            # compile_fx takes a graph that returns a flat tuple of tensors
         # ranks of one host that run the same graph (every dp rank) compile it once: the first holds the lock, the
-        # others wait for it, then load the result from inductor's cache
+        # others wait for it, then load the result from inductor's cache (no rank waits on another for args=None)
+        lock = contextlib.nullcontext() if args is None else FileLock(_lock_path(g, args))
+        hits = counters["inductor"]["fxgraph_cache_hit"]
         # inductor's peak-memory reordering would pull each wait_tensor up to its collective (and the bucket's update
         # after it), closing the overlap window the passes opened: off, so the compiled code keeps the graph's order
-        with FileLock(_lock_path(g, args)), inductor_config.patch(reorder_for_peak_memory=False), \
+        threads_cfg = {} if threads is None else {"cpp.threads": threads}
+        with lock, inductor_config.patch(reorder_for_peak_memory=False, **threads_cfg), \
                 mock.patch.object(GraphLowering, "save_output_code", codes.append), tracing(TracingContext(fake)):
             fn = compile_fx(g, fakes)
     cache = "hit" if counters["inductor"]["fxgraph_cache_hit"] > hits else "miss"
@@ -276,6 +316,65 @@ def _inductor(gm: torch.fx.GraphModule, args: tuple) -> tuple:
             res = flat_fn(*a)
             return tuple(res[i] if isinstance(i, int) else tuple(res[k] for k in i) for i in spec)
     return fn, cache, codes[-1] if codes else None
+
+
+def _code(gm: torch.fx.GraphModule, across: bool, backend: str, threads: int) -> str:
+    """Inductor's code for ``gm`` as a rank of a ``backend`` cluster with ``threads`` CPU threads compiles it, or one
+    line saying why it runs eager."""
+    g = copy.deepcopy(gm)
+    device = next((n.meta["val"].device for n in g.graph.find_nodes(op="placeholder")
+                   if isinstance(n.meta.get("val"), torch.Tensor)), torch.device("cpu"))
+    lower_for_backend(g, anywhere=across, backend=backend)
+    if device.type != "cpu" and backend == "gloo":
+        stage_through_host(g, backend="gloo")
+    why = eager_reason(g)
+    if why is None:
+        try:
+            _, _, text = _inductor(g, None, threads)
+            return text or "# inductor wrote no code for this graph"
+        except Exception as e:  # noqa: BLE001 - as on a rank: the graph runs eager
+            why = f"{_failed_op(e)} did not compile ({_first_line(e)[:200]})"
+    return f"# runs eager: {why}"
+
+
+@contextlib.contextmanager
+def _stand_in_groups(gms, groups: dict, rank: int):
+    """Inductor looks up each collective's process group by name while it compiles: for graphs whose collectives
+    still name their Plan group (``'fxpar:dp'``), a fake process group of the group's size stands under that name
+    (torch's ``FakeProcessGroup``: it moves nothing), removed afterwards."""
+    from torch._C._distributed_c10d import (FakeProcessGroup, HashStore, ProcessGroup, _register_process_group,
+                                            _unregister_process_group)
+    tags = {a for gm in gms for n in gm.graph.nodes if n.op == "call_function" for a in n.args
+            if axis_of_tag(a) is not None}
+    made = []
+    try:
+        for tag in sorted(tags):
+            ranks = groups.get(axis_of_tag(tag), (rank,))
+            at, size = ranks.index(rank), len(ranks)
+            pg = ProcessGroup(HashStore(), at, size)
+            for device in ("cpu", "cuda"):
+                pg._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM,
+                                     FakeProcessGroup._create_internal(at, size))
+            pg._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+            pg._set_group_name(tag)
+            _register_process_group(tag, pg)
+            made.append(tag)
+        yield
+    finally:
+        for tag in made:
+            _unregister_process_group(tag)
+
+
+def _like(val, name: str):
+    """A tensor of the current (fake) mode shaped like a placeholder's recorded value (a tuple: each of its)."""
+    if isinstance(val, (tuple, list)):
+        return type(val)(_like(v, name) for v in val)
+    if isinstance(val, torch.Tensor):
+        return torch.empty_strided(tuple(val.shape), tuple(val.stride()), dtype=val.dtype, device=val.device)
+    if isinstance(val, (int, float, bool)) or val is None:
+        return val
+    raise TypeError(f"placeholder {name} holds no recorded tensor value ({type(val).__name__}): the graph cannot be "
+                    "compiled outside a run; run it (RunResult.features[rank]['compile'] holds inductor's code)")
 
 
 def _flat_outputs(gm: torch.fx.GraphModule) -> list | None:

@@ -226,6 +226,11 @@ def serve(conn) -> None:
         pass
 
 
+def local_threads(world_size: int) -> int:
+    """The CPU threads each of ``world_size`` ranks of a :class:`LocalCluster` runs with: this machine's cores shared."""
+    return max(1, (os.cpu_count() or 1) // world_size)
+
+
 def _worker(rank: int, world: int, port: int, conn, backend: str, threads: int, timeout_s: float,
             progress=None) -> None:
     global _PROGRESS
@@ -262,7 +267,7 @@ class LocalCluster:
         check_local_capacity(world_size)
         ctx = mp.get_context("spawn")
         port = find_free_port()
-        threads = max(1, (os.cpu_count() or 1) // world_size)
+        threads = local_threads(world_size)
         self.conns, self.procs = [], []
         self.progress = ctx.Array("q", [_IDLE] * world_size, lock=False)     # each rank's step (note_step)
         for r in range(world_size):
