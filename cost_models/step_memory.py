@@ -40,7 +40,7 @@ from dataclasses import dataclass
 from fxpar import meta as M
 from fxpar.roles import Role
 
-__all__ = ["sequence_peak"]
+__all__ = ["sequence_peak", "sequence_timeline"]
 
 _PERSISTENT = ("param", "buffer", "opt_state")          # categories
 _BATCH = (Role.INPUT, Role.TARGET)
@@ -252,6 +252,27 @@ def sequence_peak(runs) -> tuple:
         if extra and w.base + total + own_end + extra > peak:
             peak, best = w.base + total + own_end + extra, (i, len(lv.nodes) - 1, held, outside, extra)
     return peak, _breakdown(w, runs, best), best[0] if best else -1
+
+
+def sequence_timeline(runs) -> tuple:
+    """``(shared bytes, per graph item [(label, bytes while it runs, bytes after it, gradient accumulators' bytes
+    while it runs, and after it)])`` of
+    one rank's step sequence (``runs`` as for :func:`sequence_peak`), the walk's memory action by action. Shared
+    bytes: the state and the batch, held throughout; the others count them too. ``max`` of the second column (and
+    of an accumulator's first sum at a graph's end) is :func:`sequence_peak`'s peak."""
+    w = _Walk(runs)
+    out = []
+    for i, (lv, label, keep) in enumerate(runs):
+        if lv is None:
+            continue
+        own, own_end = w.own(i, lv)
+        held = w.held()
+        total = sum(held.values())
+        extra = w.after(i, lv, keep)
+        after = w.held()
+        out.append((label, w.base + total + max(own, own_end + extra), w.base + sum(after.values()),
+                    held.get("grad", 0.0), after.get("grad", 0.0)))
+    return w.base, out
 
 
 def _breakdown(w, runs, best) -> dict:

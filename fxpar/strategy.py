@@ -187,7 +187,8 @@ class Strategy(metaclass=_StrategyType):
     def __str__(self) -> str:
         """The mesh, the pipeline's schedule, then each enabled feature's options off their defaults."""
         parts = [f"dp={self.dp}", f"tp={self.tp}", f"pp={self.pp}"]
-        if self.pp > 1:
+        named = isinstance(self.schedule, str) and self.schedule != ONE_STAGE      # a one-stage schedule by name
+        if self.pp > 1 or named:
             sched = self.schedule
             if self._custom_schedule:
                 sched = f"<hand-written {sched.name!r}: {sched.n_ranks} ranks, {sched.n_stages} stages>"

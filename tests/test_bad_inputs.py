@@ -3,6 +3,7 @@ starts, whose message names the user's object (the batch and tensor, the module,
 AND says what to do. Each case asserts both, as two patterns."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import re
@@ -765,6 +766,36 @@ def _servers(k: int, world: int = 2, **options):
 CASES.update(DECENTRALIZED_CASES)
 CASES.update(SYNC_CASES)
 CASES.update(DELAYED_CASES)
+
+WAVELET_CASES = {
+    "wavelet_over_pipeline_stages": (lambda: fxpar.Strategy(pp=2, schedule="wavelet"), fxpar.StrategyError,
+                                     r"schedule='wavelet' runs its two waves on each data-parallel rank.*pp=2 would "
+                                     r"put waves on pipeline stages", r"Use Strategy\(dp=..., schedule='wavelet'\) "
+                                     r"with pp=1"),
+    "wavelet_odd_microbatches": (lambda: fxpar.Strategy(dp=2, schedule="wavelet", microbatches=3), fxpar.StrategyError,
+                                 r"half the microbatches to each wave; microbatches=3 is odd",
+                                 r"Use microbatches=2 or 4"),
+    "wavelet_one_chunk": (lambda: fxpar.Strategy(dp=2, schedule="wavelet", wave_chunks=1), fxpar.StrategyError,
+                          r"Strategy\(wave_chunks=1\).*the tock wave's forward cannot run beside the tick wave's "
+                          r"backward", r"give an int >= 2"),
+    "wave_chunks_without_wavelet": (lambda: fxpar.Strategy(dp=2, wave_chunks=3), fxpar.StrategyError,
+                                    r"wave_chunks=3\): option\(s\) of feature 'wavelet'",
+                                    r"schedule turns it on.*turn the feature on or drop them"),
+    "wavelet_waves_do_not_fit": (lambda: _small_device(fxpar.Strategy(dp=2, schedule="wavelet")).run_local([(X, Y)]),
+                                 fxpar.StrategyError, r"the two waves do not fit: rank 0's combined peak is "
+                                 r"[0-9.]+ MiB .* against a budget of 0.00 MiB \(ClusterSpec.device.memory_bytes=1000\)",
+                                 r"Use a smaller batch .*largest_batch"),
+}
+
+
+def _small_device(strategy, memory_bytes: int = 1000):
+    """A program on 2 ranks whose devices hold ``memory_bytes``."""
+    cluster = fxpar.ClusterSpec.local(2)
+    cluster = dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=memory_bytes))
+    return fxpar.parallelize(_net(), cluster, (X, Y), CE, SGD, strategy=strategy)
+
+
+CASES.update(WAVELET_CASES)
 
 
 @pytest.mark.structure

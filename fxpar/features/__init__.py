@@ -6,6 +6,7 @@ from . import data_parallel  # noqa: F401  first: its plan() and plan_stage() (t
 from . import compile  # noqa: F401  (Strategy(compile=True)) early: its plan() sets the update's kernel others read
 from . import pipeline_flush, pipeline_zero_bubble, pipeline_async, pipeline_chimera  # noqa: F401  (schedule=)
 from . import pipeline_delayed  # noqa: F401  (schedule='pipelined_bp' | 'pipemare')
+from . import wavelet  # noqa: F401  (schedule='wavelet': tick-tock waves on data-parallel ranks)
 from . import pipeline  # noqa: F401  hand-written schedules (Strategy(schedule=Schedule or its text))
 from . import tensor_parallel  # noqa: F401  (Strategy(tp=N, sharding=...))
 from . import precision  # noqa: F401  (Strategy(precision='bf16' | 'fp16'); Slot.PRECISION, after tp)

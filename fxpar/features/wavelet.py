@@ -1,0 +1,157 @@
+"""Tick-tock waves on data-parallel ranks: ``Strategy(dp=n, schedule="wavelet")`` (Wang et al., MLSys'21).
+
+Wavelet (Guanhua Wang, Kehan Wang, Kenan Jiang, Xiangjun Li, Ion Stoica, "Wavelet: Efficient DNN Training with
+Tick-Tock Scheduling", MLSys'21) runs two waves of training on the same data-parallel ranks, the tock wave half a
+forward-backward cycle after the tick wave, so that one wave's memory peak (the end of its forward) falls in the
+other's valley (its backward). Its memory condition: max over t of M(t) + M(t + T/2) fits the device.
+
+What fxpar builds (the generator is ``fxpar/schedule/wavelet.py``):
+
+* each rank holds the whole model, cut into ``wave_chunks`` chunks (stages on the one pipeline rank, cut by the
+  pipelines' balanced search); the step's ``microbatches`` (2 if not given: one per wave) are half the tick wave's,
+  half the tock wave's; the tock wave's actions run ``wave_chunks`` actions -- half a cycle -- after the tick
+  wave's, interleaved on the rank;
+* gradient synchronisation across the waves: both waves add into the rank's one accumulator per parameter; each
+  chunk's sum is all-reduced over dp after its last backward and the chunk updates once, with the mean over both
+  waves' microbatches. Both waves compute with the same weights, so the step is synchronous training on the global
+  batch (both waves' samples over every rank): ``fxpar.testing.reference_training`` to 1e-10;
+* the memory model: :func:`wave_peak` combines one wave's per-action timeline with itself half a cycle later
+  (``cost_models.wave_memory``); ``program.estimate()``'s per-rank peak walks the interleaved step as the rank
+  runs it (the two waves together, which the tracker measures); :meth:`WaveletSchedule.check_run` refuses a run
+  whose waves do not fit ``ClusterSpec.device.memory_bytes``; :func:`largest_batch` finds the largest batch under
+  a budget, for Wavelet and for plain dp alike.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import cost_models
+from cost_models.wave_memory import WavePeak, waves_peak
+from fxpar.errors import StrategyError
+from fxpar.feature import Option, register_feature
+from fxpar.roles import Role
+from fxpar.schedule import ActionKind
+from fxpar.schedule.wavelet import WAVES, wavelet
+
+from .pipeline import PipelineSchedule, PipelineSection
+
+__all__ = ["WaveletSection", "WaveletSchedule", "wave_peak", "largest_batch"]
+
+_K = ActionKind
+
+
+@dataclass
+class WaveletSection(PipelineSection):
+    """``schedule``: ``"wavelet"``; ``chunks``: the chunks each rank's model is cut into (a wave's half cycle)."""
+    chunks: int = 2
+
+    def lines(self) -> list:
+        return [f"wavelet, two waves (tick, tock) per rank, the tock wave {self.chunks} actions (half a cycle) late; "
+                "synchronous: both waves' gradients summed before one update per step"]
+
+
+@register_feature
+class WaveletSchedule(PipelineSchedule):
+    name = "wavelet"
+    doc = "tick-tock waves on each data-parallel rank, half a cycle apart (Wang et al., MLSys'21)"
+    section = WaveletSection
+    schedules = {"wavelet": wavelet}
+    papers = {"wavelet": "Wavelet (Wang et al., MLSys'21): two waves of the same ranks, the tock wave half a "
+                         "forward-backward cycle late, so that one wave's memory peak falls in the other's valley"}
+    options = {"wave_chunks": Option(2, "Wavelet (schedule='wavelet'): the chunks each rank's model is cut into; the "
+                                        "tock wave runs that many actions (half a forward-backward cycle) after the "
+                                        "tick wave")}
+
+    def settle(self, strategy) -> None:
+        if strategy.microbatches == 1:          # one microbatch per wave
+            strategy.microbatches = WAVES
+
+    def validate(self, strategy) -> None:
+        if strategy.pp != 1:
+            raise StrategyError(f"{strategy}: schedule='wavelet' runs its two waves on each data-parallel rank with "
+                                f"the whole model there; pp={strategy.pp} would put waves on pipeline stages, which "
+                                "is not built. Use Strategy(dp=..., schedule='wavelet') with pp=1, or a pipeline "
+                                "schedule for pp > 1.")
+        m = strategy.microbatches
+        if m % WAVES:
+            raise StrategyError(f"{strategy}: schedule='wavelet' gives half the microbatches to each wave; "
+                                f"microbatches={m} is odd. Use microbatches={m - 1 or 2} or {m + 1}.")
+        v = strategy.wave_chunks
+        if not isinstance(v, int) or isinstance(v, bool) or v < 2:
+            raise StrategyError(f"Strategy(wave_chunks={v!r}): give an int >= 2 -- the chunks each rank's model is "
+                                "cut into; with one chunk the tock wave's forward cannot run beside the tick wave's "
+                                "backward.")
+
+    def plan(self, strategy, plan, cluster):
+        return self.section(schedule="wavelet", chunks=strategy.wave_chunks)
+
+    def make_schedule(self, section, plan, n_batches: int = 2, resumed: bool = False):
+        return wavelet(plan.pp, plan.microbatches, v=section.chunks)
+
+    def check_run(self, section, program, n_batches: int, resume_from) -> None:
+        """Refuse a run whose two waves do not fit the device (``ClusterSpec.device.memory_bytes``)."""
+        budget = program.cluster.device.memory_bytes
+        est = program.estimate()
+        worst = max(est.ranks, key=lambda r: r.peak_memory_bytes)
+        if worst.peak_memory_bytes > budget:
+            one = wave_peak(program, worst.rank)
+            raise StrategyError(
+                f"{program.strategy}: the two waves do not fit: rank {worst.rank}'s combined peak is "
+                f"{worst.peak_memory_bytes / 2**20:.2f} MiB (max over t of M(t) + M(t+T/2); one wave alone "
+                f"{one.one_wave / 2**20:.2f} MiB) against a budget of {budget / 2**20:.2f} MiB "
+                f"(ClusterSpec.device.memory_bytes={budget}). Use a smaller batch (fxpar.features.wavelet."
+                "largest_batch finds the largest that fits), more microbatches per wave, more wave_chunks, or more "
+                "dp ranks.")
+
+    def explain(self, section, program) -> list:
+        peak = wave_peak(program, 0)
+        mib = 2**20
+        return super().explain(section, program) + [
+            f"memory per rank: one wave {peak.one_wave / mib:.2f} MiB, two waves half a cycle apart "
+            f"{peak.combined / mib:.2f} MiB (max over t of M(t) + M(t+T/2); shared state "
+            f"{peak.shared / mib:.2f} MiB counted once), budget {program.cluster.device.memory_bytes / mib:.0f} MiB"]
+
+
+def _tick_runs(program, rank: int) -> tuple:
+    """The tick wave's graphs on ``rank`` in order (``(Liveness, label, keep)``, F's saved values kept until their
+    backward), then the step's tail (RG, STEP) the waves share; returns ``(runs, tail)``."""
+    pr = rank // program.plan.width
+    acts = program.pipe_schedule.actions[pr]
+    half = program.plan.microbatches // WAVES
+    wave = [a for a in acts if a.kind in (_K.F, _K.B) and a.microbatch < half]
+    tail = [a for a in acts if a.kind in (_K.REDUCE_GRAD, _K.STEP)]
+    runs, cache = [], {}
+    for a in wave + tail:
+        sg = program.stages[a.stage].graphs.get(a.kind.name)
+        if sg is None:
+            continue
+        lv = cache.get(id(sg.gm))
+        if lv is None:
+            lv = cache[id(sg.gm)] = cost_models.liveness(sg.gm)
+        keep = None
+        if a.kind == _K.F:
+            keep = {j: f"B{a.stage}.{a.microbatch}" for j, (role, _) in enumerate(sg.outputs) if role == Role.SAVED}
+        runs.append((lv, a.short(), keep))
+    n_tail = sum(1 for a in tail if program.stages[a.stage].graphs.get(a.kind.name) is not None)
+    return runs, n_tail
+
+
+def wave_peak(program, rank: int = 0) -> WavePeak:
+    """Rank ``rank``'s memory under Wavelet from one wave's per-action timeline: that wave alone, and two of it half a
+    cycle (``wave_chunks`` actions) apart, max over t of M(t) + M(t + T/2); the step's tail (RG, STEP) after both."""
+    section = program.plan.section(WaveletSchedule.name)
+    runs, n_tail = _tick_runs(program, rank)
+    return waves_peak(runs, section.chunks, tail=n_tail)
+
+
+def largest_batch(peak_of, budget: float, sizes) -> tuple:
+    """The largest of ``sizes`` (ascending) whose predicted peak ``peak_of(size)`` (bytes) fits ``budget``, and its
+    peak: ``(size, peak)``, or ``(None, peak of the smallest)`` when none fits. Peaks grow with the batch, so the
+    search stops at the first size that does not fit."""
+    best = (None, None)
+    for b in sizes:
+        peak = peak_of(b)
+        if peak > budget:
+            return best if best[0] is not None else (None, peak)
+        best = (b, peak)
+    return best
