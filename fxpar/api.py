@@ -79,6 +79,7 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
                                                          lr_scheduler, check_capture=check_capture))
         program.auto_search = found
         return program
+    explicit = strategy is not None          # a handed-back Plan with no Strategy: the Plan says what runs
     strategy = Strategy.coerce(strategy, cluster.world_size)
     if strategy.size != cluster.world_size:
         raise StrategyError(
@@ -88,7 +89,8 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
     if plan is not None and not isinstance(plan, Plan):
         raise TypeError(f"plan={plan!r}: pass a fxpar.Plan (e.g. program.plan, or Plan.from_json(text))")
     if plan is not None:
-        plan.check_edits(strategy, [k for k, _ in model.named_parameters(remove_duplicate=False)])
+        plan.check_edits(strategy, [k for k, _ in model.named_parameters(remove_duplicate=False)],
+                         against_made_with=explicit)
     spec = resolve_optimizer(optimizer)
     needs = getattr(spec.cls, "fxpar_grad_sync", None)        # an optimizer made for one gradient-sync feature
     if needs is not None and not get_feature(needs).enabled(strategy) and (plan is None or plan.section(needs) is None):

@@ -72,6 +72,9 @@ class Plan:
     # the order of communication ...): the enabled features' sections (fxpar.Feature), feature name -> its
     # PlanSection dataclass; a feature that is off has none
     features: dict = field(default_factory=dict)
+    # the Strategy the Plan was made with: each setting off its default, as its repr (Strategy.given_settings); a
+    # handed-back Plan is refused with a Strategy that sets one otherwise (the Plan's sections would win silently)
+    made_with: dict = field(default_factory=dict)
 
     def section(self, name: str):
         """Feature ``name``'s Plan section, or None when the feature is off."""
@@ -190,12 +193,13 @@ class Plan:
         plan.tied = {k: list(v) for k, v in plan.tied.items()}
         return plan
 
-    def check_edits(self, strategy, param_keys) -> None:
+    def check_edits(self, strategy, param_keys, against_made_with: bool = True) -> None:
         """Refuse a handed-back Plan whose hand-edited fields cannot hold: ``microbatches`` not a positive int, a
         mesh other than the Strategy's, stage lists whose lengths disagree with each other, ``stage_params``
         naming a parameter the model does not have (``param_keys``), ``batch_dim`` other than 0, cuts without a
-        pipeline (pp=1) or other than the Strategy's ``split_points``. Fields derived from others are re-derived
-        (module docstring); these would otherwise be dropped without a word."""
+        pipeline (pp=1) or other than the Strategy's ``split_points``; with ``against_made_with`` (a Strategy the
+        user passed), a Strategy that sets a setting otherwise than the one the Plan was made with. Fields derived from others
+        are re-derived (module docstring); these would otherwise be dropped without a word."""
         m = self.microbatches
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise StrategyError(f"parallelize(plan=...): the Plan's microbatches={m!r} must be a positive int (the "
@@ -226,6 +230,19 @@ class Plan:
                                 f"{list(strategy.split_points)}) disagree, and the Plan's would win without a word. "
                                 "Keep one: drop split_points from the Strategy, or set the Plan's cuts to [] (or to "
                                 "the same list)")
+        if self.made_with and against_made_with:
+            # a setting the Strategy leaves at its default says nothing: the Plan's stands
+            now = strategy.given_settings()
+            differ = [k for k in sorted(now) if self.made_with.get(k) != now[k]
+                      and k not in ("dp", "tp", "pp", "split_points")]
+            if differ:
+                raise StrategyError(
+                    "parallelize(plan=...): the Plan was made with " + ", ".join(
+                        f"{k}={self.made_with.get(k, '(its default)')}" for k in differ)
+                    + " but the Strategy passed with it has " + ", ".join(f"{k}={now[k]}" for k in differ)
+                    + ". A handed-back Plan's decisions win over the Strategy's options, so the program would not run "
+                    "what the Strategy says. Pass the Plan's own strategy (program.strategy) and edit the Plan, or "
+                    "drop plan= to plan again with the new Strategy")
         known = set(param_keys)
         for s, keys in enumerate(self.stage_params):
             bad = [k for k in keys if k not in known]

@@ -151,7 +151,7 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
     (``Feature.plan_stage``). ``batch``: the flat tuple of tensors; ``layout`` (a ``BatchLayout``) gives it back its
     structure (keyword inputs) for tracing."""
     dp, pp = strategy.dp, strategy.pp
-    plan = Plan(mesh_axes=[["pp", pp], ["dp", dp]])
+    plan = Plan(mesh_axes=[["pp", pp], ["dp", dp]], made_with=strategy.given_settings())
     for f in enabled_features(strategy):       # the features' own mesh axes (a handed-back Plan's stay), fastest last
         plan.mesh_axes += f.mesh_axes(strategy, base.section(f.name) if base is not None else None)
     plan.microbatches = base.microbatches if base is not None else strategy.microbatches

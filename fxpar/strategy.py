@@ -154,6 +154,13 @@ class Strategy(metaclass=_StrategyType):
         return "Strategy(" + ", ".join(f"{k}={v!r}" for k, v in self._settings().items()
                                        if _off_default(v, defaults[k])) + ")"
 
+    def given_settings(self) -> dict:
+        """Every setting off its default, as its repr (``Plan.made_with``), but ``passes`` and the reprs that name an
+        object's address (they differ between processes)."""
+        defaults = {f.name: _default(f) for f in fields(self)} | _feature_registry.option_defaults()
+        return {k: r for k, v in self._settings().items() if k != "passes" and _off_default(v, defaults[k])
+                for r in (repr(v),) if " at 0x" not in r}
+
     @property
     def _custom_schedule(self) -> bool:
         return isinstance(self.schedule, Schedule)
