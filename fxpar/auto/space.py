@@ -30,7 +30,7 @@ the gradient bucket size. Its cheap figures:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cost_models.comm import collective_cost
 from ..schedule import ScheduleError, simulate
@@ -50,6 +50,10 @@ HOST_MEMORY = 2 * 204.8e9 / 8
 # GPUs without bfloat16 arithmetic (compute capability below 8.0): the search gives them no bf16 candidate
 NO_BF16 = ("V100", "P100", "T4")
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2}
+# A GPU preset's peak_flops is its bf16 tensor-core rate; float32 matmuls run on the TF32 tensor cores at half of it
+# (A100 datasheet: 156 of 312 TFLOPS; H100 SXM: 494.5 of 989), and only where torch allows TF32
+# (torch.backends.cuda.matmul.allow_tf32; without it the plain float32 rate is 8x lower again)
+FP32_SHARE = 0.5
 OPT_OPS_PER_TENSOR = 4                            # ops the traced update runs per parameter tensor (copies, views)
 ZERO_OPS_PER_TENSOR = 4                           # ops ZeRO adds per parameter tensor (into and out of its chunks)
 ZERO3_EXPOSED = 0.5                               # the share of ZeRO-3's gathers the compute does not hide
@@ -146,6 +150,9 @@ class _Pricer:
         self.profiles = profiles or {}           # compute dtype -> its profile (see profile_model(dtype=...))
         self.fixed = fixed or {}                 # the options every candidate gets (reduce_precision, ...)
         self.search_buckets = False              # choose each candidate's bucket size among BUCKETS_MB
+        # a float32 model on a GPU with bf16 tensor cores: its matmuls at the TF32 rate (FP32_SHARE)
+        self.dev_fp32 = replace(self.dev, peak_flops=self.dev.peak_flops * FP32_SHARE) \
+            if bf16_supported(self.dev) and elem_bytes == 4 else self.dev
         self._comm: dict = {}
         self._sched: dict = {}
         self._sims: dict = {}
@@ -215,7 +222,7 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     infinite)."""
     prof, dev = pr.profile(c.precision), pr.dev
     b = pr.B / (c.dp * c.microbatches)
-    t = prof.time(b, c.tp, dev)
+    t = prof.time(b, c.tp, pr.dev_fp32 if c.precision == "fp32" else dev)
     sched = None
     n_stages = 1
     if c.pp > 1:
