@@ -245,6 +245,8 @@ def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, trace
             # gradient accumulation's first few (they only save memory)
             divs = [m for m in _divisors(per_dp) if m <= MAX_MICROBATCHES]
             ms = [m for m in divs if m >= pp and (m // pp) & (m // pp - 1) == 0 and m % pp == 0] if pp > 1 else divs[:4]
+            if pp > 1:      # microbatches of one and two samples (Megatron's choice at scale), past MAX_MICROBATCHES too
+                ms += [m for m in (per_dp // 2, per_dp) if m >= pp and m % pp == 0 and per_dp % m == 0 and m not in ms]
             ms = [m for m in _choices(auto, "microbatches", ms) if pp == 1 or m >= pp]
             zeros = _choices(auto, "zero", (0, 1, 2, 3) if dp > 1 and tp == 1 and traced else (0,))
             modes = [None] if tp == 1 else [m for m in ("megatron", "auto") if m != "auto" or not tp & (tp - 1)]
