@@ -2,6 +2,7 @@
 
     python benchmarks/bench_planner.py plan            # planning time (fxpar.auto_plan, nothing built), warm
     python benchmarks/bench_planner.py measure         # auto's pick and the next candidates run for real, 2 ranks
+    python benchmarks/bench_planner.py megatron [--rows 1 2 ...] [--auto]   # Megatron-LM's Table 1 (SC'21)
 
 ``plan``: GPT-2 small (12 layers, h=768, seq 1024, global batch 32) on 8 A100s (one node), and a 32-layer h=4096
 GPT (32 heads, seq 2048, global batch 512) on 64 A100s (8 nodes), both on the ``meta`` device: the first call (cold:
@@ -89,13 +90,41 @@ def measure(args):
             print(f"  {str(c):<48} {pred * 1e3:>8.2f}ms {meas * 1e3:>8.2f}ms  {meas / fastest:>6.2f}x{pick}")
 
 
+def megatron(args):
+    """Each row of Megatron-LM's Table 1 (tests/test_auto_megatron.py): the cheap cost of Megatron's configuration
+    (1F1B, and interleaved where 2 x p divides the layers) against the measured step time; ``--auto``: the plan
+    ``fxpar.auto_plan`` ranks first, and its planning time."""
+    from tests.test_auto_megatron import ROWS, measured_step_s
+    from tests.test_auto_megatron import megatron as config
+    for r in args.rows:
+        row = ROWS[r - 1]
+        model, x, cl, pins = config(row)
+        meas = measured_step_s(row)
+        for sched in ("1f1b", "interleaved") if row[5] > 1 else (None,):
+            if sched == "interleaved" and row[3] % (2 * row[5]):
+                continue
+            p = {**pins, **({"schedule": sched} if sched else {})}
+            t0 = time.perf_counter()
+            c = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW, strategy=fxpar.Strategy.auto(**p), prune=False)[0]
+            print(f"row {r} ({row[0]}B, t={row[4]} p={row[5]} d={row[6] // (row[4] * row[5])}, {sched or '-'}): "
+                  f"predicted {c.step_s:.2f} s, measured {meas:.2f} s, ratio {c.step_s / meas:.2f}, peak "
+                  f"{c.peak_bytes / 2**30:.1f} GiB ({time.perf_counter() - t0:.1f} s)", flush=True)
+        if args.auto:
+            t0 = time.perf_counter()
+            got = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW)
+            print(f"  auto: {got[0]} predicted {got[0].step_s:.2f} s, peak {got[0].peak_bytes / 2**30:.1f} GiB; "
+                  f"{len(got.search.priced)} candidates in {time.perf_counter() - t0:.1f} s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("plan", "measure"))
+    ap.add_argument("what", choices=("plan", "measure", "megatron"))
+    ap.add_argument("--rows", type=int, nargs="+", default=list(range(1, 11)), help="megatron: Table 1's rows")
+    ap.add_argument("--auto", action="store_true", help="megatron: also fxpar.auto_plan's pick")
     ap.add_argument("--build", action="store_true", help="plan: also time parallelize(strategy='auto') on GPT-2")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
-    plan(args) if args.what == "plan" else measure(args)
+    {"plan": plan, "measure": measure, "megatron": megatron}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -83,19 +83,23 @@ class LinkSpec:
 # (SXM 989 TFLOPS bf16, 3.35 TB/s, NVLink 4 900 GB/s; PCIe 756 TFLOPS, 2.0 TB/s, PCIe Gen5 x16 128 GB/s), NVIDIA H200
 # Tensor Core GPU datasheet (SXM 141 GB, 989 TFLOPS bf16, 4.8 TB/s, NVLink 900 GB/s), NVIDIA Tesla V100 datasheet
 # (SXM2 125 TFLOPS fp16 tensor core, 900 GB/s, NVLink 2 300 GB/s). Latencies are typical, not datasheet figures.
+# Matmul efficiency: the largest share of the bf16 peak a matmul reaches, measured over many shapes (S. Bekman,
+# "Machine Learning Engineering", compute/accelerator, Maximum Achievable Matmul FLOPS table: A100 SXM 267.9 of
+# 312 TFLOPS, H100 SXM 792.1 of 989); no figure for V100, whose presets stay at the peak.
+_MAMF_A100, _MAMF_H100 = {"matmul": 267.9 / 312}, {"matmul": 792.1 / 989}
 _NVLINK3, _NVLINK4, _NVLINK2 = LinkSpec(300e9, 3e-6), LinkSpec(450e9, 2.5e-6), LinkSpec(150e9, 3e-6)
 _PCIE5 = LinkSpec(64e9, 4e-6)
 _IB_EDR, _IB_HDR, _IB_NDR = LinkSpec(12.5e9, 5e-6), LinkSpec(25e9, 5e-6), LinkSpec(50e9, 5e-6)
 PRESETS = {
-    "a100-80gb": dict(device=DeviceSpec("cuda", "A100-SXM4-80GB", 80 * 2**30, 312e12, 2.039e12),
+    "a100-80gb": dict(device=DeviceSpec("cuda", "A100-SXM4-80GB", 80 * 2**30, 312e12, 2.039e12, _MAMF_A100),
                       intra=_NVLINK3, inter=_IB_HDR),
-    "a100-40gb": dict(device=DeviceSpec("cuda", "A100-SXM4-40GB", 40 * 2**30, 312e12, 1.555e12),
+    "a100-40gb": dict(device=DeviceSpec("cuda", "A100-SXM4-40GB", 40 * 2**30, 312e12, 1.555e12, _MAMF_A100),
                       intra=_NVLINK3, inter=_IB_HDR),
-    "h100-80gb": dict(device=DeviceSpec("cuda", "H100-SXM5-80GB", 80 * 2**30, 989e12, 3.35e12),
+    "h100-80gb": dict(device=DeviceSpec("cuda", "H100-SXM5-80GB", 80 * 2**30, 989e12, 3.35e12, _MAMF_H100),
                       intra=_NVLINK4, inter=_IB_NDR),
     "h100-pcie": dict(device=DeviceSpec("cuda", "H100-PCIe-80GB", 80 * 2**30, 756e12, 2.0e12),
                       intra=_PCIE5, inter=_IB_NDR),
-    "h200": dict(device=DeviceSpec("cuda", "H200-SXM-141GB", 141 * 2**30, 989e12, 4.8e12),
+    "h200": dict(device=DeviceSpec("cuda", "H200-SXM-141GB", 141 * 2**30, 989e12, 4.8e12, _MAMF_H100),
                  intra=_NVLINK4, inter=_IB_NDR),
     "v100-32gb": dict(device=DeviceSpec("cuda", "V100-SXM2-32GB", 32 * 2**30, 125e12, 0.9e12),
                       intra=_NVLINK2, inter=_IB_EDR),

@@ -69,6 +69,7 @@ class _Run:
     cls: list = field(default_factory=list)
     part: list = field(default_factory=list)        # index into PART_NAMES
     bwd: list = field(default_factory=list)         # 1 if the op ran in backward
+    sharded: list = field(default_factory=list)     # 1 if a forward op of a block works on tp-split tensors
     saved_kinds: dict = field(default_factory=dict)  # (part, a matmul made it?) -> bytes kept for backward
     block_in: float = 0.0                           # bytes of one block's input
     linear_out: list = field(default_factory=list)  # bytes of each nn.Linear's output, in forward order
@@ -83,12 +84,25 @@ class _Counter(TorchDispatchMode):
         super().__init__()
         self.run, self.where = run, where
         self.made_by: dict = {}
+        # Megatron's split inside a block: a Linear whose input is whole is column-parallel (its output is split
+        # over the tp ranks), one whose input is split is row-parallel (its output is summed whole); every other
+        # op on a split tensor (the heads' attention, the MLP's activation) works on the rank's share
+        self.split_keys: set = set()
+        self.linears: list = []         # the block Linears running now: True where row-parallel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         c = op_cost(func, list(args), out)
         run = self.run
+        split = False
+        if self.where[0] == 1 and not self.where[1] and not self.linears:
+            split = any(_key(a) in self.split_keys for a in args if isinstance(a, torch.Tensor))
+            if split:
+                for t in (out if isinstance(out, (tuple, list)) else (out,)):
+                    if isinstance(t, torch.Tensor):
+                        self.split_keys.add(_key(t))
         if func.namespace == "aten":      # every aten op pays the device's dispatch cost, a view too
+            run.sharded.append(1 if split else 0)
             run.flops.append(float(c.flops))
             run.bytes.append(float(c.bytes))
             run.rows.append(float(c.rows))
@@ -158,6 +172,19 @@ def _probe(model, example: tuple, b: int, loss_fn, blocks, params: dict, mode, o
             handles.append(mod.register_forward_hook(
                 lambda m, a, o: run.linear_out.append(float(tensor_bytes(o)))))
 
+    def lin_pre(mod, args):
+        t = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        counter.linears.append(t is not None and _key(t) in counter.split_keys)
+
+    def lin_post(mod, args, out):
+        row = counter.linears.pop()
+        if not row and isinstance(out, torch.Tensor) and where[0] == 1 and not where[1]:
+            counter.split_keys.add(_key(out))
+    for blk in (blocks[1] if blocks else ()):
+        for mod in blk.modules():
+            if isinstance(mod, torch.nn.Linear):
+                handles += [mod.register_forward_pre_hook(lin_pre), mod.register_forward_hook(lin_post)]
+
     def pack(t):
         k = _key(t)
         if k not in param_keys and k not in seen:
@@ -214,6 +241,7 @@ class ModelProfile:
     cls: list = None
     part: np.ndarray = None
     bwd: np.ndarray = None
+    sharded: np.ndarray = None
     runs: tuple = ()
     _cache: dict = field(default_factory=dict)
 
@@ -232,10 +260,16 @@ class ModelProfile:
         f = self.f0 + (self.f1 - self.f0) * t
         y = self.y0 + (self.y1 - self.y0) * t
         split = np.array([c in SPLIT_CLASSES for c in self.cls], dtype=float)
-        div = 1.0 + (tp - 1) * split
+        shard = np.maximum(split, self.sharded) if self.sharded is not None else split
         peak = np.array([device.peak_flops * eff.get(c, eff.get("compute", 1.0)) for c in self.cls])
-        secs = (np.maximum(f / div / peak, y / div / (device.mem_bandwidth * eff.get("memory", 1.0)))
-                + self.rows * getattr(device, "index_row_s", 0.0) + getattr(device, "op_overhead_s", 0.0))
+        roof = np.maximum(f / peak, y / (device.mem_bandwidth * eff.get("memory", 1.0)))
+        roof_tp = roof / (1.0 + (tp - 1) * shard)
+        if tp > 1:      # backward's other ops work on split tensors in the share its forward's other ops do
+            fo = (self.bwd == 0) & (split == 0)
+            whole = float(roof[fo].sum())
+            share = float(roof_tp[fo].sum()) / whole if whole else 1.0
+            roof_tp = np.where((self.bwd == 1) & (split == 0), roof * share, roof_tp)
+        secs = roof_tp + self.rows * getattr(device, "index_row_s", 0.0) + getattr(device, "op_overhead_s", 0.0)
         out = {}
         for p, name in enumerate(PART_NAMES):
             for w, phase in ((0, "fwd"), (1, "bwd")):
@@ -287,26 +321,40 @@ class ModelProfile:
         return self._affine(self.runs[0].largest, self.runs[1].largest, b)
 
 
-def profile_model(model: torch.nn.Module, example: tuple, loss_fn, b0: int = 2, b1: int = 4) -> ModelProfile:
+def _in_dtype(t: torch.Tensor, dtype) -> torch.Tensor:
+    """``t`` in the compute dtype ``dtype`` where it holds floating point (a leaf again, with its requires_grad)."""
+    if dtype is None or not t.is_floating_point() or t.dtype == dtype:
+        return t
+    return t.detach().to(dtype).requires_grad_(t.requires_grad)
+
+
+def profile_model(model: torch.nn.Module, example: tuple, loss_fn, b0: int = 2, b1: int = 4,
+                  dtype: torch.dtype | None = None) -> ModelProfile:
     """Run the model at microbatch sizes ``b0`` and ``b1`` on fake tensors (on the model's own device: a ``meta``
-    model stays on ``meta``) and fit every figure."""
+    model stays on ``meta``) and fit every figure. ``dtype``: the compute dtype of mixed precision (the floating
+    parameters, buffers and inputs cast to it, as ``Strategy(precision=...)`` casts them at the start of a step);
+    the parameter bytes stay the model's own (the master copy)."""
     blocks = find_blocks(model)
     named = dict(model.named_parameters(remove_duplicate=False))
     uniq = {}
     for k, v in named.items():
         uniq.setdefault(id(v), (k, v))
     if all(v.device.type == "meta" for _, v in uniq.values()):      # meta runs as it is, and faster than fake
-        mode, params = contextlib.nullcontext(), {**named, **dict(model.named_buffers())}
-        example = [t.to("meta") for t in example]
+        mode = contextlib.nullcontext()
+        cast = {id(v): _in_dtype(v, dtype) for _, v in uniq.values()}
+        params = {**{k: cast[id(v)] for k, v in named.items()},
+                  **{k: _in_dtype(v, dtype) for k, v in model.named_buffers()}}
+        example = [_in_dtype(t.to("meta"), dtype) for t in example]
     else:
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
             fakes = {id(v): mode.from_tensor(v) for _, v in uniq.values()}
             for v, f in ((v, fakes[id(v)]) for _, v in uniq.values()):
                 f.requires_grad_(v.requires_grad)
+            fakes = {i: _in_dtype(f, dtype) for i, f in fakes.items()}
             params = {k: fakes[id(v)] for k, v in named.items()}
-            params.update({k: mode.from_tensor(v) for k, v in model.named_buffers()})
-        example = [mode.from_tensor(t) for t in example]
+            params.update({k: _in_dtype(mode.from_tensor(v), dtype) for k, v in model.named_buffers()})
+            example = [_in_dtype(mode.from_tensor(t), dtype) for t in example]
     once = blocks is not None
     try:
         runs = tuple(_probe(model, example, b, loss_fn, blocks, params, mode, once) for b in (b0, b1))
@@ -331,4 +379,5 @@ def profile_model(model: torch.nn.Module, example: tuple, loss_fn, b0: int = 2, 
         leaf_modules=sum(1 for m in model.modules() if any(True for _ in m.parameters(recurse=False))),
         b0=b0, b1=b1, block_runs=1 if once else max(n_blocks, 1), f0=np.array(r0.flops), f1=np.array(r1.flops),
         y0=np.array(r0.bytes), y1=np.array(r1.bytes),
-        rows=np.array(r0.rows), cls=r0.cls, part=np.array(r0.part), bwd=np.array(r0.bwd), runs=runs)
+        rows=np.array(r0.rows), cls=r0.cls, part=np.array(r0.part), bwd=np.array(r0.bwd),
+        sharded=np.array(r0.sharded, dtype=float), runs=runs)

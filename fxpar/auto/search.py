@@ -26,7 +26,7 @@ from ..explain import fmt_bytes
 from ..optim import resolve_optimizer
 from ..strategy import AutoStrategy, Strategy
 from .profile import profile_model
-from .space import SCHEDULES, Candidate, _Pricer, cost_candidate
+from .space import SCHEDULES, Candidate, _Pricer, bf16_supported, cost_candidate
 
 __all__ = ["auto_plan", "AutoSearch", "search", "choose", "as_auto", "finalists", "fixed_options", "NoPlanFitsError",
            "SEARCHED", "ALLOW"]
@@ -34,7 +34,9 @@ __all__ = ["auto_plan", "AutoSearch", "search", "choose", "as_auto", "finalists"
 RECOMPUTE = ("none", "selective", "full")
 MAX_MICROBATCHES = 64
 # the dimensions the search covers (Strategy.auto pins them; its other keywords are options every candidate gets)
-SEARCHED = ("dp", "tp", "pp", "schedule", "microbatches", "zero", "recompute", "sharding")
+SEARCHED = ("dp", "tp", "pp", "schedule", "microbatches", "zero", "recompute", "sharding", "precision", "offload",
+            "bucket_cap_mb")
+PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}     # the compute dtypes a profile is run in
 # methods that change the math, searched only when Strategy.auto(allow=...) names them: name -> what it adds
 ALLOW = {"compression": "bf16 gradient buckets (grad_sync='bf16': half the bytes, rounded sums)",
          "asynchronous": "the asynchronous pipeline schedule '2bw' (PipeDream-2BW: weights one update stale)"}
@@ -46,6 +48,20 @@ def _choices(auto: AutoStrategy, name: str, default) -> tuple:
         return tuple(default)
     v = auto.pins[name]
     return tuple(v) if isinstance(v, (tuple, list)) else (v,)
+
+
+def _offloads(auto: AutoStrategy, zero: int, searched: bool) -> list:
+    """The ZeRO-Offload settings a candidate of ZeRO stage ``zero`` may take: the pinned one(s) (a tuple of what is
+    offloaded, or a list of such tuples), else none, and where ``searched`` (a GPU, a traced optimizer) the
+    optimizer state for ZeRO 1-3 and also the parameters for ZeRO-3."""
+    if "offload" in auto.pins:
+        v = auto.pins["offload"]
+        got = [tuple(x) if not isinstance(x, str) else (x,) for x in v] if isinstance(v, list) else \
+            [(v,) if isinstance(v, str) else tuple(v)]
+        return [o for o in got if not o or zero >= (3 if "params" in o else 1)]
+    if not searched or zero == 0:
+        return [()]
+    return [(), ("optimizer",)] + ([("optimizer", "params")] if zero == 3 else [])
 
 
 def fixed_options(auto: AutoStrategy) -> dict:
@@ -193,9 +209,18 @@ def _check_pins(auto: AutoStrategy, prof, world: int, batch: int, model_name: st
             raise StrategyError(f"{auto}: schedule={v!r} is not a pipeline schedule; choose among {schedule_names()}")
 
 
-def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, traced: bool) -> list:
+def _precisions(auto: AutoStrategy, cluster: ClusterSpec, elem: int) -> tuple:
+    """The compute precisions searched: the pinned ones, else the model's own and, on a GPU with bfloat16
+    arithmetic and a float32 model, bf16."""
+    return _choices(auto, "precision", ("fp32", "bf16") if bf16_supported(cluster.device) and elem == 4 else ("fp32",))
+
+
+def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, traced: bool, elem: int = 4) -> list:
     """Every candidate the pins, the model and the world size allow (before any cost)."""
     world, per_node = cluster.world_size, cluster.devices_per_node
+    precisions = _precisions(auto, cluster, elem)
+    offload_searched = cluster.device.kind == "cuda" and traced
+    bucket = auto.pins.get("bucket_cap_mb")
     out = []
     tps = _choices(auto, "tp", [d for d in _divisors(world) if per_node % d == 0 or d <= per_node])
     for tp in tps:
@@ -220,6 +245,8 @@ def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, trace
             # gradient accumulation's first few (they only save memory)
             divs = [m for m in _divisors(per_dp) if m <= MAX_MICROBATCHES]
             ms = [m for m in divs if m >= pp and (m // pp) & (m // pp - 1) == 0 and m % pp == 0] if pp > 1 else divs[:4]
+            if pp > 1:      # microbatches of one and two samples (Megatron's choice at scale), past MAX_MICROBATCHES too
+                ms += [m for m in (per_dp // 2, per_dp) if m >= pp and m % pp == 0 and per_dp % m == 0 and m not in ms]
             ms = [m for m in _choices(auto, "microbatches", ms) if pp == 1 or m >= pp]
             zeros = _choices(auto, "zero", (0, 1, 2, 3) if dp > 1 and tp == 1 and traced else (0,))
             modes = [None] if tp == 1 else [m for m in ("megatron", "auto") if m != "auto" or not tp & (tp - 1)]
@@ -232,12 +259,16 @@ def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, trace
                     for z in zeros:
                         if z and (dp == 1 or tp > 1 or (sched == "2bw")):
                             continue
+                        offs = _offloads(auto, z, offload_searched and sched != "2bw")
                         for rc in _choices(auto, "recompute", RECOMPUTE):
                             for mode in modes:
                                 for gs in syncs:
                                     if gs and (z or tp > 1):
                                         continue
-                                    out.append(Candidate(dp, tp, pp, sched, m, z, rc, mode, gs))
+                                    for prec in precisions:
+                                        for off in offs:
+                                            out.append(Candidate(dp, tp, pp, sched, m, z, rc, mode, gs, prec, off,
+                                                                 bucket))
     return out
 
 
@@ -267,10 +298,14 @@ def search(model, cluster: ClusterSpec, example: tuple, loss_fn, optimizer, auto
     name = type(model).__name__
     _check_pins(auto, prof, cluster.world_size, batch, name)
     elem = max((p.element_size() for p in model.parameters()), default=4)
-    pr = _Pricer(prof, cluster, batch, n_state, elem)
+    profiles = {p: profile_model(model, example, loss_fn, dtype=PRECISION_DTYPES[p])
+                for p in _precisions(auto, cluster, elem) if p in PRECISION_DTYPES}
+    t1 = time.perf_counter()
+    pr = _Pricer(prof, cluster, batch, n_state, elem, profiles, fixed_options(auto))
+    pr.search_buckets = "bucket_cap_mb" not in auto.pins
     budget = auto.margin * cluster.device.memory_bytes
     priced = []
-    for c in _enumerate(auto, prof, cluster, batch, spec.traced):
+    for c in _enumerate(auto, prof, cluster, batch, spec.traced, elem):
         cost_candidate(c, pr)
         c.fits = c.fits and c.peak_bytes <= budget
         priced.append(c)

@@ -2,7 +2,8 @@
 (:mod:`fxpar.auto.profile`) and the cost models' link and schedule figures, without capturing or lowering a graph.
 
 A candidate is ``dp x tp x pp`` (tp the fastest axis, so a tp group sits inside a node first), a pipeline schedule
-and a microbatch count, the tp mode, the ZeRO stage and the recompute policy. Its cheap figures:
+and a microbatch count, the tp mode, the ZeRO stage, the recompute policy, the compute precision, ZeRO-Offload and
+the gradient bucket size. Its cheap figures:
 
 - compute: each stage's forward and backward per microbatch (its blocks, plus the embeddings on the first stage and
   the head and loss on the last), the ops of classes tensor parallelism splits divided by tp; recompute adds the
@@ -14,24 +15,45 @@ and a microbatch count, the tp mode, the ZeRO stage and the recompute policy. It
   microbatches each rank holds at once;
 - data parallelism: the stage's gradients all-reduced over the dp ranks (ZeRO: reduce-scatter + all-gather, and
   ZeRO-3's gathers of each stage's parameters in forward and backward), hidden behind the last backward except
-  the last bucket;
+  the last bucket; one collective per bucket (each pays the link's latency), so the bucket size is chosen per
+  candidate among ``BUCKETS_MB`` by this cost where the user does not pin it;
+- mixed precision (``precision="bf16"``): every figure of forward and backward from a profile run in bf16 (half the
+  bytes of each activation, message and memory-bound op); the master parameters, the gradients and the optimizer
+  state stay in the model's dtype, and a bf16 copy of the rank's parameters is held through the step;
+- ZeRO-Offload (``offload=("optimizer",)``, ZeRO-3 also ``"params"``): the optimizer state (and the master chunk)
+  off the device; the gradient chunk goes down and the updated chunk up the host link (``HOST_LINK``), the update
+  runs at the host's memory bandwidth (``HOST_MEMORY``); offloaded ZeRO-3 chunks come up the host link for each
+  gather;
 - the optimizer: one pass over the rank's parameters, gradients and states at memory bandwidth;
 - memory: the heaviest stage's parameters, gradients and optimizer states (ZeRO's shares), the activations of the
   microbatches in flight, and twice the largest tensor an op makes (a logits tensor and its gradient).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from cost_models.comm import collective_cost
 from ..schedule import ScheduleError, simulate
 from ..schedule.registry import get_schedule
 from ..strategy import Strategy
 
-__all__ = ["Candidate", "cost_candidate", "SCHEDULES", "BUCKET_BYTES"]
+__all__ = ["Candidate", "cost_candidate", "SCHEDULES", "BUCKET_BYTES", "BUCKETS_MB", "bf16_supported"]
 
 SCHEDULES = ("1f1b", "interleaved", "zb1p")      # the synchronous pipeline schedules searched
 BUCKET_BYTES = 25 * 2**20                         # DDP's bucket: the last one waits for the end of backward
+BUCKETS_MB = (5, 25, 100)                         # the gradient bucket sizes the search weighs (MiB)
+# The host side of ZeRO-Offload, per GPU (a DeviceSpec carries no host figures): PCIe 4.0 x16, 31.5 GB/s per
+# direction (PCI-SIG), the A100's host link; a DGX A100's two EPYC 7742 sockets, 8 channels of DDR4-3200 each
+# (2 x 204.8 GB/s), shared by its 8 GPUs. Used for every GPU device.
+HOST_LINK = 31.5e9
+HOST_MEMORY = 2 * 204.8e9 / 8
+# GPUs without bfloat16 arithmetic (compute capability below 8.0): the search gives them no bf16 candidate
+NO_BF16 = ("V100", "P100", "T4")
+COMPUTE_BYTES = {"bf16": 2, "fp16": 2}
+# A GPU preset's peak_flops is its bf16 tensor-core rate; float32 matmuls run on the TF32 tensor cores at half of it
+# (A100 datasheet: 156 of 312 TFLOPS; H100 SXM: 494.5 of 989), and only where torch allows TF32
+# (torch.backends.cuda.matmul.allow_tf32; without it the plain float32 rate is 8x lower again)
+FP32_SHARE = 0.5
 OPT_OPS_PER_TENSOR = 4                            # ops the traced update runs per parameter tensor (copies, views)
 ZERO_OPS_PER_TENSOR = 4                           # ops ZeRO adds per parameter tensor (into and out of its chunks)
 ZERO3_EXPOSED = 0.5                               # the share of ZeRO-3's gathers the compute does not hide
@@ -51,6 +73,9 @@ class Candidate:
     recompute: str = "none"
     sharding: str | None = None           # the tp mode (tp > 1)
     grad_sync: str | None = None          # a compression method the user allowed
+    precision: str = "fp32"               # the compute dtype ("fp32": the model's own)
+    offload: tuple = ()                   # ZeRO-Offload: ("optimizer",) or ("optimizer", "params")
+    bucket_mb: float | None = None        # gradient bucket size (None: DDP's 25 MiB)
     step_s: float = 0.0
     peak_bytes: float = 0.0
     comm_bytes: float = 0.0
@@ -73,6 +98,12 @@ class Candidate:
             kw["sharding"] = self.sharding
         if self.grad_sync is not None:
             kw["grad_sync"] = self.grad_sync
+        if self.precision != "fp32":
+            kw["precision"] = self.precision
+        if self.offload:
+            kw["offload"] = self.offload
+        if self.bucket_mb is not None:
+            kw["bucket_cap_mb"] = self.bucket_mb
         return kw
 
     def strategy(self, fixed: dict | None = None) -> Strategy:
@@ -92,6 +123,9 @@ class Candidate:
         out += [f"m={self.microbatches}"] + ([f"zero={self.zero}"] if self.zero else [])
         out += [f"recompute={self.recompute}"] if self.recompute != "none" else []
         out += [f"grad_sync={self.grad_sync}"] if self.grad_sync else []
+        out += [self.precision] if self.precision != "fp32" else []
+        out += [f"offload={'+'.join(self.offload)}"] if self.offload else []
+        out += [f"bucket={self.bucket_mb:g}MiB"] if self.bucket_mb is not None else []
         return ", ".join(out)
 
     @property
@@ -108,13 +142,36 @@ class Candidate:
 class _Pricer:
     """Shared figures for pricing many candidates of one model on one cluster (cached link and schedule costs)."""
 
-    def __init__(self, prof, cluster, global_batch: int, n_state: int, elem_bytes: int):
+    def __init__(self, prof, cluster, global_batch: int, n_state: int, elem_bytes: int, profiles=None,
+                 fixed: dict | None = None):
         self.prof, self.cluster, self.B = prof, cluster, global_batch
         self.n_state, self.elem = n_state, elem_bytes
         self.dev = cluster.device
+        self.profiles = profiles or {}           # compute dtype -> its profile (see profile_model(dtype=...))
+        self.fixed = fixed or {}                 # the options every candidate gets (reduce_precision, ...)
+        self.search_buckets = False              # choose each candidate's bucket size among BUCKETS_MB
+        # a float32 model on a GPU with bf16 tensor cores: its matmuls at the TF32 rate (FP32_SHARE)
+        self.dev_fp32 = replace(self.dev, peak_flops=self.dev.peak_flops * FP32_SHARE) \
+            if bf16_supported(self.dev) and elem_bytes == 4 else self.dev
         self._comm: dict = {}
         self._sched: dict = {}
         self._sims: dict = {}
+
+    def profile(self, precision: str):
+        """The profile whose figures hold under ``precision`` (the model's own for "fp32")."""
+        return self.profiles.get(precision, self.prof) if precision != "fp32" else self.prof
+
+    def dp_sum(self, kind: str, nbytes: float, ranks: tuple, bucket_mb: float | None, last_bwd: float,
+               hide: bool = True) -> tuple:
+        """(exposed seconds, bytes sent) of summing ``nbytes`` of gradients over ``ranks`` in buckets of
+        ``bucket_mb`` MiB (None: DDP's 25): one collective per bucket, issued as backward fills it, all hidden
+        behind backward but the last bucket's (``hide=False``: one collective of it all after backward)."""
+        cap = (bucket_mb * 2**20) if bucket_mb is not None else BUCKET_BYTES
+        n = max(1, -(-int(nbytes) // int(cap))) if nbytes > 0 and hide else 1
+        each = self.comm(kind, nbytes / n, ranks)
+        total = n * each.time_s
+        exposed = max(total - last_bwd, each.time_s) if hide else total
+        return exposed, n * each.wire_bytes
 
     def comm(self, kind: str, nbytes: float, ranks: tuple):
         key = (kind, round(nbytes), ranks)
@@ -145,6 +202,12 @@ class _Pricer:
         return self._sched[key]
 
 
+def bf16_supported(device) -> bool:
+    """bf16 candidates are searched on GPUs with bfloat16 arithmetic (not on CPU devices, whose float64 and float32
+    programs the tests compare to 1e-10, nor on the GPUs of ``NO_BF16``)."""
+    return device.kind == "cuda" and not any(n in device.name for n in NO_BF16)
+
+
 def _stage_split(prof, n_stages: int) -> list:
     """Per stage: (blocks, holds the pre part, holds the post part); without repeated blocks every stage gets an
     equal share of the whole (the balanced cut)."""
@@ -157,9 +220,9 @@ def _stage_split(prof, n_stages: int) -> list:
 def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     """Fill ``c``'s cheap figures; ``c.note`` says why it cannot run (then ``c.fits`` is False and its step is
     infinite)."""
-    prof, dev = pr.prof, pr.dev
+    prof, dev = pr.profile(c.precision), pr.dev
     b = pr.B / (c.dp * c.microbatches)
-    t = prof.time(b, c.tp, dev)
+    t = prof.time(b, c.tp, pr.dev_fp32 if c.precision == "fp32" else dev)
     sched = None
     n_stages = 1
     if c.pp > 1:
@@ -216,14 +279,29 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
                     if not whole else prof.param_bytes / c.pp) / c.tp
     grads = stage_params / (c.dp if c.zero >= 2 else 1)
     states = pr.n_state * stage_params / (c.dp if c.zero >= 1 else 1)
+    chunk = stage_params / (c.dp if c.zero >= 1 else 1)         # the parameters this rank updates
     held = stage_params / (c.dp if c.zero == 3 else 1)
+    gathered = 0.0
     if c.zero == 3:
-        held += prof.block_param_bytes / c.tp if prof.n_blocks else stage_params * (1 - 1 / c.dp)
+        gathered = prof.block_param_bytes / c.tp if prof.n_blocks else stage_params * (1 - 1 / c.dp)
+        held += gathered
+    if "optimizer" in c.offload:       # the state (and the master chunk with ZeRO-1/2) on the host
+        states = 0.0
+    if "params" in c.offload:          # ZeRO-3's chunks on the host: only the gathered ones on the device
+        held = gathered
+    cbytes = COMPUTE_BYTES.get(c.precision)
+    if cbytes:                         # the compute copy of the parameters a forward and backward read
+        held += (stage_params / (c.dp if c.zero == 3 else 1) if "params" not in c.offload else gathered) \
+            * cbytes / pr.elem
     saved = prof.saved(b, c.tp, c.recompute)
     blocks_on_rank = heavy[0] * per_rank_stages
     act_stage = (blocks_on_rank * saved["block"] + saved["pre"] + saved["post"]) if not whole else \
         (saved["pre"] + saved["post"]) / c.pp
-    acts = act_stage * in_flight / per_rank_stages if per_rank_stages > 1 else act_stage * in_flight
+    scale = in_flight / per_rank_stages if per_rank_stages > 1 else in_flight
+    acts = act_stage * scale
+    if c.pp > 1 and not whole:      # the embeddings' rank holds the most microbatches; the head's, one at a time
+        blk = blocks_on_rank * saved["block"]
+        acts = max((blk + saved["pre"]) * scale, blk * scale + saved["post"])
     if c.recompute == "full":
         acts += saved["one_block"] if prof.n_blocks else 0.0
     work = 2 * prof.largest(b)
@@ -232,28 +310,31 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     c.peak_bytes = sum(c.memory.values())
     # data parallelism: the heaviest stage's gradients over its dp ranks (tp index 0 of pipeline rank 0)
     sync_t, sent = 0.0, 0.0
-    g_bytes = stage_params * (0.5 if c.grad_sync == "bf16" and pr.elem == 4 else
-                              0.25 if c.grad_sync == "bf16" else 1.0)
+    reduce_bytes = (cbytes if cbytes and pr.fixed.get("reduce_precision") == "compute" else pr.elem)
+    g_bytes = stage_params * reduce_bytes / pr.elem * (0.5 if c.grad_sync == "bf16" and pr.elem == 4 else
+                                                       0.25 if c.grad_sync == "bf16" else 1.0)
     if c.dp > 1:
         dp_ranks = tuple(d * c.tp for d in range(c.dp))
         last_bwd = B[max(B, key=B.get)]
-
-        def hidden(t: float) -> float:     # what backward hides of a sum issued bucket by bucket: all but the last
-            return max(t - last_bwd, t * min(1.0, BUCKET_BYTES / max(g_bytes, 1.0)))
         # all_gather's figure is the shard it sends. ZeRO-1 reduce-scatters once after backward; ZeRO-2 and 3 as the
         # buckets fill; the updated chunks are all-gathered after the update (ZeRO-3: before each use instead)
+        kind = "all_reduce" if c.zero == 0 else "reduce_scatter"
+        if pr.search_buckets and c.bucket_mb is None and c.zero != 1:   # DDP's 25 MiB unless another is faster
+            got = {bk: pr.dp_sum(kind, g_bytes, dp_ranks, bk, last_bwd) for bk in (None,) + BUCKETS_MB if bk != 25}
+            c.bucket_mb = min(got, key=lambda bk: (got[bk][0], bk is not None))
         if c.zero == 0:
-            cc = pr.comm("all_reduce", g_bytes, dp_ranks)
-            sync_t, sent = hidden(cc.time_s), cc.wire_bytes
+            sync_t, sent = pr.dp_sum("all_reduce", g_bytes, dp_ranks, c.bucket_mb, last_bwd)
         else:
-            rs = pr.comm("reduce_scatter", g_bytes, dp_ranks)
+            rs_t, rs_sent = pr.dp_sum("reduce_scatter", g_bytes, dp_ranks, c.bucket_mb, last_bwd, hide=c.zero > 1)
             ag = pr.comm("all_gather", stage_params / c.dp, dp_ranks)
-            sync_t = (rs.time_s if c.zero == 1 else hidden(rs.time_s)) + (ag.time_s if c.zero < 3 else 0.0)
-            sent = rs.wire_bytes + (ag.wire_bytes if c.zero < 3 else 0.0)
+            sync_t = rs_t + (ag.time_s if c.zero < 3 else 0.0)
+            sent = rs_sent + (ag.wire_bytes if c.zero < 3 else 0.0)
             if c.zero == 3:     # each stage's parameters gathered before its forward and again before its backward
                 gathers = 2 * m * per_rank_stages
                 sync_t += gathers * ag.time_s * ZERO3_EXPOSED
                 sent += gathers * ag.wire_bytes
+                if "params" in c.offload:      # each gather first brings the rank's chunk up from the host
+                    sync_t += gathers * chunk / HOST_LINK
             sync_t += ZERO_OPS_PER_TENSOR * prof.param_tensors * getattr(dev, "op_overhead_s", 0.0)
     if c.tp > 1:
         n_ar = (4 * blocks_on_rank if prof.n_blocks else 2 * len(prof.linear_pairs(b)) / c.pp) * m
@@ -261,14 +342,18 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
                                tp_ranks).wire_bytes
     if c.pp > 1:
         sent += 2 * m * per_rank_stages * (msg or prof.largest(b) / 4)
-    upd = stage_params / (c.dp if c.zero >= 1 else 1)
+    upd = chunk
     tensors = prof.param_tensors / (c.pp if c.pp > 1 else 1)
-    opt_t = (upd * (3 + 2 * pr.n_state) / (dev.mem_bandwidth * (dev.efficiency or {}).get("memory", 1.0))
-             + OPT_OPS_PER_TENSOR * tensors * getattr(dev, "op_overhead_s", 0.0))
+    if "optimizer" in c.offload:       # the gradient chunk down, the update on the host, the new chunk up
+        opt_t = 2 * upd / HOST_LINK + upd * (3 + 2 * pr.n_state) / HOST_MEMORY
+    else:
+        opt_t = (upd * (3 + 2 * pr.n_state) / (dev.mem_bandwidth * (dev.efficiency or {}).get("memory", 1.0))
+                 + OPT_OPS_PER_TENSOR * tensors * getattr(dev, "op_overhead_s", 0.0))
     c.step_s = makespan + sync_t + opt_t
     c.comm_bytes = sent
-    busy = m * (comp + rec + tpc) + (0 if sched is None else 2 * m * per_rank_stages * p2p)
-    c.time = {"compute": m * comp, "recompute": m * rec, "tp comm": m * tpc,
-              "pp comm": 0.0 if sched is None else 2 * m * per_rank_stages * p2p,
+    k = m * per_rank_stages            # the stage passes a rank runs (interleaved: v per microbatch)
+    busy = k * (comp + rec + tpc) + (0 if sched is None else 2 * k * p2p)
+    c.time = {"compute": k * comp, "recompute": k * rec, "tp comm": k * tpc,
+              "pp comm": 0.0 if sched is None else 2 * k * p2p,
               "pipeline bubble": max(makespan - busy, 0.0), "dp sync": sync_t, "optimizer": opt_t}
     return c
