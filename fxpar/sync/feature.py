@@ -25,7 +25,8 @@ from fxpar.compress.method import BucketInfo, Method
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, Slot, register_feature
 
-from .method import SyncMethod, method_from_dict
+from .async_avg import ASYNC_GROUP, AsyncAveraging, AsyncAveragingState
+from .method import DiLoCo, SyncMethod, fragment_keys, method_from_dict
 from .runtime import SyncInfo, SyncState
 from .ssp_server import SSPServer
 from .ssp_worker import SSPState
@@ -89,6 +90,9 @@ class SyncSection(PlanSection):
 
 
 def _note(plan, m: SyncMethod) -> None:
+    if isinstance(m, AsyncAveraging):
+        plan.notes.append(m.note_words())
+        return
     if m.uses_servers:
         plan.notes.append(
             f"sync: {m.summary()} -- the parameters live on the ClusterSpec's cpu_servers ranks; each worker steps its "
@@ -135,6 +139,12 @@ def _hierarchy(m: SyncMethod, plan, cluster) -> SyncMethod:
     return dataclasses.replace(m, hierarchical=levels)
 
 
+def _async_groups(m: SyncMethod, plan) -> None:
+    """Timed asynchronous averaging: the averaging loops' process groups (the dp groups, under a name of their own)."""
+    if isinstance(m, AsyncAveraging) and m.timed:
+        plan.groups[ASYNC_GROUP] = [list(g) for g in plan.mesh.groups("dp")]
+
+
 def method_of(section: SyncSection) -> SyncMethod:
     return method_from_dict(section.method)
 
@@ -142,6 +152,8 @@ def method_of(section: SyncSection) -> SyncMethod:
 def sync_state(info: SyncInfo, rank: int):
     """The rank's state: an SSP / DSSP worker (:class:`SSPState`) for a method on parameter servers, else
     :class:`SyncState` (the averaging)."""
+    if isinstance(info.sync, AsyncAveraging):
+        return AsyncAveragingState(info, rank)
     return (SSPState if info.sync.uses_servers else SyncState)(info, rank)
 
 
@@ -177,7 +189,7 @@ class SyncFeature(Feature):
         m = self.method(strategy)
         if not isinstance(m, SyncMethod):
             raise StrategyError(f"Strategy(sync={m!r}): pass a method of fxpar.sync (S.LocalSGD(period=8), "
-                                "S.DiLoCo(period=500), S.SlowMo(period=48)) or None")
+                                "S.DiLoCo(period=500), S.SlowMo(period=48), S.AsyncAveraging(interval_s=0.5)) or None")
         if strategy.dp < 2:
             raise StrategyError(f"Strategy(sync={m.summary()}) decides when the data-parallel replicas agree: it "
                                 f"needs dp >= 2 (dp={strategy.dp}); set dp or drop sync")
@@ -216,6 +228,7 @@ class SyncFeature(Feature):
     def plan(self, strategy, plan, cluster):
         m = _hierarchy(self.method(strategy), plan, cluster)
         _note(plan, m)
+        _async_groups(m, plan)
         section = SyncSection(method=m.to_dict())
         if m.uses_servers:
             k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
@@ -225,6 +238,7 @@ class SyncFeature(Feature):
     def adopt(self, section, strategy, plan, cluster):
         m = _hierarchy(method_of(section), plan, cluster)
         _note(plan, m)
+        _async_groups(m, plan)
         if m.uses_servers and cluster is not None:     # the servers are the cluster's
             k = getattr(cluster, "cpu_servers", 0)
             section.servers = list(range(plan.mesh.size, plan.mesh.size + k))
@@ -232,6 +246,10 @@ class SyncFeature(Feature):
 
     def plan_stage(self, section, plan, stage, captured, cluster, schedule) -> None:
         m = method_of(section)
+        if isinstance(m, DiLoCo) and m.fragments > len(captured.param_shapes):
+            raise StrategyError(f"Strategy(sync={m.summary()}): fragments={m.fragments} is more fragments than the "
+                                f"model has parameter tensors ({len(captured.param_shapes)}); each fragment holds "
+                                f"whole tensors: use fragments <= {len(captured.param_shapes)}")
         g = GradientStep(warmup_steps=m.warmup_steps, period=m.period)
         rows = []
         for (at, _), b in zip(dp_bucket_indices(plan, stage), bucket_infos(plan, stage, captured)):
@@ -328,6 +346,9 @@ class SyncFeature(Feature):
             for j, (r, keys) in enumerate(zip(section.servers, section.shards)):
                 lines.append(f"parameter server {j} (rank {r}): {len(keys)} parameter(s) ({', '.join(keys[:4])}"
                              f"{', ...' if len(keys) > 4 else ''})")
+            return lines
+        if isinstance(m, AsyncAveraging) and m.timed:
+            lines.append(m.note_words().split(" -- ", 1)[1])
             return lines
         first = m.averaging_steps(m.warmup_steps + 3 * m.period + 1)
         lines.append(f"steps 0..{m.warmup_steps - 1} all-reduce the gradients (warm-up); " if m.warmup_steps else "")
