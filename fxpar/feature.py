@@ -359,6 +359,12 @@ class Feature:
         """Plain-language lines for ``program.explain()`` (default: what ``print(plan)`` shows of the section)."""
         return [] if section is None else section.plan_lines(program.plan)
 
+    def window(self, section, program, rank: int) -> list:
+        """Steps whose actions differ from the one step ``program.schedule(rank)`` lists, for its printout: lines
+        ``"step T: ACTION ..."`` over one window of steps (a synchronisation method's averaging every H steps, its
+        warm-up). Default: none (every step runs the same actions)."""
+        return []
+
     def held_less(self, section, program) -> dict:
         """What each rank does not hold of the model state ``explain()`` lists per rank (one stage):
         ``{"gradients" | "parameters" | "optimizer state": (bytes, why)}``."""

@@ -252,11 +252,16 @@ class SyncFeature(Feature):
                                 f"whole tensors: use fragments <= {len(captured.param_shapes)}")
         g = GradientStep(warmup_steps=m.warmup_steps, period=m.period)
         rows = []
+        # averagings per window of `span` steps: hierarchical Local SGD averages on every step some level's period
+        # divides (the largest period's window), the others once per period
+        levels = getattr(m, "hierarchical", ())
+        span = max(p for p, _ in levels) if levels and not isinstance(levels[0][0], str) else m.period
+        count = sum(m.group_at(t, levels) is not None for t in range(span)) if span != m.period else 1
         for (at, _), b in zip(dp_bucket_indices(plan, stage), bucket_infos(plan, stage, captured)):
             nbytes = b.numel * b.element_size
             row = {"bucket": at, "keys": list(b.keys), "numel": b.numel, "dtype": b.dtype, "plain_bytes": nbytes,
-                   "window_bytes": nbytes, "wire_bytes": nbytes // m.period, "collectives": [],
-                   "declared": [["all_reduce", nbytes // m.period]]}
+                   "window_bytes": nbytes, "wire_bytes": nbytes * count // span, "collectives": [],
+                   "declared": [["all_reduce", nbytes * count // span]]}
             if m.warmup_steps:
                 row["first_step"] = {"wire_bytes": g.wire_bytes(b, ALLREDUCE), "collectives": []}
             rows.append(row)
@@ -335,6 +340,64 @@ class SyncFeature(Feature):
             warnings.warn(f"Strategy(sync={m.summary()}): warmup_steps={m.warmup_steps} covers the whole run of "
                           f"{n_batches} step(s), so every step all-reduces the gradients (plain data parallelism); "
                           "lower warmup_steps or train longer", UserWarning, stacklevel=3)
+
+    def window(self, section, program, rank: int) -> list:
+        """The averaging actions on the steps they happen, over the warm-up and one window of ``period`` steps:
+        ``AVERAGE<stage>`` (the replicas' parameters all-reduced, its bytes), ``OUTER<stage>`` (the outer step:
+        DiLoCo's optimizer, SlowMo's slow momentum), ``.<fragment>`` for streaming DiLoCo's fragments (the
+        ``OUTER`` ``delay`` steps after its ``AVERAGE``); hierarchical Local SGD names the group size."""
+        m = method_of(section)
+        if m.uses_servers:
+            return []
+        stages = program.plan.rank_stages(rank)
+        if not stages or not section.stages:
+            return []
+        levels = _hierarchy(m, program.plan, program.cluster).hierarchical if getattr(m, "hierarchical", ()) else ()
+
+        def nbytes(s, keys=None):
+            cap = program.stages[s].captured
+            keys = program.stages[s].param_keys if keys is None else keys
+            return sum(int(torch.Size(cap.param_shapes[k]).numel()) * cap.param_dtypes[k].itemsize for k in keys)
+
+        total = sum(nbytes(s) for s in stages)
+        head = f"sync {m.summary()}:"
+        lines = []
+        if m.warmup_steps:
+            lines.append(f"  steps 0..{m.warmup_steps - 1} (warm-up): the step's gradient all-reduce, as plain data "
+                         "parallelism")
+        if isinstance(m, AsyncAveraging) and m.timed:
+            return [f"{head} from step {m.warmup_steps} no step waits for another rank; every {m.interval_s} s "
+                    f"AVERAGE{'/'.join(map(str, stages))} ({total} bytes) runs in the background, its snapshot and "
+                    "its correction between two updates", *lines]
+        period = max(p for p, _ in levels) if levels else m.period
+        outer = m.keeps_anchor
+        moved: dict = {}                     # step -> bytes its averagings all-reduce
+        for t in range(m.warmup_steps, m.warmup_steps + period):
+            acts = []
+            for s in stages:
+                if isinstance(m, DiLoCo) and m.streaming:
+                    frags = fragment_keys(program.stages[s].param_keys, m.fragments)
+                    for f, keys in enumerate(frags):
+                        if m.fragment_averages(f, t):
+                            acts.append(f"AVERAGE{s}.{f} ({nbytes(s, keys)} bytes)")
+                            moved[t] = moved.get(t, 0) + nbytes(s, keys)
+                        if m.fragment_averages(f, t - m.delay):
+                            acts.append(f"OUTER{s}.{f}")
+                elif m.averages(t):
+                    group = m.group_at(t, levels) if levels else None
+                    within = f" within groups of {group}" if group is not None and group < program.plan.dp else ""
+                    acts.append(f"AVERAGE{s} ({nbytes(s)} bytes{within})")
+                    moved[t] = moved.get(t, 0) + nbytes(s)
+                    if outer:
+                        acts.append(f"OUTER{s}")
+            lines.append(f"  step {t}: {' '.join(acts) if acts else '-'}")
+        window = sum(moved.values())
+        counted = sum(row["wire_bytes"] for s in stages if s < len(section.stages) for row in section.stages[s])
+        lines.insert(0, f"{head} the actions each step adds after its update, over one window of {period} step(s), "
+                        f"then again every {period} steps; {window} bytes per rank per window ({window // period} per "
+                        f"step on average, at most {max(moved.values(), default=0)} on one step; estimate() counts "
+                        f"{counted} per step)")
+        return lines
 
     def explain(self, section, program) -> list:
         m = method_of(section)
