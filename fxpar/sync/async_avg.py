@@ -13,7 +13,7 @@ another worker, while an averaging loop beside it, every ``interval_s`` seconds:
 4. between two updates again, corrects the model by what the averaging changed: ``x_i <- x_i + (a - s_i)``.
 
 The updates the worker made while the all-reduce ran are kept (bagua's kernel adds ``a - s_i`` to the weights the
-same way). The correction sums to zero over the workers, so every averaging keeps the mean of the replicas.
+same way). The corrections cancel over the workers, so every averaging keeps the mean of the replicas.
 
 Lock discipline (bagua's: the optimizer step and the averaging's read and write of the weights exclude each other):
 the snapshot and the correction happen on the rank's own step loop, after a stage's update and before the next,
@@ -137,7 +137,7 @@ class AsyncAveragingState(SyncState):
     """One rank's asynchronous averaging: the warm-up's gradient all-reduce (:class:`SyncState`'s buckets), then the
     averaging loop (timed) or the step loop's averaging (deterministic). Records, per averaging, the step after
     which it was applied and a fingerprint of the correction (its dot product with a fixed random vector, the same
-    on every rank: the fingerprints sum to zero over the ranks when the averaging keeps the replicas' mean)."""
+    on every rank: the fingerprints cancel over the ranks when the averaging keeps the replicas' mean)."""
 
     def setup(self, ex) -> None:
         super().setup(ex)
@@ -201,7 +201,7 @@ class AsyncAveragingState(SyncState):
         ranks = ex.p.bindings.get(ASYNC_GROUP, ())
         self.apg = group(ranks, ASYNC_GROUP) if len(ranks) > 1 else None
         self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name=f"fxpar-async-avg-{self.rank}", daemon=True)
+        self.thread = threading.Thread(target=self._loop, name=f"fxpar-averaging-{self.rank}", daemon=True)
         self.thread.start()
 
     def _serve(self, ex, t: int) -> None:
