@@ -1,7 +1,8 @@
 """The ``sync`` feature: the Strategy option, its Plan section, its pass, its cost and its words.
 
-``Strategy(dp=N, sync=S.LocalSGD(period=H, warmup_steps=W))`` (or :class:`~fxpar.sync.method.DiLoCo`,
-:class:`~fxpar.sync.method.SlowMo`). The pass puts a host call where each dp gradient bucket's all-reduce was
+``Strategy(dp=N, sync=S.LocalSGD(period=H, warmup_steps=W))`` (or :class:`~fxpar.sync.method.DiLoCo`, streaming
+with ``fragments=F``, :class:`~fxpar.sync.method.SlowMo`, :class:`~fxpar.sync.async_avg.AsyncAveraging`).
+The pass puts a host call where each dp gradient bucket's all-reduce was
 (``fxpar.compress``'s :class:`~fxpar.compress.feature.CompressedSum`, fed by :class:`GradientStep`): it all-reduces
 the bucket during the warm-up and hands back the rank's own gradient after. The rank's :class:`SyncState`
 (:mod:`fxpar.sync.runtime`) averages the parameters after the optimizer step of each averaging step.
@@ -9,7 +10,9 @@ the bucket during the warm-up and hands back the rank's own gradient after. The 
 What travels per rank: during the warm-up, each bucket's all-reduce, as plain data parallelism; after, nothing on
 the steps between two averagings and one all-reduce of the stage's parameters (``P`` bytes, the same bytes as
 the gradient buckets) on each averaging step: ``P`` bytes per ``H`` steps. ``estimate()`` counts the window's mean,
-``P // H`` bytes per step, where the buckets' all-reduces were.
+``P // H`` bytes per step, where the buckets' all-reduces were (hierarchical Local SGD: ``P`` times the averagings in
+its largest period's window, over that window). :meth:`SyncFeature.window` lists the averaging actions step by
+step for ``program.schedule(rank)``.
 """
 from __future__ import annotations
 
@@ -68,7 +71,8 @@ class SyncSection(PlanSection):
     """``method``: the method's options (``SyncMethod.to_dict()``); ``stages``: per stage, per dp gradient bucket
     ``{"bucket", "keys", "numel", "dtype", "plain_bytes", "window_bytes", "wire_bytes", "collectives", "declared",
     "first_step"}``: ``window_bytes`` the bucket's parameters' bytes one averaging all-reduces (per ``period``
-    steps), ``wire_bytes`` their mean per step (what the cost models count where the bucket's all-reduce was),
+    steps), ``wire_bytes`` the window's averagings' bytes per step (what the cost models count where the bucket's
+    all-reduce was),
     ``first_step`` the warm-up's all-reduce of the gradient bucket."""
     method: dict = field(default_factory=dict)
     stages: list = field(default_factory=list)
@@ -170,11 +174,12 @@ def shard_keys(sizes: dict, k: int) -> list:
 
 class SyncFeature(Feature):
     name = FEATURE
-    doc = ("synchronisation methods: Local SGD (post-local SGD), DiLoCo, SlowMo, stale synchronous parallel (SSP, DSSP) "
-           "on parameter servers (fxpar.sync)")
+    doc = ("synchronisation methods: Local SGD (post-local SGD), DiLoCo (streaming too), SlowMo, BAGUA's asynchronous "
+           "averaging, stale synchronous parallel (SSP, DSSP) on parameter servers (fxpar.sync)")
     options = {FEATURE: Option(None, (
         "when the dp replicas agree (``fxpar.sync``): ``S.LocalSGD(period=H, warmup_steps=W)``, "
         "``S.DiLoCo(period=H, outer=(torch.optim.SGD, {...}))``, ``S.SlowMo(period=H, slow_lr=a, slow_momentum=b)``, "
+        "``S.DiLoCo(period=H, fragments=F, delay=tau)`` (streaming), ``S.AsyncAveraging(interval_s=s)``, "
         "``S.SSP(staleness=s)``, ``S.DSSP(low=a, high=b)`` (these two with ClusterSpec(cpu_servers=k)); "
         "None: every step's gradients are all-reduced"))}
     section = SyncSection

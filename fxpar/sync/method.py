@@ -270,7 +270,8 @@ class DiLoCo(SyncMethod):
                                 "result arrives must be a number in [0, 1] (0: take the outer result)")
         if self.mix and not self.delay:
             raise StrategyError(f"DiLoCo(mix={self.mix}, delay=0): the merge weighs the inner steps made while the "
-                                "fragment was in flight; with no delay there are none: set delay >= 1 or leave mix at 0")
+                                "fragment was in flight; with no delay there are none: set delay >= 1 or leave mix "
+                                "at 0")
 
     def __hash__(self):               # ``outer`` holds a dict: hash the JSON form
         return hash(json.dumps(self.to_dict(), sort_keys=True))
