@@ -117,3 +117,24 @@ def test_plan_round_trip_schedule_and_bytes():
     assert f"{sum(size)} bytes per rank per window" in lines[1] and f"at most {max(size)} on one step" in lines[1]
     assert prog.estimate().ranks[0].comm_bytes == sum(size) // 4
     assert "one fragment of 2 at a time" in prog.explain()
+
+
+@pytest.mark.structure
+def test_schedule_lists_each_methods_averaging_actions():
+    """program.schedule(rank) after the step's actions: the warm-up on one line, then per step of one window what
+    the method adds -- Local SGD's AVERAGE, SlowMo's AVERAGE and OUTER, hierarchical Local SGD's groups; estimate()
+    counts the window's bytes over its steps (hierarchical: two averagings per window of 4)."""
+    model, batches = _model(), mlp_batches(1)
+    p = sum(t.numel() * 8 for t in model.parameters())
+    local = _program(model, batches, S.LocalSGD(period=3, warmup_steps=2), dp=4)
+    assert str(local.schedule(3)).splitlines()[2:] == [
+        "  steps 0..1 (warm-up): the step's gradient all-reduce, as plain data parallelism",
+        f"  step 2: AVERAGE0 ({p} bytes)", "  step 3: -", "  step 4: -"]
+    slow = _program(model, batches, S.SlowMo(period=2), dp=4)
+    assert str(slow.schedule(0)).splitlines()[2:] == [f"  step 0: AVERAGE0 ({p} bytes) OUTER0", "  step 1: -"]
+    tiers = _program(model, batches, S.LocalSGD(hierarchical={2: 2, 4: 4}), dp=4)
+    lines = str(tiers.schedule(1)).splitlines()
+    assert lines[2:] == [f"  step 0: AVERAGE0 ({p} bytes)", "  step 1: -",
+                         f"  step 2: AVERAGE0 ({p} bytes within groups of 2)", "  step 3: -"]
+    assert f"{2 * p} bytes per rank per window ({p // 2} per step on average" in lines[1]
+    assert tiers.estimate().ranks[0].comm_bytes == 2 * p // 4

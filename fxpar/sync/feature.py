@@ -357,7 +357,7 @@ class SyncFeature(Feature):
         stages = program.plan.rank_stages(rank)
         if not stages or not section.stages:
             return []
-        levels = _hierarchy(m, program.plan, program.cluster).hierarchical if getattr(m, "hierarchical", ()) else ()
+        levels = tuple(sorted(getattr(m, "hierarchical", ())))      # resolved by plan(): {period: group size}
 
         def nbytes(s, keys=None):
             cap = program.stages[s].captured

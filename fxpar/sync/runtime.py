@@ -127,7 +127,7 @@ class SyncState(CompressState):
 
     # ---- streaming DiLoCo ---------------------------------------------------------------------------------------
     def _stream(self, ex, stage: int, t: int) -> None:
-        """After step ``t``: merge the fragments due now, then start the fragments whose averaging is at ``t``."""
+        """After step ``t``: merge the fragments due at ``t``, then start the fragments whose averaging is at ``t``."""
         m = self.sync
         ps = dict(ex.params[stage])
         for item in [x for x in self.inflight if x[0] == t and x[1] == stage]:
