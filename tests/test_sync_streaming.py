@@ -122,8 +122,9 @@ def test_plan_round_trip_schedule_and_bytes():
 @pytest.mark.structure
 def test_schedule_lists_each_methods_averaging_actions():
     """program.schedule(rank) after the step's actions: the warm-up on one line, then per step of one window what
-    the method adds -- Local SGD's AVERAGE, SlowMo's AVERAGE and OUTER, hierarchical Local SGD's groups; estimate()
-    counts the window's bytes over its steps (hierarchical: two averagings per window of 4, as Local SGD's one per 2)."""
+    the method adds -- Local SGD's AVERAGE, SlowMo's AVERAGE and OUTER, hierarchical Local SGD's groups;
+    estimate() counts the window's bytes over its steps (hierarchical: two averagings per window of 4, as Local
+    SGD's one per 2)."""
     model, batches = _model(), mlp_batches(1)
     p = sum(t.numel() * 8 for t in model.parameters())
     local = _program(model, batches, S.LocalSGD(period=3, warmup_steps=2), dp=4)
