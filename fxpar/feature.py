@@ -360,9 +360,9 @@ class Feature:
         return [] if section is None else section.plan_lines(program.plan)
 
     def window(self, section, program, rank: int) -> list:
-        """Steps whose actions differ from the one step ``program.schedule(rank)`` lists, for its printout: lines
-        ``"step T: ACTION ..."`` over one window of steps (a synchronisation method's averaging every H steps, its
-        warm-up). Default: none (every step runs the same actions)."""
+        """Steps whose actions differ from the one step ``program.schedule(rank)`` lists, for its printout: a header
+        line, then ``"  step T: ACTION ..."`` over one window of steps (a synchronisation method's averaging every H
+        steps, its warm-up). Default: none (every step runs the same actions)."""
         return []
 
     def held_less(self, section, program) -> dict:
