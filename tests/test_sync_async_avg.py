@@ -52,15 +52,16 @@ def test_every_step_with_plain_sgd_is_synchronous_dp(clusters):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("every,warmup", [(3, 0), (2, 1)])
-def test_every_k_steps_is_local_sgd(clusters, every, warmup):
-    """every_steps=k, SGD-momentum, dp=2: every replica and the losses equal LocalSGD(period=k) with the same
-    warm-up to 1e-10 (x + (mean - x) is the mean to rounding); the averagings fall after the same steps."""
+@pytest.mark.parametrize("every,warmup,microbatches", [(3, 0, 1), (2, 1, 1), (2, 0, 2)])
+def test_every_k_steps_is_local_sgd(clusters, every, warmup, microbatches):
+    """every_steps=k, SGD-momentum, dp=2 (and with 2 microbatches): every replica and the losses equal
+    LocalSGD(period=k) with the same warm-up to 1e-10 (x + (mean - x) is the mean to rounding); the averagings fall
+    after the same steps."""
     model, batches = _model(), mlp_batches(7)
-    got = _program(model, batches, S.AsyncAveraging(every_steps=every, warmup_steps=warmup)).run_local(
-        batches, cluster=clusters.get(2))
-    want = _program(model, batches, S.LocalSGD(period=every, warmup_steps=warmup)).run_local(
-        batches, cluster=clusters.get(2))
+    got = _program(model, batches, S.AsyncAveraging(every_steps=every, warmup_steps=warmup),
+                   microbatches=microbatches).run_local(batches, cluster=clusters.get(2))
+    want = _program(model, batches, S.LocalSGD(period=every, warmup_steps=warmup),
+                    microbatches=microbatches).run_local(batches, cluster=clusters.get(2))
     torch.testing.assert_close(torch.tensor(got.losses), torch.tensor(want.losses), rtol=1e-10, atol=1e-10)
     for r in range(2):
         _close(got.features[r]["sync"]["replica"], want.features[r]["sync"]["replica"], f"replica {r}")
