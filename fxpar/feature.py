@@ -366,6 +366,12 @@ class Feature:
         graphs as they are."""
         return None
 
+    def window(self, section, program, rank: int) -> list:
+        """Steps whose actions differ from the one step ``program.schedule(rank)`` lists, for its printout: a header
+        line, then ``"  step T: ACTION ..."`` over one window of steps (a synchronisation method's averaging every H
+        steps, its warm-up). Default: none (every step runs the same actions)."""
+        return []
+
     def held_less(self, section, program) -> dict:
         """What each rank does not hold of the model state ``explain()`` lists per rank (one stage):
         ``{"gradients" | "parameters" | "optimizer state": (bytes, why)}``."""

@@ -113,14 +113,16 @@ def is_compute_label(label: str) -> bool:
 
 
 class ActionList(list):
-    """One rank's actions; ``str()`` prints them in the schedule IR's text form."""
+    """One rank's actions in one step; ``str()`` prints them in the schedule IR's text form, then ``window``: the
+    lines of the steps whose actions differ (a synchronisation method's averagings over one window of steps)."""
 
-    def __init__(self, rank: int, actions):
+    def __init__(self, rank: int, actions, window: list | None = None):
         super().__init__(actions)
         self.rank = rank
+        self.window = list(window or [])
 
     def __str__(self) -> str:
-        return f"rank {self.rank}: " + " ".join(a.short() for a in self)
+        return "\n".join([f"rank {self.rank}: " + " ".join(a.short() for a in self), *self.window])
 
 
 def stage_messages(captured) -> dict:
@@ -252,8 +254,9 @@ class Program:
         """This rank's actions, peers as global ranks (``str()`` prints ``rank R: F0.0 SF0.0>1 ...``)."""
         pr, d = self._check_rank(rank)
         g = lambda r: None if r is None else r * self.dp + d   # noqa: E731
+        window = [line for n, sec in self.plan.features.items() for line in get_feature(n).window(sec, self, rank)]
         return ActionList(rank, [Action(rank, a.kind, a.stage, a.microbatch, g(a.peer), a.version)
-                                 for a in self.pipe_schedule.actions[pr]])
+                                 for a in self.pipe_schedule.actions[pr]], window)
 
     def _calls(self, rank: int) -> list:
         """What the rank runs in one step, in order: ``cost_models.Item(graph, label, keep)`` per compute

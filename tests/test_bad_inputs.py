@@ -797,6 +797,46 @@ def _small_device(strategy, memory_bytes: int = 1000):
 
 CASES.update(WAVELET_CASES)
 
+# ---- asynchronous model averaging and streaming DiLoCo (fxpar/sync/async_avg.py, fxpar/sync/method.py) -------------
+ASYNC_AVG_CASES = {
+    "async_avg_interval_zero": (lambda: S.AsyncAveraging(interval_s=0), fxpar.StrategyError,
+                                r"AsyncAveraging\(interval_s=0\)", r"must be a number > 0"),
+    "async_avg_interval_negative": (lambda: S.AsyncAveraging(interval_s=-0.5), fxpar.StrategyError,
+                                    r"AsyncAveraging\(interval_s=-0.5\)", r"must be a number > 0"),
+    "async_avg_neither": (lambda: S.AsyncAveraging(), fxpar.StrategyError, r"AsyncAveraging\(\)",
+                          r"interval_s=seconds .* or every_steps=k"),
+    "async_avg_both": (lambda: S.AsyncAveraging(interval_s=0.5, every_steps=2), fxpar.StrategyError,
+                       r"AsyncAveraging\(interval_s=0.5, every_steps=2\)", r"pass one of them"),
+    "async_avg_every_zero": (lambda: S.AsyncAveraging(every_steps=0), fxpar.StrategyError,
+                             r"AsyncAveraging\(every_steps=0\)", r"an int >= 1"),
+    "async_avg_period": (lambda: S.AsyncAveraging(period=4, interval_s=0.5), fxpar.StrategyError,
+                         r"AsyncAveraging\(period=4\)", r"pass interval_s=seconds .* or every_steps=k"),
+    "async_avg_with_zero": (lambda: _dp2(zero=1, sync=S.AsyncAveraging(interval_s=0.5)), fxpar.StrategyError,
+                            r"feature 'sync' \(sync=AsyncAveraging\(interval_s=0.5.*conflicts with feature 'zero'",
+                            r"drop one of them"),
+    "async_avg_with_pp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, pp=2, microbatches=2,
+                                                                    sync=S.AsyncAveraging(interval_s=0.5))),
+                          fxpar.StrategyError,
+                          r"Strategy\(sync=AsyncAveraging\(interval_s=0.5, warmup_steps=0\), pp=2\)",
+                          r"train with pp=1 or drop sync"),
+    "diloco_fragments_zero": (lambda: S.DiLoCo(period=4, fragments=0), fxpar.StrategyError,
+                              r"DiLoCo\(fragments=0\)", r"an int >= 1 \(1: plain DiLoCo"),
+    "diloco_fragments_not_dividing_period": (lambda: S.DiLoCo(period=6, fragments=4), fxpar.StrategyError,
+                                             r"DiLoCo\(period=6, fragments=4\)",
+                                             r"use period=8 or fragments dividing 6"),
+    "diloco_fragments_above_tensors": (lambda: _dp2(sync=S.DiLoCo(period=8, fragments=8)), fxpar.StrategyError,
+                                       r"fragments=8 is more fragments than the model has parameter tensors \(4\)",
+                                       r"use fragments <= 4"),
+    "diloco_delay_past_the_fragment": (lambda: S.DiLoCo(period=4, fragments=2, delay=2), fxpar.StrategyError,
+                                       r"DiLoCo\(delay=2\)", r"an int in \[0, period / fragments\) = \[0, 2\)"),
+    "diloco_mix_without_delay": (lambda: S.DiLoCo(period=4, fragments=2, mix=0.5), fxpar.StrategyError,
+                                 r"DiLoCo\(mix=0.5, delay=0\)", r"set delay >= 1 or leave mix at 0"),
+    "diloco_fragments_with_zero": (lambda: _dp2(zero=1, sync=S.DiLoCo(period=4, fragments=2)), fxpar.StrategyError,
+                                   r"feature 'sync' \(sync=DiLoCo\(.*fragments=2.*conflicts with feature 'zero'",
+                                   r"drop one of them"),
+}
+CASES.update(ASYNC_AVG_CASES)
+
 
 @pytest.mark.structure
 @pytest.mark.parametrize("case", list(CASES))

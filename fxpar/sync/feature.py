@@ -1,7 +1,8 @@
 """The ``sync`` feature: the Strategy option, its Plan section, its pass, its cost and its words.
 
-``Strategy(dp=N, sync=S.LocalSGD(period=H, warmup_steps=W))`` (or :class:`~fxpar.sync.method.DiLoCo`,
-:class:`~fxpar.sync.method.SlowMo`). The pass puts a host call where each dp gradient bucket's all-reduce was
+``Strategy(dp=N, sync=S.LocalSGD(period=H, warmup_steps=W))`` (or :class:`~fxpar.sync.method.DiLoCo`, streaming
+with ``fragments=F``, :class:`~fxpar.sync.method.SlowMo`, :class:`~fxpar.sync.async_avg.AsyncAveraging`).
+The pass puts a host call where each dp gradient bucket's all-reduce was
 (``fxpar.compress``'s :class:`~fxpar.compress.feature.CompressedSum`, fed by :class:`GradientStep`): it all-reduces
 the bucket during the warm-up and hands back the rank's own gradient after. The rank's :class:`SyncState`
 (:mod:`fxpar.sync.runtime`) averages the parameters after the optimizer step of each averaging step.
@@ -9,7 +10,9 @@ the bucket during the warm-up and hands back the rank's own gradient after. The 
 What travels per rank: during the warm-up, each bucket's all-reduce, as plain data parallelism; after, nothing on
 the steps between two averagings and one all-reduce of the stage's parameters (``P`` bytes, the same bytes as
 the gradient buckets) on each averaging step: ``P`` bytes per ``H`` steps. ``estimate()`` counts the window's mean,
-``P // H`` bytes per step, where the buckets' all-reduces were.
+``P // H`` bytes per step, where the buckets' all-reduces were (hierarchical Local SGD: ``P`` times the averagings in
+its largest period's window, over that window). :meth:`SyncFeature.window` lists the averaging actions step by
+step for ``program.schedule(rank)``.
 """
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from fxpar.compress.method import BucketInfo, Method
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, Slot, register_feature
 
-from .method import SyncMethod, method_from_dict
+from .async_avg import ASYNC_GROUP, AsyncAveraging, AsyncAveragingState
+from .method import DiLoCo, SyncMethod, fragment_keys, method_from_dict
 from .runtime import SyncInfo, SyncState
 from .ssp_server import SSPServer
 from .ssp_worker import SSPState
@@ -67,7 +71,8 @@ class SyncSection(PlanSection):
     """``method``: the method's options (``SyncMethod.to_dict()``); ``stages``: per stage, per dp gradient bucket
     ``{"bucket", "keys", "numel", "dtype", "plain_bytes", "window_bytes", "wire_bytes", "collectives", "declared",
     "first_step"}``: ``window_bytes`` the bucket's parameters' bytes one averaging all-reduces (per ``period``
-    steps), ``wire_bytes`` their mean per step (what the cost models count where the bucket's all-reduce was),
+    steps), ``wire_bytes`` the window's averagings' bytes per step (what the cost models count where the bucket's
+    all-reduce was),
     ``first_step`` the warm-up's all-reduce of the gradient bucket."""
     method: dict = field(default_factory=dict)
     stages: list = field(default_factory=list)
@@ -89,6 +94,9 @@ class SyncSection(PlanSection):
 
 
 def _note(plan, m: SyncMethod) -> None:
+    if isinstance(m, AsyncAveraging):
+        plan.notes.append(m.note_words())
+        return
     if m.uses_servers:
         plan.notes.append(
             f"sync: {m.summary()} -- the parameters live on the ClusterSpec's cpu_servers ranks; each worker steps its "
@@ -135,6 +143,12 @@ def _hierarchy(m: SyncMethod, plan, cluster) -> SyncMethod:
     return dataclasses.replace(m, hierarchical=levels)
 
 
+def _async_groups(m: SyncMethod, plan) -> None:
+    """Timed asynchronous averaging: the averaging loops' process groups (the dp groups, under a name of their own)."""
+    if isinstance(m, AsyncAveraging) and m.timed:
+        plan.groups[ASYNC_GROUP] = [list(g) for g in plan.mesh.groups("dp")]
+
+
 def method_of(section: SyncSection) -> SyncMethod:
     return method_from_dict(section.method)
 
@@ -142,6 +156,8 @@ def method_of(section: SyncSection) -> SyncMethod:
 def sync_state(info: SyncInfo, rank: int):
     """The rank's state: an SSP / DSSP worker (:class:`SSPState`) for a method on parameter servers, else
     :class:`SyncState` (the averaging)."""
+    if isinstance(info.sync, AsyncAveraging):
+        return AsyncAveragingState(info, rank)
     return (SSPState if info.sync.uses_servers else SyncState)(info, rank)
 
 
@@ -158,11 +174,12 @@ def shard_keys(sizes: dict, k: int) -> list:
 
 class SyncFeature(Feature):
     name = FEATURE
-    doc = ("synchronisation methods: Local SGD (post-local SGD), DiLoCo, SlowMo, stale synchronous parallel (SSP, DSSP) "
-           "on parameter servers (fxpar.sync)")
+    doc = ("synchronisation methods: Local SGD (post-local SGD), DiLoCo (streaming too), SlowMo, BAGUA's asynchronous "
+           "averaging, stale synchronous parallel (SSP, DSSP) on parameter servers (fxpar.sync)")
     options = {FEATURE: Option(None, (
         "when the dp replicas agree (``fxpar.sync``): ``S.LocalSGD(period=H, warmup_steps=W)``, "
         "``S.DiLoCo(period=H, outer=(torch.optim.SGD, {...}))``, ``S.SlowMo(period=H, slow_lr=a, slow_momentum=b)``, "
+        "``S.DiLoCo(period=H, fragments=F, delay=tau)`` (streaming), ``S.AsyncAveraging(interval_s=s)``, "
         "``S.SSP(staleness=s)``, ``S.DSSP(low=a, high=b)`` (these two with ClusterSpec(cpu_servers=k)); "
         "None: every step's gradients are all-reduced"))}
     section = SyncSection
@@ -177,7 +194,7 @@ class SyncFeature(Feature):
         m = self.method(strategy)
         if not isinstance(m, SyncMethod):
             raise StrategyError(f"Strategy(sync={m!r}): pass a method of fxpar.sync (S.LocalSGD(period=8), "
-                                "S.DiLoCo(period=500), S.SlowMo(period=48)) or None")
+                                "S.DiLoCo(period=500), S.SlowMo(period=48), S.AsyncAveraging(interval_s=0.5)) or None")
         if strategy.dp < 2:
             raise StrategyError(f"Strategy(sync={m.summary()}) decides when the data-parallel replicas agree: it "
                                 f"needs dp >= 2 (dp={strategy.dp}); set dp or drop sync")
@@ -216,6 +233,7 @@ class SyncFeature(Feature):
     def plan(self, strategy, plan, cluster):
         m = _hierarchy(self.method(strategy), plan, cluster)
         _note(plan, m)
+        _async_groups(m, plan)
         section = SyncSection(method=m.to_dict())
         if m.uses_servers:
             k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
@@ -225,6 +243,7 @@ class SyncFeature(Feature):
     def adopt(self, section, strategy, plan, cluster):
         m = _hierarchy(method_of(section), plan, cluster)
         _note(plan, m)
+        _async_groups(m, plan)
         if m.uses_servers and cluster is not None:     # the servers are the cluster's
             k = getattr(cluster, "cpu_servers", 0)
             section.servers = list(range(plan.mesh.size, plan.mesh.size + k))
@@ -232,13 +251,22 @@ class SyncFeature(Feature):
 
     def plan_stage(self, section, plan, stage, captured, cluster, schedule) -> None:
         m = method_of(section)
+        if isinstance(m, DiLoCo) and m.fragments > len(captured.param_shapes):
+            raise StrategyError(f"Strategy(sync={m.summary()}): fragments={m.fragments} is more fragments than the "
+                                f"model has parameter tensors ({len(captured.param_shapes)}); each fragment holds "
+                                f"whole tensors: use fragments <= {len(captured.param_shapes)}")
         g = GradientStep(warmup_steps=m.warmup_steps, period=m.period)
         rows = []
+        # averagings per window of `span` steps: hierarchical Local SGD averages on every step some level's period
+        # divides (the largest period's window), the others once per period
+        levels = getattr(m, "hierarchical", ())
+        span = max(p for p, _ in levels) if levels and not isinstance(levels[0][0], str) else m.period
+        count = sum(m.group_at(t, levels) is not None for t in range(span)) if span != m.period else 1
         for (at, _), b in zip(dp_bucket_indices(plan, stage), bucket_infos(plan, stage, captured)):
             nbytes = b.numel * b.element_size
             row = {"bucket": at, "keys": list(b.keys), "numel": b.numel, "dtype": b.dtype, "plain_bytes": nbytes,
-                   "window_bytes": nbytes, "wire_bytes": nbytes // m.period, "collectives": [],
-                   "declared": [["all_reduce", nbytes // m.period]]}
+                   "window_bytes": nbytes, "wire_bytes": nbytes * count // span, "collectives": [],
+                   "declared": [["all_reduce", nbytes * count // span]]}
             if m.warmup_steps:
                 row["first_step"] = {"wire_bytes": g.wire_bytes(b, ALLREDUCE), "collectives": []}
             rows.append(row)
@@ -318,6 +346,64 @@ class SyncFeature(Feature):
                           f"{n_batches} step(s), so every step all-reduces the gradients (plain data parallelism); "
                           "lower warmup_steps or train longer", UserWarning, stacklevel=3)
 
+    def window(self, section, program, rank: int) -> list:
+        """The averaging actions on the steps they happen, over the warm-up and one window of ``period`` steps:
+        ``AVERAGE<stage>`` (the replicas' parameters all-reduced, its bytes), ``OUTER<stage>`` (the outer step:
+        DiLoCo's optimizer, SlowMo's slow momentum), ``.<fragment>`` for streaming DiLoCo's fragments (the
+        ``OUTER`` ``delay`` steps after its ``AVERAGE``); hierarchical Local SGD names the group size."""
+        m = method_of(section)
+        if m.uses_servers:
+            return []
+        stages = program.plan.rank_stages(rank)
+        if not stages or not section.stages:
+            return []
+        levels = tuple(sorted(getattr(m, "hierarchical", ())))      # resolved by plan(): {period: group size}
+
+        def nbytes(s, keys=None):
+            cap = program.stages[s].captured
+            keys = program.stages[s].param_keys if keys is None else keys
+            return sum(int(torch.Size(cap.param_shapes[k]).numel()) * cap.param_dtypes[k].itemsize for k in keys)
+
+        total = sum(nbytes(s) for s in stages)
+        head = f"sync {m.summary()}:"
+        lines = []
+        if m.warmup_steps:
+            lines.append(f"  steps 0..{m.warmup_steps - 1} (warm-up): the step's gradient all-reduce, as plain data "
+                         "parallelism")
+        if isinstance(m, AsyncAveraging) and m.timed:
+            return [f"{head} from step {m.warmup_steps} no step waits for another rank; every {m.interval_s} s "
+                    f"AVERAGE{'/'.join(map(str, stages))} ({total} bytes) runs in the background, its snapshot and "
+                    "its correction between two updates", *lines]
+        period = max(p for p, _ in levels) if levels else m.period
+        outer = m.keeps_anchor
+        moved: dict = {}                     # step -> bytes its averagings all-reduce
+        for t in range(m.warmup_steps, m.warmup_steps + period):
+            acts = []
+            for s in stages:
+                if isinstance(m, DiLoCo) and m.streaming:
+                    frags = fragment_keys(program.stages[s].param_keys, m.fragments)
+                    for f, keys in enumerate(frags):
+                        if m.fragment_averages(f, t):
+                            acts.append(f"AVERAGE{s}.{f} ({nbytes(s, keys)} bytes)")
+                            moved[t] = moved.get(t, 0) + nbytes(s, keys)
+                        if m.fragment_averages(f, t - m.delay):
+                            acts.append(f"OUTER{s}.{f}")
+                elif m.averages(t):
+                    group = m.group_at(t, levels) if levels else None
+                    within = f" within groups of {group}" if group is not None and group < program.plan.dp else ""
+                    acts.append(f"AVERAGE{s} ({nbytes(s)} bytes{within})")
+                    moved[t] = moved.get(t, 0) + nbytes(s)
+                    if outer:
+                        acts.append(f"OUTER{s}")
+            lines.append(f"  step {t}: {' '.join(acts) if acts else '-'}")
+        window = sum(moved.values())
+        counted = sum(row["wire_bytes"] for s in stages if s < len(section.stages) for row in section.stages[s])
+        lines.insert(0, f"{head} the actions each step adds after its update, over one window of {period} step(s), "
+                        f"then again every {period} steps; {window} bytes per rank per window ({window // period} per "
+                        f"step on average, at most {max(moved.values(), default=0)} on one step; estimate() counts "
+                        f"{counted} per step)")
+        return lines
+
     def explain(self, section, program) -> list:
         m = method_of(section)
         lines = section.lines() + [f"method: {m.summary()}; {m.paper}"]
@@ -328,6 +414,9 @@ class SyncFeature(Feature):
             for j, (r, keys) in enumerate(zip(section.servers, section.shards)):
                 lines.append(f"parameter server {j} (rank {r}): {len(keys)} parameter(s) ({', '.join(keys[:4])}"
                              f"{', ...' if len(keys) > 4 else ''})")
+            return lines
+        if isinstance(m, AsyncAveraging) and m.timed:
+            lines.append(m.note_words().split(" -- ", 1)[1])
             return lines
         first = m.averaging_steps(m.warmup_steps + 3 * m.period + 1)
         lines.append(f"steps 0..{m.warmup_steps - 1} all-reduce the gradients (warm-up); " if m.warmup_steps else "")

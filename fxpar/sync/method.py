@@ -16,7 +16,10 @@ What each method does with the average (:meth:`SyncMethod.outer`):
 * :class:`LocalSGD` keeps it (Lin, Stich, Patel and Jaggi, "Don't Use Large Mini-Batches, Use Local SGD", ICLR 2020);
 * :class:`DiLoCo` treats ``anchor - average`` (``anchor``: the parameters at the last averaging) as a gradient of
   an outer optimizer that steps the anchor (Douillard et al., "DiLoCo: Distributed Low-Communication Training of
-  Language Models", 2023, Algorithm 1);
+  Language Models", 2023, Algorithm 1); with ``fragments=F`` it is streaming DiLoCo (Douillard et al., "Streaming
+  DiLoCo with overlapping communication: Towards a Distributed Free Lunch", 2025): the parameter tensors cut into
+  ``F`` fragments, fragment ``f`` averaged and stepped by the outer optimizer on its own steps (:meth:`DiLoCo.
+  fragment_averages`), optionally merged ``delay`` steps later;
 * :class:`SlowMo` applies slow momentum: ``u = beta u + (anchor - average) / gamma``,
   ``x = anchor - alpha gamma u`` (``gamma``: the inner learning rate; Wang, Tantia, Ballas and Rabbat, "SlowMo:
   Improving Communication-Efficient Distributed SGD with Slow Momentum", ICLR 2020, Algorithm 1).
@@ -33,7 +36,8 @@ import torch
 
 from fxpar.errors import StrategyError
 
-__all__ = ["SyncMethod", "LocalSGD", "DiLoCo", "SlowMo", "method_from_dict", "register_method", "METHODS"]
+__all__ = ["SyncMethod", "LocalSGD", "DiLoCo", "SlowMo", "method_from_dict", "register_method", "METHODS",
+           "fragment_keys"]
 
 
 def _is_int(x) -> bool:
@@ -205,15 +209,42 @@ def _outer_spec(outer) -> tuple:
     return outer[0], dict(outer[1])
 
 
+def fragment_keys(keys, fragments: int) -> list:
+    """Streaming DiLoCo's fragments: ``keys`` (the parameter tensors in the model's order) cut into ``fragments``
+    consecutive runs whose lengths differ by at most one (the first ones longer)."""
+    keys = list(keys)
+    q, r = divmod(len(keys), fragments)
+    out, at = [], 0
+    for f in range(fragments):
+        n = q + (1 if f < r else 0)
+        out.append(keys[at:at + n])
+        at += n
+    return out
+
+
 @dataclass(frozen=True)
 class DiLoCo(SyncMethod):
     """DiLoCo: the user's optimizer is the inner one; after every ``period`` steps the pseudo-gradient
     ``anchor - average`` is handed to the ``outer`` optimizer (a torch optimizer class and its keyword arguments),
-    which steps the anchor; every replica continues from it. The outer optimizer's state is kept per rank."""
+    which steps the anchor; every replica continues from it. The outer optimizer's state is kept per rank.
+
+    Streaming DiLoCo (Douillard et al. 2025): ``fragments=F`` cuts the parameter tensors into ``F`` consecutive
+    fragments (:func:`fragment_keys`, the model's order); fragment ``p`` is averaged after the steps ``t >= W`` with
+    ``(t - W - p H / F) % H == 0`` (``H``: ``period``, a multiple of ``F``; ``W``: ``warmup_steps``), and only its
+    tensors go through the outer optimizer there (the paper's eq. for ``Delta_p`` and ``OuterOpt`` restricted to
+    fragment ``p``): ``Delta_p = anchor_p - mean_m x_{m,p}``, ``anchor_p <- OuterOpt(anchor_p, Delta_p)``. The
+    fragments' averagings are staggered, so each step moves ``1/F`` of the bytes one DiLoCo averaging moves.
+    ``delay=tau`` (0 <= tau < H / F) overlaps the fragment's all-reduce with ``tau`` more inner steps: the outer
+    step's result reaches the replicas after step ``t + tau``, merged as ``x_{m,p} <- mix x_{m,p} +
+    (1 - mix) anchor_p`` (the paper's merge with ``alpha = mix``; 0: the replicas take the outer result). With
+    ``fragments=1, delay=0`` it is DiLoCo."""
     name: ClassVar[str] = "diloco"
     paper: ClassVar[str] = ("Douillard et al., DiLoCo: Distributed Low-Communication Training of Language Models, "
                             "2023, Alg. 1")
     outer: tuple = (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+    fragments: int = 1
+    delay: int = 0
+    mix: float = 0.0
 
     def check(self) -> None:
         super().check()
@@ -223,9 +254,43 @@ class DiLoCo(SyncMethod):
         except (TypeError, ValueError) as e:
             raise StrategyError(f"DiLoCo(outer=({cls.__name__}, {kw!r})): {cls.__name__} refuses these arguments "
                                 f"({e}); pass ones it takes") from None
+        f = self.fragments
+        if not _is_int(f) or f < 1:
+            raise StrategyError(f"DiLoCo(fragments={f!r}): the number of fragments the parameters are cut into must "
+                                "be an int >= 1 (1: plain DiLoCo, every parameter at each averaging)")
+        if self.period % f:
+            raise StrategyError(f"DiLoCo(period={self.period}, fragments={f}): fragment p is averaged at offset "
+                                f"p * period / fragments, so period must be a multiple of fragments; use period="
+                                f"{-(-self.period // f) * f} or fragments dividing {self.period}")
+        if not _is_int(self.delay) or not 0 <= self.delay < max(1, self.period // f):
+            raise StrategyError(f"DiLoCo(delay={self.delay!r}): the inner steps a fragment's averaging overlaps must "
+                                f"be an int in [0, period / fragments) = [0, {self.period // f}) (0: no overlap)")
+        if not _is_number(self.mix) or not 0 <= self.mix <= 1:
+            raise StrategyError(f"DiLoCo(mix={self.mix!r}): the weight of the replica's own fragment when the outer "
+                                "result arrives must be a number in [0, 1] (0: take the outer result)")
+        if self.mix and not self.delay:
+            raise StrategyError(f"DiLoCo(mix={self.mix}, delay=0): the merge weighs the inner steps made while the "
+                                "fragment was in flight; with no delay there are none: set delay >= 1 or leave mix "
+                                "at 0")
 
     def __hash__(self):               # ``outer`` holds a dict: hash the JSON form
         return hash(json.dumps(self.to_dict(), sort_keys=True))
+
+    @property
+    def streaming(self) -> bool:
+        """Whether fragments or a delay are set (else the whole model at once, DiLoCo's Algorithm 1)."""
+        return self.fragments > 1 or self.delay > 0
+
+    def fragment_offset(self, f: int) -> int:
+        return f * (self.period // self.fragments)
+
+    def fragment_averages(self, f: int, step: int) -> bool:
+        """Whether fragment ``f``'s replicas are averaged (its all-reduce started) after ``step``'s update."""
+        t = step - self.warmup_steps - self.fragment_offset(f)
+        return t >= 0 and t % self.period == 0
+
+    def averages(self, step: int) -> bool:
+        return any(self.fragment_averages(f, step) for f in range(self.fragments))
 
     def make_outer(self, params: list) -> torch.optim.Optimizer:
         cls, kw = _outer_spec(self.outer)
@@ -233,13 +298,29 @@ class DiLoCo(SyncMethod):
 
     def to_dict(self) -> dict:
         cls, kw = _outer_spec(self.outer)
-        return {"method": self.name, "period": self.period, "warmup_steps": self.warmup_steps,
-                "outer": [f"{cls.__module__}.{cls.__qualname__}", kw]}
+        out = {"method": self.name, "period": self.period, "warmup_steps": self.warmup_steps,
+               "outer": [f"{cls.__module__}.{cls.__qualname__}", kw]}
+        for k, default in (("fragments", 1), ("delay", 0), ("mix", 0.0)):
+            if getattr(self, k) != default:
+                out[k] = getattr(self, k)
+        return out
+
+    def summary(self) -> str:
+        extra = "".join(f", {k}={getattr(self, k)!r}" for k in ("fragments", "delay", "mix")
+                        if getattr(self, k) != {"fragments": 1, "delay": 0, "mix": 0.0}[k])
+        return f"DiLoCo(period={self.period!r}, warmup_steps={self.warmup_steps!r}, outer={self.outer!r}{extra})"
 
     def outer_words(self) -> str:
         cls, kw = _outer_spec(self.outer)
-        return (f"the outer optimizer {cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kw.items())}) steps the "
-                "parameters of the last averaging with their difference to the average as its gradient")
+        words = (f"the outer optimizer {cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kw.items())}) steps the "
+                 "parameters of the last averaging with their difference to the average as its gradient")
+        if self.fragments > 1:
+            words += (f", one fragment of {self.fragments} at a time (fragment p after steps t with "
+                      f"(t - {self.warmup_steps} - p*{self.period // self.fragments}) % {self.period} == 0)")
+        if self.delay:
+            words += (f"; the result reaches the replicas {self.delay} step(s) later, merged as {self.mix} x own + "
+                      f"{1 - self.mix} x outer")
+        return words
 
 
 @dataclass(frozen=True)

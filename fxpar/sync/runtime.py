@@ -5,6 +5,13 @@ pass placed: an all-reduce on the warm-up's steps, the rank's own gradient after
 the rank's stage, counts the step and, on an averaging step (:meth:`SyncMethod.averages`), averages the stage's
 parameters over dp as torch's ``average_parameters`` does (one flat buffer, divided by dp, then all-reduced), and
 hands the average to the method's outer step (:meth:`SyncMethod.outer`; DiLoCo's outer optimizer here).
+
+Streaming DiLoCo (``DiLoCo(fragments=F, delay=tau)``): on a step where fragment ``p`` is due
+(:meth:`DiLoCo.fragment_averages`) only its tensors are averaged and stepped by the outer optimizer (the other
+leaves have no gradient, so torch's optimizer leaves them and their state alone); with ``delay=tau`` the fragment's
+all-reduce is started (``async_op``) and waited for after step ``t + tau``, where the outer step runs and its result
+is merged into the replica. A checkpoint taken with a fragment in flight waits for its all-reduce and saves the
+sum, so the resumed run merges it at the same step.
 """
 from __future__ import annotations
 
@@ -18,7 +25,7 @@ from fxpar.compress.runtime import CompressInfo, CompressState
 from fxpar.runtime.groups import group
 from fxpar.runtime.state import load_replica_state, replica_state
 
-from .method import DiLoCo, SyncMethod
+from .method import DiLoCo, SyncMethod, fragment_keys
 
 __all__ = ["SyncInfo", "SyncState", "average_over"]
 
@@ -73,6 +80,12 @@ class SyncState(CompressState):
         self.step = 0
         self.averaged: list = []               # the steps after which this rank averaged
         self._start_outer()
+        self.streaming = isinstance(self.sync, DiLoCo) and self.sync.streaming
+        if self.streaming:
+            # per stage, fragment f's parameter keys (the stage's parameters in the model's order)
+            self.fragments = {s: fragment_keys(list(ex.p.stage_params[s]), self.sync.fragments) for s in ex.params}
+            self.inflight: list = []           # [due step, stage, fragment, {dtype: (work, flat, keys)}]
+            self.fragment_log: list = []       # (step started, fragment, step merged)
 
     def _start_outer(self) -> None:
         """The anchor (the parameters at the last averaging) and the outer state, from the rank's parameters."""
@@ -94,6 +107,9 @@ class SyncState(CompressState):
             if t == m.warmup_steps - 1:        # the replicas agree until here: the anchor of the first window
                 self._set_anchor(stage, ex.params[stage])
             return
+        if self.streaming:
+            self._stream(ex, stage, t)
+            return
         if not m.averages(t):
             return
         ps = dict(ex.params[stage])
@@ -108,6 +124,69 @@ class SyncState(CompressState):
         ex.params[stage] = ps
         self._set_anchor(stage, ps)
         self.averaged.append(t)
+
+    # ---- streaming DiLoCo ---------------------------------------------------------------------------------------
+    def _stream(self, ex, stage: int, t: int) -> None:
+        """After step ``t``: merge the fragments due at ``t``, then start the fragments whose averaging is at ``t``."""
+        m = self.sync
+        ps = dict(ex.params[stage])
+        for item in [x for x in self.inflight if x[0] == t and x[1] == stage]:
+            self.inflight.remove(item)
+            self._merge(ps, stage, item[2], self._finish(item[3]), t)
+        for f, keys in enumerate(self.fragments[stage]):
+            if not m.fragment_averages(f, t):
+                continue
+            parts = self._start(ps, keys)
+            if m.delay:
+                self.inflight.append([t + m.delay, stage, f, parts])
+            else:
+                self._merge(ps, stage, f, self._finish(parts), t)
+            if not self.averaged or self.averaged[-1] != t:
+                self.averaged.append(t)
+        ex.params[stage] = ps
+
+    def _start(self, ps: dict, keys: list) -> dict:
+        """The all-reduce of fragment ``keys``' replicas, one flat buffer per dtype divided by dp first (as
+        :func:`average_over`), started without waiting where a delay is set: ``{dtype: [work, flat, keys]}``."""
+        by_dtype: dict = {}
+        for k in sorted(keys):
+            by_dtype.setdefault(ps[k].dtype, []).append(k)
+        out = {}
+        for dtype in sorted(by_dtype, key=str):
+            ks = by_dtype[dtype]
+            flat = torch.cat([ps[k].detach().reshape(-1) for k in ks]) / self.dp
+            work = dist.all_reduce(flat, group=self.pg, async_op=bool(self.sync.delay)) if self.pg is not None else None
+            out[str(dtype)] = [work, flat, ks, {k: tuple(ps[k].shape) for k in ks}]
+        return out
+
+    @staticmethod
+    def _finish(parts: dict) -> dict:
+        """Wait for a fragment's all-reduces: its average, ``{key: tensor}``."""
+        avg = {}
+        for entry in parts.values():
+            work, flat, ks, shapes = entry
+            if work is not None:
+                work.wait()
+                entry[0] = None
+            off = 0
+            for k in ks:
+                n = int(torch.Size(shapes[k]).numel())
+                avg[k] = flat[off:off + n].view(shapes[k]).clone()
+                off += n
+        return avg
+
+    def _merge(self, ps: dict, stage: int, f: int, average: dict, t: int) -> None:
+        """Fragment ``f``'s outer step (its leaves only) from its average; the replica takes the new anchor, or
+        ``mix`` of its own and ``1 - mix`` of the anchor where a delay let it train on meanwhile."""
+        anchor, opt, m = self.anchor[stage], self.outer_opt[stage], self.sync
+        with torch.no_grad():
+            for k, leaf in anchor.items():
+                leaf.grad = (leaf.detach() - average[k]) if k in average else None
+        opt.step()
+        for k in average:
+            new = anchor[k].detach().clone()
+            ps[k] = new if not m.mix else m.mix * ps[k] + (1 - m.mix) * new
+        self.fragment_log.append((t - m.delay, f, t))
 
     def _outer(self, stage: int, average: dict) -> dict:
         anchor = self.anchor[stage]
@@ -142,9 +221,22 @@ class SyncState(CompressState):
         return ({s: average_over(ps, self.pg, self.dp, False) for s, ps in sorted(params.items())},
                 {s: average_over(st, self.pg, self.dp, False) for s, st in sorted(state.items())})
 
+    def drain(self, ex) -> None:
+        """Streaming DiLoCo: wait for the fragments in flight (their merge stays at its step)."""
+        super().drain(ex)
+        for item in getattr(self, "inflight", []):
+            for entry in item[3].values():
+                if entry[0] is not None:
+                    entry[0].wait()
+                    entry[0] = None
+
     def report(self):
-        return {"replica": {k: v.clone() for ps in self.ex.params.values() for k, v in ps.items()},
-                "averaged_steps": list(self.averaged), "steps": self.step}
+        out = {"replica": {k: v.clone() for ps in self.ex.params.values() for k, v in ps.items()},
+               "averaged_steps": list(self.averaged), "steps": self.step}
+        if self.streaming:
+            out["fragments"] = {s: [list(ks) for ks in fr] for s, fr in self.fragments.items()}
+            out["fragment_log"] = list(self.fragment_log)
+        return out
 
     def save(self) -> dict:
         out = {**super().save(), "replica": replica_state(self.ex), "step": self.step,
@@ -153,6 +245,11 @@ class SyncState(CompressState):
                "outer_state": {s: {k: v.clone() for k, v in st.items()} for s, st in self.outer_state.items()}}
         if self.outer_opt:
             out["outer_opt"] = {s: copy.deepcopy(o.state_dict()) for s, o in self.outer_opt.items()}
+        if self.streaming:
+            self.drain(self.ex)
+            out["inflight"] = [[due, s, f, {d: [None, e[1].clone(), list(e[2]), dict(e[3])] for d, e in parts.items()}]
+                               for due, s, f, parts in self.inflight]
+            out["fragment_log"] = list(self.fragment_log)
         return out
 
     def load(self, saved: dict) -> None:
@@ -170,3 +267,7 @@ class SyncState(CompressState):
         self.outer_state = {s: {k: v.clone() for k, v in st.items()} for s, st in saved["outer_state"].items()}
         for s, o in self.outer_opt.items():
             o.load_state_dict(copy.deepcopy(saved["outer_opt"][s]))
+        if self.streaming:
+            self.inflight = [[due, s, f, {d: [None, e[1].clone(), list(e[2]), dict(e[3])] for d, e in parts.items()}]
+                             for due, s, f, parts in saved.get("inflight", [])]
+            self.fragment_log = [tuple(x) for x in saved.get("fragment_log", [])]

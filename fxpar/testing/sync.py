@@ -15,9 +15,11 @@ from torch.distributed.algorithms.model_averaging.hierarchical_model_averager im
 from torch.distributed.optim import PostLocalSGDOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from fxpar.sync.method import fragment_keys
 from fxpar.testing.reference import replica_gradients
 
-__all__ = ["post_local_sgd_worker", "local_sgd_reference", "nesterov_outer", "slowmo_outer", "ssp_reference"]
+__all__ = ["post_local_sgd_worker", "local_sgd_reference", "nesterov_outer", "slowmo_outer", "ssp_reference",
+           "streaming_diloco_reference"]
 
 
 def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmup_steps: int,
@@ -105,6 +107,71 @@ def local_sgd_reference(model, batches, loss_fn, optimizer, dp: int, period: int
                         p.copy_(new[k])
                 anchor = {k: v.clone() for k, v in new.items()}
         losses.append(total)
+    return losses, [m.state_dict() for m in reps]
+
+
+def streaming_diloco_reference(model, batches, loss_fn, optimizer, dp: int, period: int, fragments: int, outer,
+                               warmup_steps: int = 0, delay: int = 0, mix: float = 0.0) -> tuple:
+    """Streaming DiLoCo in one process (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"):
+    ``dp`` replicas of ``model``, each with its own inner ``optimizer`` (``(class, kwargs)``), replica ``r`` on shard
+    ``r`` of each batch; the warm-up's steps on the replicas' mean gradient. The parameter tensors (``model``'s
+    order) are cut into ``fragments`` consecutive fragments (sizes differing by at most one, the first larger).
+    After step ``t`` (``t >= warmup_steps``) with ``(t - warmup_steps - p * period / fragments) % period == 0``
+    fragment ``p``'s replicas are averaged (``avg_p = mean_m x_{m,p}``); after step ``t + delay`` the outer step
+    ``anchor_p <- outer(anchor_p, avg_p)`` (``outer``: as :func:`nesterov_outer` makes, called with the fragment's
+    keys only) and every replica's fragment becomes ``mix x_{m,p} + (1 - mix) anchor_p``. Returns (losses,
+    replicas' state_dicts)."""
+    reps = [copy.deepcopy(model) for _ in range(dp)]
+    named = [dict(m.named_parameters()) for m in reps]
+    cls, kw = optimizer
+    opts = [cls(m.parameters(), **kw) for m in reps]
+    anchor = {k: v.detach().clone() for k, v in named[0].items()}
+    frags = fragment_keys([k for k, _ in model.named_parameters()], fragments)
+    pending, losses = [], []
+    for t, batch in enumerate(batches):
+        grads, total = replica_gradients(reps, batch, loss_fn)
+        for r in range(dp):
+            for k, p in named[r].items():
+                if t < warmup_steps:
+                    g = grads[0][k] / dp
+                    for j in range(1, dp):
+                        g = g + grads[j][k] / dp
+                    p.grad = g
+                else:
+                    p.grad = grads[r][k]
+            opts[r].step()
+        losses.append(total)
+        if t < warmup_steps:
+            if t == warmup_steps - 1:
+                anchor = {k: v.detach().clone() for k, v in named[0].items()}
+            continue
+        with torch.no_grad():
+            for due, f, avg in [x for x in pending if x[0] == t]:
+                pending.remove((due, f, avg))
+                new = outer({k: anchor[k] for k in frags[f]}, avg)
+                anchor.update({k: v.clone() for k, v in new.items()})
+                for r in range(dp):
+                    for k in frags[f]:
+                        named[r][k].copy_(mix * named[r][k] + (1 - mix) * new[k] if mix else new[k])
+            for f, keys in enumerate(frags):
+                if (t - warmup_steps - f * (period // fragments)) % period:
+                    continue
+                if t - warmup_steps < f * (period // fragments):
+                    continue
+                avg = {}
+                for k in keys:
+                    s = named[0][k] / dp
+                    for j in range(1, dp):
+                        s = s + named[j][k] / dp
+                    avg[k] = s
+                pending.append((t + delay, f, avg))
+            for due, f, avg in [x for x in pending if x[0] == t]:   # delay 0: at once
+                pending.remove((due, f, avg))
+                new = outer({k: anchor[k] for k in frags[f]}, avg)
+                anchor.update({k: v.clone() for k, v in new.items()})
+                for r in range(dp):
+                    for k in frags[f]:
+                        named[r][k].copy_(new[k])
     return losses, [m.state_dict() for m in reps]
 
 

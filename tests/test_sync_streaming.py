@@ -1,0 +1,142 @@
+"""Streaming DiLoCo (``S.DiLoCo(period=H, fragments=F, delay=tau, mix=alpha)``; Douillard et al. 2025): the
+parameter tensors cut into F fragments, fragment p averaged and stepped by the outer optimizer after the steps t
+with ``(t - W - p H / F) % H == 0``, its result merged ``tau`` steps later as ``alpha x + (1 - alpha) outer``.
+
+Against a one-process reference of the paper's fragment math (``fxpar.testing.sync.streaming_diloco_reference``),
+every rank's parameters and the losses to 1e-10 in float64; with F=1 that reference is DiLoCo's Algorithm 1 (the
+fxpar DiLoCo run). A checkpoint taken while a fragment is in flight resumes every replica bitwise.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fxpar
+from fxpar import sync as S
+from fxpar.sync.feature import method_of
+from fxpar.sync.method import fragment_keys
+from fxpar.testing import MLP
+from fxpar.testing.compress import mlp_batches
+from fxpar.testing.sync import nesterov_outer, streaming_diloco_reference
+
+SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
+ADAMW = (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.01})
+NESTEROV = (torch.optim.SGD, {"lr": 0.7, "momentum": 0.9, "nesterov": True})
+
+
+def _model():
+    torch.manual_seed(0)
+    return MLP(layers=2).double()
+
+
+def _program(model, batches, method, optimizer=SGD_M, dp=2):
+    return fxpar.parallelize(model, fxpar.ClusterSpec.local(dp), batches[0], loss_fn=F.mse_loss, optimizer=optimizer,
+                             strategy=fxpar.Strategy(dp=dp, sync=method))
+
+
+def _replicas(res, dp) -> list:
+    return [res.features[r]["sync"]["replica"] for r in range(dp)]
+
+
+def _close(got: dict, want: dict, msg=""):
+    assert got and sorted(k for k in want if k in got) == sorted(got)
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=1e-10, atol=1e-10, msg=f"{msg} {k}")
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("fragments,warmup,delay,mix,optimizer", [
+    (2, 0, 0, 0.0, SGD_M), (4, 1, 0, 0.0, ADAMW), (2, 0, 1, 0.5, SGD_M)],
+    ids=["F2", "F4-warmup-AdamW", "F2-delay1-mix0.5"])
+def test_streaming_equals_the_papers_fragments(clusters, fragments, warmup, delay, mix, optimizer):
+    """dp=2, H=4, 9 steps, outer Nesterov SGD: every replica and the losses equal the one-process reference; the
+    ranks record each fragment's start and merge on the steps the schedule says."""
+    model, batches = _model(), mlp_batches(9)
+    method = S.DiLoCo(period=4, warmup_steps=warmup, outer=NESTEROV, fragments=fragments, delay=delay, mix=mix)
+    res = _program(model, batches, method, optimizer).run_local(batches, cluster=clusters.get(2))
+    losses, reps = streaming_diloco_reference(model, batches, F.mse_loss, optimizer, 2, 4, fragments,
+                                              nesterov_outer(0.7, 0.9), warmup, delay, mix)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
+    for r, got in enumerate(_replicas(res, 2)):
+        _close(got, reps[r], f"replica {r}")
+    started = [(t, f) for t in range(9) for f in range(fragments) if method.fragment_averages(f, t)]
+    log = res.features[0]["sync"]["fragment_log"]
+    assert [(t, f) for t, f, _ in log] == [(t, f) for t, f in started if t + delay < 9]
+    assert all(m == t + delay for t, _, m in log)
+    assert res.features[0]["sync"]["fragments"][0] == fragment_keys([k for k, _ in model.named_parameters()],
+                                                                    fragments)
+
+
+@pytest.mark.numerics
+def test_one_fragment_reference_is_diloco(clusters):
+    """The reference with F=1 (its fragment the whole model) equals fxpar's DiLoCo, every replica to 1e-10; and
+    F=2 differs from it (the fragments are stepped apart)."""
+    model, batches = _model(), mlp_batches(6)
+    res = _program(model, batches, S.DiLoCo(period=2, outer=NESTEROV)).run_local(batches, cluster=clusters.get(2))
+    losses, reps = streaming_diloco_reference(model, batches, F.mse_loss, SGD_M, 2, 2, 1, nesterov_outer(0.7, 0.9))
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
+    for r, got in enumerate(_replicas(res, 2)):
+        _close(got, reps[r], f"replica {r}")
+    _, two = streaming_diloco_reference(model, batches, F.mse_loss, SGD_M, 2, 2, 2, nesterov_outer(0.7, 0.9))
+    assert max((two[0][k] - reps[0][k]).abs().max().item() for k in reps[0]) > 1e-6
+    assert S.DiLoCo(period=2, outer=NESTEROV, fragments=1) == S.DiLoCo(period=2, outer=NESTEROV)
+
+
+@pytest.mark.numerics
+def test_checkpoint_with_a_fragment_in_flight_resumes_bitwise(clusters, tmp_path):
+    """H=4, F=2, delay 1: fragment 0 starts after step 4 and merges after step 5; saved after step 4 (in flight, its
+    all-reduce waited for and saved), 3 more == 8 straight, bitwise, per replica."""
+    model, batches = _model(), mlp_batches(8)
+    method = S.DiLoCo(period=4, outer=NESTEROV, fragments=2, delay=1, mix=0.5)
+    straight = _program(model, batches, method).run_local(batches, cluster=clusters.get(2))
+    _program(model, batches, method).run_local(batches[:5], cluster=clusters.get(2), save_to=tmp_path / "ck")
+    resumed = _program(model, batches, method).run_local(batches[5:], cluster=clusters.get(2),
+                                                         resume_from=tmp_path / "ck")
+    assert resumed.losses == straight.losses[5:]
+    for r, (a, b) in enumerate(zip(_replicas(straight, 2), _replicas(resumed, 2))):
+        for k in a:
+            assert torch.equal(a[k], b[k]), (r, k)
+
+
+@pytest.mark.structure
+def test_plan_round_trip_schedule_and_bytes():
+    """The fragments travel in the Plan; program.schedule(rank) lists each fragment's AVERAGE (its bytes) and OUTER
+    on their steps over one window; estimate() counts the window's bytes spread over its H steps."""
+    model, batches = _model(), mlp_batches(1)
+    method = S.DiLoCo(period=4, outer=NESTEROV, fragments=2, delay=1, mix=0.5)
+    prog = _program(model, batches, method)
+    assert method_of(fxpar.Plan.from_json(prog.plan.to_json()).section("sync")) == method
+    assert "fragments" not in S.DiLoCo(period=4).to_dict()
+    frags = fragment_keys([k for k, _ in model.named_parameters()], 2)
+    size = [sum(dict(model.named_parameters())[k].numel() * 8 for k in ks) for ks in frags]
+    lines = str(prog.schedule(0)).splitlines()
+    assert lines[0] == "rank 0: FULL0.0"
+    assert lines[2:] == [f"  step 0: AVERAGE0.0 ({size[0]} bytes)", "  step 1: OUTER0.0",
+                         f"  step 2: AVERAGE0.1 ({size[1]} bytes)", "  step 3: OUTER0.1"]
+    assert f"{sum(size)} bytes per rank per window" in lines[1] and f"at most {max(size)} on one step" in lines[1]
+    assert prog.estimate().ranks[0].comm_bytes == sum(size) // 4
+    assert "one fragment of 2 at a time" in prog.explain()
+
+
+@pytest.mark.structure
+def test_schedule_lists_each_methods_averaging_actions():
+    """program.schedule(rank) after the step's actions: the warm-up on one line, then per step of one window what
+    the method adds -- Local SGD's AVERAGE, SlowMo's AVERAGE and OUTER, hierarchical Local SGD's groups;
+    estimate() counts the window's bytes over its steps (hierarchical: two averagings per window of 4, as Local
+    SGD's one per 2)."""
+    model, batches = _model(), mlp_batches(1)
+    p = sum(t.numel() * 8 for t in model.parameters())
+    local = _program(model, batches, S.LocalSGD(period=3, warmup_steps=2), dp=4)
+    assert str(local.schedule(3)).splitlines()[2:] == [
+        "  steps 0..1 (warm-up): the step's gradient all-reduce, as plain data parallelism",
+        f"  step 2: AVERAGE0 ({p} bytes)", "  step 3: -", "  step 4: -"]
+    slow = _program(model, batches, S.SlowMo(period=2), dp=4)
+    assert str(slow.schedule(0)).splitlines()[2:] == [f"  step 0: AVERAGE0 ({p} bytes) OUTER0", "  step 1: -"]
+    tiers = _program(model, batches, S.LocalSGD(hierarchical={2: 2, 4: 4}), dp=4)
+    lines = str(tiers.schedule(1)).splitlines()
+    assert lines[2:] == [f"  step 0: AVERAGE0 ({p} bytes)", "  step 1: -",
+                         f"  step 2: AVERAGE0 ({p} bytes within groups of 2)", "  step 3: -"]
+    assert f"{2 * p} bytes per rank per window ({p // 2} per step on average" in lines[1]
+    every_other = _program(model, batches, S.LocalSGD(period=2), dp=4)     # one averaging per 2 steps: the same
+    assert tiers.estimate().ranks[0].comm_bytes == every_other.estimate().ranks[0].comm_bytes
