@@ -539,6 +539,13 @@ CASES = {
                           r"\['1', '2'\] gives 3 stages but the schedule needs 2", r"give 1 module paths"),
     "plan_not_a_plan": (lambda: fxpar.parallelize(_net(), 2, (X, Y), CE, SGD, plan={"cuts": []}), TypeError,
                         r"plan=\{'cuts': \[\]\}", r"pass a fxpar.Plan"),
+    "plan_made_with_another_strategy": (
+        lambda: fxpar.parallelize(_net(), 2, (X, Y), CE, SGD, strategy=fxpar.Strategy(dp=2, bucket_cap_mb=1),
+                                  plan=fxpar.parallelize(_net(), 2, (X, Y), CE, SGD,
+                                                         strategy=fxpar.Strategy(dp=2, bucket_cap_mb=0.001)).plan),
+        fxpar.StrategyError, r"the Plan was made with bucket_cap_mb=0.001 but the Strategy passed with it has "
+                             r"bucket_cap_mb=1.*would not run what the Strategy says",
+        r"Pass the Plan's own strategy \(program.strategy\) and edit the Plan, or drop plan= to plan again"),
     # ---- offload to the CPU moves only what a ZeRO stage moves --------------------------------------------
     "offload_optimizer_without_zero": (lambda: fxpar.Strategy(dp=2, offload=("optimizer",)), fxpar.StrategyError,
                                        r"Strategy\(offload=\('optimizer',\), zero=0\).*no chunks",
