@@ -352,7 +352,7 @@ class ClusterSpec:
         return (f"{self.nodes} node(s) x {self.devices_per_node} {d.name} ({d.memory_bytes / 2**30:.0f} GiB, "
                 f"{d.peak_flops / 1e12:.3g} TFLOP/s), backend={self.backend}, intra {self.intra_node.bandwidth / 1e9:.3g} GB/s, "
                 f"inter {self.inter_node.bandwidth / 1e9:.3g} GB/s"
-                + (f", + {self.cpu_servers} CPU summation server(s)" if self.cpu_servers else "")
+                + (f", + {self.cpu_servers} CPU-only server rank(s) (parameter or summation servers)" if self.cpu_servers else "")
                 + (", gloo's threads under SCHED_FIFO (comm_priority)" if self.comm_priority else "")
                 + ("" if self.host_memory_reuse else ", freed host memory returned to the OS (host_memory_reuse=False)")
                 + ("".join(f", rank {r} {f:g}x slower" for r, f in self.slowdown)))
