@@ -4,7 +4,7 @@
 ``feature.py`` the ``sync`` Feature, its Plan section and pass; ``runtime.py`` a rank's state (the step count, the
 averaging after the update, the outer step). Stale synchronous parallel on parameter servers: ``ssp.py`` (:class:`SSP`,
 :class:`DSSP`, the staleness rule), ``ssp_server.py`` (the servers' loop), ``ssp_worker.py`` (a worker's push and
-read)::
+read). Distributed Any-Batch Mirror Descent: ``dabmd.py`` (:class:`DABMD`, a node's round)::
 
     from fxpar import sync as S
     fxpar.Strategy(dp=4, sync=S.LocalSGD(period=8, warmup_steps=100))
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .method import DiLoCo, LocalSGD, SlowMo, SyncMethod
 from .ssp import DSSP, SSP
+from .dabmd import DABMD
 from .feature import SyncFeature, SyncSection
 
-__all__ = ["SyncMethod", "LocalSGD", "DiLoCo", "SlowMo", "SSP", "DSSP", "SyncFeature", "SyncSection"]
+__all__ = ["SyncMethod", "LocalSGD", "DiLoCo", "SlowMo", "SSP", "DSSP", "DABMD", "SyncFeature", "SyncSection"]
