@@ -10,8 +10,10 @@ regression task; SSP and DSSP add one CPU parameter server (``cpu_servers=1``, a
 - ``DSSP(low, high)``: ``S.DSSP(low, high)``;
 - ``LocalSGD(H)``: ``S.LocalSGD(period=H)``;
 - ``DABMD(full)``, ``DABMD(ring)``: ``S.DABMD(round_time_s=t, mixing=...)`` with ``microbatches=4`` (each rank takes
-  its shard's microbatches while the round's ``t`` seconds last). ``t`` is ``--round-time``, or (0, the default) the
-  median step time of synchronous dp without the straggler, measured first.
+  its shard's microbatches while the round's ``t`` seconds last). ``t`` is ``--round-time``, or (0, the default)
+  ``--budget-factor`` (1.25) times a fast rank's median compute seconds per step (its F, B and FULL actions) in a
+  run of synchronous dp without the straggler, measured first: the fast ranks fit their whole shard, the straggler
+  about ``budget-factor / factor`` of it.
 
 Measured per method: the wall time from the first rank's start to the step after which the training loss (the
 workers' shard losses averaged, smoothed over ``--window`` steps) first reaches the target -- the highest smoothed
@@ -20,7 +22,7 @@ synchronous dp's; the final smoothed loss. Also ``estimate()``'s step time of sy
 step times.
 
     python benchmarks/bench_straggler.py [--steps 60] [--window 5] [--hidden 256] [--batch 256] [--factor 2.0]
-                                         [--round-time 0]
+                                         [--round-time 0] [--budget-factor 1.25] [--methods "sync dp,DABMD(ring)"]
 """
 import argparse
 import statistics
@@ -56,6 +58,12 @@ def _ends(res) -> tuple:
     return [max(res.timelines[r][i][-1][4] for r in res.timelines) - t0 for i in range(n)]
 
 
+def _compute_s(res, rank: int = 0) -> float:
+    """A rank's median compute seconds per step (its F, B, I, W and FULL actions), from the third step on."""
+    per = [sum(e - t for kind, _, _, t, e in tl if kind in ("F", "B", "I", "W", "FULL")) for tl in res.timelines[rank]]
+    return statistics.median(per[2:] or per)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
@@ -65,18 +73,22 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--round-time", type=float, default=0.0)
+    ap.add_argument("--budget-factor", type=float, default=1.25)
+    ap.add_argument("--methods", default="", help="comma-separated method names to run (default: all)")
     a = ap.parse_args()
     batches = _batches(a.steps, a.batch)
     torch.manual_seed(0)
     fast = fxpar.parallelize(MLP(hidden=a.hidden, layers=a.layers).double(), fxpar.ClusterSpec.local(4), batches[0],
                              loss_fn=F.mse_loss, optimizer=OPT, strategy=fxpar.Strategy(dp=4))
     base = fast.run_local(batches)
-    budget = a.round_time or statistics.median(base.step_times[2:])
+    budget = a.round_time or a.budget_factor * _compute_s(base)
     print(f"DABMD round_time_s={budget * 1e3:.2f} ms")
     methods = [("sync dp", None, 0), ("SSP(2)", S.SSP(staleness=2), 1), ("SSP(4)", S.SSP(staleness=4), 1),
                ("DSSP(1, 4)", S.DSSP(low=1, high=4), 1), ("LocalSGD(4)", S.LocalSGD(period=4), 0),
                ("DABMD(full)", S.DABMD(round_time_s=budget), 0),
                ("DABMD(ring)", S.DABMD(round_time_s=budget, mixing="ring"), 0)]
+    if a.methods:
+        methods = [m for m in methods if m[0] in a.methods.split(",")]
     runs = []
     for name, method, servers in methods:
         torch.manual_seed(0)
