@@ -1,4 +1,5 @@
-"""One straggler among 4 ranks: SSP, DSSP and Local SGD against synchronous data parallelism, time to the same loss.
+"""One straggler among 4 ranks: SSP, DSSP, DABMD and Local SGD against synchronous data parallelism, time to the same
+loss.
 
 Rank 3 of ``ClusterSpec.local(4, slowdown={3: 2.0})`` computes twice as long (it sleeps as long again as each of its
 compute actions took). Every method trains the same MLP (float64, SGD-momentum) on the same batches of a fixed
@@ -7,7 +8,12 @@ regression task; SSP and DSSP add one CPU parameter server (``cpu_servers=1``, a
 - ``sync dp``: ``Strategy(dp=4)``, every step waits for the straggler;
 - ``SSP(s)``: ``Strategy(dp=4, sync=S.SSP(staleness=s))``;
 - ``DSSP(low, high)``: ``S.DSSP(low, high)``;
-- ``LocalSGD(H)``: ``S.LocalSGD(period=H)``.
+- ``LocalSGD(H)``: ``S.LocalSGD(period=H)``;
+- ``DABMD(full)``, ``DABMD(ring)``: ``S.DABMD(round_time_s=t, mixing=...)`` with ``microbatches=4`` (each rank takes
+  its shard's microbatches while the round's ``t`` seconds last). ``t`` is ``--round-time``, or (0, the default)
+  ``--budget-factor`` (1.25) times a fast rank's median compute seconds per step (its F, B and FULL actions) in a
+  run of synchronous dp without the straggler, measured first: the fast ranks fit their whole shard, the straggler
+  about ``budget-factor / factor`` of it.
 
 Measured per method: the wall time from the first rank's start to the step after which the training loss (the
 workers' shard losses averaged, smoothed over ``--window`` steps) first reaches the target -- the highest smoothed
@@ -16,6 +22,7 @@ synchronous dp's; the final smoothed loss. Also ``estimate()``'s step time of sy
 step times.
 
     python benchmarks/bench_straggler.py [--steps 60] [--window 5] [--hidden 256] [--batch 256] [--factor 2.0]
+                                         [--round-time 0] [--budget-factor 1.25] [--methods "sync dp,DABMD(ring)"]
 """
 import argparse
 import statistics
@@ -51,6 +58,12 @@ def _ends(res) -> tuple:
     return [max(res.timelines[r][i][-1][4] for r in res.timelines) - t0 for i in range(n)]
 
 
+def _compute_s(res, rank: int = 0) -> float:
+    """A rank's median compute seconds per step (its F, B, I, W and FULL actions), from the third step on."""
+    per = [sum(e - t for kind, _, _, t, e in tl if kind in ("F", "B", "I", "W", "FULL")) for tl in res.timelines[rank]]
+    return statistics.median(per[2:] or per)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=60)
@@ -59,24 +72,38 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=3)
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--factor", type=float, default=2.0)
+    ap.add_argument("--round-time", type=float, default=0.0)
+    ap.add_argument("--budget-factor", type=float, default=1.25)
+    ap.add_argument("--methods", default="", help="comma-separated method names to run (default: all)")
     a = ap.parse_args()
     batches = _batches(a.steps, a.batch)
+    torch.manual_seed(0)
+    fast = fxpar.parallelize(MLP(hidden=a.hidden, layers=a.layers).double(), fxpar.ClusterSpec.local(4), batches[0],
+                             loss_fn=F.mse_loss, optimizer=OPT, strategy=fxpar.Strategy(dp=4))
+    base = fast.run_local(batches)
+    budget = a.round_time or a.budget_factor * _compute_s(base)
+    print(f"DABMD round_time_s={budget * 1e3:.2f} ms")
     methods = [("sync dp", None, 0), ("SSP(2)", S.SSP(staleness=2), 1), ("SSP(4)", S.SSP(staleness=4), 1),
-               ("DSSP(1, 4)", S.DSSP(low=1, high=4), 1), ("LocalSGD(4)", S.LocalSGD(period=4), 0)]
+               ("DSSP(1, 4)", S.DSSP(low=1, high=4), 1), ("LocalSGD(4)", S.LocalSGD(period=4), 0),
+               ("DABMD(full)", S.DABMD(round_time_s=budget), 0),
+               ("DABMD(ring)", S.DABMD(round_time_s=budget, mixing="ring"), 0)]
+    if a.methods:
+        methods = [m for m in methods if m[0] in a.methods.split(",")]
     runs = []
     for name, method, servers in methods:
         torch.manual_seed(0)
         model = MLP(hidden=a.hidden, layers=a.layers).double()
         cluster = fxpar.ClusterSpec.local(4, cpu_servers=servers, slowdown={3: a.factor})
+        micro = 4 if isinstance(method, S.DABMD) else 1
         prog = fxpar.parallelize(model, cluster, batches[0], loss_fn=F.mse_loss, optimizer=OPT,
-                                 strategy=fxpar.Strategy(dp=4, sync=method))
+                                 strategy=fxpar.Strategy(dp=4, microbatches=micro, sync=method))
         res = prog.run_local(batches)
         runs.append((name, _smooth(res.losses, a.window), _ends(res)))
+        if isinstance(method, S.DABMD):
+            sizes = {r: statistics.fmean(res.features[r]["sync"]["batch_sizes"]) for r in range(4)}
+            print(f"{name}: mean samples per round by rank {sizes}")
         if method is None:
             est = prog.estimate().step_time_s
-            fast = fxpar.parallelize(model, fxpar.ClusterSpec.local(4), batches[0], loss_fn=F.mse_loss, optimizer=OPT,
-                                     strategy=fxpar.Strategy(dp=4))
-            base = fast.run_local(batches)
             print(f"sync dp step time, rank 3 {a.factor}x slower: measured median "
                   f"{statistics.median(res.step_times[2:]) * 1e3:.2f} ms, estimate() {est * 1e3:.2f} ms; without the "
                   f"straggler: measured {statistics.median(base.step_times[2:]) * 1e3:.2f} ms, estimate() "

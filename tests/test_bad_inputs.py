@@ -770,9 +770,86 @@ def _servers(k: int, world: int = 2, **options):
                              strategy=fxpar.Strategy(dp=dp, **options))
 
 
+# ---- Distributed Any-Batch Mirror Descent (fxpar/sync/dabmd.py) --------------------------------------------------
+def _simplex_net():
+    """The net with its last bias on the probability simplex (5 entries of 1/5)."""
+    net = _net()
+    with torch.no_grad():
+        net[2].bias.fill_(0.2)
+    return net
+
+
+def _dabmd(world: int = 2, optimizer=SGD, run: bool = False, model=None, **options):
+    """A program of ``world`` dp ranks with ``sync=S.DABMD(**options)`` (microbatches=2); ``run``: also
+    ``run_local``, whose checks before the ranks start are the ones under test."""
+    prog = fxpar.parallelize(model or _net(), world, (X, Y), CE, optimizer,
+                             strategy=fxpar.Strategy(dp=world, microbatches=2, sync=S.DABMD(**options)))
+    return prog.run_local([(X, Y)]) if run else prog
+
+
+def _dabmd_with(world: int = 2, **strategy):
+    return fxpar.parallelize(_net(), world, (X, Y), CE, SGD,
+                             strategy=fxpar.Strategy(sync=S.DABMD(round_time_s=0.1), **strategy))
+
+
+DABMD_CASES = {
+    "dabmd_round_time_zero": (lambda: S.DABMD(round_time_s=0), fxpar.StrategyError, r"DABMD\(round_time_s=0\)",
+                              r"must be a number of seconds > 0 \(e.g. round_time_s=0.5\)"),
+    "dabmd_round_time_negative": (lambda: S.DABMD(round_time_s=-1.5), fxpar.StrategyError,
+                                  r"DABMD\(round_time_s=-1.5\)", r"or pass fixed_microbatches"),
+    "dabmd_mirror_unknown": (lambda: S.DABMD(mirror="kl"), fxpar.StrategyError, r"DABMD\(mirror='kl'\)",
+                             r"one of \['euclidean', 'entropic'\]"),
+    "dabmd_mixing_unknown": (lambda: S.DABMD(mixing="star"), fxpar.StrategyError, r"DABMD\(mixing='star'\)",
+                             r"one of \['full', 'ring'\]"),
+    "dabmd_simplex_without_entropic": (lambda: S.DABMD(simplex=("w",)), fxpar.StrategyError,
+                                       r"DABMD\(mirror='euclidean', simplex=\['w'\]\)",
+                                       r"pass mirror='entropic' or drop simplex"),
+    "dabmd_fixed_with_a_clock": (lambda: S.DABMD(round_time_s=0.5, fixed_microbatches=(1, 2)), fxpar.StrategyError,
+                                 r"DABMD\(round_time_s=0.5, fixed_microbatches=\(1, 2\)\)",
+                                 r"pass round_time_s=None with them"),
+    "dabmd_fixed_count_per_rank": (lambda: _dabmd(round_time_s=None, fixed_microbatches=(1, 2, 2)),
+                                   fxpar.StrategyError, r"fixed_microbatches has 3 count\(s\) for dp=2",
+                                   r"give one count per dp rank"),
+    "dabmd_one_microbatch": (lambda: _dabmd_with(dp=2), fxpar.StrategyError,
+                             r"Strategy\(sync=DABMD\(round_time_s=0.1.*microbatches=1\)",
+                             r"set microbatches to 2 or more"),
+    "dabmd_ring_of_two": (lambda: _dabmd(mixing="ring", round_time_s=0.1), fxpar.StrategyError,
+                          r"Strategy\(dp=2, sync=DABMD\(.*mixing='ring'\)\): a ring's two neighbours",
+                          r"use mixing='full', or dp >= 3"),
+    "dabmd_entropic_off_the_simplex": (lambda: _dabmd(mirror="entropic", round_time_s=0.1, run=True),
+                                       fxpar.StrategyError, r"parameter '0.bias' is not on the probability simplex "
+                                       r"\(its smallest entry is", r"list only the simplex parameters in "
+                                       r"simplex=\(...\), or use mirror='euclidean'"),
+    "dabmd_entropic_named_parameter_off_the_simplex": (lambda: _dabmd(mirror="entropic", simplex=("2.bias",),
+                                                                      round_time_s=0.1, run=True),
+                                                       fxpar.StrategyError,
+                                                       r"parameter '2.bias' is not on the probability simplex",
+                                                       r"initialise it on the simplex \(e.g. torch.softmax"),
+    "dabmd_entropic_unknown_parameter": (lambda: _dabmd(mirror="entropic", simplex=("mixer",), round_time_s=0.1,
+                                                        run=True), fxpar.StrategyError,
+                                         r"simplex names \['mixer'\], which are not parameters of the model",
+                                         r"name them as model.named_parameters\(\) does"),
+    "dabmd_entropic_with_momentum": (lambda: _dabmd(optimizer=(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+                                                    model=_simplex_net(), mirror="entropic", simplex=("2.bias",),
+                                                    round_time_s=0.1, run=True), fxpar.StrategyError,
+                                     r"with optimizer SGD\(\{'lr': 0.1, 'momentum': 0.9\}\)",
+                                     r"pass optimizer=\(torch.optim.SGD, \{'lr': ...\}\) without momentum"),
+    "dabmd_with_zero": (lambda: _dabmd_with(dp=2, microbatches=2, zero=1), fxpar.StrategyError,
+                        r"Strategy\(sync=DABMD\(.*\), zero=1\): ZeRO shards one model's parameters",
+                        r"drop zero or drop sync"),
+    "dabmd_with_tp": (lambda: _dabmd_with(world=4, dp=2, tp=2, microbatches=2), fxpar.StrategyError,
+                      r"Strategy\(sync=DABMD\(.*\), tp=2\): the consensus mixes whole parameters",
+                      r"train with tp=1 or drop sync"),
+    "dabmd_with_pp": (lambda: _dabmd_with(world=4, dp=2, pp=2, microbatches=2), fxpar.StrategyError,
+                      r"Strategy\(sync=DABMD\(.*\), pp=2\): the round's time budget",
+                      r"train with pp=1 or drop sync"),
+}
+
+
 CASES.update(DECENTRALIZED_CASES)
 CASES.update(SYNC_CASES)
 CASES.update(DELAYED_CASES)
+CASES.update(DABMD_CASES)
 
 WAVELET_CASES = {
     "wavelet_over_pipeline_stages": (lambda: fxpar.Strategy(pp=2, schedule="wavelet"), fxpar.StrategyError,

@@ -4,7 +4,8 @@
 ``feature.py`` the ``sync`` Feature, its Plan section and pass; ``runtime.py`` a rank's state (the step count, the
 averaging after the update, the outer step). Stale synchronous parallel on parameter servers: ``ssp.py`` (:class:`SSP`,
 :class:`DSSP`, the staleness rule), ``ssp_server.py`` (the servers' loop), ``ssp_worker.py`` (a worker's push and
-read); ``async_avg.py`` BAGUA's asynchronous model averaging (:class:`AsyncAveraging`)::
+read); ``async_avg.py`` BAGUA's asynchronous model averaging (:class:`AsyncAveraging`); ``dabmd.py`` Distributed
+Any-Batch Mirror Descent (:class:`DABMD`, a node's round)::
 
     from fxpar import sync as S
     fxpar.Strategy(dp=4, sync=S.LocalSGD(period=8, warmup_steps=100))
@@ -15,6 +16,8 @@ from __future__ import annotations
 from .method import DiLoCo, LocalSGD, SlowMo, SyncMethod
 from .ssp import DSSP, SSP
 from .async_avg import AsyncAveraging
+from .dabmd import DABMD
 from .feature import SyncFeature, SyncSection
 
-__all__ = ["SyncMethod", "LocalSGD", "DiLoCo", "SlowMo", "SSP", "DSSP", "AsyncAveraging", "SyncFeature", "SyncSection"]
+__all__ = ["SyncMethod", "LocalSGD", "DiLoCo", "SlowMo", "SSP", "DSSP", "AsyncAveraging", "DABMD", "SyncFeature",
+           "SyncSection"]

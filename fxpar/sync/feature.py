@@ -29,6 +29,7 @@ from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, Slot, register_feature
 
 from .async_avg import ASYNC_GROUP, AsyncAveraging, AsyncAveragingState
+from .dabmd import DABMDState
 from .method import DiLoCo, SyncMethod, fragment_keys, method_from_dict
 from .runtime import SyncInfo, SyncState
 from .ssp_server import SSPServer
@@ -97,6 +98,9 @@ def _note(plan, m: SyncMethod) -> None:
     if isinstance(m, AsyncAveraging):
         plan.notes.append(m.note_words())
         return
+    if hasattr(m, "note"):                 # a method that words its own note (DABMD)
+        plan.notes.append(m.note())
+        return
     if m.uses_servers:
         plan.notes.append(
             f"sync: {m.summary()} -- the parameters live on the ClusterSpec's cpu_servers ranks; each worker steps its "
@@ -154,10 +158,13 @@ def method_of(section: SyncSection) -> SyncMethod:
 
 
 def sync_state(info: SyncInfo, rank: int):
-    """The rank's state: an SSP / DSSP worker (:class:`SSPState`) for a method on parameter servers, else
-    :class:`SyncState` (the averaging)."""
+    """The rank's state: an SSP / DSSP worker (:class:`SSPState`) for a method on parameter servers, a DABMD node
+    (:class:`DABMDState`), the asynchronous averaging's (:class:`AsyncAveragingState`), else :class:`SyncState` (the
+    averaging)."""
     if isinstance(info.sync, AsyncAveraging):
         return AsyncAveragingState(info, rank)
+    if info.sync.name == "dabmd":
+        return DABMDState(info, rank)
     return (SSPState if info.sync.uses_servers else SyncState)(info, rank)
 
 
@@ -175,12 +182,14 @@ def shard_keys(sizes: dict, k: int) -> list:
 class SyncFeature(Feature):
     name = FEATURE
     doc = ("synchronisation methods: Local SGD (post-local SGD), DiLoCo (streaming too), SlowMo, BAGUA's asynchronous "
-           "averaging, stale synchronous parallel (SSP, DSSP) on parameter servers (fxpar.sync)")
+           "averaging, stale synchronous parallel (SSP, DSSP) on parameter servers, Distributed Any-Batch Mirror "
+           "Descent (fxpar.sync)")
     options = {FEATURE: Option(None, (
         "when the dp replicas agree (``fxpar.sync``): ``S.LocalSGD(period=H, warmup_steps=W)``, "
         "``S.DiLoCo(period=H, outer=(torch.optim.SGD, {...}))``, ``S.SlowMo(period=H, slow_lr=a, slow_momentum=b)``, "
         "``S.DiLoCo(period=H, fragments=F, delay=tau)`` (streaming), ``S.AsyncAveraging(interval_s=s)``, "
-        "``S.SSP(staleness=s)``, ``S.DSSP(low=a, high=b)`` (these two with ClusterSpec(cpu_servers=k)); "
+        "``S.SSP(staleness=s)``, ``S.DSSP(low=a, high=b)`` (these two with ClusterSpec(cpu_servers=k)), "
+        "``S.DABMD(round_time_s=t, mirror='euclidean', mixing='ring')``; "
         "None: every step's gradients are all-reduced"))}
     section = SyncSection
     requires = ("data_parallel",)
@@ -198,6 +207,8 @@ class SyncFeature(Feature):
         if strategy.dp < 2:
             raise StrategyError(f"Strategy(sync={m.summary()}) decides when the data-parallel replicas agree: it "
                                 f"needs dp >= 2 (dp={strategy.dp}); set dp or drop sync")
+        if hasattr(m, "check_strategy"):       # a method's own refusals, with its reasons (DABMD)
+            m.check_strategy(strategy)
         g = strategy.option("grad_sync")
         if g != "allreduce":
             raise StrategyError(f"Strategy(sync={m.summary()}, grad_sync={g!r}): the sync method removes the gradient "
@@ -336,6 +347,8 @@ class SyncFeature(Feature):
 
     def check_run(self, section, program, n_batches: int, resume_from) -> None:
         m = method_of(section)
+        if hasattr(m, "check_program"):        # the parameters and optimizer a method's map needs (DABMD)
+            m.check_program(program.initial_params(), program.optimizer)
         if m.uses_servers and resume_from is not None:
             raise StrategyError(f"Strategy(sync={m.summary()}): run_local(resume_from=...) would start the parameter "
                                 "servers from the program's weights, not the checkpoint's (their clock table is not "
@@ -407,6 +420,8 @@ class SyncFeature(Feature):
     def explain(self, section, program) -> list:
         m = method_of(section)
         lines = section.lines() + [f"method: {m.summary()}; {m.paper}"]
+        if hasattr(m, "explain_lines"):
+            return lines + m.explain_lines()
         if m.uses_servers:
             lines.append(f"every step each worker pushes (its optimizer step's change) / dp to the servers, which "
                          f"add it as it arrives; then {m.outer_words()}; a worker's own pushes are always in what "

@@ -1,5 +1,5 @@
 """References for the synchronisation methods (``fxpar.sync``): torch's post-local SGD on real ranks, and DiLoCo's,
-SlowMo's and SSP's math in one process."""
+SlowMo's, SSP's and DABMD's math in one process."""
 from __future__ import annotations
 
 import contextlib
@@ -19,7 +19,7 @@ from fxpar.sync.method import fragment_keys
 from fxpar.testing.reference import replica_gradients
 
 __all__ = ["post_local_sgd_worker", "local_sgd_reference", "nesterov_outer", "slowmo_outer", "ssp_reference",
-           "streaming_diloco_reference"]
+           "streaming_diloco_reference", "dabmd_reference"]
 
 
 def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmup_steps: int,
@@ -283,3 +283,68 @@ def _window(init: dict, keys, by_clock: dict, upto: int) -> dict:
     for t in sorted(c for c in by_clock if c < upto):
         x = {k: x[k] + by_clock[t][k] for k in keys}
     return x
+
+
+def dabmd_reference(model, batches, loss_fn, lr: float, dp: int, microbatches: int, counts, mirror: str = "euclidean",
+                    mixing: str = "full", simplex=()) -> tuple:
+    """Distributed Any-Batch Mirror Descent in one process (Eshraghi and Liang, ICML 2020), with fixed batches:
+    ``dp`` nodes, each a replica of ``model``; in every round node ``i`` cuts its shard ``i`` of the batch into
+    ``microbatches`` pieces and takes the first ``counts[i]``, and ``g_i`` is the mean of their gradients (each
+    microbatch's loss a mean over its samples). The mirror step from the node's own point ``x_i``: Euclidean
+    ``y_i = x_i - lr g_i``; entropic (the parameters in ``simplex``, every one where it is empty) ``y_i = x_i
+    exp(-lr g_i) / sum(x_i exp(-lr g_i))``. Then one consensus ``x_i = sum_j P_ij y_j``, ``j`` in rank order, ``P``
+    the doubly stochastic matrix of ``mixing``: ``"full"`` ``1/dp``, ``"ring"`` ``1/3`` on ``i - 1, i, i + 1`` mod
+    ``dp``. Returns (losses: per round the mean over the nodes of each node's mean loss over the microbatches it
+    took, replicas: each node's parameters ``{key: tensor}`` after the last round)."""
+    reps = [copy.deepcopy(model) for _ in range(dp)]
+    named = [dict(m.named_parameters()) for m in reps]
+    keys = list(named[0])
+    entropic = set() if mirror == "euclidean" else set(simplex or keys)
+    if mixing == "full":
+        weights = [{j: 1.0 / dp for j in range(dp)} for _ in range(dp)]
+    else:
+        weights = []
+        for i in range(dp):
+            row: dict = {}
+            for j in (i - 1, i, i + 1):
+                row[j % dp] = row.get(j % dp, 0.0) + 1.0 / 3
+            weights.append(row)
+    losses = []
+    for batch in batches:
+        *inputs, target = batch
+        n = target.shape[0] // dp
+        ys, total = [], 0.0
+        for i in range(dp):
+            shard = [t[i * n:(i + 1) * n] for t in (*inputs, target)]
+            parts = list(zip(*(t.chunk(microbatches) for t in shard)))[:counts[i]]
+            grads = {k: torch.zeros_like(p) for k, p in named[i].items()}
+            node_loss = 0.0
+            for mb in parts:
+                for p in named[i].values():
+                    p.grad = None
+                loss = loss_fn(reps[i](*mb[:-1]), mb[-1])
+                loss.backward()
+                node_loss += loss.item()
+                for k, p in named[i].items():
+                    grads[k] = grads[k] + p.grad
+            total += node_loss / len(parts) / dp
+            y = {}
+            with torch.no_grad():
+                for k, p in named[i].items():
+                    g = grads[k] / len(parts)
+                    if k in entropic:
+                        e = p * torch.exp(-lr * g)
+                        y[k] = e / e.sum()
+                    else:
+                        y[k] = p - lr * g
+            ys.append(y)
+        with torch.no_grad():
+            for i in range(dp):
+                for k in keys:
+                    x = None
+                    for j in sorted(weights[i]):
+                        term = weights[i][j] * ys[j][k]
+                        x = term if x is None else x + term
+                    named[i][k].copy_(x)
+        losses.append(total)
+    return losses, [{k: p.detach().clone() for k, p in nm.items()} for nm in named]
