@@ -259,8 +259,8 @@ def _param_bytes_per_segment(gm, roles: dict, acts: set, nodes: list, bounds: li
 
 
 def smallest_stage_bytes(gm: torch.fx.GraphModule, roles: dict, candidates: list, state_copies: int = 4) -> tuple:
-    """``(bytes, module)``: the parameter state (``state_copies`` x parameter bytes) of the smallest stage any cut can
-    make -- one segment between two neighbouring candidates -- and the module it starts at."""
+    """``(bytes, where)``: the parameter state (``state_copies`` x parameter bytes) of the smallest stage any cut can
+    make -- one segment between two neighbouring candidates -- and where it starts and ends, in words."""
     first = _first_positions(gm)
     nodes = list(gm.graph.nodes)
     acts = _classify(gm, roles)
@@ -268,7 +268,8 @@ def smallest_stage_bytes(gm: torch.fx.GraphModule, roles: dict, candidates: list
     segs = _param_bytes_per_segment(gm, roles, acts, nodes, bounds)
     sizes = [state_copies * sum(sg.values()) for sg in segs]
     i = min(range(len(sizes)), key=lambda j: (sizes[j], j))
-    return sizes[i], (["(start)"] + list(candidates))[i]
+    ends = ["the model's start"] + [repr(c) for c in candidates] + ["the loss"]
+    return sizes[i], f"from {ends[i]} to {ends[i + 1]}"
 
 
 def balanced_cuts(gm: torch.fx.GraphModule, roles: dict, candidates: list, n_stages: int,
@@ -346,8 +347,8 @@ def _no_fit(gm, roles, candidates, n_stages, devices) -> str:
            "deeper module paths (Strategy(split_points=[...]))")
     if tiny:
         k = tiny[0]
-        return (f"device {devices.names[k]} (stage {k}) has {devices.memory[k]} bytes of memory, less than the smallest "
-                f"stage any cut makes: the one starting at {where!r}, whose parameters, gradients and optimizer state "
+        return (f"stage {k}'s device {devices.names[k]} has {devices.memory[k]} bytes of memory, less than the smallest "
+                f"stage any cut makes (the one {where}), whose parameters, gradients and optimizer state "
                 f"take {small} bytes ({devices.state_copies} x its parameter bytes); {fix}")
     return (f"no cut of the model into {n_stages} stages fits the devices' memory "
             f"({', '.join(f'{n}: {m} bytes' for n, m in zip(devices.names, devices.memory))}; a stage holds "
