@@ -258,16 +258,23 @@ def _param_bytes_per_segment(gm, roles: dict, acts: set, nodes: list, bounds: li
     return segs
 
 
-def smallest_stage_bytes(gm: torch.fx.GraphModule, roles: dict, candidates: list, state_copies: int = 4) -> tuple:
+def smallest_stage_bytes(gm: torch.fx.GraphModule, roles: dict, candidates: list, state_copies: int = 4,
+                         stage: int = 1, n_stages: int = 3) -> tuple:
     """``(bytes, where)``: the parameter state (``state_copies`` x parameter bytes) of the smallest stage any cut can
-    make -- one segment between two neighbouring candidates -- and where it starts and ends, in words."""
+    make at position ``stage`` of ``n_stages`` -- one segment between two neighbouring candidates; the first stage's
+    holds the model's start, the last's the loss -- and where it starts and ends, in words."""
     first = _first_positions(gm)
     nodes = list(gm.graph.nodes)
     acts = _classify(gm, roles)
     bounds = [0] + [first[c] for c in candidates] + [len(nodes)]
     segs = _param_bytes_per_segment(gm, roles, acts, nodes, bounds)
     sizes = [state_copies * sum(sg.values()) for sg in segs]
-    i = min(range(len(sizes)), key=lambda j: (sizes[j], j))
+    if stage == 0:
+        i = 0
+    elif stage == n_stages - 1:
+        i = len(sizes) - 1
+    else:
+        i = min(range(len(sizes)), key=lambda j: (sizes[j], j))
     ends = ["the model's start"] + [repr(c) for c in candidates] + ["the loss"]
     return sizes[i], f"from {ends[i]} to {ends[i + 1]}"
 
@@ -341,12 +348,14 @@ def _fits(gm, roles, acts, nodes, bounds, devices, n_stages):
 
 def _no_fit(gm, roles, candidates, n_stages, devices) -> str:
     """Why no cut fits: a device smaller than the smallest stage any cut makes, or the stages' memory in all."""
-    small, where = smallest_stage_bytes(gm, roles, candidates, devices.state_copies)
-    tiny = [k for k in range(n_stages) if devices.memory[k] < small]
+    smallest = [smallest_stage_bytes(gm, roles, candidates, devices.state_copies, k, n_stages)
+                for k in range(n_stages)]
+    tiny = [k for k in range(n_stages) if devices.memory[k] < smallest[k][0]]
     fix = ("give that stage a device with more memory (ClusterSpec.heterogeneous), use more stages (pp), or cut "
            "deeper module paths (Strategy(split_points=[...]))")
     if tiny:
         k = tiny[0]
+        small, where = smallest[k]
         return (f"stage {k}'s device {devices.names[k]} has {devices.memory[k]} bytes of memory, less than the smallest "
                 f"stage any cut makes (the one {where}), whose parameters, gradients and optimizer state "
                 f"take {small} bytes ({devices.state_copies} x its parameter bytes); {fix}")

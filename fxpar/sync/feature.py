@@ -227,7 +227,7 @@ class SyncFeature(Feature):
                                 "servers, each holding a shard of the parameters), or use S.LocalSGD")
         if k % strategy.pp:
             m = self.method(strategy)
-            raise StrategyError(f"Strategy(sync={m.summary()}, pp={strategy.pp}) with ClusterSpec(cpu_servers={k}): each "
+            raise StrategyError(f"{strategy} with ClusterSpec(cpu_servers={k}): each "
                                 "pipeline stage's parameters live on servers of their own, the same number per stage; "
                                 f"give cpu_servers a multiple of pp (e.g. cpu_servers={strategy.pp})")
 
