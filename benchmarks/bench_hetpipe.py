@@ -10,7 +10,7 @@ run trains on the same batches.
 Measured per cut: samples per second over the steps after the first (the median step interval, from the ranks'
 action timelines), and ``program.estimate()``'s step time on the same ClusterSpec.
 
-    python benchmarks/bench_hetpipe.py [--steps 12] [--layers 12] [--hidden 256] [--batch 128] [--factor 2.0]
+    python benchmarks/bench_hetpipe.py [--steps 10] [--layers 24] [--hidden 256] [--batch 128] [--microbatches 8] [--factor 2.0]
 """
 import argparse
 import statistics
@@ -38,11 +38,11 @@ def _step_ends(res) -> list:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--batch", type=int, default=128)
-    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--factor", type=float, default=2.0)
     ap.add_argument("--staleness", type=int, default=0)
     args = ap.parse_args()
