@@ -91,7 +91,7 @@ def test_speed_aware_cut_balances_stage_times_flop_cut_does_not():
     flop = simulate(hetpipe(2, 8), **dict(zip("FB", stage_times(nsec.stage_flops, nsec.stage_speed))))
     assert flop.makespan > 1.3 * bal.makespan
     assert naive.estimate().step_time_s > 1.15 * prog.estimate().step_time_s
-    assert "stage times within" in prog.explain() and "FLOP-balanced cut would be" in prog.explain()
+    assert "longer than the fastest; the FLOP-balanced cut would be ['layers" in prog.explain()
 
 
 @pytest.mark.structure

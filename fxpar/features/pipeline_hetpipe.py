@@ -60,15 +60,15 @@ class HetPipeSection(PipelineSection):
         return max(t) / min(t) - 1 if t and min(t) > 0 else 0.0
 
     def lines(self) -> list:
-        out = [f"hetpipe: virtual workers of {len(self.stage_flops) or '?'} stages, one wave = one flushed 1F1B batch; "
+        out = [f"virtual workers of {len(self.stage_flops) or '?'} stages, one wave = one flushed 1F1B batch; "
                f"WSP with staleness D={self.staleness} (a virtual worker at most {self.staleness} wave(s) ahead of "
                "the slowest)"]
         for s, (d, f, v) in enumerate(zip(self.stage_devices, self.stage_flops, self.stage_speed)):
             out.append(f"stage {s} on {d}: {f / 1e6:.2f} MFLOP forward per microbatch at {v / 1e9:.3g} GFLOP/s = "
                        f"{f / v * 1e6:.1f} us")
         if self.stage_flops:
-            out.append(f"stage times within {self.imbalance():.0%} of each other; the FLOP-balanced cut would be "
-                       f"{self.flop_cuts}")
+            out.append(f"the slowest stage takes {self.imbalance():.0%} longer than the fastest; the FLOP-balanced cut "
+                       f"would be {self.flop_cuts}")
         return out
 
 

@@ -363,7 +363,8 @@ class SyncFeature(Feature):
                          f"add it as it arrives; then {m.outer_words()}; a worker's own pushes are always in what "
                          "it reads")
             for j, (r, keys) in enumerate(zip(section.servers, section.shards)):
-                lines.append(f"parameter server {j} (rank {r}): {len(keys)} parameter(s) ({', '.join(keys[:4])}"
+                at = f", stage {_stage_of_server(section, j)}" if len(set(section.server_stage)) > 1 else ""
+                lines.append(f"parameter server {j} (rank {r}{at}): {len(keys)} parameter(s) ({', '.join(keys[:4])}"
                              f"{', ...' if len(keys) > 4 else ''})")
             return lines
         first = m.averaging_steps(m.warmup_steps + 3 * m.period + 1)
