@@ -816,6 +816,10 @@ HETPIPE_CASES = {
                                       fxpar.StrategyError, r"schedule=hetpipe.* with ClusterSpec\(cpu_servers=3\): each "
                                       r"pipeline stage's parameters live on servers of their own",
                                       r"give cpu_servers a multiple of pp \(e.g. cpu_servers=2\)"),
+    "ssp_pipeline_two_stages_per_rank": (lambda: _servers(2, world=4, pp=2, microbatches=2, schedule="chimera",
+                                                          sync=S.SSP(staleness=1)), fxpar.StrategyError,
+                                         r"Strategy\(sync=SSP\(staleness=1\)\) with schedule 'chimera': pipeline "
+                                         r"rank 0 holds stages \[0, 1\]", r"use a schedule with one stage per rank"),
     "staleness_without_hetpipe": (lambda: fxpar.Strategy(dp=2, pp=2, staleness=2), fxpar.StrategyError,
                                   r"Strategy\(staleness=2\): option\(s\) of feature 'hetpipe'",
                                   r"turn the feature on or drop them"),

@@ -140,6 +140,20 @@ def method_of(section: SyncSection) -> SyncMethod:
     return method_from_dict(section.method)
 
 
+def _one_stage_per_rank(m: SyncMethod, plan) -> None:
+    """A worker rank pushes and reads one stage: refuse schedules that put several stages on a rank."""
+    held = {}
+    for s, ranks in enumerate(plan.stage_to_rank):
+        for r in ranks:
+            held.setdefault(r, []).append(s)
+    several = {r: ss for r, ss in held.items() if len(ss) > 1}
+    if several:
+        r, ss = next(iter(several.items()))
+        raise StrategyError(f"Strategy(sync={m.summary()}) with schedule {plan.schedule!r}: pipeline rank {r} holds "
+                            f"stages {ss}, and a worker rank pushes and reads the parameters of one stage; use a "
+                            "schedule with one stage per rank (1f1b, gpipe, zb1p)")
+
+
 def _stage_of_server(section: SyncSection, j: int) -> int:
     return section.server_stage[j] if j < len(section.server_stage) else 0
 
@@ -236,6 +250,7 @@ class SyncFeature(Feature):
         _note(plan, m)
         section = SyncSection(method=m.to_dict())
         if m.uses_servers:
+            _one_stage_per_rank(m, plan)
             k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
             section.servers = list(range(plan.mesh.size, plan.mesh.size + k))
         return section
