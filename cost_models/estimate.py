@@ -267,13 +267,25 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
     order (graphs, ``(label, graph)``, :class:`~cost_models.sequence.Item`, send/recv
     ``CommInfo``, ``("wait", label)``; see :mod:`cost_models.sequence`). ``server_nodes[j]``: the
     worker node BytePS's CPU server ``j`` sits on (default: machines of their own; ``cost_models.comm``).
-    A straggler of ``cluster.slowdown`` (``{rank: factor}`` pairs) runs its compute ``factor`` times as long
+    In a heterogeneous cluster (``cluster.devices``) each rank's graphs are costed on its own device
+    (``cluster.device_of(rank)``). A straggler of ``cluster.slowdown`` (``{rank: factor}`` pairs) runs its compute
+    ``factor`` times as long
     (:func:`cost_models.simulate.slowed`); a collective starts when its slowest member issues it, so synchronous
     data parallelism's step is the straggler's.
     """
-    cache: dict = {}
-    programs = {r: compile_sequence(g, cluster, cache, r) if isinstance(g, (list, tuple))
-                else compile_program(g, cluster, cache) for r, g in graphs.items()}
+    caches: dict = {}
+
+    def on_own_device(r):          # a heterogeneous cluster: each rank's graphs costed on its own device
+        if not getattr(cluster, "devices", ()):
+            return cluster, caches.setdefault(None, {})
+        d = cluster.device_of(r)
+        return cluster.on_device(d), caches.setdefault(d, {})
+
+    programs = {}
+    for r, g in graphs.items():
+        cl, cache = on_own_device(r)
+        programs[r] = (compile_sequence(g, cl, cache, r) if isinstance(g, (list, tuple))
+                       else compile_program(g, cl, cache))
     for r, factor in getattr(cluster, "slowdown", ()):      # stragglers: their compute, factor times as long
         if r in programs and factor != 1:
             programs[r] = slowed(programs[r], factor)

@@ -141,6 +141,14 @@ class ClusterSpec:
     compute seconds of each compute action it runs (the smaller of the action's wall time and its process CPU time,
     so a wait inside it does not count), so its compute takes ``factor`` times as long; ``estimate()`` multiplies
     that rank's compute by the factor (:func:`cost_models.estimate.estimate`). :meth:`slowdown_of` reads it.
+
+    ``devices``: a heterogeneous cluster (:meth:`heterogeneous`), one :class:`DeviceSpec` per worker rank, each with
+    its own speed and memory (``device`` is then rank 0's); empty: every rank is a ``device``. :meth:`device_of`
+    reads a rank's. ``estimate()`` costs each rank's graphs on its own device and checks its peak against its own
+    memory; the pipeline cut weighs each stage by its rank's speed (:meth:`speed_of`: the device's FLOP/s over the
+    rank's ``slowdown``). A run on this machine's CPU (``kind="cpu"`` devices) emulates the devices' speeds: each
+    rank's compute takes as much longer as its device is slower than the fastest (:meth:`run_slowdown`), as a
+    straggler's does. ``ClusterSpec.local(n, slowdown=...)`` is the same cluster as its :meth:`as_heterogeneous`.
     """
     device: DeviceSpec = field(default_factory=DeviceSpec)
     nodes: int = 1
@@ -153,8 +161,11 @@ class ClusterSpec:
     comm_priority: bool = False
     host_memory_reuse: bool = True
     slowdown: tuple = ()
+    devices: tuple = ()
 
     def __post_init__(self):
+        if isinstance(self.devices, list):
+            object.__setattr__(self, "devices", tuple(self.devices))
         if isinstance(self.slowdown, dict):       # {rank: factor} -> sorted (rank, factor) pairs: hashable, one order
             object.__setattr__(self, "slowdown", tuple(sorted(self.slowdown.items())))
         elif isinstance(self.slowdown, list):
@@ -174,6 +185,41 @@ class ClusterSpec:
         # ~8 us per aten op: eager dispatch of an FX graph on CPU, as calibrate() measures it here
         cpu = DeviceSpec("cpu", "cpu", _host_memory_bytes(), 50e9, 10e9, op_overhead_s=8e-6)
         return cls(**{"device": cpu, "nodes": 1, "devices_per_node": world_size, "backend": "gloo", **overrides})
+
+    @classmethod
+    def heterogeneous(cls, devices, nodes: int = 1, **overrides) -> "ClusterSpec":
+        """A cluster whose worker ranks have devices of their own speed and memory: ``devices[r]`` is rank r's
+        (:class:`DeviceSpec`), ``nodes`` machines of ``len(devices) // nodes`` ranks each (node-major, as every
+        ClusterSpec); ``overrides`` are the other fields (links, backend, ``cpu_servers``, ``slowdown``)::
+
+            fast = DeviceSpec("cpu", "fast", 8 * 2**30, 100e9, 20e9)
+            slow = DeviceSpec("cpu", "slow", 4 * 2**30, 50e9, 10e9)
+            ClusterSpec.heterogeneous([fast, slow, fast, slow])
+
+        Links default to ``ClusterSpec.local``'s (gloo on this machine)."""
+        devices = tuple(devices) if isinstance(devices, (list, tuple)) else devices
+        if not isinstance(devices, tuple) or not devices or not all(isinstance(d, DeviceSpec) for d in devices):
+            raise ClusterSpecError(f"ClusterSpec.heterogeneous({devices!r}): give a list of DeviceSpec, one per "
+                                   "worker rank, e.g. [DeviceSpec('cpu', 'fast', 8 * 2**30, 100e9, 20e9), ...]")
+        if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1 or len(devices) % nodes:
+            raise ClusterSpecError(f"ClusterSpec.heterogeneous({len(devices)} devices, nodes={nodes!r}): nodes must be "
+                                   f"a positive int dividing the {len(devices)} devices (the same number per node)")
+        if "devices_per_node" in overrides or "device" in overrides:
+            raise ClusterSpecError("ClusterSpec.heterogeneous(devices, nodes=...): the devices give each rank's device "
+                                   "and, with nodes, the ranks per node; drop device= and devices_per_node=")
+        base = cls.local(len(devices)) if "backend" not in overrides else cls(backend=overrides["backend"])
+        kw = {"intra_node": base.intra_node, "inter_node": base.inter_node, **overrides}
+        return cls(device=devices[0], nodes=nodes, devices_per_node=len(devices) // nodes, devices=devices, **kw)
+
+    def as_heterogeneous(self) -> "ClusterSpec":
+        """The same cluster with each straggler's slowdown folded into a device of its own (its FLOP/s and memory
+        bandwidth divided by the factor, its fixed per-op and per-call seconds multiplied by it): ``estimate()``
+        gives the same figures, the cut search the same cuts, and a CPU run emulates the same speeds while one rank
+        is not slowed (:meth:`run_slowdown` is relative to the fastest device)."""
+        if not self.slowdown:
+            return self
+        devices = tuple(_slowed_device(self.device_of(r), self.slowdown_of(r)) for r in range(self.world_size))
+        return replace(self, device=devices[0], devices=devices, slowdown=())
 
     @classmethod
     def preset(cls, name: str, nodes: int = 1, gpus_per_node: int = 8) -> "ClusterSpec":
@@ -215,9 +261,33 @@ class ClusterSpec:
         """The factor rank ``rank``'s compute is slowed by (1.0: not a straggler)."""
         return float(dict(self.slowdown).get(rank, 1.0))
 
+    def device_of(self, rank: int) -> DeviceSpec:
+        """Rank ``rank``'s device: its own in a heterogeneous cluster, else ``device`` (server ranks: ``device``)."""
+        return self.devices[rank] if self.devices and 0 <= rank < len(self.devices) else self.device
+
+    def speed_of(self, rank: int) -> float:
+        """Rank ``rank``'s compute speed, FLOP/s: its device's peak over its ``slowdown`` factor."""
+        return self.device_of(rank).peak_flops / self.slowdown_of(rank)
+
+    def run_slowdown(self, rank: int) -> float:
+        """How many times longer rank ``rank``'s compute takes in a run: its straggler factor, times, for CPU devices
+        of a heterogeneous cluster (all emulated by this machine), the fastest device's FLOP/s over its own."""
+        f = self.slowdown_of(rank)
+        if self.devices and all(d.kind == "cpu" for d in self.devices):
+            f *= max(d.peak_flops for d in self.devices) / self.device_of(rank).peak_flops
+        return f
+
+    def on_device(self, device: DeviceSpec) -> "ClusterSpec":
+        """This cluster as if every rank were ``device`` (the cost models cost one rank's graphs on it)."""
+        return replace(self, device=device, devices=())
+
     def with_world_size(self, world_size: int) -> "ClusterSpec":
-        """The same machines, ``world_size`` ranks on one node (stragglers beyond them dropped)."""
-        return replace(self, nodes=1, devices_per_node=world_size,
+        """The same machines, ``world_size`` ranks on one node (stragglers beyond them dropped; a heterogeneous
+        cluster keeps its first ``world_size`` devices)."""
+        if self.devices and world_size > len(self.devices):
+            raise ClusterSpecError(f"ClusterSpec with {len(self.devices)} devices: cannot run {world_size} ranks on it; "
+                                   "give one DeviceSpec per rank (ClusterSpec.heterogeneous)")
+        return replace(self, nodes=1, devices_per_node=world_size, devices=self.devices[:world_size],
                        slowdown=tuple((r, f) for r, f in self.slowdown if r < world_size))
 
     # ---- checks -------------------------------------------------------------------------
@@ -239,11 +309,11 @@ class ClusterSpec:
             raise ClusterSpecError(f"ClusterSpec(host_memory_reuse={self.host_memory_reuse!r}): give True (every rank "
                                    "keeps the memory a step frees for the next, fxpar.host.reuse_freed_memory) or False "
                                    "(the C library's defaults).")
-        for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s",
-                     "collective_issue_s", "action_overhead_s", "comm_cpu_s", "comm_cpu_per_byte", "cold_op_s", "index_row_s"):
-            v = getattr(d, name)
-            if not isinstance(v, (int, float)) or isinstance(v, bool):
-                raise ClusterSpecError(f"DeviceSpec({name}={v!r}): {name} must be a number.")
+        if not isinstance(self.devices, tuple) or not all(isinstance(x, DeviceSpec) for x in self.devices):
+            raise ClusterSpecError(f"ClusterSpec(devices={self.devices!r}): give a DeviceSpec per worker rank "
+                                   "(ClusterSpec.heterogeneous([...])), or none (every rank a ClusterSpec.device)")
+        for where, dev in [("device", d)] * (not self.devices) + [(f"devices[{r}]", x) for r, x in enumerate(self.devices)]:
+            problems += _device_problems(dev, where)
         for lname in ("intra_node", "inter_node"):
             link = getattr(self, lname)
             for name in ("bandwidth", "latency"):
@@ -253,25 +323,9 @@ class ClusterSpec:
                                            "(bandwidth in bytes/s, latency in seconds).")
         if self.nodes < 1 or self.devices_per_node < 1:
             problems.append(f"nodes={self.nodes}, devices_per_node={self.devices_per_node}: both must be >= 1")
-        if d.memory_bytes <= 0:
-            problems.append(f"device.memory_bytes={d.memory_bytes}: must be > 0")
-        if d.peak_flops <= 0:
-            problems.append(f"device.peak_flops={d.peak_flops}: must be > 0")
-        if d.op_overhead_s < 0:
-            problems.append(f"device.op_overhead_s={d.op_overhead_s}: must be >= 0 seconds")
-        if d.late_recv_s < 0:
-            problems.append(f"device.late_recv_s={d.late_recv_s}: must be >= 0 seconds")
-        if d.collective_issue_s < 0:
-            problems.append(f"device.collective_issue_s={d.collective_issue_s}: must be >= 0 seconds")
-        if d.action_overhead_s < 0:
-            problems.append(f"device.action_overhead_s={d.action_overhead_s}: must be >= 0 seconds")
-        for name in ("comm_cpu_s", "comm_cpu_per_byte", "cold_op_s", "index_row_s"):
-            if getattr(d, name) < 0:
-                problems.append(f"device.{name}={getattr(d, name)}: must be >= 0 seconds")
-        if not isinstance(d.collective_slots, int) or isinstance(d.collective_slots, bool) or d.collective_slots < 0:
-            problems.append(f"device.collective_slots={d.collective_slots!r}: must be an int >= 0 (0: the backend's)")
-        if d.mem_bandwidth <= 0:
-            problems.append(f"device.mem_bandwidth={d.mem_bandwidth}: must be > 0")
+        if self.devices and len(self.devices) != self.world_size:
+            problems.append(f"devices: {len(self.devices)} DeviceSpec(s) for a world of {self.world_size} ranks "
+                            f"({self.nodes} node(s) x {self.devices_per_node}); give one per worker rank")
         for name, link in (("intra_node", self.intra_node), ("inter_node", self.inter_node)):
             if link.bandwidth <= 0:
                 problems.append(f"{name}.bandwidth={link.bandwidth}: a link needs a positive bandwidth (bytes/s)")
@@ -279,7 +333,7 @@ class ClusterSpec:
                 problems.append(f"{name}.latency={link.latency}: must be >= 0 seconds")
         if self.backend not in ("gloo", "nccl", "fake"):
             problems.append(f"backend={self.backend!r}: use 'gloo' (CPU), 'nccl' (GPU) or 'fake' (planning only)")
-        if d.kind == "cpu" and self.backend == "nccl":
+        if any(x.kind == "cpu" for x in (d, *self.devices)) and self.backend == "nccl":
             problems.append("backend='nccl' needs CUDA devices; use backend='gloo' for CPU devices")
         if problems:
             raise ClusterSpecError("invalid ClusterSpec:\n  - " + "\n  - ".join(problems))
@@ -295,6 +349,7 @@ class ClusterSpec:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["slowdown"] = [list(p) for p in self.slowdown]       # JSON's form: [[rank, factor], ...]
+        d["devices"] = [asdict(x) for x in self.devices]
         return d
 
     def to_json(self, path: str | None = None) -> str:
@@ -312,13 +367,16 @@ class ClusterSpec:
         _check_fields(d["device"], _DEVICE_FIELDS, "device.", source, required=())
         for link in ("intra_node", "inter_node"):
             _check_fields(d[link], _LINK_FIELDS, f"{link}.", source, required=("bandwidth", "latency"))
+        for r, x in enumerate(d.get("devices", ())):
+            _check_fields(x, _DEVICE_FIELDS, f"devices[{r}].", source, required=())
         return cls(device=DeviceSpec(**d["device"]), nodes=d["nodes"], devices_per_node=d["devices_per_node"],
                    intra_node=LinkSpec(**d["intra_node"]), inter_node=LinkSpec(**d["inter_node"]),
                    backend=d.get("backend", "gloo"), cpu_servers=int(d.get("cpu_servers", 0)),
                    server_nodes=None if d.get("server_nodes") is None else tuple(d["server_nodes"]),
                    comm_priority=d.get("comm_priority", False),
                    host_memory_reuse=d.get("host_memory_reuse", True),
-                   slowdown=d.get("slowdown", ()))
+                   slowdown=d.get("slowdown", ()),
+                   devices=tuple(DeviceSpec(**x) for x in d.get("devices", ())))
 
     @classmethod
     def from_json(cls, text_or_path) -> "ClusterSpec":
@@ -349,13 +407,64 @@ class ClusterSpec:
 
     def __str__(self) -> str:
         d = self.device
-        return (f"{self.nodes} node(s) x {self.devices_per_node} {d.name} ({d.memory_bytes / 2**30:.0f} GiB, "
-                f"{d.peak_flops / 1e12:.3g} TFLOP/s), backend={self.backend}, intra {self.intra_node.bandwidth / 1e9:.3g} GB/s, "
+        kinds = (" + ".join(f"{n} {x.name} ({x.memory_bytes / 2**30:.0f} GiB, {x.peak_flops / 1e12:.3g} TFLOP/s)"
+                            for x, n in _counted(self.devices))
+                 if self.devices else f"{d.name} ({d.memory_bytes / 2**30:.0f} GiB, {d.peak_flops / 1e12:.3g} TFLOP/s)")
+        return (f"{self.nodes} node(s) x {self.devices_per_node} {kinds}, backend={self.backend}, intra {self.intra_node.bandwidth / 1e9:.3g} GB/s, "
                 f"inter {self.inter_node.bandwidth / 1e9:.3g} GB/s"
                 + (f", + {self.cpu_servers} CPU-only server rank(s) (parameter or summation servers)" if self.cpu_servers else "")
                 + (", gloo's threads under SCHED_FIFO (comm_priority)" if self.comm_priority else "")
                 + ("" if self.host_memory_reuse else ", freed host memory returned to the OS (host_memory_reuse=False)")
                 + ("".join(f", rank {r} {f:g}x slower" for r, f in self.slowdown)))
+
+
+
+def _counted(devices: tuple) -> list:
+    """``[(device, how many)]`` in first-seen order."""
+    out: dict = {}
+    for x in devices:
+        out[x] = out.get(x, 0) + 1
+    return list(out.items())
+
+
+def _device_problems(d: DeviceSpec, where: str) -> list:
+    """What is wrong with device ``d`` (named ``where`` in the messages); a value of the wrong type raises."""
+    problems = []
+    for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s",
+                 "collective_issue_s", "action_overhead_s", "comm_cpu_s", "comm_cpu_per_byte", "cold_op_s", "index_row_s"):
+        v = getattr(d, name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise ClusterSpecError(f"{where}: DeviceSpec({name}={v!r}): {name} must be a number.")
+    if d.memory_bytes <= 0:
+        problems.append(f"{where}.memory_bytes={d.memory_bytes}: must be > 0")
+    if d.peak_flops <= 0:
+        problems.append(f"{where}.peak_flops={d.peak_flops}: must be > 0")
+    if d.op_overhead_s < 0:
+        problems.append(f"{where}.op_overhead_s={d.op_overhead_s}: must be >= 0 seconds")
+    if d.late_recv_s < 0:
+        problems.append(f"{where}.late_recv_s={d.late_recv_s}: must be >= 0 seconds")
+    if d.collective_issue_s < 0:
+        problems.append(f"{where}.collective_issue_s={d.collective_issue_s}: must be >= 0 seconds")
+    if d.action_overhead_s < 0:
+        problems.append(f"{where}.action_overhead_s={d.action_overhead_s}: must be >= 0 seconds")
+    for name in ("comm_cpu_s", "comm_cpu_per_byte", "cold_op_s", "index_row_s"):
+        if getattr(d, name) < 0:
+            problems.append(f"{where}.{name}={getattr(d, name)}: must be >= 0 seconds")
+    if not isinstance(d.collective_slots, int) or isinstance(d.collective_slots, bool) or d.collective_slots < 0:
+        problems.append(f"{where}.collective_slots={d.collective_slots!r}: must be an int >= 0 (0: the backend's)")
+    if d.mem_bandwidth <= 0:
+        problems.append(f"{where}.mem_bandwidth={d.mem_bandwidth}: must be > 0")
+    return problems
+
+
+def _slowed_device(d: DeviceSpec, f: float) -> DeviceSpec:
+    """``d`` ``f`` times slower: what a straggler of factor ``f`` costs (:func:`cost_models.simulate.slowed`)."""
+    if f == 1:
+        return d
+    return replace(d, name=f"{d.name} /{f:g}", peak_flops=d.peak_flops / f, mem_bandwidth=d.mem_bandwidth / f,
+                   op_overhead_s=d.op_overhead_s * f, action_overhead_s=d.action_overhead_s * f,
+                   collective_issue_s=d.collective_issue_s * f, comm_cpu_s=d.comm_cpu_s * f,
+                   comm_cpu_per_byte=d.comm_cpu_per_byte * f, cold_op_s=d.cold_op_s * f, index_row_s=d.index_row_s * f)
 
 
 def _check_server_nodes(where, k: int, nodes: int) -> None:
@@ -413,7 +522,8 @@ _TOP_FIELDS = {"device": (dict, "an object {...} of DeviceSpec fields"), "nodes"
                "server_nodes": ((list, tuple, type(None)), "null or a list of node indices, one per CPU server"),
                "comm_priority": (bool, "true or false (gloo's threads under SCHED_FIFO)"),
                "host_memory_reuse": (bool, "true or false (ranks keep the memory a step frees)"),
-               "slowdown": (list, "a list of [rank, factor] pairs (stragglers; a factor >= 1)")}
+               "slowdown": (list, "a list of [rank, factor] pairs (stragglers; a factor >= 1)"),
+               "devices": (list, "a list of DeviceSpec objects, one per worker rank (empty: every rank is device)")}
 _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "memory_bytes": (int, "an integer (bytes)"),
                   "peak_flops": (float, _NUMBER + " (FLOP/s)"), "mem_bandwidth": (float, _NUMBER + " (bytes/s)"),
                   "efficiency": (dict, "an object {op class: fraction}"), "op_overhead_s": (float, _NUMBER + " (seconds)"),

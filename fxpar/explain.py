@@ -109,12 +109,14 @@ def explain_program(prog) -> str:
                                                else "vendor/default figures: ClusterSpec.calibrate() for this machine's") + "):"]
     est = prog.estimate()
     lines += ["  " + ln for ln in str(est).splitlines()]
-    mem = prog.cluster.device.memory_bytes
-    over = [r.rank for r in est.ranks if r.peak_memory_bytes > mem]
+    dev = getattr(prog.cluster, "device_of", lambda r: prog.cluster.device)      # each rank's own device
+    over = [r for r in est.ranks if r.peak_memory_bytes > dev(r.rank).memory_bytes]
     if over:
-        lines.append(f"  WARNING: predicted peak memory {fmt_bytes(max(r.peak_memory_bytes for r in est.ranks))} exceeds "
-                     f"the {fmt_bytes(mem)} of a {prog.cluster.device.name} on {len(over)} rank(s): shard state (ZeRO), "
-                     "or split the model (tp/pp), or use a smaller batch.")
+        worst = max(over, key=lambda r: r.peak_memory_bytes - dev(r.rank).memory_bytes)
+        lines.append(f"  WARNING: predicted peak memory {fmt_bytes(worst.peak_memory_bytes)} of rank {worst.rank} exceeds "
+                     f"the {fmt_bytes(dev(worst.rank).memory_bytes)} of its {dev(worst.rank).name} ({len(over)} rank(s) "
+                     "over their device's memory): shard state (ZeRO), or split the model (tp/pp), or use a smaller "
+                     "batch.")
     if est.defaulted:
         lines.append("  ops costed by the default rule (no entry in cost_models.compute.FLOP_RULES): "
                      + ", ".join(f"{k} x{v}" for k, v in est.defaulted.most_common()))

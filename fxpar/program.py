@@ -371,7 +371,7 @@ class Program:
                                save_to=None if save_to is None else str(save_to),
                                resume_from=None if resume_from is None else str(resume_from),
                                host=self._host_settings(),
-                               slowdown=self.cluster.slowdown_of(rank) if hasattr(self.cluster, "slowdown_of") else 1.0)
+                               slowdown=self.cluster.run_slowdown(rank) if hasattr(self.cluster, "run_slowdown") else 1.0)
         if self.asynchronous:
             sched = build_schedule(self.plan, n_batches, resumed=resume_from is not None)
             # the window starts from the checkpoint's stashed versions where the schedule's generator says so

@@ -41,7 +41,7 @@ from fxpar.errors import StrategyError
 from fxpar.pass_manager import Pass, PassResult
 from fxpar.roles import Role
 
-__all__ = ["StageGraph", "StageSplit", "split_stages", "cut_candidates", "balanced_cuts", "stage_imbalance",
+__all__ = ["StageGraph", "StageSplit", "StageDevices", "split_stages", "cut_candidates", "balanced_cuts", "smallest_stage_bytes", "stage_imbalance",
            "imbalance_warning", "IMBALANCE_WARN", "SplitStages"]
 
 _CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
@@ -218,15 +218,82 @@ def cut_candidates(gm: torch.fx.GraphModule, roles: dict, module_types: dict) ->
     return [by_pos[i] for i in sorted(by_pos)]
 
 
+@dataclass(frozen=True)
+class StageDevices:
+    """The devices the stages run on, for a cut that balances time rather than FLOPs (heterogeneous clusters):
+    per stage its device's speed (FLOP/s; a stage's cost is its FLOPs over it) and memory (bytes; a stage whose
+    parameters' state, ``state_copies`` times their bytes -- weights, gradient and optimizer moments -- exceeds it
+    is not a cut the search takes), and a name for messages."""
+    speed: tuple
+    memory: tuple
+    names: tuple
+    state_copies: int = 4
+
+
+def _param_bytes_per_segment(gm, roles: dict, acts: set, nodes: list, bounds: list) -> list:
+    """Per segment ``[bounds[i], bounds[i + 1])``: ``{parameter name: bytes}`` of the parameters its activation nodes
+    read (directly or through replicated nodes such as ``t(weight)``)."""
+    memo: dict = {}
+
+    def params_of(n) -> frozenset:
+        if n in memo:
+            return memo[n]
+        if n.op == "placeholder":
+            out = frozenset([n]) if roles[n.name][0] == Role.PARAM else frozenset()
+        else:
+            out = frozenset().union(*[params_of(a) for a in n.all_input_nodes if a.name not in acts]) \
+                if n.all_input_nodes else frozenset()
+        memo[n] = out
+        return out
+
+    segs = []
+    for a, b in zip(bounds, bounds[1:]):
+        got: dict = {}
+        for n in nodes[a:b]:
+            if n.name in acts:
+                for q in n.all_input_nodes:
+                    for ph in (params_of(q) if q.name not in acts else ()):
+                        got[ph.name] = _bytes(ph)
+        segs.append(got)
+    return segs
+
+
+def smallest_stage_bytes(gm: torch.fx.GraphModule, roles: dict, candidates: list, state_copies: int = 4,
+                         stage: int = 1, n_stages: int = 3) -> tuple:
+    """``(bytes, where)``: the parameter state (``state_copies`` x parameter bytes) of the smallest stage any cut can
+    make at position ``stage`` of ``n_stages`` -- one segment between two neighbouring candidates; the first stage's
+    holds the model's start, the last's the loss -- and where it starts and ends, in words."""
+    first = _first_positions(gm)
+    nodes = list(gm.graph.nodes)
+    acts = _classify(gm, roles)
+    bounds = [0] + [first[c] for c in candidates] + [len(nodes)]
+    segs = _param_bytes_per_segment(gm, roles, acts, nodes, bounds)
+    sizes = [state_copies * sum(sg.values()) for sg in segs]
+    if stage == 0:
+        i = 0
+    elif stage == n_stages - 1:
+        i = len(sizes) - 1
+    else:
+        i = min(range(len(sizes)), key=lambda j: (sizes[j], j))
+    ends = ["the model's start"] + [repr(c) for c in candidates] + ["the loss"]
+    return sizes[i], f"from {ends[i]} to {ends[i + 1]}"
+
+
 def balanced_cuts(gm: torch.fx.GraphModule, roles: dict, candidates: list, n_stages: int,
-                  flops_per_byte: float = 0.0) -> list:
-    """Choose ``n_stages - 1`` of ``candidates`` minimising the largest stage cost (FLOPs + received bytes)."""
+                  flops_per_byte: float = 0.0, devices: StageDevices | None = None) -> list:
+    """Choose ``n_stages - 1`` of ``candidates`` minimising the largest stage cost (FLOPs + received bytes); with
+    ``devices``, the largest stage *time* (that cost over the stage's device speed) among the cuts whose every stage
+    fits its device's memory."""
     first = _first_positions(gm)
     nodes = list(gm.graph.nodes)
     acts = _classify(gm, roles)
     bounds = [0] + [first[c] for c in candidates] + [len(nodes)]
     seg_cost = [sum(_node_flops(n) for n in nodes[a:b] if n.name in acts) for a, b in zip(bounds, bounds[1:])]
     pos = {n: i for i, n in enumerate(nodes)}
+    # a stage's compute takes (its FLOPs) / (its device's speed relative to the fastest); the bytes it receives
+    # take as long on any device
+    speed = tuple(v / max(devices.speed) for v in devices.speed) if devices is not None else (1.0,) * n_stages
+    fits = _fits(gm, roles, acts, nodes, bounds, devices, n_stages)
 
     def crossing(i: int) -> int:   # bytes live across position i
         return sum(_bytes(n) for n in nodes[:i] if n.name in acts and any(pos[u] >= i for u in n.users))
@@ -245,10 +312,14 @@ def balanced_cuts(gm: torch.fx.GraphModule, roles: dict, candidates: list, n_sta
                 mx, tot, _ = best[k - 1][i]
                 if mx == INF:
                     continue
-                cost = prefix[j] - prefix[i] + cross[i]
+                if not fits(k - 1, i, j):
+                    continue
+                cost = (prefix[j] - prefix[i]) / speed[k - 1] + cross[i]
                 cand = (max(mx, cost), tot + cross[i], i)
                 if cand[:2] < best[k][j][:2]:
                     best[k][j] = cand
+    if best[n_stages][k_seg][0] == INF:
+        raise StrategyError(_no_fit(gm, roles, candidates, n_stages, devices))
     cuts, j = [], k_seg
     for k in range(n_stages, 0, -1):
         i = best[k][j][2]
@@ -256,6 +327,41 @@ def balanced_cuts(gm: torch.fx.GraphModule, roles: dict, candidates: list, n_sta
             cuts.append(candidates[i - 1])
         j = i
     return list(reversed(cuts))
+
+
+def _fits(gm, roles, acts, nodes, bounds, devices, n_stages):
+    """``fits(k, i, j)``: whether segments ``i .. j - 1`` as stage ``k`` fit its device's memory."""
+    if devices is None:
+        return lambda k, i, j: True
+    segs = _param_bytes_per_segment(gm, roles, acts, nodes, bounds)
+    memo: dict = {}
+
+    def need(i: int, j: int) -> int:
+        if (i, j) not in memo:
+            union: dict = {}
+            for sg in segs[i:j]:
+                union.update(sg)
+            memo[(i, j)] = devices.state_copies * sum(union.values())
+        return memo[(i, j)]
+    return lambda k, i, j: need(i, j) <= devices.memory[k]
+
+
+def _no_fit(gm, roles, candidates, n_stages, devices) -> str:
+    """Why no cut fits: a device smaller than the smallest stage any cut makes, or the stages' memory in all."""
+    smallest = [smallest_stage_bytes(gm, roles, candidates, devices.state_copies, k, n_stages)
+                for k in range(n_stages)]
+    tiny = [k for k in range(n_stages) if devices.memory[k] < smallest[k][0]]
+    fix = ("give that stage a device with more memory (ClusterSpec.heterogeneous), use more stages (pp), or cut "
+           "deeper module paths (Strategy(split_points=[...]))")
+    if tiny:
+        k = tiny[0]
+        small, where = smallest[k]
+        return (f"stage {k}'s device {devices.names[k]} has {devices.memory[k]} bytes of memory, less than the smallest "
+                f"stage any cut makes (the one {where}), whose parameters, gradients and optimizer state "
+                f"take {small} bytes ({devices.state_copies} x its parameter bytes); {fix}")
+    return (f"no cut of the model into {n_stages} stages fits the devices' memory "
+            f"({', '.join(f'{n}: {m} bytes' for n, m in zip(devices.names, devices.memory))}; a stage holds "
+            f"{devices.state_copies} x its parameter bytes); {fix}")
 
 
 IMBALANCE_WARN = 0.2    # explain() warns above this stage_imbalance
@@ -288,8 +394,10 @@ def imbalance_warning(split: StageSplit, threshold: float = IMBALANCE_WARN) -> s
 
 
 def split_stages(gm: torch.fx.GraphModule, roles: dict, n_stages: int, split_points=None,
-                 module_types: dict | None = None, flops_per_byte: float = 0.0) -> StageSplit:
-    """Cut ``gm`` (forward + loss, placeholders described by ``roles``) into ``n_stages`` stage graphs."""
+                 module_types: dict | None = None, flops_per_byte: float = 0.0,
+                 devices: StageDevices | None = None) -> StageSplit:
+    """Cut ``gm`` (forward + loss, placeholders described by ``roles``) into ``n_stages`` stage graphs; ``devices``:
+    balance stage times on unequal devices and respect their memory (:func:`balanced_cuts`)."""
     module_types = module_types or {}
     candidates = cut_candidates(gm, roles, module_types)
     first = _first_positions(gm)
@@ -312,7 +420,7 @@ def split_stages(gm: torch.fx.GraphModule, roles: dict, n_stages: int, split_poi
                 f"cut, before {candidates} (the elements of its repeated block lists and the modules around them). "
                 f"Use at most {len(candidates) + 1} stages, or pass Strategy(split_points=[...]) with deeper module "
                 "paths.")
-        cuts = balanced_cuts(gm, roles, candidates, n_stages, flops_per_byte) if n_stages > 1 else []
+        cuts = balanced_cuts(gm, roles, candidates, n_stages, flops_per_byte, devices) if n_stages > 1 else []
     return _build(gm, roles, [first[c] for c in cuts], cuts, candidates, n_stages)
 
 

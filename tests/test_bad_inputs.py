@@ -709,7 +709,12 @@ SYNC_CASES = {
                      r"Strategy\(sync=DSSP\(low=1, high=4\), tp=2\): the parameter servers hold whole parameters",
                      r"train with tp=1 or drop sync"),
     "ssp_with_pp": (lambda: _servers(1, world=4, pp=2, microbatches=2, sync=S.SSP(staleness=1)), fxpar.StrategyError,
-                    r"Strategy\(sync=SSP\(staleness=1\), pp=2\)", r"train with pp=1 or drop sync"),
+                    r"pp=2.*sync=SSP\(staleness=1\).* with ClusterSpec\(cpu_servers=1\): each pipeline stage's "
+                    r"parameters live on servers of their own", r"give cpu_servers a multiple of pp \(e.g. "
+                    r"cpu_servers=2\)"),
+    "local_sgd_with_pp": (lambda: _servers(0, world=4, pp=2, microbatches=2, sync=S.LocalSGD(period=2)),
+                          fxpar.StrategyError, r"Strategy\(sync=LocalSGD\(period=2.*\), pp=2\)",
+                          r"train with pp=1 or drop sync"),
     "cpu_servers_unused": (lambda: _servers(1), fxpar.StrategyError,
                            r"cpu_servers=1 CPU server rank\(s\), which no feature of this Strategy uses",
                            r"Strategy\(sync=S.SSP\(...\)\), or ClusterSpec\(cpu_servers=0\)"),
@@ -920,6 +925,61 @@ ASYNC_AVG_CASES = {
                                    r"drop one of them"),
 }
 CASES.update(ASYNC_AVG_CASES)
+
+
+# ---- HetPipe and heterogeneous clusters (fxpar/features/pipeline_hetpipe.py, ClusterSpec.heterogeneous) ----------
+_FAST = fxpar.DeviceSpec("cpu", "fast", 2**30, 100e9, 20e9)
+_TINY = fxpar.DeviceSpec("cpu", "tiny", 1024, 50e9, 10e9)
+
+
+def _hetpipe(cluster=None, **options):
+    """A dp=2 x pp=2 HetPipe program of the two-stage net on ``cluster`` (default: 4 equal ranks, 2 servers)."""
+    cluster = cluster or fxpar.ClusterSpec.local(4, cpu_servers=2)
+    return fxpar.parallelize(_net(), cluster, (X, Y), CE, SGD,
+                             strategy=fxpar.Strategy(dp=2, pp=2, microbatches=2, schedule="hetpipe", **options))
+
+
+HETPIPE_CASES = {
+    "hetpipe_device_too_small": (lambda: _hetpipe(fxpar.ClusterSpec.heterogeneous([_FAST, _FAST, _TINY, _TINY],
+                                                                                  cpu_servers=2)),
+                                 fxpar.StrategyError, r"stage 1's device tiny \(rank 2\) has 1024 bytes of memory, less "
+                                 r"than the smallest stage any cut makes \(the one from .*\).* take \d+ bytes",
+                                 r"give that stage a device with more memory.*use more stages \(pp\)"),
+    "hetpipe_staleness_negative": (lambda: fxpar.Strategy(dp=2, pp=2, schedule="hetpipe", staleness=-1),
+                                   fxpar.StrategyError, r"Strategy\(schedule='hetpipe', staleness=-1\): D, the most "
+                                   r"waves", r"must be an int >= 0"),
+    "heterogeneous_devices_not_the_world": (lambda: fxpar.ClusterSpec(device=_FAST, devices=(_FAST, _FAST, _TINY),
+                                                                      devices_per_node=2),
+                                            fxpar.errors.ClusterSpecError, r"devices: 3 DeviceSpec\(s\) for a world of "
+                                            r"2 ranks", r"give one per worker rank"),
+    "heterogeneous_nodes_not_dividing": (lambda: fxpar.ClusterSpec.heterogeneous([_FAST, _FAST, _TINY], nodes=2),
+                                         fxpar.errors.ClusterSpecError, r"ClusterSpec.heterogeneous\(3 devices, "
+                                         r"nodes=2\)", r"nodes must be a positive int dividing the 3 devices"),
+    "hetpipe_one_virtual_worker": (lambda: fxpar.Strategy(pp=2, schedule="hetpipe"), fxpar.StrategyError,
+                                   r"Strategy\(schedule='hetpipe', staleness=0\), dp=1: HetPipe's virtual workers are "
+                                   r"the dp replicas", r"needs two or more \(dp >= 2\); with one, use schedule='1f1b'"),
+    "hetpipe_with_zero": (lambda: fxpar.Strategy(dp=2, pp=2, schedule="hetpipe", zero=1), fxpar.StrategyError,
+                          r"Strategy\(schedule='hetpipe', staleness=0\): feature\(s\) \['zero'\] do not compose with "
+                          r"HetPipe", r"drop them"),
+    "hetpipe_with_tp": (lambda: fxpar.Strategy(dp=2, pp=2, tp=2, schedule="hetpipe"), fxpar.StrategyError,
+                        r"Strategy\(schedule='hetpipe', staleness=0\), tp=2: the parameter servers hold whole "
+                        r"parameters", r"train with tp=1"),
+    "hetpipe_with_sync": (lambda: fxpar.Strategy(dp=2, pp=2, schedule="hetpipe", sync=S.LocalSGD(period=2)),
+                          fxpar.StrategyError, r"Strategy\(schedule='hetpipe', staleness=0\), sync=LocalSGD",
+                          r"synchronises its virtual workers by wave synchronous parallel itself.*drop sync="),
+    "hetpipe_servers_not_per_stage": (lambda: _hetpipe(fxpar.ClusterSpec.local(4, cpu_servers=3)),
+                                      fxpar.StrategyError, r"schedule=hetpipe.* with ClusterSpec\(cpu_servers=3\): each "
+                                      r"pipeline stage's parameters live on servers of their own",
+                                      r"give cpu_servers a multiple of pp \(e.g. cpu_servers=2\)"),
+    "ssp_pipeline_two_stages_per_rank": (lambda: _servers(2, world=4, pp=2, microbatches=2, schedule="chimera",
+                                                          sync=S.SSP(staleness=1)), fxpar.StrategyError,
+                                         r"Strategy\(sync=SSP\(staleness=1\)\) with schedule 'chimera': pipeline "
+                                         r"rank 0 holds stages \[0, 1\]", r"use a schedule with one stage per rank"),
+    "staleness_without_hetpipe": (lambda: fxpar.Strategy(dp=2, pp=2, staleness=2), fxpar.StrategyError,
+                                  r"Strategy\(staleness=2\): option\(s\) of feature 'hetpipe'",
+                                  r"turn the feature on or drop them"),
+}
+CASES.update(HETPIPE_CASES)
 
 
 @pytest.mark.structure

@@ -92,15 +92,17 @@ def test_builtin_schedule_families_and_the_asynchronous_question():
     """Each built-in name enables exactly one schedule feature; the Plan (and, before it, the Strategy) says
     asynchronous exactly for the schedules whose actions name weight versions (a stage updates inside the window)."""
     owners = {}
+    replicas = {"hetpipe": 2}          # HetPipe's virtual workers: two or more
     for name in schedule_names():
-        on = [f.name for f in schedule_features() if f.enabled(fxpar.Strategy(pp=2, schedule=name, microbatches=2))]
+        st = fxpar.Strategy(pp=2, dp=replicas.get(name, 1), schedule=name, microbatches=2)
+        on = [f.name for f in schedule_features() if f.enabled(st)]
         assert len(on) == 1, (name, on)
         owners[name] = on[0]
         versions = any(a.version is not None for acts in get_schedule(name, 2, 2).actions.values() for a in acts)
-        assert is_asynchronous(fxpar.Strategy(pp=2, schedule=name, microbatches=2)) == versions, name
+        assert is_asynchronous(st) == versions, name
     assert owners == {"gpipe": "pipeline_flush", "1f1b": "pipeline_flush", "interleaved": "pipeline_flush",
                       "zb1p": "zero_bubble", "chimera": "chimera", "pipedream": "pipedream", "2bw": "pipedream",
-                      "pipelined_bp": "delayed_pipeline", "pipemare": "delayed_pipeline"}
+                      "pipelined_bp": "delayed_pipeline", "pipemare": "delayed_pipeline", "hetpipe": "hetpipe"}
     assert not is_asynchronous(fxpar.Strategy(pp=2)) and not is_asynchronous(fxpar.Strategy(dp=2))
     prog = fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), class_batches(1)[0], CE, SGD_M,
                              strategy=fxpar.Strategy(pp=2, schedule="2bw", microbatches=2))

@@ -20,3 +20,4 @@ from . import bytescheduler  # noqa: F401  ByteScheduler and the delayed update 
 from . import inplace_update  # noqa: F401  the traced update in place (Slot.OPTIMIZER)
 import fxpar.compress  # noqa: F401,E402  gradient-compression methods, one feature each (Strategy(grad_sync=C.TopK()))
 import fxpar.sync  # noqa: F401,E402  synchronisation methods (Strategy(sync=S.LocalSGD(period=8)))
+from . import pipeline_hetpipe  # noqa: F401,E402  (schedule='hetpipe'; after fxpar.sync, whose SSP it runs on)

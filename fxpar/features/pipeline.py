@@ -112,15 +112,21 @@ class PipelineSchedule(Feature):
         trace = trace_forward(model, micro, loss_fn)
         fpb = cluster.device.peak_flops / cluster.intra_node.bandwidth if cluster is not None else 0.0
         cuts = base.cuts if base is not None and base.cuts else strategy.split_points
-        split = split_stages(trace.gm, trace.roles, plan.n_stages, cuts, trace.module_types, fpb)
+        devices = self.stage_devices(section, plan, cluster)
+        split = split_stages(trace.gm, trace.roles, plan.n_stages, cuts, trace.module_types, fpb, devices)
         plan.cuts, plan.candidates = list(split.cuts), list(split.candidates)
-        warn = imbalance_warning(split)
+        warn = imbalance_warning(split) if devices is None else ""      # unequal devices: FLOPs unequal on purpose
         if warn:
             plan.notes.append(warn)
         plan.stage_params = [list(st.params) for st in split.stages]
         plan.tied = {k: list(v) for k, v in split.shared_params.items()}
         _check_written_buffers(split, plan, model)
         return trace, split
+
+    def stage_devices(self, section, plan, cluster):
+        """The devices the stages run on, for a cut that balances their times and fits their memory
+        (``passes.split_stages.StageDevices``), or None: the cut balances FLOPs (the base)."""
+        return None
 
     # ---- its words ---------------------------------------------------------------------------------------
     def explain(self, section, program) -> list:

@@ -17,6 +17,7 @@ pipelined_bp   :func:`~.delayed.pipelined_bp`         Kosson et al., MLSys'21 (P
 pipemare       :func:`~.delayed.pipemare`             Yang et al., MLSys'21 (PipeMare)
 chimera        :func:`~.chimera.chimera`              Li & Hoefler, SC'21
 zb1p           :func:`~.zero_bubble.zb1p`             Qi et al., ICLR'24 (ZB-H1)
+hetpipe        :func:`~.hetpipe.hetpipe`              Park et al., USENIX ATC'20 (one virtual worker's wave)
 =============  =====================================  ==========================================
 """
 from __future__ import annotations
@@ -29,6 +30,7 @@ from fxpar.schedule.asynchronous import pipedream, pipedream_2bw
 from fxpar.schedule.chimera import chimera
 from fxpar.schedule.delayed import pipelined_bp, pipemare
 from fxpar.schedule.exceptions import ScheduleError
+from fxpar.schedule.hetpipe import hetpipe
 from fxpar.schedule.ir import Schedule
 from fxpar.schedule.synchronous import gpipe, interleaved, one_f_one_b, single
 from fxpar.schedule.zero_bubble import zb1p
@@ -46,6 +48,7 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "pipemare": pipemare,
     "chimera": chimera,
     "zb1p": zb1p,
+    "hetpipe": hetpipe,
 }
 
 

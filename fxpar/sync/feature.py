@@ -26,7 +26,7 @@ import torch
 from fxpar.compress.feature import CompressedSum, bucket_infos, dp_bucket_indices
 from fxpar.compress.method import BucketInfo, Method
 from fxpar.errors import StrategyError
-from fxpar.feature import Feature, Option, PlanSection, Slot, register_feature
+from fxpar.feature import Feature, Option, PlanSection, Slot, enabled_features, register_feature
 
 from .async_avg import ASYNC_GROUP, AsyncAveraging, AsyncAveragingState
 from .dabmd import DABMDState
@@ -79,6 +79,7 @@ class SyncSection(PlanSection):
     stages: list = field(default_factory=list)
     servers: list = field(default_factory=list)     # SSP / DSSP: the parameter servers' global ranks
     shards: list = field(default_factory=list)      # SSP / DSSP: per server, the parameter keys it holds
+    server_stage: list = field(default_factory=list)  # SSP / DSSP: per server, the pipeline stage of its keys
 
     def lines(self) -> list:
         m = method_from_dict(self.method)
@@ -157,6 +158,24 @@ def method_of(section: SyncSection) -> SyncMethod:
     return method_from_dict(section.method)
 
 
+def _one_stage_per_rank(m: SyncMethod, plan) -> None:
+    """A worker rank pushes and reads one stage: refuse schedules that put several stages on a rank."""
+    held = {}
+    for s, ranks in enumerate(plan.stage_to_rank):
+        for r in ranks:
+            held.setdefault(r, []).append(s)
+    several = {r: ss for r, ss in held.items() if len(ss) > 1}
+    if several:
+        r, ss = next(iter(several.items()))
+        raise StrategyError(f"Strategy(sync={m.summary()}) with schedule {plan.schedule!r}: pipeline rank {r} holds "
+                            f"stages {ss}, and a worker rank pushes and reads the parameters of one stage; use a "
+                            "schedule with one stage per rank (1f1b, gpipe, zb1p)")
+
+
+def _stage_of_server(section: SyncSection, j: int) -> int:
+    return section.server_stage[j] if j < len(section.server_stage) else 0
+
+
 def sync_state(info: SyncInfo, rank: int):
     """The rank's state: an SSP / DSSP worker (:class:`SSPState`) for a method on parameter servers, a DABMD node
     (:class:`DABMDState`), the asynchronous averaging's (:class:`AsyncAveragingState`), else :class:`SyncState` (the
@@ -223,10 +242,17 @@ class SyncFeature(Feature):
                                 "optimizer state over dp replicas that step together, while SSP's workers step at "
                                 "their own clocks from their own reads; drop zero (each worker keeps its optimizer "
                                 "state) or drop sync")
-        if strategy.pp > 1 or strategy.schedule is not None:
+        if (strategy.pp > 1 or strategy.schedule is not None) and not m.uses_servers:
             raise StrategyError(f"Strategy(sync={m.summary()}, pp={strategy.pp}): each replica's parameters are "
                                 "averaged after its one stage's update, which is built for pp=1; train with pp=1 or "
-                                "drop sync")
+                                "drop sync (S.SSP and S.DSSP run over pipelines: each pipeline is one worker)")
+        if m.uses_servers and any(getattr(f.section, "asynchronous", False) for f in enabled_features(strategy)):
+            raise StrategyError(f"Strategy(sync={m.summary()}, schedule={strategy.schedule!r}): a worker's clock is one "
+                                "flushed batch of its pipeline, and this schedule updates inside its window; use a "
+                                "synchronous schedule (1f1b, gpipe) or drop sync")
+        if m.uses_servers and strategy.schedule is not None and not isinstance(strategy.schedule, str):
+            raise StrategyError(f"Strategy(sync={m.summary()}): a hand-written schedule does not run under parameter "
+                                "servers; name one (schedule='1f1b')")
 
     def uses_server_ranks(self, strategy) -> bool:
         return self.enabled(strategy) and getattr(self.method(strategy), "uses_servers", False)
@@ -234,12 +260,18 @@ class SyncFeature(Feature):
     def check_cluster(self, strategy, cluster) -> None:
         if cluster is None or not self.uses_server_ranks(strategy):
             return
-        if getattr(cluster, "cpu_servers", 0) < 1:
+        k = getattr(cluster, "cpu_servers", 0)
+        if k < 1:
             m = self.method(strategy)
             raise StrategyError(f"Strategy(sync={m.summary()}): the staleness bound is kept by parameter-server ranks, "
                                 "and this ClusterSpec has none (cpu_servers=0); pass "
-                                f"ClusterSpec.local({cluster.world_size}, cpu_servers=1) (or more servers, each "
-                                "holding a shard of the parameters), or use S.LocalSGD")
+                                f"ClusterSpec.local({cluster.world_size}, cpu_servers={max(1, strategy.pp)}) (or more "
+                                "servers, each holding a shard of the parameters), or use S.LocalSGD")
+        if k % strategy.pp:
+            m = self.method(strategy)
+            raise StrategyError(f"{strategy} with ClusterSpec(cpu_servers={k}): each "
+                                "pipeline stage's parameters live on servers of their own, the same number per stage; "
+                                f"give cpu_servers a multiple of pp (e.g. cpu_servers={strategy.pp})")
 
     def plan(self, strategy, plan, cluster):
         m = _hierarchy(self.method(strategy), plan, cluster)
@@ -247,6 +279,7 @@ class SyncFeature(Feature):
         _async_groups(m, plan)
         section = SyncSection(method=m.to_dict())
         if m.uses_servers:
+            _one_stage_per_rank(m, plan)
             k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
             section.servers = list(range(plan.mesh.size, plan.mesh.size + k))
         return section
@@ -285,21 +318,32 @@ class SyncFeature(Feature):
             section.stages.append([])
         section.stages[stage] = rows
         if m.uses_servers:
-            self._plan_shards(section, m, captured)
+            self._plan_shards(section, m, captured, plan, stage)
 
-    def _plan_shards(self, section, m: SyncMethod, captured) -> None:
-        """SSP / DSSP: each server's shard of the stage's parameters; the stage's parameters in one dtype."""
+    def _plan_shards(self, section, m: SyncMethod, captured, plan, stage: int) -> None:
+        """SSP / DSSP: each server's shard of the stage's parameters (stage ``s`` of ``p`` on servers ``s k/p`` ..
+        ``(s + 1) k/p - 1``); the stage's parameters in one dtype."""
+        p, k = plan.n_stages, len(section.servers)
+        if p > 1 and plan.tied:
+            raise StrategyError(f"Strategy(sync={m.summary()}, pp={p}): parameter(s) {sorted(plan.tied)} are used by "
+                                "several stages, whose servers would each keep their own copy; untie them or train "
+                                "with pp=1")
+        per = k // p
+        if len(section.shards) != k:
+            section.shards = [[] for _ in range(k)]
+        section.server_stage = [j // per for j in range(k)]
         dtypes = {str(captured.param_dtypes[k]).replace("torch.", "") for k in captured.param_shapes}
         if len(dtypes) > 1:
             raise StrategyError(f"Strategy(sync={m.summary()}): each parameter server holds its shard as one flat "
                                 f"buffer, and the model's parameters have dtypes {sorted(dtypes)}; cast the model to "
                                 "one dtype (model.double() or model.float())")
         sizes = {k: int(torch.Size(sh).numel()) for k, sh in captured.param_shapes.items()}
-        if len(section.servers) > len(sizes):
-            raise StrategyError(f"Strategy(sync={m.summary()}): ClusterSpec(cpu_servers={len(section.servers)}) is more "
-                                f"servers than the model has parameters ({len(sizes)}); each server holds whole "
-                                f"parameters: use at most cpu_servers={len(sizes)}")
-        section.shards = shard_keys(sizes, len(section.servers))
+        if per > len(sizes):
+            where = f"stage {stage} has" if p > 1 else "the model has"
+            raise StrategyError(f"Strategy(sync={m.summary()}): ClusterSpec(cpu_servers={k}) is {per} server(s) per "
+                                f"stage, more than {where} parameters ({len(sizes)}); each server holds whole "
+                                f"parameters: use at most cpu_servers={len(sizes) * p}")
+        section.shards[stage * per:(stage + 1) * per] = shard_keys(sizes, per)
 
     def make_passes(self, section) -> list:
         return [(Slot.BUCKET_SUM, CompressedSum(FEATURE))]
@@ -315,9 +359,12 @@ class SyncFeature(Feature):
         if not buckets:
             return None
         m = method_of(section)
+        stages = program.plan.rank_stages(rank)
+        mine = [j for j in range(len(section.servers)) if _stage_of_server(section, j) in stages]
         return SyncInfo(FEATURE, GradientStep(warmup_steps=m.warmup_steps, period=m.period), tuple(buckets),
-                        tuple(program.plan.group_of("dp", rank)), sync=m, servers=tuple(section.servers),
-                        shards=tuple(tuple(sh) for sh in section.shards))
+                        tuple(program.plan.group_of("dp", rank)), sync=m,
+                        servers=tuple(section.servers[j] for j in mine),
+                        shards=tuple(tuple(section.shards[j]) for j in mine))
 
     def extra_ranks(self, section, program, host) -> list:
         """SSP / DSSP: one parameter server per ClusterSpec ``cpu_servers``, each starting from its shard of the
@@ -326,10 +373,15 @@ class SyncFeature(Feature):
         if not m.uses_servers:
             return []
         params = program.initial_params()
-        workers = tuple(program.plan.group_of("dp", 0))
-        return [SSPServer(rank=r, index=j, workers=workers, keys=tuple(keys),
+        plan = program.plan
+
+        def workers(j: int) -> tuple:       # the ranks holding server j's stage, one per worker (dp order)
+            return tuple(plan.group_of("dp", plan.stage_to_rank[_stage_of_server(section, j)][0] * plan.width)
+                         if plan.stage_to_rank else plan.group_of("dp", 0))
+        return [SSPServer(rank=r, index=j, workers=workers(j), keys=tuple(keys),
                           flat=torch.cat([params[k].detach().reshape(-1) for k in keys]), method=m.to_dict(),
-                          groups=list(program.plan.all_groups()), host=host, n_servers=len(section.servers))
+                          groups=list(program.plan.all_groups()), host=host, n_servers=len(section.servers),
+                          all_workers=tuple(range(plan.mesh.size)))
                 for j, (r, keys) in enumerate(zip(section.servers, section.shards))]
 
     def extra_runner(self, payload, program):
@@ -427,7 +479,8 @@ class SyncFeature(Feature):
                          f"add it as it arrives; then {m.outer_words()}; a worker's own pushes are always in what "
                          "it reads")
             for j, (r, keys) in enumerate(zip(section.servers, section.shards)):
-                lines.append(f"parameter server {j} (rank {r}): {len(keys)} parameter(s) ({', '.join(keys[:4])}"
+                at = f", stage {_stage_of_server(section, j)}" if len(set(section.server_stage)) > 1 else ""
+                lines.append(f"parameter server {j} (rank {r}{at}): {len(keys)} parameter(s) ({', '.join(keys[:4])}"
                              f"{', ...' if len(keys) > 4 else ''})")
             return lines
         if isinstance(m, AsyncAveraging) and m.timed:

@@ -55,6 +55,9 @@ class SSPServer(ExtraRank):
     groups: list                   # every process group of the program, (name, ranks)
     host: HostSettings = field(default_factory=HostSettings)
     n_servers: int = 1
+    # every worker rank of the program (each sends its stop to every server); ``workers`` are those holding this
+    # server's stage (a pipeline's stages have servers of their own). Empty: ``workers``.
+    all_workers: tuple = ()
 
     def origin(self) -> str:
         return f"ClusterSpec(cpu_servers={self.n_servers})"
@@ -89,11 +92,15 @@ def serve(p: SSPServer) -> dict:
     table = ClockTable(n)
     pending: list = []          # reads not answered yet: (worker, clock, need, s)
     log: list = []
+    stopping = set(p.all_workers) | set(p.workers)
     stopped, head = 0, torch.empty(4, dtype=torch.float64)
-    while stopped < n:
+    while stopped < len(stopping):
         src = dist.recv(head, src=None, tag=TAG_HEAD)
         kind, clock, need = int(head[0]), int(head[1]), int(head[2])
         w = who.get(src)
+        if w is None and kind == STOP and src in stopping:
+            stopped += 1
+            continue
         if w is None:
             raise RuntimeError(f"SSP parameter server rank {p.rank}: a message from rank {src}, which is not a worker "
                                f"({list(p.workers)}): run the program's ranks only")
