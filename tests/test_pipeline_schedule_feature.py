@@ -15,6 +15,7 @@ from fxpar.feature import schedule_features, schedule_names, unregister_feature
 from fxpar.features.pipeline import PipelineSchedule
 from fxpar.planner import is_asynchronous
 from fxpar.schedule import Schedule, ensure_reduce_grad, get_schedule, simulate
+from fxpar.schedule.wavelet import wavelet
 from fxpar.testing import (SkipNet, TinyGPT, class_batches, flat_gpt_loss, max_abs_diff, reference_training,
                            tiny_gpt_batches)
 
@@ -92,17 +93,20 @@ def test_builtin_schedule_families_and_the_asynchronous_question():
     """Each built-in name enables exactly one schedule feature; the Plan (and, before it, the Strategy) says
     asynchronous exactly for the schedules whose actions name weight versions (a stage updates inside the window)."""
     owners = {}
-    replicas = {"hetpipe": 2}          # HetPipe's virtual workers: two or more
+    # HetPipe's virtual workers: two or more; Wavelet's waves: on each data-parallel rank, one stage
+    mesh = {"hetpipe": {"dp": 2, "pp": 2}, "wavelet": {"dp": 2, "pp": 1}}
     for name in schedule_names():
-        st = fxpar.Strategy(pp=2, dp=replicas.get(name, 1), schedule=name, microbatches=2)
+        st = fxpar.Strategy(**mesh.get(name, {"dp": 1, "pp": 2}), schedule=name, microbatches=2)
         on = [f.name for f in schedule_features() if f.enabled(st)]
         assert len(on) == 1, (name, on)
         owners[name] = on[0]
-        versions = any(a.version is not None for acts in get_schedule(name, 2, 2).actions.values() for a in acts)
+        sched = wavelet(1, 2) if name == "wavelet" else get_schedule(name, 2, 2)    # Wavelet's: one pipeline rank
+        versions = any(a.version is not None for acts in sched.actions.values() for a in acts)
         assert is_asynchronous(st) == versions, name
     assert owners == {"gpipe": "pipeline_flush", "1f1b": "pipeline_flush", "interleaved": "pipeline_flush",
                       "zb1p": "zero_bubble", "chimera": "chimera", "pipedream": "pipedream", "2bw": "pipedream",
-                      "pipelined_bp": "delayed_pipeline", "pipemare": "delayed_pipeline", "hetpipe": "hetpipe"}
+                      "pipelined_bp": "delayed_pipeline", "pipemare": "delayed_pipeline", "hetpipe": "hetpipe",
+                      "wavelet": "wavelet"}
     assert not is_asynchronous(fxpar.Strategy(pp=2)) and not is_asynchronous(fxpar.Strategy(dp=2))
     prog = fxpar.parallelize(SkipNet().double(), fxpar.ClusterSpec.local(2), class_batches(1)[0], CE, SGD_M,
                              strategy=fxpar.Strategy(pp=2, schedule="2bw", microbatches=2))
