@@ -54,6 +54,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid in slow:
             item.add_marker(pytest.mark.slow)
+    files = {item.nodeid.split("::")[0] for item in items}
+    stale = sorted(n for n in slow - {item.nodeid for item in items} if n.split("::")[0] in files)
+    if stale and not any("::" in a for a in config.args):       # whole files collected: a listed test is gone
+        config.issue_config_time_warning(pytest.PytestWarning(
+            f"{len(stale)} test(s) in tests/{SLOW_BY_TIME.name} were not collected, e.g. {stale[0]}: rename or drop "
+            "them there"), stacklevel=2)
     wrong = [item.nodeid for item in items if sum(item.get_closest_marker(t) is not None for t in TIERS) != 1]
     if wrong:
         config.issue_config_time_warning(pytest.PytestWarning(
