@@ -1,7 +1,12 @@
+from pathlib import Path
+
 import pytest
 import torch
 
 import fxpar
+
+# node ids of the tests marked slow by their measured time (the file says how they were measured)
+SLOW_BY_TIME = Path(__file__).with_name("slow_by_time.txt")
 
 
 class _Clusters:
@@ -36,8 +41,25 @@ def _seed():
 TIERS = ("structure", "numerics", "cost")
 
 
+def _slow_by_time() -> set:
+    lines = SLOW_BY_TIME.read_text().splitlines()
+    return {line.strip() for line in lines if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)        # before `-m` deselects by mark
 def pytest_collection_modifyitems(config, items):
-    """Every test belongs to one tier (tests/README.md): say which ones carry none or several."""
+    """Every test belongs to one tier (tests/README.md): say which ones carry none or several. The tests listed in
+    slow_by_time.txt get the `slow` mark."""
+    slow = _slow_by_time()
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
+    files = {item.nodeid.split("::")[0] for item in items}
+    stale = sorted(n for n in slow - {item.nodeid for item in items} if n.split("::")[0] in files)
+    if stale and not any("::" in a for a in config.args):       # whole files collected: a listed test is gone
+        config.issue_config_time_warning(pytest.PytestWarning(
+            f"{len(stale)} test(s) in tests/{SLOW_BY_TIME.name} were not collected, e.g. {stale[0]}: rename or drop "
+            "them there"), stacklevel=2)
     wrong = [item.nodeid for item in items if sum(item.get_closest_marker(t) is not None for t in TIERS) != 1]
     if wrong:
         config.issue_config_time_warning(pytest.PytestWarning(
