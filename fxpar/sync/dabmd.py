@@ -42,6 +42,7 @@ from fxpar.errors import StrategyError
 from fxpar.schedule import ActionKind
 
 from .method import SyncMethod, _is_number, register_method
+from .runtime import unflatten
 from .runtime import SyncState, average_over
 
 __all__ = ["DABMD", "DABMDState", "MIRRORS", "MIXINGS", "mixing_matrix", "simplex_problem"]
@@ -377,11 +378,7 @@ class DABMDState(SyncState):
             for j in sorted(got):                      # sum_j P_ij y_j, j in rank order
                 term = self.row[j] * got[j]
                 flat = term if flat is None else flat + term
-            off = 0
-            for k in ks:
-                n = ps[k].numel()
-                out[k] = flat[off:off + n].view(ps[k].shape).clone()
-                off += n
+            out.update(unflatten(flat, ks, ps))
         return out
 
     # ---- what the run tells, and checkpoints ------------------------------------------------------------------

@@ -58,11 +58,17 @@ def average_over(tensors: dict, pg, dp: int, divide_first: bool = True) -> dict:
         dist.all_reduce(flat, group=pg)
         if not divide_first:
             flat /= dp
-        off = 0
-        for k in keys:
-            n = tensors[k].numel()
-            out[k] = flat[off:off + n].view(tensors[k].shape).clone()
-            off += n
+        out.update(unflatten(flat, keys, tensors))
+    return out
+
+
+def unflatten(flat: torch.Tensor, keys, like: dict) -> dict:
+    """``flat`` (the tensors of ``keys`` end to end) back as ``{key: tensor shaped like like[key]}``, copies."""
+    out, off = {}, 0
+    for k in keys:
+        n = like[k].numel()
+        out[k] = flat[off:off + n].view(like[k].shape).clone()
+        off += n
     return out
 
 

@@ -63,6 +63,22 @@ def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmu
     return {"losses": (t / world).tolist(), "state": {k: v.detach().clone() for k, v in m.module.state_dict().items()}}
 
 
+def _local_steps(named: list, opts: list, grads: list, synchronous: bool) -> None:
+    """One step of every replica: on the mean of the replicas' gradients (``synchronous``: a warm-up step, as the
+    gradient all-reduce), else on its own."""
+    dp = len(named)
+    for r in range(dp):
+        for k, p in named[r].items():
+            if synchronous:
+                g = grads[0][k] / dp
+                for j in range(1, dp):
+                    g = g + grads[j][k] / dp
+                p.grad = g
+            else:
+                p.grad = grads[r][k]
+        opts[r].step()
+
+
 def local_sgd_reference(model, batches, loss_fn, optimizer, dp: int, period: int, warmup_steps: int = 0,
                         outer=None) -> tuple:
     """Local SGD in one process, the averaging handed to ``outer``: ``dp`` replicas of ``model``, each with its own
@@ -80,16 +96,7 @@ def local_sgd_reference(model, batches, loss_fn, optimizer, dp: int, period: int
     losses = []
     for t, batch in enumerate(batches):
         grads, total = replica_gradients(reps, batch, loss_fn)
-        for r in range(dp):
-            for k, p in named[r].items():
-                if t < warmup_steps:
-                    g = grads[0][k] / dp
-                    for j in range(1, dp):
-                        g = g + grads[j][k] / dp
-                    p.grad = g
-                else:
-                    p.grad = grads[r][k]
-            opts[r].step()
+        _local_steps(named, opts, grads, synchronous=t < warmup_steps)
         if t < warmup_steps:
             if t == warmup_steps - 1:
                 anchor = {k: v.detach().clone() for k, v in named[0].items()}
@@ -130,16 +137,7 @@ def streaming_diloco_reference(model, batches, loss_fn, optimizer, dp: int, peri
     pending, losses = [], []
     for t, batch in enumerate(batches):
         grads, total = replica_gradients(reps, batch, loss_fn)
-        for r in range(dp):
-            for k, p in named[r].items():
-                if t < warmup_steps:
-                    g = grads[0][k] / dp
-                    for j in range(1, dp):
-                        g = g + grads[j][k] / dp
-                    p.grad = g
-                else:
-                    p.grad = grads[r][k]
-            opts[r].step()
+        _local_steps(named, opts, grads, synchronous=t < warmup_steps)
         losses.append(total)
         if t < warmup_steps:
             if t == warmup_steps - 1:
