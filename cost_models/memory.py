@@ -28,6 +28,7 @@ eq. 1 and Table 2: ``sbh(34 + 5as/h)`` with 16-bit activations and 1-byte dropou
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
 from dataclasses import dataclass, field
 
@@ -85,6 +86,34 @@ class Liveness:
     @property
     def peak_node(self):
         return self.nodes[self.peak_index] if self.nodes else None
+
+    def rebound(self, base: torch.fx.GraphModule, gm: torch.fx.GraphModule) -> "Liveness":
+        """This liveness, made for ``base``, as that of ``gm``: a graph with the same code on the same shapes (two
+        stages' identical gradient sums). The bytes are the same; each storage's producer node and fake-storage
+        keys become ``gm``'s, since the step walk (``cost_models.step_memory``) links graphs by those keys."""
+        pairs = list(zip(base.graph.nodes, gm.graph.nodes))
+        if len(pairs) != len(gm.graph.nodes) or len(pairs) != len(base.graph.nodes):
+            raise ValueError(f"Liveness.rebound: the graphs have {len(base.graph.nodes)} and {len(gm.graph.nodes)} "
+                             "nodes; rebind only to a graph with the same code")
+        node_of = dict(pairs)
+        key_of = {}
+        for b, n in pairs:
+            bv, nv = b.meta.get("val"), n.meta.get("val")
+            bvs = bv if isinstance(bv, (list, tuple)) else [bv]
+            nvs = nv if isinstance(nv, (list, tuple)) else [nv]
+            for x, y in zip(bvs, nvs):
+                kx, ky = _storage_key(x), _storage_key(y)
+                if kx is not None and ky is not None:
+                    key_of[kx] = ky
+        new = {id(s): dataclasses.replace(s, producer=node_of[s.producer], key=key_of.get(s.key, s.key),
+                                          keys={key_of.get(k, k) for k in s.keys}) for s in self.storages}
+
+        def swap(s):
+            return None if s is None else new[id(s)]
+        return dataclasses.replace(
+            self, storages=list(new.values()), nodes=[node_of[n] for n in self.nodes],
+            outputs=[swap(s) for s in self.outputs],
+            out_parts=[[swap(s) for s in parts] for parts in self.out_parts])
 
     def totals(self) -> dict:
         """category -> total bytes of every storage of that category (not only at the peak)."""

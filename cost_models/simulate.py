@@ -222,6 +222,7 @@ def compile_program(gm, cluster, cache: dict) -> Program:
         p = Program.__new__(Program)
         p.__dict__.update(base.__dict__)
         p.gm = gm
+        p.liveness = base.liveness.rebound(base.gm, gm)     # the step walk links graphs by their own fake storages
         p.comm_nodes = [n for n in gm.graph.nodes if M.COMM.name in n.meta]
         p.infos = [n.meta[M.COMM.name] for n in p.comm_nodes]
         p.comm_names = [n.name for n in p.comm_nodes]

@@ -113,6 +113,10 @@ def test_two_microbatches_per_wave_over_four_chunks(clusters):
     assert prog.plan.n_stages == 4
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
     assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
+    est = prog.estimate()       # four chunks whose gradient sums have the same code: each keeps its own storages
+    for r in range(2):
+        pred, got = est.ranks[r].peak_memory_bytes, res.peak_memory_bytes[r]
+        assert abs(got - pred) <= 0.01 * pred, (r, got, pred)
 
 
 # ---- the batch that fits ------------------------------------------------------------------------------------
