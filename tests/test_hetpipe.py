@@ -150,6 +150,6 @@ def test_stale_waves_equal_the_wsp_replay(clusters):
     got = res.state_dict()
     for k, v in ref["final"].items():
         torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-10, msg=k)
-    reads = [r for w in range(4) for r in res.features[w]["sync"]["reads"][:6]]
+    reads = [r for w in range(4) for r in res.features[w]["sync"]["reads"]]
     assert all(c - fresh <= 1 for c, fresh, _, _ in reads)
     assert any(c - fresh > 0 for c, fresh, _, _ in reads), "no read was stale: the straggler did not slow worker 1"
