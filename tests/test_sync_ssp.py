@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import fxpar
 from fxpar import sync as S
-from fxpar.testing import MLP, reference_training
+from fxpar.testing import MLP, max_abs_diff, reference_training
 from fxpar.testing.compress import mlp_batches
 from fxpar.testing.sync import ssp_reference
 
@@ -119,3 +119,61 @@ def test_plan_json_and_explain():
     text = prog.explain()
     assert "parameter server 1 (rank 3)" in text and "s chosen per read in [1, 4]" in text
     assert [type(p).__name__ for p in prog.extra_ranks()] == ["SSPServer", "SSPServer"]
+
+
+SGD = (torch.optim.SGD, {"lr": 0.1})
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_resume_at_bound_zero_is_bitwise(clusters, tmp_path):
+    """SSP(staleness=0), two servers, SGD-momentum: 3 steps, save, resume, 3 steps equals 6 steps bitwise (losses,
+    parameters, every worker's own replica); the resumed servers' clock table goes on from the saved one."""
+    model, batches = _model(), mlp_batches(6)
+    prog = _program(model, batches, S.SSP(staleness=0), servers=2)
+    lc = clusters.get(4)
+    whole = prog.run_local(batches, cluster=lc)
+    first = prog.run_local(batches[:3], cluster=lc, save_to=tmp_path / "ck")
+    second = prog.run_local(batches[3:], cluster=lc, resume_from=tmp_path / "ck")
+    assert first.losses + second.losses == whole.losses
+    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0
+    for w in range(2):
+        assert max_abs_diff(second.features[w]["sync"]["replica"], whole.features[w]["sync"]["replica"]) == 0
+        assert second.features[w]["sync"]["steps"] == 6 and len(second.features[w]["sync"]["reads"]) == 6
+    before, after = _servers(first)[0]["clock_table"], _servers(second)[0]["clock_table"]
+    assert after["clocks"] == [6, 6] and after["staleness"][:6] == before["staleness"]
+    assert [t[:3] for t in after["push_times"]] == before["push_times"]         # the saved table, bitwise
+    assert [s["start_clock"] for s in _servers(second)] == [3, 3]
+    assert all(e[2] >= 3 for s in _servers(second) for e in s["log"])            # the run went on from clock 3
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+@pytest.mark.parametrize("method", [S.SSP(staleness=2), S.DSSP(low=1, high=3)], ids=["SSP-s2", "DSSP-1-3"])
+def test_stale_resume_goes_on_from_the_saved_servers(clusters, tmp_path, method):
+    """Worker 1 three times slower, 4 steps, save, resume for 4 more: the servers restart from the checkpoint's
+    parameters at clock 4 with the saved clock table, bitwise (DSSP's grants included), and the resumed run equals the
+    one-process replay of its logs from there (SGD: a worker's optimizer holds no state the replay would lack); every
+    read within its bound."""
+    model, batches = _model(), mlp_batches(8)
+    prog = _program(model, batches, method, slowdown={1: 3.0}, optimizer=SGD)
+    lc = clusters.get(3)
+    first = prog.run_local(batches[:4], cluster=lc, save_to=tmp_path / "ck")
+    second = prog.run_local(batches[4:], cluster=lc, resume_from=tmp_path / "ck")
+    before, after = _servers(first)[0]["clock_table"], _servers(second)[0]["clock_table"]
+    n = len(before["staleness"])
+    assert after["staleness"][:n] == before["staleness"] and after["max_spread"] >= before["max_spread"]
+    assert [t[:len(b)] for t, b in zip(after["push_times"], before["push_times"])] == before["push_times"]
+    assert after["clocks"] == [8, 8]
+    lo, hi = method.bounds()
+    assert all(lo <= s <= hi for _, _, s in after["staleness"])
+    start = _model()
+    start.load_state_dict(first.state_dict())
+    ref = ssp_reference(start, batches, F.mse_loss, SGD, 2, [_servers(second)[0]["log"]],
+                        [_servers(second)[0]["keys"]], start=4)
+    torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(ref["losses"]), rtol=1e-10, atol=1e-10)
+    _close(second.state_dict(), ref["final"])
+    for w in range(2):
+        reads = second.features[w]["sync"]["reads"]
+        assert len(reads) == 8 and [r[0] for r in reads] == list(range(1, 9))
+        assert all(c - fresh <= s for c, fresh, s, _ in reads)

@@ -224,9 +224,10 @@ class _Server:
         self.saves[w] += 1
 
     def _restore(self, w: int, src: int, clock: int, nbytes: int) -> None:
-        """A resumed worker's first message: the shard and the clock it resumes at, and the state this server saved
-        (none: a checkpoint saved without servers, whose clock table starts afresh at that clock). The first one
-        sets the server's state; the others must name the same."""
+        """A worker's first message after it loaded a checkpoint: the shard and the clock it resumes at, and the
+        state this server saved (none: a checkpoint saved without servers, whose clock table starts afresh at that
+        clock). The first worker's sets the server's state, once every worker has read finally (nothing in flight);
+        the others' must name the same."""
         flat = torch.empty_like(self.shard.base)
         dist.recv(flat, src, tag=TAG_DATA)
         blob = torch.empty(nbytes, dtype=torch.uint8)
@@ -235,9 +236,10 @@ class _Server:
         saved = pickle.loads(blob.numpy().tobytes()) if nbytes else None
         me = f"SSP parameter server rank {self.p.rank}"
         if self.start is None:
-            if self.log:
-                raise RuntimeError(f"{me}: worker {w} resumes after the run began ({len(self.log)} message(s) "
-                                   "served): every worker loads the checkpoint before its first step")
+            if self.shard.by_clock or self.pending:
+                raise RuntimeError(f"{me}: worker {w} loads a checkpoint while clocks "
+                                   f"{sorted(self.shard.by_clock)} are pushed by some workers only: every worker "
+                                   "loads after the same number of steps")
             if saved is not None and int(saved["clock"]) != clock:
                 raise RuntimeError(f"{me}: worker {w} resumes at clock {clock}, and the checkpoint's server state is "
                                    f"at clock {saved['clock']}: it was saved by another run")
@@ -251,8 +253,8 @@ class _Server:
                                f"{sorted(self.restored_by)} (clock {self.start_clock}): the workers loaded different "
                                "checkpoints; resume every rank from one")
         self.restored_by.add(w)
-        if len(self.restored_by) == self.n:
-            self.start = self.start[:0]       # every worker agreed: the copy is no longer needed
+        if len(self.restored_by) == self.n:   # every worker agreed: the next load starts afresh
+            self.start, self.restored_by = None, set()
 
     def final_due(self) -> bool:
         """Whether a worker's final read is still to come (it last read finally at another clock than it pushed)."""

@@ -129,11 +129,11 @@ class SSPState(SyncState):
         self.drained_at = self.step
 
     def _restore_servers(self, ex) -> None:
-        """After a load, before any other message: each server's shard (of the loaded parameters), this rank's
-        clock and the server's saved state (each worker sends them; the server checks they agree)."""
+        """After a load, before any other message to the servers: each server's shard of the loaded parameters,
+        this rank's clock and the server's saved state (each worker sends them; the server checks they agree)."""
         if self.restore is None:
             return
-        ps = ex.params[self.stage]
+        ps = self.base                # the loaded parameters (the first update's base)
         for server, keys, state in zip(self.servers, self.shards, self.restore):
             blob = pickle.dumps(state) if state is not None else b""
             dist.send(torch.tensor([RESTORE, self.step, len(blob), 0], dtype=torch.float64), server, tag=TAG_HEAD)
