@@ -17,7 +17,7 @@ import fxpar
 from fxpar.cluster import DeviceSpec
 from fxpar.schedule import simulate
 from fxpar.schedule.hetpipe import hetpipe, may_start, stage_times
-from fxpar.testing import MLP, reference_training
+from fxpar.testing import MLP, max_abs_diff, reference_training
 from fxpar.testing.compress import mlp_batches
 from fxpar.testing.hetpipe import wsp_reference, wsp_violations
 
@@ -130,6 +130,27 @@ def test_staleness_zero_on_equal_devices_is_synchronous_dp_x_pp(clusters):
         torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-10, msg=k)
     for r in range(4):
         assert all(c == fresh for c, fresh, _, _ in res.features[r]["sync"]["reads"])
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_resume_at_staleness_zero_is_bitwise(clusters, tmp_path):
+    """D = 0, dp=2 x pp=2, two servers (one per stage), SGD-momentum: 2 waves, save, resume, 2 waves equals 4 waves
+    bitwise, every virtual worker's own stage included; each stage's servers went on from clock 2."""
+    torch.manual_seed(0)
+    model, batches = MLP(layers=4).double(), mlp_batches(4)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(4, cpu_servers=2), batches[0], loss_fn=F.mse_loss,
+                             optimizer=SGD_M, strategy=fxpar.Strategy(dp=2, pp=2, microbatches=2, schedule="hetpipe"))
+    lc = clusters.get(6)
+    whole = prog.run_local(batches, cluster=lc)
+    first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")
+    second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck")
+    assert first.losses + second.losses == whole.losses
+    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0
+    for r in range(4):
+        assert max_abs_diff(second.features[r]["sync"]["replica"], whole.features[r]["sync"]["replica"]) == 0
+    servers = [second.servers[r] for r in sorted(second.servers)]
+    assert [s["start_clock"] for s in servers] == [2, 2] and [s["steps"] for s in servers] == [4, 4]
 
 
 @pytest.mark.slow

@@ -39,6 +39,7 @@ __all__ = ["SyncFeature", "SyncSection", "GradientStep", "FEATURE", "sync_state"
 
 FEATURE = "sync"
 ALLREDUCE, LOCAL = "allreduce", "local"
+WORKERS_GROUP = "ssp_workers"     # every worker rank, beside the parameter servers (a checkpoint's group)
 # features whose gradient or parameter layout assumes replicas that agree every step
 CONFLICTS = ("tensor_parallel", "zero", "zero_offload", "bytescheduler", "herring", "byteps", "parallax")
 
@@ -282,6 +283,8 @@ class SyncFeature(Feature):
             _one_stage_per_rank(m, plan)
             k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
             section.servers = list(range(plan.mesh.size, plan.mesh.size + k))
+            if plan.mesh.size > plan.dp:       # pipelines: checkpoints are written over every worker, no dp group
+                plan.groups[WORKERS_GROUP] = [list(range(plan.mesh.size))]
         return section
 
     def adopt(self, section, strategy, plan, cluster):
