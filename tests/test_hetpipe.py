@@ -20,6 +20,7 @@ from fxpar.schedule.hetpipe import hetpipe, may_start, stage_times
 from fxpar.testing import MLP, max_abs_diff, reference_training
 from fxpar.testing.compress import mlp_batches
 from fxpar.testing.hetpipe import wsp_reference, wsp_violations
+from test_sync_ssp import torchrun_ssp
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 FAST = DeviceSpec("cpu", "fast", 8 * 2**30, 100e9, 20e9)
@@ -174,3 +175,17 @@ def test_stale_waves_equal_the_wsp_replay(clusters):
     reads = [r for w in range(4) for r in res.features[w]["sync"]["reads"]]
     assert all(c - fresh <= 1 for c, fresh, _, _ in reads)
     assert any(c - fresh > 0 for c, fresh, _, _ in reads), "no read was stale: the straggler did not slow worker 1"
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_torchrun_with_server_ranks_equals_run_local(clusters, tmp_path):
+    """HetPipe D = 0 under torchrun: 2 virtual workers of 2 stages (ranks 0-3) and a parameter server per stage
+    (ranks 4, 5): 4 waves equal run_local's bitwise; after loading the checkpoint of wave 2, waves 3 and 4 again give
+    the same losses."""
+    got, example = torchrun_ssp(tmp_path, 6, "--method", "hetpipe", "--staleness", "0")
+    batches = mlp_batches(4)
+    _, prog = example.program_for("hetpipe", 0, 6, batches[0])
+    res = prog.run_local(batches, cluster=clusters.get(6))
+    assert got["losses"] == res.losses and got["again"] == res.losses[2:]
+    assert max_abs_diff(got["state"], res.state_dict()) == 0

@@ -8,6 +8,11 @@ spread stays within the bound, DSSP's chosen bounds stay in [low, high].
 """
 from __future__ import annotations
 
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -177,3 +182,31 @@ def test_stale_resume_goes_on_from_the_saved_servers(clusters, tmp_path, method)
         reads = second.features[w]["sync"]["reads"]
         assert len(reads) == 8 and [r[0] for r in reads] == list(range(1, 9))
         assert all(c - fresh <= s for c, fresh, s, _ in reads)
+
+
+def torchrun_ssp(tmp_path, nproc: int, *args) -> tuple:
+    """``examples/torchrun_ssp.py`` under torchrun on ``nproc`` processes, saving and loading a checkpoint on the
+    way: what rank 0 wrote (losses, the losses again after the load, the state), and the example's module."""
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out.pt"
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                          str(root / "examples" / "torchrun_ssp.py"), "--save", str(tmp_path / "ck"), "--out",
+                          str(out), *args], capture_output=True, text=True, timeout=300, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    spec = importlib.util.spec_from_file_location("torchrun_ssp", root / "examples" / "torchrun_ssp.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return torch.load(out), example
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_torchrun_workers_and_a_server_rank_equal_run_local(clusters, tmp_path):
+    """SSP(staleness=0) under torchrun, 2 workers + the parameter server as rank 2: 4 steps equal run_local's 4
+    bitwise (losses, state); after loading the checkpoint of step 2, steps 3 and 4 again give the same losses."""
+    got, example = torchrun_ssp(tmp_path, 3, "--method", "ssp", "--staleness", "0")
+    batches = mlp_batches(4)
+    _, prog = example.program_for("ssp", 0, 3, batches[0])
+    res = prog.run_local(batches, cluster=clusters.get(3))
+    assert got["losses"] == res.losses and got["again"] == res.losses[2:]
+    assert max_abs_diff(got["state"], res.state_dict()) == 0
