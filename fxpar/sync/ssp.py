@@ -170,7 +170,8 @@ def extra_clocks(t_fast: float | None, i_fast: float | None, t_slow: float | Non
 class ClockTable:
     """The first server's view of the workers: per worker the clocks it has pushed (``done``) and when (server
     time), the bounds chosen per read (``chosen``: ``(worker, clock, s)``), and the largest clock spread seen when a
-    push arrived (the pushing worker's clock minus the slowest's, ``max_spread``)."""
+    push arrived (the pushing worker's clock minus the slowest's, ``max_spread``). A checkpoint keeps it
+    (:meth:`state`, :meth:`restored`)."""
     n: int
     done: list = field(default_factory=list)
     times: list = field(default_factory=list)

@@ -2,10 +2,10 @@
 parameters, add the workers' updates as they arrive and answer reads once the staleness bound allows.
 
 A server holds one shard of the parameters (some of the keys, one flat buffer). Every message is point-to-point on
-the default group: a worker sends a 4-value header (:data:`PUSH`, :data:`PULL` or :data:`STOP`, its clock, the
-clock every worker must have pushed before the read is answered -- ``-1``: the first server chooses, DSSP -- and
-1 for the final read after a worker's last clock, else 0), then for a push the update of the server's shard. The server takes headers from any worker in the order they
-arrive::
+the default group: a worker sends a 4-value header (:data:`PUSH`, :data:`PULL`, :data:`STOP`, :data:`SAVE` or
+:data:`RESTORE`, its clock, the clock every worker must have pushed before the read is answered -- ``-1``: the
+first server chooses, DSSP -- and 1 for the final read after a worker's last clock, else 0), then for a push the
+update of the server's shard. The server takes headers from any worker in the order they arrive::
 
     worker ── PUSH c, update ──▶ ┌───────────────────┐
     worker ── PULL c+1, need ──▶ │ server j:         │ ── (fresh, s, need), shard ──▶ worker   once min(clocks) >= need
@@ -19,6 +19,16 @@ received so far: every update of the clocks every worker has pushed (``>= c - s`
 clock, fresh, s)`` (``fresh``: the clocks every worker had pushed when it answered): with the workers' updates, the
 log is the whole of what the workers read (:func:`fxpar.testing.sync.ssp_reference` replays it). The first server also keeps the
 clock table (:class:`fxpar.sync.ssp.ClockTable`): what each worker pushed and when, and the bound chosen per read.
+A clock's updates are added in worker order, whatever order they arrive in: a read depends on which pushes arrived,
+not on their order (``s = 0`` is bitwise reproducible).
+
+Checkpoints: a worker saves after its final read, when the server holds every clock folded into its shard (the
+parameters every worker read); its :data:`SAVE` gets back the server's clock and clock table, which the worker keeps
+in its part of the checkpoint. After a load, a worker's first message is :data:`RESTORE` (the clock, its shard of
+the loaded parameters, the saved state): the first sets the server's shard and table, the others must agree.
+
+Under ``run_local`` the loop runs until every worker's stop (:func:`serve`); under torchrun ``program.runner()`` on
+a server rank is an :class:`SSPServerRunner`, whose calls serve what the workers' same calls send.
 """
 from __future__ import annotations
 

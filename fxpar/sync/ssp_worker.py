@@ -6,8 +6,10 @@ own gradient: no collective) whose :meth:`after_update` replaces the averaging: 
 ``(x_after - x_read) / n`` (the change the rank's optimizer step made, divided by the ``n`` workers), sent shard by
 shard to the servers (:mod:`fxpar.sync.ssp_server`); then the read of clock ``c + 1`` asks the first server (which
 names the bound, DSSP's choice or SSP's ``s``), then the others with that bound, and the rank's parameters become
-the shards it got back. :meth:`drain` reads once more with the bound 0 (every worker's every clock), so results and
-``state_dict()`` hold the servers' final parameters on every worker.
+the shards it got back. :meth:`drain` reads once more with the bound 0 (every worker's every clock), so results,
+``state_dict()`` and checkpoints hold the servers' final parameters on every worker. :meth:`save` keeps, beside the
+rank's own state, each of its servers' clock table (asked of the server); after a load the rank's first message to
+each server restores it (:mod:`fxpar.sync.ssp_server`).
 """
 from __future__ import annotations
 
