@@ -149,6 +149,7 @@ def test_resume_at_bound_zero_is_bitwise(clusters, tmp_path):
     assert after["clocks"] == [6, 6] and after["staleness"][:6] == before["staleness"]
     assert [t[:3] for t in after["push_times"]] == before["push_times"]         # the saved table, bitwise
     assert [s["start_clock"] for s in _servers(second)] == [3, 3]
+    assert [s["resumed_from"] for s in _servers(second)] == [s["table_state"] for s in _servers(first)]
     assert all(e[2] >= 3 for s in _servers(second) for e in s["log"])            # the run went on from clock 3
 
 
@@ -165,6 +166,8 @@ def test_stale_resume_goes_on_from_the_saved_servers(clusters, tmp_path, method)
     lc = clusters.get(3)
     first = prog.run_local(batches[:4], cluster=lc, save_to=tmp_path / "ck")
     second = prog.run_local(batches[4:], cluster=lc, resume_from=tmp_path / "ck")
+    for saved, resumed in zip(_servers(first), _servers(second)):
+        assert resumed["resumed_from"] == saved["table_state"] and resumed["start_clock"] == 4
     before, after = _servers(first)[0]["clock_table"], _servers(second)[0]["clock_table"]
     n = len(before["staleness"])
     assert after["staleness"][:n] == before["staleness"] and after["max_spread"] >= before["max_spread"]
@@ -210,3 +213,17 @@ def test_torchrun_workers_and_a_server_rank_equal_run_local(clusters, tmp_path):
     res = prog.run_local(batches, cluster=clusters.get(3))
     assert got["losses"] == res.losses and got["again"] == res.losses[2:]
     assert max_abs_diff(got["state"], res.state_dict()) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.structure
+def test_resume_with_other_servers_is_refused_by_name(clusters, tmp_path):
+    """A checkpoint whose servers held other shards (one server, resumed on two) is refused at the load, naming the
+    shards and the setting."""
+    model, batches = _model(), mlp_batches(2)
+    _program(model, batches, S.SSP(staleness=0), servers=1).run_local(batches[:1], cluster=clusters.get(3),
+                                                                       save_to=tmp_path / "ck")
+    two = _program(model, batches, S.SSP(staleness=0), servers=2)
+    with pytest.raises(fxpar.RankFailedError, match=r"the checkpoint's parameter servers held the shards .*"
+                                                     r"ClusterSpec\(cpu_servers=\.\.\.\)"):
+        two.run_local(batches[1:], cluster=clusters.get(4), resume_from=tmp_path / "ck")

@@ -177,6 +177,7 @@ class _Server:
         self.final_at = [0] * self.n       # the clock of each worker's last final read
         self.saves = [0] * self.n          # saves answered, per worker
         self.start_clock = 0               # the clock the run started at (a resume's)
+        self.resumed_from: dict | None = None      # a resume: the clock table it restored (ClockTable.state())
         self.start: torch.Tensor | None = None     # a resume: the shard it started from (the others' must match)
         self.restored_by: set = set()
         self.head = torch.empty(4, dtype=torch.float64)
@@ -257,6 +258,7 @@ class _Server:
             self.table = (ClockTable.restored(saved["table"], time.perf_counter()) if saved is not None
                           else ClockTable(self.n, done=[clock] * self.n))
             self.start, self.start_clock = flat, clock
+            self.resumed_from = saved["table"] if saved is not None else None
             self.final_at = [clock] * self.n
         elif clock != self.start_clock or not torch.equal(flat, self.start):
             raise RuntimeError(f"{me}: worker {w} resumes at clock {clock} from other parameters than worker(s) "
@@ -274,6 +276,7 @@ class _Server:
         p, table = self.p, self.table
         out = {"rank": p.rank, "name": f"ssp{p.index}", "server": p.index, "keys": list(p.keys), "log": self.log,
                "steps": max(table.done, default=0), "start_clock": self.start_clock,
+               "table_state": table.state(), "resumed_from": self.resumed_from,
                "pushes": sum(1 for e in self.log if e[0] == "push"),
                "reads": sum(1 for e in self.log if e[0] == "read")}
         if p.index == 0:
