@@ -5,7 +5,8 @@ Heterogeneous ClusterSpec: JSON round trip; a straggler's slowdown is the same c
 speed-aware cut balances the stages' times (dry run and ``program.estimate()``) where the FLOP-balanced cut does not;
 a device too small for any stage is refused by name. Reduction: D = 0 on equal devices is synchronous dp x pp,
 float64 to 1e-10 against one process. WSP: with a straggler and D = 1, the run equals the one-process replay of the
-servers' recorded waves (``fxpar.testing.hetpipe.wsp_reference``), every read within the bound.
+servers' recorded waves (``fxpar.testing.hetpipe.wsp_reference``), every read within the bound. D = 0 resumes
+bitwise, and runs under torchrun with its servers as the last ranks, equal to run_local bitwise.
 """
 from __future__ import annotations
 

@@ -4,7 +4,10 @@ Reductions: a bound of 0 is synchronous SGD on the global batch (to 1e-10, SGD-m
 Against the one-process reference of SSP's read rule (``fxpar.testing.sync.ssp_reference``), replaying the servers'
 logs of a run with a straggler: every loss and the final parameters to 1e-10. Invariants measured on the ranks: no
 read is more than its bound behind (the worker's clock minus the clocks every worker had pushed), the servers' clock
-spread stays within the bound, DSSP's chosen bounds stay in [low, high].
+spread stays within the bound, DSSP's chosen bounds stay in [low, high]. Checkpoints: at bound 0 a resumed run is
+the uninterrupted one bitwise; at bound > 0 the servers resume from the clock table saved, bitwise, and the run equals
+the replay of its own logs from the checkpoint. Under torchrun, with the server as the last rank, bound 0 equals
+run_local bitwise, a save and a load on the way.
 """
 from __future__ import annotations
 
