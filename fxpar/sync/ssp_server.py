@@ -118,6 +118,7 @@ class SSPServerRunner(GroupExit):
         _join(payload)                      # every group, in the workers' order
         self.server = _Server(payload)
         self.steps = 0
+        self.restores = 0                   # the resumes every worker's first message after a load must complete
 
     @property
     def rank(self) -> int:
@@ -133,21 +134,26 @@ class SSPServerRunner(GroupExit):
         dist.all_reduce(t)
         return float(t) / (self.program.plan.microbatches * self.program.dp)
 
+    def _settled(self) -> bool:
+        """No worker's final read and no resume still to come (a worker's first call after a load restores)."""
+        return not self.server.final_due() and self.server.restores >= self.restores
+
     def save(self, path) -> None:
         """Answer every worker's save (the clock table goes into each worker's part of the checkpoint ``path``;
         the server writes nothing)."""
         srv = self.server
         want = [n + 1 for n in srv.saves]
-        srv.serve_until(lambda: (not srv.final_due()) and all(a >= b for a, b in zip(srv.saves, want)))
+        srv.serve_until(lambda: self._settled() and all(a >= b for a, b in zip(srv.saves, want)))
 
     def load(self, path) -> None:
-        """Answer the workers' final reads before they load ``path``; their first step after it restores this
-        server (its shard and clock table, from what they loaded)."""
-        self.server.serve_until(lambda: not self.server.final_due())
+        """Answer the workers' final reads before they load ``path``; their next call after it restores this
+        server (its shard and clock table, from what they loaded), which the next call here waits for."""
+        self.server.serve_until(self._settled)
+        self.restores = self.server.restores + 1
 
     def state_dict(self) -> dict:
         """The whole model's trained state, as the workers' runners return it. Collective: every rank calls it."""
-        self.server.serve_until(lambda: not self.server.final_due())
+        self.server.serve_until(self._settled)
         parts = [None] * dist.get_world_size()
         dist.all_gather_object(parts, {})
         return self.program._full_state(parts)
@@ -180,6 +186,7 @@ class _Server:
         self.resumed_from: dict | None = None      # a resume: the clock table it restored (ClockTable.state())
         self.start: torch.Tensor | None = None     # a resume: the shard it started from (the others' must match)
         self.restored_by: set = set()
+        self.restores = 0                  # resumes every worker took part in
         self.head = torch.empty(4, dtype=torch.float64)
 
     def serve_until(self, done) -> None:
@@ -267,6 +274,7 @@ class _Server:
         self.restored_by.add(w)
         if len(self.restored_by) == self.n:   # every worker agreed: the next load starts afresh
             self.start, self.restored_by = None, set()
+            self.restores += 1
 
     def final_due(self) -> bool:
         """Whether a worker's final read is still to come (it last read finally at another clock than it pushed)."""
