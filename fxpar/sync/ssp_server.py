@@ -47,7 +47,8 @@ from fxpar.runtime.groups import comm_priority, group
 from .method import method_from_dict
 from .ssp import ClockTable
 
-__all__ = ["SSPServer", "SSPServerRunner", "serve", "PUSH", "PULL", "STOP", "SAVE", "RESTORE", "TAG_HEAD", "TAG_DATA", "TAG_REPLY", "TAG_SHARD"]
+__all__ = ["SSPServer", "SSPServerRunner", "serve", "PUSH", "PULL", "STOP", "SAVE", "RESTORE", "TAG_HEAD", "TAG_DATA",
+           "TAG_REPLY", "TAG_SHARD"]
 
 PUSH, PULL, STOP, SAVE, RESTORE = 1, 2, 3, 4, 5
 TAG_HEAD, TAG_DATA, TAG_REPLY, TAG_SHARD = 7101, 7102, 7103, 7104
