@@ -230,3 +230,19 @@ def test_resume_with_other_servers_is_refused_by_name(clusters, tmp_path):
     with pytest.raises(fxpar.RankFailedError, match=r"the checkpoint's parameter servers held the shards .*"
                                                      r"ClusterSpec\(cpu_servers=\.\.\.\)"):
         two.run_local(batches[1:], cluster=clusters.get(4), resume_from=tmp_path / "ck")
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_resume_from_a_checkpoint_saved_without_servers(clusters, tmp_path):
+    """Plain dp=2 saves after 3 steps; SSP(staleness=0) resumes from it: the servers start from its parameters at
+    clock 0, the workers from its optimizer state, and the 6 steps are synchronous SGD-momentum to 1e-10."""
+    model, batches = _model(), mlp_batches(6)
+    plain = fxpar.parallelize(model, 2, batches[0], loss_fn=F.mse_loss, optimizer=SGD_M, strategy=fxpar.Strategy(dp=2))
+    first = plain.run_local(batches[:3], cluster=clusters.get(2), save_to=tmp_path / "ck")
+    res = _program(model, batches, S.SSP(staleness=0)).run_local(batches[3:], cluster=clusters.get(3),
+                                                                  resume_from=tmp_path / "ck")
+    losses, state = reference_training(model, batches, F.mse_loss, SGD_M)
+    torch.testing.assert_close(torch.tensor(first.losses + res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
+    _close(res.state_dict(), state)
+    assert _servers(res)[0]["start_clock"] == 0 and _servers(res)[0]["resumed_from"] is None
