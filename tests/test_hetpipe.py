@@ -5,7 +5,8 @@ Heterogeneous ClusterSpec: JSON round trip; a straggler's slowdown is the same c
 speed-aware cut balances the stages' times (dry run and ``program.estimate()``) where the FLOP-balanced cut does not;
 a device too small for any stage is refused by name. Reduction: D = 0 on equal devices is synchronous dp x pp,
 float64 to 1e-10 against one process. WSP: with a straggler and D = 1, the run equals the one-process replay of the
-servers' recorded waves (``fxpar.testing.hetpipe.wsp_reference``), every read within the bound.
+servers' recorded waves (``fxpar.testing.hetpipe.wsp_reference``), every read within the bound. D = 0 resumes
+bitwise, and runs under torchrun with its servers as the last ranks, equal to run_local bitwise.
 """
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import fxpar
 from fxpar.cluster import DeviceSpec
 from fxpar.schedule import simulate
 from fxpar.schedule.hetpipe import hetpipe, may_start, stage_times
-from fxpar.testing import MLP, reference_training
+from fxpar.testing import MLP, max_abs_diff, reference_training
 from fxpar.testing.compress import mlp_batches
 from fxpar.testing.hetpipe import wsp_reference, wsp_violations
+from test_sync_ssp import torchrun_ssp
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 FAST = DeviceSpec("cpu", "fast", 8 * 2**30, 100e9, 20e9)
@@ -134,6 +136,27 @@ def test_staleness_zero_on_equal_devices_is_synchronous_dp_x_pp(clusters):
 
 @pytest.mark.slow
 @pytest.mark.numerics
+def test_resume_at_staleness_zero_is_bitwise(clusters, tmp_path):
+    """D = 0, dp=2 x pp=2, two servers (one per stage), SGD-momentum: 2 waves, save, resume, 2 waves equals 4 waves
+    bitwise, every virtual worker's own stage included; each stage's servers went on from clock 2."""
+    torch.manual_seed(0)
+    model, batches = MLP(layers=4).double(), mlp_batches(4)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(4, cpu_servers=2), batches[0], loss_fn=F.mse_loss,
+                             optimizer=SGD_M, strategy=fxpar.Strategy(dp=2, pp=2, microbatches=2, schedule="hetpipe"))
+    lc = clusters.get(6)
+    whole = prog.run_local(batches, cluster=lc)
+    first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")
+    second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck")
+    assert first.losses + second.losses == whole.losses
+    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0
+    for r in range(4):
+        assert max_abs_diff(second.features[r]["sync"]["replica"], whole.features[r]["sync"]["replica"]) == 0
+    servers = [second.servers[r] for r in sorted(second.servers)]
+    assert [s["start_clock"] for s in servers] == [2, 2] and [s["steps"] for s in servers] == [4, 4]
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
 def test_stale_waves_equal_the_wsp_replay(clusters):
     """D = 1, virtual worker 1's devices 3x slower: the run's losses and final parameters equal the one-process WSP
     replay of the servers' logs, every read within the bound, and some read was stale."""
@@ -150,6 +173,20 @@ def test_stale_waves_equal_the_wsp_replay(clusters):
     got = res.state_dict()
     for k, v in ref["final"].items():
         torch.testing.assert_close(got[k], v, rtol=1e-10, atol=1e-10, msg=k)
-    reads = [r for w in range(4) for r in res.features[w]["sync"]["reads"][:6]]
+    reads = [r for w in range(4) for r in res.features[w]["sync"]["reads"]]
     assert all(c - fresh <= 1 for c, fresh, _, _ in reads)
     assert any(c - fresh > 0 for c, fresh, _, _ in reads), "no read was stale: the straggler did not slow worker 1"
+
+
+@pytest.mark.slow
+@pytest.mark.numerics
+def test_torchrun_with_server_ranks_equals_run_local(clusters, tmp_path):
+    """HetPipe D = 0 under torchrun: 2 virtual workers of 2 stages (ranks 0-3) and a parameter server per stage
+    (ranks 4, 5): 4 waves equal run_local's bitwise; after loading the checkpoint of wave 2, waves 3 and 4 again give
+    the same losses."""
+    got, example = torchrun_ssp(tmp_path, 6, "--method", "hetpipe", "--staleness", "0")
+    batches = mlp_batches(4)
+    _, prog = example.program_for("hetpipe", 0, 6, batches[0])
+    res = prog.run_local(batches, cluster=clusters.get(6))
+    assert got["losses"] == res.losses and got["again"] == res.losses[2:]
+    assert max_abs_diff(got["state"], res.state_dict()) == 0

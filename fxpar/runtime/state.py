@@ -58,8 +58,9 @@ class RankExtra:
 
 def _workers(ex) -> tuple:
     """``(rank, size, process group)`` of the ranks that hold the program's state: the whole world, or, with
-    ranks a feature runs beside the workers (CPU summation servers, after the workers, which hold nothing and
-    never enter a checkpoint's collectives), the workers' ``dp`` group -- so the checkpoint is the one a run without servers writes."""
+    ranks a feature runs beside the workers (CPU summation servers, parameter servers: after the workers, they never
+    enter a checkpoint's collectives), the program's group of every worker (``dp``, or the one a feature adds where
+    the workers are several pipelines) -- so the checkpoint is the one a run without servers writes."""
     if not dist.is_initialized():
         return 0, 1, None
     n = (1 + max(r for ranks in ex.p.stage_to_rank for r in ranks)) * ex.width
@@ -67,12 +68,13 @@ def _workers(ex) -> tuple:
     if world == n:
         return dist.get_rank(), n, None
     workers = tuple(range(n))
-    if ("dp", workers) not in ex.p.groups:
+    name = next((nm for nm, ranks in ex.p.groups if tuple(ranks) == workers), None)   # dp, or the workers' own
+    if name is None:
         raise RuntimeError(f"rank {ex.rank}: the world has {world} ranks but the program {n} workers, and no group "
                            f"of the program spans the workers {list(workers[:4])}...: a checkpoint is written over "
-                           "the ranks that hold state, and only a feature's ranks beside the workers (dp alone) are extra. Launch exactly "
-                           f"{n} processes for this program.")
-    return dist.get_rank(), n, group(workers, "dp")   # created by every rank, servers too (Plan.all_groups)
+                           "the ranks that hold state, and only a feature's ranks beside the workers are extra. "
+                           f"Launch exactly {n} processes for this program.")
+    return dist.get_rank(), n, group(workers, name)   # created by every rank, servers too (Plan.all_groups)
 
 
 def _refuse_nonfinite(path, got: dict, keys: list, world: int, pg) -> None:

@@ -32,13 +32,14 @@ from .async_avg import ASYNC_GROUP, AsyncAveraging, AsyncAveragingState
 from .dabmd import DABMDState
 from .method import DiLoCo, SyncMethod, fragment_keys, method_from_dict
 from .runtime import SyncInfo, SyncState
-from .ssp_server import SSPServer
+from .ssp_server import SSPServer, SSPServerRunner
 from .ssp_worker import SSPState
 
 __all__ = ["SyncFeature", "SyncSection", "GradientStep", "FEATURE", "sync_state", "shard_keys"]
 
 FEATURE = "sync"
 ALLREDUCE, LOCAL = "allreduce", "local"
+WORKERS_GROUP = "ssp_workers"     # every worker rank, beside the parameter servers (a checkpoint's group)
 # features whose gradient or parameter layout assumes replicas that agree every step
 CONFLICTS = ("tensor_parallel", "zero", "zero_offload", "bytescheduler", "herring", "byteps", "parallax")
 
@@ -282,6 +283,8 @@ class SyncFeature(Feature):
             _one_stage_per_rank(m, plan)
             k = getattr(cluster, "cpu_servers", 0) if cluster is not None else 0
             section.servers = list(range(plan.mesh.size, plan.mesh.size + k))
+            if plan.mesh.size > plan.dp:       # pipelines: checkpoints are written over every worker, no dp group
+                plan.groups[WORKERS_GROUP] = [list(range(plan.mesh.size))]
         return section
 
     def adopt(self, section, strategy, plan, cluster):
@@ -385,8 +388,7 @@ class SyncFeature(Feature):
                 for j, (r, keys) in enumerate(zip(section.servers, section.shards))]
 
     def extra_runner(self, payload, program):
-        raise StrategyError(f"Strategy(sync={method_from_dict(payload.method).summary()}) runs its parameter servers "
-                            "under program.run_local only; under torchrun use S.LocalSGD, DiLoCo or SlowMo")
+        return SSPServerRunner(payload, program)
 
     def state_bytes(self, section, program, rank) -> int:
         """DiLoCo and SlowMo keep the parameters of the last averaging and one state tensor per parameter (the
@@ -401,11 +403,6 @@ class SyncFeature(Feature):
         m = method_of(section)
         if hasattr(m, "check_program"):        # the parameters and optimizer a method's map needs (DABMD)
             m.check_program(program.initial_params(), program.optimizer)
-        if m.uses_servers and resume_from is not None:
-            raise StrategyError(f"Strategy(sync={m.summary()}): run_local(resume_from=...) would start the parameter "
-                                "servers from the program's weights, not the checkpoint's (their clock table is not "
-                                "saved); load the checkpoint's model keys into the model and build a new program "
-                                "from it, or resume under S.LocalSGD")
         if resume_from is None and m.warmup_steps >= n_batches:
             warnings.warn(f"Strategy(sync={m.summary()}): warmup_steps={m.warmup_steps} covers the whole run of "
                           f"{n_batches} step(s), so every step all-reduces the gradients (plain data parallelism); "

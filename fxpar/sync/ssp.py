@@ -170,13 +170,15 @@ def extra_clocks(t_fast: float | None, i_fast: float | None, t_slow: float | Non
 class ClockTable:
     """The first server's view of the workers: per worker the clocks it has pushed (``done``) and when (server
     time), the bounds chosen per read (``chosen``: ``(worker, clock, s)``), and the largest clock spread seen when a
-    push arrived (the pushing worker's clock minus the slowest's, ``max_spread``)."""
+    push arrived (the pushing worker's clock minus the slowest's, ``max_spread``). A checkpoint keeps it
+    (:meth:`state`, :meth:`restored`)."""
     n: int
     done: list = field(default_factory=list)
     times: list = field(default_factory=list)
     chosen: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)        # DSSP: worker -> (extra clocks left, the bound granted)
     max_spread: int = 0
+    shift: float = 0.0          # a resumed table: this server's clock minus the saving run's (pushed() subtracts it)
 
     def __post_init__(self):
         self.done = self.done or [0] * self.n
@@ -185,7 +187,7 @@ class ClockTable:
     def pushed(self, worker: int, clock: int, t: float) -> None:
         self.max_spread = max(self.max_spread, clock - min(self.done))
         self.done[worker] = max(self.done[worker], clock + 1)
-        self.times[worker].append(t)
+        self.times[worker].append(t - self.shift)
 
     def slowest(self) -> int:
         """Clocks every worker has pushed."""
@@ -201,3 +203,19 @@ class ClockTable:
     def report(self) -> dict:
         return {"clocks": list(self.done), "push_times": [list(t) for t in self.times],
                 "staleness": [list(c) for c in self.chosen], "max_spread": self.max_spread}
+
+    def state(self) -> dict:
+        """Everything the table holds, picklable: what a checkpoint keeps (:meth:`restored` reads it back)."""
+        return {"n": self.n, "done": list(self.done), "times": [list(t) for t in self.times],
+                "chosen": [tuple(c) for c in self.chosen], "extra": dict(self.extra), "max_spread": self.max_spread}
+
+    @classmethod
+    def restored(cls, state: dict, now: float) -> "ClockTable":
+        """The table :meth:`state` saved, bitwise, whose later pushes are timed on the saving run's clock: ``now``
+        (this server's clock at the resume) counts as the latest saved push, so the time between the save and the
+        resume is no iteration, and DSSP's controller, which reads only intervals and the offsets between the
+        workers' pushes (:func:`extra_clocks`), goes on as if the run had not stopped."""
+        last = max((t[-1] for t in state["times"] if t), default=None)
+        return cls(n=int(state["n"]), done=list(state["done"]), times=[list(t) for t in state["times"]],
+                   chosen=[tuple(c) for c in state["chosen"]], extra=dict(state["extra"]),
+                   max_spread=int(state["max_spread"]), shift=0.0 if last is None else now - last)

@@ -205,7 +205,7 @@ def slowmo_outer(inner_lr: float, slow_lr: float, slow_momentum: float):
     return step
 
 
-def ssp_reference(model, batches, loss_fn, optimizer, dp: int, logs: list, shards: list) -> dict:
+def ssp_reference(model, batches, loss_fn, optimizer, dp: int, logs: list, shards: list, start: int = 0) -> dict:
     """SSP's read rule in one process, replaying the servers' logs of a run (``RunResult.servers[r]["log"]`` of
     server ``j`` in ``logs[j]``, its keys in ``shards[j]``): server ``j`` starts from ``model``'s parameters of its
     shard and adds each push in its log's order; a ``("read", w, c, fresh)`` gives worker ``w`` the shard as it is
@@ -214,7 +214,9 @@ def ssp_reference(model, batches, loss_fn, optimizer, dp: int, logs: list, shard
     0``) with the gradient of its shard ``w`` of ``batches[c]``, and pushes ``(after - read) / dp``. A push is
     replayed once its worker has read that clock from every server (the logs of several servers interleave as the
     run did). Returns ``{"losses": per clock the workers' shard losses averaged, "final": the servers' parameters
-    after the logs, "reads": {(w, c): {key: tensor}}}``."""
+    after the logs, "reads": {(w, c): {key: tensor}}}``. ``start``: the clock the logs begin at (a resumed run's:
+    ``model`` holds the checkpoint's parameters, every worker's read for that clock, and ``batches[c]`` is still
+    clock ``c``'s batch); the optimizers start afresh, so a replay of a resumed run needs a stateless one (SGD)."""
     init = {k: v.detach().clone() for k, v in model.named_parameters()}
     by_clock = [{} for _ in shards]        # per server: clock -> {key: the sum of its updates so far}
     reps = [copy.deepcopy(model) for _ in range(dp)]
@@ -222,7 +224,7 @@ def ssp_reference(model, batches, loss_fn, optimizer, dp: int, logs: list, shard
     cls, kw = optimizer
     opts = [cls(m.parameters(), **kw) for m in reps]
     parts: dict = {}                       # (w, c) -> {server: its shard read}
-    reads = {(w, 0): dict(init) for w in range(dp)}
+    reads = {(w, start): dict(init) for w in range(dp)}
     updates: dict = {}
     losses: dict = {}
 
