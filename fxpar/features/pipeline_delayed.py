@@ -231,8 +231,10 @@ class DelayedPipelines(PipelineSchedule):
         section.momentum = float(kw["momentum"])
 
     def make_schedule(self, section, plan, n_batches: int = 2, resumed: bool = False):
-        """One window over every microbatch of the run: an update per microbatch, never flushed."""
-        return self.schedules[section.schedule](plan.pp, plan.microbatches * n_batches)
+        """One window over every microbatch of the run: an update per microbatch, never flushed; ``resumed``: it starts
+        holding the ``D_s`` versions before the newest that the checkpoint carries (the run that never stopped ran
+        its first forwards on them)."""
+        return self.schedules[section.schedule](plan.pp, plan.microbatches * n_batches, resumed=resumed)
 
     def grad_scale(self, section, plan) -> float:
         """An update per microbatch: its gradient is not averaged over the batch's microbatches."""
