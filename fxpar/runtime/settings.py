@@ -20,7 +20,7 @@ class RunSettings:
     save_to: str | None = None           # checkpoint written after the last step
     resume_from: str | None = None       # checkpoint loaded before the first step
     asynchronous: bool = False           # an asynchronous schedule: one window over all batches (run_async)
-    resumed: bool = False                # a resumed asynchronous window: it starts from the checkpoint's carried versions
+    resumed: bool = False                # an asynchronous window that starts from a checkpoint's carried versions
     carried: dict = field(default_factory=dict)     # stage -> weight versions before the newest a checkpoint carries
     reduced_by: dict = field(default_factory=dict)  # stage -> {tied key: the held stage that reduces it here}
     host: HostSettings = field(default_factory=HostSettings)   # the ClusterSpec's settings for this process
