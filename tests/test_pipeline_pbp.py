@@ -177,3 +177,15 @@ def test_resume_is_the_run_that_never_stopped(clusters, tmp_path, schedule, opti
     # the resumed window starts holding the D_s carried versions beside the newest (its first forwards read them)
     assert whole.peak_versions == {s: 1 for s in range(pp)}
     assert second.peak_versions == {s: pp - s for s in range(pp)}
+
+
+@pytest.mark.numerics
+def test_weight_prediction_resumed_without_the_carried_momentum_is_refused(clusters, tmp_path):
+    """A PipeMare checkpoint carries the versions but not their momentum, which weight prediction's first forwards
+    of a resumed window predict from: refused, naming the setting."""
+    model, batches = SkipNet().double(), class_batches(2)
+    _program(model, batches[0], SGD_M, pp=2, schedule="pipemare", microbatches=4).run_local(
+        batches[:1], cluster=clusters.get(2), save_to=tmp_path / "ck")
+    prog = _program(model, batches[0], SGD_M, pp=2, schedule="pipelined_bp", microbatches=4, correction="lwp")
+    with pytest.raises(Exception, match=r"correction='lwp'\) resumes from a checkpoint that does not carry the momentum"):
+        prog.run_local(batches[1:], cluster=clusters.get(2), resume_from=tmp_path / "ck")
