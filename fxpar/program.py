@@ -19,7 +19,7 @@ from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard
 from .portable import pack_graph_module, unpack_graph_module
 from .runner import RankRunner, RunResult
 from .roles import GraphKind, Role
-from .schedule import Action, ActionKind
+from .schedule import Action, ActionKind, carried_versions
 from .sharding import ShardingMap
 from .explain import explain_program
 from .planner import build_schedule, check_batch
@@ -376,6 +376,9 @@ class Program:
             sched = build_schedule(self.plan, n_batches, resumed=resume_from is not None)
             # the window starts from the checkpoint's stashed versions where the schedule's generator says so
             settings.asynchronous, settings.resumed = True, "resumed" in sched.meta
+            if settings.resumed or save_to is not None:     # the versions a checkpoint carries to the next window
+                window = sched if settings.resumed else build_schedule(self.plan, 1, resumed=True)
+                settings.carried = carried_versions(window) if "resumed" in window.meta else {}
         held = self.plan.rank_stages(rank)
         keys = {k for s in held for k in self.stages[s].param_keys}
         reduced_by = {}          # stage -> {tied key: the held stage that reduces it for this rank}

@@ -1,12 +1,14 @@
 """Asynchronous pipelines compute the math their papers define (DESIGN §5), checked against the
-small references in :mod:`fxpar.testing.async_reference`, float64 to 1e-10; and the weight versions the
-runtime held match the simulator and the papers' counts."""
+small references in :mod:`fxpar.testing.async_reference`, float64 to 1e-10; the weight versions the
+runtime held match the simulator and the papers' counts; a resumed run is the run that never stopped, bitwise."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import fxpar
+from fxpar.runtime.checkpoint import read_manifest
+from fxpar.runtime.state import stash_key
 from fxpar.schedule import simulate
 from fxpar.schedule.registry import get_schedule
 from fxpar.testing import (SkipNet, TinyGPT, class_batches, flat_gpt_loss, max_abs_diff, reference_training,
@@ -117,3 +119,47 @@ def test_forward_and_backward_use_bitwise_the_same_weights(clusters, schedule, p
     if schedule == "2bw":
         assert res.peak_versions == {s: 2 for s in range(pp)}
         assert max(e["versions_held"] for log in res.weight_log.values() for e in log if e["kind"] == "B") == 2
+
+
+def _bitwise(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.numerics
+def test_pipedream_resume_is_the_run_that_never_stopped(clusters, tmp_path):
+    """``run_local(b1, save_to=d)`` then ``run_local(b2, resume_from=d)`` is ``run_local(b1 + b2)`` bit for bit
+    (losses, every parameter, every optimizer state): the checkpoint carries each stage's p-s-1 versions before the
+    newest, and the resumed window's first forwards on stage s read them, as the window that never stopped did."""
+    model, batches, m, pp = SkipNet().double(), class_batches(4), 4, 3
+    prog = _program(model, batches[0], SGD_M, pp=pp, schedule="pipedream", microbatches=m)
+    lc = clusters.get(pp)
+    whole = prog.run_local(batches, cluster=lc)
+    ref_losses, ref_state = pipedream_reference(model, [sp.param_keys for sp in prog.stages], batches, CE, SGD_M, m)
+    assert max(abs(a - b) for a, b in zip(whole.losses, ref_losses)) < 1e-10
+    assert max_abs_diff(whole.state_dict(), ref_state) < 1e-10
+    first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")
+    second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck", record_weights=True)
+    assert first.losses + second.losses == whole.losses
+    assert _bitwise(second.state_dict(), whole.state_dict())
+    assert _bitwise(second.optimizer_state, whole.optimizer_state) and whole.optimizer_state
+    # what the checkpoint carries: stage s's versions 1 .. p-s-1 updates before the newest, the last stage none
+    saved = read_manifest(tmp_path / "ck")["tensors"]
+    for s, sp in enumerate(prog.stages):
+        for k in sp.param_keys:
+            assert [back for back in (1, 2, 3) if stash_key(k, back) in saved] == list(range(1, pp - s))
+    # not vacuous: the resumed window's first p-s-1 forwards on stage s read carried weights, older than the newest
+    carried = [e for log in second.weight_log.values() for e in log
+               if e["kind"] == "F" and e["mb"] < pp - 1 - e["stage"] and e["keys"]]
+    assert carried and all(e["version"] == e["mb"] and e["digest"] != e["newest"] for e in carried)
+    assert second.peak_versions == {s: pp - s for s in range(pp)}
+
+
+@pytest.mark.numerics
+def test_resume_from_a_checkpoint_that_carries_too_few_versions_is_refused(clusters, tmp_path):
+    """A 2BW checkpoint carries one version per stage; PipeDream at pp=3 reads two on stage 0: refused by key."""
+    model, batches = SkipNet().double(), class_batches(2)
+    _program(model, batches[0], SGD_M, pp=2, schedule="2bw", microbatches=4).run_local(
+        batches[:1], cluster=clusters.get(2), save_to=tmp_path / "ck")
+    prog = _program(model, batches[0], SGD_M, pp=3, schedule="pipedream", microbatches=4)
+    with pytest.raises(Exception, match=r"stash2\.inp\.weight.*same schedule with as many stages"):
+        prog.run_local(batches[1:], cluster=clusters.get(3), resume_from=tmp_path / "ck")

@@ -1,6 +1,7 @@
 """Pipelined Backpropagation and PipeMare compute the math their papers define (DESIGN §6), checked against
 :func:`fxpar.testing.async_reference.delayed_pipeline_reference`, float64 to 1e-10; with one stage each is SGD;
-each stage holds one weight version (PipeDream holds p - s); the dry run has no bubble in steady state."""
+each stage holds one weight version (PipeDream holds p - s); the dry run has no bubble in steady state; a resumed
+run is the run that never stopped, bitwise."""
 from __future__ import annotations
 
 import pytest
@@ -149,3 +150,42 @@ def test_one_stage_is_sgd(clusters, schedule, optimizer, options):
     sgd_losses, sgd_state = reference_training(model, micro, CE, optimizer)
     per_batch = [sum(sgd_losses[b * m:(b + 1) * m]) / m for b in range(len(batches))]
     _check(res, (per_batch, sgd_state))
+
+
+# ---- resume: the run that never stopped -----------------------------------------------------------------------
+@pytest.mark.numerics
+@pytest.mark.parametrize("schedule,options", [
+    ("pipelined_bp", {"correction": "sc+lwp"}),
+    ("pipemare", {"lr_warmup": 12, "discrepancy_correction": True}),
+])
+def test_resume_is_the_run_that_never_stopped(clusters, tmp_path, schedule, options):
+    """``run_local(b1, save_to=d)`` then ``run_local(b2, resume_from=d)`` is ``run_local(b1 + b2)`` bit for bit: the
+    checkpoint carries each stage's D_s versions before the newest (the resumed window's first D_s forwards read them,
+    weight prediction with each version's own momentum), PipeMare's velocity estimate, and the update count its
+    warm-up reads (12 updates: the warm-up is still running when the first 8 end)."""
+    model, batches, m, pp = SkipNet().double(), class_batches(4), 4, 3
+    prog = _program(model, batches[0], SGD_M, pp=pp, schedule=schedule, microbatches=m, **options)
+    lc = clusters.get(pp)
+    whole = prog.run_local(batches, cluster=lc)
+    _check(whole, delayed_pipeline_reference(model, [sp.param_keys for sp in prog.stages], batches, CE, SGD_M, m,
+                                             schedule=schedule, **options))
+    first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")
+    second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck")
+    assert first.losses + second.losses == whole.losses
+    for got, want in ((second.state_dict(), whole.state_dict()), (second.optimizer_state, whole.optimizer_state)):
+        assert want and got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # the resumed window starts holding the D_s carried versions beside the newest (its first forwards read them)
+    assert whole.peak_versions == {s: 1 for s in range(pp)}
+    assert second.peak_versions == {s: pp - s for s in range(pp)}
+
+
+@pytest.mark.numerics
+def test_weight_prediction_resumed_without_the_carried_momentum_is_refused(clusters, tmp_path):
+    """A PipeMare checkpoint carries the versions but not their momentum, which weight prediction's first forwards
+    of a resumed window predict from: refused, naming the setting."""
+    model, batches = SkipNet().double(), class_batches(2)
+    _program(model, batches[0], SGD_M, pp=2, schedule="pipemare", microbatches=4).run_local(
+        batches[:1], cluster=clusters.get(2), save_to=tmp_path / "ck")
+    prog = _program(model, batches[0], SGD_M, pp=2, schedule="pipelined_bp", microbatches=4, correction="lwp")
+    with pytest.raises(Exception, match=r"correction='lwp'\) resumes from a checkpoint that does not carry the momentum"):
+        prog.run_local(batches[1:], cluster=clusters.get(2), resume_from=tmp_path / "ck")

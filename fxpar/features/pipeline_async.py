@@ -4,7 +4,9 @@ Neither flushes: weights change while microbatches are in flight, and each forwa
 until its backward (``F0.5@2``). PipeDream (Harlap, Narayanan et al., SOSP'19) updates after every microbatch's
 backward; PipeDream-2BW (Narayanan et al., ICML'21) after each batch of m microbatches, computing batch b with
 version b-1: W(t+1) = W(t) - lr * grad f(W(t-1)). A run covers all its batches in one window
-(:meth:`AsyncSchedules.make_schedule`); a resumed 2BW window starts holding the stashed W(t-1) beside W(t). The
+(:meth:`AsyncSchedules.make_schedule`). A checkpoint carries the versions the next window's first forwards read
+(2BW: W(t-1); PipeDream: stage s's last ``p-s-1``), and a resumed window starts holding them beside W(t), so
+``run_local(b1, save_to=d)`` then ``run_local(b2, resume_from=d)`` is ``run_local(b1 + b2)`` bitwise. The
 generators are in ``fxpar/schedule/asynchronous.py``; ``fxpar.testing.async_reference`` holds the papers' math.
 """
 from __future__ import annotations
@@ -51,10 +53,11 @@ class AsyncSchedules(PipelineSchedule):
     def make_schedule(self, section, plan, n_batches: int = 2, resumed: bool = False):
         """One window covers ``n_batches`` batches (a run covers all of its own). PipeDream: one update per
         microbatch, so the window is ``m * n_batches`` microbatches; 2BW: ``n_batches`` batches of m, and a
-        ``resumed`` window starts from the checkpoint's stashed previous version."""
+        ``resumed`` window starts from the previous versions the checkpoint carries (PipeDream: ``p-s-1`` per stage,
+        2BW: one), so that a run resumed from a checkpoint is the run that never stopped."""
         p, m = plan.pp, plan.microbatches
         if section.schedule == "pipedream":
-            return pipedream(p, m * n_batches)
+            return pipedream(p, m * n_batches, resumed=resumed)
         return pipedream_2bw(p, m, n_batches=n_batches, resumed=resumed)
 
     def grad_scale(self, section, plan) -> float:

@@ -23,7 +23,10 @@ corrected, by this feature's per-rank state (:class:`DelayedState`):
     ``gamma = 0.1 ** (1 / D_s)``, and the backward runs on ``w - D_s * delta``: the weights extrapolated back to
     those its forward used.
 
-``fxpar.testing.async_reference.delayed_pipeline_reference`` holds the same math in one process.
+``fxpar.testing.async_reference.delayed_pipeline_reference`` holds the same math in one process. A checkpoint
+carries what the next window's first ``D_s`` forwards read (the stage's versions before the newest, through the
+runtime; with weight prediction their momentum, through :class:`DelayedState`), so a resumed run is the run that
+never stopped, bit for bit.
 """
 from __future__ import annotations
 
@@ -74,27 +77,77 @@ class DelayedState(RankState):
     """Per rank: the learning rate each update uses, the corrections after it, the weights F and B read.
 
     ``tensors``: PipeMare's velocity estimate (``"delta:<key>"``) with ``discrepancy_correction``, saved in
-    checkpoints."""
+    checkpoints. With weight prediction, a checkpoint also carries each stage's momentum buffers of the ``D_s``
+    versions before the newest (:meth:`save`): a resumed window's first forwards predict from the versions the
+    checkpoint carries (``fxpar.runtime.state``), each with its own velocity, as in the run that never stopped."""
     input_roles = (Role.FORWARD_PARAM, Role.BACKWARD_PARAM)
 
     def setup(self, ex) -> None:
         self.before: dict = {}
         if self.info["discrepancy_correction"]:
             self.tensors = {f"delta:{k}": torch.zeros_like(v) for ps in ex.params.values() for k, v in ps.items()}
+        self.lwp = "lwp" in self.info["correction"]
+        self.reading: dict = {}        # stage -> the weight version the running forward reads
+        self.carried: dict = {}        # stage -> momentum of the versions a resumed window starts with, oldest first
+        self.history: dict = {}        # stage -> the last D_s momentum buffers before the newest, for a checkpoint
+        self.unloaded = False          # a resumed window whose checkpoint did not carry them
+        if self.lwp and ex.p.settings.save_to:     # before any update every earlier version is the first
+            self.history = {s: [self._momentum(ex, s)] * n for s in ex.params
+                            if (n := ex.p.settings.carried.get(s, 0))}
+
+    @staticmethod
+    def _momentum(ex, stage: int, state: dict | None = None) -> dict:
+        state = ex.state[stage] if state is None else state
+        return {k: state[f"momentum_buffer:{k}"] for k in ex.params[stage]}
 
     def provide_role(self, ex, role, key, stage, weights):
         delay = self.info["delays"][stage]
         if role == Role.FORWARD_PARAM:            # linear weight prediction: D updates ahead at today's velocity
             lr = float(ex.torch_opt.param_groups[0]["lr"])
-            return weights[key] - (lr * delay) * ex.state[stage][f"momentum_buffer:{key}"]
+            carried, version = self.carried.get(stage, ()), self.reading.get(stage)
+            v = (carried[version][key] if version is not None and version < len(carried)
+                 else ex.state[stage][f"momentum_buffer:{key}"])
+            return weights[key] - (lr * delay) * v
         w = ex.params[stage][key]                 # the backward: the stage's weights when it runs
         if self.info["discrepancy_correction"] and delay:
             return w - delay * self.tensors[f"delta:{key}"]
         return w
 
+    def after_load(self, ex) -> None:
+        carries = any(ex.p.settings.carried.get(s, 0) for s in ex.params)
+        self.unloaded = self.lwp and ex.p.settings.resumed and carries
+
+    def save(self) -> dict:
+        out = super().save()
+        if self.history:
+            out["momentum_history"] = {s: [{k: v.clone() for k, v in m.items()} for m in ms]
+                                       for s, ms in self.history.items()}
+        return out
+
+    def load(self, saved: dict) -> None:
+        saved = dict(saved)
+        history = saved.pop("momentum_history", None)
+        super().load(saved)
+        if self.lwp and history is not None:
+            self.carried = {s: [{k: v.clone() for k, v in m.items()} for m in ms] for s, ms in history.items()}
+            self.history = {s: list(ms) for s, ms in self.carried.items()} if self.history else {}
+            self.unloaded = False
+
     def handlers(self, ex) -> dict:
         step = ex.handlers[ActionKind.STEP]
         self.base_lr = [float(g["lr"]) for g in ex.torch_opt.param_groups]     # the warm-up scales these
+
+        forward = ex.handlers[ActionKind.F]
+
+        def read(a, w, idx):
+            if self.unloaded:
+                raise RuntimeError(
+                    f"rank {self.rank}: Strategy(schedule='pipelined_bp', correction={self.info['correction']!r}) "
+                    "resumes from a checkpoint that does not carry the momentum of each stage's versions before the "
+                    "newest, which the first forwards of the window predict from: resume from a checkpoint a run "
+                    "with weight prediction saved.")
+            self.reading[a.stage] = a.version
+            forward(a, w, idx)
 
         def run(a, w, idx):
             s = a.stage
@@ -105,7 +158,7 @@ class DelayedState(RankState):
             self.before[s] = (ex.params[s], dict(ex.state[s]), float(ex.torch_opt.param_groups[0]["lr"]))
             step(a, w, idx)
 
-        return {ActionKind.STEP: run}
+        return {ActionKind.STEP: run, **({ActionKind.F: read} if self.lwp else {})}
 
     def after_update(self, ex, stage: int) -> None:
         before = self.before.pop(stage, None)
@@ -113,6 +166,10 @@ class DelayedState(RankState):
             return
         w0, state0, lr = before
         delay, keys = self.info["delays"][stage], list(ex.params[stage])
+        if self.lwp:
+            self.carried.pop(stage, None)     # the forwards on carried versions all ran before the first update
+            if stage in self.history:
+                self.history[stage] = (self.history[stage] + [self._momentum(ex, stage, state0)])[1:]
         if "sc" in self.info["correction"] and delay:     # w1 = w0 - lr (a v1 + b g), g = v1 - m v0
             m = self.info["momentum"]
             a, b = spike_coefficients(m, delay)
@@ -231,8 +288,10 @@ class DelayedPipelines(PipelineSchedule):
         section.momentum = float(kw["momentum"])
 
     def make_schedule(self, section, plan, n_batches: int = 2, resumed: bool = False):
-        """One window over every microbatch of the run: an update per microbatch, never flushed."""
-        return self.schedules[section.schedule](plan.pp, plan.microbatches * n_batches)
+        """One window over every microbatch of the run: an update per microbatch, never flushed; ``resumed``: it starts
+        holding the ``D_s`` versions before the newest that the checkpoint carries (the run that never stopped ran
+        its first forwards on them)."""
+        return self.schedules[section.schedule](plan.pp, plan.microbatches * n_batches, resumed=resumed)
 
     def grad_scale(self, section, plan) -> float:
         """An update per microbatch: its gradient is not averaged over the batch's microbatches."""

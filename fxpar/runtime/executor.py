@@ -182,7 +182,9 @@ class Executor:
         self.timelines: list = []
         self.record_weights = p.settings.record_weights
         self.weight_log: list = []
-        self.prev_params: dict = {}          # 2BW: per stage the weights before the newest (saved with a checkpoint)
+        # asynchronous schedules: per stage the versions before the newest, oldest first, that a checkpoint carries
+        # to the next window (``settings.carried``: 2BW's W(t-1), PipeDream's last p-s-1)
+        self.prev_params: dict = {}
         self.state_bytes: dict = {}          # most model-state bytes held at an update: params, grads, optimizer
         self.handlers = {_K.F: self._forward, _K.B: self._backward, _K.I: self._backward, _K.W: self._backward,
                          _K.SEND_F: self._send, _K.SEND_B: self._send, _K.RECV_F: self._recv, _K.RECV_B: self._recv,
@@ -242,6 +244,8 @@ class Executor:
         actions = self.p.actions
         previous = self.prev_params if self.p.settings.resumed else None
         w = _Window(micro, len(micro) // per_batch, VersionStore(self.params, actions, previous))
+        if not self.p.settings.save_to:
+            self.prev_params = {}            # the store holds them while the window reads them, no longer
         w.per_batch = per_batch
         for idx, a in enumerate(actions):
             tc, cpu = time.perf_counter(), time.process_time()
@@ -423,8 +427,9 @@ class Executor:
                 self.buffers[key] = v
             elif role == NEW_STATE_ROLE:
                 self._take_feature_state(key, v, s)
-        if a.version is not None:
-            self.prev_params[s] = self.params[s]
+        keep = self.p.settings.carried.get(s, 0) if a.version is not None and self.p.settings.save_to else 0
+        if keep:                               # the last ``keep`` versions before the newest, for the checkpoint
+            self.prev_params[s] = (self.prev_params.get(s, []) + [self.params[s]])[-keep:]
         self.params[s] = new
         if not self.spec.traced:
             self._eager_step(s, {k: self._step_grad(w, s, k) for k in self.p.stage_params[s]})
@@ -563,6 +568,18 @@ class Executor:
         results, ``state_dict()`` and checkpoints."""
         for st in self.features.values():
             st.drain(self)
+
+    def carried(self) -> dict:
+        """Stage -> the ``settings.carried[stage]`` versions before the newest, oldest first, for a checkpoint: the
+        weights a resumed window's first forwards read. A stage that stepped fewer times repeats its first version
+        (a version before the first is the first, as at the start of a run)."""
+        out = {}
+        for s, n in self.p.settings.carried.items():
+            if s not in self.params or not n:
+                continue
+            held = self.prev_params.get(s, [])[-n:]
+            out[s] = [held[0] if held else self.params[s]] * (n - len(held)) + held
+        return out
 
     def save(self, path) -> None:
         """Collective: write this rank's part of the training state to the checkpoint ``path`` (DCP)."""

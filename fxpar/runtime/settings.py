@@ -20,7 +20,8 @@ class RunSettings:
     save_to: str | None = None           # checkpoint written after the last step
     resume_from: str | None = None       # checkpoint loaded before the first step
     asynchronous: bool = False           # an asynchronous schedule: one window over all batches (run_async)
-    resumed: bool = False                # resumed 2BW: the checkpoint holds the stashed weights the first steps read
+    resumed: bool = False                # an asynchronous window that starts from a checkpoint's carried versions
+    carried: dict = field(default_factory=dict)     # stage -> weight versions before the newest a checkpoint carries
     reduced_by: dict = field(default_factory=dict)  # stage -> {tied key: the held stage that reduces it here}
     host: HostSettings = field(default_factory=HostSettings)   # the ClusterSpec's settings for this process
     slowdown: float = 1.0                # ClusterSpec.slowdown: this rank's compute made that many times as long

@@ -9,7 +9,10 @@ other (the keys never name a rank, a stage or a shard):
   each key) and buffers, under the model's keys;
 * optimizer state as ``optim.<state>.<key>`` (traced SGD/Adam/AdamW and eager torch.optim alike), whole: an
   eager optimizer's state of a split parameter is gathered like the parameter and cut again on load;
-* 2BW's stashed previous weights as ``stash.<key>`` (its next batch computes with them);
+* the weight versions an asynchronous schedule carries to its next window (``Executor.carried``): the version
+  k updates before the newest as ``stash.<key>`` (k = 1: 2BW's W(t-1)) and ``stash<k>.<key>`` (k >= 2: PipeDream's
+  and the delayed pipelines' older ones), so a resumed window's first forwards read what they would have read had
+  the run not stopped;
 * per rank in ``extra`` (:class:`RankExtra`): the RNG states, the default generator's and the rank stream's
   (restored when the world size is the saved one; otherwise each rank is seeded afresh as at the start of a run,
   so replicas do not share a stream: ``fxpar.runtime.groups.seed_rank``), the step count, the LR scheduler's and
@@ -27,10 +30,15 @@ from .groups import group, seed_rank
 from .checkpoint import (CheckpointError, load_checkpoint, optim_key, read_manifest, rng_state, save_checkpoint,
                          set_rng_state, split_optim_key, torch_optimizer_state_dict, torch_optimizer_tensors)
 
-__all__ = ["save_rank_state", "load_rank_state", "RankExtra", "torch_optimizer_whole", "eager_optimizer_state",
-           "replica_state", "load_replica_state"]
+__all__ = ["save_rank_state", "load_rank_state", "stash_key", "RankExtra", "torch_optimizer_whole",
+           "eager_optimizer_state", "replica_state", "load_replica_state"]
 
 _STASH = "stash."
+
+
+def stash_key(key: str, back: int) -> str:
+    """The checkpoint key of parameter ``key``'s version ``back`` updates before the newest (``back >= 1``)."""
+    return _STASH + key if back == 1 else f"stash{back}.{key}"
 
 
 @dataclass
@@ -175,9 +183,10 @@ def save_rank_state(ex, path, aliases: dict) -> None:
     else:
         opt_tensors, rest = torch_optimizer_whole(ex)
         tensors.update(opt_tensors)
-    for s, ps in ex.prev_params.items():
-        for k, v in ps.items():
-            tensors[_STASH + k] = v
+    for s, versions in ex.carried().items():        # oldest first: the last is one update before the newest
+        for back, ps in enumerate(reversed(versions), start=1):
+            for k, v in ps.items():
+                tensors[stash_key(k, back)] = v
     extra = RankExtra(rng=rng_state(), step=max(ex.step_count.values(), default=0),
                       lr=[g["lr"] for g in ex.torch_opt.param_groups], optim=rest,
                       scheduler=ex.scheduler.state_dict() if ex.scheduler is not None else None,
@@ -199,8 +208,10 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
         parts = split_optim_key(k)
         if parts is not None and parts[1] in held:
             templates[k] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
-        elif need_stash and k.startswith(_STASH) and k[len(_STASH):] in held:
-            templates[k] = torch.empty(meta["shape"], dtype=getattr(torch, meta["dtype"]))
+    wanted = {stash_key(k, back) for s, ps in ex.params.items() for k in ps
+              for back in range(1, ex.p.settings.carried.get(s, 0) + 1)} if need_stash else set()
+    for k in wanted & set(saved):
+        templates[k] = torch.empty(saved[k]["shape"], dtype=getattr(torch, saved[k]["dtype"]))
     rank, world, pg = _workers(ex)
     got, saved_extra = load_checkpoint(path, templates, rank=rank, world_size=world, process_group=pg)
     _refuse_nonfinite(path, got, sorted(held), world, pg)
@@ -220,11 +231,16 @@ def load_rank_state(ex, path, aliases: dict, need_stash: bool = False) -> None:
     for st in ex.features.values():       # the features' own layout of what was loaded whole
         st.after_load(ex)
     if need_stash:
-        missing = [k for k in held if _STASH + k not in got]
+        missing = sorted(wanted - set(got))
         if missing:
-            raise RuntimeError(f"checkpoint {path} has no stashed previous weights for {missing[:3]}...: a 2BW run "
-                               "resumes only from a checkpoint that a 2BW run saved")
-        ex.prev_params = {s: {k: got[_STASH + k].clone() for k in ps} for s, ps in ex.params.items()}
+            raise CheckpointError(
+                f"checkpoint {path} holds no {missing[:3]}...: a resumed window of this asynchronous schedule reads, "
+                f"per stage, the weight versions before the newest that the run which never stopped would have read "
+                f"({dict(sorted(ex.p.settings.carried.items()))} per stage), and only a checkpoint saved by the same "
+                "schedule with as many stages or more holds them. Resume from a checkpoint that schedule saved.")
+        ex.prev_params = {s: [{k: got[stash_key(k, back)].clone() for k in ps}
+                              for back in range(ex.p.settings.carried[s], 0, -1)]
+                          for s, ps in ex.params.items() if ex.p.settings.carried.get(s, 0)}
     ex.step_count = {s: int(extra.step) for s in ex.step_count}
     for g, lr in zip(ex.torch_opt.param_groups, extra.lr):
         g["lr"] = lr

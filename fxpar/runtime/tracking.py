@@ -60,14 +60,16 @@ class VersionStore:
     """
 
     def __init__(self, params: dict, actions: list, previous: dict | None = None):
-        """``previous``: stage -> the weights before the newest (a resumed 2BW window starts holding
-        version 0 = those and version 1 = ``params``)."""
-        self.versions = {s: ({0: previous[s], 1: ps} if previous else {0: ps}) for s, ps in params.items()}
+        """``previous``: stage -> the versions before the newest, oldest first (a resumed window starts holding
+        versions ``0 .. n-1`` = those and ``n`` = ``params``: 2BW's one, PipeDream's ``p-s-1``)."""
+        previous = previous or {}
+        self.versions = {s: {**dict(enumerate(previous.get(s, ()))), len(previous.get(s, ())): ps}
+                         for s, ps in params.items()}
         self.last_use: dict = {}
         for idx, a in enumerate(actions):
             if a.kind in (_K.F, _K.B) and a.version is not None:
                 self.last_use[(a.stage, a.version)] = idx
-        self.peak = {s: 1 for s in params}
+        self.peak = {s: len(vs) for s, vs in self.versions.items()}
         self.peak_bytes = self._bytes()
 
     def get(self, s: int, version):

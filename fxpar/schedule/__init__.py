@@ -15,7 +15,7 @@ PipeDream-2BW), :mod:`.delayed` (Pipelined Backpropagation, PipeMare), :mod:`.ch
 ``RG`` actions go), :mod:`.validate` (structural checks), :mod:`.dryrun` (``simulate``, the dry run,
 and the runtime semantics an executor must follow).
 """
-from fxpar.schedule.asynchronous import pipedream, pipedream_2bw
+from fxpar.schedule.asynchronous import carried_versions, pipedream, pipedream_2bw
 from fxpar.schedule.chimera import chimera
 from fxpar.schedule.delayed import pipelined_bp, pipemare, steady_state_bubble
 from fxpar.schedule.dryrun import SimResult, simulate
@@ -30,6 +30,7 @@ from fxpar.schedule.zero_bubble import zb1p
 
 __all__ = ["Action", "ActionKind", "Schedule", "parse_action",
            "single", "gpipe", "one_f_one_b", "interleaved", "zb1p", "pipedream", "pipedream_2bw", "chimera",
+           "carried_versions",
            "pipelined_bp", "pipemare", "steady_state_bubble",
            "SCHEDULES", "get_schedule", "ensure_reduce_grad", "add_unshard", "simulate", "SimResult", "validate",
            "find_problems", "ScheduleError", "ScheduleParseError", "ScheduleValidationError",

@@ -30,7 +30,7 @@ from fxpar.schedule.exceptions import ScheduleError
 from fxpar.schedule.ir import Action, ActionKind, Schedule
 from fxpar.schedule.synchronous import one_f_one_b_lists
 
-__all__ = ["pipedream", "pipedream_2bw"]
+__all__ = ["pipedream", "pipedream_2bw", "carried_versions"]
 
 
 def _reduce_and_step(stage: int, version: int) -> list[Action]:
@@ -38,22 +38,43 @@ def _reduce_and_step(stage: int, version: int) -> list[Action]:
     return [Action(stage, ActionKind.REDUCE_GRAD, stage), Action(stage, ActionKind.STEP, stage, version=version)]
 
 
-def pipedream(p: int, m: int) -> Schedule:
+def pipedream(p: int, m: int, resumed: bool = False) -> Schedule:
     """PipeDream's asynchronous 1F1B with weight stashing over m microbatches, one STEP per B.
 
     F of microbatch i on stage s uses the newest version, which is the number of B's stage s ran
     before it: ``max(0, i - (p-s-1))``. Its B uses the same version; ``RG s STEP s@(k+1)`` follow ``B k``.
-    The schedule covers m microbatches from an empty pipeline to an empty pipeline; in a long run the
-    next window continues with version m (steady state is never flushed in PipeDream).
-    """
+    The schedule covers m microbatches from an empty pipeline to an empty pipeline.
+
+    ``resumed=True``: the window continues a run (a resumed checkpoint) as if it had never stopped. Had it
+    not, microbatch i of this window would compute on stage s with the stage's weights ``D = p-s-1`` updates
+    before the newest: the window starts holding ``D + 1`` versions of stage s, ``0 .. D-1`` the previous
+    weights W(t-D) .. W(t-1) the checkpoint carries and ``D`` = W(t), so microbatch i computes with version
+    i and ``STEP s@(k+1+D)`` follows ``B k``. Such a window says so in its ``meta`` (``resumed``)."""
     if p < 1 or m < 1:
         raise ScheduleError(f"pipedream: need p >= 1 stages and m >= 1 microbatches, got p={p}, m={m}")
 
     def version(s: int, i: int) -> int:
-        return max(0, i - (p - s - 1))
+        return i if resumed else max(0, i - (p - s - 1))
 
-    lists = one_f_one_b_lists(p, m, version, lambda s, k: _reduce_and_step(s, k + 1))
-    return finish(lists, p, m, {s: (s,) for s in range(p)}, "pipedream", synchronous=False)
+    def step_after(s: int, k: int) -> list:
+        return _reduce_and_step(s, k + 1 + ((p - s - 1) if resumed else 0))
+
+    lists = one_f_one_b_lists(p, m, version, step_after)
+    return finish(lists, p, m, {s: (s,) for s in range(p)}, "pipedream", synchronous=False,
+                  **({"resumed": 1} if resumed else {}))
+
+
+def carried_versions(schedule: Schedule) -> dict:
+    """Stage -> how many weight versions older than the newest a window of ``schedule`` starts holding: the
+    versions below the one its first ``STEP s@v`` follows (``v - 1``). 0 for a window that starts a run; for a
+    resumed window, what the checkpoint must carry for each stage (PipeDream's and the delayed pipelines'
+    ``p-s-1``, 2BW's 1)."""
+    out: dict = {}
+    for acts in schedule.actions.values():
+        for a in acts:
+            if a.kind == ActionKind.STEP and a.version is not None and a.stage not in out:
+                out[a.stage] = a.version - 1
+    return out
 
 
 def pipedream_2bw(p: int, m: int, n_batches: int = 2, resumed: bool = False) -> Schedule:

@@ -41,34 +41,45 @@ def stage_delay(p: int, s: int) -> int:
     return p - s - 1
 
 
-def _no_stash(name: str, p: int, m: int) -> Schedule:
+def _no_stash(name: str, p: int, m: int, resumed: bool = False) -> Schedule:
     if p < 1 or m < 1:
         raise ScheduleError(f"{name}: need p >= 1 stages and m >= 1 microbatches, got p={p}, m={m}")
 
+    def carried(s: int) -> int:          # a resumed window starts holding D_s older versions beside the newest
+        return stage_delay(p, s) if resumed else 0
+
     def version(s: int, i: int, backward: bool = False) -> int:
-        return i if backward else max(0, i - stage_delay(p, s))
+        if backward:
+            return i + carried(s)
+        return i if resumed else max(0, i - stage_delay(p, s))
 
     def step_after(s: int, k: int) -> list:
-        return [Action(s, _K.REDUCE_GRAD, s), Action(s, _K.STEP, s, version=k + 1)]
+        return [Action(s, _K.REDUCE_GRAD, s), Action(s, _K.STEP, s, version=k + 1 + carried(s))]
 
     lists = one_f_one_b_lists(p, m, version, step_after)
     for acts in lists.values():           # a backward computes with the newest version: the one after k updates
         for j, a in enumerate(acts):
             if a.kind == _K.B:
                 acts[j] = Action(a.rank, a.kind, a.stage, a.microbatch, a.peer, version(a.stage, a.microbatch, True))
-    return finish(lists, p, m, {s: (s,) for s in range(p)}, name, synchronous=False)
+    return finish(lists, p, m, {s: (s,) for s in range(p)}, name, synchronous=False,
+                  **({"resumed": 1} if resumed else {}))
 
 
-def pipelined_bp(p: int, m: int) -> Schedule:
+def pipelined_bp(p: int, m: int, resumed: bool = False) -> Schedule:
     """Pipelined Backpropagation over m microbatches: 1F1B without a flush, an update after every backward,
-    every F and B on the stage's newest weights (no stash)."""
-    return _no_stash("pipelined_bp", p, m)
+    every F and B on the stage's newest weights (no stash).
+
+    ``resumed=True``: the window continues a run as if it had never stopped. Had it not, the first ``D_s``
+    forwards of stage s would have run before the last ``D_s`` updates of the run before: the window starts
+    holding those ``D_s`` older versions (``0 .. D_s-1``, from the checkpoint) beside the newest (``D_s``); the
+    forward of microbatch i computes with version i, its backward with ``i + D_s`` (the newest when it runs)."""
+    return _no_stash("pipelined_bp", p, m, resumed)
 
 
-def pipemare(p: int, m: int) -> Schedule:
+def pipemare(p: int, m: int, resumed: bool = False) -> Schedule:
     """PipeMare over m microbatches: the order and versions of :func:`pipelined_bp` (the two differ in how the
-    runtime corrects the delay, not in what runs when)."""
-    return _no_stash("pipemare", p, m)
+    runtime corrects the delay, not in what runs when); ``resumed`` as there."""
+    return _no_stash("pipemare", p, m, resumed)
 
 
 def steady_state_bubble(sim) -> float:

@@ -18,6 +18,8 @@ forward's. Then ``W_s^{i+1} = step(W_s^i, g_s^i)``, with the corrections written
 
 All take the stage partition (``[program.stages[s].param_keys for s]``) and an optimizer
 ``(cls, kwargs)``; each stage's parameters advance with torch's own optimizer, the state per parameter.
+Each is one run that never stops over every batch it is given: a run saved after batch b and resumed is checked
+against the run over all the batches (the checkpoint carries the versions the microbatches after b read).
 """
 from __future__ import annotations
 
