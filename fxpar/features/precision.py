@@ -9,6 +9,11 @@ parallelism's lowering, before every pass that reads gradients or sizes values),
 ``Slot.BUFFERS`` where gradients are reduced in the compute dtype, and ``LossScaleStep`` in ``Slot.BUFFERS`` under
 fp16. The per-rank state (fp16 only) is the loss scale, its growth count and the steps skipped, checkpointed per
 rank.
+
+Where the gradients the update reads are split across ranks (pipeline stages, tensor-parallel pieces, ZeRO's
+chunks), each rank checks its own and the 0/1 found-inf flags are max-reduced over every rank of the mesh (the
+process group ``loss_scale``), so every rank skips or steps together and moves its scale the same way, as torch's
+``ShardedGradScaler`` and Megatron-LM's ``found_inf`` all-reduce do.
 """
 from __future__ import annotations
 
@@ -21,9 +26,11 @@ import torch
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
 
-__all__ = ["Precision", "PrecisionSection", "LossScaleState", "GRAD_SCALER_DEFAULTS"]
+__all__ = ["Precision", "PrecisionSection", "LossScaleState", "GRAD_SCALER_DEFAULTS", "FOUND_GROUP", "found_over"]
 
 REDUCE = ("master", "compute")
+# the process group over which fp16's found-inf flags are max-reduced (Plan.groups)
+FOUND_GROUP = "loss_scale"
 # torch.amp.GradScaler's defaults (torch/amp/grad_scaler.py)
 GRAD_SCALER_DEFAULTS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
@@ -32,10 +39,13 @@ GRAD_SCALER_DEFAULTS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_
 class PrecisionSection(PlanSection):
     """The compute dtype (``"bf16"``/``"fp16"``), where gradients are reduced (``"master"``: cast back to the master
     dtype where backward makes them; ``"compute"``: reduced in the compute dtype, cast back for the update), and the
-    dynamic loss scale's settings (fp16; empty: no scaling)."""
+    dynamic loss scale's settings (fp16; empty: no scaling). ``found_over``: the ranks whose found-inf flags are
+    max-reduced each step (every rank of the mesh, where pp, tp or ZeRO split the gradients the update reads; empty:
+    every rank's update reads the same whole gradients)."""
     compute: str = "bf16"
     reduce: str = "master"
     loss_scale: dict = field(default_factory=dict)
+    found_over: list = field(default_factory=list)
 
     def lines(self) -> list:
         out = [f"forward and backward in {self.compute}; master parameters, the gradients the update reads and the "
@@ -46,6 +56,9 @@ class PrecisionSection(PlanSection):
             out.append(f"dynamic loss scale from {ls['init_scale']:g}: x{ls['growth_factor']:g} after "
                        f"{ls['growth_interval']} finite steps, x{ls['backoff_factor']:g} and the step skipped on a "
                        "non-finite gradient (torch.amp.GradScaler's rule)")
+        if self.found_over:
+            out.append(f"each rank checks the gradients its update reads; the found-inf flags are max-reduced over "
+                       f"ranks {self.found_over}, so every rank skips or steps together")
         return out
 
 
@@ -114,11 +127,6 @@ class Precision(Feature):
                 raise StrategyError("Strategy(precision='fp16', reduce_precision='compute'): fp16 gradients are "
                                     "unscaled as they come back to the master dtype, before the reduction; drop "
                                     "reduce_precision or use precision='bf16'")
-            apart = [f"{k}={strategy.option(k)!r}" for k in ("pp", "tp", "zero") if strategy.option(k) not in (1, 0)]
-            if apart:
-                raise StrategyError(f"Strategy(precision='fp16', {', '.join(apart)}): the loss scale's skip decision "
-                                    "reads every gradient on one rank, which these split across ranks; use "
-                                    "precision='bf16' (no loss scale needed) or data parallelism alone")
 
     def plan(self, strategy, plan, cluster):
         ls = {}
@@ -128,8 +136,22 @@ class Precision(Feature):
                                     "the loss scale skips a step inside the traced update; use a traced optimizer "
                                     "(SGD, Adam, AdamW) or precision='bf16'")
             ls = {**GRAD_SCALER_DEFAULTS, **(strategy.loss_scale or {})}
+            _check_one_step(strategy, plan)
         plan.notes.append(f"precision: forward and backward in {strategy.precision} from master parameters")
-        return PrecisionSection(compute=strategy.precision, reduce=strategy.reduce_precision, loss_scale=ls)
+        section = PrecisionSection(compute=strategy.precision, reduce=strategy.reduce_precision, loss_scale=ls,
+                                   found_over=found_over(strategy, plan, bool(ls)))
+        return self.adopt(section, strategy, plan, cluster)
+
+    def adopt(self, section, strategy, plan, cluster):
+        derived = found_over(strategy, plan, bool(section.loss_scale))
+        if list(section.found_over) != derived:
+            raise StrategyError(f"parallelize(plan=...): the Plan's precision.found_over is {section.found_over}, but "
+                                f"this run's mesh ({plan.mesh}) and ZeRO stage need {derived} (every rank whose "
+                                "gradients make the step must share the skip decision); hand back found_over as "
+                                "planned, or change dp/tp/pp/zero")
+        if section.found_over:
+            plan.groups[FOUND_GROUP] = [list(section.found_over)]
+        return section
 
     def make_passes(self, section) -> list:
         scale = bool(section.loss_scale)
@@ -138,7 +160,8 @@ class Precision(Feature):
             out.append((Slot.BUFFERS, CastGradsForUpdate()))
         if scale:
             ls = section.loss_scale
-            out.append((Slot.BUFFERS, LossScaleStep(ls["growth_factor"], ls["backoff_factor"], ls["growth_interval"])))
+            out.append((Slot.BUFFERS, LossScaleStep(ls["growth_factor"], ls["backoff_factor"], ls["growth_interval"],
+                                                    FOUND_GROUP if section.found_over else None)))
         return out
 
     def rank_info(self, section, program, rank: int):
@@ -146,3 +169,32 @@ class Precision(Feature):
 
     def state_bytes(self, section, program, rank: int) -> int:
         return 4 + 4 + 8 if section.loss_scale else 0
+
+
+def found_over(strategy, plan, scaled: bool) -> list:
+    """The ranks whose found-inf flags fp16's update max-reduces: every rank of the mesh where the gradients the
+    update reads are split across ranks (pipeline stages, tensor-parallel pieces, ZeRO chunks); none where every
+    rank reads the same whole, synchronised gradients (data parallelism alone) or nothing is scaled."""
+    if scaled and (plan.pp > 1 or plan.tp > 1 or strategy.option("zero")):
+        return list(range(plan.mesh.size))
+    return []
+
+
+def _check_one_step(strategy, plan) -> None:
+    """fp16 needs one update per rank and step that every rank takes or skips together: refuse a schedule that
+    updates inside its window (several weight versions) or places several stages on one pipeline rank (each stage's
+    update would decide apart from the others on that rank)."""
+    if plan.asynchronous:
+        raise StrategyError(f"Strategy(precision='fp16', schedule={plan.schedule!r}): an asynchronous schedule updates "
+                            "each stage inside its window, so no step is skipped on every rank together; use a "
+                            "synchronous schedule ('1f1b', 'gpipe') or precision='bf16' (no loss scale needed)")
+    per_rank = {}
+    for ranks in plan.stage_to_rank:
+        for r in ranks:
+            per_rank[r] = per_rank.get(r, 0) + 1
+    several = sorted(r for r, n in per_rank.items() if n > 1)
+    if several:
+        raise StrategyError(f"Strategy(precision='fp16', schedule={plan.schedule!r}): pipeline rank(s) {several} hold "
+                            "several stages, each updated by its own graph, so their skip decisions cannot be one; "
+                            "use a schedule with one stage per pipeline rank ('1f1b', 'gpipe', 'zb1p') or "
+                            "precision='bf16' (no loss scale needed)")
