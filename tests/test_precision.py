@@ -139,9 +139,9 @@ def test_fp16_split_gradients_skip_together(clusters, name):
 
 
 class _Shifted(torch.nn.Module):
-    """Two Linear layers and a logit shift scaled by 1000: the shift's gradient, 1000 x a sum over the batch, is the
-    only one to overflow fp16 at a loss scale of 2^12 -- on the last pipeline stage alone, or on the ZeRO rank that
-    holds its chunk."""
+    """Two Linear layers and a logit shift, its first four classes' entries scaled by 1000: their gradient, 1000 x a
+    sum over the batch, is the only one to overflow fp16 at a loss scale of 2^14 -- on the last pipeline stage alone,
+    or on the ZeRO rank that holds those entries' chunk (rank 0)."""
 
     def __init__(self):
         super().__init__()
@@ -149,9 +149,10 @@ class _Shifted(torch.nn.Module):
         self.first = torch.nn.Linear(16, 32)
         self.second = torch.nn.Linear(32, 8)
         self.shift = torch.nn.Parameter(torch.zeros(8))
+        self.register_buffer("gain", torch.tensor([1000.0] * 4 + [1.0] * 4))
 
     def forward(self, x):
-        return self.second(torch.tanh(self.first(x))) + 1000.0 * self.shift
+        return self.second(torch.tanh(self.first(x))) + self.gain * self.shift
 
 
 @pytest.mark.numerics
@@ -159,15 +160,16 @@ class _Shifted(torch.nn.Module):
                                      dict(dp=2, zero=1)], ids=["pp2", "zero1"])
 def test_fp16_one_rank_overflows_every_rank_skips(clusters, options):
     """Only one rank's gradients overflow in the first step: the other rank skips it too (Adam's moments and step
-    count untouched on both), as GradScaler does over the whole model in one process."""
+    count untouched on both) and backs off its scale alike, as GradScaler does over the whole model in one process.
+    After it (scale 2^6) no gradient can overflow: |a class's gradient| <= 1000 x 2^6 x 1 < 65504."""
     batches = class_batches(4, batch=32, classes=8, dtype=torch.float32)
-    ls = {"init_scale": 2.0 ** 12, "backoff_factor": 2.0 ** -4}
+    ls = {"init_scale": 2.0 ** 14, "backoff_factor": 2.0 ** -8}
     adam = (torch.optim.Adam, {"lr": 1e-3})
     _, res = _run(clusters, adam, batches, model=_Shifted, loss=F.cross_entropy, precision="fp16", loss_scale=ls,
                   **options)
     losses, state, info = _reference(adam, batches, 2, model=_Shifted, loss=F.cross_entropy, compute=torch.float16,
                                      scaler=ls)
-    assert info == {"scale": 256.0, "skipped_steps": 1}
+    assert info == {"scale": 64.0, "skipped_steps": 1}
     assert all(res.features[r]["precision"] == info for r in range(2)), res.features
     assert max(abs(a - b) for a, b in zip(res.losses, losses)) < 1e-6, (res.losses, losses)
     assert max_abs_diff(res.state_dict(), state) < 1e-6
