@@ -185,8 +185,7 @@ def test_structure_one_found_flag_all_reduce_over_the_mesh(options):
     batches = _batches(1)
     st = fxpar.Strategy(precision="fp16", **options)
     prog = fxpar.parallelize(_model(), fxpar.ClusterSpec.local(st.size), batches[0], gpt_loss, SGD, strategy=st)
-    assert prog.plan.section("precision").found_over == [0, 1]
-    assert prog.plan.groups["loss_scale"] == [[0, 1]]
+    assert prog.plan.section("precision").found_over == prog.plan.groups["loss_scale"] == [[0, 1]]
     for r in range(2):
         colls = prog.collectives(r)
         flags = [i for i, c in enumerate(colls) if c.axis == "loss_scale"]
@@ -201,6 +200,25 @@ def test_structure_one_found_flag_all_reduce_over_the_mesh(options):
     assert dp.plan.section("precision").found_over == [] and "loss_scale" not in dp.plan.groups
     assert [c.kind for c in dp.collectives(0)] == [c.kind for c in fxpar.parallelize(
         _model(), fxpar.ClusterSpec.local(2), batches[0], gpt_loss, SGD, strategy=fxpar.Strategy(dp=2)).collectives(0)]
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("options,groups", [
+    (dict(dp=2, pp=2, microbatches=2), [[0, 2], [1, 3]]),              # a replica's stages; replicas decide alike
+    (dict(dp=2, tp=2, sharding="megatron"), [[0, 1], [2, 3]]),        # a replica's tp pieces
+    (dict(dp=2, pp=2, zero=1, microbatches=2), [[0, 1, 2, 3]]),       # ZeRO: each dp rank updates its own chunk
+])
+def test_found_flags_meet_over_the_ranks_of_one_update(options, groups):
+    """The flag is reduced over the ranks holding the parts of one update: a replica's pipeline stages and tp pieces
+    (Megatron-LM's model-parallel group: the replicas' summed gradients are the same, so they decide alike), and
+    every dp rank as well under ZeRO."""
+    batches = _batches(1)
+    st = fxpar.Strategy(precision="fp16", **options)
+    prog = fxpar.parallelize(_model(), fxpar.ClusterSpec.local(st.size), batches[0], gpt_loss, SGD, strategy=st)
+    assert prog.plan.section("precision").found_over == prog.plan.groups["loss_scale"] == groups
+    for r in range(4):
+        (c,) = [c for c in prog.collectives(r) if c.axis == "loss_scale"]
+        assert c.nbytes == 4 and len(c.ranks) == len(groups[0])
 
 
 @pytest.mark.numerics

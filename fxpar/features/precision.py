@@ -11,9 +11,10 @@ fp16. The per-rank state (fp16 only) is the loss scale, its growth count and the
 rank.
 
 Where the gradients the update reads are split across ranks (pipeline stages, tensor-parallel pieces, ZeRO's
-chunks), each rank checks its own and the 0/1 found-inf flags are max-reduced over every rank of the mesh (the
-process group ``loss_scale``), so every rank skips or steps together and moves its scale the same way, as torch's
-``ShardedGradScaler`` and Megatron-LM's ``found_inf`` all-reduce do.
+chunks), each rank checks its own and the 0/1 found-inf flags are max-reduced over the ranks that hold the parts
+of one update (the process groups ``loss_scale``: a replica's stages and tp pieces; every rank under ZeRO), so
+every rank skips or steps together and moves its scale the same way, as torch's ``ShardedGradScaler`` and
+Megatron-LM's ``found_inf`` all-reduce do.
 """
 from __future__ import annotations
 
@@ -39,9 +40,9 @@ GRAD_SCALER_DEFAULTS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_
 class PrecisionSection(PlanSection):
     """The compute dtype (``"bf16"``/``"fp16"``), where gradients are reduced (``"master"``: cast back to the master
     dtype where backward makes them; ``"compute"``: reduced in the compute dtype, cast back for the update), and the
-    dynamic loss scale's settings (fp16; empty: no scaling). ``found_over``: the ranks whose found-inf flags are
-    max-reduced each step (every rank of the mesh, where pp, tp or ZeRO split the gradients the update reads; empty:
-    every rank's update reads the same whole gradients)."""
+    dynamic loss scale's settings (fp16; empty: no scaling). ``found_over``: the groups of ranks whose found-inf
+    flags are max-reduced each step (:func:`found_over`; empty: every rank's update reads the same whole
+    gradients)."""
     compute: str = "bf16"
     reduce: str = "master"
     loss_scale: dict = field(default_factory=dict)
@@ -58,7 +59,7 @@ class PrecisionSection(PlanSection):
                        "non-finite gradient (torch.amp.GradScaler's rule)")
         if self.found_over:
             out.append(f"each rank checks the gradients its update reads; the found-inf flags are max-reduced over "
-                       f"ranks {self.found_over}, so every rank skips or steps together")
+                       f"ranks {' and '.join(map(str, self.found_over))}, so every rank skips or steps together")
         return out
 
 
@@ -150,7 +151,7 @@ class Precision(Feature):
                                 "gradients make the step must share the skip decision); hand back found_over as "
                                 "planned, or change dp/tp/pp/zero")
         if section.found_over:
-            plan.groups[FOUND_GROUP] = [list(section.found_over)]
+            plan.groups[FOUND_GROUP] = [list(g) for g in section.found_over]
         return section
 
     def make_passes(self, section) -> list:
@@ -172,12 +173,17 @@ class Precision(Feature):
 
 
 def found_over(strategy, plan, scaled: bool) -> list:
-    """The ranks whose found-inf flags fp16's update max-reduces: every rank of the mesh where the gradients the
-    update reads are split across ranks (pipeline stages, tensor-parallel pieces, ZeRO chunks); none where every
-    rank reads the same whole, synchronised gradients (data parallelism alone) or nothing is scaled."""
-    if scaled and (plan.pp > 1 or plan.tp > 1 or strategy.option("zero")):
-        return list(range(plan.mesh.size))
-    return []
+    """The groups of ranks whose found-inf flags fp16's update max-reduces: the ranks that hold different parts of
+    one update -- a replica's pipeline stages and tensor-parallel pieces (Megatron-LM's model-parallel group), and
+    under ZeRO every dp rank as well (each updates its own chunk), so every rank of the mesh. None where each rank's
+    update reads whole gradients (data parallelism alone: they are summed, the same on every rank) or nothing is
+    scaled. Replicas apart under pp or tp without ZeRO read the same summed gradients, so they decide alike."""
+    if not scaled or (plan.pp == 1 and plan.tp == 1 and not strategy.option("zero")):
+        return []
+    mesh = plan.mesh
+    if strategy.option("zero"):
+        return [list(range(mesh.size))]
+    return [[r for r in range(mesh.size) if mesh.coords(r)["dp"] == d] for d in range(plan.dp)]
 
 
 def _check_one_step(strategy, plan) -> None:
