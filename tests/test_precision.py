@@ -266,6 +266,28 @@ def test_measured_peak_is_the_predicted_one(clusters):
         assert 0.99 * pred <= got <= 1.01 * pred + late, (r, got, pred)
 
 
+@pytest.mark.cost
+@pytest.mark.parametrize("zero", [1, 3])
+def test_fp16_with_zero_holds_float32_master_chunks(clusters, zero):
+    """fp16 with ZeRO and Adam: between steps a rank holds its float32 masters (whole at ZeRO-1, its chunk at ZeRO-3),
+    the chunks of Adam's two moments, the microbatch and the loss scale's 16 bytes of state, to the byte; the
+    measured peak is the estimate's within 1%."""
+    batches = _batches(2)
+    st = fxpar.Strategy(dp=2, zero=zero, precision="fp16")
+    prog = fxpar.parallelize(_model(), fxpar.ClusterSpec.local(2), batches[0], gpt_loss, ADAM, strategy=st)
+    res = prog.run_local(batches, cluster=clusters.get(2), measure_memory=True)
+    est = prog.estimate()
+    psi = sum(p.numel() for p in _model().parameters())
+    chunks = sum((p.numel() + 1) // 2 for p in _model().parameters())
+    micro = 2 * 4 * 16 * 8
+    masters = 4 * psi if zero == 1 else 4 * chunks
+    assert res.held_memory_bytes[0] == res.held_memory_bytes[1] == masters + 8 * chunks + micro + 16
+    for r in range(2):
+        late = max(c.nbytes for c in prog.collectives(r))
+        pred, got = est.ranks[r].peak_memory_bytes, res.peak_memory_bytes[r]
+        assert 0.99 * pred <= got <= 1.01 * pred + late, (r, got, pred)
+
+
 @pytest.mark.structure
 def test_structure_casts_in_and_gradients_back():
     batches = _batches(1)
