@@ -251,9 +251,10 @@ class LossScaleStep(Pass):
     and the growth count restarts; otherwise the count grows, and at ``interval`` the scale is multiplied by
     ``growth``. Scale, growth count and skipped steps are the feature's per-rank state.
 
-    ``group`` (a Plan group over every rank of the mesh): the rank's update reads only its part of the gradients
-    (its pipeline stage's, its tensor-parallel pieces, its ZeRO chunks), so its 0/1 flag is max-reduced over the
-    group before anything reads it, as torch's ``ShardedGradScaler`` and Megatron-LM's ``found_inf`` do::
+    ``group`` (a Plan group: the ranks that hold the parts of one update): the rank's update reads only its part of
+    the gradients (its pipeline stage's, its tensor-parallel pieces, its chunks of an update sharded over dp), so its
+    0/1 flag is max-reduced over the group before anything reads it, as torch's ``ShardedGradScaler`` and
+    Megatron-LM's ``found_inf`` do::
 
         found = any(isinf_or_nan(g0)) | any(isinf_or_nan(g1))          # this rank's gradients
         flag = _to_copy(found, dtype=float32)

@@ -998,7 +998,7 @@ PRECISION_CASES = {
     "fp16_asynchronous_schedule": (lambda: _on2(fxpar.Strategy(pp=2, schedule="pipedream", microbatches=2,
                                                                precision="fp16")), fxpar.StrategyError,
                                    r"Strategy\(precision='fp16', schedule='pipedream'\): an asynchronous schedule",
-                                   r"use a synchronous schedule \('1f1b', 'gpipe'\) or precision='bf16'"),
+                                   r"use a synchronous schedule with one stage per pipeline rank, or precision='bf16'"),
     "fp16_several_stages_per_rank": (lambda: fxpar.parallelize(_net4(), 2, (X, Y), CE, SGD, strategy=fxpar.Strategy(
         pp=2, schedule="interleaved", microbatches=2, precision="fp16")), fxpar.StrategyError,
         r"schedule='interleaved'\): pipeline rank\(s\) \[0, 1\] hold several stages",

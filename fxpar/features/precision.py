@@ -10,10 +10,10 @@ parallelism's lowering, before every pass that reads gradients or sizes values),
 fp16. The per-rank state (fp16 only) is the loss scale, its growth count and the steps skipped, checkpointed per
 rank.
 
-Where the gradients the update reads are split across ranks (pipeline stages, tensor-parallel pieces, ZeRO's
-chunks), each rank checks its own and the 0/1 found-inf flags are max-reduced over the ranks that hold the parts
-of one update (the process groups ``loss_scale``: a replica's stages and tp pieces; every rank under ZeRO), so
-every rank skips or steps together and moves its scale the same way, as torch's ``ShardedGradScaler`` and
+Where the gradients the update reads are split across ranks (pipeline stages, tensor-parallel pieces, the chunks
+of an update sharded over dp), each rank checks its own and the 0/1 found-inf flags are max-reduced over the ranks
+that hold the parts of one update (the process groups ``loss_scale``: a replica's stages and tp pieces; every rank
+where the update is sharded over dp), so every rank skips or steps together and moves its scale the same way, as torch's ``ShardedGradScaler`` and
 Megatron-LM's ``found_inf`` all-reduce do.
 """
 from __future__ import annotations
@@ -147,7 +147,7 @@ class Precision(Feature):
         derived = found_over(strategy, plan, bool(section.loss_scale))
         if list(section.found_over) != derived:
             raise StrategyError(f"parallelize(plan=...): the Plan's precision.found_over is {section.found_over}, but "
-                                f"this run's mesh ({plan.mesh}) and ZeRO stage need {derived} (every rank whose "
+                                f"this run's mesh ({plan.mesh}) and sharding need {derived} (every rank whose "
                                 "gradients make the step must share the skip decision); hand back found_over as "
                                 "planned, or change dp/tp/pp/zero")
         if section.found_over:
@@ -175,13 +175,14 @@ class Precision(Feature):
 def found_over(strategy, plan, scaled: bool) -> list:
     """The groups of ranks whose found-inf flags fp16's update max-reduces: the ranks that hold different parts of
     one update -- a replica's pipeline stages and tensor-parallel pieces (Megatron-LM's model-parallel group), and
-    under ZeRO every dp rank as well (each updates its own chunk), so every rank of the mesh. None where each rank's
-    update reads whole gradients (data parallelism alone: they are summed, the same on every rank) or nothing is
-    scaled. Replicas apart under pp or tp without ZeRO read the same summed gradients, so they decide alike."""
-    if not scaled or (plan.pp == 1 and plan.tp == 1 and not strategy.option("zero")):
+    where the update is sharded over dp every dp rank as well (each updates its own chunk), so every rank of the
+    mesh. None where each rank's update reads whole gradients (data parallelism alone: they are summed, the same on
+    every rank) or nothing is scaled. Replicas under pp or tp with a whole update each read the same summed
+    gradients, so they decide alike."""
+    mesh, sharded = plan.mesh, bool(strategy.option("zero"))
+    if not scaled or (plan.pp == 1 and plan.tp == 1 and not sharded):
         return []
-    mesh = plan.mesh
-    if strategy.option("zero"):
+    if sharded:
         return [list(range(mesh.size))]
     return [[r for r in range(mesh.size) if mesh.coords(r)["dp"] == d] for d in range(plan.dp)]
 
@@ -193,7 +194,8 @@ def _check_one_step(strategy, plan) -> None:
     if plan.asynchronous:
         raise StrategyError(f"Strategy(precision='fp16', schedule={plan.schedule!r}): an asynchronous schedule updates "
                             "each stage inside its window, so no step is skipped on every rank together; use a "
-                            "synchronous schedule ('1f1b', 'gpipe') or precision='bf16' (no loss scale needed)")
+                            "synchronous schedule with one stage per pipeline rank, or precision='bf16' (no loss "
+                            "scale needed)")
     per_rank = {}
     for ranks in plan.stage_to_rank:
         for r in ranks:
@@ -202,5 +204,5 @@ def _check_one_step(strategy, plan) -> None:
     if several:
         raise StrategyError(f"Strategy(precision='fp16', schedule={plan.schedule!r}): pipeline rank(s) {several} hold "
                             "several stages, each updated by its own graph, so their skip decisions cannot be one; "
-                            "use a schedule with one stage per pipeline rank ('1f1b', 'gpipe', 'zb1p') or "
-                            "precision='bf16' (no loss scale needed)")
+                            "use a schedule with one stage per pipeline rank, or precision='bf16' (no loss scale "
+                            "needed)")
