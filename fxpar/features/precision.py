@@ -13,8 +13,8 @@ rank.
 Where the gradients the update reads are split across ranks (pipeline stages, tensor-parallel pieces, the chunks
 of an update sharded over dp), each rank checks its own and the 0/1 found-inf flags are max-reduced over the ranks
 that hold the parts of one update (the process groups ``loss_scale``: a replica's stages and tp pieces; every rank
-where the update is sharded over dp), so every rank skips or steps together and moves its scale the same way, as torch's ``ShardedGradScaler`` and
-Megatron-LM's ``found_inf`` all-reduce do.
+where the update is sharded over dp), so every rank skips or steps together and moves its scale the same way, as
+torch's ``ShardedGradScaler`` and Megatron-LM's ``found_inf`` all-reduce do.
 """
 from __future__ import annotations
 
