@@ -180,8 +180,7 @@ def test_fp16_one_rank_overflows_every_rank_skips(clusters, options):
                                      dict(dp=2, zero=1), dict(dp=2, zero=3)], ids=["pp2", "tp2", "zero1", "zero3"])
 def test_structure_one_found_flag_all_reduce_over_the_mesh(options):
     """One all_reduce(max) of a 4-byte flag over every rank, after the step's gradient collectives and before the
-    gathers the update makes (ZeRO-1's updated chunks, the pieces tensor parallelism's update reads); data
-    parallelism alone adds none (its gradients are the same on every rank)."""
+    gathers the update makes (ZeRO-1's updated chunks, the pieces tensor parallelism's update reads)."""
     batches = _batches(1)
     st = fxpar.Strategy(precision="fp16", **options)
     prog = fxpar.parallelize(_model(), fxpar.ClusterSpec.local(st.size), batches[0], gpt_loss, SGD, strategy=st)
@@ -195,6 +194,12 @@ def test_structure_one_found_flag_all_reduce_over_the_mesh(options):
         after = {x.kind for x in colls[flags[0] + 1:]}       # what the update gathers: ZeRO's updated chunks, tp's
         assert after == ({"all_gather"} if "zero" in options or "tp" in options else set()) - \
             ({"all_gather"} if options.get("zero") == 3 else set()), colls
+
+
+@pytest.mark.structure
+def test_structure_data_parallel_alone_adds_no_flag():
+    """dp alone: every rank's update reads the same summed gradients; fp16 adds no collective to dp's."""
+    batches = _batches(1)
     dp = fxpar.parallelize(_model(), fxpar.ClusterSpec.local(2), batches[0], gpt_loss, SGD,
                            strategy=fxpar.Strategy(dp=2, precision="fp16"))
     assert dp.plan.section("precision").found_over == [] and "loss_scale" not in dp.plan.groups
