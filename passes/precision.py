@@ -33,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpar import meta as M
+from fxpar.collectives import insert_all_reduce
 from fxpar.errors import PassError
 from fxpar.feature import add_state_input, add_state_output
 from fxpar.pass_manager import Pass, PassContext, PassResult
@@ -248,11 +249,22 @@ class LossScaleStep(Pass):
     1 where any gradient the update reads is not finite; the update is then skipped (every parameter and state
     output keeps its input, the optimizer's step count does not advance), the scale is multiplied by ``backoff``
     and the growth count restarts; otherwise the count grows, and at ``interval`` the scale is multiplied by
-    ``growth``. Scale, growth count and skipped steps are the feature's per-rank state."""
+    ``growth``. Scale, growth count and skipped steps are the feature's per-rank state.
+
+    ``group`` (a Plan group: the ranks that hold the parts of one update): the rank's update reads only its part of
+    the gradients (its pipeline stage's, its tensor-parallel pieces, its chunks of an update sharded over dp), so its
+    0/1 flag is max-reduced over the group before anything reads it, as torch's ``ShardedGradScaler`` and
+    Megatron-LM's ``found_inf`` do::
+
+        found = any(isinf_or_nan(g0)) | any(isinf_or_nan(g1))          # this rank's gradients
+        flag = _to_copy(found, dtype=float32)
+        ar = all_reduce(flag, 'max', 'fxpar:loss_scale');  found = gt(wait_tensor(ar), 0)
+    """
     name = "loss_scale"
 
-    def __init__(self, growth: float, backoff: float, interval: int):
+    def __init__(self, growth: float, backoff: float, interval: int, group: str | None = None):
         self.growth, self.backoff, self.interval = float(growth), float(backoff), int(interval)
+        self.group = group
 
     def run(self, gm, ctx: PassContext) -> PassResult:
         g = gm.graph
@@ -281,6 +293,9 @@ class LossScaleStep(Pass):
                 found = anyb if found is None else g.call_function(A.logical_or.default, (found, anyb))
             if found is None:
                 return PassResult(gm, False)
+        if self.group is not None:
+            found = _found_everywhere(g, found, self.group, ctx.plan.group_of(self.group, ctx.rank))
+        with g.inserting_before(found.next):
             new_skipped = g.call_function(A.add.Tensor, (skipped, g.call_function(
                 A._to_copy.default, (found,), {"dtype": torch.float64})))
         eff = None
@@ -312,8 +327,23 @@ class LossScaleStep(Pass):
         g.lint()
         gm.recompile()
         ctx.notes.append(f"precision: dynamic loss scale (growth {self.growth} every {self.interval} finite steps, "
-                         f"backoff {self.backoff}); a step with a non-finite gradient is skipped")
-        return PassResult(gm, True, {"gradients_checked": len(grads)})
+                         f"backoff {self.backoff}); a step with a non-finite gradient is skipped"
+                         + (f" (the found-inf flag max-reduced over group '{self.group}')" if self.group else ""))
+        return PassResult(gm, True, {"gradients_checked": len(grads), "found_reduced": self.group is not None})
+
+
+def _found_everywhere(g, found, group: str, ranks: tuple):
+    """``found`` (this rank's bool) as a 0/1 float32 flag, max-reduced over ``group``: 1 on every rank of the group
+    where any rank found a non-finite gradient. Returns the reduced bool."""
+    with g.inserting_after(found):
+        flag = g.call_function(A._to_copy.default, (found,), {"dtype": torch.float32})
+    flag.meta["val"] = torch.empty((), dtype=torch.float32, device="meta")    # sizes the collective (4 bytes)
+    ar, w = insert_all_reduce(g, flag, group, ranks, reduce_op="max")
+    with g.inserting_after(w):
+        out = g.call_function(A.gt.Scalar, (w, 0.0))
+    for n in (flag, ar, w, out):
+        M.set_meta(n, M.PHASE, "optimizer")
+    return out
 
 
 def _keep_on_overflow(gm, sig, phs, found) -> None:

@@ -982,6 +982,35 @@ HETPIPE_CASES = {
 CASES.update(HETPIPE_CASES)
 
 
+def _net4():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 5)).double()
+
+
+def _fp16_pp2_plan_edited(edit) -> fxpar.Plan:
+    strategy = fxpar.Strategy(pp=2, microbatches=2, precision="fp16")
+    d = json.loads(_on2(strategy).plan.to_json())
+    edit(d)
+    return fxpar.parallelize(_net(), 2, (X, Y), CE, SGD, strategy=strategy, plan=fxpar.Plan.from_json(json.dumps(d)))
+
+
+PRECISION_CASES = {
+    "fp16_asynchronous_schedule": (lambda: _on2(fxpar.Strategy(pp=2, schedule="pipedream", microbatches=2,
+                                                               precision="fp16")), fxpar.StrategyError,
+                                   r"Strategy\(precision='fp16', schedule='pipedream'\): an asynchronous schedule",
+                                   r"use a synchronous schedule with one stage per pipeline rank, or precision='bf16'"),
+    "fp16_several_stages_per_rank": (lambda: fxpar.parallelize(_net4(), 2, (X, Y), CE, SGD, strategy=fxpar.Strategy(
+        pp=2, schedule="interleaved", microbatches=2, precision="fp16")), fxpar.StrategyError,
+        r"schedule='interleaved'\): pipeline rank\(s\) \[0, 1\] hold several stages",
+        r"use a schedule with one stage per pipeline rank"),
+    "fp16_found_over_edited": (lambda: _fp16_pp2_plan_edited(
+        lambda d: d["features"]["precision"].update(found_over=[])), fxpar.StrategyError,
+        r"the Plan's precision.found_over is \[\], but this run's mesh \(pp=2 x dp=1\)",
+        r"hand back found_over as planned"),
+}
+CASES.update(PRECISION_CASES)
+
+
 @pytest.mark.structure
 @pytest.mark.parametrize("case", list(CASES))
 def test_mistake_is_named_with_a_fix(case):

@@ -9,6 +9,12 @@ parallelism's lowering, before every pass that reads gradients or sizes values),
 ``Slot.BUFFERS`` where gradients are reduced in the compute dtype, and ``LossScaleStep`` in ``Slot.BUFFERS`` under
 fp16. The per-rank state (fp16 only) is the loss scale, its growth count and the steps skipped, checkpointed per
 rank.
+
+Where the gradients the update reads are split across ranks (pipeline stages, tensor-parallel pieces, the chunks
+of an update sharded over dp), each rank checks its own and the 0/1 found-inf flags are max-reduced over the ranks
+that hold the parts of one update (the process groups ``loss_scale``: a replica's stages and tp pieces; every rank
+where the update is sharded over dp), so every rank skips or steps together and moves its scale the same way, as
+torch's ``ShardedGradScaler`` and Megatron-LM's ``found_inf`` all-reduce do.
 """
 from __future__ import annotations
 
@@ -21,9 +27,11 @@ import torch
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
 
-__all__ = ["Precision", "PrecisionSection", "LossScaleState", "GRAD_SCALER_DEFAULTS"]
+__all__ = ["Precision", "PrecisionSection", "LossScaleState", "GRAD_SCALER_DEFAULTS", "FOUND_GROUP", "found_over"]
 
 REDUCE = ("master", "compute")
+# the process group over which fp16's found-inf flags are max-reduced (Plan.groups)
+FOUND_GROUP = "loss_scale"
 # torch.amp.GradScaler's defaults (torch/amp/grad_scaler.py)
 GRAD_SCALER_DEFAULTS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000}
 
@@ -32,10 +40,13 @@ GRAD_SCALER_DEFAULTS = {"init_scale": 2.0 ** 16, "growth_factor": 2.0, "backoff_
 class PrecisionSection(PlanSection):
     """The compute dtype (``"bf16"``/``"fp16"``), where gradients are reduced (``"master"``: cast back to the master
     dtype where backward makes them; ``"compute"``: reduced in the compute dtype, cast back for the update), and the
-    dynamic loss scale's settings (fp16; empty: no scaling)."""
+    dynamic loss scale's settings (fp16; empty: no scaling). ``found_over``: the groups of ranks whose found-inf
+    flags are max-reduced each step (:func:`found_over`; empty: every rank's update reads the same whole
+    gradients)."""
     compute: str = "bf16"
     reduce: str = "master"
     loss_scale: dict = field(default_factory=dict)
+    found_over: list = field(default_factory=list)
 
     def lines(self) -> list:
         out = [f"forward and backward in {self.compute}; master parameters, the gradients the update reads and the "
@@ -46,6 +57,9 @@ class PrecisionSection(PlanSection):
             out.append(f"dynamic loss scale from {ls['init_scale']:g}: x{ls['growth_factor']:g} after "
                        f"{ls['growth_interval']} finite steps, x{ls['backoff_factor']:g} and the step skipped on a "
                        "non-finite gradient (torch.amp.GradScaler's rule)")
+        if self.found_over:
+            out.append(f"each rank checks the gradients its update reads; the found-inf flags are max-reduced over "
+                       f"ranks {' and '.join(map(str, self.found_over))}, so every rank skips or steps together")
         return out
 
 
@@ -114,11 +128,6 @@ class Precision(Feature):
                 raise StrategyError("Strategy(precision='fp16', reduce_precision='compute'): fp16 gradients are "
                                     "unscaled as they come back to the master dtype, before the reduction; drop "
                                     "reduce_precision or use precision='bf16'")
-            apart = [f"{k}={strategy.option(k)!r}" for k in ("pp", "tp", "zero") if strategy.option(k) not in (1, 0)]
-            if apart:
-                raise StrategyError(f"Strategy(precision='fp16', {', '.join(apart)}): the loss scale's skip decision "
-                                    "reads every gradient on one rank, which these split across ranks; use "
-                                    "precision='bf16' (no loss scale needed) or data parallelism alone")
 
     def plan(self, strategy, plan, cluster):
         ls = {}
@@ -128,8 +137,22 @@ class Precision(Feature):
                                     "the loss scale skips a step inside the traced update; use a traced optimizer "
                                     "(SGD, Adam, AdamW) or precision='bf16'")
             ls = {**GRAD_SCALER_DEFAULTS, **(strategy.loss_scale or {})}
+            _check_one_step(strategy, plan)
         plan.notes.append(f"precision: forward and backward in {strategy.precision} from master parameters")
-        return PrecisionSection(compute=strategy.precision, reduce=strategy.reduce_precision, loss_scale=ls)
+        section = PrecisionSection(compute=strategy.precision, reduce=strategy.reduce_precision, loss_scale=ls,
+                                   found_over=found_over(strategy, plan, bool(ls)))
+        return self.adopt(section, strategy, plan, cluster)
+
+    def adopt(self, section, strategy, plan, cluster):
+        derived = found_over(strategy, plan, bool(section.loss_scale))
+        if list(section.found_over) != derived:
+            raise StrategyError(f"parallelize(plan=...): the Plan's precision.found_over is {section.found_over}, but "
+                                f"this run's mesh ({plan.mesh}) and sharding need {derived} (every rank whose "
+                                "gradients make the step must share the skip decision); hand back found_over as "
+                                "planned, or change dp/tp/pp/zero")
+        if section.found_over:
+            plan.groups[FOUND_GROUP] = [list(g) for g in section.found_over]
+        return section
 
     def make_passes(self, section) -> list:
         scale = bool(section.loss_scale)
@@ -138,7 +161,8 @@ class Precision(Feature):
             out.append((Slot.BUFFERS, CastGradsForUpdate()))
         if scale:
             ls = section.loss_scale
-            out.append((Slot.BUFFERS, LossScaleStep(ls["growth_factor"], ls["backoff_factor"], ls["growth_interval"])))
+            out.append((Slot.BUFFERS, LossScaleStep(ls["growth_factor"], ls["backoff_factor"], ls["growth_interval"],
+                                                    FOUND_GROUP if section.found_over else None)))
         return out
 
     def rank_info(self, section, program, rank: int):
@@ -146,3 +170,39 @@ class Precision(Feature):
 
     def state_bytes(self, section, program, rank: int) -> int:
         return 4 + 4 + 8 if section.loss_scale else 0
+
+
+def found_over(strategy, plan, scaled: bool) -> list:
+    """The groups of ranks whose found-inf flags fp16's update max-reduces: the ranks that hold different parts of
+    one update -- a replica's pipeline stages and tensor-parallel pieces (Megatron-LM's model-parallel group), and
+    where the update is sharded over dp every dp rank as well (each updates its own chunk), so every rank of the
+    mesh. None where each rank's update reads whole gradients (data parallelism alone: they are summed, the same on
+    every rank) or nothing is scaled. Replicas under pp or tp with a whole update each read the same summed
+    gradients, so they decide alike."""
+    mesh, sharded = plan.mesh, bool(strategy.option("zero"))
+    if not scaled or (plan.pp == 1 and plan.tp == 1 and not sharded):
+        return []
+    if sharded:
+        return [list(range(mesh.size))]
+    return [[r for r in range(mesh.size) if mesh.coords(r)["dp"] == d] for d in range(plan.dp)]
+
+
+def _check_one_step(strategy, plan) -> None:
+    """fp16 needs one update per rank and step that every rank takes or skips together: refuse a schedule that
+    updates inside its window (several weight versions) or places several stages on one pipeline rank (each stage's
+    update would decide apart from the others on that rank)."""
+    if plan.asynchronous:
+        raise StrategyError(f"Strategy(precision='fp16', schedule={plan.schedule!r}): an asynchronous schedule updates "
+                            "each stage inside its window, so no step is skipped on every rank together; use a "
+                            "synchronous schedule with one stage per pipeline rank, or precision='bf16' (no loss "
+                            "scale needed)")
+    per_rank = {}
+    for ranks in plan.stage_to_rank:
+        for r in ranks:
+            per_rank[r] = per_rank.get(r, 0) + 1
+    several = sorted(r for r, n in per_rank.items() if n > 1)
+    if several:
+        raise StrategyError(f"Strategy(precision='fp16', schedule={plan.schedule!r}): pipeline rank(s) {several} hold "
+                            "several stages, each updated by its own graph, so their skip decisions cannot be one; "
+                            "use a schedule with one stage per pipeline rank, or precision='bf16' (no loss scale "
+                            "needed)")

@@ -5,8 +5,9 @@ floating batch tensors cast to the compute dtype, forward, loss and backward the
 master dtype (summed there over the step's pieces: dp shards and microbatches), the optimizer on the master
 parameters -- what torch FSDP's ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` computes per rank.
 With ``scaler``, fp16's dynamic loss scale follows torch.amp.GradScaler's rule, driven by a real ``GradScaler``.
-:func:`autocast_reference` is ``torch.autocast`` over the float32 model with float32 gradients and update: a
-different rule (autocast keeps some ops in float32), compared at a looser tolerance.
+:func:`autocast_reference` is ``torch.autocast`` over the float32 model with float32 gradients and update (with
+``scaler``, a ``torch.amp.GradScaler`` around it): a different rule (autocast keeps some ops in float32), compared
+at a looser tolerance.
 """
 from __future__ import annotations
 
@@ -77,18 +78,29 @@ def mixed_precision_reference(model, batches, loss_fn, optimizer, compute=torch.
     return losses, master.state_dict(), info
 
 
-def autocast_reference(model, batches, loss_fn, optimizer, compute=torch.bfloat16):
+def autocast_reference(model, batches, loss_fn, optimizer, compute=torch.bfloat16, scaler: dict | None = None):
     """``torch.autocast("cpu", dtype=compute)`` around forward and loss of a float32 copy of ``model``; backward,
-    gradients and the update in float32. Returns ``(losses, state_dict)``."""
+    gradients and the update in float32. ``scaler``: a ``torch.amp.GradScaler`` with these keyword arguments scales
+    the loss, skips the steps whose gradients are not finite and moves the scale (fp16). Returns
+    ``(losses, state_dict, info)``; ``info`` holds the loss scale and skipped steps under ``scaler``."""
     m = copy.deepcopy(model)
     cls, kw = optimizer
     opt = cls(m.parameters(), **kw)
-    losses = []
+    gs = torch.amp.GradScaler("cpu", **scaler) if scaler is not None else None
+    losses, skipped = [], 0
     for batch in batches:
         opt.zero_grad()
         with torch.autocast("cpu", dtype=compute):
             loss = loss_fn(m(*batch[:-1]), batch[-1])
-        loss.backward()
-        opt.step()
-        losses.append(float(loss))
-    return losses, m.state_dict()
+        if gs is None:
+            loss.backward()
+            opt.step()
+        else:
+            gs.scale(loss).backward()
+            before = gs.get_scale()
+            gs.step(opt)
+            gs.update()
+            skipped += gs.get_scale() < before
+        losses.append(float(loss.detach()))
+    info = {} if gs is None else {"scale": gs.get_scale(), "skipped_steps": skipped}
+    return losses, m.state_dict(), info
