@@ -257,6 +257,9 @@ class Feature:
     # (``tp``) or an option several features share (register_shared_option: each gradient-sync method is a value
     # of one ``grad_sync``)
     enabled_by: ClassVar[tuple] = ()
+    # its per-rank state changes while the gradients are summed, before the update (error feedback, an averaging
+    # clock): a step skipped after the sum (fp16's loss scale on an overflow) would leave that state moved
+    state_moves_in_sum: ClassVar[bool] = False
 
     # ---- the decision ------------------------------------------------------------------------------
     def enabled(self, strategy) -> bool:

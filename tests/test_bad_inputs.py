@@ -1007,6 +1007,9 @@ PRECISION_CASES = {
         lambda d: d["features"]["precision"].update(found_over=[])), fxpar.StrategyError,
         r"the Plan's precision.found_over is \[\], but this run's mesh \(pp=2 x dp=1\)",
         r"hand back found_over as planned"),
+    "fp16_with_error_feedback": (lambda: fxpar.Strategy(dp=2, precision="fp16", grad_sync="topk"), fxpar.StrategyError,
+                                 r"feature\(s\) \['topk'\] change their per-rank state during that sum",
+                                 r"Use precision='bf16'"),
 }
 CASES.update(PRECISION_CASES)
 

@@ -257,6 +257,7 @@ class CompressFeature(Feature):
     conflicts_with = CONFLICTS
     enabled_by = ("grad_sync",)
     state = CompressState
+    state_moves_in_sum = True
 
     def enabled(self, strategy) -> bool:
         g = strategy.grad_sync

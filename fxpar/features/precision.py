@@ -25,7 +25,7 @@ from passes.precision import PRECISION_DTYPES, CastGradsForUpdate, CastToCompute
 import torch
 
 from fxpar.errors import StrategyError
-from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, register_feature
+from fxpar.feature import Feature, Option, PlanSection, RankState, Slot, enabled_features, register_feature
 
 __all__ = ["Precision", "PrecisionSection", "LossScaleState", "GRAD_SCALER_DEFAULTS", "FOUND_GROUP", "found_over"]
 
@@ -128,6 +128,12 @@ class Precision(Feature):
                 raise StrategyError("Strategy(precision='fp16', reduce_precision='compute'): fp16 gradients are "
                                     "unscaled as they come back to the master dtype, before the reduction; drop "
                                     "reduce_precision or use precision='bf16'")
+            moved = [f.name for f in enabled_features(strategy) if f.state_moves_in_sum]
+            if moved:
+                raise StrategyError(f"{strategy}: precision='fp16' skips a step whose gradients overflow, after they "
+                                    f"are summed; feature(s) {moved} change their per-rank state during that sum "
+                                    "(error feedback, averaging), which a skipped step would leave moved. Use "
+                                    "precision='bf16' (no loss scale, no skipped steps) with them")
 
     def plan(self, strategy, plan, cluster):
         ls = {}

@@ -201,6 +201,7 @@ def shard_keys(sizes: dict, k: int) -> list:
 
 class SyncFeature(Feature):
     name = FEATURE
+    state_moves_in_sum = True
     doc = ("synchronisation methods: Local SGD (post-local SGD), DiLoCo (streaming too), SlowMo, BAGUA's asynchronous "
            "averaging, stale synchronous parallel (SSP, DSSP) on parameter servers, Distributed Any-Batch Mirror "
            "Descent (fxpar.sync)")
