@@ -35,6 +35,7 @@ sums in the same order, so the collectives keep one order across ranks.
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -127,18 +128,42 @@ def dp_bucket_indices(plan, stage: int) -> list:
 STEADY_STEP = 1 << 30
 
 
+# traced sums kept across plans: (method class, its options, the bucket as dp rank 0, variant) -> graph. What a
+# method's sum traces is a function of these (its state and host inputs come from them too), so a bucket planned
+# again (the same model parallelized again, ByteScheduler's pieces beside the costed collectives) is traced once.
+_SUM_GRAPHS: OrderedDict = OrderedDict()
+SUM_GRAPHS_KEPT = 256
+
+
+def _sum_graph(method: Method, b: BucketInfo, variant) -> torch.fx.GraphModule:
+    """``method``'s sum of ``b`` for ``variant``, traced here as dp rank 0 (a graph of fake tensors, read only)."""
+    b0 = dataclasses.replace(b, dp_rank=0)
+    key = (type(method), repr(sorted(method.to_dict().items())), b0, variant)
+    try:
+        gm = _SUM_GRAPHS.get(key)
+    except TypeError:                # a variant that is not hashable: traced every time
+        key, gm = None, None
+    if gm is not None:
+        _SUM_GRAPHS.move_to_end(key)
+        return gm
+    gen = generator_for(method)
+    state = dict(method.init_state(b0, gen))
+    inputs = list(method.host_inputs(b0, 0, state, variant, gen))
+    gm = trace_sum(method, b0, variant, torch.zeros(b.numel, dtype=b.torch_dtype), state, inputs, sorted(state))
+    if key is not None:
+        _SUM_GRAPHS[key] = gm
+        while len(_SUM_GRAPHS) > SUM_GRAPHS_KEPT:
+            _SUM_GRAPHS.popitem(last=False)
+    return gm
+
+
 def _traced_sum(method: Method, b: BucketInfo, variant) -> tuple:
     """``(collectives, compute)``: ``[[kind, bytes], ...]``, the collectives ``method``'s sum of ``b`` issues, and
     ``[aten ops, flops, bytes]`` of its compute, from its graph traced here (as dp rank 0; an eager method: nothing
     known before it runs)."""
     if method.eager:
         return [], [0, 0, 0]
-    b0 = dataclasses.replace(b, dp_rank=0)
-    gen = generator_for(method)
-    state = dict(method.init_state(b0, gen))
-    inputs = list(method.host_inputs(b0, 0, state, variant, gen))
-    flat = torch.zeros(b.numel, dtype=b.torch_dtype)
-    gm = trace_sum(method, b0, variant, flat, state, inputs, sorted(state))
+    gm = _sum_graph(method, b, variant)
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" \
@@ -399,12 +424,7 @@ def _check_schedulable(m: Method, strategy) -> None:
 
 def _phased(m: Method, b: BucketInfo, variant):
     """``m``'s sum of ``b`` for ``variant`` traced here (as dp rank 0) and cut into phases."""
-    b0 = dataclasses.replace(b, dp_rank=0)
-    gen = generator_for(m)
-    state = dict(m.init_state(b0, gen))
-    inputs = list(m.host_inputs(b0, 0, state, variant, gen))
-    gm = trace_sum(m, b0, variant, torch.zeros(b.numel, dtype=b.torch_dtype), state, inputs, sorted(state))
-    return split_phases(gm, f"{type(m).__name__}.sum (stage {b.stage}, bucket {b.index})")
+    return split_phases(_sum_graph(m, b, variant), f"{type(m).__name__}.sum (stage {b.stage}, bucket {b.index})")
 
 
 def method_of(section: CompressSection) -> Method:
