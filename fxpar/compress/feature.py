@@ -35,7 +35,6 @@ sums in the same order, so the collectives keep one order across ranks.
 from __future__ import annotations
 
 import dataclasses
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -50,7 +49,7 @@ from fxpar.roles import GraphKind
 
 from .method import BucketInfo, Method
 from .phases import piece_bytes, split_phases
-from .runtime import CompressInfo, CompressState, bucket_sum, bucket_sum_wait, generator_for, trace_sum
+from .runtime import CompressInfo, CompressState, bucket_sum, bucket_sum_wait, generator_for, kept_sum
 
 __all__ = ["CompressFeature", "CompressSection", "CompressedSum", "register_method", "unregister_method",
            "registered_methods", "method_of", "CONFLICTS", "bucket_infos", "dp_bucket_indices"]
@@ -128,33 +127,13 @@ def dp_bucket_indices(plan, stage: int) -> list:
 STEADY_STEP = 1 << 30
 
 
-# traced sums kept across plans: (method class, its options, the bucket as dp rank 0, variant) -> graph. What a
-# method's sum traces is a function of these (its state and host inputs come from them too), so a bucket planned
-# again (the same model parallelized again, ByteScheduler's pieces beside the costed collectives) is traced once.
-_SUM_GRAPHS: OrderedDict = OrderedDict()
-SUM_GRAPHS_KEPT = 256
-
-
 def _sum_graph(method: Method, b: BucketInfo, variant) -> torch.fx.GraphModule:
-    """``method``'s sum of ``b`` for ``variant``, traced here as dp rank 0 (a graph of fake tensors, read only)."""
+    """``method``'s sum of ``b`` for ``variant``, traced here as dp rank 0 (kept: :func:`kept_sum`; read only)."""
     b0 = dataclasses.replace(b, dp_rank=0)
-    key = (type(method), repr(sorted(method.to_dict().items())), b0, variant)
-    try:
-        gm = _SUM_GRAPHS.get(key)
-    except TypeError:                # a variant that is not hashable: traced every time
-        key, gm = None, None
-    if gm is not None:
-        _SUM_GRAPHS.move_to_end(key)
-        return gm
     gen = generator_for(method)
     state = dict(method.init_state(b0, gen))
     inputs = list(method.host_inputs(b0, 0, state, variant, gen))
-    gm = trace_sum(method, b0, variant, torch.zeros(b.numel, dtype=b.torch_dtype), state, inputs, sorted(state))
-    if key is not None:
-        _SUM_GRAPHS[key] = gm
-        while len(_SUM_GRAPHS) > SUM_GRAPHS_KEPT:
-            _SUM_GRAPHS.popitem(last=False)
-    return gm
+    return kept_sum(method, b0, variant, torch.zeros(b.numel, dtype=b.torch_dtype), state, inputs, sorted(state))
 
 
 def _traced_sum(method: Method, b: BucketInfo, variant) -> tuple:
