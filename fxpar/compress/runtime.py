@@ -45,7 +45,7 @@ from .method import BucketInfo, Comm, Method
 from .phases import split_phases
 
 __all__ = ["bucket_sum", "bucket_sum_wait", "CompressInfo", "CompressState", "EagerComm", "bucket_key",
-           "generator_for"]
+           "generator_for", "trace_sum", "kept_sum"]
 
 
 def bucket_key(stage: int, index: int) -> str:
