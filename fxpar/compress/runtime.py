@@ -356,13 +356,12 @@ def trace_sum(method: Method, b: BucketInfo, variant, flat, state: dict, inputs:
     return make_fx(one, tracing_mode="fake")(flat, *[state[k] for k in names], *inputs)
 
 
-
 # traced sums kept in this process: (method class, its options, bucket, variant, state names, the bucket's, the
 # state's and the inputs' shapes, strides, dtypes and devices (a host input that is no tensor: its repr), group) ->
 # graph. A sum traces on fake tensors, so its graph is a function of these: a bucket summed again (the same program
 # planned or run again, a plan's pieces beside its costed collectives) is traced once. Least recently used first out.
 _KEPT: OrderedDict = OrderedDict()
-KEPT_SUMS = 256
+KEPT_SUMS = 64                 # the largest sums (ALQ's adaptation) hold about 2 MB of graph each
 
 
 def kept_sum(method: Method, b: BucketInfo, variant, flat, state: dict, inputs: list, names: list,
