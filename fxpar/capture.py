@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 import torch.fx.traceback as fx_traceback
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import meta as M
@@ -265,7 +266,9 @@ def _trace(fn, flat, mod_name, tracker, model=None):
     state = _python_random_state()
     attributes = _module_attributes(model)
     try:
-        with fx_traceback.preserve_node_meta(), tracker, capture_context():
+        # a lazy GraphModule: its Python code is generated when first read or called, not at every recompile()
+        # (the trace's, the annotation's, a copy's, each pass's): the joint step is lowered, not run
+        with fx_traceback.preserve_node_meta(), tracker, capture_context(), _use_lazy_graph_module(True):
             gm = make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake")(*flat)
     except CaptureError:
         raise

@@ -128,7 +128,8 @@ class PassManager:
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> tuple:
         history = []
         if self.keep_history:
-            history.append(HistoryEntry("capture", True, 0.0, len(gm.graph.nodes), gm.code, {}))
+            history.append(HistoryEntry("capture", True, 0.0, len(gm.graph.nodes),
+                                        gm.graph.python_code(root_module="self").src, {}))
         done, modified_any = [], False
         for p in self.passes:
             before = set(gm.graph.nodes)

@@ -2,6 +2,7 @@
 checkpoints and bytes, shown with FP16 / BF16 against torch's DDP comm hooks, and TopK / RandomK's bytes."""
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import ClassVar
@@ -15,7 +16,10 @@ from cost_models.comm import collective_cost, comm_info_cost
 from fxpar.testing.compress import mlp_batches, mlp_program
 from fxpar import compress as C
 from fxpar import meta as M
-from fxpar.compress.feature import bucket_infos
+from fxpar.compress.feature import STEADY_STEP, bucket_infos
+from fxpar.compress.method import BucketInfo
+from fxpar.compress.runtime import generator_for, kept_sum
+from fxpar.collectives import C10D
 from fxpar.testing import MLP
 from fxpar.testing.compress import ddp_hook_worker
 
@@ -336,3 +340,28 @@ class DeclaredSum(EagerSum):
     def collectives(self, bucket, variant):
         half = self.wire_bytes(bucket, variant) // 2
         return [("reduce_scatter", 2 * half), ("all_gather", half)]
+
+
+@pytest.mark.structure
+def test_a_traced_sum_is_kept_per_method_options_bucket_and_variant():
+    """A bucket's sum is traced once per process for its method's options, the bucket and the variant: planning the
+    same bucket again reuses the graph; other options or another bucket trace their own."""
+    b = BucketInfo(stage=0, index=0, count=1, keys=("w",), shapes=((8, 8),), offsets=(0,), numel=64, dtype="float64",
+                   dp=2)
+
+    def traced(m, b):
+        state = dict(m.init_state(b, generator_for(m)))
+        v = m.variant(b, STEADY_STEP, state)
+        inputs = list(m.host_inputs(b, 0, state, v, generator_for(m)))
+        return kept_sum(m, b, v, torch.zeros(b.numel, dtype=torch.float64), state, inputs, sorted(state))
+
+    g = traced(C.TopK(ratio=0.25), b)
+    assert traced(C.TopK(ratio=0.25), b) is g
+    other = traced(C.TopK(ratio=0.5), b)
+    wider = traced(C.TopK(ratio=0.25), dataclasses.replace(b, shapes=((8, 16),), numel=128))
+
+    def gathered(gm):           # the values each collective of the sum hands over
+        return [n.args[0].meta["val"].numel() for n in gm.graph.nodes
+                if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional"
+                and n.target is not C10D.wait_tensor.default]
+    assert gathered(other) == [2 * x for x in gathered(g)] == gathered(wider)

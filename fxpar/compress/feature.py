@@ -49,7 +49,7 @@ from fxpar.roles import GraphKind
 
 from .method import BucketInfo, Method
 from .phases import piece_bytes, split_phases
-from .runtime import CompressInfo, CompressState, bucket_sum, bucket_sum_wait, generator_for, trace_sum
+from .runtime import CompressInfo, CompressState, bucket_sum, bucket_sum_wait, generator_for, kept_sum
 
 __all__ = ["CompressFeature", "CompressSection", "CompressedSum", "register_method", "unregister_method",
            "registered_methods", "method_of", "CONFLICTS", "bucket_infos", "dp_bucket_indices"]
@@ -127,18 +127,22 @@ def dp_bucket_indices(plan, stage: int) -> list:
 STEADY_STEP = 1 << 30
 
 
+def _sum_graph(method: Method, b: BucketInfo, variant) -> torch.fx.GraphModule:
+    """``method``'s sum of ``b`` for ``variant``, traced here as dp rank 0 (kept: :func:`kept_sum`; read only)."""
+    b0 = dataclasses.replace(b, dp_rank=0)
+    gen = generator_for(method)
+    state = dict(method.init_state(b0, gen))
+    inputs = list(method.host_inputs(b0, 0, state, variant, gen))
+    return kept_sum(method, b0, variant, torch.zeros(b.numel, dtype=b.torch_dtype), state, inputs, sorted(state))
+
+
 def _traced_sum(method: Method, b: BucketInfo, variant) -> tuple:
     """``(collectives, compute)``: ``[[kind, bytes], ...]``, the collectives ``method``'s sum of ``b`` issues, and
     ``[aten ops, flops, bytes]`` of its compute, from its graph traced here (as dp rank 0; an eager method: nothing
     known before it runs)."""
     if method.eager:
         return [], [0, 0, 0]
-    b0 = dataclasses.replace(b, dp_rank=0)
-    gen = generator_for(method)
-    state = dict(method.init_state(b0, gen))
-    inputs = list(method.host_inputs(b0, 0, state, variant, gen))
-    flat = torch.zeros(b.numel, dtype=b.torch_dtype)
-    gm = trace_sum(method, b0, variant, flat, state, inputs, sorted(state))
+    gm = _sum_graph(method, b, variant)
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" \
@@ -400,12 +404,7 @@ def _check_schedulable(m: Method, strategy) -> None:
 
 def _phased(m: Method, b: BucketInfo, variant):
     """``m``'s sum of ``b`` for ``variant`` traced here (as dp rank 0) and cut into phases."""
-    b0 = dataclasses.replace(b, dp_rank=0)
-    gen = generator_for(m)
-    state = dict(m.init_state(b0, gen))
-    inputs = list(m.host_inputs(b0, 0, state, variant, gen))
-    gm = trace_sum(m, b0, variant, torch.zeros(b.numel, dtype=b.torch_dtype), state, inputs, sorted(state))
-    return split_phases(gm, f"{type(m).__name__}.sum (stage {b.stage}, bucket {b.index})")
+    return split_phases(_sum_graph(m, b, variant), f"{type(m).__name__}.sum (stage {b.stage}, bucket {b.index})")
 
 
 def method_of(section: CompressSection) -> Method:

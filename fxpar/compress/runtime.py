@@ -27,6 +27,8 @@ executor's ``CommCounter`` like any graph's (functional collectives, and an eage
 """
 from __future__ import annotations
 
+import copy
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +45,7 @@ from .method import BucketInfo, Comm, Method
 from .phases import split_phases
 
 __all__ = ["bucket_sum", "bucket_sum_wait", "CompressInfo", "CompressState", "EagerComm", "bucket_key",
-           "generator_for"]
+           "generator_for", "trace_sum", "kept_sum"]
 
 
 def bucket_key(stage: int, index: int) -> str:
@@ -266,7 +268,7 @@ class CompressState(RankState):
         if got is None:
             names = sorted(state)
             with _disable_current_modes():     # tracing is no step's work: the rank's counters do not see it
-                gm = trace_sum(self.method, b, variant, flat, state, inputs, names)
+                gm = copy.deepcopy(kept_sum(self.method, b, variant, flat, state, inputs, names))
             if self.names:
                 bind_groups(gm, self.names)
                 lower_for_backend(gm, anywhere=True)   # gloo: every gather by the path safe beside other collectives
@@ -352,3 +354,29 @@ def trace_sum(method: Method, b: BucketInfo, variant, flat, state: dict, inputs:
         summed, new = method.sum(flat, st, list(rest[n_state:]), b, comm, variant)
         return (summed, *[new[k] for k in names])
     return make_fx(one, tracing_mode="fake")(flat, *[state[k] for k in names], *inputs)
+
+
+# traced sums kept in this process: (method class, its options, bucket, variant, state names, the bucket's, the
+# state's and the inputs' shapes, strides, dtypes and devices (a host input that is no tensor: its repr), group) ->
+# graph. A sum traces on fake tensors, so its graph is a function of these: a bucket summed again (the same program
+# planned or run again, a plan's pieces beside its costed collectives) is traced once. Least recently used first out.
+_KEPT: OrderedDict = OrderedDict()
+KEPT_SUMS = 64                 # the largest sums (ALQ's adaptation) hold about 2 MB of graph each
+
+
+def kept_sum(method: Method, b: BucketInfo, variant, flat, state: dict, inputs: list, names: list,
+             group: str | None = None) -> torch.fx.GraphModule:
+    """:func:`trace_sum`, traced once per key (above) and shared: read it, or change a ``copy.deepcopy`` of it."""
+    shapes = tuple((tuple(t.shape), t.stride(), t.dtype, t.device) if isinstance(t, torch.Tensor) else repr(t)
+                   for t in [flat, *[state[k] for k in names], *inputs])
+    key = (type(method), repr(sorted(method.to_dict().items())), b, variant, tuple(names), shapes, group)
+    try:
+        gm = _KEPT.get(key)
+    except TypeError:                # a variant that is not hashable: traced every time
+        return trace_sum(method, b, variant, flat, state, inputs, names, group)
+    if gm is None:
+        gm = _KEPT[key] = trace_sum(method, b, variant, flat, state, inputs, names, group)
+        while len(_KEPT) > KEPT_SUMS:
+            _KEPT.popitem(last=False)
+    _KEPT.move_to_end(key)
+    return gm
