@@ -38,7 +38,8 @@ from ..schedule import ScheduleError, simulate
 from ..schedule.registry import get_schedule
 from ..strategy import Strategy
 
-__all__ = ["Candidate", "cost_candidate", "schedule_shape", "SCHEDULES", "BUCKET_BYTES", "BUCKETS_MB", "bf16_supported"]
+__all__ = ["Candidate", "cost_candidate", "schedule_shape", "SCHEDULES", "BUCKET_BYTES", "BUCKETS_MB", "bf16_supported",
+           "rank_devices"]
 
 SCHEDULES = ("1f1b", "interleaved", "zb1p")      # the synchronous pipeline schedules searched
 BUCKET_BYTES = 25 * 2**20                         # DDP's bucket: the last one waits for the end of backward
@@ -147,16 +148,26 @@ class _Pricer:
                  fixed: dict | None = None):
         self.prof, self.cluster, self.B = prof, cluster, global_batch
         self.n_state, self.elem = n_state, elem_bytes
-        self.dev = cluster.device
+        # every figure a candidate needs one of is the slowest rank's (synchronous training waits for it); memory
+        # is checked against the smallest device (search.py)
+        self.devs = rank_devices(cluster)
         self.profiles = profiles or {}           # compute dtype -> its profile (see profile_model(dtype=...))
         self.fixed = fixed or {}                 # the options every candidate gets (reduce_precision, ...)
         self.search_buckets = False              # choose each candidate's bucket size among BUCKETS_MB
         # a float32 model on a GPU with bf16 tensor cores: its matmuls at the TF32 rate (FP32_SHARE)
-        self.dev_fp32 = replace(self.dev, peak_flops=self.dev.peak_flops * FP32_SHARE) \
-            if bf16_supported(self.dev) and elem_bytes == 4 else self.dev
+        self.devs_fp32 = [replace(d, peak_flops=d.peak_flops * FP32_SHARE) if bf16_supported(d) and elem_bytes == 4
+                          else d for d in self.devs]
         self._comm: dict = {}
         self._shapes: dict = {}
         self._lines: dict = {}                   # cost_candidate's shared part, by what fixes it
+
+    def time(self, prof, b: float, tp: int, precision: str) -> dict:
+        """``prof.time`` on the slowest device of the cluster (the one whose forward and backward take longest)."""
+        devs = self.devs_fp32 if precision == "fp32" else self.devs
+        if len(devs) == 1:
+            return prof.time(b, tp, devs[0])
+        return max((prof.time(b, tp, d) for d in devs),
+                   key=lambda t: sum(v for k, v in t.items() if k != "split_fwd"))
 
     def profile(self, precision: str):
         """The profile whose figures hold under ``precision`` (the model's own for "fp32")."""
@@ -224,6 +235,19 @@ def schedule_shape(name: str, pp: int, m: int) -> tuple | None:
     return sched.n_stages, sim.makespan / 3, max(sim.peak_activations_per_rank.values())
 
 
+def rank_devices(cluster) -> list:
+    """The distinct devices of ``cluster``'s worker ranks in rank order: ``[cluster.device]`` unless the cluster is
+    heterogeneous (``ClusterSpec.heterogeneous``, one device per rank) or has stragglers (``slowdown``: each one's
+    device slowed by its factor, ``ClusterSpec.as_heterogeneous``)."""
+    if getattr(cluster, "slowdown", ()):
+        cluster = cluster.as_heterogeneous()
+    out: list = []
+    for d in cluster.devices or (cluster.device,):
+        if d not in out:
+            out.append(d)
+    return out
+
+
 def bf16_supported(device) -> bool:
     """bf16 candidates are searched on GPUs with bfloat16 arithmetic (not on CPU devices, whose float64 and float32
     programs the tests compare to 1e-10, nor on the GPUs of ``NO_BF16``)."""
@@ -245,9 +269,9 @@ def _pipeline(c: Candidate, pr: _Pricer) -> dict | None:
     """The figures of ``c`` that its mesh, schedule, microbatches, recompute policy and precision fix (stage times,
     makespan, the heaviest stage's parameters and activations), shared by its ZeRO, offload and bucket variants;
     None where the schedule refuses the microbatch count."""
-    prof, dev = pr.profile(c.precision), pr.dev
+    prof = pr.profile(c.precision)
     b = pr.B / (c.dp * c.microbatches)
-    t = prof.time(b, c.tp, pr.dev_fp32 if c.precision == "fp32" else dev)
+    t = pr.time(prof, b, c.tp, c.precision)
     sched = None
     n_stages = 1
     if c.pp > 1:
@@ -338,7 +362,7 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
         c.note = f"schedule {c.schedule} cannot run {c.microbatches} microbatches"
         c.fits, c.step_s = False, float("inf")
         return c
-    prof, dev, m = line["prof"], pr.dev, c.microbatches
+    prof, devs, m = line["prof"], pr.devs, c.microbatches
     stage_params, per_rank_stages = line["stage_params"], line["per_rank_stages"]
     grads = stage_params / (c.dp if c.zero >= 2 else 1)
     states = pr.n_state * stage_params / (c.dp if c.zero >= 1 else 1)
@@ -386,7 +410,7 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
                 sent += gathers * ag.wire_bytes
                 if "params" in c.offload:      # each gather first brings the rank's chunk up from the host
                     sync_t += gathers * chunk / HOST_LINK
-            sync_t += ZERO_OPS_PER_TENSOR * prof.param_tensors * getattr(dev, "op_overhead_s", 0.0)
+            sync_t += ZERO_OPS_PER_TENSOR * prof.param_tensors * max(getattr(d, "op_overhead_s", 0.0) for d in devs)
     for x in line["sent"]:
         sent += x
     upd = chunk
@@ -394,8 +418,8 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     if "optimizer" in c.offload:       # the gradient chunk down, the update on the host, the new chunk up
         opt_t = 2 * upd / HOST_LINK + upd * (3 + 2 * pr.n_state) / HOST_MEMORY
     else:
-        opt_t = (upd * (3 + 2 * pr.n_state) / (dev.mem_bandwidth * (dev.efficiency or {}).get("memory", 1.0))
-                 + OPT_OPS_PER_TENSOR * tensors * getattr(dev, "op_overhead_s", 0.0))
+        opt_t = max(upd * (3 + 2 * pr.n_state) / (d.mem_bandwidth * (d.efficiency or {}).get("memory", 1.0))
+                    + OPT_OPS_PER_TENSOR * tensors * getattr(d, "op_overhead_s", 0.0) for d in devs)
     c.step_s = line["makespan"] + sync_t + opt_t
     c.comm_bytes = sent
     c.time = {**line["time"], "dp sync": sync_t, "optimizer": opt_t}
