@@ -128,7 +128,7 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=list(range(1, 11)), help="megatron: Table 1's rows")
     ap.add_argument("--auto", action="store_true", help="megatron: also fxpar.auto_plan's pick")
     ap.add_argument("--build", action="store_true", help="plan: also time parallelize(strategy='auto') on GPT-2")
-    ap.add_argument("--megatron-1t", action="store_true", help="plan: also Megatron-LM's 1T row on 3,072 GPUs, unpinned")
+    ap.add_argument("--megatron-1t", action="store_true", help="plan: also Megatron-LM 1T on 3,072 GPUs")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
     {"plan": plan, "measure": measure, "megatron": megatron}[args.what](args)
