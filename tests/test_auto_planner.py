@@ -144,6 +144,13 @@ def test_finalists_are_the_best_of_each_family_with_both_tp_modes():
     for c in first:
         if c.tp > 1:
             assert {x.sharding for x in first if x.family == c.family} == {"megatron", "auto"}
+    model, x = _gpt2_small_meta()            # bf16 and fp32 points of a tp family: only the fastest, in both modes
+    first, _ = finalists(fxpar.auto_plan(model, fxpar.ClusterSpec.preset("a100-80gb", gpus_per_node=8), (x, x),
+                                         gpt_loss, ADAMW).search)
+    for fam in {c.family for c in first}:
+        got = [c for c in first if c.family == fam]
+        assert len({str(c).replace("sharding=auto, ", "sharding=megatron, ") for c in got}) == 1
+        assert len(got) == (2 if got[0].tp > 1 else 1), [str(c) for c in got]
 
 
 @pytest.mark.structure

@@ -386,7 +386,7 @@ def finalists(s: AutoSearch) -> list:
     ranking (the undominated candidates), in order, built only while none of the finalists fits."""
     first, fams, seen = [], [], set()
     for c in s.fitting:
-        key = (c.family, c.microbatches, c.zero, c.recompute, c.grad_sync)
+        key = (c.family, c.microbatches, c.zero, c.recompute, c.grad_sync, c.precision, c.offload, c.bucket_mb)
         if c.family not in fams:
             if len(fams) == s.auto.finalists:
                 continue
