@@ -1,13 +1,14 @@
 """The automatic planner: how long it takes to plan, and how its pick compares with the plans it passed over.
 
-    python benchmarks/bench_planner.py plan            # planning time (fxpar.auto_plan, nothing built), warm
+    python benchmarks/bench_planner.py plan [--megatron-1t] [--build]    # planning time (fxpar.auto_plan), warm
     python benchmarks/bench_planner.py measure         # auto's pick and the next candidates run for real, 2 ranks
     python benchmarks/bench_planner.py megatron [--rows 1 2 ...] [--auto]   # Megatron-LM's Table 1 (SC'21)
 
 ``plan``: GPT-2 small (12 layers, h=768, seq 1024, global batch 32) on 8 A100s (one node), and a 32-layer h=4096
 GPT (32 heads, seq 2048, global batch 512) on 64 A100s (8 nodes), both on the ``meta`` device: the first call (cold:
 imports and the fake-tensor warm-up) and the best of three more (warm), the profile's share, the candidates priced,
-and the plan ranked first. ``--build`` also times ``parallelize(strategy="auto")`` (the finalists built in full).
+and the plan ranked first. ``--build`` also times ``parallelize(strategy="auto")`` (the finalists built in full);
+``--megatron-1t`` adds Megatron-LM's 1T row (Table 1, row 10: 128 layers, h=25600, on 3,072 A100s), unpinned.
 
 ``measure``: for each model (the tied GPT of ``fxpar.testing``, an MLP), ``parallelize(strategy="auto")`` on
 2 CPU ranks, then auto's pick and every other built finalist run ``--steps`` steps with ``run_local``; the table
@@ -60,6 +61,11 @@ def plan(args):
         big = GPT(vocab=50257, d=4096, layers=32, heads=32, max_seq=2048)
     _time_plan("GPT 32 x 4096, 64 x A100", big, fxpar.ClusterSpec.preset("a100-80gb", nodes=8, gpus_per_node=8),
                torch.randint(0, 50257, (512, 2048), device="meta"), False)
+    if args.megatron_1t:
+        from tests.test_auto_megatron import ROWS
+        from tests.test_auto_megatron import megatron as config
+        model, x, cl, _ = config(ROWS[9])
+        _time_plan("Megatron-LM 1T (128 x 25600, seq 2048, batch 3072), 3072 x A100", model, cl, x, False)
 
 
 def _models():
@@ -122,6 +128,7 @@ def main():
     ap.add_argument("--rows", type=int, nargs="+", default=list(range(1, 11)), help="megatron: Table 1's rows")
     ap.add_argument("--auto", action="store_true", help="megatron: also fxpar.auto_plan's pick")
     ap.add_argument("--build", action="store_true", help="plan: also time parallelize(strategy='auto') on GPT-2")
+    ap.add_argument("--megatron-1t", action="store_true", help="plan: also Megatron-LM 1T on 3,072 GPUs")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
     {"plan": plan, "measure": measure, "megatron": megatron}[args.what](args)

@@ -339,10 +339,12 @@ class ClusterSpec:
             raise ClusterSpecError("invalid ClusterSpec:\n  - " + "\n  - ".join(problems))
 
     def check_fits(self, bytes_needed: int, what: str) -> None:
-        """Raise if ``bytes_needed`` (e.g. one parameter) cannot fit in one device's memory."""
-        if bytes_needed > self.device.memory_bytes:
+        """Raise if ``bytes_needed`` (e.g. one parameter) cannot fit in the memory of every worker rank's device (a
+        heterogeneous cluster: its smallest)."""
+        dev = min(self.devices or (self.device,), key=lambda d: d.memory_bytes)
+        if bytes_needed > dev.memory_bytes:
             raise ClusterSpecError(
-                f"{what} needs {bytes_needed} bytes but a {self.device.name} has {self.device.memory_bytes} bytes "
+                f"{what} needs {bytes_needed} bytes but a {dev.name} has {dev.memory_bytes} bytes "
                 "of memory; shard it (Strategy(tp=...) or zero=3) or use larger devices.")
 
     # ---- JSON -----------------------------------------------------------------------------

@@ -161,7 +161,9 @@ def make_plan(strategy: Strategy, batch, *, model=None, loss_fn=None, cluster=No
         plan.optimizer = {"name": optimizer.name, "traced": optimizer.traced,
                           "why_not_traced": optimizer.why_not_traced, "elementwise": optimizer.elementwise}
         if optimizer.traced:      # how the traced update runs: one fused kernel, or torch._foreach_* ops
-            kind = getattr(getattr(cluster, "device", None), "kind", "cpu")
+            # every rank's device: the kernel that runs on all of them (a heterogeneous cluster's non-CPU kind wins)
+            devices = getattr(cluster, "devices", ()) or (getattr(cluster, "device", None),)
+            kind = next((d.kind for d in devices if getattr(d, "kind", "cpu") != "cpu"), "cpu")
             k, why = optimizer.kernel(kind, in_place=not plan.asynchronous)
             plan.optimizer.update({"kernel": k, "why_kernel": why})
             if k == "fused":

@@ -10,6 +10,9 @@ import torch
 
 import fxpar
 from fxpar.auto.search import finalists, fixed_options
+from fxpar.auto.space import SCHEDULES, schedule_shape
+from fxpar.schedule import ScheduleError, simulate
+from fxpar.schedule.registry import get_schedule
 from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2})
@@ -141,6 +144,13 @@ def test_finalists_are_the_best_of_each_family_with_both_tp_modes():
     for c in first:
         if c.tp > 1:
             assert {x.sharding for x in first if x.family == c.family} == {"megatron", "auto"}
+    model, x = _gpt2_small_meta()            # bf16 and fp32 points of a tp family: only the fastest, in both modes
+    first, _ = finalists(fxpar.auto_plan(model, fxpar.ClusterSpec.preset("a100-80gb", gpus_per_node=8), (x, x),
+                                         gpt_loss, ADAMW).search)
+    for fam in {c.family for c in first}:
+        got = [c for c in first if c.family == fam]
+        assert len({str(c).replace("sharding=auto, ", "sharding=megatron, ") for c in got}) == 1
+        assert len(got) == (2 if got[0].tp > 1 else 1), [str(c) for c in got]
 
 
 @pytest.mark.structure
@@ -151,3 +161,49 @@ def test_math_changing_methods_only_when_allowed():
     allowed = fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, prune=False,
                               strategy=fxpar.Strategy.auto(allow=("compression", "asynchronous")))
     assert any(c.grad_sync == "bf16" for c in allowed) and any(c.schedule == "2bw" for c in allowed)
+
+
+@pytest.mark.cost
+def test_a_heterogeneous_cluster_is_planned_for_its_slowest_and_smallest_device():
+    """Each rank's own device, not rank 0's: the candidates are priced as on a cluster of the slowest device, the
+    memory budget is the smallest device's, whichever rank holds them; check_fits reads the smallest too."""
+    model, batches = tiny_gpt(), token_batches(1)
+    fast = fxpar.DeviceSpec("cpu", "fast", 64 * 2**20, 100e9, 20e9, op_overhead_s=8e-6)
+    slow = fxpar.DeviceSpec("cpu", "slow", 8 * 2**20, 25e9, 5e9, op_overhead_s=16e-6)
+    uniform = dataclasses.replace(fxpar.ClusterSpec.local(4), device=slow)
+    ref = fxpar.auto_plan(model, uniform, batches[0], gpt_loss, ADAMW, prune=False)
+    want = [(str(c), c.step_s, c.peak_bytes) for c in ref]
+    assert ref.search.budget_bytes == 0.9 * slow.memory_bytes
+    for order in ([fast, slow, fast, fast], [slow, fast, fast, fast]):
+        cl = fxpar.ClusterSpec.heterogeneous(order)
+        got = fxpar.auto_plan(model, cl, batches[0], gpt_loss, ADAMW, prune=False)
+        assert got.search.budget_bytes == ref.search.budget_bytes
+        assert [(str(c), c.step_s, c.peak_bytes) for c in got] == want
+        assert "(smallest: slow) (8.0 MiB" in got.search.explain()
+        with pytest.raises(fxpar.ClusterSpecError, match="a slow has 8388608 bytes"):
+            cl.check_fits(9 * 2**20, "parameter 'w'")
+    stragglers = fxpar.ClusterSpec.local(2, slowdown=[(1, 2.0)])       # rank 1 twice as slow: priced as rank 1
+    got = fxpar.auto_plan(model, stragglers, batches[0], gpt_loss, ADAMW, prune=False)
+    even = fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, prune=False)
+    slowed = {str(c): c.step_s for c in got}
+    assert set(slowed) == {str(c) for c in even}
+    assert all(slowed[str(c)] > c.step_s for c in even)
+
+
+@pytest.mark.structure
+def test_the_closed_form_pipeline_shapes_are_the_dry_runs():
+    """The searched schedules' makespan and microbatches in flight by their closed forms equal their generators' own
+    dry runs (forward 1, backward 2) wherever the generator runs, and are None wherever it refuses."""
+    checked = 0
+    for name in SCHEDULES:
+        for p, m in [(p, m) for p in range(2, 6) for m in range(1, 3 * p + 2)] + [(8, 24), (16, 32)]:
+            got = schedule_shape(name, p, m)
+            try:
+                sched = get_schedule(name, p, m)
+            except ScheduleError:
+                assert got is None, (name, p, m)
+                continue
+            sim = simulate(sched)
+            assert got == (sched.n_stages, sim.makespan / 3, max(sim.peak_activations_per_rank.values())), (name, p, m)
+            checked += 1
+    assert checked > 60

@@ -88,6 +88,7 @@ class _Counter(TorchDispatchMode):
         # over the tp ranks), one whose input is split is row-parallel (its output is summed whole); every other
         # op on a split tensor (the heads' attention, the MLP's activation) works on the rank's share
         self.split_keys: set = set()
+        self.split_held: list = []      # the split tensors themselves: a freed storage's key may come back on another
         self.linears: list = []         # the block Linears running now: True where row-parallel
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -101,6 +102,7 @@ class _Counter(TorchDispatchMode):
                 for t in (out if isinstance(out, (tuple, list)) else (out,)):
                     if isinstance(t, torch.Tensor):
                         self.split_keys.add(_key(t))
+                        self.split_held.append(t)
         if func.namespace == "aten":      # every aten op pays the device's dispatch cost, a view too
             run.sharded.append(1 if split else 0)
             run.flops.append(float(c.flops))
@@ -180,6 +182,7 @@ def _probe(model, example: tuple, b: int, loss_fn, blocks, params: dict, mode, o
         row = counter.linears.pop()
         if not row and isinstance(out, torch.Tensor) and where[0] == 1 and not where[1]:
             counter.split_keys.add(_key(out))
+            counter.split_held.append(out)
     for blk in (blocks[1] if blocks else ()):
         for mod in blk.modules():
             if isinstance(mod, torch.nn.Linear):

@@ -26,7 +26,7 @@ from ..explain import fmt_bytes
 from ..optim import resolve_optimizer
 from ..strategy import AutoStrategy, Strategy
 from .profile import profile_model
-from .space import SCHEDULES, Candidate, _Pricer, bf16_supported, cost_candidate
+from .space import SCHEDULES, Candidate, _Pricer, bf16_supported, cost_candidate, rank_devices
 
 __all__ = ["auto_plan", "AutoSearch", "search", "choose", "as_auto", "finalists", "fixed_options", "NoPlanFitsError",
            "SEARCHED", "ALLOW"]
@@ -120,8 +120,9 @@ class AutoSearch:
         return out
 
     def explain(self, top: int = 8) -> str:
+        dev = smallest_device(self.cluster)
         lines = [f"automatic plan ({self.auto}) for {self.model_name} on {self.cluster.world_size} rank(s) of "
-                 f"{self.cluster.device.name} ({fmt_bytes(self.cluster.device.memory_bytes)}; a plan may use "
+                 f"{_devices_name(self.cluster)} ({fmt_bytes(dev.memory_bytes)}; a plan may use "
                  f"{self.auto.margin:.0%}: {fmt_bytes(self.budget_bytes)})"]
         n_fit = sum(c.fits for c in self.priced)
         lines.append(f"  searched {len(self.priced)} candidates in {self.seconds.get('search', 0):.2f}s (profile "
@@ -145,6 +146,19 @@ class AutoSearch:
             lines += ["", "  other families, and why they lost (their best candidate):"]
             lines += [f"    {fam}: {why}" for fam, why in rej]
         return "\n".join(lines)
+
+
+def smallest_device(cluster: ClusterSpec):
+    """The device with the least memory among the worker ranks' (a plan must fit every rank)."""
+    return min(rank_devices(cluster), key=lambda d: d.memory_bytes)
+
+
+def _devices_name(cluster: ClusterSpec) -> str:
+    """``A100-80GB``, or for a heterogeneous cluster ``A100-80GB, V100-32GB (smallest: V100-32GB)``."""
+    devs = rank_devices(cluster)
+    if len(devs) == 1:
+        return devs[0].name
+    return f"{', '.join(d.name for d in devs)} (smallest: {smallest_device(cluster).name})"
 
 
 def _key(c: Candidate) -> tuple:
@@ -212,14 +226,15 @@ def _check_pins(auto: AutoStrategy, prof, world: int, batch: int, model_name: st
 def _precisions(auto: AutoStrategy, cluster: ClusterSpec, elem: int) -> tuple:
     """The compute precisions searched: the pinned ones, else the model's own and, on a GPU with bfloat16
     arithmetic and a float32 model, bf16."""
-    return _choices(auto, "precision", ("fp32", "bf16") if bf16_supported(cluster.device) and elem == 4 else ("fp32",))
+    bf16 = all(bf16_supported(d) for d in rank_devices(cluster)) and elem == 4
+    return _choices(auto, "precision", ("fp32", "bf16") if bf16 else ("fp32",))
 
 
 def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, traced: bool, elem: int = 4) -> list:
     """Every candidate the pins, the model and the world size allow (before any cost)."""
     world, per_node = cluster.world_size, cluster.devices_per_node
     precisions = _precisions(auto, cluster, elem)
-    offload_searched = cluster.device.kind == "cuda" and traced
+    offload_searched = all(d.kind == "cuda" for d in rank_devices(cluster)) and traced
     bucket = auto.pins.get("bucket_cap_mb")
     out = []
     tps = _choices(auto, "tp", [d for d in _divisors(world) if per_node % d == 0 or d <= per_node])
@@ -303,7 +318,7 @@ def search(model, cluster: ClusterSpec, example: tuple, loss_fn, optimizer, auto
     t1 = time.perf_counter()
     pr = _Pricer(prof, cluster, batch, n_state, elem, profiles, fixed_options(auto))
     pr.search_buckets = "bucket_cap_mb" not in auto.pins
-    budget = auto.margin * cluster.device.memory_bytes
+    budget = auto.margin * smallest_device(cluster).memory_bytes
     priced = []
     for c in _enumerate(auto, prof, cluster, batch, spec.traced, elem):
         cost_candidate(c, pr)
@@ -327,9 +342,9 @@ def search(model, cluster: ClusterSpec, example: tuple, loss_fn, optimizer, auto
 
 def _no_fit(s: AutoSearch, priced: list) -> NoPlanFitsError:
     small = min(priced or s.priced, key=lambda c: c.peak_bytes)
-    dev = s.cluster.device
+    dev = smallest_device(s.cluster)
     return NoPlanFitsError(
-        f"{s.auto}: no plan for {s.model_name} fits {s.cluster.world_size} x {dev.name} "
+        f"{s.auto}: no plan for {s.model_name} fits {s.cluster.world_size} x {_devices_name(s.cluster)} "
         f"({fmt_bytes(dev.memory_bytes)}, {s.auto.margin:.0%} usable: {fmt_bytes(s.budget_bytes)}). The smallest "
         f"predicted peak is {fmt_bytes(small.peak_bytes)} per device, by {small.strategy(fixed_options(s.auto))} "
         f"({', '.join(f'{k} {fmt_bytes(v)}' for k, v in small.memory.items())}); it would fit devices of "
@@ -371,7 +386,7 @@ def finalists(s: AutoSearch) -> list:
     ranking (the undominated candidates), in order, built only while none of the finalists fits."""
     first, fams, seen = [], [], set()
     for c in s.fitting:
-        key = (c.family, c.microbatches, c.zero, c.recompute, c.grad_sync)
+        key = (c.family, c.microbatches, c.zero, c.recompute, c.grad_sync, c.precision, c.offload, c.bucket_mb)
         if c.family not in fams:
             if len(fams) == s.auto.finalists:
                 continue

@@ -10,9 +10,10 @@ the gradient bucket size. Its cheap figures:
   forward it repeats ('full': each block's; 'selective': each block's ops that are not matmuls);
 - tensor parallelism: two all-reduces of a block's input in forward and two in backward per block (Megatron's
   pairs; without repeated blocks, one each way per pair of Linears), over the tp ranks;
-- the pipeline: the schedule generator's own action lists dry-run once (forward 1, backward 2), scaled to the
-  slowest stage's forward + backward (plus each message's point-to-point time), which gives the makespan and the
-  microbatches each rank holds at once;
+- the pipeline: the schedule's dry run with equal stages (forward 1, backward 2) scaled to the slowest stage's
+  forward + backward (plus each message's point-to-point time), which gives the makespan and the microbatches each
+  rank holds at once; for the searched synchronous schedules its closed form (:func:`schedule_shape`), for any other
+  the generator's action lists dry-run once per pipeline depth and microbatch count;
 - data parallelism: the stage's gradients all-reduced over the dp ranks (ZeRO: reduce-scatter + all-gather, and
   ZeRO-3's gathers of each stage's parameters in forward and backward), hidden behind the last backward except
   the last bucket; one collective per bucket (each pays the link's latency), so the bucket size is chosen per
@@ -37,7 +38,8 @@ from ..schedule import ScheduleError, simulate
 from ..schedule.registry import get_schedule
 from ..strategy import Strategy
 
-__all__ = ["Candidate", "cost_candidate", "SCHEDULES", "BUCKET_BYTES", "BUCKETS_MB", "bf16_supported"]
+__all__ = ["Candidate", "cost_candidate", "schedule_shape", "SCHEDULES", "BUCKET_BYTES", "BUCKETS_MB", "bf16_supported",
+           "rank_devices"]
 
 SCHEDULES = ("1f1b", "interleaved", "zb1p")      # the synchronous pipeline schedules searched
 BUCKET_BYTES = 25 * 2**20                         # DDP's bucket: the last one waits for the end of backward
@@ -146,16 +148,26 @@ class _Pricer:
                  fixed: dict | None = None):
         self.prof, self.cluster, self.B = prof, cluster, global_batch
         self.n_state, self.elem = n_state, elem_bytes
-        self.dev = cluster.device
+        # every figure a candidate needs one of is the slowest rank's (synchronous training waits for it); memory
+        # is checked against the smallest device (search.py)
+        self.devs = rank_devices(cluster)
         self.profiles = profiles or {}           # compute dtype -> its profile (see profile_model(dtype=...))
         self.fixed = fixed or {}                 # the options every candidate gets (reduce_precision, ...)
         self.search_buckets = False              # choose each candidate's bucket size among BUCKETS_MB
         # a float32 model on a GPU with bf16 tensor cores: its matmuls at the TF32 rate (FP32_SHARE)
-        self.dev_fp32 = replace(self.dev, peak_flops=self.dev.peak_flops * FP32_SHARE) \
-            if bf16_supported(self.dev) and elem_bytes == 4 else self.dev
+        self.devs_fp32 = [replace(d, peak_flops=d.peak_flops * FP32_SHARE) if bf16_supported(d) and elem_bytes == 4
+                          else d for d in self.devs]
         self._comm: dict = {}
-        self._sched: dict = {}
-        self._sims: dict = {}
+        self._shapes: dict = {}
+        self._lines: dict = {}                   # cost_candidate's shared part, by what fixes it
+
+    def time(self, prof, b: float, tp: int, precision: str) -> dict:
+        """``prof.time`` on the slowest device of the cluster (the one whose forward and backward take longest)."""
+        devs = self.devs_fp32 if precision == "fp32" else self.devs
+        if len(devs) == 1:
+            return prof.time(b, tp, devs[0])
+        return max((prof.time(b, tp, d) for d in devs),
+                   key=lambda t: sum(v for k, v in t.items() if k != "split_fwd"))
 
     def profile(self, precision: str):
         """The profile whose figures hold under ``precision`` (the model's own for "fp32")."""
@@ -180,26 +192,60 @@ class _Pricer:
             got = self._comm[key] = collective_cost(kind, nbytes, ranks, self.cluster)
         return got
 
-    def dry_run(self, name: str, sched, F: dict, B: dict) -> tuple:
-        """(makespan, most microbatches in flight on a rank) of ``sched``: its dry run with every stage as long as
-        the slowest (the slowest sets the pace of the steady state), once per schedule (forward 1, backward 2),
-        scaled to the slowest stage's forward + backward."""
-        key = (name, sched.n_ranks, sched.n_microbatches)
-        got = self._sims.get(key)
-        if got is None:
-            sim = simulate(sched)
-            got = self._sims[key] = (sim.makespan / 3, max(sim.peak_activations_per_rank.values()))
-        slowest = max(F[s] + B[s] for s in F)
-        return got[0] * slowest, got[1]
-
-    def schedule(self, name: str, pp: int, m: int):
+    def shape(self, name: str, pp: int, m: int) -> tuple | None:
+        """``(stages, makespan, most microbatches in flight on a rank)`` of schedule ``name`` over ``pp`` ranks and
+        ``m`` microbatches with every stage as long as the slowest (the slowest sets the pace of the steady state):
+        the makespan in units of one stage's forward + backward. None where the generator refuses ``(pp, m)``.
+        :func:`schedule_shape` (closed forms, else the dry run), once per ``(name, pp, m)``."""
         key = (name, pp, m)
-        if key not in self._sched:
-            try:
-                self._sched[key] = get_schedule(name, pp, m)
-            except ScheduleError:
-                self._sched[key] = None
-        return self._sched[key]
+        if key not in self._shapes:
+            self._shapes[key] = schedule_shape(name, pp, m)
+        return self._shapes[key]
+
+
+# The closed forms of the synchronous schedules' dry runs with equal stages (forward 1, backward 2; ZB-H1's backward
+# split into I = W = 1): name -> (chunks per rank v, refused?, makespan in units of 3, most in flight on a rank).
+# Each is the generator's own dry run (tests/test_auto_planner.py compares them over a grid of p and m):
+# 1F1B (m + p - 1)(F + B), at most p microbatches in flight (stage 0); ZB-H1 m(F + I + W) + (p - 1)(F + I - W), p on
+# every stage; interleaved v = 2 (m v + p - 1)(F + B) per chunk, rank 0 warming up with 2(p - 1) + (v - 1)p forwards.
+_CLOSED = {
+    "1f1b": (1, lambda p, m: m < p, lambda p, m: 3 * (m + p - 1), lambda p, m: p),
+    "zb1p": (1, lambda p, m: m < p, lambda p, m: 3 * m + p - 1, lambda p, m: p),
+    "interleaved": (2, lambda p, m: m < p or m % p != 0, lambda p, m: 3 * (2 * m + p - 1),
+                    lambda p, m: min(2 * (p - 1) + p + 1, 2 * m)),
+}
+
+
+def schedule_shape(name: str, pp: int, m: int) -> tuple | None:
+    """``(stages, makespan / (F + B), most microbatches in flight on a rank)`` of ``get_schedule(name, pp, m)``
+    dry-run with every stage's forward 1 and backward 2, or None where the generator refuses ``(pp, m)``. The
+    searched synchronous schedules by their closed forms (``_CLOSED``, the same figures the dry run gives), any
+    other by building and dry-running it."""
+    closed = _CLOSED.get(name)
+    if closed is not None and pp >= 1 and m >= 1:
+        v, refused, span, in_flight = closed
+        if refused(pp, m):
+            return None
+        return pp * v, float(span(pp, m)) / 3, in_flight(pp, m)
+    try:
+        sched = get_schedule(name, pp, m)
+    except ScheduleError:
+        return None
+    sim = simulate(sched)
+    return sched.n_stages, sim.makespan / 3, max(sim.peak_activations_per_rank.values())
+
+
+def rank_devices(cluster) -> list:
+    """The distinct devices of ``cluster``'s worker ranks in rank order: ``[cluster.device]`` unless the cluster is
+    heterogeneous (``ClusterSpec.heterogeneous``, one device per rank) or has stragglers (``slowdown``: each one's
+    device slowed by its factor, ``ClusterSpec.as_heterogeneous``)."""
+    if getattr(cluster, "slowdown", ()):
+        cluster = cluster.as_heterogeneous()
+    out: list = []
+    for d in cluster.devices or (cluster.device,):
+        if d not in out:
+            out.append(d)
+    return out
 
 
 def bf16_supported(device) -> bool:
@@ -208,30 +254,31 @@ def bf16_supported(device) -> bool:
     return device.kind == "cuda" and not any(n in device.name for n in NO_BF16)
 
 
-def _stage_split(prof, n_stages: int) -> list:
-    """Per stage: (blocks, holds the pre part, holds the post part); without repeated blocks every stage gets an
-    equal share of the whole (the balanced cut)."""
+def _stage_split(prof, n_stages: int) -> dict:
+    """Stage -> (blocks, holds the pre part, holds the post part), for the stages that differ: the first, the last
+    and one of the middle ones (the others are like it, so the slowest and the heaviest stage are among these);
+    without repeated blocks every stage gets an equal share of the whole (the balanced cut), so stage 0 stands
+    for all."""
     if prof.n_blocks == 0:
-        return [(0, True, True)] * n_stages
+        return {0: (0, True, True)}
     per = prof.n_blocks / n_stages
-    return [(per, s == 0, s == n_stages - 1) for s in range(n_stages)]
+    return {s: (per, s == 0, s == n_stages - 1) for s in sorted({0, min(1, n_stages - 1), n_stages - 1})}
 
 
-def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
-    """Fill ``c``'s cheap figures; ``c.note`` says why it cannot run (then ``c.fits`` is False and its step is
-    infinite)."""
-    prof, dev = pr.profile(c.precision), pr.dev
+def _pipeline(c: Candidate, pr: _Pricer) -> dict | None:
+    """The figures of ``c`` that its mesh, schedule, microbatches, recompute policy and precision fix (stage times,
+    makespan, the heaviest stage's parameters and activations), shared by its ZeRO, offload and bucket variants;
+    None where the schedule refuses the microbatch count."""
+    prof = pr.profile(c.precision)
     b = pr.B / (c.dp * c.microbatches)
-    t = prof.time(b, c.tp, pr.dev_fp32 if c.precision == "fp32" else dev)
+    t = pr.time(prof, b, c.tp, c.precision)
     sched = None
     n_stages = 1
     if c.pp > 1:
-        sched = pr.schedule(c.schedule, c.pp, c.microbatches)
+        sched = pr.shape(c.schedule, c.pp, c.microbatches)
         if sched is None:
-            c.note = f"schedule {c.schedule} cannot run {c.microbatches} microbatches"
-            c.fits, c.step_s = False, float("inf")
-            return c
-        n_stages = sched.n_stages
+            return None
+        n_stages = sched[0]
     split = _stage_split(prof, n_stages)
     whole = prof.n_blocks == 0
     share = 1.0 / n_stages if whole else 1.0
@@ -257,7 +304,7 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
         tp_f_block = tp_b_block = tp_whole = 0.0
     p2p = pr.comm("send", msg or prof.largest(b) / 4, (0, width)).time_s if c.pp > 1 else 0.0
     F, B, comp, rec, tpc = {}, {}, 0.0, 0.0, 0.0
-    for s, (nb, first, last) in enumerate(split):
+    for s, (nb, first, last) in split.items():
         f = nb * blk_f + (t[("pre", "fwd")] if first else 0) * (1 if not whole else share) \
             + (t[("post", "fwd")] if last else 0) * (1 if not whole else share)
         bw = nb * blk_b + (t[("pre", "bwd")] if first else 0) * (1 if not whole else share) \
@@ -271,12 +318,52 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     if sched is None:
         makespan, in_flight = m * (F[0] + B[0]), 1
     else:
-        makespan, in_flight = pr.dry_run(c.schedule, sched, F, B)
+        makespan, in_flight = sched[1] * max(F[s] + B[s] for s in F), sched[2]
     # parameters of the heaviest stage (the parts outside the blocks counted on it), split by tp
-    heavy = max(split, key=lambda x: x[0])
+    heavy = max(split.values(), key=lambda x: x[0])
     per_rank_stages = n_stages // c.pp
     stage_params = (heavy[0] * per_rank_stages * prof.block_param_bytes + prof.rest_param_bytes
                     if not whole else prof.param_bytes / c.pp) / c.tp
+    saved = prof.saved(b, c.tp, c.recompute)
+    blocks_on_rank = heavy[0] * per_rank_stages
+    act_stage = (blocks_on_rank * saved["block"] + saved["pre"] + saved["post"]) if not whole else \
+        (saved["pre"] + saved["post"]) / c.pp
+    scale = in_flight / per_rank_stages if per_rank_stages > 1 else in_flight
+    acts = act_stage * scale
+    if c.pp > 1 and not whole:      # the embeddings' rank holds the most microbatches; the head's, one at a time
+        blk = blocks_on_rank * saved["block"]
+        acts = max((blk + saved["pre"]) * scale, blk * scale + saved["post"])
+    if c.recompute == "full":
+        acts += saved["one_block"] if prof.n_blocks else 0.0
+    sent = []                          # bytes each rank sends for tp and for pp, added to the dp sum's in this order
+    if c.tp > 1:
+        n_ar = (4 * blocks_on_rank if prof.n_blocks else 2 * len(prof.linear_pairs(b)) / c.pp) * m
+        sent.append(n_ar * pr.comm("all_reduce", msg if prof.n_blocks else max(prof.linear_pairs(b) or [0.0]),
+                                   tp_ranks).wire_bytes)
+    if c.pp > 1:
+        sent.append(2 * m * per_rank_stages * (msg or prof.largest(b) / 4))
+    k = m * per_rank_stages            # the stage passes a rank runs (interleaved: v per microbatch)
+    busy = k * (comp + rec + tpc) + (0 if sched is None else 2 * k * p2p)
+    return {"makespan": makespan, "last_bwd": B[max(B, key=B.get)], "stage_params": stage_params, "acts": acts,
+            "work": 2 * prof.largest(b), "per_rank_stages": per_rank_stages, "sent": sent, "prof": prof,
+            "time": {"compute": k * comp, "recompute": k * rec, "tp comm": k * tpc,
+                     "pp comm": 0.0 if sched is None else 2 * k * p2p,
+                     "pipeline bubble": max(makespan - busy, 0.0)}}
+
+
+def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
+    """Fill ``c``'s cheap figures; ``c.note`` says why it cannot run (then ``c.fits`` is False and its step is
+    infinite). The part its ZeRO stage, offload and bucket size do not change is priced once (:func:`_pipeline`)."""
+    key = (c.precision, c.dp, c.tp, c.pp, c.schedule, c.microbatches, c.recompute)
+    if key not in pr._lines:
+        pr._lines[key] = _pipeline(c, pr)
+    line = pr._lines[key]
+    if line is None:
+        c.note = f"schedule {c.schedule} cannot run {c.microbatches} microbatches"
+        c.fits, c.step_s = False, float("inf")
+        return c
+    prof, devs, m = line["prof"], pr.devs, c.microbatches
+    stage_params, per_rank_stages = line["stage_params"], line["per_rank_stages"]
     grads = stage_params / (c.dp if c.zero >= 2 else 1)
     states = pr.n_state * stage_params / (c.dp if c.zero >= 1 else 1)
     chunk = stage_params / (c.dp if c.zero >= 1 else 1)         # the parameters this rank updates
@@ -293,20 +380,8 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     if cbytes:                         # the compute copy of the parameters a forward and backward read
         held += (stage_params / (c.dp if c.zero == 3 else 1) if "params" not in c.offload else gathered) \
             * cbytes / pr.elem
-    saved = prof.saved(b, c.tp, c.recompute)
-    blocks_on_rank = heavy[0] * per_rank_stages
-    act_stage = (blocks_on_rank * saved["block"] + saved["pre"] + saved["post"]) if not whole else \
-        (saved["pre"] + saved["post"]) / c.pp
-    scale = in_flight / per_rank_stages if per_rank_stages > 1 else in_flight
-    acts = act_stage * scale
-    if c.pp > 1 and not whole:      # the embeddings' rank holds the most microbatches; the head's, one at a time
-        blk = blocks_on_rank * saved["block"]
-        acts = max((blk + saved["pre"]) * scale, blk * scale + saved["post"])
-    if c.recompute == "full":
-        acts += saved["one_block"] if prof.n_blocks else 0.0
-    work = 2 * prof.largest(b)
-    c.memory = {"parameters": held, "gradients": grads, "optimizer state": states, "activations": acts,
-                "workspace": work}
+    c.memory = {"parameters": held, "gradients": grads, "optimizer state": states, "activations": line["acts"],
+                "workspace": line["work"]}
     c.peak_bytes = sum(c.memory.values())
     # data parallelism: the heaviest stage's gradients over its dp ranks (tp index 0 of pipeline rank 0)
     sync_t, sent = 0.0, 0.0
@@ -315,7 +390,7 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
                                                        0.25 if c.grad_sync == "bf16" else 1.0)
     if c.dp > 1:
         dp_ranks = tuple(d * c.tp for d in range(c.dp))
-        last_bwd = B[max(B, key=B.get)]
+        last_bwd = line["last_bwd"]
         # all_gather's figure is the shard it sends. ZeRO-1 reduce-scatters once after backward; ZeRO-2 and 3 as the
         # buckets fill; the updated chunks are all-gathered after the update (ZeRO-3: before each use instead)
         kind = "all_reduce" if c.zero == 0 else "reduce_scatter"
@@ -335,25 +410,17 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
                 sent += gathers * ag.wire_bytes
                 if "params" in c.offload:      # each gather first brings the rank's chunk up from the host
                     sync_t += gathers * chunk / HOST_LINK
-            sync_t += ZERO_OPS_PER_TENSOR * prof.param_tensors * getattr(dev, "op_overhead_s", 0.0)
-    if c.tp > 1:
-        n_ar = (4 * blocks_on_rank if prof.n_blocks else 2 * len(prof.linear_pairs(b)) / c.pp) * m
-        sent += n_ar * pr.comm("all_reduce", msg if prof.n_blocks else max(prof.linear_pairs(b) or [0.0]),
-                               tp_ranks).wire_bytes
-    if c.pp > 1:
-        sent += 2 * m * per_rank_stages * (msg or prof.largest(b) / 4)
+            sync_t += ZERO_OPS_PER_TENSOR * prof.param_tensors * max(getattr(d, "op_overhead_s", 0.0) for d in devs)
+    for x in line["sent"]:
+        sent += x
     upd = chunk
     tensors = prof.param_tensors / (c.pp if c.pp > 1 else 1)
     if "optimizer" in c.offload:       # the gradient chunk down, the update on the host, the new chunk up
         opt_t = 2 * upd / HOST_LINK + upd * (3 + 2 * pr.n_state) / HOST_MEMORY
     else:
-        opt_t = (upd * (3 + 2 * pr.n_state) / (dev.mem_bandwidth * (dev.efficiency or {}).get("memory", 1.0))
-                 + OPT_OPS_PER_TENSOR * tensors * getattr(dev, "op_overhead_s", 0.0))
-    c.step_s = makespan + sync_t + opt_t
+        opt_t = max(upd * (3 + 2 * pr.n_state) / (d.mem_bandwidth * (d.efficiency or {}).get("memory", 1.0))
+                    + OPT_OPS_PER_TENSOR * tensors * getattr(d, "op_overhead_s", 0.0) for d in devs)
+    c.step_s = line["makespan"] + sync_t + opt_t
     c.comm_bytes = sent
-    k = m * per_rank_stages            # the stage passes a rank runs (interleaved: v per microbatch)
-    busy = k * (comp + rec + tpc) + (0 if sched is None else 2 * k * p2p)
-    c.time = {"compute": k * comp, "recompute": k * rec, "tp comm": k * tpc,
-              "pp comm": 0.0 if sched is None else 2 * k * p2p,
-              "pipeline bubble": max(makespan - busy, 0.0), "dp sync": sync_t, "optimizer": opt_t}
+    c.time = {**line["time"], "dp sync": sync_t, "optimizer": opt_t}
     return c
