@@ -33,6 +33,7 @@ share of the cores (``DeviceSpec.core_share``) as the ranks run.
 """
 import argparse
 import dataclasses
+import re
 import statistics
 
 import torch
@@ -114,7 +115,7 @@ def main() -> None:
                ("DABMD(full)", S.DABMD(round_time_s=budget), 0),
                ("DABMD(ring)", S.DABMD(round_time_s=budget, mixing="ring"), 0)]
     if a.methods:
-        methods = [m for m in methods if m[0] in a.methods.split(",")]
+        methods = [m for m in methods if m[0] in re.split(r",\s*(?![^()]*\))", a.methods)]   # commas outside (...)
     runs = []
     for name, method, servers in methods:
         prog = program(method, servers, {3: a.factor})
