@@ -117,8 +117,8 @@ def test_dabmd_estimate_prices_the_microbatches_each_ranks_speed_admits():
     labels = [label for label, _, _ in est.actions(3)]
     assert labels == ["F0.0", "B0.0", "F0.1", "B0.1", "RG0", "STEP0"], labels
     # 32 rows over dp=4 and 4 microbatches: 2 samples each
-    assert "rank(s) 0-2: 4 of 4 microbatch(es), 8 samples per round" in est.notes[0]
-    assert "rank(s) 3: 2 of 4 microbatch(es), 4 samples per round" in est.notes[0]
+    assert "ranks 0-2: 4 of 4 microbatch(es), 8 samples per round" in est.notes[0]
+    assert "rank 3: 2 of 4 microbatch(es), 4 samples per round" in est.notes[0]
     assert est.notes[0] in budget.explain()
     # no straggler, the same budget: every rank takes its whole shard, the step is the one of every microbatch
     whole = _dabmd(S.DABMD(round_time_s=4.5 * mb)).estimate()

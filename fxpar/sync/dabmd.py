@@ -285,7 +285,7 @@ class DABMD(SyncMethod):
             rows.setdefault((k, round(mb_s, 9)), []).append(r)
         budget = ("fixed_microbatches" if self.fixed_microbatches else
                   f"a budget of {self.round_time_s * 1e3:.3g} ms per round")
-        said = "; ".join(f"rank(s) {_ranks(rs)}: {k} of {m} microbatch(es), {k * per} samples per round "
+        said = "; ".join(f"{_ranks(rs)}: {k} of {m} microbatch(es), {k * per} samples per round "
                          f"({mb_s * 1e3:.3g} ms each)" for (k, mb_s), rs in sorted(rows.items(), key=lambda x: x[1][0]))
         return out, [f"DABMD, {budget}: {said}. The step above is a round: the slowest rank's microbatches, "
                      "its update and the consensus"]
@@ -300,7 +300,11 @@ def _microbatch(label: str) -> int:
 
 
 def _ranks(rs: list) -> str:
-    return f"{rs[0]}-{rs[-1]}" if len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1)) else ", ".join(map(str, rs))
+    """``rank 3``, ``ranks 0-2``, ``ranks 0, 2``."""
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    run = len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1))
+    return f"ranks {rs[0]}-{rs[-1]}" if run else f"ranks {', '.join(map(str, rs))}"
 
 
 class DABMDState(SyncState):
