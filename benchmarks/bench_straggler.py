@@ -23,7 +23,8 @@ synchronous dp's; the final smoothed loss.
 Also, per method, ``estimate()``'s step time against the measured seconds per step (when the last rank finished
 each step, from the third step's end to the last's, over the steps between: averaging steps and the others alike,
 as ``estimate()`` spreads an averaging over its window), with the straggler, and for synchronous dp (every method
-with ``--without``) without it. The programs are planned on this machine's figures, ``ClusterSpec.calibrate(4)``
+with ``--without``) without it, and the straggler's factor (with over without) measured and estimated, which
+the machine's load level cancels out of to first order. The programs are planned on this machine's figures, ``ClusterSpec.calibrate(4)``
 measured first (``--no-calibrate``: ``ClusterSpec.local(4)``'s defaults), so that the estimate prices each rank's
 share of the cores (``DeviceSpec.core_share``) as the ranks run.
 
@@ -129,9 +130,13 @@ def main() -> None:
         if a.without and method is not None:
             alone = program(method, servers, {})
             steps.append((name, "without", _per_step(alone.run_local(batches)), alone.estimate().step_time_s))
-    print(f"{'method':<14} {'straggler':>9} {'measured':>9} {'estimate()':>10} {'est/meas':>8}")
+    alone = {name: (measured, est) for name, how, measured, est in steps if how == "without"}
+    print(f"{'method':<14} {'straggler':>9} {'measured':>9} {'estimate()':>10} {'est/meas':>8} "
+          f"{'with/without: measured':>22} {'estimate()':>10}")
     for name, how, measured, est in sorted(steps, key=lambda x: x[1] == "with"):
-        print(f"{name:<14} {how:>9} {measured * 1e3:>6.1f} ms {est * 1e3:>7.1f} ms {est / measured:>8.2f}")
+        ratio = (f"{measured / alone[name][0]:>22.2f} {est / alone[name][1]:>10.2f}"
+                 if how == "with" and name in alone else "")
+        print(f"{name:<14} {how:>9} {measured * 1e3:>6.1f} ms {est * 1e3:>7.1f} ms {est / measured:>8.2f} {ratio}")
     target = max(smooth[-1] for _, smooth, _ in runs)
     print(f"target: smoothed loss {target:.4f} (the highest any method ends at, after {a.steps} steps)")
     print(f"{'method':<14} {'time to target':>15} {'x sync dp':>10} {'step':>6} {'final loss':>11} {'all steps':>10}")
