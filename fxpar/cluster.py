@@ -220,7 +220,9 @@ class ClusterSpec:
     def as_heterogeneous(self) -> "ClusterSpec":
         """The same cluster with each straggler's slowdown folded into a device of its own (its FLOP/s and memory
         bandwidth divided by the factor, its fixed per-op and per-call seconds multiplied by it): ``estimate()``
-        gives the same figures, the cut search the same cuts, and a CPU run emulates the same speeds while one rank
+        gives the same figures where each rank has a core of its own (``DeviceSpec.core_share`` 1; on shared cores
+        a straggler's compute is priced at ``1 + (factor - 1) * core_share``, its devices here at ``factor``), the
+        cut search the same cuts, and a CPU run emulates the same speeds while one rank
         is not slowed (:meth:`run_slowdown` is relative to the fastest device)."""
         if not self.slowdown:
             return self
