@@ -24,7 +24,7 @@ from .comm import GLOO_THREADS, comm_info_cost, latency_part
 from .sequence import SequenceProgram, compile_sequence
 from .simulate import compile_program, simulate, slowed
 
-__all__ = ["RankEstimate", "Estimate", "estimate"]
+__all__ = ["RankEstimate", "Estimate", "estimate", "straggler_factor"]
 
 
 @dataclass
@@ -68,6 +68,7 @@ class Estimate:
         self.items_per_rank = max((len(p.items) if isinstance(p, SequenceProgram) else 1
                                    for p in programs.values()), default=0)
         self.defaulted: Counter = Counter()
+        self.notes: list = []         # lines a feature adds on how it priced the step (printed last)
         graphs: dict = {}
         for p in programs.values():
             for g in (p.programs if isinstance(p, SequenceProgram) else (p,)):
@@ -184,6 +185,7 @@ class Estimate:
         if self.defaulted:
             ops = ", ".join(f"{k} x{v}" for k, v in self.defaulted.most_common())
             lines.append(f"  ops costed by the default rule (bytes in+out, 1 FLOP/element): {ops}")
+        lines += [f"  {ln}" for ln in self.notes]
         return "\n".join(lines)
 
 
@@ -260,6 +262,19 @@ def _symmetry_classes(programs: dict):
     return cls_of
 
 
+def straggler_factor(factor: float, device) -> float:
+    """How many times as long a straggler's compute takes: ``1 + (factor - 1) * device.core_share``.
+
+    The harness (``fxpar.runtime.executor.straggle``) sleeps ``factor - 1`` times each compute action's CPU
+    seconds, the smaller of its wall and process CPU time. On a core of its own (``core_share`` 1) that is its
+    wall time and the compute takes ``factor`` times as long; where the ranks share the cores, the cost model's
+    compute seconds are wall seconds at the rank's share of a core (``DeviceSpec.core_share``, from calibrate()),
+    of which the CPU seconds, and so the sleep, are that share: 4 ranks on 2 cores, ``factor`` 2 -> 1.5.
+    While the straggler sleeps the others have its core too; that is not modelled (the step comes out long by at
+    most the sleep's share of the cores the others would have used)."""
+    return 1 + (factor - 1) * min(1.0, max(0.0, getattr(device, "core_share", 1.0)))
+
+
 def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) -> Estimate:
     """Cost and simulate one training step of the per-rank ``graphs``.
 
@@ -269,9 +284,8 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
     worker node BytePS's CPU server ``j`` sits on (default: machines of their own; ``cost_models.comm``).
     In a heterogeneous cluster (``cluster.devices``) each rank's graphs are costed on its own device
     (``cluster.device_of(rank)``). A straggler of ``cluster.slowdown`` (``{rank: factor}`` pairs) runs its compute
-    ``factor`` times as long
-    (:func:`cost_models.simulate.slowed`); a collective starts when its slowest member issues it, so synchronous
-    data parallelism's step is the straggler's.
+    :func:`straggler_factor` times as long (:func:`cost_models.simulate.slowed`); a collective starts when its
+    slowest member issues it, so synchronous data parallelism's step is the straggler's.
     """
     caches: dict = {}
 
@@ -286,9 +300,10 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
         cl, cache = on_own_device(r)
         programs[r] = (compile_sequence(g, cl, cache, r) if isinstance(g, (list, tuple))
                        else compile_program(g, cl, cache))
-    for r, factor in getattr(cluster, "slowdown", ()):      # stragglers: their compute, factor times as long
+    for r, factor in getattr(cluster, "slowdown", ()):      # stragglers: their compute's CPU seconds, slept again
         if r in programs and factor != 1:
-            programs[r] = slowed(programs[r], factor)
+            device = cluster.device_of(r) if hasattr(cluster, "device_of") else cluster.device
+            programs[r] = slowed(programs[r], straggler_factor(factor, device))
     comm_cache: dict = {}
     durations, wire, latency = {}, {}, {}
     for r, p in programs.items():

@@ -58,6 +58,10 @@ class DeviceSpec:
     # a time, each a random access into a table larger than the caches: 20-40 ns a row here at alpha 1, 1.5-2x what
     # the bytes take at 32-wide rows); from calibrate(). 0: not measured (a GPU's kernel runs the rows in parallel).
     index_row_s: float = 0.0
+    # the share of a core a rank's compute runs on while every rank computes (its process's CPU seconds over the wall
+    # seconds, at most 1), where the ranks' threads outnumber the cores; from calibrate(). 1: a core of its own. A
+    # straggler's sleep follows its compute's CPU seconds (ClusterSpec.slowdown), this share of its wall seconds.
+    core_share: float = 1.0
 
     def __hash__(self):
         return hash((self.kind, self.name, self.memory_bytes, self.peak_flops, self.mem_bandwidth))
@@ -139,8 +143,10 @@ class ClusterSpec:
     ``slowdown``: stragglers, ``{rank: factor}`` (a factor >= 1 per slowed worker rank; ``ClusterSpec.local(4,
     slowdown={1: 2.0})``), kept as sorted ``(rank, factor)`` pairs. A run's rank sleeps ``(factor - 1)`` times the
     compute seconds of each compute action it runs (the smaller of the action's wall time and its process CPU time,
-    so a wait inside it does not count), so its compute takes ``factor`` times as long; ``estimate()`` multiplies
-    that rank's compute by the factor (:func:`cost_models.estimate.estimate`). :meth:`slowdown_of` reads it.
+    so a wait inside it does not count), so its compute takes ``factor`` times as long on a core of its own;
+    ``estimate()`` adds ``factor - 1`` times that rank's compute seconds times its device's ``core_share`` (the CPU
+    seconds per wall second where ranks share cores: :func:`cost_models.estimate.estimate`). :meth:`slowdown_of`
+    reads it.
 
     ``devices``: a heterogeneous cluster (:meth:`heterogeneous`), one :class:`DeviceSpec` per worker rank, each with
     its own speed and memory (``device`` is then rank 0's); empty: every rank is a ``device``. :meth:`device_of`
@@ -214,7 +220,9 @@ class ClusterSpec:
     def as_heterogeneous(self) -> "ClusterSpec":
         """The same cluster with each straggler's slowdown folded into a device of its own (its FLOP/s and memory
         bandwidth divided by the factor, its fixed per-op and per-call seconds multiplied by it): ``estimate()``
-        gives the same figures, the cut search the same cuts, and a CPU run emulates the same speeds while one rank
+        gives the same figures where each rank has a core of its own (``DeviceSpec.core_share`` 1; on shared cores
+        a straggler's compute is priced at ``1 + (factor - 1) * core_share``, its devices here at ``factor``), the
+        cut search the same cuts, and a CPU run emulates the same speeds while one rank
         is not slowed (:meth:`run_slowdown` is relative to the fastest device)."""
         if not self.slowdown:
             return self
@@ -433,7 +441,8 @@ def _device_problems(d: DeviceSpec, where: str) -> list:
     """What is wrong with device ``d`` (named ``where`` in the messages); a value of the wrong type raises."""
     problems = []
     for name in ("memory_bytes", "peak_flops", "mem_bandwidth", "op_overhead_s", "late_recv_s",
-                 "collective_issue_s", "action_overhead_s", "comm_cpu_s", "comm_cpu_per_byte", "cold_op_s", "index_row_s"):
+                 "collective_issue_s", "action_overhead_s", "comm_cpu_s", "comm_cpu_per_byte", "cold_op_s", "index_row_s",
+                 "core_share"):
         v = getattr(d, name)
         if not isinstance(v, (int, float)) or isinstance(v, bool):
             raise ClusterSpecError(f"{where}: DeviceSpec({name}={v!r}): {name} must be a number.")
@@ -452,6 +461,8 @@ def _device_problems(d: DeviceSpec, where: str) -> list:
     for name in ("comm_cpu_s", "comm_cpu_per_byte", "cold_op_s", "index_row_s"):
         if getattr(d, name) < 0:
             problems.append(f"{where}.{name}={getattr(d, name)}: must be >= 0 seconds")
+    if not 0 < d.core_share <= 1:
+        problems.append(f"{where}.core_share={d.core_share}: must be in (0, 1] (1: a core per rank)")
     if not isinstance(d.collective_slots, int) or isinstance(d.collective_slots, bool) or d.collective_slots < 0:
         problems.append(f"{where}.collective_slots={d.collective_slots!r}: must be an int >= 0 (0: the backend's)")
     if d.mem_bandwidth <= 0:
@@ -533,7 +544,8 @@ _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "
                   "collective_slots": (int, "an integer >= 0 (0: the backend's)"),
                   "action_overhead_s": (float, _NUMBER + " (seconds)"), "comm_cpu_s": (float, _NUMBER + " (seconds)"),
                   "comm_cpu_per_byte": (float, _NUMBER + " (seconds per byte)"),
-                  "cold_op_s": (float, _NUMBER + " (seconds)"), "index_row_s": (float, _NUMBER + " (seconds)")}
+                  "cold_op_s": (float, _NUMBER + " (seconds)"), "index_row_s": (float, _NUMBER + " (seconds)"),
+                  "core_share": (float, _NUMBER + " in (0, 1] (a rank's share of a core)")}
 _LINK_FIELDS = {"bandwidth": (float, _NUMBER + " (bytes/s)"), "latency": (float, _NUMBER + " (seconds)")}
 
 

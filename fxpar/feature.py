@@ -11,7 +11,8 @@ A strategy (a gradient-sync method, a way to shard state, a schedule of communic
 * its passes, each in a :class:`Slot` of the one pass list (``fxpar.lower``);
 * its per-rank runtime state (:class:`RankState`): the graph inputs it provides (role ``state``),
   the outputs it takes back (role ``new_state``), what it saves in a checkpoint;
-* its cost-model effect (:meth:`Feature.state_bytes`: bytes each rank holds beside the graphs);
+* its cost-model effect (:meth:`Feature.state_bytes`: bytes each rank holds beside the graphs;
+  :meth:`Feature.priced_calls`: what a rank runs where the feature changes it at run time);
 * its lines in ``explain()`` (:meth:`Feature.explain`).
 
 The core (planner, lowering, executor, checkpoints, ``Plan.__str__``) loops over the enabled features
@@ -357,6 +358,13 @@ class Feature:
     def state_bytes(self, section, program, rank: int) -> int:
         """Bytes rank ``rank`` holds for this feature beside what its graphs hold (per-rank state)."""
         return 0
+
+    def priced_calls(self, section, program, calls: dict, first) -> tuple | None:
+        """Where the feature changes at run time what a rank runs in a step (a time budget that leaves microbatches
+        out): ``(calls, lines)``, each rank's items as ``estimate()`` should price them (``calls``: rank -> the
+        items the program lowered; ``first``: their Estimate) and plain-language lines on how, which the Estimate
+        prints. None (default): priced as lowered."""
+        return None
 
     def explain(self, section, program) -> list:
         """Plain-language lines for ``program.explain()`` (default: what ``print(plan)`` shows of the section)."""

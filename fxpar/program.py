@@ -326,6 +326,13 @@ class Program:
                 est = cost_models.estimate(calls, self.cluster, server_nodes=getattr(self.cluster, "server_nodes", None))
                 # the runtime's bubble (RunResult.bubble) counts the compute actions only: RG and STEP are not work
                 est.bubble = est.idle_fraction_where(is_compute_label)
+            for name, section in self.plan.features.items():     # a feature that changes the step at run time
+                priced = get_feature(name).priced_calls(section, self, calls, est)
+                if priced is not None:
+                    calls, notes = priced
+                    est = cost_models.estimate(calls, self.cluster, server_nodes=getattr(self.cluster, "server_nodes", None))
+                    est.bubble = est.idle_fraction_where(is_compute_label)
+                    est.notes += list(notes)
             for r in est.ranks:      # what the features hold per rank beside the graphs (error-feedback residuals ...)
                 for name, section in self.plan.features.items():
                     extra = get_feature(name).state_bytes(section, self, r.rank)

@@ -47,6 +47,10 @@ def test_calibrate_two_local_ranks():
     assert spec.device.comm_cpu_per_byte == (over["per_byte_s"] if full else 0.0)
     # fxpar's runtime per graph call, in per-op units scaled by the per-op cost measured with every rank running
     assert raw["action_overhead_ops"] > 0
+    # the share of a core a rank's compute ran on: 2 ranks x 1 thread on at least 2 cores have one each
+    assert spec.device.core_share == pytest.approx(c["core_share"]) and 0 < c["core_share"] <= 1
+    if (os.cpu_count() or 1) >= 2:
+        assert c["core_share"] == 1.0
     assert spec.device.action_overhead_s == pytest.approx(raw["action_overhead_ops"] * spec.device.op_overhead_s)
     assert spec.intra_node.latency == raw["alpha"] and raw["alpha_fit"] >= 0   # α as a step sees it, the fit kept
     # ops after a collective against back to back, per kind of op; the in-step loops' adds ran cold, not the collective

@@ -257,6 +257,55 @@ class DABMD(SyncMethod):
         return [f"every round: {self.budget_words()}; {self.outer_words()}; the batch sizes are recorded per rank "
                 "and round"]
 
+    # ---- what estimate() prices: the microbatches each rank's speed admits ------------------------------------------
+    def taken(self, i: int, microbatch_s: float, m: int) -> int:
+        """How many of its ``m`` microbatches dp rank ``i`` takes per round when one takes it ``microbatch_s``
+        seconds (its forward and backward): ``fixed_microbatches[i]``, or under the budget the rule of
+        :meth:`DABMDState._takes` in steady state -- microbatch ``j >= 1`` is taken while ``(j + 1) * microbatch_s <=
+        round_time_s`` -- so ``floor(round_time_s / microbatch_s)``, at least one and at most ``m``."""
+        if self.fixed_microbatches:
+            return min(m, self.fixed_microbatches[i])
+        if microbatch_s <= 0:
+            return m
+        return max(1, min(m, math.floor(self.round_time_s / microbatch_s * (1 + 1e-9))))
+
+    def priced_calls(self, program, calls: dict, first) -> tuple:
+        """Each rank's step as its round runs it: the forward and backward of the microbatches it takes
+        (:meth:`taken`, from its own seconds per microbatch in ``first``, the estimate of every microbatch: a
+        straggler's are longer), then its update and the consensus; and the lines that say so. The round then
+        lasts as long as the slowest rank's admitted microbatches, the update and the consensus (a rank stops
+        taking microbatches when the next would overrun the budget, and waits for the others at the consensus)."""
+        m = program.plan.microbatches
+        per = program.plan.global_batch // max(1, program.dp * m)          # samples per microbatch
+        out, rows = {}, {}
+        for r, items in calls.items():
+            mb_s = first.work_time_s(r, lambda label: label[:1] in ("F", "B")) / m
+            k = self.taken(r % program.dp, mb_s, m)
+            out[r] = [it for it in items if _microbatch(getattr(it, "label", "")) < k]
+            rows.setdefault((k, round(mb_s, 9)), []).append(r)
+        budget = ("fixed_microbatches" if self.fixed_microbatches else
+                  f"a budget of {self.round_time_s * 1e3:.3g} ms per round")
+        said = "; ".join(f"{_ranks(rs)}: {k} of {m} microbatch(es), {k * per} samples per round "
+                         f"({mb_s * 1e3:.3g} ms each)" for (k, mb_s), rs in sorted(rows.items(), key=lambda x: x[1][0]))
+        return out, [f"DABMD, {budget}: {said}. The step above is a round: the slowest rank's microbatches, "
+                     "its update and the consensus"]
+
+
+def _microbatch(label: str) -> int:
+    """The microbatch of a forward or backward item's label (``F0.3`` -> 3); -1 for any other item (kept)."""
+    if label[:1] not in ("F", "B") or "." not in label:
+        return -1
+    tail = label.split(".", 1)[1]
+    return int(tail) if tail.isdigit() else -1
+
+
+def _ranks(rs: list) -> str:
+    """``rank 3``, ``ranks 0-2``, ``ranks 0, 2``."""
+    if len(rs) == 1:
+        return f"rank {rs[0]}"
+    run = len(rs) > 2 and rs == list(range(rs[0], rs[-1] + 1))
+    return f"ranks {rs[0]}-{rs[-1]}" if run else f"ranks {', '.join(map(str, rs))}"
+
 
 class DABMDState(SyncState):
     """One DABMD node: the round's admission of microbatches (its wrapped F and B actions), the mean gradient of

@@ -467,6 +467,12 @@ class SyncFeature(Feature):
                         f"{counted} per step)")
         return lines
 
+    def priced_calls(self, section, program, calls: dict, first):
+        """A method whose steps differ by rank at run time prices them itself (DABMD: the microbatches each rank's
+        speed admits within the round's budget); the others as lowered."""
+        m = method_of(section)
+        return m.priced_calls(program, calls, first) if hasattr(m, "priced_calls") else None
+
     def explain(self, section, program) -> list:
         m = method_of(section)
         lines = section.lines() + [f"method: {m.summary()}; {m.paper}"]

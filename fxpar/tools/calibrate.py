@@ -26,6 +26,9 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
 - ``index_add_`` of 4096 rows of 32 at fresh random indices into a 200000 x 32 table -> ``device.index_row_s``, what
   it takes per row beyond its bytes at that bandwidth (ATen's CPU kernel adds the rows one by one, each a random
   access: 20-40 ns a row on a 2-core machine, 1.5-2x the bytes' time; :func:`index_row_overhead`);
+- where the ranks' threads outnumber the cores, the process CPU seconds over the wall seconds of those shared loops
+  (at most 1), the ranks' mean -> ``device.core_share``: the share of a core a rank's compute runs on (about
+  cores / ranks on an idle machine, less under other load; 1 where the ranks have cores of their own);
 - ``all_reduce`` of sizes 4 KiB .. 16 MiB (after a barrier each time);
 - the *issue* of a small collective (two or more ranks; a functional ``all_reduce`` and an
   ``all_gather_into_tensor`` of 1 KiB after a barrier, timed from the call to its return, before the
@@ -73,6 +76,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import replace
 
 import torch
@@ -205,7 +209,14 @@ def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False,
         # single call fits in a time slice: either way a rank times its ops as if alone -- 23-125 GFLOP/s per rank
         # from run to run with 4 ranks on 2 cores)
         shared = world_size * torch.get_num_threads() > (os.cpu_count() or 1)
+        cpu0, wall0 = time.process_time(), time.perf_counter()
         compute = measure_compute(reps, None if shared else dist.barrier, shared)
+        # the share of a core each rank's compute ran on (DeviceSpec.core_share): its CPU seconds over the wall
+        # seconds of the shared loops, the ranks' mean; a core of its own where they do not share
+        share = torch.tensor([min(1.0, (time.process_time() - cpu0) / (time.perf_counter() - wall0)) if shared
+                              else 1.0], dtype=torch.float64)
+        dist.all_reduce(share)
+        compute["core_share"] = float(share) / world_size
         dist.barrier()
         link = measure_link(sizes, reps)
         late = measure_late_recv(rank)
@@ -259,7 +270,8 @@ def calibrate(world_size: int = 2, sizes=SIZES, reps: int = 5, return_measuremen
         eff["attention"] = min(1.0, 4 * b * h * s_ * s_ * d / (peak * c["sdpa_s"]))
     device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
                      op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s),
-                     index_row_s=index_row_overhead(c) if "index_add_s" in c else 0.0)
+                     index_row_s=index_row_overhead(c) if "index_add_s" in c else 0.0,
+                     core_share=min(1.0, max(1e-3, c.get("core_share", 1.0))))
     spec = replace(base, device=device, comm_priority=bool(comm_priority))
     if raw["all_reduce"]:
         spec = replace(spec, intra_node=link_spec(raw, world_size))
