@@ -271,7 +271,9 @@ def test_the_estimate_counts_the_methods_compute():
     ops, flops, nbytes = row["compute"]
     assert ops > 3 and flops > 0 and nbytes >= 8 * row["numel"]        # topk reads the whole float64 bucket at least
     calls = [n for gm in prog.graphs(0).values() for n in gm.graph.nodes if M.get(n, M.INNER_COMPUTE) is not None]
-    assert [M.get(n, M.INNER_COMPUTE) for n in calls] == [(ops, flops, nbytes, 1)]
+    classes = tuple(tuple(c) for c in row["compute_classes"])
+    assert [M.get(n, M.INNER_COMPUTE) for n in calls] == [(ops, flops, nbytes, 1, classes)]
+    assert sum(f for _, f, _ in classes) == flops and sum(b for _, _, b in classes) == nbytes
     dev = prog.cluster.device
     plain = _program(model, batches, dp=2).estimate().ranks[0].compute_time_s
     assert prog.estimate().ranks[0].compute_time_s - plain >= ops * dev.op_overhead_s
