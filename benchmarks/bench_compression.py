@@ -165,7 +165,8 @@ def main():
                 spec = capped(methods_rate)
                 print(f"\nevery method at {format_rate(methods_rate)}: bytes per step per rank (measured), median step "
                       "time (the fastest and slowest step), estimate() planned on that link")
-                print("| method | bytes per step | vs allreduce | step ms | spread ms | estimate ms | estimate / measured |")
+                print("| method | bytes per step | vs allreduce | step ms | spread ms | estimate ms | "
+                      "estimate / measured |")
                 print("|---|---|---|---|---|---|---|")
                 base = None
                 for label, gs in every_method().items():

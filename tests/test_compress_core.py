@@ -292,8 +292,8 @@ def test_the_estimate_prices_powersgds_narrow_matmuls_at_their_own_efficiency():
     method = C.PowerSGD(rank=1, start_iter=2, min_compression_rate=0.5)
 
     def prog(cluster):
-        return fxpar.parallelize(model, cluster, batches[0], loss_fn=F.mse_loss, optimizer=(torch.optim.SGD, {"lr": 0.1}),
-                                 strategy=fxpar.Strategy(dp=2, grad_sync=method))
+        return fxpar.parallelize(model, cluster, batches[0], loss_fn=F.mse_loss,
+                                 optimizer=(torch.optim.SGD, {"lr": 0.1}), strategy=fxpar.Strategy(dp=2, grad_sync=method))
     base = fxpar.ClusterSpec.local(2)
     slow = replace(base, device=replace(base.device, efficiency={**(base.device.efficiency or {}),
                                                                  "matmul_narrow": 0.01}))

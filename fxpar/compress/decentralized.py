@@ -284,8 +284,8 @@ class Decentralized(Method):
                 f"Strategy(grad_sync={self.summary()}) with optimizer {spec.name}(weight_decay={wd}): the update is "
                 "applied to each replica's own weights and the averaging's change added after, which is BAGUA's update "
                 "of the averaged weights only when the step does not depend on the weights' values. Pass "
-                f"weight_decay=0 to {spec.name}, or add the decay to the loss; or pass Decentralized(order={ATC!r}) (the "
-                "update, then the averaging, which steps each replica's own weights)")
+                f"weight_decay=0 to {spec.name}, or add the decay to the loss; or pass "
+                f"Decentralized(order={ATC!r}) (the update, then the averaging, which steps each replica's own weights)")
 
     def plan_note(self) -> str:
         how = ("after each update moves them toward its ring neighbours' by 8-bit codes of the change" if

@@ -15,8 +15,8 @@ import torch
 from fxpar.collectives import gloo_all_gather_into_tensor
 from fxpar.host import COMM_THREAD_NAMES
 
-__all__ = ["INDEX_ROWS", "INDEX_TABLE", "LATE_BYTES", "NARROW_SHAPE", "SDPA_SHAPE", "narrow_matmuls", "SIZES", "measure_compute", "measure_late_recv",
-           "measure_link", "op_overhead", "time_shared"]
+__all__ = ["INDEX_ROWS", "INDEX_TABLE", "LATE_BYTES", "NARROW_SHAPE", "SDPA_SHAPE", "narrow_matmuls", "SIZES",
+           "measure_compute", "measure_late_recv", "measure_link", "op_overhead", "time_shared"]
 
 
 _MIN_SECONDS = 0.25     # time each measurement over at least this long: a short burst of other load
@@ -168,7 +168,8 @@ def measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
     ids = [torch.randint(0, INDEX_TABLE[0], (INDEX_ROWS,)) for _ in range(64)]
     t_index = timed(_rotating(ids, lambda i: table.index_add_(0, i, rows)))
     t_narrow = timed(narrow_matmuls())
-    return {"matmul_narrow_s": t_narrow, "gelu_s": t_gelu, "gelu_backward_s": t_gelu_bwd, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
+    return {"matmul_narrow_s": t_narrow,
+            "gelu_s": t_gelu, "gelu_backward_s": t_gelu_bwd, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
             "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel(), "index_add_s": t_index}
 
 
