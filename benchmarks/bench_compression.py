@@ -16,10 +16,13 @@ contenders in ``--rounds`` rounds:
 
 Goals: fxpar PowerSGD <= 0.9x the hook's step time, and <= 0.5x plain DDP's at 500 Mbit/s. The fxpar programs are
 planned at each cap on ``ClusterSpec.calibrate()`` with the link as ``netns_link.calibrate_link`` measures the veth
-there, and ``program.estimate()``'s step time is printed beside the measured one (goal: within 25% at 500 Mbit/s).
-Then, uncapped (``--all-methods``), every method's bytes per step per rank and step time in one table.
+there, and ``program.estimate()``'s step time is printed beside the measured one (goal: within 25% at 500 Mbit/s),
+with the spread of the measured steps (the fastest and slowest step of the cell over its rounds).
+Then (``--all-methods``), at ``--methods-rate`` (default 500 Mbit/s; ``none``: uncapped), every method's bytes per
+step per rank (measured), its step time, and ``estimate()`` of the method's program planned on that link.
 
     python benchmarks/bench_compression.py [--rates none,1gbit,500mbit] [--rank 2] [--steps 5] [--rounds 3]
+    python benchmarks/bench_compression.py --rates 500mbit --all-methods --methods-rounds 2
 """
 from __future__ import annotations
 
@@ -80,7 +83,10 @@ def main():
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--all-methods", action="store_true", help="also every method's bytes and step time, uncapped")
+    ap.add_argument("--all-methods", action="store_true",
+                    help="also every method's bytes, step time and estimate() at --methods-rate")
+    ap.add_argument("--methods-rate", default="500mbit", help="the link of the --all-methods table (none: uncapped)")
+    ap.add_argument("--methods-rounds", type=int, default=1)
     args = ap.parse_args()
     w = 2
     torch.manual_seed(0)
@@ -96,17 +102,22 @@ def main():
         return fxpar.parallelize(model, cluster or fxpar.ClusterSpec.local(w), batches[0], loss_fn=gpt_loss,
                                  optimizer=opt, strategy=fxpar.Strategy(dp=w, grad_sync=grad_sync, **more))
     rates = [parse_rate(r) for r in args.rates.split(",")]
+    methods_rate = parse_rate(args.methods_rate)
     calibrated = fxpar.ClusterSpec.calibrate(world_size=w)
     raws: dict = {}
-    links = calibrate_link(rates, raw=raws)          # the veth at each cap, as the ranks will cross it
+    links = calibrate_link(sorted(set(rates) | ({methods_rate} if args.all_methods else set()), key=str),
+                           raw=raws)                 # the veth at each cap, as the ranks will cross it
+
+    def capped(bps):
+        link = links.get(bps) or calibrated.intra_node
+        return at_cap(replace(calibrated, intra_node=link, inter_node=link), raws.get(bps))
     psgd = C.PowerSGD(rank=args.rank, start_iter=2)
     kinds = {"fxpar PowerSGD": {"grad_sync": psgd},
              "fxpar PowerSGD + ByteScheduler": {"grad_sync": psgd, "comm_schedule": "bytescheduler"},
              "fxpar dp": {"grad_sync": "allreduce"}}
     programs = {}
     for bps in rates:               # each planned (and predicted) on the link it runs on
-        link = links.get(bps) or calibrated.intra_node
-        cl = at_cap(replace(calibrated, intra_node=link, inter_node=link), raws.get(bps))
+        cl = capped(bps)
         for k, kw in kinds.items():
             programs[(bps, k)] = program(cluster=cl, **kw)
     payloads = {key: [p.payload(r, n_batches=n) for r in range(w)] for key, p in programs.items()}
@@ -140,29 +151,36 @@ def main():
                                                            "DDP + powerSGD_hook", "DDP", "fxpar dp"))
                 print(f"| {format_rate(bps)} | {f * 1e3:.0f} | {fb * 1e3:.0f} | {h * 1e3:.0f} | {d * 1e3:.0f} | "
                       f"{fd * 1e3:.0f} | {f / h:.2f} | {f / d:.2f} | {fb / h:.2f} | {fb / d:.2f} |")
-            print("\nestimate() against measured (median step, ms)")
-            print("| link | program | bytes per step (plan) | predicted | measured | predicted / measured |")
-            print("|---|---|---|---|---|---|")
+            print("\nestimate() against measured (median step, ms; the fastest and slowest step of the cell)")
+            print("| link | program | bytes per step (plan) | predicted | measured | spread | predicted / measured |")
+            print("|---|---|---|---|---|---|---|")
             for bps in rates:
                 for k in kinds:
                     est = programs[(bps, k)].estimate()
-                    m = med[(bps, k)]
+                    m, v = med[(bps, k)], res[(bps, k)]
                     print(f"| {format_rate(bps)} | {k} | {int(est.ranks[0].comm_bytes):,} | {est.step_time_s * 1e3:.0f} | "
-                          f"{m * 1e3:.0f} | {est.step_time_s / m:.2f} |")
+                          f"{m * 1e3:.0f} | {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} | {est.step_time_s / m:.2f} |")
             if args.all_methods:
-                link.set_rate(None)
-                print("\nevery method, uncapped: bytes per step per rank (measured) and median step time")
-                print("| method | bytes per step | vs allreduce | step ms |")
-                print("|---|---|---|---|")
+                link.set_rate(methods_rate)
+                spec = capped(methods_rate)
+                print(f"\nevery method at {format_rate(methods_rate)}: bytes per step per rank (measured), median step "
+                      "time (the fastest and slowest step), estimate() planned on that link")
+                print("| method | bytes per step | vs allreduce | step ms | spread ms | estimate ms | "
+                      "estimate / measured |")
+                print("|---|---|---|---|---|---|---|")
                 base = None
                 for label, gs in every_method().items():
-                    p = program(gs)
+                    p = program(gs, cluster=spec)
                     pl = [p.payload(r, n_batches=n, measure_comm=True) for r in range(w)]
-                    outs = cl.run(_measured_worker, [(pl[r], batches, args.warmup) for r in range(w)])
-                    sent = outs[0]["bytes"]
+                    times, sent = [], None
+                    for _ in range(args.methods_rounds):
+                        outs = cl.run(_measured_worker, [(pl[r], batches, args.warmup) for r in range(w)])
+                        sent = outs[0]["bytes"]
+                        times.extend(per_step_max(outs))
                     base = base or sent
-                    print(f"| {label} | {sent:,} | {sent / base:.3f} | {statistics.median(per_step_max(outs)) * 1e3:.0f} |",
-                          flush=True)
+                    m, est = statistics.median(times), p.estimate().step_time_s
+                    print(f"| {label} | {sent:,} | {sent / base:.3f} | {m * 1e3:.0f} | {min(times) * 1e3:.0f}-"
+                          f"{max(times) * 1e3:.0f} | {est * 1e3:.0f} | {est / m:.2f} |", flush=True)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
 
 

@@ -42,7 +42,8 @@ import torch.fx
 from fxpar import meta as M
 
 __all__ = ["OpCost", "GraphCompute", "FLOP_RULES", "ZERO_COST_TARGETS", "node_cost", "node_time",
-           "graph_compute", "op_cost", "tensor_bytes", "numel", "concrete", "fused_adam_cost"]
+           "graph_compute", "op_cost", "tensor_bytes", "numel", "concrete", "fused_adam_cost", "inner_compute",
+           "inner_time", "NARROW_COLUMNS"]
 
 aten = torch.ops.aten
 
@@ -347,7 +348,44 @@ def op_cost(target, args: list, out) -> OpCost:
 
 
 # an op class a spec calibrated before the class existed does not list: the class it was costed as then
-_FALLBACK = {"transcendental_backward": "transcendental"}
+_FALLBACK = {"transcendental_backward": "transcendental", "matmul_narrow": "matmul"}
+
+# a matmul whose output has at most this many columns (a low-rank factor: PowerSGD's P = M Q and Q = M^T P) runs
+# far below a square matmul's FLOP rate on CPU: its own class, "matmul_narrow", in a compressed bucket sum's compute
+NARROW_COLUMNS = 16
+_MATMULS = {aten.mm, aten.bmm, aten.addmm, aten.baddbmm}
+
+
+def inner_compute(gm: torch.fx.GraphModule) -> tuple:
+    """``(ops, flops, bytes, classes)`` of the aten ops of a graph that a call runs beside its collectives (a
+    compressed bucket sum): their number, their FLOPs and bytes in all, and ``classes``, ``((op class, flops,
+    bytes), ...)`` summed per op class (sorted) -- a matmul whose output has at most :data:`NARROW_COLUMNS` columns
+    is class ``"matmul_narrow"`` -- which :func:`inner_time` prices each at its class's roofline."""
+    ops = flops = nbytes = 0
+    classes: dict = {}
+    for n in gm.graph.nodes:
+        if not pays_dispatch(n):
+            continue
+        c = node_cost(n)
+        cls = c.op_class
+        out = n.meta.get("val")
+        if getattr(n.target, "overloadpacket", None) in _MATMULS and isinstance(out, torch.Tensor) \
+                and concrete(out.shape[-1]) <= NARROW_COLUMNS:
+            cls = "matmul_narrow"
+        f, b = int(concrete(c.flops)), int(concrete(c.bytes))
+        ops, flops, nbytes = ops + 1, flops + f, nbytes + b
+        got = classes.setdefault(cls, [0, 0])
+        got[0] += f
+        got[1] += b
+    return ops, flops, nbytes, tuple((k, f, b) for k, (f, b) in sorted(classes.items()))
+
+
+def inner_time(inner: tuple, device) -> float:
+    """Roofline seconds of the compute ``inner`` (:data:`fxpar.meta.INNER_COMPUTE`: ``(ops, flops, bytes,
+    collectives[, classes])``) on ``device``: each op class's FLOPs and bytes at that class's roofline, summed
+    (where the classes are known; else all of it as one elementwise op)."""
+    parts = inner[4] if len(inner) > 4 and inner[4] else (("elementwise", inner[1], inner[2]),)
+    return sum(node_time(OpCost(f, b, cls, "inner graph"), device) for cls, f, b in parts)
 
 
 def node_time(cost: OpCost, device) -> float:
@@ -392,7 +430,7 @@ def graph_compute(gm: torch.fx.GraphModule, device) -> GraphCompute:
         inner = M.get(n, M.INNER_COMPUTE)
         if inner is not None:        # each aten op of the inner graph pays its dispatch, each collective its issue
             fixed += overhead * inner[0] + issue * inner[3]
-        gc.times[n] = node_time(c, device) + fixed
+        gc.times[n] = (inner_time(inner, device) if inner is not None else node_time(c, device)) + fixed
         if c.rule == "default":
             gc.defaulted[str(n.target)] += 1
     return gc

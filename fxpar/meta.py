@@ -62,7 +62,8 @@ RECOMPUTE_OF = MetaKey("fxpar_recompute_of", str, "passes.recompute",
                        "on a backward node that recomputes a forward value: the forward node it copies")
 INNER_COMPUTE = MetaKey("fxpar_inner_compute", tuple, "fxpar.compress.feature",
                         "on a node that runs a traced graph of its own beside its collectives (a compressed bucket "
-                        "sum): (aten ops, flops, bytes) of that graph's compute, for the cost models")
+                        "sum): (aten ops, flops, bytes, collectives, ((op class, flops, bytes), ...)) of that graph's "
+                        "compute, for the cost models")
 UNSHARD = MetaKey("fxpar_unshard", bool, "passes.zero",
                   "ZeRO-3 under a pipeline: the node gathers a parameter once per step (the UNSHARD graph)")
 ON_HOST = MetaKey("fxpar_on_host", bool, "passes.zero_offload",

@@ -636,6 +636,13 @@ DECENTRALIZED_CASES = {
                                                      grad_sync=C.Decentralized()).run_local([(X, Y)]),
                                         fxpar.StrategyError, r"with optimizer SGD\(weight_decay=0.0001\)",
                                         r"Pass weight_decay=0 to SGD, or add the decay to the loss"),
+    "decentralized_order_unknown": (lambda: C.Decentralized(order="atc"), fxpar.StrategyError,
+                                    r"Decentralized\(order='atc'\)",
+                                    r"one of \['combine_then_adapt', 'adapt_then_combine'\]"),
+    "decentralized_low_precision_after": (lambda: C.Decentralized(peers="ring", low_precision=True,
+                                                                  order="adapt_then_combine"), fxpar.StrategyError,
+                                          r"Decentralized\(low_precision=True, order='adapt_then_combine'\)",
+                                          r"pass order='combine_then_adapt', or low_precision=False"),
 }
 
 

@@ -275,10 +275,45 @@ def test_the_estimate_counts_the_methods_compute():
     ops, flops, nbytes = row["compute"]
     assert ops > 3 and flops > 0 and nbytes >= 8 * row["numel"]        # topk reads the whole float64 bucket at least
     calls = [n for gm in prog.graphs(0).values() for n in gm.graph.nodes if M.get(n, M.INNER_COMPUTE) is not None]
-    assert [M.get(n, M.INNER_COMPUTE) for n in calls] == [(ops, flops, nbytes, 1)]
+    classes = tuple(tuple(c) for c in row["compute_classes"])
+    assert [M.get(n, M.INNER_COMPUTE) for n in calls] == [(ops, flops, nbytes, 1, classes)]
+    assert sum(f for _, f, _ in classes) == flops and sum(b for _, _, b in classes) == nbytes
     dev = prog.cluster.device
     plain = _program(model, batches, dp=2).estimate().ranks[0].compute_time_s
     assert prog.estimate().ranks[0].compute_time_s - plain >= ops * dev.op_overhead_s
+
+
+@pytest.mark.structure
+def test_the_estimate_prices_powersgds_narrow_matmuls_at_their_own_efficiency():
+    """PowerSGD's P = M Q and Q = M^T P have as many columns as the rank: class "matmul_narrow" in the row's
+    compute_classes (2 n m r FLOPs each per n x m matrix, beside the orthogonalisation's small products; the
+    estimate P Q^T is a plain matmul where m > 16), and estimate() prices them at efficiency["matmul_narrow"] where
+    the device has one (CPU kernels run them far below a square matmul's rate), as a matmul where it has none; the
+    other classes are priced as before, so the compute time moves by the narrow matmuls' time alone."""
+    from dataclasses import replace
+    from cost_models.compute import OpCost, node_time
+    model, batches = _model(), _batches(1)
+    method = C.PowerSGD(rank=1, start_iter=2, min_compression_rate=0.5)
+
+    def prog(cluster):
+        return fxpar.parallelize(model, cluster, batches[0], loss_fn=F.mse_loss,
+                                 optimizer=(torch.optim.SGD, {"lr": 0.1}), strategy=fxpar.Strategy(dp=2, grad_sync=method))
+    base = fxpar.ClusterSpec.local(2)
+    slow = replace(base, device=replace(base.device, efficiency={**(base.device.efficiency or {}),
+                                                                 "matmul_narrow": 0.01}))
+    plain, narrow = prog(base), prog(slow)
+    rows = narrow.plan.section("powersgd").stages[0]
+    mats = [s for r in rows for s in (tuple(x) for x in bucket_infos(narrow.plan, 0, narrow.stages[0].captured)[
+        rows.index(r)].shapes) if len(s) == 2]
+    classes = [dict((k, (f, b)) for k, f, b in r["compute_classes"]) for r in rows]
+    assert sum(c["matmul_narrow"][0] for c in classes if "matmul_narrow" in c) >= sum(2 * 2 * n * m for n, m in mats)
+    assert sum(c["matmul"][0] for c in classes if "matmul" in c) == sum(2 * n * m for n, m in mats if m > 16)
+    extra = sum(node_time(OpCost(*c["matmul_narrow"], "matmul_narrow", ""), slow.device)
+                - node_time(OpCost(*c["matmul_narrow"], "matmul", ""), base.device) for c in classes
+                if "matmul_narrow" in c)
+    assert extra > 0
+    got = narrow.estimate().ranks[0].compute_time_s - plain.estimate().ranks[0].compute_time_s
+    assert got == pytest.approx(extra, rel=1e-9)
 
 
 @pytest.mark.structure

@@ -9,6 +9,12 @@ order: average, then update with the gradient of the weights before the average)
 measured on the ranks against ``Method.collectives``; a checkpoint at step 2 resumes every replica bitwise.
 One averaging on ranks whose weights differ is ``W X``: it keeps the replicas' mean and shrinks their spread by
 at most the mixing matrix's second eigenvalue magnitude.
+
+``order="adapt_then_combine"`` (each replica steps, then the stepped weights are averaged: ``x <- W (x - lr g)``)
+equals its reference for the ring and shift_one; with ``peers="all"`` and interval 1 it is synchronous data
+parallelism to 1e-10 at dp=2 and dp=4 for SGD and for SGD with momentum, Nesterov and weight decay (steps linear in
+the gradient and the weights: the replicas stay equal, the mean of the ranks' momentum buffers is data parallelism's
+buffer), and not for Adam (not linear in the gradient).
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from fxpar.testing.compress import (decentralized_reference, low_precision_decen
 from fxpar.testing.compress_ranks import bucket_for, mix_once
 
 LR = 0.1
+ATC = "adapt_then_combine"
 
 
 def _model(layers=2):
@@ -77,6 +84,13 @@ def test_peers_bytes_and_lines():
     assert sorted(low.init_state(b, torch.Generator())) == ["left", "right", "weight"]
     assert "uint8 codes" in low.describe(b, "low_precision")[0]
     assert C.Decentralized.from_dict(ring.to_dict()) == ring
+    after = C.Decentralized(peers="ring", communication_interval=2, order=ATC)
+    assert [after.variant(b, s, {}) for s in range(3)] == ["mix_after", "local", "mix_after"]
+    assert after.collectives(b, "mix_after") == ring.collectives(b, "mix") and after.init_state(b, None) == {}
+    assert after.collectives(b, "local") == []
+    assert "before the update (combine, then adapt)" in line
+    assert "both ring neighbours (16016 B in one all-to-all), weights 1/3, after the update (adapt, then combine)" in \
+        after.describe(b, "mix_after")[0]
 
 
 # ---- against one process ------------------------------------------------------------------------------------------
@@ -102,17 +116,20 @@ def test_all_first_step_is_synchronous_sgd_and_later_steps_are_dpsgd(clusters):
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("peers,dp,interval", [("ring", 4, 1), ("shift_one", 4, 1), ("all", 2, 2),
-                                               ("shift_one", 2, 2)])
-def test_every_replica_equals_the_reference(clusters, peers, dp, interval):
+@pytest.mark.parametrize("peers,dp,interval,order", [("ring", 4, 1, "combine_then_adapt"),
+                                                     ("shift_one", 4, 1, "combine_then_adapt"),
+                                                     ("all", 2, 2, "combine_then_adapt"),
+                                                     ("shift_one", 2, 2, "combine_then_adapt"),
+                                                     ("ring", 4, 1, ATC), ("shift_one", 4, 2, ATC)])
+def test_every_replica_equals_the_reference(clusters, peers, dp, interval, order):
     """4 steps: each replica's weights, the losses (the replicas' shard losses averaged) and state_dict() (the
-    replicas' average) equal the one-process D-PSGD to 1e-10; the collectives per step, measured on every rank, are
-    the method's, in number, order and bytes."""
+    replicas' average) equal the one-process decentralized SGD of the same order to 1e-10; the collectives per step,
+    measured on every rank, are the method's, in number, order and bytes."""
     model, batches = _model(), mlp_batches(4)
-    method = C.Decentralized(peers=peers, communication_interval=interval)
+    method = C.Decentralized(peers=peers, communication_interval=interval, order=order)
     prog = _program(model, batches, method, dp=dp)
     res = prog.run_local(batches, cluster=clusters.get(dp), measure_comm=True)
-    losses, reps = decentralized_reference(model, batches, F.mse_loss, LR, dp, peers, interval)
+    losses, reps = decentralized_reference(model, batches, F.mse_loss, LR, dp, peers, interval, order)
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
     replicas = _replicas(res, dp)
     for r, got in enumerate(replicas):
@@ -122,7 +139,7 @@ def test_every_replica_equals_the_reference(clusters, peers, dp, interval):
     infos = bucket_infos(prog.plan, 0, prog.stages[0].captured)
     for r in range(dp):
         for t, calls in enumerate(res.comm_calls[r]):
-            variant = "mix" if t % interval == 0 else "local"
+            variant = ("mix_after" if order == ATC else "mix") if t % interval == 0 else "local"
             want = [c for b in infos for c in method.collectives(b, variant)]
             assert calls == want, (r, t, calls, want)
             n = sum(b.numel for b in infos) * 8
@@ -167,6 +184,53 @@ def test_low_precision_equals_its_reference(clusters, weight_decay):
         assert res.comm_calls[r] == [[("all_to_all", 2 * (8 + b.numel)) for b in infos]] * 4
 
 
+@pytest.mark.numerics
+@pytest.mark.parametrize("dp", [2, 4])
+@pytest.mark.parametrize("optimizer", [(torch.optim.SGD, {"lr": LR}),
+                                       (torch.optim.SGD, {"lr": LR, "momentum": 0.9, "nesterov": True,
+                                                          "weight_decay": 0.01})],
+                         ids=["SGD", "SGD-momentum-nesterov-wd"])
+def test_adapt_then_combine_on_the_full_graph_is_data_parallel(clusters, dp, optimizer):
+    """peers="all", interval 1, adapt then combine: 4 steps equal plain data parallelism (``Strategy(dp=...)``, the
+    gradient all-reduce) to 1e-10 -- the losses, every replica's weights, state_dict() and optimizer_state() (the
+    replicas' momentum buffers differ; their average is data parallelism's buffer). The averaging's collectives are
+    one all-reduce of each bucket's weights per step, as many as plain dp's gradient all-reduces."""
+    model, batches = _model(), mlp_batches(4)
+    prog = _program(model, batches, C.Decentralized(peers="all", order=ATC), optimizer=optimizer, dp=dp)
+    res = prog.run_local(batches, cluster=clusters.get(dp), measure_comm=True)
+    plain = fxpar.parallelize(model, fxpar.ClusterSpec.local(dp), batches[0], loss_fn=F.mse_loss,
+                              optimizer=optimizer, strategy=fxpar.Strategy(dp=dp)).run_local(
+        batches, cluster=clusters.get(dp), measure_comm=True)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(plain.losses), rtol=1e-10, atol=1e-10)
+    want = plain.state_dict()
+    _close(res.state_dict(), want, "average")
+    for r, got in enumerate(_replicas(res, dp)):
+        _close(got, want, f"replica {r}")
+    got_opt, want_opt = res.optimizer_state, plain.optimizer_state
+    assert sorted(got_opt) == sorted(want_opt) and (want_opt or "momentum" not in optimizer[1])
+    for k in want_opt:
+        torch.testing.assert_close(got_opt[k], want_opt[k], rtol=1e-10, atol=1e-10, msg=f"optimizer {k}")
+    for r in range(dp):
+        assert [[kind for kind, _ in step] for step in res.comm_calls[r]] == \
+            [[kind for kind, _ in step] for step in plain.comm_calls[r]]
+        assert [sum(n for _, n in step) for step in res.comm_calls[r]] == \
+            [sum(n for _, n in step) for step in plain.comm_calls[r]]
+
+
+@pytest.mark.numerics
+def test_adapt_then_combine_with_adam_is_not_data_parallel(clusters):
+    """Adam's step is not linear in the gradient: averaging the replicas' Adam steps is not Adam's step of the mean
+    gradient, so peers="all" with adapt-then-combine leaves data parallelism after the first step (the reduction
+    holds for SGD-like steps only)."""
+    model, batches = _model(), mlp_batches(3)
+    adam = (torch.optim.Adam, {"lr": 1e-2})
+    res = _program(model, batches, C.Decentralized(peers="all", order=ATC), optimizer=adam, dp=2).run_local(
+        batches, cluster=clusters.get(2))
+    _, sync = reference_training(model, batches, F.mse_loss, adam)
+    gap = max((res.state_dict()[k] - sync[k]).abs().max().item() for k in sync)
+    assert gap > 1e-6, gap
+
+
 # ---- plan, explain, checkpoints -------------------------------------------------------------------------------------
 @pytest.mark.structure
 def test_plan_json_round_trip_notes_and_explain():
@@ -183,20 +247,31 @@ def test_plan_json_round_trip_notes_and_explain():
     assert f"{b.numel * 8} bytes per rank and step on the wire instead of {b.numel * 8}" in text
     assert "every 3 step(s) the bucket's weights are exchanged with one peer that changes each averaging" in text
     assert "until the method starts" not in text and "D-PSGD" in text
+    after = C.Decentralized(peers="all", order=ATC)
+    prog = _program(model, batches, after)
+    text = prog.plan.to_json()
+    again = fxpar.Plan.from_json(text)
+    assert again.to_json() == text and method_of(again.section("decentralized")) == after
+    assert '"order": "adapt_then_combine"' in text
+    assert any("averages them with its peers ('all') after the update" in n for n in prog.plan.notes)
+    assert "weights are all-reduced over the 4 replicas" in prog.explain()
+    assert "after the update (adapt, then combine)" in prog.explain()
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("optimizer,low_precision", [((torch.optim.SGD, {"lr": LR, "momentum": 0.9}), False),
-                                                     ((torch.optim.Adagrad, {"lr": LR}), False),
-                                                     ((torch.optim.SGD, {"lr": LR, "momentum": 0.9}), True)],
-                         ids=["SGD-momentum", "Adagrad-untraced", "low-precision"])
+@pytest.mark.parametrize("optimizer,low_precision,order", [
+    ((torch.optim.SGD, {"lr": LR, "momentum": 0.9}), False, "combine_then_adapt"),
+    ((torch.optim.Adagrad, {"lr": LR}), False, "combine_then_adapt"),
+    ((torch.optim.SGD, {"lr": LR, "momentum": 0.9}), True, "combine_then_adapt"),
+    ((torch.optim.SGD, {"lr": LR, "momentum": 0.9, "weight_decay": 0.01}), False, ATC)],
+    ids=["SGD-momentum", "Adagrad-untraced", "low-precision", "adapt-then-combine"])
 @pytest.mark.slow
-def test_checkpoint_at_step_2_resumes_every_replica_bitwise(clusters, tmp_path, optimizer, low_precision):
+def test_checkpoint_at_step_2_resumes_every_replica_bitwise(clusters, tmp_path, optimizer, low_precision, order):
     """Ring, dp=4: save after 2 steps, 2 more == 4 straight, bitwise, per replica: each rank's own weights and
     optimizer state (momentum; Adagrad's sums, untraced) are in its checkpoint extra; low precision's copies of the
     neighbours' weights are the method's state."""
     model, batches = _model(), mlp_batches(4)
-    method = C.Decentralized(peers="ring", low_precision=low_precision)
+    method = C.Decentralized(peers="ring", low_precision=low_precision, order=order)
     straight = _program(model, batches, method, optimizer=optimizer).run_local(batches, cluster=clusters.get(4))
     saved = _program(model, batches, method, optimizer=optimizer).run_local(batches[:2], cluster=clusters.get(4),
                                                                             save_to=tmp_path / "ck")
@@ -227,13 +302,14 @@ def test_weight_decay_is_refused():
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("order", ["combine_then_adapt", ATC])
 @pytest.mark.parametrize("peers,k", [("ring", 0), ("shift_one", 0), ("shift_one", 1), ("all", 0)])
-def test_one_averaging_keeps_the_mean_and_shrinks_the_spread_by_the_second_eigenvalue(clusters, peers, k):
+def test_one_averaging_keeps_the_mean_and_shrinks_the_spread_by_the_second_eigenvalue(clusters, peers, k, order):
     """Lian et al. 2017 (§3, the mixing matrix W symmetric and doubly stochastic): one averaging on 4 ranks whose
     weights differ maps X to W X, so it keeps the replicas' mean, and the spread ||X - mean|| shrinks by at most
     |lambda_2(W)|, the second largest eigenvalue magnitude (1/3 for the ring of 4, 1 for a pairing, 0 for "all")."""
     dp, numel = 4, 257
-    out = clusters.get(dp).run(mix_once, [(C.Decentralized(peers=peers), numel, k)] * dp)
+    out = clusters.get(dp).run(mix_once, [(C.Decentralized(peers=peers, order=order), numel, k)] * dp)
     before = torch.stack([o[0] for o in out])
     after = torch.stack([o[1] for o in out])
     w = mixing_matrix(peers, dp, k)

@@ -51,6 +51,26 @@ less ``weight``) is coded as one row of min-max uint8 codes (:func:`~fxpar.compr
 float32 min and max, then a code per value) and sent to both neighbours in one all-to-all, ``2 (8 + numel)`` bytes;
 each received code moves the copy of its sender, and the rank's own moves ``weight`` (:meth:`Decentralized.settle`).
 
+**Order** (``order``): ``"combine_then_adapt"`` (the default, above: BAGUA's and Lian et al.'s D-PSGD,
+``x_{t+1} = W x_t - lr g(x_t)``) or ``"adapt_then_combine"`` (the diffusion order of Sayed, "Adaptation, Learning, and
+Optimization over Networks", Foundations and Trends in Machine Learning 7(4-5), 2014, §7.2 (ATC); Chen and Sayed,
+IEEE TSP 60(8), 2012): each rank steps its own weights with its own gradient first, then averages the stepped weights
+with its peers, ``x_{t+1} = W (x_t - lr g(x_t))``. The bucket's sum sends nothing and returns the rank's gradient;
+after the stage's update (:meth:`DecentralizedState.after_update`) the rank averages each bucket's updated weights
+over the same peers, with the same collectives and bytes as the default order, on the same averaging steps (``t %
+communication_interval == 0``, after that step's update). Only the weights are averaged: each rank's optimizer
+state (momentum, Adam's moments) stays its own, and the optimizer steps from the rank's own weights, so weight
+decay runs.
+
+*The reduction to data parallelism*: with ``peers="all"`` (``W = 11^T / dp``), ``communication_interval=1`` and
+an optimizer whose step is linear in the gradient and the weights -- SGD, with momentum, dampening, Nesterov and
+weight decay -- adapt-then-combine is synchronous data-parallel training: the replicas start equal, each rank's
+gradient is taken at the same weights, and averaging the ``dp`` steps is the step of the averaged gradient, since the
+mean of the ranks' momentum buffers obeys the buffer's own recursion in the mean gradient (each rank's buffer differs;
+the weights do not). Adam, Adagrad and other steps that are not linear in the gradient average ``dp`` different
+steps, which is not the step of the mean gradient. Combine-then-adapt is data parallelism on the first step only:
+from the second on each rank's gradient is taken at weights not yet averaged with its peers' last step.
+
 Where this differs from bagua: bagua averages ``hierarchical``ly (inside a node first) by default; here dp is one
 flat group. Bagua's full-precision decentralized op has no ``"ring"`` (its low-precision op does); here full
 precision has it too.
@@ -72,8 +92,10 @@ from fxpar.runtime.state import load_replica_state, replica_state
 
 __all__ = ["Decentralized", "DecentralizedState", "peers_of"]
 
-MIX, LOCAL, LOW = "mix", "local", "low_precision"
+MIX, LOCAL, LOW, MIX_AFTER = "mix", "local", "low_precision", "mix_after"
 PEERS = ("all", "ring", "shift_one")
+CTA, ATC = "combine_then_adapt", "adapt_then_combine"
+ORDERS = (CTA, ATC)
 
 
 def peers_of(peers: str, rank: int, dp: int, k: int) -> list:
@@ -112,7 +134,7 @@ class DecentralizedState(CompressState):
     def setup(self, ex) -> None:
         super().setup(ex)
         self.ex = ex
-        self.moved: set = set()            # buckets whose sum averaged weights in this step: after_update moves them
+        self.moved: dict = {}              # bucket -> averaging index k, for the buckets after_update moves this step
         if self.method.low_precision:      # the replica's own weights and its estimates of its neighbours': its own
             for key, b in self.buckets.items():
                 w = self._flat(ex.params[b.stage], b)
@@ -127,10 +149,12 @@ class DecentralizedState(CompressState):
 
     def sum(self, flat, feature, stage, index):
         key = (stage, index)
-        mixes = key in self.buckets and self.method.variant(self.buckets[key], self.steps[key], self.state[key]) == MIX
+        b = self.buckets.get(key)
+        mixes = b is not None and self.method.variant(b, self.steps[key], self.state[key]) in (MIX, MIX_AFTER)
+        k = self.steps[key] // self.method.communication_interval if mixes else None
         out = super().sum(flat, feature, stage, index)
         if mixes:
-            self.moved.add(key)
+            self.moved[key] = k
         return out
 
     def after_update(self, ex, stage: int) -> None:
@@ -142,10 +166,14 @@ class DecentralizedState(CompressState):
             return
         ps = dict(ex.params[stage])
         for key in keys:
-            b = self.buckets[key]
-            for k, d in zip(b.keys, b.views(self.state[key]["delta"])):
-                ps[k] = ps[k] + d
-            self.moved.discard(key)
+            b, k = self.buckets[key], self.moved.pop(key)
+            if self.method.order == ATC:       # the updated weights averaged with the peers' (every rank, bucket order)
+                averaged = self.method.combine(self._flat(ps, b), k, EagerComm(b.dp, b.dp_rank, self.pg))
+                for name, v in zip(b.keys, b.views(averaged)):
+                    ps[name] = v.clone()
+                continue
+            for name, d in zip(b.keys, b.views(self.state[key]["delta"])):
+                ps[name] = ps[name] + d
         ex.params[stage] = ps
 
     def _settle_low_precision(self, ex, stage: int) -> None:
@@ -195,7 +223,8 @@ def _average(per_stage: dict, pg, dp: int) -> dict:
 @dataclass(frozen=True)
 class Decentralized(Method):
     """BAGUA's decentralized SGD (Lian et al., NeurIPS 2017, D-PSGD; Gan et al., VLDB 2022): no gradient all-reduce;
-    every ``communication_interval`` steps each replica's weights are averaged with its ``peers``' before its update."""
+    every ``communication_interval`` steps each replica's weights are averaged with its ``peers``' before its update
+    (``order="combine_then_adapt"``) or after it (``"adapt_then_combine"``, Sayed 2014's diffusion order)."""
     name: ClassVar[str] = "decentralized"
     paper: ClassVar[str] = ("Lian et al., Can Decentralized Algorithms Outperform Centralized Algorithms?, NeurIPS "
                             "2017, Alg. 1 (D-PSGD); Gan, Lian, Zhang, Liu et al., BAGUA, PVLDB 15(4) 2022 "
@@ -205,6 +234,7 @@ class Decentralized(Method):
     peers: str = "all"
     communication_interval: int = 1
     low_precision: bool = False
+    order: str = CTA
 
     def __post_init__(self):
         self.check(0)
@@ -220,6 +250,14 @@ class Decentralized(Method):
                                 "be an int >= 1 (1: average every step)")
         if not isinstance(self.low_precision, bool):
             raise StrategyError(f"Decentralized(low_precision={self.low_precision!r}): pass True or False")
+        if self.order not in ORDERS:
+            raise StrategyError(f"Decentralized(order={self.order!r}): when each replica averages its weights with its "
+                                f"peers'; one of {list(ORDERS)} ({CTA!r}: before the update, BAGUA's; {ATC!r}: after "
+                                "it)")
+        if self.low_precision and self.order != CTA:
+            raise StrategyError(f"Decentralized(low_precision=True, order={self.order!r}): the low-precision variant "
+                                "(Tang et al. NeurIPS 2018) moves each replica toward its neighbours' weights of the "
+                                f"step before, which is order={CTA!r}; pass order={CTA!r}, or low_precision=False")
         if self.low_precision and (self.peers != "ring" or n != 1):
             raise StrategyError(f"Decentralized(low_precision=True, peers={self.peers!r}, "
                                 f"communication_interval={n!r}): the low-precision variant (bagua's, Tang et al. "
@@ -241,17 +279,18 @@ class Decentralized(Method):
 
     def check_optimizer(self, spec) -> None:
         wd = spec.kwargs.get("weight_decay", 1e-2 if spec.cls is torch.optim.AdamW else 0)
-        if wd and not self.low_precision:      # low precision steps from the rank's own weights: any optimizer
+        if wd and not self.low_precision and self.order == CTA:   # the others step from the rank's own weights
             raise StrategyError(
                 f"Strategy(grad_sync={self.summary()}) with optimizer {spec.name}(weight_decay={wd}): the update is "
                 "applied to each replica's own weights and the averaging's change added after, which is BAGUA's update "
                 "of the averaged weights only when the step does not depend on the weights' values. Pass "
-                f"weight_decay=0 to {spec.name}, or add the decay to the loss")
+                f"weight_decay=0 to {spec.name}, or add the decay to the loss; or pass "
+                f"Decentralized(order={ATC!r}) (the update, then the averaging, which steps each replica's own weights)")
 
     def plan_note(self) -> str:
         how = ("after each update moves them toward its ring neighbours' by 8-bit codes of the change" if
                self.low_precision else f"every {self.communication_interval} step(s) averages them with its peers "
-               f"({self.peers!r}) before the update")
+               f"({self.peers!r}) {'after' if self.order == ATC else 'before'} the update")
         return (f"no gradient all-reduce: each dp replica updates its own weights with its own gradient, and {how}; "
                 "the replicas differ between averaging steps. state_dict(), optimizer_state() and checkpoints' "
                 "model keys hold the replicas' average, RunResult.features[rank]['decentralized']['replica'] each "
@@ -265,14 +304,19 @@ class Decentralized(Method):
         z = torch.zeros(bucket.numel, dtype=bucket.torch_dtype)
         if self.low_precision:
             return {"weight": z, "left": z.clone(), "right": z.clone()}
+        if self.order == ATC:              # the averaging runs after the update, on the weights the rank holds then
+            return {}
         return {"delta": z}
 
     def variant(self, bucket: BucketInfo, step: int, state: dict):
-        """``"mix"`` on an averaging step, ``"local"`` on the others. The step the plan shows and the cost models
-        count (``STEADY_STEP``) is an averaging step: the plan lists what an averaging step sends."""
+        """``"mix"`` (``"mix_after"`` in the adapt-then-combine order) on an averaging step, ``"local"`` on the
+        others. The step the plan shows and the cost models count (``STEADY_STEP``) is an averaging step: the plan
+        lists what an averaging step sends."""
         if self.low_precision:
             return LOW
-        return MIX if step % self.communication_interval == 0 or step >= STEADY_STEP else LOCAL
+        if step % self.communication_interval == 0 or step >= STEADY_STEP:
+            return MIX_AFTER if self.order == ATC else MIX
+        return LOCAL
 
     def host_inputs(self, bucket: BucketInfo, step: int, state: dict, variant, gen: torch.Generator) -> list:
         """The averaging step's index ``k = step // communication_interval`` (shift_one's pairing)."""
@@ -284,15 +328,18 @@ class Decentralized(Method):
         gradient and ``delta``, the averaged weights less its own (zeros on a step that does not average)."""
         mine, k = inputs[0], int(inputs[1])
         local = flat * comm.size
-        if variant == LOW:                 # the weights move after the update (settle)
-            return local, state
+        if variant in (LOW, MIX_AFTER) or (variant == LOCAL and self.order == ATC):
+            return local, state            # the weights move after the update (settle, DecentralizedState)
         if variant == LOCAL:
             return local, {"delta": torch.zeros_like(mine)}
+        return local, {"delta": self.combine(mine, k, comm) - mine}
+
+    def combine(self, mine: torch.Tensor, k: int, comm) -> torch.Tensor:
+        """This rank's weights ``mine`` (one bucket) averaged with its peers' at averaging step ``k``: ``(W x)_r``
+        (``"all"``: one all-reduce; the others: one all-to-all with the peers)."""
         if self.peers == "all":
-            averaged = comm.all_reduce(mine) / comm.size
-        else:
-            averaged = mix(self.peers, mine, _exchange(mine, peers_of(self.peers, comm.rank, comm.size, k), comm))
-        return local, {"delta": averaged - mine}
+            return comm.all_reduce(mine) / comm.size
+        return mix(self.peers, mine, _exchange(mine, peers_of(self.peers, comm.rank, comm.size, k), comm))
 
     def settle(self, updated: torch.Tensor, state: dict, bucket: BucketInfo, comm) -> tuple:
         """Low precision, after the update, one bucket: ``updated`` is the rank's weights after its optimizer step
@@ -337,8 +384,10 @@ class Decentralized(Method):
                "ring": f"sent to both ring neighbours ({2 * nbytes} B in one all-to-all), weights 1/3",
                "shift_one": f"exchanged with one peer that changes each averaging ({nbytes} B in one all-to-all), "
                             "weights 1/2"}[self.peers]
+        when = ("after the update (adapt, then combine)" if self.order == ATC
+                else "before the update (combine, then adapt)")
         return [f"Decentralized: no gradient collective; every {self.communication_interval} step(s) the bucket's "
-                f"weights are {how}, before the update; the replicas differ between averagings"]
+                f"weights are {how}, {when}; the replicas differ between averagings"]
 
 
 def _exchange(mine: torch.Tensor, peers: list, comm) -> dict:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cost_models.compute import node_cost, pays_dispatch
+from cost_models.compute import inner_compute
 from fxpar import meta as M
 from fxpar.collectives import C10D
 from fxpar.errors import PassError, StrategyError
@@ -137,11 +137,12 @@ def _sum_graph(method: Method, b: BucketInfo, variant) -> torch.fx.GraphModule:
 
 
 def _traced_sum(method: Method, b: BucketInfo, variant) -> tuple:
-    """``(collectives, compute)``: ``[[kind, bytes], ...]``, the collectives ``method``'s sum of ``b`` issues, and
-    ``[aten ops, flops, bytes]`` of its compute, from its graph traced here (as dp rank 0; an eager method: nothing
+    """``(collectives, compute, classes)``: ``[[kind, bytes], ...]``, the collectives ``method``'s sum of ``b``
+    issues, ``[aten ops, flops, bytes]`` of its compute and ``[[op class, flops, bytes], ...]`` of it per op class
+    (``cost_models.compute.inner_compute``), from its graph traced here (as dp rank 0; an eager method: nothing
     known before it runs)."""
     if method.eager:
-        return [], [0, 0, 0]
+        return [], [0, 0, 0], []
     gm = _sum_graph(method, b, variant)
     out = []
     for n in gm.graph.nodes:
@@ -152,12 +153,8 @@ def _traced_sum(method: Method, b: BucketInfo, variant) -> tuple:
                     "all_to_all_single": "all_to_all"}.get(kind, kind)
             v = n.args[0].meta["val"]
             out.append([kind, int(v.numel() * v.element_size())])
-    ops = flops = nbytes = 0
-    for n in gm.graph.nodes:
-        if pays_dispatch(n):
-            c = node_cost(n)
-            ops, flops, nbytes = ops + 1, flops + int(c.flops), nbytes + int(c.bytes)
-    return out, [ops, flops, nbytes]
+    ops, flops, nbytes, classes = inner_compute(gm)
+    return out, [ops, flops, nbytes], [list(c) for c in classes]
 
 
 class CompressedSum(Pass):
@@ -224,7 +221,9 @@ class CompressedSum(Pass):
                                                 parts=parts if len(parts) > 1 else ()))
             ops, flops, nbytes = info.get("compute", (0, 0, 0))
             M.set_meta(call, M.INNER_COMPUTE, (int(ops), int(flops), int(nbytes),
-                                               len(row.get("pieces") or info["collectives"])))
+                                               len(row.get("pieces") or info["collectives"]),
+                                               tuple((str(k), int(f), int(n)) for k, f, n in
+                                                     info.get("compute_classes", ()))))
             out = div if div is not None else wait
             if overlap:
                 # the sum's last collectives are waited and its last phase runs where the all-reduce was waited (in
@@ -313,10 +312,10 @@ class CompressFeature(Feature):
             state = dict(m.init_state(b, generator_for(m)))
             # the steady state: the variant of a step long after the start (PowerSGD's start_iter, a warm-up ...)
             v = m.variant(b, STEADY_STEP, state)
-            collectives, compute = _traced_sum(m, b, v)
+            collectives, compute, classes = _traced_sum(m, b, v)
             row = {"bucket": at, "keys": list(b.keys), "numel": b.numel, "dtype": b.dtype,
                    "plain_bytes": b.numel * b.element_size, "wire_bytes": int(m.wire_bytes(b, v)),
-                   "collectives": collectives, "compute": compute}
+                   "collectives": collectives, "compute": compute, "compute_classes": classes}
             if m.eager:              # not traced: the collectives the method declares, for the cost models
                 row["declared"] = [[str(k), int(n)] for k, n in m.collectives(b, v)]
             if section.schedule:

@@ -237,12 +237,14 @@ def mixing_matrix(peers: str, dp: int, k: int) -> torch.Tensor:
 
 
 def decentralized_reference(model, batches, loss_fn, lr: float, dp: int, peers: str = "all",
-                            communication_interval: int = 1) -> tuple:
-    """Decentralized SGD (Lian et al.'s D-PSGD, BAGUA's order) with plain SGD in one process: ``dp`` replicas of
-    ``model``, replica ``r`` training on shard ``r`` of each batch. Step ``t``: each replica's gradient at its own
-    weights; on an averaging step (``t % communication_interval == 0``) ``y = W x`` (:func:`mixing_matrix` at
-    ``k = t // communication_interval``), else ``y = x``; then ``x_r = y_r - lr g_r``. Returns (losses: the mean over
-    replicas of each one's shard loss, replicas: each one's state_dict)."""
+                            communication_interval: int = 1, order: str = "combine_then_adapt") -> tuple:
+    """Decentralized SGD with plain SGD in one process: ``dp`` replicas of ``model``, replica ``r`` training on shard
+    ``r`` of each batch. Step ``t``: each replica's gradient at its own weights; on an averaging step (``t %
+    communication_interval == 0``) the replicas are mixed by ``W`` (:func:`mixing_matrix` at ``k = t //
+    communication_interval``). ``order="combine_then_adapt"`` (Lian et al.'s D-PSGD, BAGUA's order): ``x_r = (W x)_r -
+    lr g_r``; ``"adapt_then_combine"`` (Sayed 2014's diffusion order): ``x_r = (W (x - lr g))_r``; a step that does not
+    average: ``x_r - lr g_r``. Returns (losses: the mean over replicas of each one's shard loss, replicas: each one's
+    state_dict)."""
     replicas = [copy.deepcopy(model) for _ in range(dp)]
     named = [dict(m.named_parameters()) for m in replicas]
     losses = []
@@ -253,9 +255,11 @@ def decentralized_reference(model, batches, loss_fn, lr: float, dp: int, peers: 
         with torch.no_grad():
             for key in named[0]:
                 xs = [named[r][key].detach().clone() for r in range(dp)]
+                if order == "adapt_then_combine":
+                    xs = [xs[r] - lr * grads[r][key] for r in range(dp)]
                 for r in range(dp):
                     y = sum(w[r, j] * xs[j] for j in range(dp) if w[r, j] != 0) if mixing else xs[r]
-                    named[r][key].copy_(y - lr * grads[r][key])
+                    named[r][key].copy_(y if order == "adapt_then_combine" else y - lr * grads[r][key])
         losses.append(total)
     return losses, [m.state_dict() for m in replicas]
 

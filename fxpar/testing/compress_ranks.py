@@ -67,14 +67,17 @@ def sum_steps(method, numel: int, dtype: str, steps: int, traced: bool, state_se
 
 
 def mix_once(method, numel: int, k: int) -> tuple:
-    """On a rank of the default group: one averaging of decentralized SGD (``method``, variant ``"mix"`` at
-    averaging step ``k``) on weights that differ per rank (:func:`rank_data` at step 0, unscaled). Returns the
-    rank's weights before and after."""
+    """On a rank of the default group: one averaging of decentralized SGD (``method`` at averaging step ``k``: its
+    sum's variant ``"mix"``, or in the adapt-then-combine order :meth:`Decentralized.combine`, which the rank runs
+    after the update) on weights that differ per rank (:func:`rank_data` at step 0, unscaled). Returns the rank's
+    weights before and after."""
     import torch.distributed as dist
     rank, dp = dist.get_rank(), dist.get_world_size()
     bucket = bucket_for(numel, "float64", dp, rank)
     comm = EagerComm(dp, rank, dist.group.WORLD)          # as the runtime runs this eager method
     mine = rank_data(rank, 0, numel, "float64", 1)
+    if method.order == "adapt_then_combine":
+        return mine, method.combine(mine, k, comm)
     _, state = method.sum(torch.zeros_like(mine), {}, [mine, torch.tensor(k)], bucket, comm, "mix")
     return mine, mine + state["delta"]
 

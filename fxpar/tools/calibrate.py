@@ -23,6 +23,11 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
   causal scaled-dot-product attention (q, k, v of ``4 x 8 x 128 x 64``, a GPT-sized head; operands cycled as the
   matmul's) ->
   ``efficiency["attention"]`` (forward and backward);
+- a low-rank factor's matmuls (:func:`~fxpar.tools.probes.narrow_matmuls`: ``bmm`` of 2 x 512 x 2048 and 2 x 2048 x
+  512 matrices by a 2-column factor, and their transposes: PowerSGD's ``P = M Q`` and ``Q = M^T P`` on a
+  transformer MLP's weights) -> ``efficiency["matmul_narrow"]``: CPU kernels run such matmuls, whose output has a
+  few columns, at 1-3% of a square matmul's FLOP rate (a compressed bucket sum's matmuls are priced at it:
+  ``cost_models.compute.inner_compute``);
 - ``index_add_`` of 4096 rows of 32 at fresh random indices into a 200000 x 32 table -> ``device.index_row_s``, what
   it takes per row beyond its bytes at that bandwidth (ATen's CPU kernel adds the rows one by one, each a random
   access: 20-40 ns a row on a 2-core machine, 1.5-2x the bytes' time; :func:`index_row_overhead`);
@@ -83,8 +88,8 @@ import torch
 
 from fxpar.cluster import ClusterSpec, LinkSpec
 from fxpar.host import raise_comm_threads, reuse_freed_memory
-from fxpar.tools.probes import (INDEX_ROWS, INDEX_TABLE, LATE_BYTES, SDPA_SHAPE, SIZES, measure_compute,
-                                measure_late_recv, measure_link)
+from fxpar.tools.probes import (INDEX_ROWS, INDEX_TABLE, LATE_BYTES, NARROW_SHAPE, SDPA_SHAPE, SIZES,
+                                measure_compute, measure_late_recv, measure_link)
 
 __all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "in_step_slots",
            "late_recv_overhead", "index_row_overhead", "link_spec", "overlap_per_byte", "pin_rank", "rank_cores"]
@@ -268,6 +273,9 @@ def calibrate(world_size: int = 2, sizes=SIZES, reps: int = 5, return_measuremen
         if "gelu_backward_s" in c:
             eff["transcendental_backward"] = min(1.0, numel / (peak * c["gelu_backward_s"]))
         eff["attention"] = min(1.0, 4 * b * h * s_ * s_ * d / (peak * c["sdpa_s"]))
+    if "matmul_narrow_s" in c:             # four matmuls of 2·k·n·m·r FLOPs (M Q and M^T P, two orientations)
+        k, n_, m_, r = NARROW_SHAPE
+        eff["matmul_narrow"] = min(1.0, 4 * 2 * k * n_ * m_ * r / (peak * c["matmul_narrow_s"]))
     device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
                      op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s),
                      index_row_s=index_row_overhead(c) if "index_add_s" in c else 0.0,

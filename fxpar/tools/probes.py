@@ -15,8 +15,8 @@ import torch
 from fxpar.collectives import gloo_all_gather_into_tensor
 from fxpar.host import COMM_THREAD_NAMES
 
-__all__ = ["INDEX_ROWS", "INDEX_TABLE", "LATE_BYTES", "SDPA_SHAPE", "SIZES", "measure_compute", "measure_late_recv",
-           "measure_link", "op_overhead", "time_shared"]
+__all__ = ["INDEX_ROWS", "INDEX_TABLE", "LATE_BYTES", "NARROW_SHAPE", "SDPA_SHAPE", "narrow_matmuls", "SIZES",
+           "measure_compute", "measure_late_recv", "measure_link", "op_overhead", "time_shared"]
 
 
 _MIN_SECONDS = 0.25     # time each measurement over at least this long: a short burst of other load
@@ -167,10 +167,27 @@ def measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
     rows = torch.randn(INDEX_ROWS, INDEX_TABLE[1])
     ids = [torch.randint(0, INDEX_TABLE[0], (INDEX_ROWS,)) for _ in range(64)]
     t_index = timed(_rotating(ids, lambda i: table.index_add_(0, i, rows)))
-    return {"gelu_s": t_gelu, "gelu_backward_s": t_gelu_bwd, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
+    t_narrow = timed(narrow_matmuls())
+    return {"matmul_narrow_s": t_narrow,
+            "gelu_s": t_gelu, "gelu_backward_s": t_gelu_bwd, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
             "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel(), "index_add_s": t_index}
 
 
+NARROW_SHAPE = (2, 512, 2048, 2)    # k, n, m, r: PowerSGD at rank 2 on a width-512 MLP's two weights (k of each)
+
+
+def narrow_matmuls():
+    """One call: a low-rank factor's matmuls, PowerSGD's ``P = M Q`` and ``Q = M^T P`` (``bmm``; output ``r``
+    columns), on a batch of ``k`` ``n x m`` matrices and one of ``k`` ``m x n`` (a transformer MLP's two weights:
+    CPU kernels run the two orientations at different rates), cycled over :func:`_rotating` sets;
+    ``4 * 2 * k * n * m * r`` FLOPs in all."""
+    k, n, m, r = NARROW_SHAPE
+
+    def one(ms):
+        for a in ms:
+            torch.bmm(a, torch.ones(k, a.shape[2], r))
+            torch.bmm(a.transpose(1, 2), torch.ones(k, a.shape[1], r))
+    return _rotating([(torch.randn(k, n, m), torch.randn(k, m, n)) for _ in range(_sets(2 * k * n * m * 4))], one)
 INDEX_TABLE = (200_000, 32)     # 24.4 MiB: larger than a core's caches, as an embedding table is
 INDEX_ROWS = 4096
 LATE_BYTES = 128 << 10
