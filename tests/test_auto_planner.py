@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import fxpar
+import fxpar.api as api_mod
 import fxpar.capture as capture_mod
 from fxpar.auto.search import finalists, fixed_options
 from fxpar.auto.space import SCHEDULES, schedule_shape
@@ -182,7 +183,11 @@ def test_finalists_on_one_microbatch_share_its_capture_and_build_what_their_own_
     """A tp point's two modes are captured once; each finalist's program, estimate and plan are those of
     ``parallelize`` with its strategy alone."""
     model, batches = tiny_gpt(), token_batches(1)
-    traced = _traces(monkeypatch)
+    traced, programs, choose = _traces(monkeypatch), {}, api_mod.choose
+
+    def recording(found, build):
+        return choose(found, lambda s: programs.setdefault(str(s), build(s)))
+    monkeypatch.setattr(api_mod, "choose", recording)
     prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy="auto")
     built = prog.auto_search.built
     whole = [c for c in built if c.pp == 1]
@@ -193,8 +198,7 @@ def test_finalists_on_one_microbatch_share_its_capture_and_build_what_their_own_
         alone = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=c.strategy())
         est = alone.estimate()
         assert c.full["step_s"] == est.step_time_s and c.full["peak_bytes"] == max(r.peak_memory_bytes for r in est.ranks)
-        if c is prog.auto_search.chosen:
-            assert _printout(alone) == _printout(prog)
+        assert _printout(programs[str(alone.strategy)]) == _printout(alone)
 
 
 class _Coin(torch.nn.Module):
