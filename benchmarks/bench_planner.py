@@ -47,8 +47,9 @@ def _time_plan(name, model, cluster, batch, build: bool):
     if build:
         t0 = time.perf_counter()
         prog = fxpar.parallelize(model, cluster, (batch, batch), gpt_loss, ADAMW, strategy="auto")
-        print(f"  parallelize(strategy='auto'): {time.perf_counter() - t0:.1f}s, "
-              f"{len(prog.auto_search.built)} finalists built, chose {prog.strategy}")
+        sec = prog.auto_search.seconds
+        print(f"  parallelize(strategy='auto'): {time.perf_counter() - t0:.1f}s (search {sec['search']:.2f}s, "
+              f"build {sec['build']:.1f}s), {len(prog.auto_search.built)} finalists built, chose {prog.strategy}")
     del first
 
 

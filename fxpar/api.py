@@ -9,6 +9,7 @@ backward, gradient collectives and update as one graph), or, with ``microbatches
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import time
@@ -19,7 +20,7 @@ import torch
 from .batch_semantics import batch_notes
 from .auto import as_auto, choose
 from .auto import search as auto_search
-from .capture import capture_training_step, captures_differ
+from .capture import capture_training_step, captures_differ, shared_captures
 from .cluster import ClusterSpec
 from ._tracing import BatchLayout
 from .errors import InputError, StrategyError
@@ -75,8 +76,10 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
         layout = BatchLayout.of(example_inputs, loss_fn)
         found = auto_search(model, cluster, layout.flatten(example_inputs, "example_inputs"), loss_fn, optimizer,
                             as_auto(strategy))
-        program, _ = choose(found, lambda s: parallelize(model, cluster, example_inputs, loss_fn, optimizer, s,
-                                                         lr_scheduler, check_capture=check_capture))
+        # finalists on the same microbatch (a tp point's two modes) trace it once; check_capture traces each twice
+        with contextlib.nullcontext() if check_capture else shared_captures():
+            program, _ = choose(found, lambda s: parallelize(model, cluster, example_inputs, loss_fn, optimizer, s,
+                                                             lr_scheduler, check_capture=check_capture))
         program.auto_search = found
         return program
     explicit = strategy is not None          # a handed-back Plan with no Strategy: the Plan says what runs

@@ -31,6 +31,8 @@ the module whose activations or parameters they read.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
 import random
 import time
 import warnings
@@ -54,7 +56,8 @@ try:
 except ImportError:                     # numpy is optional: only its random state is compared
     np = None
 
-__all__ = ["StepSignature", "CapturedStep", "ForwardTrace", "capture_training_step", "trace_forward"]
+__all__ = ["StepSignature", "CapturedStep", "ForwardTrace", "capture_training_step", "trace_forward",
+           "shared_captures"]
 
 
 @dataclass
@@ -278,6 +281,8 @@ def _trace(fn, flat, mod_name, tracker, model=None):
     if changed:
         _warn_attributes_changed(changed, mod_name)
     used = _python_random_used(state, _python_random_state())
+    if (changed or used) and _SHARED is not None:
+        _SHARED.impure = True
     if used:
         warnings.warn(
             f"{mod_name}'s training step drew from {' and '.join(used)} while fxpar captured it: Python-level "
@@ -308,8 +313,88 @@ class _StageRunner(torch.fx.Interpreter):
             n.meta.pop("custom", None)
 
 
+class _SharedCaptures:
+    """The captures made inside :func:`shared_captures`: ``(key, pristine copy, loss n_classes)`` each."""
+
+    def __init__(self):
+        self.entries: list = []
+        self.impure = False
+        self.hits = 0
+
+
+_SHARED: _SharedCaptures | None = None
+
+
+@contextlib.contextmanager
+def shared_captures():
+    """Within it, :func:`capture_training_step` on the same model, microbatch (structure, shapes, dtypes, devices,
+    strides and, off ``meta``, values), loss, optimizer, grad scale and frozen keys as an earlier call returns a
+    deep copy of that capture instead of tracing again (the copy is what a second trace gives: the trace is
+    deterministic in these). A pipeline stage's capture is not shared (its stage graph is made per call), nor one
+    whose forward drew Python randomness or changed a module attribute (a second trace could differ)."""
+    global _SHARED
+    outer, _SHARED = _SHARED, _SharedCaptures()
+    try:
+        yield _SHARED
+    finally:
+        _SHARED = outer
+
+
+def _loss_key(loss_fn):
+    """A loss callable fxpar made (``fxpar.losses``: one per call, from the user's loss) is the same as another
+    made from the same user loss and microbatch count; any other is itself."""
+    if hasattr(loss_fn, "visible") and hasattr(loss_fn, "loss_fn") and hasattr(loss_fn, "n_classes"):
+        return (type(loss_fn), id(loss_fn.loss_fn), getattr(loss_fn, "k", None))
+    return (id(loss_fn),)
+
+
+def _leaf_same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return False
+        if (type(a), a.shape, a.dtype, a.device, a.stride(), a.requires_grad) != \
+                (type(b), b.shape, b.dtype, b.device, b.stride(), b.requires_grad):
+            return False
+        return a.device.type == "meta" or torch.equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def _same_call(a: tuple, b: tuple) -> bool:
+    """Two calls' ``(model id, batch leaves, batch structure, loss key, optimizer, grad scale, frozen)`` equal."""
+    try:
+        return bool(a[0] == b[0] and a[2] == b[2] and len(a[1]) == len(b[1])
+                    and all(_leaf_same(x, y) for x, y in zip(a[1], b[1])) and a[3:] == b[3:])
+    except (RuntimeError, TypeError, ValueError):       # an option that does not compare (a tensor): not the same
+        return False
+
+
 def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: OptimizerSpec, *,
                           stage=None, grad_scale: float = 1.0, frozen=None) -> CapturedStep:
+    """Trace one training step of a stage as one joint graph (inside :func:`shared_captures`, a copy of an
+    earlier identical call's; see :func:`_capture_training_step`)."""
+    shared = _SHARED
+    if shared is None or stage is not None:
+        return _capture_training_step(model, batch, loss_fn, optimizer, stage=stage, grad_scale=grad_scale,
+                                      frozen=frozen)
+    leaves, spec = torch.utils._pytree.tree_flatten(batch)
+    key = (id(model), leaves, spec, _loss_key(loss_fn), optimizer, float(grad_scale),
+           None if frozen is None else tuple(frozen))
+    for k, pristine, n_classes in shared.entries:
+        if _same_call(k, key):
+            shared.hits += 1
+            if n_classes is not _UNSET:            # what the capture's call of fxpar's loss recorded
+                loss_fn.n_classes = n_classes
+            return copy.deepcopy(pristine)
+    shared.impure = False
+    cap = _capture_training_step(model, batch, loss_fn, optimizer, stage=None, grad_scale=grad_scale, frozen=frozen)
+    if not shared.impure:
+        shared.entries.append((key, copy.deepcopy(cap), getattr(loss_fn, "n_classes", _UNSET)
+                               if len(key[3]) > 1 else _UNSET))
+    return cap
+
+
+def _capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: OptimizerSpec, *,
+                           stage=None, grad_scale: float = 1.0, frozen=None) -> CapturedStep:
     """Trace one training step of a stage as one joint graph.
 
     ``stage=None``: the whole model is the stage; ``batch`` is the microbatch one rank sees.
@@ -466,8 +551,8 @@ def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Opt
         if unused:              # the same forward traced again: the first trace gave its warnings
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", UserWarning)
-                return capture_training_step(model, batch, loss_fn, optimizer, stage=stage, grad_scale=grad_scale,
-                                             frozen=unused)
+                return _capture_training_step(model, batch, loss_fn, optimizer, stage=stage, grad_scale=grad_scale,
+                                              frozen=unused)
     _annotate(gm, sig)
     gm.meta[M.SIGNATURE.name] = sig
     return CapturedStep(gm, sig, pkeys, bkeys, aliases, optimizer, mod_name, time.perf_counter() - t0,

@@ -4,13 +4,18 @@ to exceed memory, and its errors name what rules a choice out."""
 from __future__ import annotations
 
 import dataclasses
+import random
+import re
 
 import pytest
 import torch
 
 import fxpar
+import fxpar.api as api_mod
+import fxpar.capture as capture_mod
 from fxpar.auto.search import finalists, fixed_options
 from fxpar.auto.space import SCHEDULES, schedule_shape
+from fxpar.optim import resolve_optimizer
 from fxpar.schedule import ScheduleError, simulate
 from fxpar.schedule.registry import get_schedule
 from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
@@ -151,6 +156,84 @@ def test_finalists_are_the_best_of_each_family_with_both_tp_modes():
         got = [c for c in first if c.family == fam]
         assert len({str(c).replace("sharding=auto, ", "sharding=megatron, ") for c in got}) == 1
         assert len(got) == (2 if got[0].tp > 1 else 1), [str(c) for c in got]
+
+
+def _traces(monkeypatch) -> list:
+    """The stage captures traced (not copied) from here on, as ``(stage, grad_scale)``."""
+    got, trace = [], capture_mod._capture_training_step
+
+    def counted(*a, **k):
+        got.append((k.get("stage"), k.get("grad_scale")))
+        return trace(*a, **k)
+    monkeypatch.setattr(capture_mod, "_capture_training_step", counted)
+    return got
+
+
+def _printout(prog) -> tuple:
+    """What a built program is: its plan (the search timings in its notes left out), every rank's graphs, its
+    estimate and the loss's classes."""
+    plan = re.sub(r"searched in [0-9.e+-]+ s", "searched in T s", prog.plan.to_json())
+    est = prog.estimate()
+    return (plan, [{k: g.code for k, g in prog.graphs(r).items()} for r in range(prog.cluster.world_size)],
+            est.step_time_s, [(r.peak_memory_bytes, r.comm_bytes) for r in est.ranks], prog.loss.n_classes)
+
+
+@pytest.mark.structure
+def test_finalists_on_one_microbatch_share_its_capture_and_build_what_their_own_capture_builds(monkeypatch):
+    """A tp point's two modes are captured once; each finalist's program, estimate and plan are those of
+    ``parallelize`` with its strategy alone."""
+    model, batches = tiny_gpt(), token_batches(1)
+    traced, programs, choose = _traces(monkeypatch), {}, api_mod.choose
+
+    def recording(found, build):
+        return choose(found, lambda s: programs.setdefault(str(s), build(s)))
+    monkeypatch.setattr(api_mod, "choose", recording)
+    prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy="auto")
+    built = prog.auto_search.built
+    whole = [c for c in built if c.pp == 1]
+    assert any(c.sharding == "megatron" for c in whole) and any(c.sharding == "auto" for c in whole)
+    shapes = {(c.dp, c.microbatches) for c in whole}
+    assert len([t for t in traced if t[0] is None]) == len(shapes) < len(whole)
+    for c in built:
+        alone = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=c.strategy())
+        est = alone.estimate()
+        assert c.full["step_s"] == est.step_time_s
+        assert c.full["peak_bytes"] == max(r.peak_memory_bytes for r in est.ranks)
+        assert _printout(programs[str(alone.strategy)]) == _printout(alone)
+
+
+class _Coin(torch.nn.Module):
+    """A forward that decides in Python (a capture of it may differ from the next)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.fc(x) * (2.0 if random.random() < 2 else 1.0)
+
+
+@pytest.mark.structure
+def test_a_shared_capture_is_a_copy_and_a_python_random_forward_is_traced_each_time(monkeypatch):
+    spec = resolve_optimizer(ADAMW)
+    batch = (torch.randn(8, 4), torch.randn(8, 4))
+    mse = torch.nn.functional.mse_loss
+    traced = _traces(monkeypatch)
+    plain = torch.nn.Linear(4, 4)
+    with capture_mod.shared_captures() as shared:
+        a = capture_mod.capture_training_step(plain, batch, mse, spec, grad_scale=0.5)
+        b = capture_mod.capture_training_step(plain, batch, mse, spec, grad_scale=0.5)
+        c = capture_mod.capture_training_step(plain, (batch[0] + 1, batch[1]), mse, spec, grad_scale=0.5)
+        d = capture_mod.capture_training_step(plain, batch, mse, spec, grad_scale=0.25)
+    assert len(traced) == 3 and shared.hits == 1          # b is a's copy; other values, another scale: traced
+    assert b.gm is not a.gm and b.gm.code == a.gm.code and b.signature == a.signature
+    assert c.gm.code == a.gm.code and d.gm.code != a.gm.code
+    traced.clear()
+    coin = _Coin()
+    with capture_mod.shared_captures() as shared, pytest.warns(UserWarning, match="Python-level randomness"):
+        capture_mod.capture_training_step(coin, batch, mse, spec)
+        capture_mod.capture_training_step(coin, batch, mse, spec)
+    assert len(traced) == 2 and shared.hits == 0
 
 
 @pytest.mark.structure
