@@ -47,7 +47,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import meta as M
 from ._tracing import ModuleTracker, call_model, capture_context, clean_name, explain_trace_error, split_batch
-from .errors import CaptureError, StrategyError
+from .errors import CaptureError
 from .optim import OptimizerSpec
 from .roles import Role
 
