@@ -254,7 +254,7 @@ class ModelProfile:
     def time(self, b: float, tp: int, device) -> dict:
         """Seconds of forward and backward per part at microbatch size ``b`` with the split ops divided ``tp``
         ways: ``{("pre"|"block"|"post", "fwd"|"bwd"): s}``; ``"block"`` is one block."""
-        key = (b, tp, id(device))
+        key = (b, tp, device)          # a DeviceSpec is frozen: equal devices price alike
         got = self._cache.get(key)
         if got is not None:
             return got
