@@ -133,8 +133,8 @@ def megatron(args):
 def alpa(args):
     """Alpa's GPT points: the cheap cost of Alpa's plan and of auto's pick, in Alpa's TFLOPS per GPU."""
     from tests.test_auto_alpa import FIGURE7, MEASURED, MEASURED_STEP_S, config_pins, setup, tflops
-    print(f"{'GPUs':>4} {'model':>5} {'batch':>5}  {'Alpa':>5} {'Megatron':>8}  {'plan':<28} {'fxpar':>5} {'vs Alpa':>7}"
-          f"  auto's pick (fxpar TFLOPS, planning time)")
+    print(f"{'GPUs':>4} {'model':>5} {'batch':>5}  {'Alpa':>5} {'Megatron':>8}  {'plan':<28} {'fxpar':>5} "
+          f"{'vs Alpa':>7}  auto's pick (fxpar TFLOPS, planning time)")
     for point in [MEASURED] + [p for p in FIGURE7 if p[0] in args.gpus]:
         n, name, B, alpa_tf, meg_tf, given = point
         model, x, cl, pins = setup(point)
@@ -158,7 +158,8 @@ def alpa(args):
         if not args.no_auto:
             t0 = time.perf_counter()
             try:
-                got, mark = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW, strategy=fxpar.Strategy.auto(**pins)), ""
+                got = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW, strategy=fxpar.Strategy.auto(**pins))
+                mark = ""
             except fxpar.NoPlanFitsError:      # without a pipeline the search tries 1, 2, 4 and 8 microbatches only
                 many = tuple(2**k for k in range(4, B.bit_length()))
                 got, mark = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW, strategy=fxpar.Strategy.auto(

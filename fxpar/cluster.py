@@ -244,8 +244,8 @@ class ClusterSpec:
     @classmethod
     def preset(cls, name: str, nodes: int = 1, gpus_per_node: int = 8) -> "ClusterSpec":
         """A cluster of well-known GPU nodes: ``"a100-80gb"``, ``"a100-40gb"``, ``"h100-80gb"`` (SXM), ``"h100-pcie"``,
-        ``"h200"``, ``"v100-32gb"``, ``"v100-16gb"``, ``"p3.16xlarge"`` (AWS: 8 V100-16GB, 25 Gbps between machines) (vendor
-        figures: the comment above ``PRESETS``), or a short name
+        ``"h200"``, ``"v100-32gb"``, ``"v100-16gb"``, ``"p3.16xlarge"`` (AWS: 8 V100-16GB, 25 Gbps between
+        machines) (vendor figures: the comment above ``PRESETS``), or a short name
         (``"a100"``, ``"h100"``, ``"v100"``: the SXM part with the most memory)."""
         key = PRESET_ALIASES.get(name, name)
         if key not in PRESETS:

@@ -94,7 +94,9 @@ def test_the_presets_carry_their_cited_figures():
 @pytest.mark.cost
 def test_the_measured_point_predicted_within_20_percent():
     """GPT-2.6B, batch 32, dp = tp = pp = 2 on one p3.16xlarge: fxpar's cheap cost of that configuration against
-    the README's 2.454 s (37.16 TFLOPS) and Megatron-LM's 38 TFLOPS."""
+    the README's 2.454 s (37.16 TFLOPS) and Megatron-LM's 38 TFLOPS. Its predicted peak, 14.6 GiB, is over the
+    default 90% of 16 GiB (fxpar's ZeRO does not compose with tp, where Alpa shards the update over dp and measured
+    8.7 GB): margin=1.0 lets it be priced, and it must still fit the device."""
     model, x, cl, pins = setup(MEASURED)
     got = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW, prune=False,
                           strategy=fxpar.Strategy.auto(**pins, **config_pins(MEASURED), zero=0, margin=1.0))
