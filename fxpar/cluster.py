@@ -277,6 +277,26 @@ class ClusterSpec:
         """Rank ``rank``'s compute speed, FLOP/s: its device's peak over its ``slowdown`` factor."""
         return self.device_of(rank).peak_flops / self.slowdown_of(rank)
 
+    def devices_of(self, ranks=None) -> list:
+        """The distinct devices of ``ranks`` (default: every worker rank) in rank order, each straggler's
+        ``slowdown`` folded into its device (:meth:`as_heterogeneous`); ``[device]`` where every rank is one
+        device and none is slowed. A choice made once for all of those ranks (a bucket size, a sharding) is priced on
+        the slowest of them: synchronous training waits for it."""
+        flat = self.as_heterogeneous()
+        out: list = []
+        for r in range(self.world_size) if ranks is None else ranks:
+            d = flat.device_of(r)
+            if d not in out:
+                out.append(d)
+        return out
+
+    def slowest_device(self, ranks=None) -> DeviceSpec:
+        """The device of the slowest of ``ranks`` (default: every worker rank) by :meth:`speed_of` (the lowest rank
+        on a tie), a straggler's slowdown folded in (:meth:`as_heterogeneous`); ``device`` where every rank is one
+        device and none is slowed."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        return self.as_heterogeneous().device_of(min(ranks, key=lambda r: (self.speed_of(r), r)))
+
     def run_slowdown(self, rank: int) -> float:
         """How many times longer rank ``rank``'s compute takes in a run: its straggler factor, times, for CPU devices
         of a heterogeneous cluster (all emulated by this machine), the fastest device's FLOP/s over its own."""
