@@ -245,7 +245,7 @@ def tune(make_buckets, t_fwd: float, t_bwd: float, comm_s, cross: bool, partitio
 def slowest_for(gm, devices) -> tuple:
     """``(device, per-node seconds)``: the one of ``devices`` on which ``gm``'s compute takes longest (the first on a
     tie; ``cost_models.compute.graph_compute``) and its times. The ranks of a data-parallel group meet at every
-    collective, so a plan made once for all of them (ByteScheduler's pieces, Herring's bucket size) is simulated on
+    collective, so a plan made once for all of them (the pieces and credit, a bucket size) is simulated on
     the slowest one's timeline (``ClusterSpec.devices_of``: a heterogeneous cluster's devices, stragglers folded in)."""
     best = None
     for d in devices:

@@ -284,8 +284,8 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
     worker node BytePS's CPU server ``j`` sits on (default: machines of their own; ``cost_models.comm``).
     In a heterogeneous cluster (``cluster.devices``) each rank's graphs are costed on its own device
     (``cluster.device_of(rank)``), a late receive costs its sender's ``late_recv_s``, and the gloo collectives in
-    flight at once are the fewest any device allows (``collective_slots``). A straggler of ``cluster.slowdown`` (``{rank: factor}`` pairs) runs its compute
-    :func:`straggler_factor` times as long (:func:`cost_models.simulate.slowed`); a collective starts when its
+    flight at once are the fewest any device allows (``collective_slots``). A straggler of ``cluster.slowdown``
+    (``{rank: factor}`` pairs) runs its compute :func:`straggler_factor` times as long (:func:`cost_models.simulate.slowed`); a collective starts when its
     slowest member issues it, so synchronous data parallelism's step is the straggler's.
     """
     caches: dict = {}

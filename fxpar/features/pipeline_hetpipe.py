@@ -141,6 +141,6 @@ class HetPipe(PipelineSchedule):
         if not section.stage_speed:
             section.stage_speed = [1.0] * len(split.stages)
         cands = cut_candidates(trace.gm, trace.roles, trace.module_types)
-        fpb = flops_per_byte(cluster, section.stage_speed)     # as the speed-aware cut weighs a byte: only speed differs
+        fpb = flops_per_byte(cluster, section.stage_speed)     # as the speed-aware cut weighs a byte
         section.flop_cuts = balanced_cuts(trace.gm, trace.roles, cands, plan.n_stages, fpb)
         return trace, split

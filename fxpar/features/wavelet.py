@@ -114,8 +114,8 @@ class WaveletSchedule(PipelineSchedule):
         return super().explain(section, program) + [
             f"memory per rank: one wave {peak.one_wave / mib:.2f} MiB, two waves half a cycle apart "
             f"{peak.combined / mib:.2f} MiB (max over t of M(t) + M(t+T/2); shared state "
-            f"{peak.shared / mib:.2f} MiB counted once), budget {program.cluster.device_of(0).memory_bytes / mib:.0f} MiB"
-            + (" (rank 0's device)" if program.cluster.devices else "")]
+            f"{peak.shared / mib:.2f} MiB counted once), budget {program.cluster.device_of(0).memory_bytes / mib:.0f} "
+            "MiB" + (" (rank 0's device)" if program.cluster.devices else "")]
 
 
 def _tick_runs(program, rank: int) -> tuple:
