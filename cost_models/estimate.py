@@ -285,8 +285,9 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
     In a heterogeneous cluster (``cluster.devices``) each rank's graphs are costed on its own device
     (``cluster.device_of(rank)``), a late receive costs its sender's ``late_recv_s``, and the gloo collectives in
     flight at once are the fewest any device allows (``collective_slots``). A straggler of ``cluster.slowdown``
-    (``{rank: factor}`` pairs) runs its compute :func:`straggler_factor` times as long (:func:`cost_models.simulate.slowed`); a collective starts when its
-    slowest member issues it, so synchronous data parallelism's step is the straggler's.
+    (``{rank: factor}`` pairs) runs its compute :func:`straggler_factor` times as long
+    (:func:`cost_models.simulate.slowed`); a collective starts when its slowest member issues it, so synchronous data
+    parallelism's step is the straggler's.
     """
     caches: dict = {}
 

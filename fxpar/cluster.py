@@ -152,9 +152,9 @@ class ClusterSpec:
     its own speed and memory (``device`` is then rank 0's); empty: every rank is a ``device``. :meth:`device_of`
     reads a rank's. ``estimate()`` costs each rank's graphs on its own device and checks its peak against its own
     memory; HetPipe's cut weighs each stage by its rank's speed (:meth:`speed_of`: the device's FLOP/s over the
-    rank's ``slowdown``); a choice made once for several ranks (a bucket size, a sharding, a pipeline cut) is priced on the
-    slowest of them (:meth:`slowest_device`, :meth:`devices_of`)
-    and a memory limit on the smallest (:meth:`check_fits`). A run on this machine's CPU (``kind="cpu"`` devices) emulates the devices' speeds: each
+    rank's ``slowdown``); a choice made once for several ranks (a bucket size, a sharding, a pipeline cut) is priced
+    on the slowest of them (:meth:`slowest_device`, :meth:`devices_of`) and a memory limit on the smallest
+    (:meth:`check_fits`). A run on this machine's CPU (``kind="cpu"`` devices) emulates the devices' speeds: each
     rank's compute takes as much longer as its device is slower than the fastest (:meth:`run_slowdown`), as a
     straggler's does. ``ClusterSpec.local(n, slowdown=...)`` is the same cluster as its :meth:`as_heterogeneous`.
     """
