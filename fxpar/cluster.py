@@ -163,8 +163,10 @@ class ClusterSpec:
     ``devices``: a heterogeneous cluster (:meth:`heterogeneous`), one :class:`DeviceSpec` per worker rank, each with
     its own speed and memory (``device`` is then rank 0's); empty: every rank is a ``device``. :meth:`device_of`
     reads a rank's. ``estimate()`` costs each rank's graphs on its own device and checks its peak against its own
-    memory; the pipeline cut weighs each stage by its rank's speed (:meth:`speed_of`: the device's FLOP/s over the
-    rank's ``slowdown``). A run on this machine's CPU (``kind="cpu"`` devices) emulates the devices' speeds: each
+    memory; HetPipe's cut weighs each stage by its rank's speed (:meth:`speed_of`: the device's FLOP/s over the
+    rank's ``slowdown``); a choice made once for several ranks (a bucket size, a sharding, a pipeline cut) is priced
+    on the slowest of them (:meth:`slowest_device`, :meth:`devices_of`) and a memory limit on the smallest
+    (:meth:`check_fits`). A run on this machine's CPU (``kind="cpu"`` devices) emulates the devices' speeds: each
     rank's compute takes as much longer as its device is slower than the fastest (:meth:`run_slowdown`), as a
     straggler's does. ``ClusterSpec.local(n, slowdown=...)`` is the same cluster as its :meth:`as_heterogeneous`.
     """
@@ -289,6 +291,26 @@ class ClusterSpec:
     def speed_of(self, rank: int) -> float:
         """Rank ``rank``'s compute speed, FLOP/s: its device's peak over its ``slowdown`` factor."""
         return self.device_of(rank).peak_flops / self.slowdown_of(rank)
+
+    def devices_of(self, ranks=None) -> list:
+        """The distinct devices of ``ranks`` (default: every worker rank) in rank order, each straggler's
+        ``slowdown`` folded into its device (:meth:`as_heterogeneous`); ``[device]`` where every rank is one
+        device and none is slowed. A choice made once for all of those ranks (a bucket size, a sharding) is priced on
+        the slowest of them: synchronous training waits for it."""
+        flat = self.as_heterogeneous()
+        out: list = []
+        for r in range(self.world_size) if ranks is None else ranks:
+            d = flat.device_of(r)
+            if d not in out:
+                out.append(d)
+        return out
+
+    def slowest_device(self, ranks=None) -> DeviceSpec:
+        """The device of the slowest of ``ranks`` (default: every worker rank) by :meth:`speed_of` (the lowest rank
+        on a tie), a straggler's slowdown folded in (:meth:`as_heterogeneous`); ``device`` where every rank is one
+        device and none is slowed."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        return self.as_heterogeneous().device_of(min(ranks, key=lambda r: (self.speed_of(r), r)))
 
     def run_slowdown(self, rank: int) -> float:
         """How many times longer rank ``rank``'s compute takes in a run: its straggler factor, times, for CPU devices

@@ -18,7 +18,7 @@ What fxpar builds (the generator is ``fxpar/schedule/wavelet.py``):
 * the memory model: :func:`wave_peak` combines one wave's per-action timeline with itself half a cycle later
   (``cost_models.wave_memory``); ``program.estimate()``'s per-rank peak walks the interleaved step as the rank
   runs it (the two waves together, which the tracker measures); :meth:`WaveletSchedule.check_run` refuses a run
-  whose waves do not fit ``ClusterSpec.device.memory_bytes``; :func:`largest_batch` finds the largest batch under
+  whose waves do not fit a rank's device's ``memory_bytes``; :func:`largest_batch` finds the largest batch under
   a budget, for Wavelet and for plain dp alike.
 """
 from __future__ import annotations
@@ -89,17 +89,22 @@ class WaveletSchedule(PipelineSchedule):
         return wavelet(plan.pp, plan.microbatches, v=section.chunks)
 
     def check_run(self, section, program, n_batches: int, resume_from) -> None:
-        """Refuse a run whose two waves do not fit the device (``ClusterSpec.device.memory_bytes``)."""
-        budget = program.cluster.device.memory_bytes
+        """Refuse a run whose two waves do not fit a rank's device (its ``memory_bytes``: ``ClusterSpec.device_of``,
+        each rank's own on a heterogeneous cluster)."""
+        cluster = program.cluster
         est = program.estimate()
-        worst = max(est.ranks, key=lambda r: r.peak_memory_bytes)
-        if worst.peak_memory_bytes > budget:
+        over = [r for r in est.ranks if r.peak_memory_bytes > cluster.device_of(r.rank).memory_bytes]
+        if over:
+            worst = max(over, key=lambda r: r.peak_memory_bytes - cluster.device_of(r.rank).memory_bytes)
+            dev = cluster.device_of(worst.rank)
+            budget = dev.memory_bytes
             one = wave_peak(program, worst.rank)
+            where = "ClusterSpec.device" if not cluster.devices else f"ClusterSpec.devices[{worst.rank}], {dev.name}"
             raise StrategyError(
                 f"{program.strategy}: the two waves do not fit: rank {worst.rank}'s combined peak is "
                 f"{worst.peak_memory_bytes / 2**20:.2f} MiB (max over t of M(t) + M(t+T/2); one wave alone "
                 f"{one.one_wave / 2**20:.2f} MiB) against a budget of {budget / 2**20:.2f} MiB "
-                f"(ClusterSpec.device.memory_bytes={budget}). Use a smaller batch (fxpar.features.wavelet."
+                f"({where}.memory_bytes={budget}). Use a smaller batch (fxpar.features.wavelet."
                 "largest_batch finds the largest that fits), more microbatches per wave, more wave_chunks, or more "
                 "dp ranks.")
 
@@ -109,7 +114,8 @@ class WaveletSchedule(PipelineSchedule):
         return super().explain(section, program) + [
             f"memory per rank: one wave {peak.one_wave / mib:.2f} MiB, two waves half a cycle apart "
             f"{peak.combined / mib:.2f} MiB (max over t of M(t) + M(t+T/2); shared state "
-            f"{peak.shared / mib:.2f} MiB counted once), budget {program.cluster.device.memory_bytes / mib:.0f} MiB"]
+            f"{peak.shared / mib:.2f} MiB counted once), budget {program.cluster.device_of(0).memory_bytes / mib:.0f} "
+            "MiB" + (" (rank 0's device)" if program.cluster.devices else "")]
 
 
 def _tick_runs(program, rank: int) -> tuple:
