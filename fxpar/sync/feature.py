@@ -95,8 +95,8 @@ class SyncSection(PlanSection):
         plain = sum(b["plain_bytes"] for b in rows)
         if getattr(m, "quantize", None):
             return [f"{head}: {window} bytes per rank per window of {m.period} step(s) (the pseudo-gradients in "
-                    f"{m.quantize.upper()}, all-gathered; {plain} unquantized) instead of {plain} per step, no gradient "
-                    "all-reduce between averagings"]
+                    f"{m.quantize.upper()}, all-gathered; {plain} unquantized) instead of {plain} per step, no "
+                    "gradient all-reduce between averagings"]
         return [f"{head}: {window} bytes per rank per averaging (every {m.period} step(s)) instead of {window} "
                 "per step, no gradient all-reduce between averagings"]
 
@@ -307,10 +307,10 @@ class SyncFeature(Feature):
         if isinstance(m, DiLoCo) and m.pattern == "strided":
             blocks = model_blocks(list(captured.param_shapes))
             if m.fragments > len(blocks):
+                names = ", ".join(b or "<model>" for b, _ in blocks)
                 raise StrategyError(f"Strategy(sync={m.summary()}): fragments={m.fragments} is more fragments than "
-                                    f"the model has blocks ({len(blocks)}: {', '.join(b or '<model>' for b, _ in blocks)}"
-                                    f"); a strided fragment holds whole blocks: use fragments <= {len(blocks)} or "
-                                    "pattern='sequential'")
+                                    f"the model has blocks ({len(blocks)}: {names}); a strided fragment holds whole "
+                                    f"blocks: use fragments <= {len(blocks)} or pattern='sequential'")
         elif isinstance(m, DiLoCo) and m.fragments > len(captured.param_shapes):
             raise StrategyError(f"Strategy(sync={m.summary()}): fragments={m.fragments} is more fragments than the "
                                 f"model has parameter tensors ({len(captured.param_shapes)}); each fragment holds "
