@@ -34,9 +34,9 @@ def quantize(x: torch.Tensor) -> tuple:
     (a 0-d tensor, ``max |x|`` in float32)."""
     v = x.detach().to(torch.float32)
     a = v.abs()
-    scale = a.max() if a.numel() else torch.zeros((), dtype=torch.float32)
+    scale = a.max() if a.numel() else torch.zeros((), dtype=torch.float32, device=v.device)
     if not scale > 0:
-        return torch.zeros(x.shape, dtype=torch.uint8), scale.clone()
+        return torch.zeros(x.shape, dtype=torch.uint8, device=v.device), scale.clone()
     r = a / scale                                            # in [0, 1]
     m, e = torch.frexp(r)                                    # r = m 2^e, m in [0.5, 1)
     k = e - (m < 0.75).to(e.dtype)                           # the nearer of 2^(e-1), 2^e (0.75: the tie, upward)
@@ -68,10 +68,10 @@ def encode(tensors: list) -> torch.Tensor:
         codes, scale = quantize(t)
         flat = codes.reshape(-1)
         if flat.numel() % 2:
-            flat = torch.cat([flat, torch.zeros(1, dtype=torch.uint8)])
+            flat = torch.cat([flat, flat.new_zeros(1)])
         parts.append(scale.reshape(1).view(torch.uint8))
         parts.append(flat[0::2] | (flat[1::2] << 4))
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)      # no tensors: an empty buffer
 
 
 def decode(buf: torch.Tensor, shapes: list) -> list:
