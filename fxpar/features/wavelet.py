@@ -58,32 +58,37 @@ class WaveletSchedule(PipelineSchedule):
     schedules = {"wavelet": wavelet}
     papers = {"wavelet": "Wavelet (Wang et al., MLSys'21): two waves of the same ranks, the tock wave half a "
                          "forward-backward cycle late, so that one wave's memory peak falls in the other's valley"}
-    options = {"wave_chunks": Option(2, "Wavelet (schedule='wavelet'): the chunks each rank's model is cut into; the "
-                                        "tock wave runs that many actions (half a forward-backward cycle) after the "
-                                        "tick wave")}
+    options = {"wave_chunks": Option(None, "Wavelet (schedule='wavelet', pp=1): the chunks each rank's model is cut "
+                                           "into (default 2); the tock wave runs that many actions (half a "
+                                           "forward-backward cycle) after the tick wave. With pp > 1 the model is in "
+                                           "pp stages and wave_chunks is not taken")}
 
     def settle(self, strategy) -> None:
         if strategy.microbatches == 1:          # one microbatch per wave
             strategy.microbatches = WAVES
+        if strategy.wave_chunks is None and strategy.pp == 1:
+            strategy.wave_chunks = 2
 
     def validate(self, strategy) -> None:
-        if strategy.pp != 1:
-            raise StrategyError(f"{strategy}: schedule='wavelet' runs its two waves on each data-parallel rank with "
-                                f"the whole model there; pp={strategy.pp} would put waves on pipeline stages, which "
-                                "is not built. Use Strategy(dp=..., schedule='wavelet') with pp=1, or a pipeline "
-                                "schedule for pp > 1.")
         m = strategy.microbatches
         if m % WAVES:
             raise StrategyError(f"{strategy}: schedule='wavelet' gives half the microbatches to each wave; "
                                 f"microbatches={m} is odd. Use microbatches={m - 1 or 2} or {m + 1}.")
         v = strategy.wave_chunks
+        if strategy.pp > 1:
+            if v is not None:
+                raise StrategyError(f"Strategy(pp={strategy.pp}, wave_chunks={v!r}): with pp > 1 schedule='wavelet' "
+                                    f"cuts the model into pp={strategy.pp} stages, one per pipeline rank in each wave "
+                                    "(the tock wave's in reverse rank order); drop wave_chunks, or use pp=1 to cut "
+                                    "each rank's whole model into wave_chunks chunks.")
+            return
         if not isinstance(v, int) or isinstance(v, bool) or v < 2:
             raise StrategyError(f"Strategy(wave_chunks={v!r}): give an int >= 2 -- the chunks each rank's model is "
                                 "cut into; with one chunk the tock wave's forward cannot run beside the tick wave's "
                                 "backward.")
 
     def plan(self, strategy, plan, cluster):
-        return self.section(schedule="wavelet", chunks=strategy.wave_chunks)
+        return self.section(schedule="wavelet", chunks=strategy.wave_chunks if strategy.pp == 1 else strategy.pp)
 
     def make_schedule(self, section, plan, n_batches: int = 2, resumed: bool = False):
         return wavelet(plan.pp, plan.microbatches, v=section.chunks)
