@@ -30,12 +30,13 @@ Example, ``wavelet(1, 2)`` (one microbatch per wave, two chunks)::
 After ``F1.0`` the tick wave holds both chunks' saved activations (its peak); its ``B1.0`` frees one before the
 tock wave's ``F0.1`` saves one: the two waves together never hold more than one wave's peak.
 
-``wavelet(2, 2)`` (two ranks, the tock wave reversed)::
+``wavelet(2, 2)`` (two ranks, the tock wave reversed: its stage 0 on rank 1, its stage 1 on rank 0)::
 
-    rank 0: F0.0 SF0.0>1 RF1.1<1 F1.1 SF1.1>1 RB0.0<1 B0.0 RB1.1<1 B1.1 RG0 RG1 STEP0 STEP1
-    rank 1: F0.1 SF0.1>0 RF1.0<0 F1.0 B1.0 SB1.0>0 RF ...
+    rank 0: F0.0 SF0.0>1 RB0.0<1 B0.0 RF1.1<1 F1.1 B1.1 SB1.1>1 RG0 RG1 STEP0 STEP1
+    rank 1: RF1.0<0 F1.0 B1.0 SB1.0>0 F0.1 SF0.1>0 RB0.1<0 B0.1 RG0 RG1 STEP0 STEP1
 
-(see ``tests/test_wavelet.py`` for the exact lists).
+Rank 1 runs the tick wave's ``B1.0`` and then, in the same slot, the tock wave's ``F0.1``; a stage's two copies reduce
+together (``RG``) once the rank's compute is done, both stages in increasing order on both ranks.
 """
 from __future__ import annotations
 
