@@ -18,14 +18,15 @@ What fxpar builds (the generator is ``fxpar/schedule/wavelet.py``):
   stages (one per wave), each stage two copies;
 * gradient synchronisation across the waves: both waves add into the rank's one accumulator per parameter; each
   chunk's sum is all-reduced over dp (and, with pp > 1, with the stage's other copy) and the chunk updates once,
-  with the mean over both
-  waves' microbatches. Both waves compute with the same weights, so the step is synchronous training on the global
-  batch (both waves' samples over every rank): ``fxpar.testing.reference_training`` to 1e-10;
+  with the mean over both waves' microbatches. Both waves compute with the same weights, so the step is
+  synchronous training on the global batch (both waves' samples over every rank):
+  ``fxpar.testing.reference_training`` to 1e-10;
 * the memory model: :func:`wave_peak` combines one wave's per-action timeline with itself half a cycle later
-  (with pp > 1: rank r's tick timeline with rank pp-1-r's, ``cost_models.wave_memory``); ``program.estimate()``'s per-rank peak walks the interleaved step as the rank
-  runs it (the two waves together, which the tracker measures); :meth:`WaveletSchedule.check_run` refuses a run
-  whose waves do not fit ``ClusterSpec.device.memory_bytes``; :func:`largest_batch` finds the largest batch under
-  a budget, for Wavelet and for plain dp alike.
+  (with pp > 1: rank r's tick timeline with rank pp-1-r's, ``cost_models.wave_memory``); ``program.estimate()``'s
+  per-rank peak walks the interleaved step as the rank runs it (the two waves together, which the tracker
+  measures); :meth:`WaveletSchedule.check_run` refuses a run whose waves do not fit
+  ``ClusterSpec.device.memory_bytes``; :func:`largest_batch` finds the largest batch under a budget, for Wavelet
+  and for plain dp alike.
 """
 from __future__ import annotations
 
