@@ -864,10 +864,10 @@ CASES.update(DELAYED_CASES)
 CASES.update(DABMD_CASES)
 
 WAVELET_CASES = {
-    "wavelet_over_pipeline_stages": (lambda: fxpar.Strategy(pp=2, schedule="wavelet"), fxpar.StrategyError,
-                                     r"schedule='wavelet' runs its two waves on each data-parallel rank.*pp=2 would "
-                                     r"put waves on pipeline stages", r"Use Strategy\(dp=..., schedule='wavelet'\) "
-                                     r"with pp=1"),
+    "wavelet_chunks_over_pipeline_stages": (lambda: fxpar.Strategy(pp=2, schedule="wavelet", wave_chunks=3),
+                                            fxpar.StrategyError, r"Strategy\(pp=2, wave_chunks=3\): with pp > 1 "
+                                            r"schedule='wavelet' cuts the model into pp=2 stages",
+                                            r"drop wave_chunks, or use pp=1"),
     "wavelet_odd_microbatches": (lambda: fxpar.Strategy(dp=2, schedule="wavelet", microbatches=3), fxpar.StrategyError,
                                  r"half the microbatches to each wave; microbatches=3 is odd",
                                  r"Use microbatches=2 or 4"),
