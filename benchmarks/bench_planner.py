@@ -20,7 +20,8 @@ by round in turn (each round starting one candidate later), after one uncounted 
 the median of its steps after the first ``--warmup`` (1) of each run, all rounds together, a step the slowest
 rank's. Each row gives the predicted step (the built program's ``estimate()``), the measured median, its ratio to
 the fastest, and the 1-minute load over its runs (``--max-load``: wait before each run while the load is higher,
-``--max-wait`` s at most). A candidate that does not build is listed, not measured.
+``--max-wait`` s at most; ``--nice``: the calibration and the ranks at that priority). A candidate that does not
+build is listed, not measured.
 """
 import argparse
 import contextlib
@@ -255,8 +256,8 @@ def main():
     ap.add_argument("--calibration", help="measure: a folder for ClusterSpec.calibrate(n)'s result, local-<n>.json")
     ap.add_argument("--max-load", type=float, help="measure: before each run, wait while the 1-minute load is over it")
     ap.add_argument("--max-wait", type=float, default=120, help="measure: seconds --max-load waits at most")
-    ap.add_argument("--nice", type=int, help="measure: the calibration and the ranks at this priority (as root, "
-                    "-20 puts them ahead of the machine's other work)")
+    ap.add_argument("--nice", type=int, help="measure: the calibration and the ranks at this priority (as root, a "
+                    "negative value favours them over other work on the cores)")
     ap.add_argument("--only", nargs="+", help="measure: models whose name contains one of these (gpt, llama, mlp)")
     args = ap.parse_args()
     {"plan": plan, "measure": measure, "megatron": megatron}[args.what](args)
