@@ -1,7 +1,7 @@
 """The automatic planner: how long it takes to plan, and how its pick compares with the plans it passed over.
 
     python benchmarks/bench_planner.py plan [--megatron-1t] [--build]    # planning time (fxpar.auto_plan), warm
-    python benchmarks/bench_planner.py measure         # auto's pick and the next candidates run for real, 2 ranks
+    python benchmarks/bench_planner.py measure [--ranks 2 4] [--calibration DIR]   # auto's pick against 4 more, run
     python benchmarks/bench_planner.py megatron [--rows 1 2 ...] [--auto]   # Megatron-LM's Table 1 (SC'21)
     python benchmarks/bench_planner.py alpa [--gpus 8 16 ...] [--no-auto]   # Alpa's GPT points (OSDI'22)
 
@@ -16,12 +16,22 @@ they come from): for its measured 8-GPU point and each point of its Figure 7(a),
 reports (where a dp x tp x pp mesh expresses it) and of ``fxpar.auto_plan``'s pick (fp16 and full recompute pinned,
 as both systems ran), as TFLOPS per GPU the way Alpa counts them, beside Alpa's and Megatron-LM's published figures.
 
-``measure``: for each model (the tied GPT of ``fxpar.testing``, an MLP), ``parallelize(strategy="auto")`` on
-2 CPU ranks, then auto's pick and every other built finalist run ``--steps`` steps with ``run_local``; the table
-gives each one's predicted step (built program's estimate), its measured median step, and the pick's rank among
-the measurements.
+``measure``: for each world size of ``--ranks`` (2 and 4), ``ClusterSpec.calibrate(n)`` (once per run; with
+``--calibration DIR`` kept in DIR/local-<n>.json and read from there by later runs), then for each model (the tied
+GPT of ``fxpar.testing``, a Hugging Face Llama built from a ``LlamaConfig``, an MLP; float64)
+``parallelize(strategy="auto")`` and the first ``--candidates`` (5) of its ranking that fit: auto's pick, then the
+next by predicted step (the built finalists by their full estimate, then the rest by the cheap cost), each built
+with ``strategy=c.strategy()``. All run on one set of ranks, ``--rounds`` (3) rounds of ``--steps`` (6) steps, round
+by round in turn (each round starting one candidate later), after one uncounted warm-up run; a candidate's time is
+the median of its steps after the first ``--warmup`` (1) of each run, all rounds together, a step the slowest
+rank's. Each row gives the predicted step (the built program's ``estimate()``), the measured median, its ratio to
+the fastest, and the 1-minute load over its runs (``--max-load``: wait before each run while the load is higher,
+``--max-wait`` s at most; ``--nice``: the calibration and the ranks at that priority). A candidate that does not
+build is listed, not measured.
 """
 import argparse
+import contextlib
+import os
 import statistics
 import sys
 import time
@@ -33,6 +43,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fxpar  # noqa: E402
+from fxpar._tracing import BatchLayout  # noqa: E402
+from fxpar.auto.search import as_auto, choose, fixed_options, search  # noqa: E402
+from fxpar.capture import shared_captures  # noqa: E402
 from fxpar.testing import GPT, MLP, gpt_loss, regression_batches, token_batches  # noqa: E402
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-4})
@@ -76,32 +89,137 @@ def plan(args):
         _time_plan("Megatron-LM 1T (128 x 25600, seq 2048, batch 3072), 3072 x A100", model, cl, x, False)
 
 
-def _models():
+def _models(steps: int):
+    """The models ``measure`` runs: (name, model, ``steps`` global batches, loss), float64."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from fxpar.testing.hf import CausalLM, lm_loss
     gpt = GPT(vocab=256, d=64, layers=4, heads=4, max_seq=64).double()
-    yield "tied GPT (4 x 64, seq 64)", gpt, token_batches(8, batch=16, seq=64, vocab=256), gpt_loss
+    yield "tied GPT (4 x 64, seq 64, batch 16)", gpt, token_batches(steps, batch=16, seq=64, vocab=256), gpt_loss
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, use_cache=False,
+                      attention_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    llama = CausalLM(LlamaForCausalLM(cfg)).double()
+    yield "HF Llama (4 x 64, seq 64, batch 16)", llama, token_batches(steps, batch=16, seq=64, vocab=256), lm_loss
     mlp = MLP(d_in=256, hidden=512, d_out=16, layers=4).double()
-    yield "MLP (4 x 512)", mlp, regression_batches(8, batch=64, d_in=256, d_out=16), torch.nn.functional.mse_loss
+    yield "MLP (4 x 512, batch 64)", mlp, regression_batches(steps, batch=64, d_in=256, d_out=16), \
+        torch.nn.functional.mse_loss
+
+
+@contextlib.contextmanager
+def _niced(nice: int | None):
+    """This process (and the ranks it spawns meanwhile) at scheduling priority ``nice``; ``None``: as it is."""
+    old = os.getpriority(os.PRIO_PROCESS, 0)
+    if nice is not None:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, old)
+
+
+def _calibrated(n: int, cache_dir: str | None, memo: dict, nice: int | None) -> "fxpar.ClusterSpec":
+    """``ClusterSpec.calibrate(n)``, once per run (and, with ``--calibration DIR``, read from DIR/local-<n>.json
+    when a run wrote it there)."""
+    if n in memo:
+        return memo[n]
+    path = Path(cache_dir) / f"local-{n}.json" if cache_dir else None
+    if path is not None and path.exists():
+        memo[n] = fxpar.ClusterSpec.from_json(str(path))
+    else:
+        t0 = time.perf_counter()
+        with _niced(nice):
+            memo[n] = fxpar.ClusterSpec.calibrate(n)
+        print(f"calibrated {n} ranks in {time.perf_counter() - t0:.0f}s (load {os.getloadavg()[0]:.1f})", flush=True)
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            memo[n].to_json(str(path))
+    return memo[n]
+
+
+def _auto(model, cluster, batch, loss) -> tuple:
+    """``parallelize(strategy="auto")``'s search and choice (fxpar/api.py), keeping every finalist's program:
+    (the search, strategy text -> program)."""
+    built = {}
+
+    def build(strategy):
+        built[str(strategy)] = fxpar.parallelize(model, cluster, batch, loss, ADAMW, strategy=strategy)
+        return built[str(strategy)]
+    found = search(model, cluster, BatchLayout.of(batch, loss).flatten(batch, "batch"), loss, ADAMW, as_auto("auto"))
+    with shared_captures():
+        choose(found, build)
+    return found, built
+
+
+def _measured_set(s, n: int) -> tuple:
+    """(auto's pick and the next ``n - 1`` fitting candidates of its ranking ``s``, what was passed over and why)."""
+    picked, skipped = [s.chosen], []
+    for c in s.ranked:
+        if len(picked) == n:
+            break
+        if c is s.chosen:
+            continue
+        if not c.fits:
+            skipped.append((c, (c.full or {}).get("note") or "predicted over memory"))
+            continue
+        picked.append(c)
+    return picked, skipped
+
+
+def _wait_for_load(limit: float | None, max_wait_s: float) -> None:
+    """Sleep while this machine's 1-minute load is over ``limit`` (at most ``max_wait_s``)."""
+    t0 = time.perf_counter()
+    while limit is not None and os.getloadavg()[0] > limit and time.perf_counter() - t0 < max_wait_s:
+        time.sleep(5)
 
 
 def measure(args):
-    cluster = fxpar.ClusterSpec.local(2)
-    for name, model, batches, loss in _models():
-        batches = [tuple(t.double() if t.is_floating_point() else t for t in b) for b in batches[:args.steps]]
-        prog = fxpar.parallelize(model, cluster, batches[0], loss, ADAMW, strategy="auto")
-        rows = []
-        for c in prog.auto_search.built:
-            if c.full is None or c.full.get("note"):
+    """Auto's pick and the next candidates of its ranking, run for real on a calibrated cluster, round by round."""
+    memo: dict = {}
+    for n in args.ranks:
+        cluster = _calibrated(n, args.calibration, memo, args.nice)
+        for name, model, batches, loss in _models(args.steps):
+            batches = [tuple(t.double() if t.is_floating_point() else t for t in b) for b in batches]
+            if args.only and not any(k.lower() in name.lower() for k in args.only):
                 continue
-            p = prog if c is prog.auto_search.chosen else fxpar.parallelize(model, cluster, batches[0], loss, ADAMW,
-                                                                           strategy=c.strategy())
-            res = p.run_local(batches)
-            rows.append((c, c.full["step_s"], statistics.median(res.step_times[1:])))
-        fastest = min(r[2] for r in rows)
-        print(f"\n{name}, 2 ranks ({args.steps} steps, median of steps 2..):")
-        print(f"  {'plan':<48} {'predicted':>10} {'measured':>10}  vs fastest")
-        for c, pred, meas in sorted(rows, key=lambda r: r[1]):
-            pick = " <- auto's pick" if c is prog.auto_search.chosen else ""
-            print(f"  {str(c):<48} {pred * 1e3:>8.2f}ms {meas * 1e3:>8.2f}ms  {meas / fastest:>6.2f}x{pick}")
+            s, built = _auto(model, cluster, batches[0], loss)
+            cands, skipped = _measured_set(s, args.candidates)
+            progs = []
+            for c in cands:
+                st = c.strategy(fixed_options(s.auto))
+                try:
+                    p = built.get(str(st)) or fxpar.parallelize(model, cluster, batches[0], loss, ADAMW, strategy=st)
+                    progs.append((c, p, p.estimate().step_time_s))
+                except Exception as e:  # noqa: BLE001 - a candidate that does not build is reported, not measured
+                    skipped.append((c, f"not built: {type(e).__name__}: {str(e)[:120]}"))
+            times = {id(c): [] for c, _, _ in progs}
+            loads = {id(c): [] for c, _, _ in progs}
+            with _niced(args.nice):             # the ranks inherit the priority; the builds above ran without it
+                lc = fxpar.LocalCluster(n)
+            try:
+                progs[0][1].run_local(batches[:2], cluster=lc)      # the ranks' first run (imports): not counted
+                for r in range(args.rounds):        # candidates alternate, each round from the next, so a change
+                    for c, p, _ in progs[r % len(progs):] + progs[:r % len(progs)]:     # of load hits all alike
+                        _wait_for_load(args.max_load, args.max_wait)
+                        loads[id(c)].append(os.getloadavg()[0])
+                        res = p.run_local(batches, cluster=lc)
+                        times[id(c)] += res.step_times[args.warmup:]
+            finally:
+                lc.close()
+            med = {k: statistics.median(v) for k, v in times.items()}
+            fastest = min(med.values())
+            pick_ratio = med[id(s.chosen)] / fastest
+            print(f"\n{name}, {n} ranks ({args.rounds} rounds x {args.steps} steps, median of steps "
+                  f"{args.warmup + 1}.., step = slowest rank): auto's pick {pick_ratio:.2f}x the fastest", flush=True)
+            print(f"  {'plan':<58} {'predicted':>10} {'measured':>10} {'/fastest':>8} {'load':>10}")
+            for c, p, pred in progs:
+                tag = " <- pick" if c is s.chosen else ""
+                ld = loads[id(c)]
+                print(f"  {str(c)[:58]:<58} {pred * 1e3:>8.2f}ms {med[id(c)] * 1e3:>8.2f}ms "
+                      f"{med[id(c)] / fastest:>7.2f}x {min(ld):>4.1f}-{max(ld):<4.1f}{tag}", flush=True)
+            for c, why in skipped:
+                print(f"  not measured: {c}: {why}")
 
 
 def megatron(args):
@@ -178,7 +296,17 @@ def main():
     ap.add_argument("--megatron-1t", action="store_true", help="plan: also Megatron-LM 1T on 3,072 GPUs")
     ap.add_argument("--gpus", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64], help="alpa: Figure 7's points")
     ap.add_argument("--no-auto", action="store_true", help="alpa: only the cost of Alpa's plans")
-    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--steps", type=int, default=6, help="measure: steps per run")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 4], help="measure: world sizes")
+    ap.add_argument("--rounds", type=int, default=3, help="measure: runs of every candidate, alternating")
+    ap.add_argument("--warmup", type=int, default=1, help="measure: steps of each run not counted")
+    ap.add_argument("--candidates", type=int, default=5, help="measure: auto's pick and the next ones run")
+    ap.add_argument("--calibration", help="measure: a folder for ClusterSpec.calibrate(n)'s result, local-<n>.json")
+    ap.add_argument("--max-load", type=float, help="measure: before each run, wait while the 1-minute load is over it")
+    ap.add_argument("--max-wait", type=float, default=120, help="measure: seconds --max-load waits at most")
+    ap.add_argument("--nice", type=int, help="measure: the calibration and the ranks at this priority (as root, a "
+                    "negative value favours them over other work on the cores)")
+    ap.add_argument("--only", nargs="+", help="measure: models whose name contains one of these (gpt, llama, mlp)")
     args = ap.parse_args()
     {"plan": plan, "measure": measure, "megatron": megatron, "alpa": alpa}[args.what](args)
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,12 +15,16 @@ import torch
 import fxpar
 import fxpar.api as api_mod
 import fxpar.capture as capture_mod
-from fxpar.auto.search import finalists, fixed_options
+from fxpar.auto.profile import profile_model
+from fxpar.auto.search import as_auto, finalists, fixed_options, search
 from fxpar.auto.space import SCHEDULES, schedule_shape
 from fxpar.optim import resolve_optimizer
 from fxpar.schedule import ScheduleError, simulate
 from fxpar.schedule.registry import get_schedule
 from fxpar.testing import GPT, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from bench_planner import _models  # noqa: E402  (the models its measure subcommand runs)
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2})
 TOL = 1e-10
@@ -290,3 +296,64 @@ def test_the_closed_form_pipeline_shapes_are_the_dry_runs():
             assert got == (sched.n_stages, sim.makespan / 3, max(sim.peak_activations_per_rank.values())), (name, p, m)
             checked += 1
     assert checked > 60
+
+
+# ClusterSpec.calibrate(n) on the 2-core machine of docs/benchmarks.md's "Automatic planner" measurements, the
+# calibrations that table ran on, rounded: 2 ranks at load 5, 4 ranks at load 9 (four ranks on two shared cores)
+CALIBRATED = {
+    2: ({"peak_flops": 8.35e10, "mem_bandwidth": 1.53e10, "op_overhead_s": 6.71e-6, "action_overhead_s": 1.05e-4,
+         "cold_op_s": 3.36e-6, "collective_issue_s": 2.91e-4, "collective_slots": 1, "comm_cpu_s": 4.74e-4,
+         "comm_cpu_per_byte": 0.0, "late_recv_s": 3.29e-3, "index_row_s": 6.42e-8, "core_share": 1.0,
+         "efficiency": {"attention": 0.64, "conv": 1.0, "elementwise": 1.0, "matmul": 1.0, "matmul_narrow": 0.0097,
+                        "memory": 1.0, "norm": 0.071, "softmax": 0.05, "transcendental": 0.013,
+                        "transcendental_backward": 0.0079}}, (8.65e8, 9.69e-4)),
+    4: ({"peak_flops": 1.22e10, "mem_bandwidth": 2.31e9, "op_overhead_s": 2.08e-5, "action_overhead_s": 3.17e-4,
+         "cold_op_s": 1.44e-5, "collective_issue_s": 1.81e-4, "collective_slots": 2, "comm_cpu_s": 1.32e-3,
+         "comm_cpu_per_byte": 2.16e-10, "late_recv_s": 7.47e-4, "index_row_s": 4.85e-7, "core_share": 0.172,
+         "efficiency": {"attention": 0.62, "conv": 1.0, "elementwise": 1.0, "matmul": 1.0, "matmul_narrow": 0.02,
+                        "memory": 1.0, "norm": 0.062, "softmax": 0.049, "transcendental": 0.028,
+                        "transcendental_backward": 0.017}}, (6.76e8, 1.27e-3)),
+}
+# (model, ranks) -> (the finalists, the cheap ranking's first three) on those profiles
+MEASURED_CANDIDATES = {
+    ("tied GPT", 2): (["dp=2, m=1", "pp=2 (zb1p), m=2", "pp=2 (1f1b), m=2"],
+                      ["dp=2, m=1", "dp=2, m=1, zero=3", "dp=2, m=1, recompute=selective"]),
+    ("tied GPT", 4): (["dp=4, m=1", "dp=2 x pp=2 (zb1p), m=2", "pp=4 (zb1p), m=4"],
+                      ["dp=4, m=1", "dp=4, m=1, zero=3", "dp=4, m=1, recompute=selective"]),
+    ("HF Llama", 2): (["dp=2, m=1", "pp=2 (zb1p), m=2", "pp=2 (1f1b), m=2"],
+                      ["dp=2, m=1", "dp=2, m=1, zero=3", "dp=2, m=1, recompute=selective"]),
+    ("HF Llama", 4): (["dp=4, m=1, zero=3", "dp=2 x pp=2 (zb1p), m=2", "pp=4 (zb1p), m=4"],
+                      ["dp=4, m=1, zero=3", "dp=4, m=1, zero=3, recompute=selective",
+                       "dp=4, m=2, zero=2, recompute=selective"]),
+    ("MLP", 2): (["pp=2 (zb1p), m=2", "tp=2, sharding=megatron, m=1", "tp=2, sharding=auto, m=1",
+                  "dp=2, m=1, zero=2, bucket=5MiB"],
+                 ["pp=2 (zb1p), m=2", "pp=2 (zb1p), m=4", "pp=2 (zb1p), m=8"]),
+    ("MLP", 4): (["dp=2 x pp=2 (zb1p), m=2, zero=2", "dp=4, m=1, zero=2, bucket=5MiB",
+                  "tp=2 x pp=2 (zb1p), sharding=megatron, m=2", "tp=2 x pp=2 (zb1p), sharding=auto, m=2"],
+                 ["dp=2 x pp=2 (zb1p), m=2, zero=2", "tp=2 x pp=2 (zb1p), sharding=megatron, m=2",
+                  "pp=4 (zb1p), m=4"]),
+}
+
+
+def _calibrated_local(world: int) -> fxpar.ClusterSpec:
+    dev, (bw, lat) = CALIBRATED[world]
+    cl = fxpar.ClusterSpec.local(world)
+    return dataclasses.replace(cl, device=dataclasses.replace(cl.device, **dev),
+                               intra_node=dataclasses.replace(cl.intra_node, bandwidth=bw, latency=lat))
+
+
+@pytest.mark.slow
+@pytest.mark.cost
+def test_the_candidates_measured_on_this_machine_and_their_order():
+    """On the calibrations the measurements in docs/benchmarks.md ran on (fixed, rounded), for the models of
+    ``benchmarks/bench_planner.py measure`` (the tied GPT, an HF Llama from a config, an MLP) at 2 and 4 ranks: the
+    finalists auto builds (the fastest candidate of each of the three fastest families; a tp family's under both
+    modes) and the first three of the cheap ranking, in order."""
+    got = {}
+    for name, model, batches, loss in _models(1):
+        prof = profile_model(model, batches[0], loss)       # one profile for both world sizes
+        for world in (2, 4):
+            found = search(model, _calibrated_local(world), batches[0], loss, ADAMW, as_auto("auto"), profile=prof)
+            got[name.split(" (")[0], world] = ([str(c) for c in finalists(found)[0]],
+                                               [str(c) for c in found.ranked[:3]])
+    assert got == MEASURED_CANDIDATES
