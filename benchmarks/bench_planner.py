@@ -3,12 +3,18 @@
     python benchmarks/bench_planner.py plan [--megatron-1t] [--build]    # planning time (fxpar.auto_plan), warm
     python benchmarks/bench_planner.py measure         # auto's pick and the next candidates run for real, 2 ranks
     python benchmarks/bench_planner.py megatron [--rows 1 2 ...] [--auto]   # Megatron-LM's Table 1 (SC'21)
+    python benchmarks/bench_planner.py alpa [--gpus 8 16 ...] [--no-auto]   # Alpa's GPT points (OSDI'22)
 
 ``plan``: GPT-2 small (12 layers, h=768, seq 1024, global batch 32) on 8 A100s (one node), and a 32-layer h=4096
 GPT (32 heads, seq 2048, global batch 512) on 64 A100s (8 nodes), both on the ``meta`` device: the first call (cold:
 imports and the fake-tensor warm-up) and the best of three more (warm), the profile's share, the candidates priced,
 and the plan ranked first. ``--build`` also times ``parallelize(strategy="auto")`` (the finalists built in full);
 ``--megatron-1t`` adds Megatron-LM's 1T row (Table 1, row 10: 128 layers, h=25600, on 3,072 A100s), unpinned.
+
+``alpa``: Alpa's GPT benchmark on p3.16xlarge machines (tests/test_auto_alpa.py: the published figures and where
+they come from): for its measured 8-GPU point and each point of its Figure 7(a), fxpar's cheap cost of the plan Alpa
+reports (where a dp x tp x pp mesh expresses it) and of ``fxpar.auto_plan``'s pick (fp16 and full recompute pinned,
+as both systems ran), as TFLOPS per GPU the way Alpa counts them, beside Alpa's and Megatron-LM's published figures.
 
 ``measure``: for each model (the tied GPT of ``fxpar.testing``, an MLP), ``parallelize(strategy="auto")`` on
 2 CPU ranks, then auto's pick and every other built finalist run ``--steps`` steps with ``run_local``; the table
@@ -19,6 +25,7 @@ import argparse
 import statistics
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -123,16 +130,57 @@ def megatron(args):
                   f"{len(got.search.priced)} candidates in {time.perf_counter() - t0:.1f} s", flush=True)
 
 
+def alpa(args):
+    """Alpa's GPT points: the cheap cost of Alpa's plan and of auto's pick, in Alpa's TFLOPS per GPU."""
+    from tests.test_auto_alpa import FIGURE7, MEASURED, MEASURED_STEP_S, config_pins, setup, tflops
+    print(f"{'GPUs':>4} {'model':>5} {'batch':>5}  {'Alpa':>5} {'Megatron':>8}  {'plan':<28} {'fxpar':>5} "
+          f"{'vs Alpa':>7}  auto's pick (fxpar TFLOPS, planning time)")
+    for point in [MEASURED] + [p for p in FIGURE7 if p[0] in args.gpus]:
+        n, name, B, alpa_tf, meg_tf, given = point
+        model, x, cl, pins = setup(point)
+        line = f"{n:>4} {name:>5} {B:>5}  {alpa_tf:>5.1f} {meg_tf:>8.1f}  "
+        if given is None:
+            line += f"{'(stages of unlike meshes)':<28} {'':>5} {'':>7}"
+        else:
+            extra = dict(zero=0, margin=1.0) if point is MEASURED else {}
+            strategy = fxpar.Strategy.auto(**pins, **config_pins(point), **extra)
+            note = ""
+            try:
+                c = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW, prune=False, strategy=strategy)[0]
+            except fxpar.StrategyError:        # over 90% of 16 GiB: priced on a copy of the device with 4x the memory
+                big = replace(cl, device=replace(cl.device, memory_bytes=4 * cl.device.memory_bytes))
+                c = fxpar.auto_plan(model, big, (x, x), gpt_loss, ADAMW, prune=False, strategy=strategy)[0]
+                note = f" (over memory: {c.peak_bytes / 2**30:.1f} GiB predicted)"
+            tf = tflops(point, c.step_s)
+            line += f"{'dp=%d tp=%d pp=%d m=%d' % given:<28} {tf:>5.1f} {tf / alpa_tf:>7.2f}{note}"
+            if point is MEASURED:
+                line += f" (step {c.step_s:.3f} s, measured {MEASURED_STEP_S} s; peak {c.peak_bytes / 2**30:.1f} GiB)"
+        if not args.no_auto:
+            t0 = time.perf_counter()
+            try:
+                got = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW, strategy=fxpar.Strategy.auto(**pins))
+                mark = ""
+            except fxpar.NoPlanFitsError:      # without a pipeline the search tries 1, 2, 4 and 8 microbatches only
+                many = tuple(2**k for k in range(4, B.bit_length()))
+                got, mark = fxpar.auto_plan(model, cl, (x, x), gpt_loss, ADAMW, strategy=fxpar.Strategy.auto(
+                    **pins, microbatches=many)), " [microbatches 16.. pinned]"
+            line += (f"  {got[0]}: {tflops(point, got[0].step_s):.1f} ({len(got.search.priced)} candidates, "
+                     f"{time.perf_counter() - t0:.1f} s){mark}")
+        print(line, flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=("plan", "measure", "megatron"))
+    ap.add_argument("what", choices=("plan", "measure", "megatron", "alpa"))
     ap.add_argument("--rows", type=int, nargs="+", default=list(range(1, 11)), help="megatron: Table 1's rows")
     ap.add_argument("--auto", action="store_true", help="megatron: also fxpar.auto_plan's pick")
     ap.add_argument("--build", action="store_true", help="plan: also time parallelize(strategy='auto') on GPT-2")
     ap.add_argument("--megatron-1t", action="store_true", help="plan: also Megatron-LM 1T on 3,072 GPUs")
+    ap.add_argument("--gpus", type=int, nargs="+", default=[1, 4, 8, 16, 32, 64], help="alpa: Figure 7's points")
+    ap.add_argument("--no-auto", action="store_true", help="alpa: only the cost of Alpa's plans")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
-    {"plan": plan, "measure": measure, "megatron": megatron}[args.what](args)
+    {"plan": plan, "measure": measure, "megatron": megatron, "alpa": alpa}[args.what](args)
 
 
 if __name__ == "__main__":

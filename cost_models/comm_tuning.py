@@ -43,7 +43,7 @@ from fxpar.roles import Role
 
 from .compute import graph_compute
 
-__all__ = ["BucketTiming", "SimResult", "simulate", "tune"]
+__all__ = ["BucketTiming", "SimResult", "simulate", "slowest_for", "tune"]
 
 _NEAR = 0.02      # tuning: settings predicted within 2% of the best count as equally good
 _MARGIN = 0.25     # a piece is retired (waited for free) only a quarter of its own duration after its predicted end
@@ -240,6 +240,19 @@ def tune(make_buckets, t_fwd: float, t_bwd: float, comm_s, cross: bool, partitio
     least = min(t for _, _, t in tried)
     part, c = max((p, c) for p, c, t in tried if t <= least * (1 + _NEAR))
     return part, c, runs[(part, c)], tried
+
+
+def slowest_for(gm, devices) -> tuple:
+    """``(device, per-node seconds)``: the one of ``devices`` on which ``gm``'s compute takes longest (the first on a
+    tie; ``cost_models.compute.graph_compute``) and its times. The ranks of a data-parallel group meet at every
+    collective, so a plan made once for all of them (the pieces and credit, a bucket size) is simulated on
+    the slowest one's timeline (``ClusterSpec.devices_of``: a heterogeneous cluster's devices, stragglers folded in)."""
+    best = None
+    for d in devices:
+        gc = graph_compute(gm, d)
+        if best is None or gc.time_s > best[1].time_s:
+            best = (d, gc)
+    return best[0], best[1].times
 
 
 def stage_timings(gm, signature, device, backward: list | None = None, times: dict | None = None) -> dict:

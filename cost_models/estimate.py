@@ -283,9 +283,11 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
     ``CommInfo``, ``("wait", label)``; see :mod:`cost_models.sequence`). ``server_nodes[j]``: the
     worker node BytePS's CPU server ``j`` sits on (default: machines of their own; ``cost_models.comm``).
     In a heterogeneous cluster (``cluster.devices``) each rank's graphs are costed on its own device
-    (``cluster.device_of(rank)``). A straggler of ``cluster.slowdown`` (``{rank: factor}`` pairs) runs its compute
-    :func:`straggler_factor` times as long (:func:`cost_models.simulate.slowed`); a collective starts when its
-    slowest member issues it, so synchronous data parallelism's step is the straggler's.
+    (``cluster.device_of(rank)``), a late receive costs its sender's ``late_recv_s``, and the gloo collectives in
+    flight at once are the fewest any device allows (``collective_slots``). A straggler of ``cluster.slowdown``
+    (``{rank: factor}`` pairs) runs its compute :func:`straggler_factor` times as long
+    (:func:`cost_models.simulate.slowed`); a collective starts when its slowest member issues it, so synchronous data
+    parallelism's step is the straggler's.
     """
     caches: dict = {}
 
@@ -320,8 +322,13 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
                                [latency_part(i, cluster, c.time_s) for i, c in zip(p.infos, costs)])
         durations[r], wire[r], latency[r] = comm_cache[key]
     # gloo runs a group's collectives on GLOO_THREADS worker threads: that many may be in flight at once, unless
-    # calibrate() found this machine's ranks progress fewer (DeviceSpec.collective_slots)
-    slots = getattr(cluster.device, "collective_slots", 0) or GLOO_THREADS
+    # calibrate() found this machine's ranks progress fewer (DeviceSpec.collective_slots); one figure for the
+    # simulation, so a heterogeneous cluster's fewest (its ranks' collectives progress together)
+    devices = getattr(cluster, "devices", ()) or (cluster.device,)
+    slots = min(getattr(d, "collective_slots", 0) or GLOO_THREADS for d in devices)
+    # a late receive costs the sender's CPU its DeviceSpec.late_recv_s: each sender's own on a heterogeneous cluster
+    late_recv = ({r: cluster.device_of(r).late_recv_s for r in programs} if getattr(cluster, "devices", ())
+                 else getattr(cluster.device, "late_recv_s", 0.0))
     multi = {"latency": latency, "slots": slots} if getattr(cluster, "backend", "gloo") == "gloo" else {}
     cls_of = _symmetry_classes(programs)
     symmetric = cls_of is not None
@@ -332,7 +339,7 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
         rep_sims = simulate({r: programs[r] for r in reps.values()}, durations, symmetric=True, **multi)
         sims = {r: rep_sims[reps[key]] for r, key in cls_of.items()}
     else:
-        sims = simulate(programs, durations, late_recv_s=getattr(cluster.device, "late_recv_s", 0.0), **multi)
+        sims = simulate(programs, durations, late_recv_s=late_recv, **multi)
     ranks, done = [], {}
     for r in sorted(programs):
         p, sim = programs[r], sims[r]

@@ -62,6 +62,8 @@ class Program:
     ``deferred``: comm index -> names under which the graph returns that collective unwaited.
     ``placeholder_waits``: ``(i, name)``: before ``steps[i]`` a ``wait_tensor`` reads placeholder
     ``name`` (a collective an earlier graph of a sequence issued; ignored on a graph's own).
+    ``cluster.device`` is the rank's device: :func:`cost_models.estimate.estimate` hands each rank of a
+    heterogeneous cluster the cluster on its own (``ClusterSpec.on_device``).
     """
 
     def __init__(self, gm, cluster):
@@ -248,7 +250,7 @@ def _group_key(info):
     return tuple(sorted(info.ranks))
 
 
-def simulate(programs: dict, durations: dict, symmetric: bool = False, late_recv_s: float = 0.0,
+def simulate(programs: dict, durations: dict, symmetric: bool = False, late_recv_s: float | dict = 0.0,
              latency: dict | None = None, slots: int = 1) -> dict:
     """Run ``programs`` (rank -> Program); ``durations[rank][k]`` is comm k's seconds.
 
@@ -271,9 +273,12 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False, late_recv
     A receive that is already waiting when the send comes, or whose sender is itself waiting,
     costs only the transfer. Which messages pay depends on the timeline, which the overheads
     shift: the simulation is re-run with the set found on the previous run until the set is
-    stable (at most ``_LATE_PASSES`` runs; usually two).
+    stable (at most ``_LATE_PASSES`` runs; usually two). A dict ``{rank: seconds}`` gives each sender its own
+    (a heterogeneous cluster's devices).
     """
     multi = (latency, slots) if slots > 1 and latency is not None else None
+    if isinstance(late_recv_s, dict) and not any(late_recv_s.values()):
+        late_recv_s = 0.0
     if not late_recv_s:
         return _simulate_once(programs, durations, symmetric, 0.0, frozenset(), None, multi)
     penalize: frozenset = frozenset()
@@ -359,7 +364,8 @@ def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late, 
         extra = 0.0
         if late is not None and gp2p[g] and len(mem) == 2 and got[mem[0]][0] < got[mem[1]][0]:
             late.append((cid, mem[0], got[mem[1]][0]))
-            extra = late_recv_s if cid in penalize else 0.0
+            pay = late_recv_s.get(mem[0], 0.0) if isinstance(late_recv_s, dict) else late_recv_s
+            extra = pay if cid in penalize else 0.0
         for m, lk in zip(mem, lanes):
             k = got[m][1]
             dur = durations[m][k] + extra

@@ -7,12 +7,18 @@ the cycle T, never add up to more than the device holds::
     max over t of  M(t) + M(t + T/2)  <=  device memory
 
 ``M`` here is one wave's timeline action by action (:func:`cost_models.step_memory.sequence_timeline` over the
-wave's graphs): its bytes while each action runs and after it. The waves share what does not belong to either:
-the rank's parameters, optimizer state and batch, and the one gradient accumulator per parameter both waves add
-into (as large as the larger of the two waves' at the moment); those count once. The waves run in slots, one action of each per slot, the tick's first: while the tick
-wave runs its action t the tock wave holds what it held after its action t - shift - 1, and while the tock wave
-runs its action t - shift the tick wave holds what it held after its action t. The gradient reduction and the
-update run once, after both waves.
+wave's graphs): its bytes while each action runs and after it. The waves run in slots, the tick's action first in
+a slot both use: while the tick wave runs its action t the tock wave holds what it held after its action
+t - shift - 1, and while the tock wave runs its action t - shift the tick wave holds what it held after its action
+t. The gradient reduction and the update run once, after both waves.
+
+* One timeline (data parallelism, every chunk on the rank): the tock wave is the tick wave's timeline again. The
+  waves share what belongs to neither: the rank's parameters, optimizer state and batch, and the one gradient
+  accumulator per parameter both waves add into (as large as the larger of the two waves' at the moment); those
+  count once.
+* Two timelines (``other``: model parallelism, the tock wave's stage on this rank is another rank's tick stage):
+  the tock wave's memory on this rank is that other rank's tick timeline half a cycle later, M_r(t) +
+  M_q(t + T/2); the two stages' state, batches and accumulators are their own, and add.
 """
 from __future__ import annotations
 
@@ -26,8 +32,8 @@ __all__ = ["WavePeak", "waves_peak"]
 @dataclass
 class WavePeak:
     """``combined``: the two waves' peak together (bytes); ``one_wave``: one wave's peak alone; ``shared``: the bytes
-    both hold once throughout (state, batch); ``slot``: the slot of the combined peak; ``timeline``: one wave's
-    :func:`~cost_models.step_memory.sequence_timeline` rows."""
+    held throughout (the rank's state and batch); ``slot``: the slot of the combined peak; ``timeline``: the tick
+    wave's :func:`~cost_models.step_memory.sequence_timeline` rows."""
     combined: float
     one_wave: float
     shared: float
@@ -35,29 +41,54 @@ class WavePeak:
     timeline: list
 
 
-def waves_peak(runs, shift: int, tail: int = 0) -> WavePeak:
-    """The peak of two copies of the step sequence ``runs`` (one wave: ``(Liveness or None, label, keep)`` per item,
-    as :func:`cost_models.step_memory.sequence_peak` takes), the second ``shift`` actions after the first. The last
-    ``tail`` graphs of ``runs`` (the gradient reduction and the update) run once, after both waves."""
-    base, line = sequence_timeline(runs)
-    during = [d - base - g for _, d, _, g, _ in line]          # one wave's own bytes: no state, no accumulator
-    after = [a - base - g for _, _, a, _, g in line]
-    g_during = [g for *_, g, _ in line]
-    g_after = [g for *_, g in line]
-    n = len(line) - tail
+class _Line:
+    """One wave's timeline: its own bytes (no state, no accumulator) and its accumulators', while each action runs
+    and after it; ``n`` the wave's actions before its tail (reduction, update)."""
 
-    def held(j: int) -> tuple:                      # (own bytes, accumulators) of the wave after its action j
-        return (0.0, 0.0) if j < 0 else (after[min(j, n - 1)], g_after[min(j, n - 1)])
+    def __init__(self, runs, tail: int):
+        self.base, self.rows = sequence_timeline(runs)
+        self.during = [d - self.base - g for _, d, _, g, _ in self.rows]
+        self.after = [a - self.base - g for _, _, a, _, g in self.rows]
+        self.g_during = [g for *_, g, _ in self.rows]
+        self.g_after = [g for *_, g in self.rows]
+        self.n = len(self.rows) - tail
 
-    def both(j: int, other: tuple) -> float:        # the wave running its action j, the other wave holding ``other``
-        return base + max(g_during[j], other[1]) + during[j] + other[0]
+    def held(self, j: int, end: int | None = None) -> tuple:
+        """(own bytes, accumulators) after its action j (none before its first; its last wave action's after it)."""
+        last = self.n - 1 if end is None else end
+        return (0.0, 0.0) if j < 0 or last < 0 else (self.after[min(j, last)], self.g_after[min(j, last)])
 
-    best, slot = max((both(j, (0.0, g_after[n - 1] if n else 0.0)), n + shift) for j in range(n, len(line))) \
-        if tail else (0.0, 0)                       # the tail runs once, after both waves (their sums in one)
-    for t in range(n + shift):
+
+def waves_peak(runs, shift: int, tail: int = 0, other=None, other_tail: int = 0) -> WavePeak:
+    """The peak of the tick wave ``runs`` (``(Liveness or None, label, keep)`` per item, as
+    :func:`cost_models.step_memory.sequence_peak` takes) and a tock wave ``shift`` actions after it: the same
+    ``runs`` again (``other`` None: shared state and accumulators), or ``other``'s (its own state and accumulators).
+    The last ``tail`` (``other_tail``) graphs of each run once, after both waves."""
+    a = _Line(runs, tail)
+    b = a if other is None else _Line(other, other_tail)
+    shared = other is None
+    base = a.base if shared else a.base + b.base
+
+    def at(x, j: int, held: tuple) -> float:     # wave x runs its action j; the other wave holds ``held``
+        g = max(x.g_during[j], held[1]) if shared else x.g_during[j] + held[1]
+        return base + g + x.during[j] + held[0]
+
+    best, slot = 0.0, 0
+    done_b = (0.0, b.g_after[b.n - 1] if b.n else 0.0) if shared else b.held(len(b.rows) - 1)
+    for j in range(a.n, len(a.rows)):           # the tail runs once, after both waves (their sums in one)
+        here = at(a, j, done_b)
+        if here > best:
+            best, slot = here, a.n + shift
+    if not shared:
+        done_a = a.held(len(a.rows) - 1, len(a.rows) - 1)
+        for j in range(b.n, len(b.rows)):
+            here = at(b, j, done_a)
+            if here > best:
+                best, slot = here, a.n + shift
+    for t in range(max(a.n, b.n + shift)):
         u = t - shift
-        here = max(both(t, held(u - 1)) if t < n else 0.0, both(u, held(t)) if 0 <= u < n else 0.0)
+        here = max(at(a, t, b.held(u - 1)) if t < a.n else 0.0, at(b, u, a.held(t)) if 0 <= u < b.n else 0.0)
         if here > best:
             best, slot = here, t
-    one = max(d + g for d, g in zip(during, g_during)) + base
-    return WavePeak(best, one, base, slot, line)
+    one = max(d + g for d, g in zip(a.during, a.g_during)) + a.base
+    return WavePeak(best, one, base, slot, a.rows)

@@ -89,8 +89,18 @@ class LinkSpec:
 # (SXM2 125 TFLOPS fp16 tensor core, 900 GB/s, NVLink 2 300 GB/s). Latencies are typical, not datasheet figures.
 # Matmul efficiency: the largest share of the bf16 peak a matmul reaches, measured over many shapes (S. Bekman,
 # "Machine Learning Engineering", compute/accelerator, Maximum Achievable Matmul FLOPS table: A100 SXM 267.9 of
-# 312 TFLOPS, H100 SXM 792.1 of 989); no figure for V100, whose presets stay at the peak.
-_MAMF_A100, _MAMF_H100 = {"matmul": 267.9 / 312}, {"matmul": 792.1 / 989}
+# 312 TFLOPS, H100 SXM 792.1 of 989). V100: the most a mixed-precision (fp16) GEMM reached on its tensor cores,
+# cuBLAS over a sweep of sizes, 83 of 125 TFLOPS (S. Markidis, S. W. D. Chien, E. Laure, I. B. Peng, J. S. Vetter,
+# "NVIDIA Tensor Core Programmability, Performance & Precision", IPDPSW 2018, abstract).
+_MAMF_A100, _MAMF_H100, _MAMF_V100 = {"matmul": 267.9 / 312}, {"matmul": 792.1 / 989}, {"matmul": 83 / 125}
+# AWS p3.16xlarge (the machine of Alpa's benchmarks, Zheng et al., OSDI'22, Section 8): 8 V100-SXM2-16GB joined by
+# NVLink 2.0 (300 GB/s in total per GPU, as the V100 preset), 25 Gbps of network per instance (J. Barr, "New - Amazon
+# EC2 Instances with Up to 8 NVIDIA Tesla V100 GPUs (P3)", AWS News Blog, 2017-10-25: the P3 table, p3.16xlarge
+# row: 8 GPUs, NVLink 300 GBps, network 25 Gbps). One network interface serves the 8 GPUs, and under SPMD they all
+# cross at once (a dp group spanning nodes, or every tp rank sending at a stage boundary), so the preset gives each
+# GPU its eighth: 25e9 / 8 bytes/s / 8 (``LinkSpec.inter_node`` under NCCL is each device's). TCP over the
+# instance's ENA: latency typical (30 us), not measured.
+_P3_NET = LinkSpec(25e9 / 8 / 8, 30e-6)
 _NVLINK3, _NVLINK4, _NVLINK2 = LinkSpec(300e9, 3e-6), LinkSpec(450e9, 2.5e-6), LinkSpec(150e9, 3e-6)
 _PCIE5 = LinkSpec(64e9, 4e-6)
 _IB_EDR, _IB_HDR, _IB_NDR = LinkSpec(12.5e9, 5e-6), LinkSpec(25e9, 5e-6), LinkSpec(50e9, 5e-6)
@@ -105,10 +115,12 @@ PRESETS = {
                       intra=_PCIE5, inter=_IB_NDR),
     "h200": dict(device=DeviceSpec("cuda", "H200-SXM-141GB", 141 * 2**30, 989e12, 4.8e12, _MAMF_H100),
                  intra=_NVLINK4, inter=_IB_NDR),
-    "v100-32gb": dict(device=DeviceSpec("cuda", "V100-SXM2-32GB", 32 * 2**30, 125e12, 0.9e12),
+    "v100-32gb": dict(device=DeviceSpec("cuda", "V100-SXM2-32GB", 32 * 2**30, 125e12, 0.9e12, _MAMF_V100),
                       intra=_NVLINK2, inter=_IB_EDR),
-    "v100-16gb": dict(device=DeviceSpec("cuda", "V100-SXM2-16GB", 16 * 2**30, 125e12, 0.9e12),
+    "v100-16gb": dict(device=DeviceSpec("cuda", "V100-SXM2-16GB", 16 * 2**30, 125e12, 0.9e12, _MAMF_V100),
                       intra=_NVLINK2, inter=_IB_EDR),
+    "p3.16xlarge": dict(device=DeviceSpec("cuda", "V100-SXM2-16GB", 16 * 2**30, 125e12, 0.9e12, _MAMF_V100),
+                        intra=_NVLINK2, inter=_P3_NET),
 }
 # short names: the SXM part with the most memory
 PRESET_ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200-141gb": "h200",
@@ -151,8 +163,10 @@ class ClusterSpec:
     ``devices``: a heterogeneous cluster (:meth:`heterogeneous`), one :class:`DeviceSpec` per worker rank, each with
     its own speed and memory (``device`` is then rank 0's); empty: every rank is a ``device``. :meth:`device_of`
     reads a rank's. ``estimate()`` costs each rank's graphs on its own device and checks its peak against its own
-    memory; the pipeline cut weighs each stage by its rank's speed (:meth:`speed_of`: the device's FLOP/s over the
-    rank's ``slowdown``). A run on this machine's CPU (``kind="cpu"`` devices) emulates the devices' speeds: each
+    memory; HetPipe's cut weighs each stage by its rank's speed (:meth:`speed_of`: the device's FLOP/s over the
+    rank's ``slowdown``); a choice made once for several ranks (a bucket size, a sharding, a pipeline cut) is priced
+    on the slowest of them (:meth:`slowest_device`, :meth:`devices_of`) and a memory limit on the smallest
+    (:meth:`check_fits`). A run on this machine's CPU (``kind="cpu"`` devices) emulates the devices' speeds: each
     rank's compute takes as much longer as its device is slower than the fastest (:meth:`run_slowdown`), as a
     straggler's does. ``ClusterSpec.local(n, slowdown=...)`` is the same cluster as its :meth:`as_heterogeneous`.
     """
@@ -232,7 +246,8 @@ class ClusterSpec:
     @classmethod
     def preset(cls, name: str, nodes: int = 1, gpus_per_node: int = 8) -> "ClusterSpec":
         """A cluster of well-known GPU nodes: ``"a100-80gb"``, ``"a100-40gb"``, ``"h100-80gb"`` (SXM), ``"h100-pcie"``,
-        ``"h200"``, ``"v100-32gb"``, ``"v100-16gb"`` (vendor figures: the comment above ``PRESETS``), or a short name
+        ``"h200"``, ``"v100-32gb"``, ``"v100-16gb"``, ``"p3.16xlarge"`` (AWS: 8 V100-16GB, 25 Gbps between
+        machines) (vendor figures: the comment above ``PRESETS``), or a short name
         (``"a100"``, ``"h100"``, ``"v100"``: the SXM part with the most memory)."""
         key = PRESET_ALIASES.get(name, name)
         if key not in PRESETS:
@@ -276,6 +291,26 @@ class ClusterSpec:
     def speed_of(self, rank: int) -> float:
         """Rank ``rank``'s compute speed, FLOP/s: its device's peak over its ``slowdown`` factor."""
         return self.device_of(rank).peak_flops / self.slowdown_of(rank)
+
+    def devices_of(self, ranks=None) -> list:
+        """The distinct devices of ``ranks`` (default: every worker rank) in rank order, each straggler's
+        ``slowdown`` folded into its device (:meth:`as_heterogeneous`); ``[device]`` where every rank is one
+        device and none is slowed. A choice made once for all of those ranks (a bucket size, a sharding) is priced on
+        the slowest of them: synchronous training waits for it."""
+        flat = self.as_heterogeneous()
+        out: list = []
+        for r in range(self.world_size) if ranks is None else ranks:
+            d = flat.device_of(r)
+            if d not in out:
+                out.append(d)
+        return out
+
+    def slowest_device(self, ranks=None) -> DeviceSpec:
+        """The device of the slowest of ``ranks`` (default: every worker rank) by :meth:`speed_of` (the lowest rank
+        on a tie), a straggler's slowdown folded in (:meth:`as_heterogeneous`); ``device`` where every rank is one
+        device and none is slowed."""
+        ranks = range(self.world_size) if ranks is None else ranks
+        return self.as_heterogeneous().device_of(min(ranks, key=lambda r: (self.speed_of(r), r)))
 
     def run_slowdown(self, rank: int) -> float:
         """How many times longer rank ``rank``'s compute takes in a run: its straggler factor, times, for CPU devices

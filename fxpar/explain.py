@@ -105,7 +105,8 @@ def explain_program(prog) -> str:
     if not cap.optimizer.traced:
         lines += ["", f"optimizer {cap.optimizer.name} runs eagerly on each rank ({cap.optimizer.why_not_traced}):",
                   "  its update is not in the graph, so passes that rewrite the optimizer step do not apply."]
-    lines += ["", "estimate (cost models; " + ("calibrated cluster" if prog.cluster.device.efficiency
+    calibrated = any(d.efficiency for d in prog.cluster.devices_of())       # every rank's device
+    lines += ["", "estimate (cost models; " + ("calibrated cluster" if calibrated
                                                else "vendor/default figures: ClusterSpec.calibrate() for this machine's") + "):"]
     est = prog.estimate()
     lines += ["  " + ln for ln in str(est).splitlines()]

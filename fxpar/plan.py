@@ -146,6 +146,10 @@ class Plan:
         index (tensor-parallel ranks are neighbours, as Megatron places them inside a node)."""
         return divmod(rank, self.width)
 
+    def stage_ranks(self, stage: int) -> list:
+        """The global ranks holding stage ``stage``: every dp and tp index of its pipeline ranks."""
+        return [pr * self.width + i for pr in self.stage_to_rank[stage] for i in range(self.width)]
+
     def rank_stages(self, rank: int) -> list:
         """Stages whose weights global ``rank`` holds."""
         pr, _ = self.coords(rank)

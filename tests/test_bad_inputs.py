@@ -864,10 +864,10 @@ CASES.update(DELAYED_CASES)
 CASES.update(DABMD_CASES)
 
 WAVELET_CASES = {
-    "wavelet_over_pipeline_stages": (lambda: fxpar.Strategy(pp=2, schedule="wavelet"), fxpar.StrategyError,
-                                     r"schedule='wavelet' runs its two waves on each data-parallel rank.*pp=2 would "
-                                     r"put waves on pipeline stages", r"Use Strategy\(dp=..., schedule='wavelet'\) "
-                                     r"with pp=1"),
+    "wavelet_chunks_over_pipeline_stages": (lambda: fxpar.Strategy(pp=2, schedule="wavelet", wave_chunks=3),
+                                            fxpar.StrategyError, r"Strategy\(pp=2, wave_chunks=3\): with pp > 1 "
+                                            r"schedule='wavelet' cuts the model into pp=2 stages",
+                                            r"drop wave_chunks, or use pp=1"),
     "wavelet_odd_microbatches": (lambda: fxpar.Strategy(dp=2, schedule="wavelet", microbatches=3), fxpar.StrategyError,
                                  r"half the microbatches to each wave; microbatches=3 is odd",
                                  r"Use microbatches=2 or 4"),
@@ -930,6 +930,16 @@ ASYNC_AVG_CASES = {
     "diloco_fragments_with_zero": (lambda: _dp2(zero=1, sync=S.DiLoCo(period=4, fragments=2)), fxpar.StrategyError,
                                    r"feature 'sync' \(sync=DiLoCo\(.*fragments=2.*conflicts with feature 'zero'",
                                    r"drop one of them"),
+    "diloco_pattern_unknown": (lambda: S.DiLoCo(period=4, fragments=2, pattern="interleaved"), fxpar.StrategyError,
+                               r"DiLoCo\(pattern='interleaved'\)", r"must be 'sequential' \(consecutive tensors\) or "
+                               r"'strided'"),
+    "diloco_quantize_unknown_format": (lambda: S.DiLoCo(period=4, quantize="e2m1"), fxpar.StrategyError,
+                                       r"DiLoCo\(quantize='e2m1'\)", r"the formats built: \['e3m0'\]"),
+    "diloco_quantize_bits": (lambda: S.DiLoCo(period=4, quantize=4), fxpar.StrategyError, r"DiLoCo\(quantize=4\)",
+                             r"the formats built: \['e3m0'\] \(4 bits: 1 sign, 3 exponent, 0 mantissa bits\)"),
+    "diloco_strided_above_blocks": (lambda: _dp2(sync=S.DiLoCo(period=4, fragments=4, pattern="strided")),
+                                    fxpar.StrategyError, r"fragments=4 is more fragments than the model has blocks "
+                                    r"\(2: 0, 2\)", r"use fragments <= 2 or pattern='sequential'"),
 }
 CASES.update(ASYNC_AVG_CASES)
 

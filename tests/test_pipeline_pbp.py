@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fxpar
+from fxpar.features.pipeline_delayed import lr_factor, spike_coefficients, velocity_decay
 from fxpar.roles import GraphKind, Role
 from fxpar.schedule import get_schedule, simulate, steady_state_bubble
 from fxpar.testing import SkipNet, class_batches, max_abs_diff, reference_training
@@ -79,6 +80,33 @@ def test_forward_saves_no_weights_and_backward_reads_them():
         roles = {r for r, _ in after[GraphKind.F].inputs}
         assert (Role.FORWARD_PARAM in roles) == (s == 0) and (Role.PARAM in roles) == (s == 1)   # stage 1: D = 0
     assert [k for r, k in prog.stages[1].graphs[GraphKind.F].inputs if r == Role.PARAM] == ["out.weight", "out.bias"]
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("m", [0.5, 0.9, 0.99])
+@pytest.mark.parametrize("D", [0, 1, 3, 7])
+def test_the_constants_keep_what_the_papers_choose_them_for(m, D):
+    """Each constant against the property its paper chooses it for, where the delay D is in updates.
+
+    Spike compensation (Kosson et al.): the late gradient's D missed momentum steps at once, b = 1 + m + ... +
+    m^(D-1), the rest of its impulse as the undelayed one's from step D on, a m^j = m^(D+j): its total impulse is
+    plain momentum's, 1/(1-m), and a steady gradient keeps its velocity (a + b(1-m) = 1); D = 0 is momentum SGD.
+    PipeMare (Yang et al.): the warm-up starts stage s at lr/D and ends at lr after K updates, growing
+    geometrically (the exponent linear in k); the velocity's decay gamma forgets all but a tenth over D updates."""
+    a, b = spike_coefficients(m, D)
+    assert b == pytest.approx(sum(m ** j for j in range(D)), rel=1e-12, abs=1e-15)
+    assert all(a * m ** j == pytest.approx(m ** (D + j), rel=1e-12) for j in range(5))
+    assert b + a / (1 - m) == pytest.approx(1 / (1 - m), rel=1e-12)
+    assert a + b * (1 - m) == pytest.approx(1.0, rel=1e-12)
+    if D == 0:
+        assert (a, b) == (1.0, 0.0) and velocity_decay(D) == 0.0 and lr_factor(D, 0, 10) == 1.0
+        return
+    K = 10
+    f = [lr_factor(D, k, K) for k in range(K + 3)]
+    assert f[0] == pytest.approx(1 / D, rel=1e-12) and f[K:] == [1.0] * 3
+    assert all(x == pytest.approx(f[0] ** (1 - k / K), rel=1e-12) for k, x in enumerate(f[:K]))
+    assert lr_factor(D, 5, 0) == 1.0                         # no warm-up: the base learning rate throughout
+    assert velocity_decay(D) ** D == pytest.approx(0.1, rel=1e-12)
 
 
 # ---- the math ------------------------------------------------------------------------------------------------

@@ -140,3 +140,109 @@ def test_schedule_lists_each_methods_averaging_actions():
     assert f"{2 * p} bytes per rank per window ({p // 2} per step on average" in lines[1]
     every_other = _program(model, batches, S.LocalSGD(period=2), dp=4)     # one averaging per 2 steps: the same
     assert tiers.estimate().ranks[0].comm_bytes == every_other.estimate().ranks[0].comm_bytes
+
+
+# ---- the paper's strided fragments and 4-bit pseudo-gradients -----------------------------------------------------
+
+def _blocks_model():
+    torch.manual_seed(0)
+    return MLP(layers=3).double()         # blocks layers.0, layers.1, layers.2, out
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("dp,fragments,pattern,quantize,delay,mix,warmup,optimizer", [
+    (2, 2, "strided", None, 0, 0.0, 0, SGD_M),
+    (2, 2, "strided", "e3m0", 1, 0.5, 1, ADAMW),
+    (4, 4, "strided", "e3m0", 0, 0.0, 0, SGD_M),
+    (2, 2, "sequential", "e3m0", 0, 0.0, 0, SGD_M)],
+    ids=["dp2-strided", "dp2-strided-e3m0-delay1-AdamW", "dp4-strided-e3m0", "dp2-sequential-e3m0"])
+def test_strided_and_quantized_equal_the_papers_math(clusters, dp, fragments, pattern, quantize, delay, mix, warmup,
+                                                     optimizer):
+    """H=4, 7 steps, outer Nesterov SGD: every replica and the losses equal the one-process reference (its own
+    strided cut and its own E3M0 rounding by search over the grid) to 1e-10; the strided fragments hold the blocks
+    dealt round-robin; the quantized run differs from the unquantized reference (the rounding is applied)."""
+    model, batches = _blocks_model(), mlp_batches(7, batch=8)
+    method = S.DiLoCo(period=4, warmup_steps=warmup, outer=NESTEROV, fragments=fragments, delay=delay, mix=mix,
+                      pattern=pattern, quantize=quantize)
+    res = _program(model, batches, method, optimizer, dp=dp).run_local(batches, cluster=clusters.get(dp))
+    args = (model, batches, F.mse_loss, optimizer, dp, 4, fragments)
+    losses, reps = streaming_diloco_reference(*args, nesterov_outer(0.7, 0.9), warmup, delay, mix, pattern, quantize)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
+    for r, got in enumerate(_replicas(res, dp)):
+        _close(got, reps[r], f"replica {r}")
+    held = res.features[0]["sync"]["fragments"][0]
+    if pattern == "strided":
+        blocks = [["layers.0.weight", "layers.0.bias"], ["layers.1.weight", "layers.1.bias"],
+                  ["layers.2.weight", "layers.2.bias"], ["out.weight", "out.bias"]]
+        assert held == [[k for b in blocks[f::fragments] for k in b] for f in range(fragments)]
+    if quantize:
+        _, plain = streaming_diloco_reference(*args, nesterov_outer(0.7, 0.9), warmup, delay, mix, pattern)
+        assert max((plain[0][k] - reps[0][k]).abs().max().item() for k in reps[0]) > 1e-6
+
+
+@pytest.mark.numerics
+def test_e3m0_grid_on_hand_picked_numbers():
+    """The 4-bit grid (scale = the largest magnitude, 8 here: 0, 0.125, 0.25, ..., 8; nearest, a tie upward: -6 to
+    -8, 3 to 4, 0.0625 to 0.125) on numbers whose codes are known by hand, fxpar's quantizer and the reference's
+    search alike; the wire buffer round-trips."""
+    from fxpar.sync import quantize as Q
+    from fxpar.testing.sync import e3m0_reference
+    x = torch.tensor([8.0, -6.0, 5.9, 3.0, 2.9, -1.0, 0.18, 0.0625, 0.06, 0.0, -0.1], dtype=torch.float64)
+    want = torch.tensor([8.0, -8.0, 4.0, 4.0, 2.0, -1.0, 0.125, 0.125, 0.0, 0.0, -0.125], dtype=torch.float32)
+    codes, scale = Q.quantize(x)
+    assert scale.item() == 8.0 and scale.dtype == torch.float32
+    assert codes.tolist() == [7, 15, 6, 6, 5, 12, 1, 1, 0, 0, 9]
+    assert torch.equal(Q.dequantize(codes, scale), want)
+    assert torch.equal(e3m0_reference(x), want)
+    y = torch.randn(5, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    assert torch.equal(Q.dequantize(*Q.quantize(y)), e3m0_reference(y))
+    buf = Q.encode([x, y])
+    assert buf.dtype == torch.uint8 and buf.numel() == Q.wire_bytes(11) + Q.wire_bytes(35) == 4 + 6 + 4 + 18
+    a, b = Q.decode(buf, [x.shape, y.shape])
+    assert torch.equal(a, want) and torch.equal(b, e3m0_reference(y))
+    assert torch.equal(Q.dequantize(*Q.quantize(torch.zeros(3))), torch.zeros(3))
+
+
+@pytest.mark.numerics
+def test_checkpoint_with_a_quantized_fragment_in_flight_resumes_bitwise(clusters, tmp_path):
+    """Strided, E3M0, delay 1: fragment 0's gathered buffers saved after step 4 while in flight; 3 more steps
+    resumed == 8 straight, bitwise, per replica."""
+    model, batches = _blocks_model(), mlp_batches(8)
+    method = S.DiLoCo(period=4, outer=NESTEROV, fragments=2, delay=1, mix=0.5, pattern="strided", quantize="e3m0")
+    straight = _program(model, batches, method).run_local(batches, cluster=clusters.get(2))
+    _program(model, batches, method).run_local(batches[:5], cluster=clusters.get(2), save_to=tmp_path / "ck")
+    resumed = _program(model, batches, method).run_local(batches[5:], cluster=clusters.get(2),
+                                                         resume_from=tmp_path / "ck")
+    assert resumed.losses == straight.losses[5:]
+    for r, (a, b) in enumerate(zip(_replicas(straight, 2), _replicas(resumed, 2))):
+        for k in a:
+            assert torch.equal(a[k], b[k]), (r, k)
+
+
+@pytest.mark.structure
+def test_quantized_plan_prices_the_gathered_bytes():
+    """The Plan carries pattern and quantize; each fragment's AVERAGE on the schedule and the estimate count the
+    4-bit bytes (per tensor a float32 scale and its codes two to a byte), all-gathered; explain names both byte
+    counts and which blocks each strided fragment holds."""
+    from fxpar.sync.quantize import wire_bytes
+    model, batches = _blocks_model(), mlp_batches(1)
+    method = S.DiLoCo(period=4, outer=NESTEROV, fragments=2, pattern="strided", quantize="e3m0")
+    prog = _program(model, batches, method)
+    assert method_of(fxpar.Plan.from_json(prog.plan.to_json()).section("sync")) == method
+    assert {"pattern", "quantize"}.isdisjoint(S.DiLoCo(period=4).to_dict())
+    params = dict(model.named_parameters())
+    frags = method.fragment_keys(list(params))
+    sent = [sum(wire_bytes(params[k].numel()) for k in ks) for ks in frags]
+    plain = [sum(params[k].numel() * 8 for k in ks) for ks in frags]
+    lines = str(prog.schedule(0)).splitlines()
+    assert lines[2:] == [f"  step 0: AVERAGE0.0 ({sent[0]} bytes all-gathered in E3M0, {plain[0]} unquantized) "
+                         "OUTER0.0", "  step 1: -", f"  step 2: AVERAGE0.1 ({sent[1]} bytes all-gathered in E3M0, "
+                         f"{plain[1]} unquantized) OUTER0.1", "  step 3: -"]
+    assert prog.estimate().ranks[0].comm_bytes == sum(sent) // 4
+    rows = prog.plan.section("sync").stages[0]
+    assert sum(r["window_bytes"] for r in rows) == sum(sent) and sum(r["plain_bytes"] for r in rows) == sum(plain)
+    assert all(r["declared"][0][0] == "all_gather" for r in rows)
+    text = prog.explain()
+    assert f"{sum(sent)} bytes per rank per window of 4 step(s)" in text and f"{sum(plain)} unquantized" in text
+    assert "fragment 0 (strided): blocks layers.0, layers.2" in text
+    assert "fragment 1 (strided): blocks layers.1, out" in text

@@ -29,8 +29,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cost_models.comm import collective_cost
-from cost_models.comm_tuning import CreditError, plan_stage, stage_timings
-from cost_models.compute import graph_compute
+from cost_models.comm_tuning import CreditError, plan_stage, slowest_for, stage_timings
 from fxpar import meta as M
 from fxpar.roles import GraphKind, Role
 from fxpar.backward_order import reordered_backward, why_not_reorder
@@ -129,10 +128,12 @@ def plan_comm_schedule(section: ByteSchedulerSection, plan, stage: int, captured
         stages.append({"priority": [], "pieces": [], "events": [], "predicted_step_s": None})
         return stages[-1]
     ranks = plan.group_of(names[0], plan.stage_to_rank[stage][0] * plan.width)
-    times = graph_compute(captured.gm, cluster.device).times
+    # one plan for every rank of the stage: timed on the device whose compute of the step takes longest (a
+    # heterogeneous cluster's slowest, stragglers folded in; the cluster's device where all are alike)
+    device, times = slowest_for(captured.gm, cluster.devices_of(plan.stage_ranks(stage)))
     if (plan.optimizer or {}).get("kernel") == "fused":     # the update will run as one fused kernel per chain
-        times = fused_chain_times(captured.gm, times, cluster.device, plan.optimizer)
-    tm0 = stage_timings(captured.gm, captured.signature, cluster.device, times=times)
+        times = fused_chain_times(captured.gm, times, device, plan.optimizer)
+    tm0 = stage_timings(captured.gm, captured.signature, device, times=times)
     why_not = _why_not_grad_order(section, plan, captured, fused)
     asked = section.grad_order
     if asked == "priority" and why_not:
@@ -150,8 +151,8 @@ def plan_comm_schedule(section: ByteSchedulerSection, plan, stage: int, captured
     made_by = {}
     try:
         for label, mode, first, backward in _grad_order_candidates(captured, tm0, why_not, asked):
-            tm = tm0 if backward is None else stage_timings(captured.gm, captured.signature, cluster.device,
-                                                            backward=backward, times=times)
+            tm = tm0 if backward is None else stage_timings(captured.gm, captured.signature, device, backward=backward,
+                                                            times=times)
             made = sorted(tm["ready"], key=tm["ready"].__getitem__)
             entry, buckets = tuned(tm, made, bool(section.cross_iteration))
             entry["grad_order"] = {"mode": mode, "first": first, "keys": made if mode != "natural" else []}

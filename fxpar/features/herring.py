@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from cost_models.comm import collective_cost
-from cost_models.comm_tuning import BucketTiming, simulate, stage_timings
+from cost_models.comm_tuning import BucketTiming, simulate, slowest_for, stage_timings
 from fxpar.errors import StrategyError
 from fxpar.feature import Feature, PlanSection, Slot, register_feature
 from fxpar.planner_comm import plan_buckets
@@ -103,7 +103,10 @@ def plan_herring_buckets(plan, section: HerringSection, captured, groups: dict, 
     three collectives' latency and issue. Records ``section.bucket_choice``; returns the buckets."""
     node, cross = section.node[0], section.cross[0]
     per = len(node)
-    tm = stage_timings(captured.gm, captured.signature, cluster.device)
+    # one bucket size for every rank: timed on the device whose compute of the step takes longest (a heterogeneous
+    # cluster's slowest, stragglers folded in; the cluster's device where all are alike)
+    device, times = slowest_for(captured.gm, cluster.devices_of(sorted(r for ranks in section.node for r in ranks)))
+    tm = stage_timings(captured.gm, captured.signature, device, times=times)
     issue = 3 * tm["issue_s"]       # three collectives per bucket: their issue (+ gloo's CPU where it is compute's)
 
     def chain(nbytes):

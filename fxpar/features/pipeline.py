@@ -37,7 +37,8 @@ from fxpar.schedule import (Schedule, ScheduleDeadlockError, ScheduleError, Sche
                             ensure_reduce_grad, simulate, validate as validate_schedule)
 from passes.split_stages import imbalance_warning, split_stages
 
-__all__ = ["PipelineSection", "PipelineSchedule", "HandWrittenSchedule", "DEFAULT_SCHEDULE", "asked_schedule"]
+__all__ = ["PipelineSection", "PipelineSchedule", "HandWrittenSchedule", "DEFAULT_SCHEDULE", "asked_schedule",
+           "flops_per_byte"]
 
 DEFAULT_SCHEDULE = "1f1b"     # the schedule of Strategy(pp > 1) without schedule=
 
@@ -60,6 +61,18 @@ class PipelineSection(PlanSection):
         name = self.schedule if "\n" not in self.schedule else f"hand-written ({self.schedule.splitlines()[0]})"
         return [f"{name}, " + ("asynchronous: each stage updates inside the window, the versions in flight stashed"
                                if self.asynchronous else "synchronous: one weight version, flushed every step")]
+
+
+def flops_per_byte(cluster, speeds=None) -> float:
+    """The FLOPs a byte a stage receives weighs as in the cut search (``passes.split_stages.balanced_cuts``): the
+    FLOPs done in the time the intra-node link takes to carry it. With per-stage ``speeds`` (FLOP/s, the search
+    divides each stage's FLOPs by its speed relative to the fastest), at the fastest stage's speed; without, at the
+    speed of the cluster's slowest device (``ClusterSpec.slowest_device``: one cut for every rank, the slowest
+    stage sets the pace). 0 where the cluster is not known."""
+    if cluster is None:
+        return 0.0
+    flops = max(speeds) if speeds else cluster.slowest_device().peak_flops
+    return flops / cluster.intra_node.bandwidth
 
 
 class PipelineSchedule(Feature):
@@ -110,9 +123,9 @@ class PipelineSchedule(Feature):
         (``base``), or the balanced search over module boundaries. Writes the cuts, the candidates, each stage's
         parameters and the tied ones into ``plan``; returns ``(forward trace, stage split)``."""
         trace = trace_forward(model, micro, loss_fn)
-        fpb = cluster.device.peak_flops / cluster.intra_node.bandwidth if cluster is not None else 0.0
         cuts = base.cuts if base is not None and base.cuts else strategy.split_points
         devices = self.stage_devices(section, plan, cluster)
+        fpb = flops_per_byte(cluster, devices.speed if devices is not None else None)
         split = split_stages(trace.gm, trace.roles, plan.n_stages, cuts, trace.module_types, fpb, devices)
         plan.cuts, plan.candidates = list(split.cuts), list(split.candidates)
         warn = imbalance_warning(split) if devices is None else ""      # unequal devices: FLOPs unequal on purpose

@@ -29,7 +29,7 @@ from fxpar.schedule.hetpipe import hetpipe
 from fxpar.sync.ssp import SSP
 from passes.split_stages import StageDevices, balanced_cuts, cut_candidates
 
-from .pipeline import PipelineSchedule, PipelineSection
+from .pipeline import PipelineSchedule, PipelineSection, flops_per_byte
 
 __all__ = ["HetPipe", "HetPipeSection"]
 
@@ -141,6 +141,6 @@ class HetPipe(PipelineSchedule):
         if not section.stage_speed:
             section.stage_speed = [1.0] * len(split.stages)
         cands = cut_candidates(trace.gm, trace.roles, trace.module_types)
-        fpb = cluster.device.peak_flops / cluster.intra_node.bandwidth if cluster is not None else 0.0
+        fpb = flops_per_byte(cluster, section.stage_speed)     # as the speed-aware cut weighs a byte
         section.flop_cuts = balanced_cuts(trace.gm, trace.roles, cands, plan.n_stages, fpb)
         return trace, split

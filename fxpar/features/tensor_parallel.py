@@ -166,12 +166,14 @@ def _tied_layouts(section, plan, stage: int, sig) -> dict:
     return out
 
 
-def _tofu_cost(cluster) -> tofu.TofuCost:
-    """Tofu's prices from the cluster's intra-node link and device (its defaults where the cluster is not known)."""
+def _tofu_cost(cluster, ranks) -> tofu.TofuCost:
+    """Tofu's prices from the cluster's intra-node link and the slowest device of ``ranks`` (the stage's: one
+    sharding for all of them, and their collectives wait for the slowest; ``ClusterSpec.slowest_device``); its
+    defaults where the cluster is not known."""
     if cluster is None:
         return tofu.TofuCost()
-    return tofu.TofuCost(link_bytes_per_s=cluster.intra_node.bandwidth, flops_per_s=cluster.device.peak_flops,
-                         latency_s=cluster.intra_node.latency)
+    return tofu.TofuCost(link_bytes_per_s=cluster.intra_node.bandwidth,
+                         flops_per_s=cluster.slowest_device(ranks).peak_flops, latency_s=cluster.intra_node.latency)
 
 
 def _versus_megatron(gm, captured, mesh, sig, found, cost) -> str:
@@ -207,7 +209,7 @@ def _choose(section, plan, stage: int, captured, cluster, mesh: Mesh, entry: dic
         strip_annotations(gm)                     # Tofu decides every node itself
         phs = {(r, k): p.name for p, (r, k) in zip(gm.graph.find_nodes(op="placeholder"), sig.inputs)}
         fixed = {phs[rk]: Sharding(tuple(dims)) for rk, dims in tied.items() if rk in phs}
-        cost = _tofu_cost(cluster)
+        cost = _tofu_cost(cluster, plan.stage_ranks(stage))
         found = tofu.tofu_search(gm, mesh.size, cost, signature=sig, whole_io=True, fixed=fixed)
         notes = [found.explain(limit=0).splitlines()[0], _versus_megatron(gm, captured, mesh, sig, found, cost)]
         return found.sharding, {"auto": found.sharding.to_json(), "predicted_s": found.predicted, "notes": notes}

@@ -30,7 +30,7 @@ from fxpar.feature import Feature, Option, PlanSection, Slot, enabled_features, 
 
 from .async_avg import ASYNC_GROUP, AsyncAveraging, AsyncAveragingState
 from .dabmd import DABMDState
-from .method import DiLoCo, SyncMethod, fragment_keys, method_from_dict
+from .method import DiLoCo, SyncMethod, method_from_dict, model_blocks
 from .runtime import SyncInfo, SyncState
 from .ssp_server import SSPServer, SSPServerRunner
 from .ssp_worker import SSPState
@@ -73,9 +73,9 @@ class SyncSection(PlanSection):
     """``method``: the method's options (``SyncMethod.to_dict()``); ``stages``: per stage, per dp gradient bucket
     ``{"bucket", "keys", "numel", "dtype", "plain_bytes", "window_bytes", "wire_bytes", "collectives", "declared",
     "first_step"}``: ``window_bytes`` the bucket's parameters' bytes one averaging all-reduces (per ``period``
-    steps), ``wire_bytes`` the window's averagings' bytes per step (what the cost models count where the bucket's
-    all-reduce was),
-    ``first_step`` the warm-up's all-reduce of the gradient bucket."""
+    steps; DiLoCo's quantized pseudo-gradients: the bytes each rank all-gathers, ``plain_bytes`` unquantized),
+    ``wire_bytes`` the window's averagings' bytes per step (what the cost models count where the bucket's all-reduce
+    was), ``first_step`` the warm-up's all-reduce of the gradient bucket."""
     method: dict = field(default_factory=dict)
     stages: list = field(default_factory=list)
     servers: list = field(default_factory=list)     # SSP / DSSP: the parameter servers' global ranks
@@ -92,6 +92,11 @@ class SyncSection(PlanSection):
         if not rows:
             return [head]
         window = sum(b["window_bytes"] for b in rows)
+        plain = sum(b["plain_bytes"] for b in rows)
+        if getattr(m, "quantize", None):
+            return [f"{head}: {window} bytes per rank per window of {m.period} step(s) (the pseudo-gradients in "
+                    f"{m.quantize.upper()}, all-gathered; {plain} unquantized) instead of {plain} per step, no "
+                    "gradient all-reduce between averagings"]
         return [f"{head}: {window} bytes per rank per averaging (every {m.period} step(s)) instead of {window} "
                 "per step, no gradient all-reduce between averagings"]
 
@@ -299,7 +304,14 @@ class SyncFeature(Feature):
 
     def plan_stage(self, section, plan, stage, captured, cluster, schedule) -> None:
         m = method_of(section)
-        if isinstance(m, DiLoCo) and m.fragments > len(captured.param_shapes):
+        if isinstance(m, DiLoCo) and m.pattern == "strided":
+            blocks = model_blocks(list(captured.param_shapes))
+            if m.fragments > len(blocks):
+                names = ", ".join(b or "<model>" for b, _ in blocks)
+                raise StrategyError(f"Strategy(sync={m.summary()}): fragments={m.fragments} is more fragments than "
+                                    f"the model has blocks ({len(blocks)}: {names}); a strided fragment holds whole "
+                                    f"blocks: use fragments <= {len(blocks)} or pattern='sequential'")
+        elif isinstance(m, DiLoCo) and m.fragments > len(captured.param_shapes):
             raise StrategyError(f"Strategy(sync={m.summary()}): fragments={m.fragments} is more fragments than the "
                                 f"model has parameter tensors ({len(captured.param_shapes)}); each fragment holds "
                                 f"whole tensors: use fragments <= {len(captured.param_shapes)}")
@@ -310,11 +322,14 @@ class SyncFeature(Feature):
         levels = getattr(m, "hierarchical", ())
         span = max(p for p, _ in levels) if levels and not isinstance(levels[0][0], str) else m.period
         count = sum(m.group_at(t, levels) is not None for t in range(span)) if span != m.period else 1
+        quantized = getattr(m, "quantize", None)
         for (at, _), b in zip(dp_bucket_indices(plan, stage), bucket_infos(plan, stage, captured)):
             nbytes = b.numel * b.element_size
+            sent = (m.wire_bytes([(int(torch.Size(captured.param_shapes[k]).numel()), b.element_size) for k in b.keys])
+                    if quantized else nbytes)
             row = {"bucket": at, "keys": list(b.keys), "numel": b.numel, "dtype": b.dtype, "plain_bytes": nbytes,
-                   "window_bytes": nbytes, "wire_bytes": nbytes * count // span, "collectives": [],
-                   "declared": [["all_reduce", nbytes * count // span]]}
+                   "window_bytes": sent, "wire_bytes": sent * count // span, "collectives": [],
+                   "declared": [["all_gather" if quantized else "all_reduce", sent * count // span]]}
             if m.warmup_steps:
                 row["first_step"] = {"wire_bytes": g.wire_bytes(b, ALLREDUCE), "collectives": []}
             rows.append(row)
@@ -427,6 +442,11 @@ class SyncFeature(Feature):
             keys = program.stages[s].param_keys if keys is None else keys
             return sum(int(torch.Size(cap.param_shapes[k]).numel()) * cap.param_dtypes[k].itemsize for k in keys)
 
+        def sent(s, keys):          # what one rank sends for ``keys``: quantized, their scales and 4-bit codes
+            cap = program.stages[s].captured
+            return m.wire_bytes([(int(torch.Size(cap.param_shapes[k]).numel()), cap.param_dtypes[k].itemsize)
+                                 for k in keys])
+
         total = sum(nbytes(s) for s in stages)
         head = f"sync {m.summary()}:"
         lines = []
@@ -444,11 +464,13 @@ class SyncFeature(Feature):
             acts = []
             for s in stages:
                 if isinstance(m, DiLoCo) and m.streaming:
-                    frags = fragment_keys(program.stages[s].param_keys, m.fragments)
+                    frags = m.fragment_keys(program.stages[s].param_keys)
                     for f, keys in enumerate(frags):
                         if m.fragment_averages(f, t):
-                            acts.append(f"AVERAGE{s}.{f} ({nbytes(s, keys)} bytes)")
-                            moved[t] = moved.get(t, 0) + nbytes(s, keys)
+                            words = (f"{sent(s, keys)} bytes all-gathered in {m.quantize.upper()}, {nbytes(s, keys)} "
+                                     "unquantized" if m.quantize else f"{nbytes(s, keys)} bytes")
+                            acts.append(f"AVERAGE{s}.{f} ({words})")
+                            moved[t] = moved.get(t, 0) + sent(s, keys)
                         if m.fragment_averages(f, t - m.delay):
                             acts.append(f"OUTER{s}.{f}")
                 elif m.averages(t):
@@ -492,14 +514,31 @@ class SyncFeature(Feature):
             return lines
         first = m.averaging_steps(m.warmup_steps + 3 * m.period + 1)
         lines.append(f"steps 0..{m.warmup_steps - 1} all-reduce the gradients (warm-up); " if m.warmup_steps else "")
-        lines[-1] += (f"from step {m.warmup_steps} each replica steps alone; the parameters are averaged (one "
-                      f"all-reduce) after steps {', '.join(map(str, first))}, ... (t >= {m.warmup_steps} and "
+        how = ("their pseudo-gradients all-gathered in 4 bits" if getattr(m, "quantize", None) else
+               "the parameters are averaged (one all-reduce)")
+        lines[-1] += (f"from step {m.warmup_steps} each replica steps alone; {how} after steps "
+                      f"{', '.join(map(str, first))}, ... (t >= {m.warmup_steps} and "
                       f"(t - {m.warmup_steps}) % {m.period} == 0; 0 is the first step); then {m.outer_words()}")
         for s in range(len(section.stages)):
             for row in section.stages[s]:
+                if getattr(m, "quantize", None):
+                    lines.append(f"stage {s} bucket {row['bucket']}: {row['numel']} values ({row['dtype']}): no "
+                                 f"gradient collective after the warm-up; its pseudo-gradients in "
+                                 f"{m.quantize.upper()}, {row['window_bytes']} bytes per rank (unquantized "
+                                 f"{row['plain_bytes']}), all-gathered once per window ({row['wire_bytes']} bytes per "
+                                 f"step over a window of {m.period})")
+                    continue
                 lines.append(f"stage {s} bucket {row['bucket']}: {row['numel']} values ({row['dtype']}): no gradient "
                              f"collective after the warm-up; its parameters, {row['window_bytes']} bytes, all-reduced "
                              f"once per averaging ({row['wire_bytes']} bytes per step over a window of {m.period})")
+        if isinstance(m, DiLoCo) and m.fragments > 1:
+            for s, st in enumerate(program.stages):
+                if s >= len(section.stages) or not section.stages[s]:
+                    continue
+                for f, keys in enumerate(m.fragment_keys(st.param_keys)):
+                    held = (f"blocks {', '.join(b or '<model>' for b, _ in model_blocks(keys))}"
+                            if m.pattern == "strided" else f"tensors {keys[0]} .. {keys[-1]}")
+                    lines.append(f"stage {s} fragment {f} ({m.pattern}): {held} ({len(keys)} tensor(s))")
         return lines
 
 

@@ -19,7 +19,8 @@ What each method does with the average (:meth:`SyncMethod.outer`):
   Language Models", 2023, Algorithm 1); with ``fragments=F`` it is streaming DiLoCo (Douillard et al., "Streaming
   DiLoCo with overlapping communication: Towards a Distributed Free Lunch", 2025): the parameter tensors cut into
   ``F`` fragments, fragment ``f`` averaged and stepped by the outer optimizer on its own steps (:meth:`DiLoCo.
-  fragment_averages`), optionally merged ``delay`` steps later;
+  fragment_averages`), optionally merged ``delay`` steps later; the fragments consecutive tensors or the model's
+  blocks dealt round-robin (``pattern="strided"``), the pseudo-gradients sent in 4 bits (``quantize="e3m0"``);
 * :class:`SlowMo` applies slow momentum: ``u = beta u + (anchor - average) / gamma``,
   ``x = anchor - alpha gamma u`` (``gamma``: the inner learning rate; Wang, Tantia, Ballas and Rabbat, "SlowMo:
   Improving Communication-Efficient Distributed SGD with Slow Momentum", ICLR 2020, Algorithm 1).
@@ -36,8 +37,10 @@ import torch
 
 from fxpar.errors import StrategyError
 
+from .quantize import FORMATS, wire_bytes
+
 __all__ = ["SyncMethod", "LocalSGD", "DiLoCo", "SlowMo", "method_from_dict", "register_method", "METHODS",
-           "fragment_keys"]
+           "fragment_keys", "model_blocks", "block_of", "PATTERNS"]
 
 
 def _is_int(x) -> bool:
@@ -209,10 +212,41 @@ def _outer_spec(outer) -> tuple:
     return outer[0], dict(outer[1])
 
 
-def fragment_keys(keys, fragments: int) -> list:
-    """Streaming DiLoCo's fragments: ``keys`` (the parameter tensors in the model's order) cut into ``fragments``
-    consecutive runs whose lengths differ by at most one (the first ones longer)."""
+SEQUENTIAL, STRIDED = "sequential", "strided"
+PATTERNS = (SEQUENTIAL, STRIDED)
+# streaming DiLoCo's options and their defaults (left out of the JSON and the summary when default)
+_STREAMING = {"fragments": 1, "delay": 0, "mix": 0.0, "pattern": SEQUENTIAL, "quantize": None}
+
+
+def block_of(key: str) -> str:
+    """The block a parameter tensor belongs to, for strided fragments: its name up to its first numbered part (one
+    child of a ``ModuleList`` or ``Sequential``: ``h.3.attn.c_attn.weight`` -> ``h.3``), else the module holding it
+    (``transformer.wte.weight`` -> ``transformer.wte``; a parameter of the model itself: ``""``)."""
+    parts = key.split(".")
+    for i, p in enumerate(parts):
+        if p.isdigit():
+            return ".".join(parts[:i + 1])
+    return ".".join(parts[:-1])
+
+
+def model_blocks(keys) -> list:
+    """``[(block, [keys])]``: ``keys`` (the parameter tensors in the model's order) grouped by :func:`block_of`, the
+    blocks in the order of their first tensor."""
+    out: dict = {}
+    for k in keys:
+        out.setdefault(block_of(k), []).append(k)
+    return list(out.items())
+
+
+def fragment_keys(keys, fragments: int, pattern: str = SEQUENTIAL) -> list:
+    """Streaming DiLoCo's fragments of ``keys`` (the parameter tensors in the model's order). ``"sequential"``:
+    ``fragments`` consecutive runs of tensors whose lengths differ by at most one (the first ones longer).
+    ``"strided"``: the model's blocks (:func:`model_blocks`) dealt round-robin, fragment ``p`` holding blocks ``p,
+    p + F, p + 2F, ...``, each fragment's tensors in the model's order."""
     keys = list(keys)
+    if pattern == STRIDED:
+        blocks = model_blocks(keys)
+        return [[k for _, ks in blocks[f::fragments] for k in ks] for f in range(fragments)]
     q, r = divmod(len(keys), fragments)
     out, at = [], 0
     for f in range(fragments):
@@ -237,7 +271,12 @@ class DiLoCo(SyncMethod):
     ``delay=tau`` (0 <= tau < H / F) overlaps the fragment's all-reduce with ``tau`` more inner steps: the outer
     step's result reaches the replicas after step ``t + tau``, merged as ``x_{m,p} <- mix x_{m,p} +
     (1 - mix) anchor_p`` (the paper's merge with ``alpha = mix``; 0: the replicas take the outer result). With
-    ``fragments=1, delay=0`` it is DiLoCo."""
+    ``fragments=1, delay=0`` it is DiLoCo.
+
+    ``pattern="strided"`` deals the model's blocks (:func:`model_blocks`) to the fragments round-robin instead of
+    cutting the tensors into consecutive runs (the paper's strided pattern). ``quantize="e3m0"`` sends each rank's
+    pseudo-gradient ``anchor_p - x_{m,p}`` in the paper's 4-bit format (:mod:`fxpar.sync.quantize`): all-gathered,
+    dequantized and averaged in float32 on every rank alike, then the outer optimizer's gradient."""
     name: ClassVar[str] = "diloco"
     paper: ClassVar[str] = ("Douillard et al., DiLoCo: Distributed Low-Communication Training of Language Models, "
                             "2023, Alg. 1")
@@ -245,6 +284,8 @@ class DiLoCo(SyncMethod):
     fragments: int = 1
     delay: int = 0
     mix: float = 0.0
+    pattern: str = SEQUENTIAL
+    quantize: str | None = None
 
     def check(self) -> None:
         super().check()
@@ -272,14 +313,34 @@ class DiLoCo(SyncMethod):
             raise StrategyError(f"DiLoCo(mix={self.mix}, delay=0): the merge weighs the inner steps made while the "
                                 "fragment was in flight; with no delay there are none: set delay >= 1 or leave mix "
                                 "at 0")
+        if self.pattern not in PATTERNS:
+            raise StrategyError(f"DiLoCo(pattern={self.pattern!r}): how the parameters are cut into fragments must be "
+                                "'sequential' (consecutive tensors) or 'strided' (fragment p holds the model's blocks "
+                                "p, p + fragments, ...)")
+        if self.quantize is not None and self.quantize not in FORMATS:
+            raise StrategyError(f"DiLoCo(quantize={self.quantize!r}): the format the pseudo-gradients travel in; "
+                                f"the formats built: {list(FORMATS)} (4 bits: 1 sign, 3 exponent, 0 mantissa bits), "
+                                "or None for the parameters' own dtype")
 
     def __hash__(self):               # ``outer`` holds a dict: hash the JSON form
         return hash(json.dumps(self.to_dict(), sort_keys=True))
 
     @property
     def streaming(self) -> bool:
-        """Whether fragments or a delay are set (else the whole model at once, DiLoCo's Algorithm 1)."""
-        return self.fragments > 1 or self.delay > 0
+        """Whether fragments, a delay, the strided pattern or quantized pseudo-gradients are set (else the whole model
+        at once, DiLoCo's Algorithm 1)."""
+        return self.fragments > 1 or self.delay > 0 or self.pattern != SEQUENTIAL or self.quantize is not None
+
+    def fragment_keys(self, keys) -> list:
+        """This method's fragments of ``keys`` (a stage's parameter tensors in the model's order)."""
+        return fragment_keys(keys, self.fragments, self.pattern)
+
+    def wire_bytes(self, sizes) -> int:
+        """The bytes one rank sends to average tensors of ``sizes`` (``[(numel, element size)]``): the values
+        themselves, or quantized, each tensor's scale and 4-bit codes."""
+        if self.quantize is None:
+            return sum(n * e for n, e in sizes)
+        return sum(wire_bytes(n) for n, _ in sizes)
 
     def fragment_offset(self, f: int) -> int:
         return f * (self.period // self.fragments)
@@ -300,14 +361,14 @@ class DiLoCo(SyncMethod):
         cls, kw = _outer_spec(self.outer)
         out = {"method": self.name, "period": self.period, "warmup_steps": self.warmup_steps,
                "outer": [f"{cls.__module__}.{cls.__qualname__}", kw]}
-        for k, default in (("fragments", 1), ("delay", 0), ("mix", 0.0)):
+        for k, default in _STREAMING.items():
             if getattr(self, k) != default:
                 out[k] = getattr(self, k)
         return out
 
     def summary(self) -> str:
-        extra = "".join(f", {k}={getattr(self, k)!r}" for k in ("fragments", "delay", "mix")
-                        if getattr(self, k) != {"fragments": 1, "delay": 0, "mix": 0.0}[k])
+        extra = "".join(f", {k}={getattr(self, k)!r}" for k, default in _STREAMING.items()
+                        if getattr(self, k) != default)
         return f"DiLoCo(period={self.period!r}, warmup_steps={self.warmup_steps!r}, outer={self.outer!r}{extra})"
 
     def outer_words(self) -> str:
@@ -315,8 +376,12 @@ class DiLoCo(SyncMethod):
         words = (f"the outer optimizer {cls.__name__}({', '.join(f'{k}={v!r}' for k, v in kw.items())}) steps the "
                  "parameters of the last averaging with their difference to the average as its gradient")
         if self.fragments > 1:
-            words += (f", one fragment of {self.fragments} at a time (fragment p after steps t with "
+            cut = "the model's blocks p, p + F, ..." if self.pattern == STRIDED else "consecutive tensors"
+            words += (f", one fragment of {self.fragments} at a time (fragment p: {cut}; after steps t with "
                       f"(t - {self.warmup_steps} - p*{self.period // self.fragments}) % {self.period} == 0)")
+        if self.quantize:
+            words += (f"; each rank's pseudo-gradient travels in {self.quantize.upper()} (4 bits and a float32 scale "
+                      "per tensor, all-gathered), the ranks' mean taken in float32")
         if self.delay:
             words += (f"; the result reaches the replicas {self.delay} step(s) later, merged as {self.mix} x own + "
                       f"{1 - self.mix} x outer")

@@ -11,7 +11,9 @@ Streaming DiLoCo (``DiLoCo(fragments=F, delay=tau)``): on a step where fragment 
 leaves have no gradient, so torch's optimizer leaves them and their state alone); with ``delay=tau`` the fragment's
 all-reduce is started (``async_op``) and waited for after step ``t + tau``, where the outer step runs and its result
 is merged into the replica. A checkpoint taken with a fragment in flight waits for its all-reduce and saves the
-sum, so the resumed run merges it at the same step.
+sum, so the resumed run merges it at the same step. With ``quantize="e3m0"`` each rank sends its pseudo-gradient
+``anchor - x`` in 4 bits instead (:mod:`fxpar.sync.quantize`): the fragment's buffers are all-gathered, and every rank
+takes their float32 mean in rank order as the outer optimizer's gradient; a checkpoint saves the gathered buffers.
 """
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ from fxpar.compress.runtime import CompressInfo, CompressState
 from fxpar.runtime.groups import group
 from fxpar.runtime.state import load_replica_state, replica_state
 
-from .method import DiLoCo, SyncMethod, fragment_keys
+from .method import DiLoCo, SyncMethod
+from .quantize import encode, mean_of
 
 __all__ = ["SyncInfo", "SyncState", "average_over"]
 
@@ -89,8 +92,10 @@ class SyncState(CompressState):
         self.streaming = isinstance(self.sync, DiLoCo) and self.sync.streaming
         if self.streaming:
             # per stage, fragment f's parameter keys (the stage's parameters in the model's order)
-            self.fragments = {s: fragment_keys(list(ex.p.stage_params[s]), self.sync.fragments) for s in ex.params}
-            self.inflight: list = []           # [due step, stage, fragment, {dtype: (work, flat, keys)}]
+            self.fragments = {s: self.sync.fragment_keys(list(ex.p.stage_params[s])) for s in ex.params}
+            # [due step, stage, fragment, {dtype: [work, flat, keys, shapes]}]; quantized: {format: [work, [the
+            # ranks' wire buffers], keys, shapes]}
+            self.inflight: list = []
             self.fragment_log: list = []       # (step started, fragment, step merged)
 
     def _start_outer(self) -> None:
@@ -142,7 +147,7 @@ class SyncState(CompressState):
         for f, keys in enumerate(self.fragments[stage]):
             if not m.fragment_averages(f, t):
                 continue
-            parts = self._start(ps, keys)
+            parts = self._start(ps, keys) if not m.quantize else self._start_quantized(ps, stage, keys)
             if m.delay:
                 self.inflight.append([t + m.delay, stage, f, parts])
             else:
@@ -165,29 +170,55 @@ class SyncState(CompressState):
             out[str(dtype)] = [work, flat, ks, {k: tuple(ps[k].shape) for k in ks}]
         return out
 
+    def _start_quantized(self, ps: dict, stage: int, keys: list) -> dict:
+        """The all-gather of this rank's pseudo-gradient ``anchor - x`` over fragment ``keys`` (sorted), in the
+        quantized format's wire buffer, started without waiting where a delay is set: ``{format: [work, [buffer per
+        dp rank], keys, shapes]}``."""
+        ks = sorted(keys)
+        anchor = self.anchor[stage]
+        buf = encode([anchor[k].detach() - ps[k].detach() for k in ks])
+        if self.pg is None:
+            work, bufs = None, [buf]
+        else:
+            bufs = [torch.empty_like(buf) for _ in range(self.dp)]
+            work = dist.all_gather(bufs, buf, group=self.pg, async_op=bool(self.sync.delay))
+        return {self.sync.quantize: [work, bufs, ks, {k: tuple(ps[k].shape) for k in ks}]}
+
     @staticmethod
-    def _finish(parts: dict) -> dict:
-        """Wait for a fragment's all-reduces: its average, ``{key: tensor}``."""
-        avg = {}
+    def _finish(parts: dict) -> tuple:
+        """Wait for a fragment's collectives: ``(its average, False)``, or, quantized, ``(the ranks' float32 mean
+        pseudo-gradient, True)``; each ``{key: tensor}``."""
+        avg, quantized = {}, False
         for entry in parts.values():
             work, flat, ks, shapes = entry
             if work is not None:
                 work.wait()
                 entry[0] = None
+            if isinstance(flat, list):         # the ranks' wire buffers
+                quantized = True
+                avg.update(zip(ks, mean_of(flat, [shapes[k] for k in ks])))
+                continue
             off = 0
             for k in ks:
                 n = int(torch.Size(shapes[k]).numel())
                 avg[k] = flat[off:off + n].view(shapes[k]).clone()
                 off += n
-        return avg
+        return avg, quantized
 
-    def _merge(self, ps: dict, stage: int, f: int, average: dict, t: int) -> None:
-        """Fragment ``f``'s outer step (its leaves only) from its average; the replica takes the new anchor, or
-        ``mix`` of its own and ``1 - mix`` of the anchor where a delay let it train on meanwhile."""
+    def _merge(self, ps: dict, stage: int, f: int, finished: tuple, t: int) -> None:
+        """Fragment ``f``'s outer step (its leaves only) from its average (``anchor - average`` the gradient) or its
+        mean pseudo-gradient (``finished``: :meth:`_finish`'s pair); the replica takes the new anchor, or ``mix`` of
+        its own and ``1 - mix`` of the anchor where a delay let it train on meanwhile."""
         anchor, opt, m = self.anchor[stage], self.outer_opt[stage], self.sync
+        average, quantized = finished
         with torch.no_grad():
             for k, leaf in anchor.items():
-                leaf.grad = (leaf.detach() - average[k]) if k in average else None
+                if k not in average:
+                    leaf.grad = None
+                elif quantized:
+                    leaf.grad = average[k].to(leaf.dtype)
+                else:
+                    leaf.grad = leaf.detach() - average[k]
         opt.step()
         for k in average:
             new = anchor[k].detach().clone()
@@ -236,6 +267,12 @@ class SyncState(CompressState):
                     entry[0].wait()
                     entry[0] = None
 
+    @staticmethod
+    def _saved_parts(parts: dict) -> dict:
+        """A finished fragment's collectives as a checkpoint keeps them: the sum (or the ranks' buffers), copies."""
+        return {d: [None, [b.clone() for b in e[1]] if isinstance(e[1], list) else e[1].clone(), list(e[2]),
+                    dict(e[3])] for d, e in parts.items()}
+
     def report(self):
         out = {"replica": {k: v.clone() for ps in self.ex.params.values() for k, v in ps.items()},
                "averaged_steps": list(self.averaged), "steps": self.step}
@@ -253,8 +290,7 @@ class SyncState(CompressState):
             out["outer_opt"] = {s: copy.deepcopy(o.state_dict()) for s, o in self.outer_opt.items()}
         if self.streaming:
             self.drain(self.ex)
-            out["inflight"] = [[due, s, f, {d: [None, e[1].clone(), list(e[2]), dict(e[3])] for d, e in parts.items()}]
-                               for due, s, f, parts in self.inflight]
+            out["inflight"] = [[due, s, f, self._saved_parts(parts)] for due, s, f, parts in self.inflight]
             out["fragment_log"] = list(self.fragment_log)
         return out
 
@@ -274,6 +310,5 @@ class SyncState(CompressState):
         for s, o in self.outer_opt.items():
             o.load_state_dict(copy.deepcopy(saved["outer_opt"][s]))
         if self.streaming:
-            self.inflight = [[due, s, f, {d: [None, e[1].clone(), list(e[2]), dict(e[3])] for d, e in parts.items()}]
-                             for due, s, f, parts in saved.get("inflight", [])]
+            self.inflight = [[due, s, f, self._saved_parts(parts)] for due, s, f, parts in saved.get("inflight", [])]
             self.fragment_log = [tuple(x) for x in saved.get("fragment_log", [])]

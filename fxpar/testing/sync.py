@@ -19,7 +19,7 @@ from fxpar.sync.method import fragment_keys
 from fxpar.testing.reference import replica_gradients
 
 __all__ = ["post_local_sgd_worker", "local_sgd_reference", "nesterov_outer", "slowmo_outer", "ssp_reference",
-           "streaming_diloco_reference", "dabmd_reference"]
+           "streaming_diloco_reference", "dabmd_reference", "e3m0_reference"]
 
 
 def post_local_sgd_worker(model, batches, loss_fn, optimizer, period: int, warmup_steps: int,
@@ -117,24 +117,59 @@ def local_sgd_reference(model, batches, loss_fn, optimizer, dp: int, period: int
     return losses, [m.state_dict() for m in reps]
 
 
+def e3m0_reference(x: torch.Tensor) -> torch.Tensor:
+    """The 4-bit E3M0 value of each entry of ``x`` as float32, by search over the grid: the candidates ``0`` and
+    ``±2^-6 s, ..., ±2^0 s`` (``s``: ``max |x|`` in float32), the nearest taken, a tie to the larger magnitude
+    (:mod:`fxpar.sync.quantize` says why this grid and rounding)."""
+    v = x.detach().to(torch.float32).reshape(-1)
+    s = v.abs().max() if v.numel() else torch.zeros((), dtype=torch.float32)
+    if not s > 0:
+        return torch.zeros(x.shape, dtype=torch.float32)
+    grid = [0.0] + [float(s) * 2.0 ** -i for i in range(6, -1, -1)]        # ascending magnitudes
+    out = []
+    for a in v.abs().tolist():
+        best = 0
+        for i, g in enumerate(grid):
+            if abs(a - g) <= abs(a - grid[best]):                             # a tie moves up the grid
+                best = i
+        out.append(grid[best])
+    mag = torch.tensor(out, dtype=torch.float32)
+    return torch.where(v < 0, -mag, mag).reshape(x.shape)
+
+
 def streaming_diloco_reference(model, batches, loss_fn, optimizer, dp: int, period: int, fragments: int, outer,
-                               warmup_steps: int = 0, delay: int = 0, mix: float = 0.0) -> tuple:
+                               warmup_steps: int = 0, delay: int = 0, mix: float = 0.0, pattern: str = "sequential",
+                               quantize: str | None = None) -> tuple:
     """Streaming DiLoCo in one process (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"):
     ``dp`` replicas of ``model``, each with its own inner ``optimizer`` (``(class, kwargs)``), replica ``r`` on shard
     ``r`` of each batch; the warm-up's steps on the replicas' mean gradient. The parameter tensors (``model``'s
-    order) are cut into ``fragments`` consecutive fragments (sizes differing by at most one, the first larger).
+    order) are cut into ``fragments`` fragments: ``pattern="sequential"``, consecutive runs (sizes differing by at
+    most one, the first larger); ``"strided"``, the model's blocks (a ``ModuleList`` / ``Sequential`` child, else
+    the module holding the tensor), fragment ``p`` the blocks ``p, p + fragments, ...``.
     After step ``t`` (``t >= warmup_steps``) with ``(t - warmup_steps - p * period / fragments) % period == 0``
     fragment ``p``'s replicas are averaged (``avg_p = mean_m x_{m,p}``); after step ``t + delay`` the outer step
     ``anchor_p <- outer(anchor_p, avg_p)`` (``outer``: as :func:`nesterov_outer` makes, called with the fragment's
-    keys only) and every replica's fragment becomes ``mix x_{m,p} + (1 - mix) anchor_p``. Returns (losses,
+    keys only) and every replica's fragment becomes ``mix x_{m,p} + (1 - mix) anchor_p``. ``quantize="e3m0"``:
+    instead of the average, each replica's pseudo-gradient ``anchor_p - x_{m,p}`` is rounded to E3M0 per tensor
+    (:func:`e3m0_reference`), the replicas' values summed in replica order and divided by ``dp`` in float32, and
+    that mean, cast back, is the outer step's gradient (``outer(anchor_p, None, delta=mean)``). Returns (losses,
     replicas' state_dicts)."""
     reps = [copy.deepcopy(model) for _ in range(dp)]
     named = [dict(m.named_parameters()) for m in reps]
     cls, kw = optimizer
     opts = [cls(m.parameters(), **kw) for m in reps]
     anchor = {k: v.detach().clone() for k, v in named[0].items()}
-    frags = fragment_keys([k for k, _ in model.named_parameters()], fragments)
+    frags = _fragments([k for k, _ in model.named_parameters()], fragments, pattern)
     pending, losses = [], []
+
+    def apply(f, got):
+        if quantize:
+            new = outer({k: anchor[k] for k in frags[f]}, None, delta=got)
+        else:
+            new = outer({k: anchor[k] for k in frags[f]}, got)
+        anchor.update({k: v.clone() for k, v in new.items()})
+        return new
+
     for t, batch in enumerate(batches):
         grads, total = replica_gradients(reps, batch, loss_fn)
         _local_steps(named, opts, grads, synchronous=t < warmup_steps)
@@ -144,10 +179,9 @@ def streaming_diloco_reference(model, batches, loss_fn, optimizer, dp: int, peri
                 anchor = {k: v.detach().clone() for k, v in named[0].items()}
             continue
         with torch.no_grad():
-            for due, f, avg in [x for x in pending if x[0] == t]:
-                pending.remove((due, f, avg))
-                new = outer({k: anchor[k] for k in frags[f]}, avg)
-                anchor.update({k: v.clone() for k, v in new.items()})
+            for due, f, got in [x for x in pending if x[0] == t]:
+                pending.remove((due, f, got))
+                new = apply(f, got)
                 for r in range(dp):
                     for k in frags[f]:
                         named[r][k].copy_(mix * named[r][k] + (1 - mix) * new[k] if mix else new[k])
@@ -156,34 +190,55 @@ def streaming_diloco_reference(model, batches, loss_fn, optimizer, dp: int, peri
                     continue
                 if t - warmup_steps < f * (period // fragments):
                     continue
-                avg = {}
+                got = {}
                 for k in keys:
+                    if quantize:
+                        s = e3m0_reference(anchor[k] - named[0][k])
+                        for j in range(1, dp):
+                            s = s + e3m0_reference(anchor[k] - named[j][k])
+                        got[k] = (s / dp).to(anchor[k].dtype)
+                        continue
                     s = named[0][k] / dp
                     for j in range(1, dp):
                         s = s + named[j][k] / dp
-                    avg[k] = s
-                pending.append((t + delay, f, avg))
-            for due, f, avg in [x for x in pending if x[0] == t]:   # delay 0: at once
-                pending.remove((due, f, avg))
-                new = outer({k: anchor[k] for k in frags[f]}, avg)
-                anchor.update({k: v.clone() for k, v in new.items()})
+                    got[k] = s
+                pending.append((t + delay, f, got))
+            for due, f, got in [x for x in pending if x[0] == t]:   # delay 0: at once
+                pending.remove((due, f, got))
+                new = apply(f, got)
                 for r in range(dp):
                     for k in frags[f]:
                         named[r][k].copy_(new[k])
     return losses, [m.state_dict() for m in reps]
 
 
+def _fragments(keys: list, fragments: int, pattern: str) -> list:
+    """The reference's fragments (the paper's two patterns): sequential runs of tensors (fxpar's cut), or the
+    blocks dealt round-robin -- a block a tensor's name up to its first numbered part, else its module's name."""
+    if pattern != "strided":
+        return fragment_keys(keys, fragments)
+    blocks: list = []
+    for k in keys:
+        parts = k.split(".")
+        num = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        name = ".".join(parts[:num + 1] if num is not None else parts[:-1])
+        if not blocks or blocks[-1][0] != name:
+            blocks.append((name, []))
+        blocks[-1][1].append(k)
+    return [[k for i, (_, ks) in enumerate(blocks) if i % fragments == f for k in ks] for f in range(fragments)]
+
+
 def nesterov_outer(lr: float, momentum: float):
     """DiLoCo's outer step with Nesterov momentum (Douillard et al. 2023, Alg. 1, OuterOpt = SGD with Nesterov
-    momentum), written out for :func:`local_sgd_reference`'s ``outer``: the pseudo-gradient ``d = anchor - average``,
-    the buffer ``b = d`` at the first outer step and ``b = momentum b + d`` after, and ``anchor - lr (d + momentum
-    b)``. Keeps its buffer between calls."""
+    momentum), written out for :func:`local_sgd_reference`'s ``outer``: the pseudo-gradient ``d = anchor - average``
+    (``delta`` where given), the buffer ``b = d`` at the first outer step and ``b = momentum b + d`` after, and
+    ``anchor - lr (d + momentum b)``. Keeps its buffer between calls."""
     buf: dict = {}
 
-    def step(anchor: dict, average: dict) -> dict:
+    def step(anchor: dict, average: dict, delta: dict | None = None) -> dict:
         out = {}
         for k in anchor:
-            d = anchor[k] - average[k]
+            d = anchor[k] - average[k] if delta is None else delta[k]
             buf[k] = d.clone() if k not in buf else momentum * buf[k] + d
             out[k] = anchor[k] - lr * (d + momentum * buf[k])
         return out
