@@ -21,6 +21,7 @@ from fxpar.errors import StrategyError
 from fxpar.runtime.executor import train
 from fxpar.testing import (MLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt,
                            token_pairs)
+from fxpar.testing.resume import assert_resume_is_exact
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
@@ -146,11 +147,7 @@ def test_resume_under_dp_x_pp_is_exact(clusters, tmp_path):
     model, _, loss_fn, prog = _pp_program(ADAMW, 4)
     batches = _batches("gpt", 4)
     lc = clusters.get(4)
-    whole = prog.run_local(batches, cluster=lc)
-    first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")       # drains before it saves
-    second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck")
-    assert first.losses + second.losses == whole.losses
-    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0.0
+    whole, _, _ = assert_resume_is_exact(prog, batches, 2, lc, tmp_path / "ck")       # drains before it saves
     _assert_matches(whole, model, batches, loss_fn, ADAMW)
 
 
@@ -209,11 +206,7 @@ def test_resume_with_cross_iteration_is_exact(clusters, tmp_path):
     model, batches, loss_fn, prog = _program("gpt", ADAMW, fxpar.Strategy(dp=2, comm_schedule="bytescheduler", **SMALL),
                                              n=4)
     lc = clusters.get(2)
-    whole = prog.run_local(batches, cluster=lc)
-    first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")
-    second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck")
-    assert first.losses + second.losses == whole.losses
-    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0.0
+    whole, _, _ = assert_resume_is_exact(prog, batches, 2, lc, tmp_path / "ck")
     _assert_matches(whole, model, batches, loss_fn, ADAMW)
 
 

@@ -21,6 +21,7 @@ from fxpar.schedule.hetpipe import hetpipe, may_start, stage_times
 from fxpar.testing import MLP, max_abs_diff, reference_training
 from fxpar.testing.compress import mlp_batches
 from fxpar.testing.hetpipe import wsp_reference, wsp_violations
+from fxpar.testing.resume import assert_resume_is_exact
 from test_sync_ssp import torchrun_ssp
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -144,11 +145,7 @@ def test_resume_at_staleness_zero_is_bitwise(clusters, tmp_path):
     prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(4, cpu_servers=2), batches[0], loss_fn=F.mse_loss,
                              optimizer=SGD_M, strategy=fxpar.Strategy(dp=2, pp=2, microbatches=2, schedule="hetpipe"))
     lc = clusters.get(6)
-    whole = prog.run_local(batches, cluster=lc)
-    first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")
-    second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck")
-    assert first.losses + second.losses == whole.losses
-    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0
+    whole, _, second = assert_resume_is_exact(prog, batches, 2, lc, tmp_path / "ck")
     for r in range(4):
         assert max_abs_diff(second.features[r]["sync"]["replica"], whole.features[r]["sync"]["replica"]) == 0
     servers = [second.servers[r] for r in sorted(second.servers)]

@@ -22,6 +22,9 @@ import fxpar
 from fxpar.testing.hf import HF_MODELS, hf_batches, hf_example
 from fxpar.testing.reference import max_abs_diff, reference_training
 
+# one pytest-xdist worker runs the whole file (`--dist loadgroup`): the models ``cases`` builds, once per module
+pytestmark = pytest.mark.xdist_group("real_models")
+
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
 TOL = 1e-10
 N_STEPS = 2

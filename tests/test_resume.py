@@ -12,6 +12,7 @@ import torch.distributed.checkpoint as dcp
 import fxpar
 from fxpar.runtime.checkpoint import CheckpointError
 from fxpar.testing import SkipMLP, class_batches, gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches
+from fxpar.testing.resume import assert_resume_is_exact
 
 pytestmark = pytest.mark.numerics
 
@@ -38,12 +39,7 @@ def test_resume_is_bitwise(clusters, tmp_path, case):
     prog = fxpar.parallelize(model, st.size, batches[0], loss_fn, ADAMW, strategy=st,
                              lr_scheduler=None if case == "2bw" else (torch.optim.lr_scheduler.StepLR,
                                                                       {"step_size": 2, "gamma": 0.5}))
-    whole = prog.run_local(batches, cluster=lc)
-    ck = tmp_path / "ck"
-    first = prog.run_local(batches[:3], cluster=lc, save_to=ck)
-    second = prog.run_local(batches[3:], cluster=lc, resume_from=ck)
-    assert first.losses + second.losses == whole.losses
-    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0
+    _, first, _ = assert_resume_is_exact(prog, batches, 3, lc, tmp_path / "ck")
     # without resume_from a call starts over from the program's initial weights
     assert prog.run_local(batches[:3], cluster=lc).losses == first.losses
 

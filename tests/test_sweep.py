@@ -39,6 +39,10 @@ import fxpar.compress as C
 from fxpar.errors import FxparError
 from fxpar.testing import max_abs_diff
 
+# one pytest-xdist worker runs the whole file (`--dist loadgroup`): the refusal test builds every pair, and the
+# parametrised cases run the programs it built (``_BUILT``) instead of building them again on the other worker
+pytestmark = pytest.mark.xdist_group("sweep")
+
 LR, STEPS, SEED, ROWS = 0.1, 3, 0, 16      # 16 rows: 2 per piece at dp=4 x 2 microbatches (BatchNorm needs 2)
 
 

@@ -24,6 +24,7 @@ import fxpar
 from fxpar import sync as S
 from fxpar.testing import MLP, max_abs_diff, reference_training
 from fxpar.testing.compress import mlp_batches
+from fxpar.testing.resume import assert_resume_is_exact
 from fxpar.testing.sync import ssp_reference
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -140,11 +141,7 @@ def test_resume_at_bound_zero_is_bitwise(clusters, tmp_path):
     model, batches = _model(), mlp_batches(6)
     prog = _program(model, batches, S.SSP(staleness=0), servers=2)
     lc = clusters.get(4)
-    whole = prog.run_local(batches, cluster=lc)
-    first = prog.run_local(batches[:3], cluster=lc, save_to=tmp_path / "ck")
-    second = prog.run_local(batches[3:], cluster=lc, resume_from=tmp_path / "ck")
-    assert first.losses + second.losses == whole.losses
-    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0
+    whole, first, second = assert_resume_is_exact(prog, batches, 3, lc, tmp_path / "ck")
     for w in range(2):
         assert max_abs_diff(second.features[w]["sync"]["replica"], whole.features[w]["sync"]["replica"]) == 0
         assert second.features[w]["sync"]["steps"] == 6 and len(second.features[w]["sync"]["reads"]) == 6

@@ -19,6 +19,7 @@ from fxpar import local_ops
 from fxpar.errors import PassError
 from fxpar.runtime.groups import seed_rank
 from fxpar.testing import gpt_loss, max_abs_diff, reference_training, tiny_gpt, token_batches, tp_streams_reference
+from fxpar.testing.resume import assert_resume_is_exact
 from passes.tensor_parallel import draw_from_streams
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
@@ -70,11 +71,7 @@ def test_resume_with_dropout_under_tp_is_bitwise(clusters, tmp_path):
     model, _, prog = _program("megatron")
     batches = token_batches(4, batch=8)
     lc = clusters.get(2)
-    whole = prog.run_local(batches, cluster=lc)
-    first = prog.run_local(batches[:2], cluster=lc, save_to=tmp_path / "ck")
-    second = prog.run_local(batches[2:], cluster=lc, resume_from=tmp_path / "ck")
-    assert first.losses + second.losses == whole.losses
-    assert max_abs_diff(second.state_dict(), whole.state_dict()) == 0
+    assert_resume_is_exact(prog, batches, 2, lc, tmp_path / "ck")
 
 
 @pytest.mark.structure

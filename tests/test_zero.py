@@ -16,6 +16,7 @@ import fxpar
 from fxpar.collectives import collective_nodes
 from fxpar.testing import (MLP, SkipMLP, gpt_loss, max_abs_diff, reference_training, regression_batches, tiny_gpt,
                            token_batches)
+from fxpar.testing.resume import assert_resume_is_exact
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-3})
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
@@ -229,11 +230,7 @@ def test_zero3_resume_is_bitwise_and_loads_without_zero(clusters, tmp_path):
     model, batches = tiny_gpt(), token_batches(4)
     strat = fxpar.Strategy(dp=2, zero=3)
     prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], gpt_loss, ADAMW, strategy=strat)
-    whole = prog.run_local(batches, cluster=clusters.get(2))
-    first = prog.run_local(batches[:2], cluster=clusters.get(2), save_to=tmp_path / "c")
-    rest = prog.run_local(batches[2:], cluster=clusters.get(2), resume_from=tmp_path / "c")
-    assert first.losses + rest.losses == whole.losses
-    assert max_abs_diff(rest.state_dict(), whole.state_dict()) == 0
+    _, _, rest = assert_resume_is_exact(prog, batches, 2, clusters.get(2), tmp_path / "c")
     plain = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], gpt_loss, ADAMW,
                               strategy=fxpar.Strategy(dp=2))
     other = plain.run_local(batches[2:], cluster=clusters.get(2), resume_from=tmp_path / "c")

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 import fxpar
 from fxpar.nn import TiledLinear, tile_linears
 from fxpar.testing import MLP, max_abs_diff, reference_training, regression_batches
+from fxpar.testing.resume import assert_resume_is_exact
 from fxpar.zero_layout import chunk
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
@@ -49,11 +50,7 @@ def test_offload_without_zero_and_resume(clusters, tmp_path):
     model, batches = MLP().double(), regression_batches(4)
     strat = fxpar.Strategy(dp=2, offload=("params", "optimizer"), offload_to="disk", offload_dir=tmp_path / "o")
     prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAMW, strategy=strat)
-    whole = prog.run_local(batches, cluster=clusters.get(2))
-    first = prog.run_local(batches[:2], cluster=clusters.get(2), save_to=tmp_path / "c")
-    rest = prog.run_local(batches[2:], cluster=clusters.get(2), resume_from=tmp_path / "c")
-    assert first.losses + rest.losses == whole.losses
-    assert max_abs_diff(rest.state_dict(), whole.state_dict()) == 0
+    assert_resume_is_exact(prog, batches, 2, clusters.get(2), tmp_path / "c")
 
 
 @pytest.mark.structure
