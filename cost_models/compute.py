@@ -254,7 +254,7 @@ FLOP_RULES[torch.ops.fxpar.first_on_axis] = (_zero, "copy")
 # search, gathers by an index tensor and random draws run one element at a time, 3-60x what their bytes take at the
 # measured bandwidth here (a compressed bucket sum's TopK selection, its quantizers' level search and table look-up,
 # its random draws). Each is a class of its own whose FLOPs count the per-element work below, at an efficiency
-# ClusterSpec.calibrate() measures on one such op (fxpar.tools.probes.selection_ops); a spec without it prices them
+# ClusterSpec.calibrate() measures on one such op (fxpar.tools.probes.selection_probes); a spec without it prices them
 # as before (class "other": the roofline at the peak's rate).
 def _log2_ceil(x) -> int:
     return max(1, math.ceil(math.log2(max(2.0, concrete(x)))))
@@ -428,6 +428,8 @@ def merge_classes(*parts) -> tuple:
 
 
 class _Costing(TorchDispatchMode):
+    """Costs each aten op as it runs (:func:`eager_compute`)."""
+
     def __init__(self):
         super().__init__()
         self.ops, self.flops, self.bytes, self.classes = 0, 0, 0, {}
@@ -436,13 +438,12 @@ class _Costing(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" \
                 and not func._schema.name.split("::")[-1].startswith("sym_"):
-            c = op_cost(func, list(args), out)
-            if c.rule != "view":
-                f, b = int(concrete(c.flops)), int(concrete(c.bytes))
-                self.ops, self.flops, self.bytes = self.ops + 1, self.flops + f, self.bytes + b
-                acc = self.classes.setdefault(c.op_class, [0, 0])
-                acc[0] += f
-                acc[1] += b
+            c = op_cost(func, list(args), out)          # every op pays its dispatch, as a graph's (views too)
+            f, b = int(concrete(c.flops)), int(concrete(c.bytes))
+            self.ops, self.flops, self.bytes = self.ops + 1, self.flops + f, self.bytes + b
+            acc = self.classes.setdefault(c.op_class, [0, 0])
+            acc[0] += f
+            acc[1] += b
         return out
 
 
