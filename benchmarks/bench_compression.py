@@ -145,7 +145,8 @@ def main():
             if args.rounds:          # --rounds 0: the --all-methods table alone
                 med = {k: statistics.median(v) for k, v in res.items()}
                 print("\nmedian step time, ms (per step, the slower rank)")
-                print("| link | fxpar PowerSGD | fxpar PowerSGD + ByteScheduler | DDP + powerSGD_hook | DDP | fxpar dp | "
+                print("| link | fxpar PowerSGD | fxpar PowerSGD + ByteScheduler | DDP + powerSGD_hook | DDP | "
+                      "fxpar dp | "
                       "fxpar PowerSGD / hook | fxpar PowerSGD / DDP | + ByteScheduler / hook | + ByteScheduler / DDP |")
                 print("|---|---|---|---|---|---|---|---|---|---|")
                 for bps in rates:
@@ -154,13 +155,15 @@ def main():
                     print(f"| {format_rate(bps)} | {f * 1e3:.0f} | {fb * 1e3:.0f} | {h * 1e3:.0f} | {d * 1e3:.0f} | "
                           f"{fd * 1e3:.0f} | {f / h:.2f} | {f / d:.2f} | {fb / h:.2f} | {fb / d:.2f} |")
                 print("\nestimate() against measured (median step, ms; the fastest and slowest step of the cell)")
-                print("| link | program | bytes per step (plan) | predicted | measured | spread | predicted / measured |")
+                print("| link | program | bytes per step (plan) | predicted | measured | spread | "
+                      "predicted / measured |")
                 print("|---|---|---|---|---|---|---|")
                 for bps in rates:
                     for k in kinds:
                         est = programs[(bps, k)].estimate()
                         m, v = med[(bps, k)], res[(bps, k)]
-                        print(f"| {format_rate(bps)} | {k} | {int(est.ranks[0].comm_bytes):,} | {est.step_time_s * 1e3:.0f} | "
+                        print(f"| {format_rate(bps)} | {k} | {int(est.ranks[0].comm_bytes):,} | "
+                              f"{est.step_time_s * 1e3:.0f} | "
                               f"{m * 1e3:.0f} | {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} | {est.step_time_s / m:.2f} |")
             if args.all_methods:
                 link.set_rate(methods_rate)

@@ -190,7 +190,7 @@ def selection_probes() -> dict:
     aten = torch.ops.aten
     n = SELECT_NUMEL
     x = torch.randn(n)
-    chunks = x.view(-1, 1024).abs()         # a quantizer's search: magnitudes over their chunk's norm, exponential levels
+    chunks = x.view(-1, 1024).abs()     # a quantizer's search: magnitudes over their chunk's norm, exponential levels
     r = (chunks / torch.linalg.vector_norm(chunks, dim=1, keepdim=True)).reshape(-1)
     levels = torch.cat([torch.zeros(1), 2.0 ** torch.arange(2 - SELECT_LEVELS, 1.0)])
     ids = torch.randint(0, SELECT_LEVELS, (n,))
