@@ -28,16 +28,17 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
   transformer MLP's weights) -> ``efficiency["matmul_narrow"]``: CPU kernels run such matmuls, whose output has a
   few columns, at 1-3% of a square matmul's FLOP rate (a compressed bucket sum's matmuls are priced at it:
   ``cost_models.compute.inner_compute``);
-- one op of each class that runs element by element (:func:`~fxpar.tools.probes.selection_probes`, on 2^22
-  values: ``topk`` of the 1%, ``searchsorted`` among 4 levels, a look-up ``levels[ids]``, ``randperm``, ``rand``) ->
+- one op of each class that runs element by element (:func:`~fxpar.tools.probes.selection_probes`, on 2^22 values:
+  ``topk`` of the 1%, ``searchsorted`` among 4 levels, a look-up ``levels[ids]``, ``randperm``, ``rand``) ->
   ``efficiency["topk"]``, ``["search"]``, ``["gather"]``, ``["randperm"]``, ``["random"]``
-  (:func:`selection_efficiency`: the fraction of peak at which the class's FLOPs, ``cost_models.compute``'s rule, take the measured time). On this
-  2-core machine, one thread per rank, CPU time under other load, against a matmul's 65-70 GFLOP/s: ``topk`` 1.4 ns
-  per ``n log2 k`` (efficiency about 0.01), ``searchsorted`` 4 ns per ``n log2(levels + 1)`` (0.004), the look-up
-  3 ns a value (0.005), ``randperm`` 35 ns a value (0.0004: a random access per value into a table larger than the
-  caches), ``rand`` 3.6 ns a value (0.004): 3-60x what their bytes take at the measured bandwidth. A compressed
-  bucket sum's TopK selection, its quantizers' level search and look-ups, and the draws its method makes on the host
-  (``Method.host_inputs``: RandomK's permutations, the quantizers' uniforms) are priced at them;
+  (:func:`selection_efficiency`: the fraction of peak at which the class's FLOPs, ``cost_models.compute``'s rule, take
+  the measured time). On this 2-core machine, one thread per rank, CPU time under other load, against a matmul's 65-70
+  GFLOP/s: ``topk`` 1.4 ns per ``n log2 k`` (efficiency about 0.01), ``searchsorted`` 4 ns per ``n log2(levels + 1)``
+  (0.004), the look-up 3 ns a value (0.005), ``randperm`` 35 ns a value (0.0004: a random access per value into a
+  table larger than the caches), ``rand`` 3.6 ns a value (0.004): 3-60x what their bytes take at the measured
+  bandwidth. A compressed bucket sum's TopK selection, its quantizers' level search and look-ups, and the draws its
+  method makes on the host (``Method.host_inputs``: RandomK's permutations, the quantizers' uniforms) are priced at
+  them;
 - ``index_add_`` of 4096 rows of 32 at fresh random indices into a 200000 x 32 table -> ``device.index_row_s``, what
   it takes per row beyond its bytes at that bandwidth (ATen's CPU kernel adds the rows one by one, each a random
   access: 20-40 ns a row on a 2-core machine, 1.5-2x the bytes' time; :func:`index_row_overhead`);
