@@ -87,6 +87,7 @@ def main():
                     help="also every method's bytes, step time and estimate() at --methods-rate")
     ap.add_argument("--methods-rate", default="500mbit", help="the link of the --all-methods table (none: uncapped)")
     ap.add_argument("--methods-rounds", type=int, default=1)
+    ap.add_argument("--methods", default="", help="only these rows of --all-methods (comma-separated labels)")
     args = ap.parse_args()
     w = 2
     torch.manual_seed(0)
@@ -141,35 +142,42 @@ def main():
                          lambda r: (model, batches, gpt_loss, opt, args.warmup, args.rank, 2, one_bucket_mb))
                     cell((bps, "DDP"), ddp_hook_worker, lambda r: (model, batches, gpt_loss, opt, args.warmup, 0, 2, 25))
                 print(f"  round {rnd + 1}/{args.rounds} ({time.perf_counter() - t_start:.0f} s)", flush=True)
-            med = {k: statistics.median(v) for k, v in res.items()}
-            print("\nmedian step time, ms (per step, the slower rank)")
-            print("| link | fxpar PowerSGD | fxpar PowerSGD + ByteScheduler | DDP + powerSGD_hook | DDP | fxpar dp | "
-                  "fxpar PowerSGD / hook | fxpar PowerSGD / DDP | + ByteScheduler / hook | + ByteScheduler / DDP |")
-            print("|---|---|---|---|---|---|---|---|---|---|")
-            for bps in rates:
-                f, fb, h, d, fd = (med[(bps, k)] for k in ("fxpar PowerSGD", "fxpar PowerSGD + ByteScheduler",
-                                                           "DDP + powerSGD_hook", "DDP", "fxpar dp"))
-                print(f"| {format_rate(bps)} | {f * 1e3:.0f} | {fb * 1e3:.0f} | {h * 1e3:.0f} | {d * 1e3:.0f} | "
-                      f"{fd * 1e3:.0f} | {f / h:.2f} | {f / d:.2f} | {fb / h:.2f} | {fb / d:.2f} |")
-            print("\nestimate() against measured (median step, ms; the fastest and slowest step of the cell)")
-            print("| link | program | bytes per step (plan) | predicted | measured | spread | predicted / measured |")
-            print("|---|---|---|---|---|---|---|")
-            for bps in rates:
-                for k in kinds:
-                    est = programs[(bps, k)].estimate()
-                    m, v = med[(bps, k)], res[(bps, k)]
-                    print(f"| {format_rate(bps)} | {k} | {int(est.ranks[0].comm_bytes):,} | {est.step_time_s * 1e3:.0f} | "
-                          f"{m * 1e3:.0f} | {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} | {est.step_time_s / m:.2f} |")
+            if args.rounds:          # --rounds 0: the --all-methods table alone
+                med = {k: statistics.median(v) for k, v in res.items()}
+                print("\nmedian step time, ms (per step, the slower rank)")
+                print("| link | fxpar PowerSGD | fxpar PowerSGD + ByteScheduler | DDP + powerSGD_hook | DDP | "
+                      "fxpar dp | "
+                      "fxpar PowerSGD / hook | fxpar PowerSGD / DDP | + ByteScheduler / hook | + ByteScheduler / DDP |")
+                print("|---|---|---|---|---|---|---|---|---|---|")
+                for bps in rates:
+                    f, fb, h, d, fd = (med[(bps, k)] for k in ("fxpar PowerSGD", "fxpar PowerSGD + ByteScheduler",
+                                                               "DDP + powerSGD_hook", "DDP", "fxpar dp"))
+                    print(f"| {format_rate(bps)} | {f * 1e3:.0f} | {fb * 1e3:.0f} | {h * 1e3:.0f} | {d * 1e3:.0f} | "
+                          f"{fd * 1e3:.0f} | {f / h:.2f} | {f / d:.2f} | {fb / h:.2f} | {fb / d:.2f} |")
+                print("\nestimate() against measured (median step, ms; the fastest and slowest step of the cell)")
+                print("| link | program | bytes per step (plan) | predicted | measured | spread | "
+                      "predicted / measured |")
+                print("|---|---|---|---|---|---|---|")
+                for bps in rates:
+                    for k in kinds:
+                        est = programs[(bps, k)].estimate()
+                        m, v = med[(bps, k)], res[(bps, k)]
+                        print(f"| {format_rate(bps)} | {k} | {int(est.ranks[0].comm_bytes):,} | "
+                              f"{est.step_time_s * 1e3:.0f} | "
+                              f"{m * 1e3:.0f} | {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} | {est.step_time_s / m:.2f} |")
             if args.all_methods:
                 link.set_rate(methods_rate)
                 spec = capped(methods_rate)
                 print(f"\nevery method at {format_rate(methods_rate)}: bytes per step per rank (measured), median step "
                       "time (the fastest and slowest step), estimate() planned on that link")
                 print("| method | bytes per step | vs allreduce | step ms | spread ms | estimate ms | "
-                      "estimate / measured |")
-                print("|---|---|---|---|---|---|---|")
+                      "estimate / measured | load (1 min) |")
+                print("|---|---|---|---|---|---|---|---|")
                 base = None
+                chosen = [x.strip() for x in args.methods.split(",") if x.strip()]
                 for label, gs in every_method().items():
+                    if chosen and label not in chosen:
+                        continue
                     p = program(gs, cluster=spec)
                     pl = [p.payload(r, n_batches=n, measure_comm=True) for r in range(w)]
                     times, sent = [], None
@@ -180,8 +188,13 @@ def main():
                     base = base or sent
                     m, est = statistics.median(times), p.estimate().step_time_s
                     print(f"| {label} | {sent:,} | {sent / base:.3f} | {m * 1e3:.0f} | {min(times) * 1e3:.0f}-"
-                          f"{max(times) * 1e3:.0f} | {est * 1e3:.0f} | {est / m:.2f} |", flush=True)
+                          f"{max(times) * 1e3:.0f} | {est * 1e3:.0f} | {est / m:.2f} | {_load()} |", flush=True)
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
+
+
+def _load() -> str:
+    """The machine's load average over the last minute (the ratios above depend on it: the ranks share 2 cores)."""
+    return Path("/proc/loadavg").read_text().split()[0]
 
 
 def _measured_worker(payload, batches, warmup):

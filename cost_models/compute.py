@@ -38,12 +38,13 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxpar import meta as M
 
 __all__ = ["OpCost", "GraphCompute", "FLOP_RULES", "ZERO_COST_TARGETS", "node_cost", "node_time",
            "graph_compute", "op_cost", "tensor_bytes", "numel", "concrete", "fused_adam_cost", "inner_compute",
-           "inner_time", "NARROW_COLUMNS"]
+           "inner_time", "NARROW_COLUMNS", "SELECTION_CLASSES", "eager_compute", "merge_classes"]
 
 aten = torch.ops.aten
 
@@ -249,6 +250,41 @@ import fxpar.local_ops  # noqa: E402, F401  (registers the ops)
 FLOP_RULES[torch.ops.fxpar.axis_chunk] = (_zero, "copy")
 FLOP_RULES[torch.ops.fxpar.first_on_axis] = (_zero, "copy")
 
+# Ops whose time on a CPU is neither their FLOPs at a matmul's rate nor their bytes at the memory's: selection,
+# search, gathers by an index tensor and random draws run one element at a time, 3-60x what their bytes take at the
+# measured bandwidth here (a compressed bucket sum's TopK selection, its quantizers' level search and table look-up,
+# its random draws). Each is a class of its own whose FLOPs count the per-element work below, at an efficiency
+# ClusterSpec.calibrate() measures on one such op (fxpar.tools.probes.selection_probes); a spec without it prices them
+# as before (class "other": the roofline at the peak's rate).
+def _log2_ceil(x) -> int:
+    return max(1, math.ceil(math.log2(max(2.0, concrete(x)))))
+
+
+def _topk(a, out):                  # partial sort with a heap of k (ATen's CPU kernel: std::partial_sort): n log2 k
+    return numel(a[0]) * _log2_ceil(a[1] if len(a) > 1 else 1)
+
+
+def _searchsorted(a, out):          # searchsorted(boundaries, values): a binary search per value
+    return _out_numel(out) * _log2_ceil(a[0].shape[-1] + 1)
+
+
+def _bucketize(a, out):             # bucketize(values, boundaries)
+    return _out_numel(out) * _log2_ceil(a[1].shape[-1] + 1)
+
+
+FLOP_RULES[aten.topk] = (_topk, "topk")
+FLOP_RULES[aten.searchsorted] = (_searchsorted, "search")
+FLOP_RULES[aten.bucketize] = (_bucketize, "search")
+FLOP_RULES[aten.index] = (_per_elem(1), "gather")          # x[ids]: one look-up per output element
+FLOP_RULES[aten.randperm] = (_per_elem(1), "randperm")
+for _name in ("rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "uniform_", "normal_",
+              "random_", "uniform", "normal"):
+    if hasattr(aten, _name):
+        FLOP_RULES[getattr(aten, _name)] = (_per_elem(1), "random")   # one draw per element
+# the classes above, measured together by calibrate(): a spec without them prices them as "other"
+SELECTION_CLASSES = ("topk", "search", "gather", "randperm", "random")
+
+
 # Gathers and scatters touch the rows they index, not the whole table: bytes = what is read and written there.
 def _gather_bytes(a, out):          # embedding(weight, ids) / index_select(x, dim, ids): rows read, output written
     ids = a[1] if len(a) > 1 and isinstance(a[1], torch.Tensor) else (a[2] if len(a) > 2 else None)
@@ -378,6 +414,47 @@ def inner_compute(gm: torch.fx.GraphModule) -> tuple:
         got[0] += f
         got[1] += b
     return ops, flops, nbytes, tuple((k, f, b) for k, (f, b) in sorted(classes.items()))
+
+
+def merge_classes(*parts) -> tuple:
+    """``((op class, flops, bytes), ...)`` summed per class over several such tuples (sorted by class)."""
+    got: dict = {}
+    for part in parts:
+        for k, f, b in part:
+            acc = got.setdefault(k, [0, 0])
+            acc[0] += int(f)
+            acc[1] += int(b)
+    return tuple((k, f, b) for k, (f, b) in sorted(got.items()))
+
+
+class _Costing(TorchDispatchMode):
+    """Costs each aten op as it runs (:func:`eager_compute`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops, self.flops, self.bytes, self.classes = 0, 0, 0, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(func, torch._ops.OpOverload) and func.namespace == "aten" \
+                and not func._schema.name.split("::")[-1].startswith("sym_"):
+            c = op_cost(func, list(args), out)          # every op pays its dispatch, as a graph's (views too)
+            f, b = int(concrete(c.flops)), int(concrete(c.bytes))
+            self.ops, self.flops, self.bytes = self.ops + 1, self.flops + f, self.bytes + b
+            acc = self.classes.setdefault(c.op_class, [0, 0])
+            acc[0] += f
+            acc[1] += b
+        return out
+
+
+def eager_compute(fn, *args, **kwargs) -> tuple:
+    """``(fn(*args, **kwargs), (ops, flops, bytes, classes))``: the call's result and its aten ops costed as they
+    run (:func:`op_cost`), as :func:`inner_compute` costs a graph's -- what a rank computes on the host beside a
+    traced graph (a compressed sum's random draws, ``Method.host_inputs``)."""
+    with _Costing() as mode:
+        out = fn(*args, **kwargs)
+    classes = tuple((k, f, b) for k, (f, b) in sorted(mode.classes.items()) if f or b)
+    return out, (mode.ops, mode.flops, mode.bytes, classes)
 
 
 def inner_time(inner: tuple, device) -> float:

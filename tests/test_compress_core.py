@@ -316,6 +316,51 @@ def test_the_estimate_prices_powersgds_narrow_matmuls_at_their_own_efficiency():
     assert got == pytest.approx(extra, rel=1e-9)
 
 
+def _log2_ceil(x):
+    return max(1, (int(x) - 1).bit_length())
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("method", [C.TopK(ratio=0.1), C.RandomK(ratio=0.1), C.QSGD(levels=4), C.ALQ(bits=3)],
+                         ids=["topk", "randomk", "qsgd", "alq"])
+def test_the_estimate_prices_selection_search_and_draws_at_their_own_efficiency(method):
+    """A sum's element-by-element ops are classes of their own in the row's compute_classes: TopK's selection
+    (``topk``: ``n log2 k``), a quantizer's level search (``search``: ``n log2(levels + 1)``) and look-ups
+    (``gather``), and the draws the method makes on the host at each sum's begin (``Method.host_inputs``, costed as
+    they run: RandomK's ``dp`` permutations of the bucket, ``randperm``; a quantizer's uniforms, ``random``, one
+    per value). estimate() prices each at the device's efficiency for the class, so the compute time moves by those
+    classes' time alone."""
+    from dataclasses import replace
+    from cost_models.compute import SELECTION_CLASSES, OpCost, node_time
+    model, batches = _model(), _batches(1)
+
+    def prog(cluster):
+        return fxpar.parallelize(model, cluster, batches[0], loss_fn=F.mse_loss,
+                                 optimizer=(torch.optim.SGD, {"lr": 0.1}), strategy=fxpar.Strategy(dp=2, grad_sync=method))
+    base = fxpar.ClusterSpec.local(2)
+    slow = replace(base, device=replace(base.device, efficiency={**(base.device.efficiency or {}),
+                                                                 **{c: 1e-4 for c in SELECTION_CLASSES}}))
+    plain, priced = prog(base), prog(slow)
+    rows = priced.plan.section(method.name).stages[0]
+    classes = [dict((k, (f, b)) for k, f, b in r["compute_classes"]) for r in rows]
+    for r, c in zip(rows, classes):
+        n = r["numel"]
+        if isinstance(method, C.TopK):
+            assert c["topk"][0] == n * _log2_ceil(round(0.1 * n))
+        elif isinstance(method, C.RandomK):
+            assert c["randperm"][0] == 2 * n and "topk" not in c          # dp = 2 draws of the whole bucket
+        else:
+            s = method._s()
+            # a uniform per value, and the dp seeds of the ranks' generators (quantize.rank_generator)
+            assert c["random"][0] == n + 2 and c["search"][0] == n * _log2_ceil(s + 2)
+            assert c["gather"][0] >= n                                        # the levels of the codes decoded
+    extra = sum(node_time(OpCost(*c[k], k, ""), slow.device) - node_time(OpCost(*c[k], k, ""), base.device)
+                for c in classes for k in SELECTION_CLASSES if k in c)
+    assert extra > 0
+    got = priced.estimate().ranks[0].compute_time_s - plain.estimate().ranks[0].compute_time_s
+    assert got == pytest.approx(extra, rel=1e-9)
+
+
 @pytest.mark.structure
 @pytest.mark.parametrize("method", [C.PowerSGD(rank=1, start_iter=2, min_compression_rate=0.5), C.ByteGrad(),
                                     C.TopK(ratio=0.1)], ids=["powersgd", "bytegrad", "topk"])

@@ -5,7 +5,8 @@ import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils.flop_counter import FlopCounterMode
 
-from cost_models.compute import graph_compute, node_cost, node_time
+from cost_models.compute import (SELECTION_CLASSES, eager_compute, graph_compute, merge_classes, node_cost, node_time,
+                                   op_cost)
 from fxpar.cluster import ClusterSpec, DeviceSpec
 
 pytestmark = pytest.mark.cost
@@ -132,3 +133,56 @@ def test_transcendental_backward_has_its_own_class_with_the_forward_as_fallback(
     assert node_time(fwd, both) == pytest.approx(2048 / 1e8) and node_time(bwd, both) == pytest.approx(2048 / 5e7)
     old = DeviceSpec(peak_flops=1e9, mem_bandwidth=1e15, efficiency={"transcendental": 0.1})
     assert node_time(bwd, old) == node_time(fwd, old)
+
+
+def test_selection_search_gather_and_draws_have_classes_of_their_own():
+    """Ops a CPU runs element by element, far slower than their bytes: ``topk`` (class ``topk``, ``n log2 k``: a
+    partial sort with a heap of k), ``searchsorted`` / ``bucketize`` (``search``, ``n log2(levels + 1)``: a binary
+    search per value), ``x[ids]`` (``gather``, a look-up per output element), ``randperm`` and the random draws
+    (``randperm``, ``random``: one per element). A device calibrated for a class prices its FLOPs at that class's
+    efficiency; one without it prices them as class ``other`` (the peak's rate), with the same bytes."""
+    aten = torch.ops.aten
+    n, k = 5000, 50
+    x, levels = torch.randn(n), torch.tensor([0.0, 0.25, 0.5, 1.0])
+    ids = torch.randint(0, 4, (n,))
+    cases = [(lambda t: torch.topk(t, k), (x,), aten.topk.default, "topk", n * 6),            # log2 50 -> 6
+             (lambda lv, t: torch.searchsorted(lv, t), (levels, x), aten.searchsorted.Tensor, "search", n * 3),
+             (lambda t, lv: torch.bucketize(t, lv), (x, levels), aten.bucketize.Tensor, "search", n * 3),  # log2 5
+             (lambda lv, i: lv[i], (levels, ids), aten.index.Tensor, "gather", n),
+             (lambda t: torch.randperm(t.shape[0]), (x,), aten.randperm.default, "randperm", n),
+             (lambda t: torch.rand(t.shape[0]), (x,), aten.rand.default, "random", n)]
+    for fn, args, target, cls, flops in cases:
+        (c,) = _costs(_trace(fn, *args), target)
+        assert (c.op_class, c.flops) == (cls, flops), target
+        plain = DeviceSpec(peak_flops=1e9, mem_bandwidth=1e15)
+        measured = DeviceSpec(peak_flops=1e9, mem_bandwidth=1e15, efficiency={cls: 0.001})
+        assert node_time(c, plain) == pytest.approx(flops / 1e9)
+        assert node_time(c, measured) == pytest.approx(flops / 1e6)
+
+
+def test_eager_compute_costs_the_ops_a_call_runs():
+    """``eager_compute``: a call's result and its aten ops costed as they run, per class -- what a compressed sum's
+    host inputs cost (RandomK's permutations, a quantizer's uniform draws)."""
+    gen = torch.Generator().manual_seed(0)
+    out, (ops, flops, nbytes, classes) = eager_compute(
+        lambda: [torch.randperm(1000, generator=gen)[:10] for _ in range(2)])
+    assert [t.shape for t in out] == [(10,), (10,)]
+    assert (ops, flops, nbytes, classes) == (4, 2000, 16000, (("randperm", 2000, 16000),))    # two slices: views
+    _, (ops, flops, _, classes) = eager_compute(torch.rand, 300, generator=gen)
+    assert (ops, flops, [c[:2] for c in classes]) == (1, 300, [("random", 300)])
+    assert merge_classes((("a", 1, 2), ("b", 3, 4)), (("a", 10, 20),)) == (("a", 11, 22), ("b", 3, 4))
+
+
+def test_calibrated_selection_efficiency_gives_back_the_measured_time():
+    """``calibrate()`` turns each probe's measured seconds into the efficiency at which the class's FLOPs take those
+    seconds: priced by the cost model on the probe's op, the time is the measured one."""
+    from fxpar.tools.calibrate import selection_efficiency
+    from fxpar.tools.probes import selection_probes
+    peak = 5e10
+    for cls, (target, args, call) in selection_probes().items():
+        assert cls in SELECTION_CLASSES
+        eff = selection_efficiency(cls, 0.2, peak)
+        c = op_cost(target, args, call())
+        assert c.op_class == cls
+        dev = DeviceSpec(peak_flops=peak, mem_bandwidth=1e15, efficiency={cls: eff})
+        assert node_time(c, dev) == pytest.approx(0.2)

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cost_models.compute import inner_compute
+from cost_models.compute import eager_compute, inner_compute, merge_classes
 from fxpar import meta as M
 from fxpar.collectives import C10D
 from fxpar.errors import PassError, StrategyError
@@ -127,23 +127,30 @@ def dp_bucket_indices(plan, stage: int) -> list:
 STEADY_STEP = 1 << 30
 
 
-def _sum_graph(method: Method, b: BucketInfo, variant) -> torch.fx.GraphModule:
-    """``method``'s sum of ``b`` for ``variant``, traced here as dp rank 0 (kept: :func:`kept_sum`; read only)."""
+def _sum_graph(method: Method, b: BucketInfo, variant, host: list | None = None) -> torch.fx.GraphModule:
+    """``method``'s sum of ``b`` for ``variant``, traced here as dp rank 0 (kept: :func:`kept_sum`; read only).
+    ``host``: a list that receives the compute of the method's host inputs (``cost_models.compute.eager_compute``:
+    what a rank runs on the host at each sum's begin, beside the graph)."""
     b0 = dataclasses.replace(b, dp_rank=0)
     gen = generator_for(method)
     state = dict(method.init_state(b0, gen))
-    inputs = list(method.host_inputs(b0, 0, state, variant, gen))
-    return kept_sum(method, b0, variant, torch.zeros(b.numel, dtype=b.torch_dtype), state, inputs, sorted(state))
+    inputs, cost = eager_compute(method.host_inputs, b0, 0, state, variant, gen)
+    if host is not None:
+        host.append(cost)
+    return kept_sum(method, b0, variant, torch.zeros(b.numel, dtype=b.torch_dtype), state, list(inputs),
+                    sorted(state))
 
 
 def _traced_sum(method: Method, b: BucketInfo, variant) -> tuple:
     """``(collectives, compute, classes)``: ``[[kind, bytes], ...]``, the collectives ``method``'s sum of ``b``
     issues, ``[aten ops, flops, bytes]`` of its compute and ``[[op class, flops, bytes], ...]`` of it per op class
-    (``cost_models.compute.inner_compute``), from its graph traced here (as dp rank 0; an eager method: nothing
+    (``cost_models.compute.inner_compute``; with the ops of its host inputs, which the rank makes at the sum's
+    begin: ``cost_models.compute.eager_compute``), from its graph traced here (as dp rank 0; an eager method: nothing
     known before it runs)."""
     if method.eager:
         return [], [0, 0, 0], []
-    gm = _sum_graph(method, b, variant)
+    host: list = []
+    gm = _sum_graph(method, b, variant, host)
     out = []
     for n in gm.graph.nodes:
         if n.op == "call_function" and getattr(n.target, "namespace", None) == "_c10d_functional" \
@@ -154,7 +161,9 @@ def _traced_sum(method: Method, b: BucketInfo, variant) -> tuple:
             v = n.args[0].meta["val"]
             out.append([kind, int(v.numel() * v.element_size())])
     ops, flops, nbytes, classes = inner_compute(gm)
-    return out, [ops, flops, nbytes], [list(c) for c in classes]
+    h_ops, h_flops, h_bytes, h_classes = host[0]        # the host inputs, made at the sum's begin on the rank
+    classes = merge_classes(classes, h_classes)
+    return out, [ops + h_ops, flops + h_flops, nbytes + h_bytes], [list(c) for c in classes]
 
 
 class CompressedSum(Pass):

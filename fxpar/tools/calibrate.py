@@ -28,6 +28,17 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
   transformer MLP's weights) -> ``efficiency["matmul_narrow"]``: CPU kernels run such matmuls, whose output has a
   few columns, at 1-3% of a square matmul's FLOP rate (a compressed bucket sum's matmuls are priced at it:
   ``cost_models.compute.inner_compute``);
+- one op of each class that runs element by element (:func:`~fxpar.tools.probes.selection_probes`, on 2^22 values:
+  ``topk`` of the 1%, ``searchsorted`` among 4 levels, a look-up ``levels[ids]``, ``randperm``, ``rand``) ->
+  ``efficiency["topk"]``, ``["search"]``, ``["gather"]``, ``["randperm"]``, ``["random"]``
+  (:func:`selection_efficiency`: the fraction of peak at which the class's FLOPs, ``cost_models.compute``'s rule, take
+  the measured time). On this 2-core machine, one thread per rank, CPU time under other load, against a matmul's 65-70
+  GFLOP/s: ``topk`` 1.4 ns per ``n log2 k`` (efficiency about 0.01), ``searchsorted`` 4 ns per ``n log2(levels + 1)``
+  (0.004), the look-up 3 ns a value (0.005), ``randperm`` 35 ns a value (0.0004: a random access per value into a
+  table larger than the caches), ``rand`` 3.6 ns a value (0.004): 3-60x what their bytes take at the measured
+  bandwidth. A compressed bucket sum's TopK selection, its quantizers' level search and look-ups, and the draws its
+  method makes on the host (``Method.host_inputs``: RandomK's permutations, the quantizers' uniforms) are priced at
+  them;
 - ``index_add_`` of 4096 rows of 32 at fresh random indices into a 200000 x 32 table -> ``device.index_row_s``, what
   it takes per row beyond its bytes at that bandwidth (ATen's CPU kernel adds the rows one by one, each a random
   access: 20-40 ns a row on a 2-core machine, 1.5-2x the bytes' time; :func:`index_row_overhead`);
@@ -88,11 +99,12 @@ import torch
 
 from fxpar.cluster import ClusterSpec, LinkSpec
 from fxpar.host import raise_comm_threads, reuse_freed_memory
+from cost_models.compute import op_cost
 from fxpar.tools.probes import (INDEX_ROWS, INDEX_TABLE, LATE_BYTES, NARROW_SHAPE, SDPA_SHAPE, SIZES,
-                                measure_compute, measure_late_recv, measure_link)
+                                measure_compute, measure_late_recv, measure_link, selection_probes)
 
-__all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "in_step_slots",
-           "late_recv_overhead", "index_row_overhead", "link_spec", "overlap_per_byte", "pin_rank", "rank_cores"]
+__all__ = ["calibrate", "fit_alpha_beta", "free_port", "in_step_alpha", "in_step_slots", "late_recv_overhead",
+           "index_row_overhead", "selection_efficiency", "link_spec", "overlap_per_byte", "pin_rank", "rank_cores"]
 
 
 def free_port() -> int:
@@ -113,6 +125,15 @@ def fit_alpha_beta(sizes, times, n: int) -> tuple[float, float]:
     a = max(a, 0.0)
     steps = max(1, 2 * (n - 1))
     return a / steps, steps / n / b if n > 1 else 1.0 / b
+
+
+def selection_efficiency(cls: str, seconds: float, peak: float) -> float:
+    """``efficiency[cls]`` of an op class ``cost_models.compute`` prices per element (``SELECTION_CLASSES``): the
+    fraction of ``peak`` at which that class's FLOPs (its rule, on the probe's op: :func:`~fxpar.tools.probes.
+    selection_probes`) take the measured ``seconds``."""
+    target, args, call = selection_probes()[cls]
+    flops = float(op_cost(target, args, call()).flops)
+    return min(1.0, flops / (peak * seconds))
 
 
 def late_recv_overhead(waits, nbytes: int, link) -> float:
@@ -276,6 +297,8 @@ def calibrate(world_size: int = 2, sizes=SIZES, reps: int = 5, return_measuremen
     if "matmul_narrow_s" in c:             # four matmuls of 2·k·n·m·r FLOPs (M Q and M^T P, two orientations)
         k, n_, m_, r = NARROW_SHAPE
         eff["matmul_narrow"] = min(1.0, 4 * 2 * k * n_ * m_ * r / (peak * c["matmul_narrow_s"]))
+    for cls, t in c.get("selection_s", {}).items():
+        eff[cls] = selection_efficiency(cls, t, peak)
     device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
                      op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s),
                      index_row_s=index_row_overhead(c) if "index_add_s" in c else 0.0,

@@ -15,7 +15,8 @@ import torch
 from fxpar.collectives import gloo_all_gather_into_tensor
 from fxpar.host import COMM_THREAD_NAMES
 
-__all__ = ["INDEX_ROWS", "INDEX_TABLE", "LATE_BYTES", "NARROW_SHAPE", "SDPA_SHAPE", "narrow_matmuls", "SIZES",
+__all__ = ["INDEX_ROWS", "INDEX_TABLE", "LATE_BYTES", "NARROW_SHAPE", "SDPA_SHAPE", "SELECT_LEVELS", "SELECT_NUMEL",
+           "narrow_matmuls", "selection_probes", "SIZES",
            "measure_compute", "measure_late_recv", "measure_link", "op_overhead", "time_shared"]
 
 
@@ -168,9 +169,37 @@ def measure_compute(reps: int, sync=None, shared: bool = False) -> dict:
     ids = [torch.randint(0, INDEX_TABLE[0], (INDEX_ROWS,)) for _ in range(64)]
     t_index = timed(_rotating(ids, lambda i: table.index_add_(0, i, rows)))
     t_narrow = timed(narrow_matmuls())
-    return {"matmul_narrow_s": t_narrow,
+    t_select = {cls: timed(fn) for cls, (_, _, fn) in selection_probes().items()}
+    return {"matmul_narrow_s": t_narrow, "selection_s": t_select,
             "gelu_s": t_gelu, "gelu_backward_s": t_gelu_bwd, "sdpa_s": t_sdpa,"op_overhead_s": t_op, "mm_flops": 2 * n**3 / t_mm, "add_bytes_per_s": 12 * x.numel() / t_add,
             "softmax_s": t_sm, "layer_norm_s": t_ln, "softmax_numel": s.numel(), "index_add_s": t_index}
+
+
+SELECT_NUMEL = 1 << 22     # a gradient bucket's size class (a 25 MB bucket holds 6.5M float32 values)
+SELECT_LEVELS = 4          # a 3-bit quantizer's levels, exponential (NUQSGD's, ALQ's and AMQ's start): 0, 1/4, 1/2, 1
+
+
+def selection_probes() -> dict:
+    """``{op class: (aten op, args, call)}``: one op of each class ``cost_models.compute`` prices per element
+    (``SELECTION_CLASSES``), on :data:`SELECT_NUMEL` values as a compressed bucket sum runs them -- the 1% largest
+    (``topk``), each value's level among :data:`SELECT_LEVELS` (``searchsorted``: a value's magnitude over its chunk
+    of 1024's norm, as a quantizer searches; the time depends on where the values fall: levels that split them, as
+    4-bit NUQSGD's 2^-6 .. 2^-4 do, take 2-3x as long, a branch mispredicted per value), the level's value
+    (``x[ids]``), a random permutation (``randperm``) and uniform draws (``rand``), each from a generator of its
+    own."""
+    aten = torch.ops.aten
+    n = SELECT_NUMEL
+    x = torch.randn(n)
+    chunks = x.view(-1, 1024).abs()     # a quantizer's search: magnitudes over their chunk's norm, exponential levels
+    r = (chunks / torch.linalg.vector_norm(chunks, dim=1, keepdim=True)).reshape(-1)
+    levels = torch.cat([torch.zeros(1), 2.0 ** torch.arange(2 - SELECT_LEVELS, 1.0)])
+    ids = torch.randint(0, SELECT_LEVELS, (n,))
+    gen = torch.Generator().manual_seed(0)
+    return {"topk": (aten.topk.default, [x, n // 100], lambda: torch.topk(x, n // 100)),
+            "search": (aten.searchsorted.Tensor, [levels, r], lambda: torch.searchsorted(levels, r, right=True)),
+            "gather": (aten.index.Tensor, [levels, [ids]], lambda: levels[ids]),
+            "randperm": (aten.randperm.default, [n], lambda: torch.randperm(n, generator=gen)),
+            "random": (aten.rand.default, [[n]], lambda: torch.rand(n, generator=gen))}
 
 
 NARROW_SHAPE = (2, 512, 2048, 2)    # k, n, m, r: PowerSGD at rank 2 on a width-512 MLP's two weights (k of each)
