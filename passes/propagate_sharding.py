@@ -134,7 +134,9 @@ def _fits(info: OpInfo, g, cand, n: int, taken_in: tuple, taken_out: tuple) -> b
 
 
 def _is_float_in(info, j) -> bool:
-    node = tensor_leaves(info.node)[j][1]
+    path = info.paths[j]                      # (arg position or keyword,) or (..., index in a list argument)
+    a = info.node.kwargs[path[0]] if isinstance(path[0], str) else info.node.args[path[0]]
+    node = a[path[1]] if len(path) > 1 else a
     return node.meta["val"].dtype.is_floating_point
 
 
