@@ -56,9 +56,14 @@ def refresh(gm: torch.fx.GraphModule, before: dict) -> None:
     changed: set = set()
     env: dict = {}
     for n in gm.graph.nodes:
-        if n.op == "output":
-            continue
         old = before.get(n)
+        if n.op == "output":       # what FakeTensorProp records for it: its values, as a tuple
+            if old is None or old[3] is _NO_VAL or not _same_args(n.args, old[1]) \
+                    or any(i in changed for i in n.all_input_nodes):
+                out = map_aggregate(map_arg(n.args[0], env.__getitem__), lambda r: _extract(r, mode))
+                if out is not None:
+                    n.meta["val"] = out
+            continue
         val = n.meta.get("val", _NO_VAL)
         if n.op == "placeholder":
             env[n] = _placeholder(n, val, old, mode, changed)
