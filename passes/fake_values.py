@@ -178,8 +178,9 @@ def _same_value(a, b) -> bool:
                 and a.layout == b.layout and a.storage_offset() == b.storage_offset()
                 and a.requires_grad == b.requires_grad)
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):     # fx's immutable_list is a list
-        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and isinstance(a, list) == isinstance(b, list)
-                and len(a) == len(b) and all(_same_value(x, y) for x, y in zip(a, b)))
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))
+                and isinstance(a, list) == isinstance(b, list) and len(a) == len(b)
+                and all(_same_value(x, y) for x, y in zip(a, b)))
     if a is None or b is None:
         return a is b
     if isinstance(a, (int, float, bool)) and type(a) is type(b):

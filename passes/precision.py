@@ -5,11 +5,11 @@ enters the forward and backward from outside -- a parameter (for forward and bac
 keeps reading the master), a floating batch input, a received activation or output gradient -- to the compute
 dtype right after its placeholder, rewrites dtype arguments the trace fixed to the master dtype (a ``full``,
 a ``_to_copy``, ``_softmax_backward_data``'s ``input_dtype``) to the compute dtype, recomputes the fake
-values of what changed (``passes.fake_values``), and casts back to its captured dtype every value that leaves the compute: each
-parameter's gradient right where backward makes it (``reduce="master"``: it is reduced in the master dtype) or
-right before the optimizer reads it (``reduce="compute"``: reduced in the compute dtype), the
-activations and activation gradients a pipeline stage sends, the buffers forward updates. Before / after (one
-Linear, bf16)::
+values the new dtypes reach (``passes.fake_values``), and casts back to its captured dtype every value that
+leaves the compute: each parameter's gradient right where backward makes it (``reduce="master"``: it is
+reduced in the master dtype) or right before the optimizer reads it (``reduce="compute"``: reduced in the
+compute dtype), the activations and activation gradients a pipeline stage sends, the buffers forward updates.
+Before / after (one Linear, bf16)::
 
     t = aten.t(w);  addmm = aten.addmm(b, x, t)             # forward
     mm_1 = aten.mm(t_3, x);  t_4 = aten.t(mm_1)             # backward: t_4 is w's gradient (fxpar_grad_of)
