@@ -2,11 +2,13 @@
 device) recomputed only where an edit can have changed it, not over the whole graph.
 
 A pass that edits a graph calls :func:`record` before its first edit and :func:`refresh` after its last. A node's
-value is recomputed (its op run on fake tensors) when the node is new, when its op, arguments or value were changed
-since the record, or when one of its inputs' values changed; a recomputed value equal in every property to the
-recorded one keeps the recorded object and stops there. Every other node keeps its value. Each value depends only
-on its op, its non-tensor arguments and its inputs' values, so the result equals a propagation over the whole graph
-(``torch.fx.passes.fake_tensor_prop.FakeTensorProp``), at the cost of the edited region::
+value is recomputed (its op run on fake tensors) when the node is new, when its op, its constant arguments or its
+value were changed since the record, or when an input's value differs from the recorded input's (a node replaced
+by another of an alike value, a cast back to the dtype it had, counts as the same); a recomputed value equal in
+every property to the recorded one keeps the recorded object and stops there. Every other node keeps its value.
+Each value depends only on its op, its constant arguments and its inputs' values, so the result equals a
+propagation over the whole graph (``torch.fx.passes.fake_tensor_prop.FakeTensorProp``), at the cost of the edited
+region::
 
     before = record(gm)
     ...                                   # insert casts, change a view's shape, replace a placeholder's value
@@ -57,9 +59,9 @@ def refresh(gm: torch.fx.GraphModule, before: dict) -> None:
     env: dict = {}
     for n in gm.graph.nodes:
         old = before.get(n)
+        same = lambda a, b: _same_args(a, b, env, changed, before)     # noqa: E731
         if n.op == "output":       # what FakeTensorProp records for it: its values, as a tuple
-            if old is None or old[3] is _NO_VAL or not _same_args(n.args, old[1]) \
-                    or any(i in changed for i in n.all_input_nodes):
+            if old is None or old[3] is _NO_VAL or not same(n.args, old[1]):
                 out = map_aggregate(map_arg(n.args[0], env.__getitem__), lambda r: _extract(r, mode))
                 if out is not None:
                     n.meta["val"] = out
@@ -69,8 +71,7 @@ def refresh(gm: torch.fx.GraphModule, before: dict) -> None:
             env[n] = _placeholder(n, val, old, mode, changed)
             continue
         if old is not None and old[3] is not _NO_VAL and (val is old[3] or val is _NO_VAL) and n.target == old[0] \
-                and _same_args(n.args, old[1]) and _same_args(n.kwargs, old[2]) \
-                and not any(i in changed for i in n.all_input_nodes):
+                and same(n.args, old[1]) and same(n.kwargs, old[2]):
             n.meta["val"] = env[n] = old[3]
             continue
         if n.op != "call_function" or _mutates_metadata(n.target):
@@ -188,18 +189,29 @@ def _same_value(a, b) -> bool:
     return False
 
 
-def _same_args(a, b) -> bool:
-    """The same arguments: the same nodes (by identity), the same constants."""
+def _same_args(a, b, env: dict, changed: set, before: dict) -> bool:
+    """Arguments that give the op what the recorded ones gave it: the same constants, and in each node's place a
+    node whose value is alike to the recorded node's (the same node unchanged, or another with an alike value: a
+    cast back to the dtype the value had)."""
+    if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
+        if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+            return False
+        if a is b:
+            return a not in changed
+        if a not in env:
+            return False
+        was = before[b][3] if b in before else b.meta.get("val", _NO_VAL)
+        return was is not _NO_VAL and _same_value(env[a], was)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, (list, tuple)):          # fx's immutable_list is a list
+        return isinstance(b, (list, tuple)) and isinstance(a, list) == isinstance(b, list) and len(a) == len(b) \
+            and all(_same_args(x, y, env, changed, before) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() \
+            and all(_same_args(a[k], b[k], env, changed, before) for k in a)
     if a is b:
         return True
-    if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node) or isinstance(a, torch.Tensor) \
-            or isinstance(b, torch.Tensor):
-        return False
-    if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and type(a) is type(b) and len(a) == len(b) \
-            and all(_same_args(x, y) for x, y in zip(a, b))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_args(a[k], b[k]) for k in a)
     if type(a) is not type(b):
         return False
     try:
