@@ -35,6 +35,7 @@ import operator
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.node import map_arg
 
 from fxpar import meta as M
@@ -199,7 +200,8 @@ class _Lowering:
                 self._bind(node, self.get(x, out_of[node.name][0], node), alias=True)
             else:
                 self._op(node)
-        gm = torch.fx.GraphModule(torch.nn.Module(), self.g)
+        # lazy, as the capture's: the Python code is generated when first read or run, not at each recompile()
+        gm = _LazyGraphModule(torch.nn.Module(), self.g)
         gm.graph.eliminate_dead_code()
         gm.recompile()
         return gm
