@@ -295,7 +295,8 @@ def _check_shapes(gm, low: _Lowering) -> None:
     before = {}
     if mode is not None:
         for old, new in low.env.items():
-            if new.name == old.name and new.op == old.op and new.graph is gm.graph and "val" in old.meta:
+            if (new.name == old.name or old.op == "placeholder") and new.op == old.op and new.graph is gm.graph \
+                    and "val" in old.meta:
                 get = lambda a: low.env.get(a, a)     # noqa: E731 - a node not carried over matches nothing
                 before[new] = (old.target, map_arg(old.args, get), map_arg(old.kwargs, get), old.meta["val"])
     else:
