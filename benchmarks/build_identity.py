@@ -77,7 +77,9 @@ def _walk(x, y, path, out):
         out.append((path, str(x)[:150], str(y)[:150])); return
     if isinstance(x, dict):
         for k in sorted(set(x) | set(y)):
-            if k not in x or k not in y: out.append((path + "/" + k, "missing" if k not in x else "", "missing" if k not in y else "")); continue
+            if k not in x or k not in y:
+                out.append((path + "/" + k, "missing" if k not in x else "", "missing" if k not in y else ""))
+                continue
             _walk(x[k], y[k], path + "/" + k, out)
     elif isinstance(x, list):
         if len(x) != len(y): out.append((path, f"len {len(x)}", f"len {len(y)}")); return
