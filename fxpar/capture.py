@@ -99,6 +99,9 @@ class CapturedStep:
     param_shapes: dict = field(default_factory=dict)
     param_dtypes: dict = field(default_factory=dict)
     stage: int = 0
+    # what several builds over this capture derive alike, computed once (the auto planner's finalists share one
+    # capture): fxpar.features.tensor_parallel keeps Megatron's propagated split here, keyed by what it depends on
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass

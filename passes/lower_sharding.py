@@ -35,7 +35,8 @@ import operator
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.node import map_arg
 
 from fxpar import meta as M
 from fxpar.annotate import is_shard_node
@@ -46,6 +47,7 @@ from fxpar.mesh import Mesh
 from fxpar.roles import Role
 from fxpar.sharding import P, Sharding, redistribute_bytes, redistribute_steps
 
+from .fake_values import refresh, single_fake_mode
 from .sharding import OpInfo, tensor_leaves
 from .sharding.core import local_lowering
 
@@ -198,7 +200,8 @@ class _Lowering:
                 self._bind(node, self.get(x, out_of[node.name][0], node), alias=True)
             else:
                 self._op(node)
-        gm = torch.fx.GraphModule(torch.nn.Module(), self.g)
+        # lazy, as the capture's: the Python code is generated when first read or run, not at each recompile()
+        gm = _LazyGraphModule(torch.nn.Module(), self.g)
         gm.graph.eliminate_dead_code()
         gm.recompile()
         return gm
@@ -286,8 +289,18 @@ def lower_shardings(gm: torch.fx.GraphModule, res, mesh, rank: int = 0, world=No
 
 
 def _check_shapes(gm, low: _Lowering) -> None:
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = []
+    # each local node's value: the joint node's it copies where its op, arguments and inputs' values are the joint
+    # node's (a replicated op), recomputed on fake tensors where they differ (passes.fake_values)
+    mode = single_fake_mode(low.gm)
+    before = {}
+    if mode is not None:
+        for old, new in low.env.items():
+            if (new.name == old.name or old.op == "placeholder") and new.op == old.op and new.graph is gm.graph \
+                    and "val" in old.meta:
+                get = lambda a: low.env.get(a, a)     # noqa: E731 - a node not carried over matches nothing
+                before[new] = (old.target, map_arg(old.args, get), map_arg(old.kwargs, get), old.meta["val"])
+    else:
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
     # the joint graph's placeholder each local one stands for (fx may rename it: LayerNorm_weight -> layer_norm_weight)
     joint = {new: old for old, new in low.env.items() if old.op == "placeholder"}
     for n in gm.graph.nodes:
@@ -295,8 +308,9 @@ def _check_shapes(gm, low: _Lowering) -> None:
             sh, shape, what = low.expect[n]
             val = joint[n].meta["val"]       # the local piece keeps the joint value's dtype and device (cuda, meta)
             with mode:
-                fakes.append(torch.empty(sh.local_shape(shape, low.sizes, name=what), dtype=val.dtype, device=val.device))
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+                n.meta["val"] = torch.empty(sh.local_shape(shape, low.sizes, name=what), dtype=val.dtype,
+                                            device=val.device)
+    refresh(gm, before)
     for n in gm.graph.nodes:
         if n in low.expect and n.op != "placeholder":
             sh, shape, what = low.expect[n]

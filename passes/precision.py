@@ -4,12 +4,12 @@ The joint graph is captured in the model's own dtype (the masters: float32). Thi
 enters the forward and backward from outside -- a parameter (for forward and backward uses only: the optimizer
 keeps reading the master), a floating batch input, a received activation or output gradient -- to the compute
 dtype right after its placeholder, rewrites dtype arguments the trace fixed to the master dtype (a ``full``,
-a ``_to_copy``, ``_softmax_backward_data``'s ``input_dtype``) to the compute dtype, propagates fake values
-through the graph again, and casts back to its captured dtype every value that leaves the compute: each
-parameter's gradient right where backward makes it (``reduce="master"``: it is reduced in the master dtype) or
-right before the optimizer reads it (``reduce="compute"``: reduced in the compute dtype), the
-activations and activation gradients a pipeline stage sends, the buffers forward updates. Before / after (one
-Linear, bf16)::
+a ``_to_copy``, ``_softmax_backward_data``'s ``input_dtype``) to the compute dtype, recomputes the fake
+values the new dtypes reach (``passes.fake_values``), and casts back to its captured dtype every value that
+leaves the compute: each parameter's gradient right where backward makes it (``reduce="master"``: it is
+reduced in the master dtype) or right before the optimizer reads it (``reduce="compute"``: reduced in the
+compute dtype), the activations and activation gradients a pipeline stage sends, the buffers forward updates.
+Before / after (one Linear, bf16)::
 
     t = aten.t(w);  addmm = aten.addmm(b, x, t)             # forward
     mm_1 = aten.mm(t_3, x);  t_4 = aten.t(mm_1)             # backward: t_4 is w's gradient (fxpar_grad_of)
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import torch
 import torch.fx
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from fxpar import meta as M
 from fxpar.collectives import insert_all_reduce
@@ -40,6 +38,7 @@ from fxpar.pass_manager import Pass, PassContext, PassResult
 from fxpar.roles import Role
 
 from .data_parallel import loss_seed
+from .fake_values import NodeFailed, record, refresh
 
 __all__ = ["CastToCompute", "CastGradsForUpdate", "LossScaleStep", "compute_dtype_of", "PRECISION_DTYPES"]
 
@@ -74,30 +73,16 @@ def _retype(a, master, compute):
     return a
 
 
-def _fake_inputs(gm):
-    """Fresh fake placeholders of a new mode, shaped, typed and placed as the graph's own (cuda, meta kept)."""
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    fakes = []
-    for n in gm.graph.find_nodes(op="placeholder"):
-        v = n.meta.get("val")
-        if isinstance(v, torch.Tensor):
-            with mode:
-                fakes.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device))
-        else:
-            fakes.append(v)
-    return mode, fakes
-
-
-def _propagate(gm, what: str) -> None:
-    mode, fakes = _fake_inputs(gm)
+def _propagate(gm, before: dict, what: str) -> None:
+    """The fake values of the nodes the pass made or edited, and of what their new dtypes reach."""
     try:
-        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
-    except Exception as e:  # noqa: BLE001 - re-raised naming the op and the user's module
-        node = next((n for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta), None)
-        where = f" at {node.target} (module {M.get(node, M.MODULE) or '<root>'})" if node is not None else ""
-        raise PassError(f"precision: the step does not run with {what}{where}: {type(e).__name__}: {e}. Train this "
-                        "model with Strategy(precision='fp32'), or keep the module that fails in the master dtype "
-                        "(run it under torch.autocast(enabled=False) and cast its inputs with .float())") from e
+        refresh(gm, before)
+    except NodeFailed as e:
+        node = e.node
+        raise PassError(f"precision: the step does not run with {what} at {node.target} (module "
+                        f"{M.get(node, M.MODULE) or '<root>'}): {e}. Train this model with Strategy(precision='fp32'), "
+                        "or keep the module that fails in the master dtype (run it under torch.autocast(enabled=False) "
+                        "and cast its inputs with .float())") from e.__cause__
 
 
 class CastToCompute(Pass):
@@ -125,6 +110,7 @@ class CastToCompute(Pass):
         master = masters.pop()
         if master == self.compute:
             return PassResult(gm, False)
+        before = record(gm)
         compute_nodes = [n for n in g.nodes if n.op == "call_function" and M.get(n, M.PHASE) in _COMPUTE_PHASES]
         cast_in = 0
         for n, (r, _) in zip(phs, sig.inputs):
@@ -158,7 +144,7 @@ class CastToCompute(Pass):
                 u.replace_input_with(n, back[n])
         scale_ph = self._seed_scale(gm) if self.scale else None
         what = f"its forward and backward in {self.compute}"
-        _propagate(gm, what)
+        _propagate(gm, before, what)
         grad_outs = {o for o, (r, _) in zip(out.args[0], sig.outputs) if r == Role.GRAD and isinstance(o, torch.fx.Node)}
         kept = 0
         for n, c in back.items():
@@ -282,6 +268,7 @@ class LossScaleStep(Pass):
         if not grads:
             return PassResult(gm, False)
         scale = phs[(Role.STATE, f"{_STATE}.scale")]
+        before = record(gm)
         tracker = add_state_input(gm, _STATE, "growth_tracker", torch.empty((), dtype=torch.float32))
         skipped = add_state_input(gm, _STATE, "skipped", torch.empty((), dtype=torch.float64))
         step = phs.get((Role.STEP, "step"))
@@ -323,7 +310,7 @@ class LossScaleStep(Pass):
             if n.op == "call_function" and n.meta.get("val") is None and M.get(n, M.PHASE) is None:
                 M.set_meta(n, M.PHASE, "optimizer")
         _keep_on_overflow(gm, sig, phs, found)
-        _propagate(gm, "the loss scale")
+        _propagate(gm, before, "the loss scale")
         g.lint()
         gm.recompile()
         ctx.notes.append(f"precision: dynamic loss scale (growth {self.growth} every {self.interval} finite steps, "

@@ -134,7 +134,9 @@ def _fits(info: OpInfo, g, cand, n: int, taken_in: tuple, taken_out: tuple) -> b
 
 
 def _is_float_in(info, j) -> bool:
-    node = tensor_leaves(info.node)[j][1]
+    path = info.paths[j]                      # (arg position or keyword,) or (..., index in a list argument)
+    a = info.node.kwargs[path[0]] if isinstance(path[0], str) else info.node.args[path[0]]
+    node = a[path[1]] if len(path) > 1 else a
     return node.meta["val"].dtype.is_floating_point
 
 
@@ -163,8 +165,9 @@ def _nbytes(node, pl, n) -> float:
 class _Axis:
     """Propagation along one mesh axis."""
 
-    def __init__(self, gm, axis: str, n: int, fixed: dict, taken: dict, preferred=frozenset()):
+    def __init__(self, gm, axis: str, n: int, fixed: dict, taken: dict, preferred=frozenset(), infos=None):
         self.gm, self.axis, self.n = gm, axis, n
+        self.infos = {} if infos is None else infos     # node -> its OpInfo, made once per propagation
         self.preferred = preferred
         self.fixed = {node: (sh.placement(axis), src) for node, (sh, src) in fixed.items()}
         self.taken = taken                  # node -> (per input: dims split by earlier axes, per output: ...)
@@ -177,6 +180,12 @@ class _Axis:
         self.state_of = {n: params[M.get(n, M.PARAM).split(":", 1)[-1]] for n in gm.graph.nodes
                          if n.op == "placeholder" and M.get(n, M.ROLE) == Role.OPT_STATE
                          and M.get(n, M.PARAM).split(":", 1)[-1] in params}   # optimizer state -> its parameter
+
+    def _info(self, node) -> OpInfo:
+        info = self.infos.get(node)
+        if info is None:
+            info = self.infos[node] = OpInfo.of(node)
+        return info
 
     # 1. backward: annotations' placements flow to their producers
     def backward(self):
@@ -191,7 +200,7 @@ class _Axis:
                 continue
             if M.get(node, M.PHASE) != "forward" or not has_rule(node.target):
                 continue
-            info = OpInfo.of(node)
+            info = self._info(node)
             groups = groups_of(info)
             if len(groups) != 1 or len(info.out_shapes) != 1:
                 continue
@@ -243,7 +252,7 @@ class _Axis:
     def _decide(self, node):
         if node.target is operator.getitem:
             src, idx = node.args
-            info = OpInfo.of(src)
+            info = self._info(src)
             self._set(node, (self.place[src][info.out_pos.index(idx)],) if isinstance(_val(node), torch.Tensor) else ())
             self.need[node] = ()
             return
@@ -263,7 +272,7 @@ class _Axis:
             self._set(node, (pl,))
             self.need[node] = (self._placed(node.args[0]),)
             return
-        info = OpInfo.of(node)
+        info = self._info(node)
         leaves = [n for _, n in tensor_leaves(node)]
         cur = [self._in_place(x) for x in leaves]
         if node.target in _VIEWS and len(leaves) == 1 and cur[0] is None and len(info.out_shapes) == 1:
@@ -326,7 +335,7 @@ class _Axis:
             self._set(leaf, (want,))
             return
         src = self.free.pop(leaf)
-        info = OpInfo.of(leaf)
+        info = self._info(leaf)
         g = groups_of(info)[0]
         t_in, t_out = self.taken.get(leaf, (None, None))
         opts = [c for c in g.cands if c[1] == (want,) and _fits(info, g, c, self.n, t_in, t_out)]
@@ -419,15 +428,16 @@ def propagate_shardings(gm: torch.fx.GraphModule, mesh, layouts: dict | None = N
     axes = [a for a, s in sizes.items() if s > 1]
     per_axis = []
     taken: dict = {}
+    infos: dict = {}
     for axis in axes:
-        ax = _Axis(gm, axis, sizes[axis], fixed, taken, {n for n in fixed if n.name in (prefer or {})})
+        ax = _Axis(gm, axis, sizes[axis], fixed, taken, {n for n in fixed if n.name in (prefer or {})}, infos)
         ax.backward()
         ax.forward()
         if signature is not None:
             ax.outputs(signature, whole_io)
         per_axis.append(ax)
         _take(taken, ax)
-    _collect(gm, res, per_axis)
+    _collect(gm, res, per_axis, infos)
     res.redistributions = [r for ax in per_axis for r in ax.redist]
     return res
 
@@ -442,7 +452,7 @@ def _take(taken: dict, ax: _Axis) -> None:
         taken[node] = (merge(ti, need), merge(to, ax.place.get(node, ())))
 
 
-def _collect(gm, res: ShardingResult, per_axis: list) -> None:
+def _collect(gm, res: ShardingResult, per_axis: list, infos: dict) -> None:
     out = gm.graph.output_node()
     if per_axis and out in per_axis[0].need:
         leaves = [a for a in torch.utils._pytree.tree_flatten(out.args[0])[0] if isinstance(a, torch.fx.Node)]
@@ -451,7 +461,8 @@ def _collect(gm, res: ShardingResult, per_axis: list) -> None:
     for node in gm.graph.nodes:
         if node.op not in ("placeholder", "call_function"):
             continue
-        flat = OpInfo.of(node).out_shapes if node.op == "call_function" else [tuple(_val(node).shape)] \
+        info = infos.get(node) or OpInfo.of(node) if node.op == "call_function" else None
+        flat = info.out_shapes if info is not None else [tuple(_val(node).shape)] \
             if isinstance(_val(node), torch.Tensor) else []
         outs = []
         for o, shape in enumerate(flat):

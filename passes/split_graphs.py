@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from fxpar import meta as M
 from fxpar.errors import PassError
@@ -384,7 +385,7 @@ def _build(gm, kind, ins, consts, body, outs) -> torch.fx.GraphModule:
     for n in body:
         env[n] = g.node_copy(n, lambda a: env[a])
     g.output(tuple(env[n] for n, _ in outs))
-    new = torch.fx.GraphModule(gm, g, f"{kind}Graph")
+    new = _LazyGraphModule(gm, g, f"{kind}Graph")     # its Python code generated when first read or run
     new.meta[M.KIND.name] = kind
     return new
 

@@ -45,6 +45,7 @@ from fxpar.pass_manager import Pass, PassContext, PassResult
 from fxpar.roles import GraphKind, Role
 from fxpar.zero_layout import chunk_numel, zero_keys
 
+from .fake_values import record, refresh
 from .graph_utils import grad_sync_chains, one_collective_in_flight
 
 __all__ = ["ZeroShard"]
@@ -79,6 +80,7 @@ class ZeroShard(Pass):
         n = plan.dp
         ranks = plan.group_of("dp", ctx.rank)
         g = gm.graph
+        before = record(gm)
         sig = gm.meta[M.SIGNATURE.name]
         phs = g.find_nodes(op="placeholder")
         ph_of = {rk: ph for ph, rk in zip(phs, sig.inputs)}
@@ -125,7 +127,7 @@ class ZeroShard(Pass):
         one_collective_in_flight(g)
         if z < 3:
             stats["all_gather"] += self._gather_updates(g, sig, buckets, sizes, numels, shapes, n, ranks)
-        _refresh_vals(gm)
+        refresh(gm, before)          # the chunks' shapes, through what reads them
         g.lint()
         gm.meta[M.ZERO.name] = {"stage": z, "n": n, "keys": {k: [list(shapes[k]), sizes[k]] for k in keys}}
         ctx.notes.append(f"zero: stage {z} over dp={n}: {len(keys)} parameters in chunks; "
@@ -336,15 +338,3 @@ def _prefetch(g) -> None:
                    and M.get(x, M.PHASE) == phase and x.args[0].op == "placeholder"]
         for prev, cur in zip(gathers, gathers[1:]):
             next(iter(prev.users)).append(cur)
-
-
-def _refresh_vals(gm) -> None:
-    """Recompute every node's fake value after the chunk shapes changed."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    args = []
-    for ph in gm.graph.find_nodes(op="placeholder"):
-        v = ph.meta.get("val")
-        args.append(mode.from_tensor(v) if isinstance(v, torch.Tensor) else v)
-    FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*args)

@@ -183,8 +183,7 @@ def _versus_megatron(gm, captured, mesh, sig, found, cost) -> str:
         layouts = megatron_layouts(gm, mesh.size, "tp")
         if not layouts:
             return "tofu: the graph has no Linear pair, so there is no Megatron split to compare with"
-        meg = propagate_shardings(gm, Mesh((("tp", mesh.size),)), layouts,
-                                  aliases=getattr(captured, "aliases", None) or {}, signature=sig, whole_io=True)
+        meg = _propagated(captured, gm, Mesh((("tp", mesh.size),)), layouts, sig)
     except ShardingError as e:
         return f"tofu: Megatron's split does not apply to this graph ({str(e).splitlines()[0]})"
     m = sum(tofu.plan_cost(gm, meg, cost, sig).values())
@@ -192,6 +191,20 @@ def _versus_megatron(gm, captured, mesh, sig, found, cost) -> str:
     verdict = "cheaper than" if p < m * (1 - 1e-9) else "as cheap as" if p <= m * (1 + 1e-9) else "dearer than"
     return (f"tofu: its plan ({found.predicted:.4g} s predicted) is {verdict} Megatron's split ({m:.4g} s) by the "
             "same cost model")
+
+
+def _propagated(captured, gm, mesh: Mesh, layouts: dict, sig, prefer=None):
+    """``layouts`` propagated over ``gm``, ``captured``'s graph or a copy of it without annotations. Without
+    annotations and preferences the result depends only on the mesh and the layouts: kept on the capture, so Tofu's
+    comparison with Megatron's split and the Megatron build over the same capture propagate it once."""
+    aliases = getattr(captured, "aliases", None) or {}
+    derived = getattr(captured, "derived", None)
+    if prefer or derived is None or any(is_shard_node(n) for n in gm.graph.nodes):
+        return propagate_shardings(gm, mesh, layouts, aliases=aliases, signature=sig, whole_io=True, prefer=prefer)
+    key = ("propagated", tuple(mesh.axes), tuple(sorted((k, tuple(v)) for k, v in layouts.items())))
+    if key not in derived:
+        derived[key] = propagate_shardings(gm, mesh, layouts, aliases=aliases, signature=sig, whole_io=True)
+    return derived[key]
 
 
 def _choose(section, plan, stage: int, captured, cluster, mesh: Mesh, entry: dict) -> tuple:
@@ -222,11 +235,10 @@ def _choose(section, plan, stage: int, captured, cluster, mesh: Mesh, entry: dic
         extra["megatron_whole"] = [list(w) for w in megatron_whole(gm, preset)]
         layouts = {**preset, **layouts}
     layouts.update({k: tuple(dims) for (r, k), dims in tied.items() if r == Role.PARAM})
-    aliases = getattr(captured, "aliases", None) or {}
-    res = propagate_shardings(gm, mesh, layouts, aliases=aliases, signature=sig, whole_io=True)
+    res = _propagated(captured, gm, mesh, layouts, sig)
     draws = split_draws(gm, res)
     if draws:                                     # dropout masks used split: drawn split, each rank its piece
-        res = propagate_shardings(gm, mesh, layouts, aliases=aliases, signature=sig, whole_io=True, prefer=draws)
+        res = _propagated(captured, gm, mesh, layouts, sig, prefer=draws)
     extra["propagated"] = res.to_json()
     return res, extra
 

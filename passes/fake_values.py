@@ -1,0 +1,220 @@
+"""Fake values kept valid through a pass: each node's ``meta["val"]`` (its fake tensor: shape, stride, dtype,
+device) recomputed only where an edit can have changed it, not over the whole graph.
+
+A pass that edits a graph calls :func:`record` before its first edit and :func:`refresh` after its last. A node's
+value is recomputed (its op run on fake tensors) when the node is new, when its op, its constant arguments or its
+value were changed since the record, or when an input's value differs from the recorded input's (a node replaced
+by another of an alike value, a cast back to the dtype it had, counts as the same); a recomputed value equal in
+every property to the recorded one keeps the recorded object and stops there. Every other node keeps its value.
+Each value depends only on its op, its constant arguments and its inputs' values, so the result equals a
+propagation over the whole graph (``torch.fx.passes.fake_tensor_prop.FakeTensorProp``), at the cost of the edited
+region::
+
+    before = record(gm)
+    ...                                   # insert casts, change a view's shape, replace a placeholder's value
+    refresh(gm, before)                   # the new and edited nodes, and what their change reaches
+
+The graph's fake tensors keep one fake mode (the capture's): the recomputation runs in the mode the values already
+share. A graph whose values share no single mode (none are fake, or several modes) is propagated whole in a fresh
+mode, as ``FakeTensorProp`` would.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.proxy_tensor import py_sym_types, snapshot_fake
+from torch.fx.node import map_aggregate, map_arg
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["record", "refresh", "single_fake_mode", "NodeFailed"]
+
+_NO_VAL = object()
+
+
+class NodeFailed(Exception):
+    """A node's op failed on fake tensors: ``node`` is the node, ``__cause__`` the op's error."""
+
+    def __init__(self, node: torch.fx.Node, error: Exception):
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.node = node
+
+
+def record(gm: torch.fx.GraphModule) -> dict:
+    """``{node: (target, args, kwargs, value)}`` for every node of ``gm``, before a pass edits it. fx keeps a node's
+    ``args`` and ``kwargs`` immutable (an edit assigns new ones), so this holds references, not copies."""
+    return {n: (n.target, n.args, n.kwargs, n.meta.get("val", _NO_VAL)) for n in gm.graph.nodes}
+
+
+def refresh(gm: torch.fx.GraphModule, before: dict) -> None:
+    """Recompute ``meta["val"]`` where it may differ from what ``before`` (:func:`record`, or a node's counterpart in
+    a graph this one was built from, its arguments mapped to this graph's nodes) recorded; see the module's text.
+    Raises :class:`NodeFailed` naming the node whose op fails."""
+    mode = single_fake_mode(gm)
+    if mode is None:
+        _propagate_whole(gm)
+        return
+    changed: set = set()
+    env: dict = {}
+    for n in gm.graph.nodes:
+        old = before.get(n)
+        same = lambda a, b: _same_args(a, b, env, changed, before)     # noqa: E731
+        if n.op == "output":       # what FakeTensorProp records for it: its values, as a tuple
+            if old is None or old[3] is _NO_VAL or not same(n.args, old[1]):
+                out = map_aggregate(map_arg(n.args[0], env.__getitem__), lambda r: _extract(r, mode))
+                if out is not None:
+                    n.meta["val"] = out
+            continue
+        val = n.meta.get("val", _NO_VAL)
+        if n.op == "placeholder":
+            env[n] = _placeholder(n, val, old, mode, changed)
+            continue
+        if old is not None and old[3] is not _NO_VAL and (val is old[3] or val is _NO_VAL) and n.target == old[0] \
+                and same(n.args, old[1]) and same(n.kwargs, old[2]):
+            n.meta["val"] = env[n] = old[3]
+            continue
+        if n.op != "call_function" or _mutates_metadata(n.target):
+            _propagate_whole(gm)
+            return
+        args, kwargs = map_arg((n.args, n.kwargs), lambda x: _in_mode(env[x], mode))
+        try:
+            with mode:
+                result = n.target(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - re-raised naming the node
+            raise NodeFailed(n, e) from e
+        new = map_aggregate(result, lambda r: _extract(r, mode))
+        if old is not None and old[3] is not _NO_VAL and _same_value(new, old[3]):
+            n.meta["val"] = env[n] = old[3]
+            continue
+        if new is not None:
+            n.meta["val"] = new
+        else:
+            n.meta.pop("val", None)
+        env[n] = result
+        changed.add(n)
+
+
+def _placeholder(n, val, old, mode, changed):
+    if isinstance(val, FakeTensor) and val.fake_mode is mode:
+        if old is None or (val is not old[3] and not _same_value(val, old[3])):
+            changed.add(n)
+        return val
+    if isinstance(val, torch.Tensor):      # a real or meta tensor stands for the input's shape: a fake of it
+        with mode:
+            fake = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device=val.device)
+        n.meta["val"] = snapshot_fake(fake)
+        if old is None or not _same_value(fake, old[3]):
+            changed.add(n)
+        return fake
+    if old is None or val is not old[3]:
+        changed.add(n)
+    return None if val is _NO_VAL else val
+
+
+def single_fake_mode(gm: torch.fx.GraphModule):
+    """The one fake mode of every fake tensor among ``gm``'s values; None where there are none, or several."""
+    modes = set()
+    for n in gm.graph.nodes:
+        for v in tree_flatten(n.meta.get("val"))[0]:
+            if isinstance(v, FakeTensor):
+                modes.add(v.fake_mode)
+    return modes.pop() if len(modes) == 1 else None
+
+
+def _propagate_whole(gm) -> None:
+    """Every node's value from fresh fakes of the placeholders' values, in a new mode."""
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fakes = []
+    for n in gm.graph.find_nodes(op="placeholder"):
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            with mode:
+                fakes.append(torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device=v.device))
+        else:
+            fakes.append(v)
+    try:
+        FakeTensorProp(gm, mode).propagate_dont_convert_inputs(*fakes)
+    except Exception as e:  # noqa: BLE001 - re-raised naming the node
+        node = next((x for x in gm.graph.nodes if x.op == "call_function" and "val" not in x.meta), None)
+        if node is None:
+            raise
+        raise NodeFailed(node, e) from e
+
+
+def _in_mode(v, mode):
+    if isinstance(v, FakeTensor):
+        return v if v.fake_mode is mode else mode.from_tensor(v)
+    if isinstance(v, torch.Tensor):
+        return mode.from_tensor(v)
+    if isinstance(v, (list, tuple)):
+        return type(v)(_in_mode(x, mode) for x in v)
+    return v
+
+
+def _extract(r, mode):
+    """What ``FakeTensorProp`` keeps of an op's result: a snapshot of each fake tensor, symbolic numbers as they are."""
+    if isinstance(r, FakeTensor):
+        return snapshot_fake(r)
+    if isinstance(r, torch.Tensor):
+        return snapshot_fake(mode.from_tensor(r, static_shapes=True))
+    if isinstance(r, py_sym_types):
+        return r
+    return None
+
+
+def _mutates_metadata(target) -> bool:
+    """An op that changes its input's shape or strides in place (``t_``, ``resize_``, ``set_``): a recorded value
+    it reads would change under it."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    return torch.Tag.inplace_view in target.tags or target.__name__.split(".")[0] in ("resize_", "set_",
+                                                                                     "resize_as_")
+
+
+def _same_value(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
+                and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device
+                and a.layout == b.layout and a.storage_offset() == b.storage_offset()
+                and a.requires_grad == b.requires_grad)
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):     # fx's immutable_list is a list
+        return (isinstance(a, (list, tuple)) and isinstance(b, (list, tuple))
+                and isinstance(a, list) == isinstance(b, list) and len(a) == len(b)
+                and all(_same_value(x, y) for x, y in zip(a, b)))
+    if a is None or b is None:
+        return a is b
+    if isinstance(a, (int, float, bool)) and type(a) is type(b):
+        return a == b
+    return False
+
+
+def _same_args(a, b, env: dict, changed: set, before: dict) -> bool:
+    """Arguments that give the op what the recorded ones gave it: the same constants, and in each node's place a
+    node whose value is alike to the recorded node's (the same node unchanged, or another with an alike value: a
+    cast back to the dtype the value had)."""
+    if isinstance(a, torch.fx.Node) or isinstance(b, torch.fx.Node):
+        if not (isinstance(a, torch.fx.Node) and isinstance(b, torch.fx.Node)):
+            return False
+        if a is b:
+            return a not in changed
+        if a not in env:
+            return False
+        was = before[b][3] if b in before else b.meta.get("val", _NO_VAL)
+        return was is not _NO_VAL and _same_value(env[a], was)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return a is b
+    if isinstance(a, (list, tuple)):          # fx's immutable_list is a list
+        return isinstance(b, (list, tuple)) and isinstance(a, list) == isinstance(b, list) and len(a) == len(b) \
+            and all(_same_args(x, y, env, changed, before) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() \
+            and all(_same_args(a[k], b[k], env, changed, before) for k in a)
+    if a is b:
+        return True
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - a constant that does not compare: count it as changed
+        return False
