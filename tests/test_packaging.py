@@ -8,7 +8,6 @@ source file of the checkout named by ``FXPAR_SOURCE_DIR``.
 """
 import importlib
 import json
-import multiprocessing as mp
 import os
 import subprocess
 import sys
@@ -16,6 +15,8 @@ import sysconfig
 from pathlib import Path
 
 import pytest
+
+from fxpar.runtime.launch import start_context
 
 pytestmark = pytest.mark.structure
 
@@ -71,7 +72,8 @@ def _spawned_where(queue):
 def test_child_processes_import_the_same_packages_as_the_tests(tmp_path):
     """The ways tests start Python again: a script that puts the checkout on sys.path first (as the examples
     do) run from the checkout, ``python -c`` from the checkout (which puts the working directory first), and a
-    'spawn' child (as LocalCluster starts ranks), which inherits sys.path."""
+    child of the context LocalCluster starts ranks in (``start_context()``: a forkserver that preloads torch and
+    fxpar, or spawn), which inherits sys.path."""
     here = _where()
     probe = ("import importlib, json\nfrom pathlib import Path\n"
              f"print(json.dumps({{n: str(Path(importlib.import_module(n).__file__).resolve()) for n in {MODULES!r}}}))\n")
@@ -81,7 +83,7 @@ def test_child_processes_import_the_same_packages_as_the_tests(tmp_path):
         out = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
         assert out.returncode == 0, out.stderr[-3000:]
         assert json.loads(out.stdout) == here, argv[1:]
-    ctx = mp.get_context("spawn")
+    ctx = start_context()
     queue = ctx.Queue()
     child = ctx.Process(target=_spawned_where, args=(queue,))
     child.start()
