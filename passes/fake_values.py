@@ -4,8 +4,9 @@ device) recomputed only where an edit can have changed it, not over the whole gr
 A pass that edits a graph calls :func:`record` before its first edit and :func:`refresh` after its last. A node's
 value is recomputed (its op run on fake tensors) when the node is new, when its op, its constant arguments or its
 value were changed since the record, or when an input's value differs from the recorded input's (a node replaced
-by another of an alike value, a cast back to the dtype it had, counts as the same); a recomputed value equal in
-every property to the recorded one keeps the recorded object and stops there. Every other node keeps its value.
+by another of an alike value over the same storage counts as the same); a recomputed value equal in every
+property to the recorded one, and not a view of an input, keeps the recorded object and stops there (a view's
+recorded value aliases the recorded input's storage, which the memory model's storage keys must follow). Every other node keeps its value.
 Each value depends only on its op, its constant arguments and its inputs' values, so the result equals a
 propagation over the whole graph (``torch.fx.passes.fake_tensor_prop.FakeTensorProp``), at the cost of the edited
 region::
@@ -84,7 +85,8 @@ def refresh(gm: torch.fx.GraphModule, before: dict) -> None:
         except Exception as e:  # noqa: BLE001 - re-raised naming the node
             raise NodeFailed(n, e) from e
         new = map_aggregate(result, lambda r: _extract(r, mode))
-        if old is not None and old[3] is not _NO_VAL and _same_value(new, old[3]):
+        if old is not None and old[3] is not _NO_VAL and _same_value(new, old[3]) \
+                and not _aliases(result, (args, kwargs)):
             n.meta["val"] = env[n] = old[3]
             continue
         if new is not None:
@@ -189,6 +191,22 @@ def _same_value(a, b) -> bool:
     return False
 
 
+def _storages(v) -> list:
+    return [t.untyped_storage()._cdata for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
+
+
+def _same_storages(a, b) -> bool:
+    """The same storages: a node put in another's place may stand for it only if a view of it would alias what a
+    view of the other aliased (the memory model counts a storage once however many views it has)."""
+    return _storages(a) == _storages(b)
+
+
+def _aliases(result, inputs) -> bool:
+    """A result that shares a storage with an input (a view): its recorded value aliases the recorded input's
+    storage, so it cannot stand for the new one."""
+    return bool(set(_storages(result)) & set(_storages(inputs)))
+
+
 def _same_args(a, b, env: dict, changed: set, before: dict) -> bool:
     """Arguments that give the op what the recorded ones gave it: the same constants, and in each node's place a
     node whose value is alike to the recorded node's (the same node unchanged, or another with an alike value: a
@@ -201,7 +219,7 @@ def _same_args(a, b, env: dict, changed: set, before: dict) -> bool:
         if a not in env:
             return False
         was = before[b][3] if b in before else b.meta.get("val", _NO_VAL)
-        return was is not _NO_VAL and _same_value(env[a], was)
+        return was is not _NO_VAL and _same_value(env[a], was) and _same_storages(env[a], was)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return a is b
     if isinstance(a, (list, tuple)):          # fx's immutable_list is a list
