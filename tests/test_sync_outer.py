@@ -18,6 +18,7 @@ from fxpar import sync as S
 from fxpar.sync.feature import method_of
 from fxpar.testing import MLP, reference_training
 from fxpar.testing.compress import mlp_batches
+from fxpar.testing.resume import assert_resume_is_exact
 from fxpar.testing.sync import local_sgd_reference, nesterov_outer, slowmo_outer
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -37,6 +38,12 @@ def _program(model, batches, method, optimizer=SGD_M, dp=2):
 
 def _replicas(res, dp) -> list:
     return [res.features[r]["sync"]["replica"] for r in range(dp)]
+
+
+def _assert_replicas_equal(a, b, dp: int = 2) -> None:
+    """Every replica's parameters bitwise equal in two runs (``assert_resume_is_exact`` checks rank 0's)."""
+    for r, (x, y) in enumerate(zip(_replicas(a, dp), _replicas(b, dp))):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), r
 
 
 def _close(got: dict, want: dict, msg=""):
@@ -111,14 +118,9 @@ def test_checkpoint_in_the_middle_of_a_window_resumes_bitwise(clusters, tmp_path
     == 6 straight, bitwise, per replica: the outer optimizer's state or the slow momentum and the parameters of the
     last averaging are the rank's checkpoint state."""
     model, batches = _model(), mlp_batches(6)
-    straight = _program(model, batches, method).run_local(batches, cluster=clusters.get(2))
-    _program(model, batches, method).run_local(batches[:3], cluster=clusters.get(2), save_to=tmp_path / "ck")
-    resumed = _program(model, batches, method).run_local(batches[3:], cluster=clusters.get(2),
-                                                         resume_from=tmp_path / "ck")
-    assert resumed.losses == straight.losses[3:]
-    for r, (a, b) in enumerate(zip(_replicas(straight, 2), _replicas(resumed, 2))):
-        for k in a:
-            assert torch.equal(a[k], b[k]), (r, k)
+    straight, _, resumed = assert_resume_is_exact(_program(model, batches, method), batches, 3,
+                                                  clusters.get(2), tmp_path / "ck")
+    _assert_replicas_equal(straight, resumed)
 
 
 @pytest.mark.structure

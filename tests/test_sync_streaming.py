@@ -18,6 +18,7 @@ from fxpar.sync.feature import method_of
 from fxpar.sync.method import fragment_keys
 from fxpar.testing import MLP
 from fxpar.testing.compress import mlp_batches
+from fxpar.testing.resume import assert_resume_is_exact
 from fxpar.testing.sync import nesterov_outer, streaming_diloco_reference
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -37,6 +38,12 @@ def _program(model, batches, method, optimizer=SGD_M, dp=2):
 
 def _replicas(res, dp) -> list:
     return [res.features[r]["sync"]["replica"] for r in range(dp)]
+
+
+def _assert_replicas_equal(a, b, dp: int = 2) -> None:
+    """Every replica's parameters bitwise equal in two runs (``assert_resume_is_exact`` checks rank 0's)."""
+    for r, (x, y) in enumerate(zip(_replicas(a, dp), _replicas(b, dp))):
+        assert x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x), r
 
 
 def _close(got: dict, want: dict, msg=""):
@@ -89,14 +96,9 @@ def test_checkpoint_with_a_fragment_in_flight_resumes_bitwise(clusters, tmp_path
     all-reduce waited for and saved), 3 more == 8 straight, bitwise, per replica."""
     model, batches = _model(), mlp_batches(8)
     method = S.DiLoCo(period=4, outer=NESTEROV, fragments=2, delay=1, mix=0.5)
-    straight = _program(model, batches, method).run_local(batches, cluster=clusters.get(2))
-    _program(model, batches, method).run_local(batches[:5], cluster=clusters.get(2), save_to=tmp_path / "ck")
-    resumed = _program(model, batches, method).run_local(batches[5:], cluster=clusters.get(2),
-                                                         resume_from=tmp_path / "ck")
-    assert resumed.losses == straight.losses[5:]
-    for r, (a, b) in enumerate(zip(_replicas(straight, 2), _replicas(resumed, 2))):
-        for k in a:
-            assert torch.equal(a[k], b[k]), (r, k)
+    straight, _, resumed = assert_resume_is_exact(_program(model, batches, method), batches, 5,
+                                                  clusters.get(2), tmp_path / "ck")
+    _assert_replicas_equal(straight, resumed)
 
 
 @pytest.mark.structure
@@ -209,14 +211,9 @@ def test_checkpoint_with_a_quantized_fragment_in_flight_resumes_bitwise(clusters
     resumed == 8 straight, bitwise, per replica."""
     model, batches = _blocks_model(), mlp_batches(8)
     method = S.DiLoCo(period=4, outer=NESTEROV, fragments=2, delay=1, mix=0.5, pattern="strided", quantize="e3m0")
-    straight = _program(model, batches, method).run_local(batches, cluster=clusters.get(2))
-    _program(model, batches, method).run_local(batches[:5], cluster=clusters.get(2), save_to=tmp_path / "ck")
-    resumed = _program(model, batches, method).run_local(batches[5:], cluster=clusters.get(2),
-                                                         resume_from=tmp_path / "ck")
-    assert resumed.losses == straight.losses[5:]
-    for r, (a, b) in enumerate(zip(_replicas(straight, 2), _replicas(resumed, 2))):
-        for k in a:
-            assert torch.equal(a[k], b[k]), (r, k)
+    straight, _, resumed = assert_resume_is_exact(_program(model, batches, method), batches, 5,
+                                                  clusters.get(2), tmp_path / "ck")
+    _assert_replicas_equal(straight, resumed)
 
 
 @pytest.mark.structure
