@@ -357,3 +357,22 @@ def test_the_candidates_measured_on_this_machine_and_their_order():
             got[name.split(" (")[0], world] = ([str(c) for c in finalists(found)[0]],
                                                [str(c) for c in found.ranked[:3]])
     assert got == MEASURED_CANDIDATES
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("preset,plain", [("a100-80gb", 19.5 / 312), ("h100-80gb", 67 / 989), ("h100-pcie", 51 / 756),
+                                          ("h200", 67 / 989), ("v100-32gb", 15.7 / 125)])
+def test_a_float32_model_is_priced_at_the_gpus_float32_rate(preset, plain, monkeypatch):
+    """Torch runs float32 matmuls at the plain float32 rate unless TF32 is allowed; then at TF32's half of the 16-bit
+    tensor-core peak, on GPUs that have TF32 (not V100). The planner prices a float32 model's candidates so."""
+    from fxpar.auto.space import FP32_SHARE, _Pricer, fp32_share
+    dev = fxpar.ClusterSpec.preset(preset).device
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    assert fp32_share(dev) == pytest.approx(plain)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
+    assert fp32_share(dev) == (plain if preset.startswith("v100") else FP32_SHARE)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    cl = fxpar.ClusterSpec.preset(preset, gpus_per_node=2)
+    f32, bf16 = _Pricer(None, cl, 8, 1, 4), _Pricer(None, cl, 8, 1, 2)
+    assert f32.devs_fp32[0].peak_flops == pytest.approx(dev.peak_flops * plain)
+    assert bf16.devs_fp32[0].peak_flops == dev.peak_flops           # a 16-bit model's own dtype: the tensor cores
