@@ -57,6 +57,7 @@ class OpCost:
     op_class: str            # "matmul", "conv", "attention", "norm", "softmax", "elementwise", ...
     rule: str                # "table", "pointwise", "reduction", "view", "free", "default"
     rows: object = 0         # indices a row-by-row scatter adds (index_add): each pays DeviceSpec.index_row_s
+    dtype: object = None     # a tensor-core class's output dtype (a float32 matmul on a GPU: fp32_share)
 
 
 @dataclass
@@ -375,12 +376,44 @@ def op_cost(target, args: list, out) -> OpCost:
     if packet in BYTES_RULES:
         try:
             rows = numel(args[2]) if packet in _ROW_BY_ROW else 0
-            return OpCost(flops, BYTES_RULES[packet](args, out), cls, how, rows)
+            return OpCost(flops, BYTES_RULES[packet](args, out), cls, how, rows, _core_dtype(cls, out))
         except (AttributeError, IndexError, TypeError):
             pass
     out_b = tensor_bytes(out) if _tensors(out) or not args else tensor_bytes(args[0])   # in place: rewrites arg 0
     in_b = 0 if cls in _WRITE_ONLY else tensor_bytes(args)
-    return OpCost(flops, in_b + out_b, cls, how)
+    return OpCost(flops, in_b + out_b, cls, how, 0, _core_dtype(cls, out))
+
+
+# The op classes a GPU runs on its tensor cores, whose rate (a GPU preset's peak_flops: its 16-bit one) depends on
+# the dtype. A float32 matmul runs on the TF32 tensor cores at half of it where torch allows TF32
+# (torch.backends.cuda.matmul.allow_tf32, or torch.set_float32_matmul_precision("high")): A100 datasheet 156 of 312
+# TFLOPS, H100 SXM 494.5 of 989, H100 PCIe 378 of 756. Torch's default does not: then at the plain float32 rate,
+# A100 19.5 of 312, H100 SXM 67 of 989, H100 PCIe 51 of 756 (NVIDIA A100 and H100 Tensor Core GPU datasheets; H200
+# SXM as H100 SXM), V100 SXM2 15.7 of 125 (NVIDIA Tesla V100 datasheet; no TF32). A GPU not in the table: its peak_flops for all.
+TENSOR_CORE_CLASSES = frozenset({"matmul", "matmul_narrow", "conv", "attention"})
+TF32_SHARE = 0.5
+FP32_PLAIN_SHARE = {"A100": 19.5 / 312, "H100-SXM": 67 / 989, "H200": 67 / 989, "H100-PCIe": 51 / 756,
+                    "V100": 15.7 / 125}
+NO_TF32 = ("V100", "P100", "T4")          # GPUs before compute capability 8.0
+
+
+def _core_dtype(cls: str, out):
+    if cls not in TENSOR_CORE_CLASSES:
+        return None
+    t = next(iter(_tensors(out)), None)
+    return None if t is None else t.dtype
+
+
+def fp32_share(device) -> float:
+    """The share of a GPU preset's ``peak_flops`` (its 16-bit tensor-core rate) a float32 matmul reaches: TF32's
+    where this process's torch allows TF32 and the GPU has it, else the plain float32 rate; 1 for a CPU and for a
+    device not in ``FP32_PLAIN_SHARE`` (one a user described: its ``peak_flops`` is its rate). A run must use the
+    TF32 setting of the process that priced it."""
+    plain = next((v for k, v in FP32_PLAIN_SHARE.items() if k in device.name), None)
+    if device.kind != "cuda" or plain is None:        # a device of the user's: its peak_flops holds for every dtype
+        return 1.0
+    tf32 = torch.backends.cuda.matmul.allow_tf32 and not any(n in device.name for n in NO_TF32)
+    return TF32_SHARE if tf32 else plain
 
 
 # an op class a spec calibrated before the class existed does not list: the class it was costed as then
@@ -472,7 +505,8 @@ def node_time(cost: OpCost, device) -> float:
     if f == 0 and b == 0:
         return 0.0
     cls = cost.op_class if cost.op_class in eff else _FALLBACK.get(cost.op_class, cost.op_class)
-    t_flop = f / (device.peak_flops * eff.get(cls, eff.get("compute", 1.0)))
+    peak = device.peak_flops * (fp32_share(device) if cost.dtype == torch.float32 else 1.0)
+    t_flop = f / (peak * eff.get(cls, eff.get("compute", 1.0)))
     t_mem = b / (device.mem_bandwidth * eff.get("memory", 1.0))
     return max(t_flop, t_mem) + concrete(cost.rows) * getattr(device, "index_row_s", 0.0)
 

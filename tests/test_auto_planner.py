@@ -365,14 +365,27 @@ def test_the_candidates_measured_on_this_machine_and_their_order():
 def test_a_float32_model_is_priced_at_the_gpus_float32_rate(preset, plain, monkeypatch):
     """Torch runs float32 matmuls at the plain float32 rate unless TF32 is allowed; then at TF32's half of the 16-bit
     tensor-core peak, on GPUs that have TF32 (not V100). The planner prices a float32 model's candidates so."""
-    from fxpar.auto.space import FP32_SHARE, _Pricer, fp32_share
+    from cost_models.compute import TF32_SHARE, fp32_share
+    from fxpar.auto.space import _Pricer
     dev = fxpar.ClusterSpec.preset(preset).device
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     assert fp32_share(dev) == pytest.approx(plain)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert fp32_share(dev) == (plain if preset.startswith("v100") else FP32_SHARE)
+    assert fp32_share(dev) == (plain if preset.startswith("v100") else TF32_SHARE)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     cl = fxpar.ClusterSpec.preset(preset, gpus_per_node=2)
     f32, bf16 = _Pricer(None, cl, 8, 1, 4), _Pricer(None, cl, 8, 1, 2)
     assert f32.devs_fp32[0].peak_flops == pytest.approx(dev.peak_flops * plain)
     assert bf16.devs_fp32[0].peak_flops == dev.peak_flops           # a 16-bit model's own dtype: the tensor cores
+    # a built program's estimate prices each op by its dtype: a float32 matmul as above, a bf16 one at the peak
+    from cost_models.compute import node_time, op_cost
+    a32 = torch.empty(256, 512, device="meta")
+    c32 = op_cost(torch.ops.aten.mm.default, [a32, a32.t()], torch.empty(256, 256, device="meta"))
+    a16 = a32.to(torch.bfloat16)
+    c16 = op_cost(torch.ops.aten.mm.default, [a16, a16.t()], torch.empty(256, 256, device="meta", dtype=torch.bfloat16))
+    slow = dataclasses.replace(dev, mem_bandwidth=1e30)       # the FLOP side of the roofline alone
+    assert node_time(c32, slow) == pytest.approx(node_time(c16, slow) / plain)
+    cpu = fxpar.ClusterSpec.local(2).device
+    assert node_time(c32, cpu) == node_time(dataclasses.replace(c32, dtype=None), cpu)
+    mine = dataclasses.replace(dev, name="my accelerator")          # a device the user describes: its own peak
+    assert fp32_share(mine) == 1.0 and node_time(c32, mine) == node_time(dataclasses.replace(c32, dtype=None), mine)

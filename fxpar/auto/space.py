@@ -33,9 +33,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-import torch
-
 from cost_models.comm import collective_cost
+from cost_models.compute import fp32_share
 from ..schedule import ScheduleError, simulate
 from ..schedule.registry import get_schedule
 from ..strategy import Strategy
@@ -54,15 +53,6 @@ HOST_MEMORY = 2 * 204.8e9 / 8
 # GPUs without bfloat16 arithmetic (compute capability below 8.0): the search gives them no bf16 candidate
 NO_BF16 = ("V100", "P100", "T4")
 COMPUTE_BYTES = {"bf16": 2, "fp16": 2}
-# A GPU preset's peak_flops is its bf16 (V100: fp16) tensor-core rate. A float32 model's matmuls run on the TF32
-# tensor cores at half of it where torch allows TF32 (torch.backends.cuda.matmul.allow_tf32, or
-# torch.set_float32_matmul_precision("high")): A100 datasheet 156 of 312 TFLOPS, H100 SXM 494.5 of 989, H100 PCIe
-# 378 of 756. Torch's default does not: then they run at the plain float32 rate: A100 19.5 of 312, H100 SXM 67 of
-# 989, H100 PCIe 51 of 756 (NVIDIA A100 and H100 Tensor Core GPU datasheets; H200 SXM as H100 SXM), V100 SXM2 15.7
-# of 125 (NVIDIA Tesla V100 datasheet; V100 has no TF32). A GPU not in the table is priced at A100's shares.
-FP32_SHARE = 0.5
-FP32_PLAIN_SHARE = {"A100": 19.5 / 312, "H100-SXM": 67 / 989, "H200": 67 / 989, "H100-PCIe": 51 / 756,
-                    "V100": 15.7 / 125}
 OPT_OPS_PER_TENSOR = 4                            # ops the traced update runs per parameter tensor (copies, views)
 ZERO_OPS_PER_TENSOR = 4                           # ops ZeRO adds per parameter tensor (into and out of its chunks)
 ZERO3_EXPOSED = 0.5                               # the share of ZeRO-3's gathers the compute does not hide
@@ -161,7 +151,7 @@ class _Pricer:
         self.profiles = profiles or {}           # compute dtype -> its profile (see profile_model(dtype=...))
         self.fixed = fixed or {}                 # the options every candidate gets (reduce_precision, ...)
         self.search_buckets = False              # choose each candidate's bucket size among BUCKETS_MB
-        # a float32 model on a GPU: its matmuls at the TF32 or the plain float32 rate (fp32_share)
+        # a float32 model on a GPU: its matmuls at the TF32 or the plain float32 rate (cost_models.compute.fp32_share)
         self.devs_fp32 = [replace(d, peak_flops=d.peak_flops * fp32_share(d)) if d.kind == "cuda" and elem_bytes == 4
                           else d for d in self.devs]
         self._comm: dict = {}
@@ -253,15 +243,6 @@ def rank_devices(cluster) -> list:
         if d not in out:
             out.append(d)
     return out
-
-
-def fp32_share(device) -> float:
-    """The share of a GPU preset's ``peak_flops`` (its 16-bit tensor-core rate) a float32 matmul reaches: TF32's
-    (``FP32_SHARE``) where this process's torch allows TF32 and the GPU has it, else the plain float32 rate
-    (``FP32_PLAIN_SHARE``). Ranks that run the plan must set the same TF32 setting as the process that plans."""
-    plain = next((v for k, v in FP32_PLAIN_SHARE.items() if k in device.name), FP32_PLAIN_SHARE["A100"])
-    tf32 = bf16_supported(device) and torch.backends.cuda.matmul.allow_tf32
-    return FP32_SHARE if tf32 else plain
 
 
 def bf16_supported(device) -> bool:
