@@ -56,8 +56,10 @@ class RankEstimate:
 class Estimate:
     """Result of :func:`estimate`. ``ranks[i]`` is rank i's :class:`RankEstimate`."""
 
-    def __init__(self, ranks: list, sims: dict, programs: dict, cluster, symmetric: bool, classes: int):
+    def __init__(self, ranks: list, sims: dict, programs: dict, cluster, symmetric: bool, classes: int,
+                 shared_cores: bool = False):
         self.ranks = ranks
+        self.shared_cores = shared_cores      # compute priced at processor-sharing rates (CoreSharing)
         self.step_time_s = max((r.end_time_s for r in ranks), default=0.0)
         for r in ranks:
             r.idle_fraction = 1 - r.compute_time_s / self.step_time_s if self.step_time_s > 0 else 0.0
@@ -90,7 +92,11 @@ class Estimate:
         one GraphModule: its label is ``#0``)."""
         p = self._programs[rank]
         if not isinstance(p, SequenceProgram):
-            return p.compute_time_s if is_work("#0") else 0.0
+            if not is_work("#0"):
+                return 0.0
+            return sum(d for _, d, _ in self._sims[rank].compute) if self.shared_cores else p.compute_time_s
+        if self.shared_cores:         # each graph's compute took the wall time of its steps at their shared rates
+            return sum(d for _, d, seg in self._sims[rank].compute if is_work(p.label(p.seg_item[seg])))
         return sum(part.compute_time_s for i, part in enumerate(p.parts) if part is not None and is_work(p.label(i)))
 
     def idle_fraction_where(self, is_work) -> float:
@@ -361,4 +367,4 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
         busy = p.compute_time_s if sharing is None else sum(d for _, d, _ in sim.compute)   # at its shared rate
         ranks.append(RankEstimate(r, busy, comm_t, wire[r], peak, sim.end, ov, breakdown))
     classes = len({p.class_key for p in programs.values()})
-    return Estimate(ranks, sims, programs, cluster, symmetric, classes)
+    return Estimate(ranks, sims, programs, cluster, symmetric, classes, sharing is not None)

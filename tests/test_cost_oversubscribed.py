@@ -115,3 +115,4 @@ def test_four_ranks_on_two_cores_price_the_pipeline_by_its_turns():
     # its compute is the same work: the pipeline's ranks compute at most twice as fast (two cores, four ranks)
     for a, b in zip(pipe[0].ranks, pipe[1].ranks):
         assert a.compute_time_s / 2 <= b.compute_time_s < a.compute_time_s
+    assert 0 < pipe[1].bubble < 1     # the compute actions' wall time at their shared rates, within the step
