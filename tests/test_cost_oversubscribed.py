@@ -93,6 +93,7 @@ IDLE_4_ON_2 = DeviceSpec(
                 "transcendental_backward": 0.017})
 
 
+@pytest.mark.slow
 def test_four_ranks_on_two_cores_price_the_pipeline_by_its_turns():
     """The tied GPT of ``bench_planner.py measure`` at 4 ranks (where dp=2 x pp=2 ZB-H1 ran faster than dp=4). dp=4's
     ranks compute at once, as calibrated: its estimate is the same with host_cores and without. The pipeline's
