@@ -117,3 +117,13 @@ def test_four_ranks_on_two_cores_price_the_pipeline_by_its_turns():
     for a, b in zip(pipe[0].ranks, pipe[1].ranks):
         assert a.compute_time_s / 2 <= b.compute_time_s < a.compute_time_s
     assert 0 < pipe[1].bubble < 1     # the compute actions' wall time at their shared rates, within the step
+
+
+def test_a_deadlock_under_sharing_is_named():
+    """Both ranks wait on a receive the other never sends: the shared-core simulation stops and names them."""
+    from cost_models.simulate import DeadlockError
+    sharing = CoreSharing.of(_local(2, 1, 0.5), range(2))
+    progs = {r: _prog(("compute", 1.0, 0), ("issue", 0), ("wait", 0),
+                      infos=[CommInfo("recv", "pp", (1 - r, r), 1024)]) for r in range(2)}
+    with pytest.raises(DeadlockError, match="rank 0 waits on recv"):
+        simulate(progs, {0: [0.1], 1: [0.1]}, sharing=sharing)
