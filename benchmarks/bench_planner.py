@@ -135,6 +135,9 @@ def _calibrated(n: int, cache_dir: str | None, memo: dict, nice: int | None) -> 
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             memo[n].to_json(str(path))
+    d = memo[n].device
+    print(f"{n} ranks: core_share {d.core_share:.3f} on {d.host_cores or '?'} cores (processor sharing where the ranks "
+          "outnumber them)", flush=True)
     return memo[n]
 
 

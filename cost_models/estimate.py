@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from .comm import GLOO_THREADS, comm_info_cost, latency_part
 from .sequence import SequenceProgram, compile_sequence
-from .simulate import compile_program, simulate, slowed
+from .simulate import CoreSharing, compile_program, simulate, slowed
 
 __all__ = ["RankEstimate", "Estimate", "estimate", "straggler_factor"]
 
@@ -56,8 +56,10 @@ class RankEstimate:
 class Estimate:
     """Result of :func:`estimate`. ``ranks[i]`` is rank i's :class:`RankEstimate`."""
 
-    def __init__(self, ranks: list, sims: dict, programs: dict, cluster, symmetric: bool, classes: int):
+    def __init__(self, ranks: list, sims: dict, programs: dict, cluster, symmetric: bool, classes: int,
+                 shared_cores: bool = False):
         self.ranks = ranks
+        self.shared_cores = shared_cores      # compute priced at processor-sharing rates (CoreSharing)
         self.step_time_s = max((r.end_time_s for r in ranks), default=0.0)
         for r in ranks:
             r.idle_fraction = 1 - r.compute_time_s / self.step_time_s if self.step_time_s > 0 else 0.0
@@ -90,7 +92,11 @@ class Estimate:
         one GraphModule: its label is ``#0``)."""
         p = self._programs[rank]
         if not isinstance(p, SequenceProgram):
-            return p.compute_time_s if is_work("#0") else 0.0
+            if not is_work("#0"):
+                return 0.0
+            return sum(d for _, d, _ in self._sims[rank].compute) if self.shared_cores else p.compute_time_s
+        if self.shared_cores:         # each graph's compute took the wall time of its steps at their shared rates
+            return sum(d for _, d, seg in self._sims[rank].compute if is_work(p.label(p.seg_item[seg])))
         return sum(part.compute_time_s for i, part in enumerate(p.parts) if part is not None and is_work(p.label(i)))
 
     def idle_fraction_where(self, is_work) -> float:
@@ -287,7 +293,9 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
     flight at once are the fewest any device allows (``collective_slots``). A straggler of ``cluster.slowdown``
     (``{rank: factor}`` pairs) runs its compute :func:`straggler_factor` times as long
     (:func:`cost_models.simulate.slowed`); a collective starts when its slowest member issues it, so synchronous data
-    parallelism's step is the straggler's.
+    parallelism's step is the straggler's. Where a node's CPU ranks outnumber its cores (``DeviceSpec.host_cores``),
+    a rank computes faster while fewer of its node's ranks compute (:class:`cost_models.simulate.CoreSharing`), and
+    its ``compute_time_s`` is the wall time its compute took at those rates.
     """
     caches: dict = {}
 
@@ -331,7 +339,12 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
                  else getattr(cluster.device, "late_recv_s", 0.0))
     multi = {"latency": latency, "slots": slots} if getattr(cluster, "backend", "gloo") == "gloo" else {}
     cls_of = _symmetry_classes(programs)
-    symmetric = cls_of is not None
+    # ranks that share a node's cores compute faster while fewer of them compute (CoreSharing); one class of ranks
+    # computes in lockstep, every rank at once, at the calibrated rate: the symmetric simulation is then exact
+    sharing = CoreSharing.of(cluster, programs)
+    if sharing is not None and cls_of is not None and len(set(cls_of.values())) == 1:
+        sharing = None
+    symmetric = cls_of is not None and sharing is None
     if symmetric:
         reps: dict = {}
         for r, key in cls_of.items():
@@ -339,7 +352,7 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
         rep_sims = simulate({r: programs[r] for r in reps.values()}, durations, symmetric=True, **multi)
         sims = {r: rep_sims[reps[key]] for r, key in cls_of.items()}
     else:
-        sims = simulate(programs, durations, late_recv_s=late_recv, **multi)
+        sims = simulate(programs, durations, late_recv_s=late_recv, sharing=sharing, **multi)
     ranks, done = [], {}
     for r in sorted(programs):
         p, sim = programs[r], sims[r]
@@ -351,6 +364,7 @@ def estimate(graphs: dict, cluster, algorithm: str = "auto", server_nodes=None) 
             peak, breakdown = p.peak_bytes, dict(p.memory_breakdown)
         else:
             peak, breakdown = p.liveness.peak_bytes, dict(p.liveness.peak_breakdown)
-        ranks.append(RankEstimate(r, p.compute_time_s, comm_t, wire[r], peak, sim.end, ov, breakdown))
+        busy = p.compute_time_s if sharing is None else sum(d for _, d, _ in sim.compute)   # at its shared rate
+        ranks.append(RankEstimate(r, busy, comm_t, wire[r], peak, sim.end, ov, breakdown))
     classes = len({p.class_key for p in programs.values()})
-    return Estimate(ranks, sims, programs, cluster, symmetric, classes)
+    return Estimate(ranks, sims, programs, cluster, symmetric, classes, sharing is not None)

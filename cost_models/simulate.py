@@ -29,6 +29,12 @@ the rank's last communication runs cold and pays ``DeviceSpec.cold_op_s`` more (
 ``wait_tensor`` reads blocks at once. When no rank can move, or a comm is never matched, the
 programs deadlock and the error names who waits on whom.
 
+Shared cores (:class:`CoreSharing`): where a node's CPU ranks outnumber its cores (``DeviceSpec.host_cores``),
+the compute figures are those calibrate() measured while every rank computed at once; a rank computing while fewer
+of its node's ranks compute runs faster, at its processor-sharing rate (:meth:`CoreSharing.speed`). The simulation
+then advances all ranks in time order together, each compute step at the rate the ranks computing beside it allow.
+Elsewhere (GPUs, a core per rank, ``host_cores`` 0) every compute step takes its seconds as costed.
+
 Speed: ranks whose programs are the same graph object (or the same code on the same input
 shapes) are costed once; when every group's members share a program, one representative per
 class is simulated and its timeline shared (the usual data/tensor-parallel case).
@@ -46,7 +52,8 @@ from fxpar import meta as M
 from .compute import graph_compute, pays_dispatch
 from .memory import liveness
 
-__all__ = ["Program", "cold_ops", "compile_program", "simulate", "SimResult", "DeadlockError", "slowed"]
+__all__ = ["Program", "CoreSharing", "cold_ops", "compile_program", "simulate", "SimResult", "DeadlockError",
+           "slowed"]
 
 _WAIT = torch.ops._c10d_functional.wait_tensor.default
 _P2P = ("send", "recv")
@@ -235,6 +242,53 @@ def compile_program(gm, cluster, cache: dict) -> Program:
     return p
 
 
+class CoreSharing:
+    """How the CPU ranks of a node share its cores while they compute: processor sharing.
+
+    A node of ``cores`` cores (``DeviceSpec.host_cores``) runs ``ranks`` ranks (``ClusterSpec.devices_per_node``), one
+    compute thread each; calibrate() measured the compute figures while every rank computed at once, each on
+    ``share`` of a core (``DeviceSpec.core_share``: its CPU seconds over the wall seconds). What kept the share
+    under ``cores / ranks`` is other load on the node, ``background = cores / share - ranks`` threads as busy as a
+    rank (0 where the share came out at least the fair one). The scheduler gives every runnable thread an equal
+    part, at most a core: with ``k`` of the ranks computing, each runs on ``min(1, cores / (k + background))`` of
+    a core, :meth:`speed` times as fast as calibrated. With ``k = ranks`` that is 1: a step in which every rank
+    computes at once (data parallelism's) is priced as before.
+
+    ``node_of``: rank -> node index (only the ranks whose node shares its cores; the others compute as costed);
+    ``nodes``: node index -> ``(cores, ranks, background)``."""
+
+    def __init__(self, node_of: dict, nodes: dict):
+        self.node_of = node_of
+        self.nodes = nodes
+
+    @classmethod
+    def of(cls, cluster, ranks) -> "CoreSharing | None":
+        """The sharing of ``cluster``'s nodes among ``ranks`` (the worker ranks of a step), or None where no node's
+        CPU ranks outnumber its cores (``DeviceSpec.host_cores`` 0, GPUs, a core per rank): there every compute step
+        takes its seconds as costed."""
+        per = getattr(cluster, "devices_per_node", 1)
+        world = getattr(cluster, "world_size", per)
+        node_of, nodes = {}, {}
+        for r in ranks:
+            if not 0 <= r < world:
+                continue                              # a CPU server: a machine of its own
+            d = cluster.device_of(r) if hasattr(cluster, "device_of") else cluster.device
+            cores = getattr(d, "host_cores", 0)
+            if d.kind != "cpu" or not cores or per <= cores:
+                continue
+            node = r // per
+            share = min(1.0, max(1e-6, getattr(d, "core_share", 1.0)))
+            nodes.setdefault(node, (cores, per, max(0.0, cores / share - per)))
+            node_of[r] = node
+        return cls(node_of, nodes) if node_of else None
+
+    def speed(self, node: int, computing: int) -> float:
+        """How many times as fast as calibrated a rank of ``node`` computes while ``computing`` of its node's ranks
+        (itself included) compute: ``min(1, cores / (computing + background))`` over the same at every rank."""
+        cores, ranks, background = self.nodes[node]
+        return min(1.0, cores / (computing + background)) / min(1.0, cores / (ranks + background))
+
+
 class SimResult:
     """Per-rank outcome: compute intervals, comm intervals, end time."""
 
@@ -251,7 +305,7 @@ def _group_key(info):
 
 
 def simulate(programs: dict, durations: dict, symmetric: bool = False, late_recv_s: float | dict = 0.0,
-             latency: dict | None = None, slots: int = 1) -> dict:
+             latency: dict | None = None, slots: int = 1, sharing: CoreSharing | None = None) -> dict:
     """Run ``programs`` (rank -> Program); ``durations[rank][k]`` is comm k's seconds.
 
     ``slots`` > 1 (gloo: ``cost_models.comm.GLOO_THREADS``, its worker threads per group): a rank's
@@ -275,16 +329,20 @@ def simulate(programs: dict, durations: dict, symmetric: bool = False, late_recv
     shift: the simulation is re-run with the set found on the previous run until the set is
     stable (at most ``_LATE_PASSES`` runs; usually two). A dict ``{rank: seconds}`` gives each sender its own
     (a heterogeneous cluster's devices).
+
+    ``sharing`` (:class:`CoreSharing`, not with ``symmetric``): ranks of a node share its cores; every rank
+    advances in time order, each compute step at :meth:`CoreSharing.speed` of the ranks of its node computing
+    meanwhile, so that its recorded interval is the wall time it took. None: each compute step takes its seconds.
     """
     multi = (latency, slots) if slots > 1 and latency is not None else None
     if isinstance(late_recv_s, dict) and not any(late_recv_s.values()):
         late_recv_s = 0.0
     if not late_recv_s:
-        return _simulate_once(programs, durations, symmetric, 0.0, frozenset(), None, multi)
+        return _simulate_once(programs, durations, symmetric, 0.0, frozenset(), None, multi, sharing)
     penalize: frozenset = frozenset()
     for _ in range(_LATE_PASSES):
         late: list = []
-        res = _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late, multi)
+        res = _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late, multi, sharing)
         busy = frozenset(cid for cid, src, t_r in late if _computing(res[src].compute, t_r))
         if busy == penalize:
             break
@@ -301,10 +359,11 @@ def _computing(intervals: list, t: float) -> bool:
     return i >= 0 and intervals[i][0] <= t < intervals[i][0] + intervals[i][1]
 
 
-def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late, multi=None) -> dict:
+def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late, multi=None, sharing=None) -> dict:
     """One run; the p2p pairs in ``penalize`` take ``late_recv_s`` longer; ``late`` (a list, or None)
     collects ``(pair id, sender, recv issue time)`` of each pair whose recv was issued after its send.
-    ``multi``: (latency parts, slots) for collectives that may overlap (see :func:`simulate`)."""
+    ``multi``: (latency parts, slots) for collectives that may overlap; ``sharing``: shared cores (see
+    :func:`simulate`)."""
     ranks = sorted(programs)
     res = {r: SimResult() for r in ranks}
     pc = dict.fromkeys(ranks, 0)
@@ -402,11 +461,28 @@ def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late, 
             res[m].comm.append((end - durations[m][k], durations[m][k], k))   # its own seconds, ending when it ends
             advance(m, work)
 
+    def issue(r, k, t):
+        g = group_id(programs[r].infos[k])
+        n = seq.get((r, g), 0)
+        seq[(r, g)] = n + 1
+        cid = (g, n, r) if symmetric else (g, n)
+        issued.setdefault(cid, {})[r] = (t, k)
+        lk = lane_of(r, g) if gp2p[g] else r
+        queue[lk].append(cid)
+        if qhead[lk] == len(queue[lk]) - 1:          # nothing ahead of it on this lane
+            at_head[cid] = at_head.get(cid, 0) + 1
+            if at_head[cid] == len(members(cid)):
+                work = [cid]
+                while work:
+                    resolve(work.pop(), work)
+
+    if sharing is not None:
+        _run_shared(ranks, programs, res, pc, t_c, end_of, issue, sharing)
     moved = True
     while moved:
         moved = False
         for r in ranks:
-            steps, infos = programs[r].steps, programs[r].infos
+            steps = programs[r].steps
             i, t = pc[r], t_c[r]
             while i < len(steps):
                 st = steps[i]
@@ -414,20 +490,7 @@ def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late, 
                     res[r].compute.append((t, st[1], st[2]))
                     t += st[1]
                 elif st[0] == "issue":
-                    k = st[1]
-                    g = group_id(infos[k])
-                    n = seq.get((r, g), 0)
-                    seq[(r, g)] = n + 1
-                    cid = (g, n, r) if symmetric else (g, n)
-                    issued.setdefault(cid, {})[r] = (t, k)
-                    lk = lane_of(r, g) if gp2p[g] else r
-                    queue[lk].append(cid)
-                    if qhead[lk] == len(queue[lk]) - 1:          # nothing ahead of it on this lane
-                        at_head[cid] = at_head.get(cid, 0) + 1
-                        if at_head[cid] == len(members(cid)):
-                            work = [cid]
-                            while work:
-                                resolve(work.pop(), work)
+                    issue(r, st[1], t)
                 else:
                     e = end_of.get((r, st[1]))
                     if e is None:
@@ -445,6 +508,72 @@ def _simulate_once(programs, durations, symmetric, late_recv_s, penalize, late, 
         comm_end = max((s + d for s, d, _ in res[r].comm), default=0.0)
         res[r].end = max(t_c[r], comm_end)
     return res
+
+
+def _run_shared(ranks, programs, res, pc, t_c, end_of, issue, sharing) -> None:
+    """Advance every rank in time order, each compute step at :meth:`CoreSharing.speed` of the ranks of its node
+    computing meanwhile (processor sharing): at each moment the ranks not computing run their issues and finished
+    waits; then time moves to the next end of a compute step or of a wait, each computing rank doing
+    ``speed x elapsed`` seconds of its step's (calibrated) work. Leaves ``pc``/``t_c`` where the ranks stopped (all
+    done, or blocked on a comm nobody completes: the caller's loop reports the deadlock)."""
+    now = 0.0
+    left: dict = {}                    # rank -> (seconds of work left in its compute step, when the step started)
+    wake: dict = {}                    # rank -> when the comm it waits on ends (later than now)
+    node_of = sharing.node_of
+    while True:
+        for r in ranks:                # what each idle rank does at this moment
+            steps, i = programs[r].steps, pc[r]
+            if r in left or r in wake or i == len(steps):
+                continue
+            while i < len(steps):
+                st = steps[i]
+                if st[0] == "compute":
+                    if st[1] > 0:
+                        left[r] = (st[1], now)
+                        break
+                    res[r].compute.append((now, st[1], st[2]))
+                elif st[0] == "issue":
+                    issue(r, st[1], now)
+                else:
+                    e = end_of.get((r, st[1]))
+                    if e is None:
+                        break
+                    if e > now:
+                        wake[r] = e
+                        break
+                i += 1
+            pc[r], t_c[r] = i, now
+        for r in ranks:                # an issue above may have ended a wait of a rank swept before it
+            if r not in left and r not in wake and pc[r] < len(programs[r].steps):
+                st = programs[r].steps[pc[r]]
+                if st[0] == "wait" and end_of.get((r, st[1])) is not None:
+                    break
+        else:
+            r = None
+        if r is not None:
+            continue
+        if not left and not wake:
+            return
+        computing: dict = {}
+        for r in left:
+            node = node_of.get(r)
+            if node is not None:
+                computing[node] = computing.get(node, 0) + 1
+        rate = {r: sharing.speed(node_of[r], computing[node_of[r]]) if r in node_of else 1.0 for r in left}
+        nxt = min([now + w / rate[r] for r, (w, _) in left.items()] + list(wake.values()))
+        for r in list(left):
+            w, start = left[r]
+            if now + w / rate[r] <= nxt:           # its step ends now
+                st = programs[r].steps[pc[r]]
+                res[r].compute.append((start, nxt - start, st[2]))
+                del left[r]
+                pc[r], t_c[r] = pc[r] + 1, nxt
+            else:
+                left[r] = (w - (nxt - now) * rate[r], start)
+        for r in [r for r, e in wake.items() if e <= nxt]:
+            del wake[r]
+            pc[r], t_c[r] = pc[r] + 1, nxt
+        now = nxt
 
 
 def _describe(programs, r, k) -> str:

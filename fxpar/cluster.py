@@ -62,6 +62,11 @@ class DeviceSpec:
     # seconds, at most 1), where the ranks' threads outnumber the cores; from calibrate(). 1: a core of its own. A
     # straggler's sleep follows its compute's CPU seconds (ClusterSpec.slowdown), this share of its wall seconds.
     core_share: float = 1.0
+    # the cores the ranks of this device's node share (os.sched_getaffinity at calibrate()); where the node's ranks
+    # outnumber them, a rank computing while fewer of them compute runs faster than calibrated, at its share of the
+    # cores among the ranks computing then and the other load core_share shows (cost_models.simulate.CoreSharing).
+    # 0: not known (every compute step priced as calibrated).
+    host_cores: int = 0
 
     def __hash__(self):
         return hash((self.kind, self.name, self.memory_bytes, self.peak_flops, self.mem_bandwidth))
@@ -498,6 +503,9 @@ def _device_problems(d: DeviceSpec, where: str) -> list:
             problems.append(f"{where}.{name}={getattr(d, name)}: must be >= 0 seconds")
     if not 0 < d.core_share <= 1:
         problems.append(f"{where}.core_share={d.core_share}: must be in (0, 1] (1: a core per rank)")
+    if not isinstance(d.host_cores, int) or isinstance(d.host_cores, bool) or d.host_cores < 0:
+        problems.append(f"{where}.host_cores={d.host_cores!r}: must be an int >= 0 (the cores the node's ranks share; "
+                        "0: not known)")
     if not isinstance(d.collective_slots, int) or isinstance(d.collective_slots, bool) or d.collective_slots < 0:
         problems.append(f"{where}.collective_slots={d.collective_slots!r}: must be an int >= 0 (0: the backend's)")
     if d.mem_bandwidth <= 0:
@@ -580,7 +588,8 @@ _DEVICE_FIELDS = {"kind": (str, "'cpu' or 'cuda'"), "name": (str, "a string"), "
                   "action_overhead_s": (float, _NUMBER + " (seconds)"), "comm_cpu_s": (float, _NUMBER + " (seconds)"),
                   "comm_cpu_per_byte": (float, _NUMBER + " (seconds per byte)"),
                   "cold_op_s": (float, _NUMBER + " (seconds)"), "index_row_s": (float, _NUMBER + " (seconds)"),
-                  "core_share": (float, _NUMBER + " in (0, 1] (a rank's share of a core)")}
+                  "core_share": (float, _NUMBER + " in (0, 1] (a rank's share of a core)"),
+                  "host_cores": (int, "an integer >= 0 (the cores the node's ranks share; 0: not known)")}
 _LINK_FIELDS = {"bandwidth": (float, _NUMBER + " (bytes/s)"), "latency": (float, _NUMBER + " (seconds)")}
 
 

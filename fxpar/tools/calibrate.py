@@ -44,7 +44,9 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
   access: 20-40 ns a row on a 2-core machine, 1.5-2x the bytes' time; :func:`index_row_overhead`);
 - where the ranks' threads outnumber the cores, the process CPU seconds over the wall seconds of those shared loops
   (at most 1), the ranks' mean -> ``device.core_share``: the share of a core a rank's compute runs on (about
-  cores / ranks on an idle machine, less under other load; 1 where the ranks have cores of their own);
+  cores / ranks on an idle machine, less under other load; 1 where the ranks have cores of their own), and the
+  machine's cores -> ``device.host_cores``: where the ranks outnumber them, the cost model prices a rank computing
+  while fewer of them compute at its larger share (``cost_models.simulate.CoreSharing``);
 - ``all_reduce`` of sizes 4 KiB .. 16 MiB (after a barrier each time);
 - the *issue* of a small collective (two or more ranks; a functional ``all_reduce`` and an
   ``all_gather_into_tensor`` of 1 KiB after a barrier, timed from the call to its return, before the
@@ -302,7 +304,7 @@ def calibrate(world_size: int = 2, sizes=SIZES, reps: int = 5, return_measuremen
     device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
                      op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s),
                      index_row_s=index_row_overhead(c) if "index_add_s" in c else 0.0,
-                     core_share=min(1.0, max(1e-3, c.get("core_share", 1.0))))
+                     core_share=min(1.0, max(1e-3, c.get("core_share", 1.0))), host_cores=os.cpu_count() or 0)
     spec = replace(base, device=device, comm_priority=bool(comm_priority))
     if raw["all_reduce"]:
         spec = replace(spec, intra_node=link_spec(raw, world_size))
