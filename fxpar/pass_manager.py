@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch.fx
 
 from . import meta as M
+from ._tracing import gc_paused
 from .errors import PassError
 from .roles import GraphKind
 
@@ -126,6 +127,11 @@ class PassManager:
                                     f"{names.index(b)} and '{p.name}' at {i}. Pipeline order: {names}")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> tuple:
+        """The passes in order over ``gm``: ``(graph module, history)``."""
+        with gc_paused():         # the passes make and drop nodes and fake values by the thousand (_tracing.gc_paused)
+            return self._run(gm, ctx)
+
+    def _run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> tuple:
         history = []
         if self.keep_history:
             history.append(HistoryEntry("capture", True, 0.0, len(gm.graph.nodes),
