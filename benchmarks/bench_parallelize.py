@@ -3,10 +3,12 @@
 
     python benchmarks/bench_parallelize.py [--layers 12] [--d 768] [--repeat 3]
 
-The first call in a process also pays make_fx's one-time warm-up; both are reported. Last, what capture's check
+The first call in a process also pays make_fx's one-time warm-up; both are reported, each with the process's CPU time
+(on a shared machine, compare CPU times: wall time follows the load, printed first). Last, what capture's check
 of the model's Python state costs (two snapshots of every module's plain attributes, compared; median of 20).
 """
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -30,14 +32,15 @@ def main():
     args = ap.parse_args()
     model = GPT(vocab=50257, d=args.d, layers=args.layers, heads=args.d // 64, max_seq=args.seq)
     x = torch.randint(0, 50257, (4, args.seq))
-    print(f"GPT {args.layers}x{args.d}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters")
+    print(f"GPT {args.layers}x{args.d}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
+          f"load average {os.getloadavg()[0]:.1f}")
     for i in range(args.repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         p = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), (x, x), loss_fn=gpt_loss,
                               optimizer=(torch.optim.AdamW, {"lr": 3e-4}), strategy=fxpar.Strategy(dp=2))
-        dt = time.perf_counter() - t0
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
         nodes = len(p.graphs(0)["step"].graph.nodes)
-        print(f"{'first' if i == 0 else 'again'}: parallelize {dt:.2f}s (capture {p.timings['capture']:.2f}s, "
+        print(f"{'first' if i == 0 else 'again'}: parallelize {dt:.2f}s, CPU {cpu:.2f}s (capture {p.timings['capture']:.2f}s, "
               f"plan+lower {p.timings['lower']:.2f}s), {nodes} nodes, {len(p.plan.section('data_parallel').buckets[0])} buckets")
     took = []
     for _ in range(20):

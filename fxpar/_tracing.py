@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import sys
 import sysconfig
@@ -19,7 +20,7 @@ from . import meta as M
 from .errors import CaptureError, InputError
 
 __all__ = ["ModuleTracker", "batch_parts", "split_batch", "call_model", "BatchLayout", "explain_trace_error",
-           "clean_name", "capture_context", "TRACING_PREDICATES"]
+           "clean_name", "capture_context", "gc_paused", "TRACING_PREDICATES"]
 
 # Library predicates that ask "is a graph being traced right now?" and answer wrongly under
 # fxpar's capture: (module that defines it, function name). Every module of the same top-level
@@ -111,6 +112,24 @@ def capture_context():
         for package, repl, orig in replaced:
             for mod, name in _bindings(package, repl, only=new):
                 setattr(mod, name, orig)
+
+
+@contextlib.contextmanager
+def gc_paused():
+    """Python's cyclic garbage collector held off inside: around a trace and the passes over its graph.
+
+    A trace of GPT-2 small's step makes some 10^5 objects that live as long as the graph (nodes, their meta, fake
+    tensors); each of them counts towards the collector's next collection, which then walks every object in the
+    process (torch's own included) while almost nothing is garbage: about a tenth of a build's time. Objects
+    freed by their reference count are freed inside as ever; cycles wait until the block ends, when collection
+    resumes on its usual thresholds. Restores what it found (nests; a collector the caller disabled stays so)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class ModuleTracker:

@@ -46,7 +46,8 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from . import meta as M
-from ._tracing import ModuleTracker, call_model, capture_context, clean_name, explain_trace_error, split_batch
+from ._tracing import (ModuleTracker, call_model, capture_context, clean_name, explain_trace_error, gc_paused,
+                       split_batch)
 from .errors import CaptureError
 from .optim import OptimizerSpec
 from .roles import Role
@@ -274,7 +275,7 @@ def _trace(fn, flat, mod_name, tracker, model=None):
     try:
         # a lazy GraphModule: its Python code is generated when first read or called, not at every recompile()
         # (the trace's, the annotation's, a copy's, each pass's): the joint step is lowered, not run
-        with fx_traceback.preserve_node_meta(), tracker, capture_context(), _use_lazy_graph_module(True):
+        with fx_traceback.preserve_node_meta(), tracker, capture_context(), _use_lazy_graph_module(True), gc_paused():
             gm = make_fx(torch.func.functionalize(fn, remove="mutations"), tracing_mode="fake")(*flat)
     except CaptureError:
         raise

@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch.fx
 
 from . import meta as M
+from ._tracing import gc_paused
 from .errors import PassError
 from .roles import GraphKind
 
@@ -90,14 +91,65 @@ def graph_pass(name: str, requires: tuple = (), before: tuple = ()) -> Callable:
     return wrap
 
 
-@dataclass
+class _GraphSnapshot:
+    """A graph's code as it stands when taken, rendered (``Graph.python_code``) when first read.
+
+    Holds each node's op, name, target, arguments and type: an argument tuple is replaced, never edited, when a
+    pass rewires a node, so keeping it keeps the arguments as they were; the nodes it names may be renamed or
+    erased later, so their names are kept here. Taking it is a walk over the nodes; rendering rebuilds a graph of
+    the same nodes and prints it, which a history nobody reads never pays."""
+
+    def __init__(self, graph: torch.fx.Graph):
+        self._codegen = graph._codegen
+        self._nodes = [(n, n.op, n.name, n.target, n.args, n.kwargs, n.type) for n in graph.nodes]
+        self._text = None
+
+    def render(self) -> str:
+        if self._text is None:
+            g = torch.fx.Graph()
+            g.set_codegen(self._codegen)
+            made = {n: g.create_node(op, target, name=name, type_expr=type_expr)
+                    for n, op, name, target, _, _, type_expr in self._nodes}
+            for n, _, _, _, args, kwargs, _ in self._nodes:
+                made[n].args = torch.fx.node.map_arg(args, made.__getitem__)
+                made[n].kwargs = torch.fx.node.map_arg(kwargs, made.__getitem__)
+            self._text = g.python_code(root_module="self").src
+            self._nodes = None
+        return self._text
+
+
 class HistoryEntry:
-    pass_name: str
-    modified: bool
-    seconds: float
-    nodes: int
-    code: str
-    info: dict
+    """One step of a stage's pass history: the pass, whether it changed the graph, its time, the node count,
+    ``code`` (the graph after it, as Python) and what the pass reported (``info``)."""
+
+    def __init__(self, pass_name: str, modified: bool, seconds: float, nodes: int, code, info: dict):
+        self.pass_name, self.modified, self.seconds, self.nodes, self.info = pass_name, modified, seconds, nodes, info
+        self._code = code          # a str, or a _GraphSnapshot printed when ``code`` is first read
+
+    @property
+    def code(self) -> str:
+        if not isinstance(self._code, str):
+            self._code = self._code.render()
+        return self._code
+
+    @code.setter
+    def code(self, value: str) -> None:
+        self._code = value
+
+    def _fields(self) -> tuple:
+        return self.pass_name, self.modified, self.seconds, self.nodes, self.code, self.info
+
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self) and self._fields() == other._fields()
+
+    __hash__ = None
+
+    def __getstate__(self) -> dict:            # pickled and copied as text
+        return {**self.__dict__, "_code": self.code}
+
+    def __repr__(self) -> str:
+        return (f"HistoryEntry(pass_name={self.pass_name!r}, modified={self.modified!r}, seconds={self.seconds!r}, "
+                f"nodes={self.nodes!r}, code={self.code!r}, info={self.info!r})")
 
     def __str__(self) -> str:
         return f"# after {self.pass_name} ({'modified' if self.modified else 'unchanged'}, {self.nodes} nodes)\n{self.code}"
@@ -126,10 +178,14 @@ class PassManager:
                                     f"{names.index(b)} and '{p.name}' at {i}. Pipeline order: {names}")
 
     def run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> tuple:
+        """The passes in order over ``gm``: ``(graph module, history)``."""
+        with gc_paused():         # the passes make and drop nodes and fake values by the thousand (_tracing.gc_paused)
+            return self._run(gm, ctx)
+
+    def _run(self, gm: torch.fx.GraphModule, ctx: PassContext) -> tuple:
         history = []
         if self.keep_history:
-            history.append(HistoryEntry("capture", True, 0.0, len(gm.graph.nodes),
-                                        gm.graph.python_code(root_module="self").src, {}))
+            history.append(HistoryEntry("capture", True, 0.0, len(gm.graph.nodes), _GraphSnapshot(gm.graph), {}))
         done, modified_any = [], False
         for p in self.passes:
             before = set(gm.graph.nodes)
@@ -154,7 +210,7 @@ class PassManager:
             modified_any = modified_any or result.modified
             done.append(p.name)
             if self.keep_history:
-                code = gm.graph.python_code(root_module="self").src if result.modified else history[-1].code
+                code = _GraphSnapshot(gm.graph) if result.modified else history[-1]._code
                 history.append(HistoryEntry(p.name, result.modified, time.perf_counter() - t0,
                                             len(gm.graph.nodes), code, result.info))
         if modified_any:

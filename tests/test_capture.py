@@ -1,4 +1,6 @@
 """Capture: the training-step graph, its signature and meta, on the models real users have."""
+import gc
+
 import pytest
 import torch
 import torch.nn as nn
@@ -110,3 +112,60 @@ def test_optimizer_instance_is_rejected_with_advice():
     with pytest.raises(TypeError, match=r"pass \(torch.optim.X"):
         fxpar.parallelize(model, 1, (torch.randn(2, 4), torch.randn(2, 3)), loss_fn=F.mse_loss,
                           optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+
+
+class _GcProbe(nn.Module):
+    """Records, at every forward, whether Python's cyclic garbage collector is on."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 4)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(gc.isenabled())
+        return self.fc(x)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("enabled", [True, False], ids=["collector_on", "collector_off"])
+def test_the_collector_is_held_off_while_tracing_and_left_as_found(enabled):
+    model = _GcProbe()
+    in_passes = []
+
+    @fxpar.graph_pass("gc_probe")
+    def probe(gm, ctx):
+        in_passes.append(gc.isenabled())
+        return False
+
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        p = fxpar.parallelize(model, 1, (torch.randn(4, 8), torch.randn(4, 4)), loss_fn=F.mse_loss,
+                              strategy=fxpar.Strategy(passes=[probe]))
+        assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+    assert model.seen and not any(model.seen)          # every trace of forward ran with the collector off
+    assert in_passes == [False]                        # and so did the passes
+    assert "gc_probe" in [h.pass_name for h in p.history(0)]
+
+
+@pytest.mark.structure
+def test_gc_paused_nests_and_restores_on_error():
+    from fxpar._tracing import gc_paused
+    was = gc.isenabled()
+    gc.enable()
+    try:
+        with gc_paused():
+            assert not gc.isenabled()
+            with gc_paused():
+                assert not gc.isenabled()
+            assert not gc.isenabled()              # the inner block found it off and left it off
+        assert gc.isenabled()
+        with pytest.raises(RuntimeError, match="boom"):
+            with gc_paused():
+                raise RuntimeError("boom")
+        assert gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()

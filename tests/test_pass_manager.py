@@ -137,3 +137,49 @@ def test_every_graph_level_meta_key_written_is_declared():
                         for c in re.findall(r"\.meta\[M\.([A-Z_]+)\.name\]\s*=", text)}
     assert written, "no graph-level key found: the scan is broken"
     assert written <= set(M.GRAPH_KEYS) | set(M.KEYS), sorted(written - set(M.GRAPH_KEYS) - set(M.KEYS))
+
+
+@pytest.mark.structure
+def test_history_code_is_the_graph_as_each_pass_left_it():
+    """Each entry's code is printed when first read; it is the graph as it stood after its pass, however later
+    passes rewired, erased or renamed its nodes."""
+    seen = {}
+
+    def probe(name, before=()):
+        @fxpar.graph_pass(name, before=before)
+        def run(gm, ctx):
+            seen[name] = gm.graph.python_code(root_module="self").src
+            return False
+        return run
+
+    @fxpar.graph_pass("rename_lr")
+    def rename_lr(gm, ctx):
+        lr = next(n for n in gm.graph.nodes if n.op == "placeholder" and n.name == "lr")
+        lr._rename("learning_rate")
+        lr.target = lr.name                    # a placeholder prints as its target
+        return True
+
+    p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss,
+                          strategy=fxpar.Strategy(dp=2, passes=[probe("at_capture", before=("data_parallel",)),
+                                                                 probe("at_end"), rename_lr]))
+    hist = {h.pass_name: h for h in p.history(0)}
+    assert list(hist) == ["capture", "at_capture", "data_parallel", "bucket", "sync_buffers", "reinplace_optimizer",
+                          "at_end", "rename_lr", "split_graphs"]
+    assert hist["capture"].code == hist["at_capture"].code == seen["at_capture"]
+    assert hist["reinplace_optimizer"].code == hist["at_end"].code == seen["at_end"]
+    assert " lr," in seen["at_end"] and " learning_rate," not in seen["at_end"]
+    assert " learning_rate," in hist["rename_lr"].code and hist["split_graphs"].code == hist["rename_lr"].code
+    assert hist["rename_lr"].code == p.stages[0].joint.graph.python_code(root_module="self").src
+    assert "all_reduce" not in hist["capture"].code and "all_reduce" in hist["data_parallel"].code
+
+
+@pytest.mark.structure
+def test_history_pickles_and_copies_as_text():
+    import copy
+    import pickle
+    p = fxpar.parallelize(MLP(), fxpar.ClusterSpec.local(2), _batch(), loss_fn=F.mse_loss)
+    hist = p.history(0)
+    again = pickle.loads(pickle.dumps(hist))
+    assert again == hist and [h.code for h in again] == [h.code for h in hist]
+    assert copy.deepcopy(hist[0]) == hist[0] and str(copy.deepcopy(hist[1])) == str(hist[1])
+    assert repr(hist[1]).startswith("HistoryEntry(pass_name='data_parallel', modified=True")
