@@ -131,7 +131,7 @@ class CompileState(RankState):
 
     def __init__(self, info: CompileInfo, rank: int):
         super().__init__(info, rank)
-        self.graphs: dict = {}             # label -> {"compiled", "why", "seconds", "cache", "code"}
+        self.graphs: dict = {}             # label -> {"compiled", "why", "seconds", "cache", "code", "threads"}
 
     def after_setup(self, ex) -> None:
         for s, parts in list(ex.p.graphs.items()):
