@@ -3,10 +3,12 @@ the time the ranks spend compiling: with an empty inductor cache (the first ``pa
 with the cache it left (a second ``parallelize`` of the same model). Same model, ranks, buckets and batches as
 ``bench_dp_vs_ddp.py`` (GPT, 4 layers, d=256), measured in one run on one LocalCluster (gloo, CPU).
 
-    python benchmarks/bench_compile.py [--world-size 2] [--steps 20] [--rounds 2] [--layers 4] [--d 256]
+    python benchmarks/bench_compile.py [--world-size 2] [--steps 20] [--rounds 2] [--layers 4] [--d 256] [--cpu]
 
 Prints the compile times, median step times, and the ratios (goals: fxpar compiled <= 0.85x DDP and <= 0.95x
-DDP + torch.compile).
+DDP + torch.compile). ``--cpu``: also eager and compiled fxpar on the same ranks, one step of each in turn
+(``program.runner()``), with each rank's wall and CPU seconds per step: CPU time is what the step costs where other
+work shares the cores and wall times scatter.
 """
 import argparse
 import os
@@ -35,6 +37,24 @@ def _compile_seconds(res) -> tuple:
     return secs, {label: "/".join(sorted(set(v))) for label, v in cache.items()}
 
 
+def alternate(programs: dict, batches: list, warmup: int, steps: int) -> dict:
+    """On a rank: one step of each program's runner in turn, ``steps`` times after ``warmup`` each; per program its
+    ``(wall, process CPU)`` seconds per step."""
+    import torch.distributed as dist
+    runners = {k: p.runner() for k, p in programs.items()}
+    for r in runners.values():
+        for b in batches[:warmup]:
+            r.step(b)
+    out = {k: [] for k in runners}
+    for i in range(steps):
+        for k, r in runners.items():
+            dist.barrier()
+            w0, c0 = time.perf_counter(), time.process_time()
+            r.step(batches[warmup + i])
+            out[k].append((time.perf_counter() - w0, time.process_time() - c0))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--world-size", type=int, default=2)
@@ -48,6 +68,7 @@ def main():
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--rounds", type=int, default=2, help="alternate the three this many times")
     ap.add_argument("--cache-dir", default=None, help="inductor's cache directory (default: a new, empty one)")
+    ap.add_argument("--cpu", action="store_true", help="also eager vs compiled fxpar in turn: wall and CPU per step")
     args = ap.parse_args()
     # an empty inductor cache of our own: the first program pays compilation, the second finds it cached
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = args.cache_dir or tempfile.mkdtemp(prefix="fxpar_bench_compile_")
@@ -59,9 +80,9 @@ def main():
                for _ in range(n)]
     opt = (torch.optim.AdamW, {"lr": 1e-3})
     w = args.world_size
-    make = lambda: fxpar.parallelize(model, fxpar.ClusterSpec.local(w), batches[0], loss_fn=gpt_loss,  # noqa: E731
-                                     optimizer=opt, strategy=fxpar.Strategy(dp=w, bucket_cap_mb=args.bucket_mb,
-                                                                            compile=True))
+    make = lambda compile=True: fxpar.parallelize(  # noqa: E731
+        model, fxpar.ClusterSpec.local(w), batches[0], loss_fn=gpt_loss, optimizer=opt,
+        strategy=fxpar.Strategy(dp=w, bucket_cap_mb=args.bucket_mb, compile=compile))
     params = sum(p.numel() for p in model.parameters())
     print(f"GPT {args.layers} layers, d={args.d}, vocab={args.vocab}, {params / 1e6:.1f}M params; global batch "
           f"{args.batch}x{args.seq}; {w} gloo ranks; bucket {args.bucket_mb} MB; AdamW")
@@ -85,6 +106,18 @@ def main():
             ddp += theirs[0]
             ddp_c += theirs[1]
             rounds.append(tuple(statistics.median(mine) / statistics.median(t) for t in theirs))
+        if args.cpu:
+            both = {"eager": make(False), "compiled": program}
+            got = lc.run(alternate, [(both, batches, args.warmup, args.steps)] * w)
+            for k in both:
+                wall = statistics.median(max(o[k][i][0] for o in got) for i in range(args.steps))
+                cpu = statistics.median(statistics.mean(o[k][i][1] for o in got) for i in range(args.steps))
+                print(f"fxpar {k:8} in turn: median step {wall * 1000:.1f} ms wall, {cpu * 1000:.1f} ms CPU a rank")
+            for j, what in ((0, "wall"), (1, "CPU")):
+                r = [statistics.mean(o["compiled"][i][j] for o in got) / statistics.mean(o["eager"][i][j] for o in got)
+                     for i in range(args.steps)]
+                print(f"compiled / eager fxpar, {what}: median {statistics.median(r):.3f} "
+                      f"({min(r):.2f}-{max(r):.2f} over steps)")
     print("per-round ratios (/ DDP, / DDP + torch.compile): " + " ".join(f"{a:.3f},{b:.3f}" for a, b in rounds))
     a, b, c = statistics.median(ours), statistics.median(ddp), statistics.median(ddp_c)
     print(f"fxpar dp compile=True        median step {a * 1000:.1f} ms")

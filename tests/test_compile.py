@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import fxpar
 import fxpar.features.compile as comp
 from fxpar.collectives import C10D, is_wait
+from fxpar.runtime.launch import local_threads
 from fxpar.testing import MLP, gpt_loss, max_abs_diff, tiny_gpt
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
@@ -69,6 +70,15 @@ def test_fused_step_dp2_float64_matches_eager_and_keeps_collective_windows(clust
     assert [x for x in seq if x != "c"] == fx and fx.index("W") > 1
     first_wait = seq.index("W")
     assert seq[:first_wait].count("c") > 0 and seq[seq.index("I"):first_wait].count("c") > 0   # overlap survives
+    # every rank's kernels are made for the CPU threads the rank runs with (run_local's share of the cores): an
+    # OpenMP region names no other count
+    for feats in compiled.features.values():
+        for g in feats["compile"].values():
+            assert g["threads"] == local_threads(2)
+            assert set(re.findall(r"omp parallel num_threads\((\d+)\)", g["code"])) <= {str(local_threads(2))}
+    # AdamW's bias corrections (1 - beta1 ** step, 1 - beta2 ** step) are computed once a step, not in the loop of
+    # every parameter
+    assert compiled.features[0]["compile"]["step"]["code"].count("std::pow") == 2
     # the Program shows the same code without a run: compiled here from the graph's shapes, each collective naming
     # its Plan group where the rank's names its process group
     shown = prog.compiled_code(0, "step")

@@ -15,7 +15,8 @@ inductor's ``compile_fx`` (C++ and OpenMP on CPU) at its first call, and runs th
   in-place ``all_reduce_``) and compiles it from fake copies of the call's arguments. A graph inductor cannot
   compile runs eager, with one warning naming the graph, its kind and the op;
 * its report (``RunResult.features[rank]["compile"]``): per graph, compiled or why not, seconds, inductor's cache
-  (``"hit"``: a second ``parallelize`` of the same model compiles nothing) and inductor's code;
+  (``"hit"``: a second ``parallelize`` of the same model compiles nothing), inductor's code and the CPU threads
+  its kernels are made for (the rank's own: ``torch.get_num_threads()`` where it compiles);
 * its lines in ``explain()``: which graphs compile, which run eager and why.
 
 Shapes are static: the graphs are made for ``example_inputs``' shapes, and a batch of another shape (a smaller last
@@ -130,7 +131,7 @@ class CompileState(RankState):
 
     def __init__(self, info: CompileInfo, rank: int):
         super().__init__(info, rank)
-        self.graphs: dict = {}             # label -> {"compiled", "why", "seconds", "cache", "code"}
+        self.graphs: dict = {}             # label -> {"compiled", "why", "seconds", "cache", "code", "threads"}
 
     def after_setup(self, ex) -> None:
         for s, parts in list(ex.p.graphs.items()):
@@ -152,7 +153,8 @@ class CompileState(RankState):
             except Exception as e:  # noqa: BLE001 - any compiler failure: the graph runs eager, the run goes on
                 why = f"{_failed_op(e)} did not compile ({_first_line(e)[:200]})"
         self.graphs[cg.label] = {"kind": str(getattr(cg.kind, "value", cg.kind)), "compiled": fn is not None,
-                                 "why": why, "seconds": time.perf_counter() - t0, "cache": cache, "code": code}
+                                 "why": why, "seconds": time.perf_counter() - t0, "cache": cache, "code": code,
+                                 "threads": _threads()}
         if fn is None:
             _warn_once(f"Strategy(compile=True): graph {cg.label} (kind {self.graphs[cg.label]['kind']}) runs eager: "
                        f"{why}")
@@ -298,6 +300,7 @@ def _inductor(gm: torch.fx.GraphModule, args: tuple | None, threads: int | None 
             FakeTensorProp(g, mode=fake).propagate_dont_convert_inputs(*fakes)
         functional_collectives(g)
         spec = _flat_outputs(g)            # compile_fx takes a graph that returns a flat tuple of tensors
+        own = _realize_scalars(g)          # the graph's own outputs come first; None: nothing added
         # ranks of one host that run the same graph (every dp rank) compile it once: the first holds the lock, the
         # others wait for it, then load the result from inductor's cache (no rank waits on another for args=None)
         lock = contextlib.nullcontext() if args is None else FileLock(_lock_path(g, args))
@@ -309,10 +312,11 @@ def _inductor(gm: torch.fx.GraphModule, args: tuple | None, threads: int | None 
                 mock.patch.object(GraphLowering, "save_output_code", codes.append), tracing(TracingContext(fake)):
             fn = compile_fx(g, fakes)
     cache = "hit" if counters["inductor"]["fxgraph_cache_hit"] > hits else "miss"
-    if spec is not None:
+    if spec is not None or own is not None:
         flat_fn = fn
+        spec = spec if spec is not None else list(range(own))
 
-        def fn(*a):                     # the flat results back in the graph's own structure
+        def fn(*a):                     # the flat results back in the graph's own structure, the scalars left out
             res = flat_fn(*a)
             return tuple(res[i] if isinstance(i, int) else tuple(res[k] for k in i) for i in spec)
     return fn, cache, codes[-1] if codes else None
@@ -405,6 +409,42 @@ def _flat_outputs(gm: torch.fx.GraphModule) -> list | None:
     out.args = (tuple(flat),)
     gm.recompile()
     return spec
+
+
+def _realize_scalars(gm: torch.fx.GraphModule) -> int | None:
+    """Make inductor compute each float scalar that an op on whole tensors reads once, in a kernel of its own: it
+    otherwise inlines a 0-d pointwise chain into the loop of every consumer and evaluates it per element (the
+    update's bias corrections ``1 - beta ** step`` become two ``std::pow`` calls per eight elements of every
+    parameter). A graph output is realized, so each such scalar is appended to the outputs; the values are the same
+    computations in the same dtype. Returns how many outputs the graph had (they stay first), or None where no
+    scalar qualifies (float32/float64 pointwise nodes with a 0-d result that an op with another result reads:
+    a larger tensor, or none, as an in-place ``_foreach`` op has)."""
+    out = gm.graph.find_nodes(op="output")[0]
+    outs = list(out.args[0])
+    have = set(outs)
+    add = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if n.op != "call_function" or n in have or not _scalar(val) or val.dtype not in (torch.float32, torch.float64) \
+                or torch.Tag.pointwise not in getattr(n.target, "tags", ()):
+            continue
+        if any(u.op == "call_function" and not _scalar(u.meta.get("val")) for u in n.users):
+            add.append(n)
+    if not add:
+        return None
+    out.args = (tuple(outs + add),)
+    gm.recompile()
+    return len(outs)
+
+
+def _threads() -> int:
+    """The CPU threads inductor makes this process's C++ kernels for (``cpp.threads``, else torch's threads here)."""
+    from torch._inductor.utils import parallel_num_threads
+    return parallel_num_threads()
+
+
+def _scalar(val) -> bool:
+    return isinstance(val, torch.Tensor) and val.dim() == 0
 
 
 def _lock_path(gm: torch.fx.GraphModule, args: tuple) -> str:
