@@ -108,9 +108,10 @@ class BucketGradients(Pass):
                     slot = g.call_function(aten.view.default, (sl, list(val.shape)))
                 with g.inserting_after(slot):
                     cursor = g.call_function(aten.copy_.default, (slot, r))
-                slot_val = buf.meta["val"][off:off + n].view(val.shape)
+                sl_val = buf.meta["val"][off:off + n]
+                slot_val = sl_val.view(val.shape)
                 issue = {M.REDUCE_GRAD.name: "issue"}
-                _meta(sl, buf.meta["val"][off:off + n], r, **issue)
+                _meta(sl, sl_val, r, **issue)
                 _meta(slot, slot_val, r, **issue)
                 _meta(cursor, slot_val, r, **issue)
                 off += n
