@@ -275,6 +275,89 @@ def test_wangni_unbiased_and_never_over_capacity():
     assert torch.equal(vals[kept], g[idx[kept].long()] / p[idx[kept].long()])
 
 
+def _reference_probabilities(g, ratio, iters):
+    """Algorithm 3 written with a select per masked value, as the paper states it."""
+    a = g.abs()
+    target = ratio * g.shape[0]
+    l1 = a.sum()
+    p = torch.where(l1 > 0, torch.clamp(target * a / torch.where(l1 > 0, l1, torch.ones_like(l1)), max=1.0),
+                    torch.zeros_like(a))
+    for _ in range(iters):
+        active = p < 1
+        mass = torch.where(active, p, torch.zeros_like(p)).sum()
+        budget = target - (g.shape[0] - active.sum())
+        c = torch.where(mass > 0, budget / torch.where(mass > 0, mass, torch.ones_like(mass)), torch.ones_like(mass))
+        c = torch.clamp(c, min=1.0)
+        p = torch.where(active, torch.clamp(c * p, max=1.0), p)
+    return p
+
+
+def _reference_sparsify(g, p, u, k):
+    """Systematic sampling written with a select per masked value: only kept values and indices are scattered."""
+    u = u.to(dtype=torch.float64)
+    cum = torch.clamp(torch.cumsum(p.to(torch.float64), 0), max=float(k))
+    hits = torch.floor(cum + u)
+    keep = hits > torch.cat([torch.floor(u), hits[:-1]])
+    slot = torch.where(keep, hits.to(torch.int64) - 1, torch.full_like(hits, k, dtype=torch.int64))
+    safe_p = torch.where(keep, p, torch.ones_like(p))
+    vals = g.new_zeros(k + 1).scatter(0, slot, torch.where(keep, g / safe_p, torch.zeros_like(g)))
+    where = torch.arange(g.shape[0], dtype=torch.int64)
+    idx = slot.new_zeros(k + 1).scatter(0, slot, torch.where(keep, where, torch.zeros_like(slot)))
+    return vals[:k], idx[:k].to(torch.int32)
+
+
+def _bits(t):
+    """``t``'s bits as integers: equal bits, NaN against NaN and -0.0 against 0.0 included."""
+    return t.view({torch.float64: torch.int64, torch.float32: torch.int32}.get(t.dtype, t.dtype))
+
+
+@pytest.mark.numerics
+def test_wangni_is_bitwise_the_select_per_value_form():
+    """``wangni_probabilities`` and ``sparsify`` give the bits of the form with a select per masked value (which
+    they avoid: arithmetic where it is equal), on random, heavy-tailed (saturated p), all-zero, signed-zero, tied,
+    subnormal, inf and NaN buckets, both dtypes, ratios up to 1, and uniforms at 0 and just below 1."""
+    gen = torch.Generator().manual_seed(11)
+    n = 3000
+    cases = {"normal": torch.randn(n, generator=gen, dtype=torch.float64),
+             "heavy": torch.randn(n, generator=gen, dtype=torch.float64) ** 5,
+             "zeros": torch.zeros(n, dtype=torch.float64),
+             "signed zeros": torch.where(torch.rand(n, generator=gen) < 0.5, -0.0, 0.0).to(torch.float64),
+             "ties": torch.randint(-2, 3, (n,), generator=gen).to(torch.float64),
+             "one value": torch.zeros(n, dtype=torch.float64).index_fill(0, torch.tensor([17]), -3.0),
+             "subnormal": torch.randn(n, generator=gen, dtype=torch.float64) * 1e-310,
+             "inf": torch.randn(n, generator=gen, dtype=torch.float64).index_fill(0, torch.tensor([5, 900]),
+                                                                                   -math.inf),
+             "nan": torch.randn(n, generator=gen, dtype=torch.float64).index_fill(0, torch.tensor([1200]),
+                                                                                   math.nan)}
+    cases["one value"][40:60] = -0.0
+    uniforms = [torch.zeros(1, dtype=torch.float64), torch.tensor([1 - 2.0 ** -53], dtype=torch.float64),
+                torch.rand(1, generator=gen, dtype=torch.float64)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)            # as each rank runs
+    try:
+        _compare_wangni_forms(cases, uniforms, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_wangni_forms(cases, uniforms, n):
+    checked = 0
+    for name, g64 in cases.items():
+        for g in (g64, g64.to(torch.float32)):
+            for ratio in (0.01, 0.3, 1.0):
+                for iters in (0, 3):
+                    p = wangni_probabilities(g, ratio, iters)
+                    ref = _reference_probabilities(g, ratio, iters)
+                    assert p.dtype == ref.dtype and torch.equal(_bits(p), _bits(ref)), (name, g.dtype, ratio, iters)
+                    k = capacity(n, ratio)
+                    for u in uniforms:
+                        got, want = sparsify(g, ref, u, k), _reference_sparsify(g, ref, u, k)
+                        assert torch.equal(_bits(got[0]), _bits(want[0])), (name, g.dtype, ratio, iters, u)
+                        assert torch.equal(got[1], want[1]), (name, g.dtype, ratio, iters, u)
+                        checked += int(want[1].ne(0).sum())
+    assert checked > 5000          # the cases keep values: the slots are compared, not only the zeros after them
+
+
 # ---- on the ranks ---------------------------------------------------------------------------------------------------
 def _bucket_math(method, infos, flats, states, draws, variant):
     """One bucket summed over the ranks by the method's math in one process: each rank's estimate from its own
