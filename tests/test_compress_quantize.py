@@ -22,8 +22,9 @@ from fxpar import compress as C
 from fxpar.collectives import C10D
 from fxpar.compress.feature import bucket_infos
 from fxpar.compress.method import Comm
-from fxpar.compress.quantize import (ALQ, AMQ, NUQSGD, QSGD, alq_adapt, amq_adapt, elias_bit_count,
-                                     expected_variance, exponential_levels, level_indices, normalised,
+from fxpar.compress.packing import unpack_bits
+from fxpar.compress.quantize import (ALQ, AMQ, NUQSGD, QSGD, alq_adapt, amq_adapt, decode, elias_bit_count,
+                                     encode, expected_variance, exponential_levels, level_indices, normalised,
                                      nuqsgd_variance_bound, qsgd_variance_bound, quantize_dequantize,
                                      uniform_levels)
 from fxpar.compress.wangni import Wangni, capacity, densify, sparsify, wangni_probabilities
@@ -356,6 +357,30 @@ def _compare_wangni_forms(cases, uniforms, n):
                         assert torch.equal(got[1], want[1]), (name, g.dtype, ratio, iters, u)
                         checked += int(want[1].ne(0).sum())
     assert checked > 5000          # the cases keep values: the slots are compared, not only the zeros after them
+
+
+@pytest.mark.numerics
+def test_decode_signs_the_levels_bitwise_as_a_select():
+    """``decode`` puts each code's sign on its level as ``where(code < 0, -level, level)`` would, bit for bit (zero
+    codes, zero levels and an underflowed level included), for each quantizer's levels and both dtypes."""
+    gen = torch.Generator().manual_seed(3)
+    n, chunk, bits = 4096, 512, 4
+    s = 2 ** (bits - 1) - 1
+    for levels in (uniform_levels(s), exponential_levels(s), exponential_levels(s, 1e-300),
+                   alq_adapt(torch.randn(n, generator=gen, dtype=torch.float64), exponential_levels(s), chunk, 2)):
+        for dtype in (torch.float64, torch.float32):
+            flat = torch.randn(n, generator=gen, dtype=dtype)
+            flat[:chunk] = 0.0
+            flat[chunk:chunk + 7] = -0.0
+            u = torch.rand(n, generator=gen, dtype=dtype)
+            buf = encode(flat, levels, u, chunk, bits)
+            m = -(-n // chunk)
+            signed = unpack_bits(buf[4 * m:], bits, n).to(torch.int64) - s
+            mag = levels.to(dtype)[signed.abs()]
+            scale = buf[:4 * m].clone().view(torch.float32).to(dtype)
+            want = (torch.where(signed < 0, -mag, mag).view(m, chunk) * scale.unsqueeze(1)).reshape(-1)
+            assert bool((signed < 0).any()) and bool((mag == 0).any())
+            assert torch.equal(_bits(decode(buf, levels, n, chunk, bits, dtype)), _bits(want))
 
 
 # ---- on the ranks ---------------------------------------------------------------------------------------------------
