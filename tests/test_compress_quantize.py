@@ -22,7 +22,8 @@ from fxpar import compress as C
 from fxpar.collectives import C10D
 from fxpar.compress.feature import bucket_infos
 from fxpar.compress.method import Comm
-from fxpar.compress.packing import unpack_bits
+from fxpar.compress import quantize as quantize_module
+from fxpar.compress.packing import pack_bits, unpack_bits
 from fxpar.compress.quantize import (ALQ, AMQ, NUQSGD, QSGD, alq_adapt, amq_adapt, decode, elias_bit_count,
                                      encode, expected_variance, exponential_levels, level_indices, normalised,
                                      nuqsgd_variance_bound, qsgd_variance_bound, quantize_dequantize,
@@ -359,10 +360,22 @@ def _compare_wangni_forms(cases, uniforms, n):
     assert checked > 5000          # the cases keep values: the slots are compared, not only the zeros after them
 
 
+def _reference_encode(flat, levels, u, chunk, bits):
+    """:func:`encode` with the sign put on each level index by a select."""
+    n, s = flat.shape[0], levels.shape[0] - 1
+    v = quantize_module._chunks(flat, chunk)
+    scale32 = quantize_module._scales(v)
+    scale = scale32.to(flat.dtype).unsqueeze(1)
+    r = torch.where(scale > 0, v.abs() / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(v))
+    idx = level_indices(r.reshape(-1)[:n], levels.to(dtype=flat.dtype), u)
+    return torch.cat([scale32.view(torch.uint8), pack_bits(s + torch.where(flat < 0, -idx, idx), bits)])
+
+
 @pytest.mark.numerics
-def test_decode_signs_the_levels_bitwise_as_a_select():
-    """``decode`` puts each code's sign on its level as ``where(code < 0, -level, level)`` would, bit for bit (zero
-    codes, zero levels and an underflowed level included), for each quantizer's levels and both dtypes."""
+def test_encode_and_decode_sign_bitwise_as_a_select():
+    """``encode`` signs each level index, and ``decode`` each level, as ``where(x < 0, -y, y)`` would, bit for bit
+    (zeros, signed zeros, zero levels, an underflowed level, inf and NaN values included), for each quantizer's
+    levels and both dtypes."""
     gen = torch.Generator().manual_seed(3)
     n, chunk, bits = 4096, 512, 4
     s = 2 ** (bits - 1) - 1
@@ -372,8 +385,10 @@ def test_decode_signs_the_levels_bitwise_as_a_select():
             flat = torch.randn(n, generator=gen, dtype=dtype)
             flat[:chunk] = 0.0
             flat[chunk:chunk + 7] = -0.0
+            flat[2 * chunk + 3], flat[3 * chunk + 5], flat[4 * chunk + 1] = -math.inf, math.nan, -math.nan
             u = torch.rand(n, generator=gen, dtype=dtype)
             buf = encode(flat, levels, u, chunk, bits)
+            assert torch.equal(buf, _reference_encode(flat, levels, u, chunk, bits))
             m = -(-n // chunk)
             signed = unpack_bits(buf[4 * m:], bits, n).to(torch.int64) - s
             mag = levels.to(dtype)[signed.abs()]

@@ -122,7 +122,9 @@ def encode(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int
     scale = scale32.to(flat.dtype).unsqueeze(1)
     r = torch.where(scale > 0, v.abs() / torch.where(scale > 0, scale, torch.ones_like(scale)), 0.0)
     idx = level_indices(r.reshape(-1)[:n], levels.to(device=flat.device, dtype=flat.dtype), u.to(flat.device))
-    codes = s + torch.where(flat < 0, -idx, idx)
+    # s - idx where the value is negative, s + idx elsewhere: integer arithmetic, without a select over a mask
+    # that flips at random (4-5x a comparison's time on CPU)
+    codes = torch.addcmul(s + idx, idx, (flat < 0).to(idx.dtype), value=-2)
     return torch.cat([scale32.view(torch.uint8), pack_bits(codes, bits)])
 
 
