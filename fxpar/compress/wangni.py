@@ -48,10 +48,11 @@ def capacity(numel: int, ratio: float) -> int:
 def wangni_probabilities(g: torch.Tensor, ratio: float, iters: int) -> torch.Tensor:
     """Algorithm 3 of Wangni et al. (2018): ``p_i = min(1, lambda |g_i|)`` with ``sum p <= ratio * d``.
 
-    One pass per element op, none of them a select over a per-value mask where arithmetic gives the same bits: a
-    rescaling round multiplies every value by ``c >= 1`` and clips at 1, which leaves the saturated ones (exactly 1,
-    or NaN) as they are; the count of unsaturated values is ``count_nonzero`` (a bool ``sum`` widens each to int64
-    first, 3x slower on CPU)."""
+    No select over a per-value mask where arithmetic gives the same bits: a rescaling round multiplies every value
+    by ``c >= 1`` and clips at 1, which leaves the saturated ones (exactly 1, or NaN) as they are. The unsaturated
+    mass keeps its select (a NaN must add 0, which a product by the mask does not give), over a mask that few
+    values cross; their count is ``count_nonzero`` (a bool ``sum`` widens each to int64 first: 3x its time on
+    CPU)."""
     a = g.abs()
     target = ratio * g.shape[0]
     l1 = a.sum()
