@@ -278,12 +278,21 @@ FLOP_RULES[aten.searchsorted] = (_searchsorted, "search")
 FLOP_RULES[aten.bucketize] = (_bucketize, "search")
 FLOP_RULES[aten.index] = (_per_elem(1), "gather")          # x[ids]: one look-up per output element
 FLOP_RULES[aten.randperm] = (_per_elem(1), "randperm")
+# a select (where) and a comparison (a bool per element) run a scalar loop on CPU: about 0.7 ns a value here, 2-4x
+# what their bytes take; an indexed write (scatter) about the same, one per index. The rate holds where the mask is
+# nearly constant (a zero-dim condition, a threshold few values cross, a sparse keep mask); a mask that flips at
+# random costs up to 5x (a branch mispredicted per value), which one rate cannot price: a method writes such a
+# select as arithmetic where that gives the same bits (fxpar.compress.wangni)
+for _name in ("where", "eq", "ne", "lt", "le", "gt", "ge"):
+    FLOP_RULES[getattr(aten, _name)] = (_per_elem(1), "select")
+FLOP_RULES[aten.scatter] = (lambda a, out: numel(a[2]), "select")
 for _name in ("rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "uniform_", "normal_",
               "random_", "uniform", "normal"):
     if hasattr(aten, _name):
         FLOP_RULES[getattr(aten, _name)] = (_per_elem(1), "random")   # one draw per element
-# the classes above, measured together by calibrate(): a spec without them prices them as "other"
-SELECTION_CLASSES = ("topk", "search", "gather", "randperm", "random")
+# the classes above, measured together by calibrate(): a spec without them prices them as "other" ("select" as
+# "elementwise", the class its ops had before it was measured)
+SELECTION_CLASSES = ("topk", "search", "gather", "randperm", "random", "select")
 
 
 # Gathers and scatters touch the rows they index, not the whole table: bytes = what is read and written there.
@@ -417,7 +426,7 @@ def fp32_share(device) -> float:
 
 
 # an op class a spec calibrated before the class existed does not list: the class it was costed as then
-_FALLBACK = {"transcendental_backward": "transcendental", "matmul_narrow": "matmul"}
+_FALLBACK = {"transcendental_backward": "transcendental", "matmul_narrow": "matmul", "select": "elementwise"}
 
 # a matmul whose output has at most this many columns (a low-rank factor: PowerSGD's P = M Q and Q = M^T P) runs
 # far below a square matmul's FLOP rate on CPU: its own class, "matmul_narrow", in a compressed bucket sum's compute

@@ -22,8 +22,10 @@ from fxpar import compress as C
 from fxpar.collectives import C10D
 from fxpar.compress.feature import bucket_infos
 from fxpar.compress.method import Comm
-from fxpar.compress.quantize import (ALQ, AMQ, NUQSGD, QSGD, alq_adapt, amq_adapt, elias_bit_count,
-                                     expected_variance, exponential_levels, level_indices, normalised,
+from fxpar.compress import quantize as quantize_module
+from fxpar.compress.packing import pack_bits, unpack_bits
+from fxpar.compress.quantize import (ALQ, AMQ, NUQSGD, QSGD, alq_adapt, amq_adapt, decode, elias_bit_count,
+                                     encode, expected_variance, exponential_levels, level_indices, normalised,
                                      nuqsgd_variance_bound, qsgd_variance_bound, quantize_dequantize,
                                      uniform_levels)
 from fxpar.compress.wangni import Wangni, capacity, densify, sparsify, wangni_probabilities
@@ -273,6 +275,127 @@ def test_wangni_unbiased_and_never_over_capacity():
     vals, idx = sparsify(g, p, u[:1], k)
     kept = vals != 0
     assert torch.equal(vals[kept], g[idx[kept].long()] / p[idx[kept].long()])
+
+
+def _reference_probabilities(g, ratio, iters):
+    """Algorithm 3 written with a select per masked value, as the paper states it."""
+    a = g.abs()
+    target = ratio * g.shape[0]
+    l1 = a.sum()
+    p = torch.where(l1 > 0, torch.clamp(target * a / torch.where(l1 > 0, l1, torch.ones_like(l1)), max=1.0),
+                    torch.zeros_like(a))
+    for _ in range(iters):
+        active = p < 1
+        mass = torch.where(active, p, torch.zeros_like(p)).sum()
+        budget = target - (g.shape[0] - active.sum())
+        c = torch.where(mass > 0, budget / torch.where(mass > 0, mass, torch.ones_like(mass)), torch.ones_like(mass))
+        c = torch.clamp(c, min=1.0)
+        p = torch.where(active, torch.clamp(c * p, max=1.0), p)
+    return p
+
+
+def _reference_sparsify(g, p, u, k):
+    """Systematic sampling written with a select per masked value: only kept values and indices are scattered."""
+    u = u.to(dtype=torch.float64)
+    cum = torch.clamp(torch.cumsum(p.to(torch.float64), 0), max=float(k))
+    hits = torch.floor(cum + u)
+    keep = hits > torch.cat([torch.floor(u), hits[:-1]])
+    slot = torch.where(keep, hits.to(torch.int64) - 1, torch.full_like(hits, k, dtype=torch.int64))
+    safe_p = torch.where(keep, p, torch.ones_like(p))
+    vals = g.new_zeros(k + 1).scatter(0, slot, torch.where(keep, g / safe_p, torch.zeros_like(g)))
+    where = torch.arange(g.shape[0], dtype=torch.int64)
+    idx = slot.new_zeros(k + 1).scatter(0, slot, torch.where(keep, where, torch.zeros_like(slot)))
+    return vals[:k], idx[:k].to(torch.int32)
+
+
+def _bits(t):
+    """``t``'s bits as integers: equal bits, NaN against NaN and -0.0 against 0.0 included."""
+    return t.view({torch.float64: torch.int64, torch.float32: torch.int32}.get(t.dtype, t.dtype))
+
+
+@pytest.mark.numerics
+def test_wangni_is_bitwise_the_select_per_value_form():
+    """``wangni_probabilities`` and ``sparsify`` give the bits of the form with a select per masked value (which
+    they avoid: arithmetic where it is equal), on random, heavy-tailed (saturated p), all-zero, signed-zero, tied,
+    subnormal, inf and NaN buckets, both dtypes, ratios up to 1, and uniforms at 0 and just below 1."""
+    gen = torch.Generator().manual_seed(11)
+    n = 3000
+    cases = {"normal": torch.randn(n, generator=gen, dtype=torch.float64),
+             "heavy": torch.randn(n, generator=gen, dtype=torch.float64) ** 5,
+             "zeros": torch.zeros(n, dtype=torch.float64),
+             "signed zeros": torch.where(torch.rand(n, generator=gen) < 0.5, -0.0, 0.0).to(torch.float64),
+             "ties": torch.randint(-2, 3, (n,), generator=gen).to(torch.float64),
+             "one value": torch.zeros(n, dtype=torch.float64).index_fill(0, torch.tensor([17]), -3.0),
+             "subnormal": torch.randn(n, generator=gen, dtype=torch.float64) * 1e-310,
+             "inf": torch.randn(n, generator=gen, dtype=torch.float64).index_fill(0, torch.tensor([5, 900]),
+                                                                                   -math.inf),
+             "nan": torch.randn(n, generator=gen, dtype=torch.float64).index_fill(0, torch.tensor([1200]),
+                                                                                   math.nan)}
+    cases["one value"][40:60] = -0.0
+    uniforms = [torch.zeros(1, dtype=torch.float64), torch.tensor([1 - 2.0 ** -53], dtype=torch.float64),
+                torch.rand(1, generator=gen, dtype=torch.float64)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)            # as each rank runs
+    try:
+        _compare_wangni_forms(cases, uniforms, n)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _compare_wangni_forms(cases, uniforms, n):
+    checked = 0
+    for name, g64 in cases.items():
+        for g in (g64, g64.to(torch.float32)):
+            for ratio in (0.01, 0.3, 1.0):
+                for iters in (0, 3):
+                    p = wangni_probabilities(g, ratio, iters)
+                    ref = _reference_probabilities(g, ratio, iters)
+                    assert p.dtype == ref.dtype and torch.equal(_bits(p), _bits(ref)), (name, g.dtype, ratio, iters)
+                    k = capacity(n, ratio)
+                    for u in uniforms:
+                        got, want = sparsify(g, ref, u, k), _reference_sparsify(g, ref, u, k)
+                        assert torch.equal(_bits(got[0]), _bits(want[0])), (name, g.dtype, ratio, iters, u)
+                        assert torch.equal(got[1], want[1]), (name, g.dtype, ratio, iters, u)
+                        checked += int(want[1].ne(0).sum())
+    assert checked > 5000          # the cases keep values: the slots are compared, not only the zeros after them
+
+
+def _reference_encode(flat, levels, u, chunk, bits):
+    """:func:`encode` with the sign put on each level index by a select."""
+    n, s = flat.shape[0], levels.shape[0] - 1
+    v = quantize_module._chunks(flat, chunk)
+    scale32 = quantize_module._scales(v)
+    scale = scale32.to(flat.dtype).unsqueeze(1)
+    r = torch.where(scale > 0, v.abs() / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(v))
+    idx = level_indices(r.reshape(-1)[:n], levels.to(dtype=flat.dtype), u)
+    return torch.cat([scale32.view(torch.uint8), pack_bits(s + torch.where(flat < 0, -idx, idx), bits)])
+
+
+@pytest.mark.numerics
+def test_encode_and_decode_sign_bitwise_as_a_select():
+    """``encode`` signs each level index, and ``decode`` each level, as ``where(x < 0, -y, y)`` would, bit for bit
+    (zeros, signed zeros, zero levels, an underflowed level, inf and NaN values included), for each quantizer's
+    levels and both dtypes."""
+    gen = torch.Generator().manual_seed(3)
+    n, chunk, bits = 4096, 512, 4
+    s = 2 ** (bits - 1) - 1
+    for levels in (uniform_levels(s), exponential_levels(s), exponential_levels(s, 1e-300),
+                   alq_adapt(torch.randn(n, generator=gen, dtype=torch.float64), exponential_levels(s), chunk, 2)):
+        for dtype in (torch.float64, torch.float32):
+            flat = torch.randn(n, generator=gen, dtype=dtype)
+            flat[:chunk] = 0.0
+            flat[chunk:chunk + 7] = -0.0
+            flat[2 * chunk + 3], flat[3 * chunk + 5], flat[4 * chunk + 1] = -math.inf, math.nan, -math.nan
+            u = torch.rand(n, generator=gen, dtype=dtype)
+            buf = encode(flat, levels, u, chunk, bits)
+            assert torch.equal(buf, _reference_encode(flat, levels, u, chunk, bits))
+            m = -(-n // chunk)
+            signed = unpack_bits(buf[4 * m:], bits, n).to(torch.int64) - s
+            mag = levels.to(dtype)[signed.abs()]
+            scale = buf[:4 * m].clone().view(torch.float32).to(dtype)
+            want = (torch.where(signed < 0, -mag, mag).view(m, chunk) * scale.unsqueeze(1)).reshape(-1)
+            assert bool((signed < 0).any()) and bool((mag == 0).any())
+            assert torch.equal(_bits(decode(buf, levels, n, chunk, bits, dtype)), _bits(want))
 
 
 # ---- on the ranks ---------------------------------------------------------------------------------------------------

@@ -139,8 +139,10 @@ def test_selection_search_gather_and_draws_have_classes_of_their_own():
     """Ops a CPU runs element by element, far slower than their bytes: ``topk`` (class ``topk``, ``n log2 k``: a
     partial sort with a heap of k), ``searchsorted`` / ``bucketize`` (``search``, ``n log2(levels + 1)``: a binary
     search per value), ``x[ids]`` (``gather``, a look-up per output element), ``randperm`` and the random draws
-    (``randperm``, ``random``: one per element). A device calibrated for a class prices its FLOPs at that class's
-    efficiency; one without it prices them as class ``other`` (the peak's rate), with the same bytes."""
+    (``randperm``, ``random``: one per element), selects, comparisons and indexed writes (``select``: one per output
+    element, one per index for ``scatter``). A device calibrated for a class prices its FLOPs at that class's
+    efficiency; one without it prices them at the peak's rate (class ``other``; ``select`` as ``elementwise``), with
+    the same bytes."""
     aten = torch.ops.aten
     n, k = 5000, 50
     x, levels = torch.randn(n), torch.tensor([0.0, 0.25, 0.5, 1.0])
@@ -150,7 +152,10 @@ def test_selection_search_gather_and_draws_have_classes_of_their_own():
              (lambda t, lv: torch.bucketize(t, lv), (x, levels), aten.bucketize.Tensor, "search", n * 3),  # log2 5
              (lambda lv, i: lv[i], (levels, ids), aten.index.Tensor, "gather", n),
              (lambda t: torch.randperm(t.shape[0]), (x,), aten.randperm.default, "randperm", n),
-             (lambda t: torch.rand(t.shape[0]), (x,), aten.rand.default, "random", n)]
+             (lambda t: torch.rand(t.shape[0]), (x,), aten.rand.default, "random", n),
+             (lambda t: torch.where(t > 0, t, 0.0), (x,), aten.where.self, "select", n),
+             (lambda t: t < 1, (x,), aten.lt.Scalar, "select", n),
+             (lambda t, i: t.new_zeros(4).scatter(0, i, t), (x, ids), aten.scatter.src, "select", n)]
     for fn, args, target, cls, flops in cases:
         (c,) = _costs(_trace(fn, *args), target)
         assert (c.op_class, c.flops) == (cls, flops), target

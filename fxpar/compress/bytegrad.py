@@ -52,7 +52,7 @@ def quantize_rows(x: torch.Tensor) -> torch.Tensor:
     lo, hi = lo32.to(x.dtype).unsqueeze(1), hi32.to(x.dtype).unsqueeze(1)
     step = (hi - lo) / 255
     safe = torch.where(step > 0, step, torch.ones_like(step))
-    q = torch.where(step > 0, torch.round((x - lo) / safe), torch.zeros_like(x)).clamp(0, 255).to(torch.uint8)
+    q = torch.where(step > 0, torch.round((x - lo) / safe), 0.0).clamp(0, 255).to(torch.uint8)
     head = torch.stack([lo32, hi32], dim=1).contiguous().view(torch.uint8)         # [rows, 8]
     return torch.cat([head, q], dim=1)
 

@@ -120,9 +120,11 @@ def encode(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int
     v = _chunks(flat, chunk)
     scale32 = _scales(v)
     scale = scale32.to(flat.dtype).unsqueeze(1)
-    r = torch.where(scale > 0, v.abs() / torch.where(scale > 0, scale, torch.ones_like(scale)), torch.zeros_like(v))
+    r = torch.where(scale > 0, v.abs() / torch.where(scale > 0, scale, torch.ones_like(scale)), 0.0)
     idx = level_indices(r.reshape(-1)[:n], levels.to(device=flat.device, dtype=flat.dtype), u.to(flat.device))
-    codes = s + torch.where(flat < 0, -idx, idx)
+    # s - idx where the value is negative, s + idx elsewhere: integer arithmetic, without a select over a mask
+    # that flips at random (4-5x a comparison's time on CPU)
+    codes = torch.addcmul(s + idx, idx, (flat < 0).to(idx.dtype), value=-2)
     return torch.cat([scale32.view(torch.uint8), pack_bits(codes, bits)])
 
 
@@ -133,7 +135,9 @@ def decode(buf: torch.Tensor, levels: torch.Tensor, n: int, chunk: int, bits: in
     scale = buf[:4 * m].clone().view(torch.float32).to(dtype)
     signed = unpack_bits(buf[4 * m:], bits, n).to(torch.int64) - s
     mag = levels.to(device=buf.device, dtype=dtype)[signed.abs()]
-    val = torch.where(signed < 0, -mag, mag)
+    # the code's sign on the level (levels are >= +0: the bits of -mag where the code is negative, of mag elsewhere),
+    # without a select over a mask that flips at random (4-5x a comparison's time on CPU)
+    val = torch.copysign(mag, signed.to(dtype))
     return (_chunks(val, chunk) * scale.unsqueeze(1)).reshape(-1)[:n]
 
 

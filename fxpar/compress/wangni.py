@@ -46,35 +46,41 @@ def capacity(numel: int, ratio: float) -> int:
 
 
 def wangni_probabilities(g: torch.Tensor, ratio: float, iters: int) -> torch.Tensor:
-    """Algorithm 3 of Wangni et al. (2018): ``p_i = min(1, lambda |g_i|)`` with ``sum p <= ratio * d``."""
+    """Algorithm 3 of Wangni et al. (2018): ``p_i = min(1, lambda |g_i|)`` with ``sum p <= ratio * d``.
+
+    No select over a per-value mask where arithmetic gives the same bits: a rescaling round multiplies every value
+    by ``c >= 1`` and clips at 1, which leaves the saturated ones (exactly 1, or NaN) as they are. The unsaturated
+    mass keeps its select (a NaN must add 0, which a product by the mask does not give), over a mask that few
+    values cross; their count is ``count_nonzero`` (a bool ``sum`` widens each to int64 first: 3x its time on
+    CPU)."""
     a = g.abs()
     target = ratio * g.shape[0]
     l1 = a.sum()
-    p = torch.where(l1 > 0, torch.clamp(target * a / torch.where(l1 > 0, l1, torch.ones_like(l1)), max=1.0),
-                    torch.zeros_like(a))
+    ok = l1 > 0                     # false where every value is 0 or one is NaN: then every p_i is 0
+    p = torch.where(ok, torch.clamp(target * a / torch.where(ok, l1, torch.ones_like(l1)), max=1.0), 0.0)
     for _ in range(iters):
         active = p < 1
-        mass = torch.where(active, p, torch.zeros_like(p)).sum()
-        budget = target - (g.shape[0] - active.sum())
+        mass = torch.where(active, p, 0.0).sum()
+        budget = target - (g.shape[0] - torch.count_nonzero(active))
         c = torch.where(mass > 0, budget / torch.where(mass > 0, mass, torch.ones_like(mass)), torch.ones_like(mass))
         c = torch.clamp(c, min=1.0)
-        p = torch.where(active, torch.clamp(c * p, max=1.0), p)
+        p = torch.clamp(c * p, max=1.0)
     return p
 
 
 def sparsify(g: torch.Tensor, p: torch.Tensor, u: torch.Tensor, k: int) -> tuple:
     """``(values, indices)``, ``k`` slots each: the kept values ``g_i / p_i`` and their int32 indices, in index
-    order, then zeros (systematic sampling with the uniform ``u``, a 1-element tensor)."""
+    order, then zeros (systematic sampling with the uniform ``u``, a 1-element tensor).
+
+    Every value is scattered: a kept one to its slot, the others to slot ``k``, past the ``k`` returned, so what they
+    carry there (``g_i / p_i`` with ``p_i = 0``: inf or NaN; their own index) is never read."""
     u = u.to(device=g.device, dtype=torch.float64)
     cum = torch.clamp(torch.cumsum(p.to(torch.float64), 0), max=float(k))
     hits = torch.floor(cum + u)
-    before = torch.cat([torch.floor(u), hits[:-1]])
-    keep = hits > before
-    slot = torch.where(keep, hits.to(torch.int64) - 1, torch.full_like(hits, k, dtype=torch.int64))
-    safe_p = torch.where(keep, p, torch.ones_like(p))
-    vals = g.new_zeros(k + 1).scatter(0, slot, torch.where(keep, g / safe_p, torch.zeros_like(g)))
-    where = torch.arange(g.shape[0], dtype=torch.int64, device=g.device)
-    idx = slot.new_zeros(k + 1).scatter(0, slot, torch.where(keep, where, torch.zeros_like(slot)))
+    keep = torch.cat([hits[:1] > torch.floor(u), hits[1:] > hits[:-1]])
+    slot = torch.where(keep, hits.to(torch.int64) - 1, k)
+    vals = g.new_zeros(k + 1).scatter(0, slot, g / p)
+    idx = slot.new_zeros(k + 1).scatter(0, slot, torch.arange(g.shape[0], dtype=torch.int64, device=g.device))
     return vals[:k], idx[:k].to(torch.int32)
 
 

@@ -29,13 +29,15 @@ more threads in all ranks than cores, a loop's mean over 1 s of wall time on eve
   few columns, at 1-3% of a square matmul's FLOP rate (a compressed bucket sum's matmuls are priced at it:
   ``cost_models.compute.inner_compute``);
 - one op of each class that runs element by element (:func:`~fxpar.tools.probes.selection_probes`, on 2^22 values:
-  ``topk`` of the 1%, ``searchsorted`` among 4 levels, a look-up ``levels[ids]``, ``randperm``, ``rand``) ->
-  ``efficiency["topk"]``, ``["search"]``, ``["gather"]``, ``["randperm"]``, ``["random"]``
+  ``topk`` of the 1%, ``searchsorted`` among 4 levels, a look-up ``levels[ids]``, ``randperm``, ``rand``, a ``where``
+  over a nearly constant mask) -> ``efficiency["topk"]``, ``["search"]``, ``["gather"]``, ``["randperm"]``,
+  ``["random"]``, ``["select"]``
   (:func:`selection_efficiency`: the fraction of peak at which the class's FLOPs, ``cost_models.compute``'s rule, take
   the measured time). On this 2-core machine, one thread per rank, CPU time under other load, against a matmul's 65-70
   GFLOP/s: ``topk`` 1.4 ns per ``n log2 k`` (efficiency about 0.01), ``searchsorted`` 4 ns per ``n log2(levels + 1)``
   (0.004), the look-up 3 ns a value (0.005), ``randperm`` 35 ns a value (0.0004: a random access per value into a
-  table larger than the caches), ``rand`` 3.6 ns a value (0.004): 3-60x what their bytes take at the measured
+  table larger than the caches), ``rand`` 3.6 ns a value (0.004), ``where`` 0.7 ns a value (0.017; comparisons and
+  ``scatter`` are priced at it too): 2-60x what their bytes take at the measured
   bandwidth. A compressed bucket sum's TopK selection, its quantizers' level search and look-ups, and the draws its
   method makes on the host (``Method.host_inputs``: RandomK's permutations, the quantizers' uniforms) are priced at
   them;

@@ -185,8 +185,9 @@ def selection_probes() -> dict:
     (``topk``), each value's level among :data:`SELECT_LEVELS` (``searchsorted``: a value's magnitude over its chunk
     of 1024's norm, as a quantizer searches; the time depends on where the values fall: levels that split them, as
     4-bit NUQSGD's 2^-6 .. 2^-4 do, take 2-3x as long, a branch mispredicted per value), the level's value
-    (``x[ids]``), a random permutation (``randperm``) and uniform draws (``rand``), each from a generator of its
-    own."""
+    (``x[ids]``), a random permutation (``randperm``), uniform draws (``rand``), each from a generator of its
+    own, and a select over a nearly constant mask (``where``: the values within 3 standard deviations, 99.7%, else
+    0; a mask that flips at random costs up to 5x as much)."""
     aten = torch.ops.aten
     n = SELECT_NUMEL
     x = torch.randn(n)
@@ -195,11 +196,13 @@ def selection_probes() -> dict:
     levels = torch.cat([torch.zeros(1), 2.0 ** torch.arange(2 - SELECT_LEVELS, 1.0)])
     ids = torch.randint(0, SELECT_LEVELS, (n,))
     gen = torch.Generator().manual_seed(0)
+    inside, zero = x.abs() < 3, torch.zeros(())
     return {"topk": (aten.topk.default, [x, n // 100], lambda: torch.topk(x, n // 100)),
             "search": (aten.searchsorted.Tensor, [levels, r], lambda: torch.searchsorted(levels, r, right=True)),
             "gather": (aten.index.Tensor, [levels, [ids]], lambda: levels[ids]),
             "randperm": (aten.randperm.default, [n], lambda: torch.randperm(n, generator=gen)),
-            "random": (aten.rand.default, [[n]], lambda: torch.rand(n, generator=gen))}
+            "random": (aten.rand.default, [[n]], lambda: torch.rand(n, generator=gen)),
+            "select": (aten.where.self, [inside, x, zero], lambda: torch.where(inside, x, zero))}
 
 
 NARROW_SHAPE = (2, 512, 2048, 2)    # k, n, m, r: PowerSGD at rank 2 on a width-512 MLP's two weights (k of each)
