@@ -12,12 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from cost_models.compute import TF32_SHARE, fp32_share, node_time, op_cost
 import fxpar
 import fxpar.api as api_mod
 import fxpar.capture as capture_mod
 from fxpar.auto.profile import profile_model
 from fxpar.auto.search import as_auto, finalists, fixed_options, search
-from fxpar.auto.space import SCHEDULES, schedule_shape
+from fxpar.auto.space import SCHEDULES, _Pricer, schedule_shape
 from fxpar.optim import resolve_optimizer
 from fxpar.schedule import ScheduleError, simulate
 from fxpar.schedule.registry import get_schedule
@@ -362,23 +363,31 @@ def test_the_candidates_measured_on_this_machine_and_their_order():
 @pytest.mark.structure
 @pytest.mark.parametrize("preset,plain", [("a100-80gb", 19.5 / 312), ("h100-80gb", 67 / 989), ("h100-pcie", 51 / 756),
                                           ("h200", 67 / 989), ("v100-32gb", 15.7 / 125)])
-def test_a_float32_model_is_priced_at_the_gpus_float32_rate(preset, plain, monkeypatch):
+def test_a_float32_model_is_priced_at_the_gpus_float32_rate(preset, plain):
     """Torch runs float32 matmuls at the plain float32 rate unless TF32 is allowed; then at TF32's half of the 16-bit
     tensor-core peak, on GPUs that have TF32 (not V100). The planner prices a float32 model's candidates so."""
-    from cost_models.compute import TF32_SHARE, fp32_share
-    from fxpar.auto.space import _Pricer
     dev = fxpar.ClusterSpec.preset(preset).device
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    was = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert fp32_share(dev) == (plain if preset.startswith("v100") else TF32_SHARE)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        _plain_prices(dev, preset, plain)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+
+
+def _plain_prices(dev, preset, plain):
+    """Under torch's default (no TF32): the planner's float32 devices and a built program's per-op price."""
     assert fp32_share(dev) == pytest.approx(plain)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True)
-    assert fp32_share(dev) == (plain if preset.startswith("v100") else TF32_SHARE)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     cl = fxpar.ClusterSpec.preset(preset, gpus_per_node=2)
     f32, bf16 = _Pricer(None, cl, 8, 1, 4), _Pricer(None, cl, 8, 1, 2)
     assert f32.devs_fp32[0].peak_flops == pytest.approx(dev.peak_flops * plain)
     assert bf16.devs_fp32[0].peak_flops == dev.peak_flops           # a 16-bit model's own dtype: the tensor cores
     # a built program's estimate prices each op by its dtype: a float32 matmul as above, a bf16 one at the peak
-    from cost_models.compute import node_time, op_cost
     a32 = torch.empty(256, 512, device="meta")
     c32 = op_cost(torch.ops.aten.mm.default, [a32, a32.t()], torch.empty(256, 256, device="meta"))
     a16 = a32.to(torch.bfloat16)
