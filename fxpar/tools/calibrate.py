@@ -258,6 +258,15 @@ def _worker(rank, world_size, port, sizes, reps, queue, threads=None, pin=False,
         dist.destroy_process_group()
 
 
+def _usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity, which a container or ``taskset`` narrows), else the
+    machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):          # no affinity on this platform
+        return os.cpu_count() or 0
+
+
 def calibrate(world_size: int = 2, sizes=SIZES, reps: int = 5, return_measurements: bool = False,
               threads: int | None = None, pin: bool = False, comm_priority: bool = False):
     """Measure ``world_size`` local gloo ranks; a ClusterSpec (and the raw figures if asked).
@@ -306,7 +315,7 @@ def calibrate(world_size: int = 2, sizes=SIZES, reps: int = 5, return_measuremen
     device = replace(base.device, peak_flops=peak, mem_bandwidth=bw, efficiency=eff,
                      op_overhead_s=c.get("op_overhead_s", base.device.op_overhead_s),
                      index_row_s=index_row_overhead(c) if "index_add_s" in c else 0.0,
-                     core_share=min(1.0, max(1e-3, c.get("core_share", 1.0))), host_cores=os.cpu_count() or 0)
+                     core_share=min(1.0, max(1e-3, c.get("core_share", 1.0))), host_cores=_usable_cores())
     spec = replace(base, device=device, comm_priority=bool(comm_priority))
     if raw["all_reduce"]:
         spec = replace(spec, intra_node=link_spec(raw, world_size))
