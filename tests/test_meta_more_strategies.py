@@ -16,7 +16,8 @@ import fxpar.compress as C
 import fxpar.sync as S
 from fxpar.testing import GPT, gpt_loss
 
-pytestmark = pytest.mark.structure
+# 1-6 s each (a parallelize of the GPT per strategy): the full suite runs them, the quick loop does not
+pytestmark = [pytest.mark.structure, pytest.mark.slow]
 
 # (world size, Strategy options, ClusterSpec changes); "servers": CPU parameter-server ranks on gloo (they cannot
 # join an NCCL group), "hetero": a heterogeneous cluster of the preset's device and a half-speed copy of it.
