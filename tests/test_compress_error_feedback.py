@@ -1,4 +1,4 @@
-"""Error feedback's bookkeeping for RandomK, beside TopK's in ``tests/test_compress_sparse.py``: each step, what the
+"""RandomK's variance against its paper's, and error feedback's bookkeeping for RandomK, beside TopK's in ``tests/test_compress_sparse.py``: each step, what the
 rank sent (decoded) plus its new residual equals its bucket plus its old residual. Biased (``unbiased=False``: the
 drawn values sent as they are) bit for bit; unbiased (the drawn values scaled by n/k, the residual there
 ``p - (n/k) p``) to one rounding of each drawn value, ``(p - s) + s`` being ``p`` only to rounding."""
@@ -7,8 +7,6 @@ import torch
 
 from fxpar.compress.method import BucketInfo, Comm
 from fxpar.compress.sparse import RandomK
-
-pytestmark = pytest.mark.structure
 
 
 class _One(Comm):
@@ -21,6 +19,7 @@ class _One(Comm):
         return t.clone()
 
 
+@pytest.mark.structure
 @pytest.mark.parametrize("unbiased", [False, True], ids=["biased", "unbiased"])
 @pytest.mark.parametrize("ratio", [0.05, 0.3])
 def test_randomk_sent_plus_residual_is_the_bucket_plus_the_old_residual(ratio, unbiased):
@@ -51,3 +50,24 @@ def test_randomk_sent_plus_residual_is_the_bucket_plus_the_old_residual(ratio, u
             assert torch.equal(sent + new["residual"], want)
             assert torch.equal(new["residual"][drawn], torch.zeros(k, dtype=torch.float64))
         state = new
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("k", [1, 5, 25])
+def test_randomk_variance_is_the_papers(k):
+    """Unbiased rand-k (each value kept with probability k/n, scaled by n/k): E||C(x) - x||^2 = (n/k - 1) ||x||^2
+    (Stich, Cordonnier & Jaggi, NeurIPS 2018, the rand-k operator's variance), no more: the Monte-Carlo mean of the
+    squared error over 4000 draws within 5 standard errors of it; each draw keeps exactly k values."""
+    n, draws = 50, 4000
+    m = RandomK(ratio=k / n, unbiased=True, seed=5)
+    b = BucketInfo(0, 0, 1, ("w",), ((n,),), (0,), n, "float64", 1, 0)
+    x = torch.linspace(-1, 1, n, dtype=torch.float64) + 0.1
+    gen = torch.Generator().manual_seed(5)
+    sq = []
+    for step in range(draws):
+        est, _ = m.sum(x, {}, m.host_inputs(b, step, {}, None, gen), b, _One(), None)
+        assert int((est != 0).sum()) == k
+        sq.append(float(((est - x) ** 2).sum()))
+    sq = torch.tensor(sq, dtype=torch.float64)
+    bound = (n / k - 1) * float((x ** 2).sum())
+    assert abs(float(sq.mean()) - bound) <= 5 * float(sq.std()) / draws ** 0.5 + 1e-12, (float(sq.mean()), bound)
