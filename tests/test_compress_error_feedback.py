@@ -1,7 +1,9 @@
-"""RandomK's variance against its paper's, and error feedback's bookkeeping for RandomK, beside TopK's in ``tests/test_compress_sparse.py``: each step, what the
-rank sent (decoded) plus its new residual equals its bucket plus its old residual. Biased (``unbiased=False``: the
-drawn values sent as they are) bit for bit; unbiased (the drawn values scaled by n/k, the residual there
-``p - (n/k) p``) to one rounding of each drawn value, ``(p - s) + s`` being ``p`` only to rounding."""
+"""RandomK (fxpar/compress/sparse.py), beside TopK's checks in ``tests/test_compress_sparse.py``.
+
+Error feedback's bookkeeping: each step, what the rank sent (decoded) plus its new residual equals its bucket plus
+its old residual. Biased (``unbiased=False``: the drawn values sent as they are) bit for bit; unbiased (the drawn
+values scaled by n/k, the residual there ``p - (n/k) p``) to one rounding of each drawn value, ``(p - s) + s`` being
+``p`` only to rounding. Variance: the unbiased operator's, by Monte Carlo."""
 import pytest
 import torch
 
