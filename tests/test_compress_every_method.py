@@ -1,6 +1,7 @@
 """Every built-in gradient-compression method, no ranks: a string names its defaults (``grad_sync="powersgd"``), its
 options travel in the Plan's typed section through JSON, and ``explain()`` gives per bucket the bytes an all-reduce
-would send and the bytes the method sends, as its Plan section counts them."""
+would send and the bytes the method sends, as its Plan section counts them; ``estimate()`` prices the bytes those
+collectives send."""
 import functools
 import re
 
@@ -71,3 +72,26 @@ def test_explain_gives_each_buckets_bytes_before_and_after(name):
         assert int(m.group(3)) == row["wire_bytes"]
     total_plain = sum(r["plain_bytes"] for r in rows)
     assert f"instead of {total_plain}" in text, text.splitlines()[:4]
+
+
+# bytes each rank sends in a collective of a buffer of S bytes over N ranks (cost_models/comm.py's table: ring
+# all-reduce, ring all-gather of a shard, pairwise all-to-all)
+_SENT = {"all_reduce": lambda S, N: 2 * (N - 1) / N * S, "all_gather": lambda S, N: (N - 1) * S,
+         "all_to_all": lambda S, N: (N - 1) / N * S}
+
+
+@pytest.mark.filterwarnings("ignore:.*worth compressing:UserWarning")
+@pytest.mark.parametrize("name", NAMES)
+def test_the_estimate_sends_each_methods_collectives(name):
+    """``estimate()``'s bytes per rank are what the method's collectives send, as the plan lists them per bucket
+    (the steady state): at dp=2 the bucket's wire bytes, but for an all-to-all (ByteGrad, QAdam) the half that
+    leaves the rank; ``program.collectives`` lists the same collectives in the same order."""
+    prog = _by_name(name)
+    rows = prog.plan.section(name).stages[0]
+    # a traced sum lists its collectives; an eager one (Decentralized) declares them
+    calls = [(k, n) for row in rows for k, n in (row["collectives"] or row["declared"])]
+    sent = sum(_SENT[kind](nbytes, 2) for kind, nbytes in calls)
+    assert prog.estimate().ranks[0].comm_bytes == pytest.approx(sent, rel=1e-12)
+    # program.collectives: one entry per bucket sum, its collectives in order in ``parts`` where it issues several
+    listed = [p for c in prog.collectives(0) for p in (c.parts or ((c.kind, c.nbytes),))]
+    assert listed == calls
