@@ -1,7 +1,7 @@
-"""Synchronisation methods with microbatches: DiLoCo, SlowMo and SSP (bound 0) against the one-process references
-of their math, every replica to 1e-10 in float64, beside Local SGD's and asynchronous averaging's microbatch cases
-(``tests/test_sync_local_sgd.py``, ``tests/test_sync_async_avg.py``). Two microbatches per shard accumulate into the
-shard's gradient, so the references, which take each shard whole, are the same math."""
+"""Synchronisation methods with microbatches: DiLoCo, SlowMo, and SSP and DSSP at bound 0, against the one-process
+references of their math, every replica to 1e-10 in float64, beside Local SGD's and asynchronous averaging's
+microbatch cases (``tests/test_sync_local_sgd.py``, ``tests/test_sync_async_avg.py``). Two microbatches per shard
+accumulate into the shard's gradient, so the references, which take each shard whole, are the same math."""
 from __future__ import annotations
 
 import pytest
@@ -48,14 +48,16 @@ def test_outer_methods_with_microbatches_equal_their_reference(clusters, method,
 
 
 @pytest.mark.numerics
-def test_ssp_bound_zero_with_microbatches_is_synchronous_sgd(clusters):
-    """SSP(staleness=0) over one server, 2 microbatches per shard: a clock is a shard's accumulated gradient, and
-    every read waits for every worker's previous clock: synchronous SGD-momentum on the global batch, every worker,
-    to 1e-10."""
+@pytest.mark.parametrize("method,servers", [(S.SSP(staleness=0), 1), (S.DSSP(low=0, high=0), 2)],
+                         ids=["SSP-s0", "DSSP-0-0-two-servers"])
+def test_ssp_bound_zero_with_microbatches_is_synchronous_sgd(clusters, method, servers):
+    """SSP(staleness=0) over one server, DSSP(0, 0) over two, 2 microbatches per shard: a clock is a shard's
+    accumulated gradient, and every read waits for every worker's previous clock: synchronous SGD-momentum on the
+    global batch, every worker, to 1e-10."""
     model, batches = _model(), mlp_batches(4)
-    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2, cpu_servers=1), batches[0], loss_fn=F.mse_loss,
-                             optimizer=SGD_M, strategy=fxpar.Strategy(dp=2, microbatches=2, sync=S.SSP(staleness=0)))
-    res = prog.run_local(batches, cluster=clusters.get(3))
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2, cpu_servers=servers), batches[0], loss_fn=F.mse_loss,
+                             optimizer=SGD_M, strategy=fxpar.Strategy(dp=2, microbatches=2, sync=method))
+    res = prog.run_local(batches, cluster=clusters.get(2 + servers))
     losses, state = reference_training(model, batches, F.mse_loss, SGD_M)
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
     _close(res.state_dict(), state)
