@@ -376,7 +376,13 @@ def _same_call(a: tuple, b: tuple) -> bool:
 def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: OptimizerSpec, *,
                           stage=None, grad_scale: float = 1.0, frozen=None) -> CapturedStep:
     """Trace one training step of a stage as one joint graph (inside :func:`shared_captures`, a copy of an
-    earlier identical call's; see :func:`_capture_training_step`)."""
+    earlier identical call's; see :func:`_capture_training_step`). The garbage collector is held off throughout (the
+    trace, the update written from its template, the annotation: ``fxpar._tracing.gc_paused``)."""
+    with gc_paused():
+        return _shared_or_captured(model, batch, loss_fn, optimizer, stage, grad_scale, frozen)
+
+
+def _shared_or_captured(model, batch, loss_fn, optimizer, stage, grad_scale, frozen) -> CapturedStep:
     shared = _SHARED
     if shared is None or stage is not None:
         return _capture_training_step(model, batch, loss_fn, optimizer, stage=stage, grad_scale=grad_scale,
