@@ -26,7 +26,6 @@ Templates are kept per optimizer setting and layouts, so a second capture of the
 from __future__ import annotations
 
 import operator
-import re
 from collections import OrderedDict
 
 import torch
@@ -59,9 +58,11 @@ def _hashable(v) -> bool:
 
 
 def _optimizer_key(optimizer):
-    """The optimizer's class and settings as a cache key, or None where a setting is not a plain value."""
+    """The optimizer's class and settings, and the global modes a trace reads (grad mode, inference mode, the
+    default dtype), as a cache key; None where a setting is not a plain value."""
     items = tuple(sorted(optimizer.kwargs.items()))
-    return (optimizer.cls, items) if all(_hashable(v) for _, v in items) else None
+    modes = (torch.is_grad_enabled(), torch.is_inference_mode_enabled(), torch.get_default_dtype())
+    return (optimizer.cls, items, modes) if all(_hashable(v) for _, v in items) else None
 
 
 class UpdateStamp:
@@ -297,7 +298,7 @@ class _Template:
                     node = g.create_node("call_function", t.target, args, dict(t.kwargs), name=name_of(t))
                     tv = t.meta["val"]
                     base = [_meta_like(tv[j]) for j in rep]
-                    node.meta = meta(t, [_fake_like(mode, tv[j], b) for j, b in zip(rep, base)])
+                    node.meta = meta(t, type(tv)(_fake_like(mode, tv[j], b) for j, b in zip(rep, base)))
                     made[t], bases[t] = node, base
                 elif kind == "getitem":
                     src, got = made[t], []

@@ -25,7 +25,7 @@ def _layout(v):
     if isinstance(v, torch.Tensor):
         return (type(v).__name__, tuple(v.shape), v.stride(), v.dtype, v.device, v.storage_offset(), v.requires_grad)
     if isinstance(v, (list, tuple)):
-        return [_layout(x) for x in v]
+        return type(v).__name__, [_layout(x) for x in v]
     return v
 
 
