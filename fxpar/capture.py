@@ -48,8 +48,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import meta as M
 from ._tracing import (ModuleTracker, call_model, capture_context, clean_name, explain_trace_error, gc_paused,
                        split_batch)
-from .errors import CaptureError
 from .capture_optim import UpdateStamp
+from .errors import CaptureError
 from .optim import OptimizerSpec
 from .roles import Role
 
