@@ -23,7 +23,7 @@ from the start of its first step to the end of the first step whose smoothed los
 later of the two ranks; both share this machine's ``time.perf_counter()`` clock). Steps a method needs beyond DDP's
 count against it.
 
-    python3 benchmarks/bench_sync_link.py [--rates 500mbit,none] [--steps 50] [--target-step 35] [--period 8]
+    python3 benchmarks/bench_sync_link.py [--rates 500mbit,none] [--steps 40] [--target-step 20] [--period 8]
     python3 benchmarks/netns_link.py --cleanup      # leftovers of a run that was killed hard
 """
 from __future__ import annotations
@@ -138,9 +138,9 @@ def time_to_target(losses: list, secs: list, target: float, k: int, rtol: float 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rates", default="500mbit", help="comma-separated caps (none: uncapped veth)")
-    ap.add_argument("--steps", type=int, default=50, help="steps every method trains")
-    ap.add_argument("--target-step", type=int, default=35, help="the target is DDP's smoothed loss after this step")
-    ap.add_argument("--smooth", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=40, help="steps every method trains")
+    ap.add_argument("--target-step", type=int, default=20, help="the target is DDP's smoothed loss after this step")
+    ap.add_argument("--smooth", type=int, default=5)
     ap.add_argument("--period", type=int, default=8)
     ap.add_argument("--sync-warmup", type=int, default=0, help="synchronous steps before the averaging methods' own")
     ap.add_argument("--chars", type=int, default=300_000)
@@ -149,6 +149,8 @@ def main(argv=None) -> int:
     ap.add_argument("--d", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--timeout", type=float, default=3600.0,
+                    help="seconds one method's run may take on the ranks (a loaded 2-core machine needs many)")
     ap.add_argument("--csv", default="", help="write every method's loss and seconds per step here (one file per cap: "
                     "the cap is added to the name)")
     ap.add_argument("--only", default="", help="comma-separated method labels' second words (dp,LocalSGD,DiLoCo)")
@@ -175,7 +177,7 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     with CappedLink() as link:
         print("link: " + ("veth pair, tbf per direction" if link.active else f"UNCAPPED (missing: {link.missing})"))
-        with NetnsCluster(w, link) as cl:
+        with NetnsCluster(w, link, timeout_s=args.timeout) as cl:
             for bps in rates:
                 link.set_rate(bps)
                 runs = {}
@@ -210,7 +212,7 @@ def report(runs: dict, loads: dict, bps, args) -> None:
         final = sum(losses[-args.smooth:]) / args.smooth
         reached = f"{n} | {t:.1f} | {t / ddp_t:.2f}" if n else f"not in {len(losses)} | - | -"
         print(f"| {label} | {secs[-1] / len(secs) * 1e3:.0f} | {reached} | {final:.4f} | {loads[label]} |")
-    print("\nsmoothed loss every 5 steps:")
+    print(f"\nsmoothed loss (mean of {args.smooth}) every 5 steps:")
     for label, (losses, _) in runs.items():
         sm = smoothed(losses, args.smooth)
         print(f"  {label:>24}: " + " ".join(f"{v:.3f}" for v in sm[4::5]))
