@@ -1,14 +1,15 @@
-"""The automatic planner: enumerate, price cheaply, prune, then build and estimate the finalists in full.
+"""The automatic planner: enumerate, price cheaply, prune, then estimate the finalists in full.
 
     candidates = fxpar.auto_plan(model, cluster, example_inputs, loss_fn=..., optimizer=...)   # ranked, nothing built
-    program = fxpar.parallelize(model, cluster, example_inputs, ..., strategy="auto")      # the finalists built
+    program = fxpar.parallelize(model, cluster, example_inputs, ..., strategy="auto")      # the pick built
     print(program.explain())        # the chosen plan, the ranked table, why each other family lost
 
 Order of work: the model's profile (one eager forward + backward on fake tensors at two microbatch sizes, the
 first repeated block standing for all); every candidate of the space priced from it (:mod:`fxpar.auto.space`);
 those predicted over ``margin`` x the device's memory dropped, then every candidate another beats on both step time
-and memory (dominated); the rest ranked by predicted step time, ties by memory. ``parallelize`` builds the first
-``finalists`` (each a whole program: capture, plan, lower) and keeps the fastest whose full estimate fits.
+and memory (dominated); the rest ranked by predicted step time, ties by memory. ``parallelize`` estimates the first
+``finalists`` in full (:func:`choose`: the first built, a one-stage one probed on the model cut short, one too far
+behind by the cheap cost not built) and returns the build of the fastest whose full estimate fits.
 """
 from __future__ import annotations
 
@@ -154,7 +155,7 @@ class AutoSearch:
                             "one's full step)" if self.skipped else "") + f", in {self.seconds.get('build', 0):.2f}s")
         if self.chosen is not None:
             lines.append(f"  chosen: {self.chosen.strategy(fixed_options(self.auto))}")
-        lines += ["", "  ranked: the finalists by their built (or probed) program's estimate, then the rest by the cheap one",
+        lines += ["", "  ranked: the finalists by their full estimate (built or probed), then the rest by the cheap one",
                   f"  {'':>3}  {'plan':<46} {'cheap step':>10} {'peak':>10} {'built step':>10} {'peak':>10} "
                   f"{'sent/rank':>10}"]
         for i, c in enumerate(self.ranked[:top]):
