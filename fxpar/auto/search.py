@@ -43,9 +43,9 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}     # the com
 ALLOW = {"compression": "bf16 gradient buckets (grad_sync='bf16': half the bytes, rounded sums)",
          "asynchronous": "the asynchronous pipeline schedule '2bw' (PipeDream-2BW: weights one update stale)"}
 # a probed finalist this close to the best built one (step time; memory: to the budget) is built whole. The
-# composition's largest error measured: 1.6% of the step and 3.7% of the peak (ZeRO-1 with 5 MiB buckets that do
-# not fall on block boundaries), 0.3% under Tofu's tp (its split differs with the depth), none (1e-15) for plain
-# dp, ZeRO-2 and -3, recompute and Megatron's tp (tests/test_auto_probe.py)
+# composition's largest errors measured (tests/test_auto_probe.py): 1.7% of the step and 3.8% of the peak (ZeRO-1
+# with 5 MiB buckets that cut across blocks), 2% of the peak (Megatron's tp under bf16), 0.3% of the step (ZeRO-3
+# under bf16; Tofu's tp, whose split changes with the depth); none (1e-15) for plain dp, ZeRO-2 and recompute
 PROBE_MARGIN = 0.05
 # the smallest ratio of a built program's step estimate to its cheap cost measured over 67 builds (the three
 # models of bench_planner measure at 2 and 4 ranks, local and calibrated; GPT-2 small at 8 A100s, H100s and H200s;
@@ -155,7 +155,7 @@ class AutoSearch:
                             "one's full step)" if self.skipped else "") + f", in {self.seconds.get('build', 0):.2f}s")
         if self.chosen is not None:
             lines.append(f"  chosen: {self.chosen.strategy(fixed_options(self.auto))}")
-        lines += ["", "  ranked: the finalists by their full estimate (built or probed), then the rest by the cheap one",
+        lines += ["", "  ranked: the finalists by their full estimate (built or probed), then the rest by the cheap",
                   f"  {'':>3}  {'plan':<46} {'cheap step':>10} {'peak':>10} {'built step':>10} {'peak':>10} "
                   f"{'sent/rank':>10}"]
         for i, c in enumerate(self.ranked[:top]):
@@ -499,7 +499,6 @@ def choose(s: AutoSearch, build, model: torch.nn.Module | None = None) -> tuple:
     if s.chosen is None:
         raise _no_fit(s, [c for c in s.priced if not c.note])
     return programs[id(s.chosen)], s.chosen
-
 
 
 def _figures(est) -> dict:
