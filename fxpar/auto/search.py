@@ -155,7 +155,7 @@ class AutoSearch:
                             "one's full step)" if self.skipped else "") + f", in {self.seconds.get('build', 0):.2f}s")
         if self.chosen is not None:
             lines.append(f"  chosen: {self.chosen.strategy(fixed_options(self.auto))}")
-        lines += ["", "  ranked: the finalists by their full estimate (built or probed), then the rest by the cheap",
+        lines += ["", "  ranked: finalists by their full estimate (built or probed), then the rest by the cheap cost",
                   f"  {'':>3}  {'plan':<46} {'cheap step':>10} {'peak':>10} {'built step':>10} {'peak':>10} "
                   f"{'sent/rank':>10}"]
         for i, c in enumerate(self.ranked[:top]):
