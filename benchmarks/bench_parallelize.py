@@ -2,6 +2,10 @@
 (GPT-2 small: vocab 50257, 124M parameters), dp=2. Goal: under 3 s on a 2-core machine.
 
     python benchmarks/bench_parallelize.py [--layers 12] [--d 768] [--repeat 3]
+    python benchmarks/bench_parallelize.py --tiny dp2|pp2_1f1b|dp2_z3 [--repeat 8]
+
+``--tiny``: ``fxpar.testing.tiny_gpt`` (2 layers, width 16, float64, the model most tests train) on an 8 x 16 batch
+with the strategy named, AdamW: the per-call cost a numerics test pays in its own process.
 
 The first call in a process also pays make_fx's one-time warm-up; both are reported, each with the process's CPU time
 (on a shared machine, compare CPU times: wall time follows the load, printed first). Last, what capture's check
@@ -20,7 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import fxpar  # noqa: E402
 from fxpar.capture import _attributes_changed, _module_attributes  # noqa: E402
-from fxpar.testing import GPT, gpt_loss  # noqa: E402
+from fxpar.testing import GPT, gpt_loss, tiny_gpt  # noqa: E402
+
+TINY = {"dp2": dict(dp=2), "pp2_1f1b": dict(pp=2, microbatches=2, schedule="1f1b"), "dp2_z3": dict(dp=2, zero=3)}
 
 
 def main():
@@ -29,7 +35,10 @@ def main():
     ap.add_argument("--d", type=int, default=768)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--tiny", choices=sorted(TINY))
     args = ap.parse_args()
+    if args.tiny:
+        return tiny(args.tiny, args.repeat)
     model = GPT(vocab=50257, d=args.d, layers=args.layers, heads=args.d // 64, max_seq=args.seq)
     x = torch.randint(0, 50257, (4, args.seq))
     print(f"GPT {args.layers}x{args.d}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, "
@@ -49,6 +58,23 @@ def main():
         took.append(time.perf_counter() - t0)
     print(f"Python-state check at capture: {statistics.median(took) * 1e3:.1f} ms "
           f"({sum(1 for _ in model.modules())} modules)")
+
+
+def tiny(name: str, repeat: int) -> None:
+    model, x = tiny_gpt(), torch.randint(0, 32, (8, 16))
+    st = fxpar.Strategy(**TINY[name])
+    print(f"tiny_gpt, {st}, load average {os.getloadavg()[0]:.1f}")
+    cpu = []
+    for _ in range(repeat):
+        t0, c0 = time.perf_counter(), time.process_time()
+        fxpar.parallelize(model, fxpar.ClusterSpec.local(st.size), (x, x), loss_fn=gpt_loss,
+                          optimizer=(torch.optim.AdamW, {"lr": 1e-3}), strategy=st)
+        cpu.append(time.process_time() - c0)
+        print(f"parallelize {time.perf_counter() - t0:.3f}s, CPU {cpu[-1]:.3f}s")
+    warm = sorted(cpu[1:])
+    if warm:
+        print(f"warm CPU: median {statistics.median(warm):.3f}s, {warm[0]:.3f}-{warm[-1]:.3f}s; "
+              f"load average {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from . import meta as M
 from ._tracing import (ModuleTracker, call_model, capture_context, clean_name, explain_trace_error, gc_paused,
                        split_batch)
+from .capture_optim import UpdateStamp
 from .errors import CaptureError
 from .optim import OptimizerSpec
 from .roles import Role
@@ -375,7 +376,13 @@ def _same_call(a: tuple, b: tuple) -> bool:
 def capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: OptimizerSpec, *,
                           stage=None, grad_scale: float = 1.0, frozen=None) -> CapturedStep:
     """Trace one training step of a stage as one joint graph (inside :func:`shared_captures`, a copy of an
-    earlier identical call's; see :func:`_capture_training_step`)."""
+    earlier identical call's; see :func:`_capture_training_step`). The garbage collector is held off throughout (the
+    trace, the update written from its template, the annotation: ``fxpar._tracing.gc_paused``)."""
+    with gc_paused():
+        return _shared_or_captured(model, batch, loss_fn, optimizer, stage, grad_scale, frozen)
+
+
+def _shared_or_captured(model, batch, loss_fn, optimizer, stage, grad_scale, frozen) -> CapturedStep:
     shared = _SHARED
     if shared is None or stage is not None:
         return _capture_training_step(model, batch, loss_fn, optimizer, stage=stage, grad_scale=grad_scale,
@@ -495,6 +502,9 @@ def _capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Op
                                        for j in diff_out]))
     n_p, n_b, n_s, n_d = len(pkeys), len(bkeys), len(snames), len(in_sig) - len(pkeys) - len(bkeys)
     k_state = len(optimizer.state_names)
+    # the update is written from a trace over one parameter per layout (fxpar.capture_optim), not traced here
+    stamp = UpdateStamp(optimizer) if optimizer.traced and n_p else None
+    stamp = stamp if stamp is not None and stamp.usable else None
 
     def step(*flat_args):
         vals = dict(zip(in_sig[:n_p + n_b], flat_args[:n_p + n_b]))
@@ -533,11 +543,21 @@ def _capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Op
         new_p, new_s = [], []
         if optimizer.traced and n_p:
             by_state = [[state[i * k_state + j] for i in range(n_p)] for j in range(k_state)]
-            new_p, new_by_state = optimizer.step_all([vals[(Role.PARAM, k)] for k in pkeys], pgrads, by_state, lr, count)
-            new_s = [new_by_state[j][i] for i in range(n_p) for j in range(k_state)]
+            params = [vals[(Role.PARAM, k)] for k in pkeys]
+            if stamp is not None:
+                stamp.record(params, pgrads, by_state)
+            else:
+                new_p, new_by_state = optimizer.step_all(params, pgrads, by_state, lr, count)
+                new_s = [new_by_state[j][i] for i in range(n_p) for j in range(k_state)]
         return (*outs, *new_p, *new_buffers, *new_s, *pgrads, *agrads)
 
     gm = _trace(step, flat, mod_name, tracker, model if stage is None else None)
+    if stamp is not None and not _stamp_update(gm, stamp, n_p, n_b, k_state, len(out_sig),
+                                               len(bkeys) if stage is None else len(written)):
+        stamp = None            # a template this capture does not recognise: the update traced with the rest
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)        # the first trace gave them
+            gm = _trace(step, flat, mod_name, tracker, model if stage is None else None)
     sig = StepSignature(list(full_in), list(out_sig))
     if optimizer.traced:
         sig.outputs += [(Role.NEW_PARAM, k) for k in pkeys]
@@ -562,6 +582,29 @@ def _capture_training_step(model: torch.nn.Module, batch, loss_fn, optimizer: Op
     return CapturedStep(gm, sig, pkeys, bkeys, aliases, optimizer, mod_name, time.perf_counter() - t0,
                         {k: tuple(trainable[k].shape) for k in pkeys}, {k: trainable[k].dtype for k in pkeys},
                         stage=0 if stage is None else stage.index)
+
+
+def _stamp_update(gm: torch.fx.GraphModule, stamp: UpdateStamp, n_p: int, n_b: int, k_state: int, n_out: int,
+                  n_new_buffers: int) -> bool:
+    """Write the optimizer update into a step traced without it (``fxpar.capture_optim``) and put the new parameters
+    and states among the outputs where the traced update puts them; False where no template fits."""
+    phs = gm.graph.find_nodes(op="placeholder")
+    out = gm.graph.find_nodes(op="output")[0]
+    outs = list(out.args[0])
+    grads = outs[n_out + n_new_buffers:n_out + n_new_buffers + n_p]
+    if not all(isinstance(g, torch.fx.Node) for g in grads):
+        return False
+    s0 = n_p + n_b
+    states = [[phs[s0 + i * k_state + j] for i in range(n_p)] for j in range(k_state)]
+    made = stamp.apply(gm, phs[:n_p], grads, states, phs[s0 + n_p * k_state], phs[s0 + n_p * k_state + 1])
+    if made is None:
+        return False
+    new_p, new_by_state = made[0], made[1:]
+    new_s = [new_by_state[j][i] for i in range(n_p) for j in range(k_state)]
+    ordered = outs[:n_out] + new_p + outs[n_out:n_out + n_new_buffers] + new_s + outs[n_out + n_new_buffers:]
+    out.args = (type(out.args[0])(ordered),)
+    gm.recompile()
+    return True
 
 
 def _params_without_gradient(gm: torch.fx.GraphModule, sig: StepSignature, pkeys: list, last: bool) -> list:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 
 from . import meta as M
+from ._tracing import gc_paused
 from .feature import get_feature
 from .pass_manager import HistoryEntry, PassContext, PassManager
 from .roles import GraphKind
@@ -54,7 +55,14 @@ def default_passes(plan, custom: list, kinds: tuple) -> list:
 
 def lower(stages: list, plan, schedule, cluster, custom_passes: list, keep_history: bool = True):
     """``stages``: the captured joint step of each stage (``fxpar.capture.CapturedStep``). Returns, per stage,
-    ``(split graphs {kind: SplitGraph}, joint graph after the passes, history, explain() notes)``."""
+    ``(split graphs {kind: SplitGraph}, joint graph after the passes, history, explain() notes)``. The garbage
+    collector is held off throughout (the copy of each captured graph, the passes, the cut graphs:
+    ``fxpar._tracing.gc_paused``)."""
+    with gc_paused():
+        return _lower(stages, plan, schedule, cluster, custom_passes, keep_history)
+
+
+def _lower(stages: list, plan, schedule, cluster, custom_passes: list, keep_history: bool) -> list:
     out = []
     for s, captured in enumerate(stages):
         kinds = graph_kinds(schedule, s)

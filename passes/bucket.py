@@ -30,6 +30,7 @@ graph without that seed gets an in-place ``div_`` of the bucket. Before / after,
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fxpar import meta as M
 from fxpar.collectives import insert_all_reduce
@@ -49,6 +50,28 @@ def _meta(node, val, src, **extra):
     node.meta[M.MODULE.name] = M.get(src, M.MODULE, "")
     for k, v in extra.items():
         node.meta[k] = v
+
+
+class _Slots:
+    """The fake values of a bucket's flat buffer and of its slots. A slot's value is a view of the buffer's meta
+    tensor wrapped as a fake tensor of the buffer's mode: what slicing the buffer's fake tensor gives (the same
+    layout, over the same storage), without a trip through fake-tensor dispatch per gradient. Values that are not
+    fake tensors are sliced as they are."""
+
+    def __init__(self, like, total: int):
+        if isinstance(like, FakeTensor):
+            self.meta = torch.empty([total], dtype=like.dtype, device="meta")
+            self.mode, self.device = like.fake_mode, like.device
+            self.val = FakeTensor(self.mode, self.meta, self.device)
+        else:
+            self.meta, self.val = None, like.new_empty([total])
+
+    def slot(self, off: int, n: int, shape=None):
+        if self.meta is None:
+            v = self.val[off:off + n]
+            return v if shape is None else v.view(shape)
+        v = self.meta[off:off + n]
+        return FakeTensor(self.mode, v if shape is None else v.view(shape), self.device)
 
 
 class BucketGradients(Pass):
@@ -98,7 +121,8 @@ class BucketGradients(Pass):
             with g.inserting_after(last):
                 buf = g.call_function(aten.empty.memory_format, ([total],),
                                       {"dtype": vals[0].dtype, "device": vals[0].device})
-            _meta(buf, vals[0].new_empty([total]), last, **{M.REDUCE_GRAD.name: "issue"})
+            slots = _Slots(vals[0], total)
+            _meta(buf, slots.val, last, **{M.REDUCE_GRAD.name: "issue"})
             off, cursor = 0, buf
             for r, val in zip(raws, vals):
                 n = val.numel()
@@ -108,8 +132,8 @@ class BucketGradients(Pass):
                     slot = g.call_function(aten.view.default, (sl, list(val.shape)))
                 with g.inserting_after(slot):
                     cursor = g.call_function(aten.copy_.default, (slot, r))
-                sl_val = buf.meta["val"][off:off + n]
-                slot_val = sl_val.view(val.shape)
+                sl_val = slots.slot(off, n)
+                slot_val = slots.slot(off, n, val.shape)
                 issue = {M.REDUCE_GRAD.name: "issue"}
                 _meta(sl, sl_val, r, **issue)
                 _meta(slot, slot_val, r, **issue)
@@ -135,7 +159,9 @@ class BucketGradients(Pass):
                     sl = g.call_function(aten.slice.Tensor, (div, 0, off, off + numel))
                 with g.inserting_after(sl):
                     v = g.call_function(aten.view.default, (sl, shape))
-                _meta(sl, div.meta["val"][off:off + numel], raw, **{M.REDUCE_GRAD.name: "wait"})
+                dv = div.meta.get("val")           # the buffer's value (insert_all_reduce and the div_ keep it)
+                _meta(sl, slots.slot(off, numel) if dv is slots.val else dv[off:off + numel], raw,
+                      **{M.REDUCE_GRAD.name: "wait"})
                 M.copy_meta(avg, v)          # v replaces the averaged gradient: keep what stays true, record it
                 _meta(v, raw.meta["val"], raw, **{M.GRAD_OF.name: key, M.REDUCE_GRAD.name: "wait"})
                 avg.replace_all_uses_with(v)
@@ -143,6 +169,5 @@ class BucketGradients(Pass):
                     g.erase_node(dead)
                 off += numel
                 anchor = v
-        g.lint()
         ctx.notes.append(f"bucket: {len(buckets)} bucket(s) of sizes {sizes} bytes replace per-gradient all_reduces")
         return PassResult(gm, True, {"buckets": len(buckets), "bytes": sizes})
