@@ -76,10 +76,12 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
         layout = BatchLayout.of(example_inputs, loss_fn)
         found = auto_search(model, cluster, layout.flatten(example_inputs, "example_inputs"), loss_fn, optimizer,
                             as_auto(strategy))
-        # finalists on the same microbatch (a tp point's two modes) trace it once; check_capture traces each twice
+        # finalists on the same microbatch (a tp point's two modes) trace it once; check_capture traces each twice;
+        # one-stage finalists past the first are probed on the model cut to 1 and 2 blocks (fxpar/auto/probe.py)
         with contextlib.nullcontext() if check_capture else shared_captures():
-            program, _ = choose(found, lambda s: parallelize(model, cluster, example_inputs, loss_fn, optimizer, s,
-                                                             lr_scheduler, check_capture=check_capture))
+            program, _ = choose(found, lambda s, model=model: parallelize(
+                model, cluster, example_inputs, loss_fn, optimizer, s, lr_scheduler, check_capture=check_capture),
+                model=model)
         program.auto_search = found
         return program
     explicit = strategy is not None          # a handed-back Plan with no Strategy: the Plan says what runs

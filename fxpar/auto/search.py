@@ -1,14 +1,15 @@
-"""The automatic planner: enumerate, price cheaply, prune, then build and estimate the finalists in full.
+"""The automatic planner: enumerate, price cheaply, prune, then estimate the finalists in full.
 
     candidates = fxpar.auto_plan(model, cluster, example_inputs, loss_fn=..., optimizer=...)   # ranked, nothing built
-    program = fxpar.parallelize(model, cluster, example_inputs, ..., strategy="auto")      # the finalists built
+    program = fxpar.parallelize(model, cluster, example_inputs, ..., strategy="auto")      # the pick built
     print(program.explain())        # the chosen plan, the ranked table, why each other family lost
 
 Order of work: the model's profile (one eager forward + backward on fake tensors at two microbatch sizes, the
 first repeated block standing for all); every candidate of the space priced from it (:mod:`fxpar.auto.space`);
 those predicted over ``margin`` x the device's memory dropped, then every candidate another beats on both step time
-and memory (dominated); the rest ranked by predicted step time, ties by memory. ``parallelize`` builds the first
-``finalists`` (each a whole program: capture, plan, lower) and keeps the fastest whose full estimate fits.
+and memory (dominated); the rest ranked by predicted step time, ties by memory. ``parallelize`` estimates the first
+``finalists`` in full (:func:`choose`: the first built, a one-stage one probed on the model cut short, one too far
+behind by the cheap cost not built) and returns the build of the fastest whose full estimate fits.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from ..feature import schedule_names
 from ..explain import fmt_bytes
 from ..optim import resolve_optimizer
 from ..strategy import AutoStrategy, Strategy
+from .probe import extrapolate, probe_depths, truncated
 from .profile import profile_model
 from .space import SCHEDULES, Candidate, _Pricer, bf16_supported, cost_candidate, rank_devices
 
@@ -40,6 +42,16 @@ PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}     # the com
 # methods that change the math, searched only when Strategy.auto(allow=...) names them: name -> what it adds
 ALLOW = {"compression": "bf16 gradient buckets (grad_sync='bf16': half the bytes, rounded sums)",
          "asynchronous": "the asynchronous pipeline schedule '2bw' (PipeDream-2BW: weights one update stale)"}
+# a probed finalist this close to the best built one (step time; memory: to the budget) is built whole. The
+# composition's largest errors measured (tests/test_auto_probe.py): 1.7% of the step and 3.8% of the peak (ZeRO-1
+# with 5 MiB buckets that cut across blocks), 2% of the peak (Megatron's tp under bf16), 0.3% of the step (ZeRO-3
+# under bf16; Tofu's tp, whose split changes with the depth); none (1e-15) for plain dp, ZeRO-2 and recompute
+PROBE_MARGIN = 0.05
+# the smallest ratio of a built program's step estimate to its cheap cost measured over 67 builds (the three
+# models of bench_planner measure at 2 and 4 ranks, local and calibrated; GPT-2 small at 8 A100s, H100s and H200s;
+# an 8 x 1024 GPT at 4 A100s): 0.644 (GPT-2 small's dp=8 at 8 H100s), less a tenth. A finalist whose cheap step
+# times it is above the best built one's full step is not built: no build of it is expected to beat that one
+CHEAP_FLOOR = 0.58
 
 
 def _choices(auto: AutoStrategy, name: str, default) -> tuple:
@@ -95,8 +107,10 @@ class AutoSearch:
     fitting: list = field(default_factory=list)     # every candidate predicted to fit, fastest first (cheap cost)
     seconds: dict = field(default_factory=dict)
     chosen: Candidate | None = None
-    built: list = field(default_factory=list)       # finalists built in full, in order, with what happened
+    built: list = field(default_factory=list)       # finalists built or probed, in order, with what happened
     dominated: int = 0
+    blocks: tuple = (None, 0)                       # the model's repeated blocks: (module path, how many)
+    skipped: list = field(default_factory=list)     # finalists not built: their cheap cost is too far behind
 
     def families(self) -> dict:
         """family -> its best candidate (fitting first, then by step time)."""
@@ -116,6 +130,9 @@ class AutoSearch:
                 continue
             failed = [b for b in self.built if b.family == fam and b.full and b.full.get("note")]
             why = "; ".join(f"finalist {b} built: {b.full['note']}" for b in failed)
+            if win is not None and win.full and any(b.family == fam for b in self.skipped):
+                why = (f"not built: its cheap step {c.step_s * 1e3:.3f} ms x {CHEAP_FLOOR} is above the chosen plan's "
+                       f"full estimate {win.full['step_s'] * 1e3:.3f} ms")
             out.append((fam, (why + "; then " if why else "") + _why(c, win, self.budget_bytes)))
         return out
 
@@ -129,10 +146,16 @@ class AutoSearch:
                      f"{self.seconds.get('profile', 0):.2f}s): {len(self.priced) - n_fit} do not fit, "
                      f"{self.dominated} dominated (another is faster and smaller), {len(self.ranked)} ranked")
         if self.built:
-            lines.append(f"  built in full: {len(self.built)} finalist(s) in {self.seconds.get('build', 0):.2f}s")
+            probed = [c for c in self.built if c.full and "probe" in c.full]
+            lines.append(f"  finalists: {len(self.built) - len(probed)} built in full"
+                         + (f", {len(probed)} probed (built on the model cut to "
+                            f"{' and '.join(map(str, probed[0].full['probe']))} blocks, the estimate composed to "
+                            f"{self.blocks[1]})" if probed else "")
+                         + (f", {len(self.skipped)} not built (cheap step x {CHEAP_FLOOR} above the best built "
+                            "one's full step)" if self.skipped else "") + f", in {self.seconds.get('build', 0):.2f}s")
         if self.chosen is not None:
             lines.append(f"  chosen: {self.chosen.strategy(fixed_options(self.auto))}")
-        lines += ["", "  ranked: the finalists by their built program's estimate, then the rest by the cheap one",
+        lines += ["", "  ranked: finalists by their full estimate (built or probed), then the rest by the cheap cost",
                   f"  {'':>3}  {'plan':<46} {'cheap step':>10} {'peak':>10} {'built step':>10} {'peak':>10} "
                   f"{'sent/rank':>10}"]
         for i, c in enumerate(self.ranked[:top]):
@@ -140,7 +163,8 @@ class AutoSearch:
             built = (f"{full['step_s'] * 1e3:>8.3f}ms {fmt_bytes(full['peak_bytes']):>10}"
                      if full and math.isfinite(full["step_s"]) else f"{'-':>10} {'-':>10}")
             lines.append(f"  {i + 1:>3}  {str(c)[:46]:<46} {c.step_s * 1e3:>8.3f}ms {fmt_bytes(c.peak_bytes):>10} "
-                         f"{built} {fmt_bytes(c.predicted[2]):>10}" + (f"  {full['note']}" if full.get("note") else ""))
+                         f"{built} {fmt_bytes(c.predicted[2]):>10}" + (f"  {full['note']}" if full.get("note") else "")
+                         + ("  probed" if "probe" in full else ""))
         rej = self.rejected()
         if rej:
             lines += ["", "  other families, and why they lost (their best candidate):"]
@@ -183,7 +207,8 @@ def _why(c: Candidate, win: Candidate | None, budget: float) -> str:
         return "not chosen"
     full = c.full is not None and win.full is not None     # compare like with like: both built, or both cheap
     step, wstep = (c.full["step_s"], win.full["step_s"]) if full else (c.step_s, win.step_s)
-    how = "built programs' estimates" if full else "cheap cost"
+    how = ("cheap cost" if not full else "built programs' estimates" if "probe" not in {**c.full, **win.full}
+           else "full estimates (a probed one composed from its cut builds)")
     extra = {k: c.time.get(k, 0.0) - win.time.get(k, 0.0) for k in c.time}
     part = max(extra, key=extra.get)
     return (f"slower by the {how}: {step * 1e3:.3f} ms vs {wstep * 1e3:.3f} ms ({str(c)}); the cheap cost puts "
@@ -329,7 +354,8 @@ def search(model, cluster: ClusterSpec, example: tuple, loss_fn, optimizer, auto
         ranked, dropped = _pareto(fitting)
     else:
         ranked, dropped = sorted(fitting, key=_cheap_key), 0
-    out = AutoSearch(name, cluster, auto, ranked, priced, budget, sorted(fitting, key=_cheap_key), dominated=dropped)
+    out = AutoSearch(name, cluster, auto, ranked, priced, budget, sorted(fitting, key=_cheap_key), dominated=dropped,
+                     blocks=(prof.block_path, prof.n_blocks))
     out.seconds = {"profile": t1 - t0, "search": time.perf_counter() - t0}
     if not priced:
         raise StrategyError(f"{auto}: no candidate plan for {name} on {cluster.world_size} rank(s): the pins, the "
@@ -398,37 +424,95 @@ def finalists(s: AutoSearch) -> list:
     return first, [c for c in s.ranked if all(c is not f for f in first)]
 
 
-def choose(s: AutoSearch, build) -> tuple:
-    """Build the :func:`finalists` with ``build(strategy) -> Program`` and keep the fastest whose full estimate
-    fits (ties: less memory); past them, candidates are built in rank order until one fits. Returns
-    ``(program, candidate)``."""
+def choose(s: AutoSearch, build, model: torch.nn.Module | None = None) -> tuple:
+    """Estimate the :func:`finalists` in full and keep the fastest that fits (ties: less memory). Returns
+    ``(program, candidate)``. ``build(strategy) -> Program`` builds on the user's model; with ``model`` (that
+    model), ``build(strategy, model=cut)`` builds on a cut copy of it for the probes (without, every finalist is
+    built).
+
+    The cheap cost's first finalist is built; each other one-stage finalist of a model with repeated blocks is
+    probed (:mod:`fxpar.auto.probe`: built on the model cut to 1 and 2 blocks, its estimate composed to the whole
+    depth); a pipeline is built. A probed finalist that comes within ``PROBE_MARGIN`` of the best built one is then
+    built too, so the returned program is always a build of the whole model, and the pick is the best by the full
+    estimates. Past the finalists, candidates are built in rank order until one fits."""
     t0 = time.perf_counter()
-    best = None
     first, rest = finalists(s)
-    for i, c in enumerate(first + rest):
-        if i >= len(first) and best is not None:
-            break
+    path, n_blocks = s.blocks
+    cut: dict = {}              # depth -> the cut model, held so a shared capture's key (its id) stays its own
+    programs: dict = {}         # id(candidate) -> its program, built in full
+
+    def full_build(c) -> None:
         try:
             prog = build(c.strategy(fixed_options(s.auto)))
-            est = prog.estimate()
+            figures = _figures(prog.estimate())
         except Exception as e:  # noqa: BLE001 - a candidate the program builder refuses is reported and skipped
-            c.full = {"step_s": math.inf, "peak_bytes": c.peak_bytes, "comm_bytes": c.comm_bytes,
-                      "note": f"refused: {type(e).__name__}: {str(e)[:160]}"}
-            c.fits = False
-            s.built.append(c)
+            _refused(c, e)
+            return
+        programs[id(c)] = prog
+        was = c.full if c.full and "probe" in c.full else None
+        c.full = {**figures, "note": ""}
+        if was is not None:                 # what the probe had composed, beside the whole build's figures
+            c.full["probed"] = {k: was[k] for k in ("step_s", "peak_bytes", "comm_bytes", "probe")}
+        _memory_note(c, s.budget_bytes)
+
+    def probed(c, depths) -> bool:
+        try:
+            got = []
+            for k in depths:
+                if k not in cut:
+                    cut[k] = truncated(model, path, k)
+                got.append(_figures(build(c.strategy(fixed_options(s.auto)), model=cut[k]).estimate()))
+        except Exception:  # noqa: BLE001 - a model that does not run cut short is built whole instead
+            return False
+        c.full = {**extrapolate(got[0], got[1], depths[0], depths[1], n_blocks), "note": "", "probe": tuple(depths)}
+        _memory_note(c, s.budget_bytes * (1 + PROBE_MARGIN))       # near the budget: built whole if it is chosen
+        return True
+
+    def best_built():
+        done = [c for c in s.built if c.fits and id(c) in programs]
+        return min(done, key=_key) if done else None
+
+    for i, c in enumerate(first):
+        best = best_built()
+        if best is not None and c.step_s * CHEAP_FLOOR > best.full["step_s"]:
+            s.skipped.append(c)         # no build of it can beat the best built one, by the cheap cost's error
             continue
-        peak = max(r.peak_memory_bytes for r in est.ranks)
-        c.full = {"step_s": est.step_time_s, "peak_bytes": peak,
-                  "comm_bytes": max(r.comm_bytes for r in est.ranks), "note": ""}
-        if peak > s.budget_bytes:
-            c.full["note"] = f"over memory: {fmt_bytes(peak)}"
-            c.fits = False
+        depths = probe_depths(c, n_blocks) if i > 0 and model is not None else None
+        if depths is None or not probed(c, depths):
+            full_build(c)
         s.built.append(c)
-        if c.fits and (best is None or _key(c) < _key(best[1])):
-            best = (prog, c)
+    while True:                 # the best by the full estimates, built whole; a probed rival near it, built too
+        best = best_built()
+        near = [c for c in s.built if c.fits and id(c) not in programs and c.full and
+                (best is None or c.full["step_s"] <= best.full["step_s"] * (1 + PROBE_MARGIN))]
+        if not near:
+            break
+        full_build(min(near, key=_key))
+    for c in rest:
+        if best_built() is not None:
+            break
+        full_build(c)
+        s.built.append(c)
     s.seconds["build"] = time.perf_counter() - t0
     s.ranked = sorted(s.built + [c for c in s.ranked if all(c is not b for b in s.built)], key=_key)
-    if best is None:
+    s.chosen = best_built()
+    if s.chosen is None:
         raise _no_fit(s, [c for c in s.priced if not c.note])
-    s.chosen = best[1]
-    return best
+    return programs[id(s.chosen)], s.chosen
+
+
+def _figures(est) -> dict:
+    return {"step_s": est.step_time_s, "peak_bytes": max(r.peak_memory_bytes for r in est.ranks),
+            "comm_bytes": max(r.comm_bytes for r in est.ranks)}
+
+
+def _refused(c: Candidate, e: Exception) -> None:
+    c.full = {"step_s": math.inf, "peak_bytes": c.peak_bytes, "comm_bytes": c.comm_bytes,
+              "note": f"refused: {type(e).__name__}: {str(e)[:160]}"}
+    c.fits = False
+
+
+def _memory_note(c: Candidate, budget: float) -> None:
+    if c.full["peak_bytes"] > budget:
+        c.full["note"] = f"over memory: {fmt_bytes(c.full['peak_bytes'])}"
+        c.fits = False
