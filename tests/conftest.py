@@ -7,6 +7,8 @@ import fxpar
 
 # node ids of the tests marked slow by their measured time (the file says how they were measured)
 SLOW_BY_TIME = Path(__file__).with_name("slow_by_time.txt")
+# each test file's worker seconds in a full run (the file says how they were measured): the heaviest run first
+FILE_SECONDS = Path(__file__).with_name("file_seconds.txt")
 
 
 class _Clusters:
@@ -65,3 +67,17 @@ def pytest_collection_modifyitems(config, items):
         config.issue_config_time_warning(pytest.PytestWarning(
             f"{len(wrong)} test(s) need exactly one tier mark ({', '.join(TIERS)}; tests/README.md), e.g. "
             f"{wrong[0]}: add `pytestmark = pytest.mark.<tier>` to the module or a mark to the test"), stacklevel=2)
+
+
+def _file_seconds() -> dict:
+    lines = FILE_SECONDS.read_text().splitlines()
+    return {f: float(s) for s, f in (line.split() for line in lines if line.strip() and not line.startswith("#"))}
+
+
+@pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")   # after `-m` deselected: what runs
+def pytest_heaviest_files_first(items):
+    """The heaviest files first (file_seconds.txt), each file's tests in their own order (its module-wide builds are
+    made once): pytest-xdist hands tests out in this order, so the long ones start early instead of ending the run
+    on one worker while the other idles. Every worker collects the same order."""
+    seconds = _file_seconds()
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
