@@ -101,6 +101,7 @@ def _program(method, dp, batches):
     return mlp_program(model, batches, dp=dp, bucket_cap_mb=0.004, grad_sync=method)
 
 
+@pytest.mark.structure
 def test_every_registered_method_has_a_formula_here():
     covered = {m.name for m, _ in FORMULAS.values()}
     assert covered == set(C.registered_methods())
