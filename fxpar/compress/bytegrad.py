@@ -29,6 +29,7 @@ from typing import ClassVar
 
 import torch
 
+from fxpar.compress.describe import tensor_lines
 from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 
@@ -92,4 +93,7 @@ class ByteGrad(Method):
         m = chunk_size(bucket.numel, bucket.dp)
         return [f"ByteGrad: {bucket.dp} chunks of {m} values as uint8 codes and a float32 min and max; "
                 f"all-to-all {bucket.dp * (8 + m)} B then all-gather {8 + m} B per rank "
-                f"({bucket.numel * bucket.element_size} B uncompressed)"]
+                f"({bucket.numel * bucket.element_size} B uncompressed)"] + \
+            tensor_lines(bucket, f"each value as a uint8 code against its chunk's float32 min and max (the flat "
+                                 f"bucket cut into {bucket.dp} chunks of {m})", self.wire_bytes(bucket, variant),
+                         "uint8 codes + min/max share")

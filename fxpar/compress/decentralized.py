@@ -84,6 +84,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.compress.bytegrad import dequantize_rows, quantize_rows
+from fxpar.compress.describe import tensor_lines
 from fxpar.compress.feature import STEADY_STEP, register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.compress.runtime import CompressState, EagerComm
@@ -379,15 +380,22 @@ class Decentralized(Method):
             return [f"Decentralized, low precision: no gradient collective; after each update the change of the "
                     f"bucket's weights from the ring average, as {bucket.numel} uint8 codes and a float32 min and max, "
                     f"sent to both ring neighbours ({2 * (8 + bucket.numel)} B in one all-to-all, {2 * nbytes} B in "
-                    "full precision); the replicas differ"]
+                    "full precision); the replicas differ"] + \
+                tensor_lines(bucket, "its weights' change as uint8 codes against the bucket's float32 min and max, "
+                             "to both ring neighbours; its gradient stays on the rank",
+                             self.wire_bytes(bucket, variant), "weight change as uint8 codes + min/max share")
         how = {"all": f"all-reduced over the {bucket.dp} replicas ({nbytes} B), weights 1/{bucket.dp}",
                "ring": f"sent to both ring neighbours ({2 * nbytes} B in one all-to-all), weights 1/3",
                "shift_one": f"exchanged with one peer that changes each averaging ({nbytes} B in one all-to-all), "
                             "weights 1/2"}[self.peers]
         when = ("after the update (adapt, then combine)" if self.order == ATC
                 else "before the update (combine, then adapt)")
+        sent = {"all": "all-reduced", "ring": "sent to both ring neighbours",
+                "shift_one": "sent to one peer"}[self.peers]
         return [f"Decentralized: no gradient collective; every {self.communication_interval} step(s) the bucket's "
-                f"weights are {how}, {when}; the replicas differ between averagings"]
+                f"weights are {how}, {when}; the replicas differ between averagings"] + \
+            tensor_lines(bucket, f"its weights {sent} in {bucket.dtype} on an averaging step; its gradient stays on "
+                         "the rank", self.wire_bytes(bucket, variant), f"{bucket.dtype} weights")
 
 
 def _exchange(mine: torch.Tensor, peers: list, comm) -> dict:

@@ -20,6 +20,7 @@ from typing import ClassVar
 
 import torch
 
+from .describe import tensor_lines
 from .feature import register_method
 from .method import BucketInfo, Comm, Method
 
@@ -40,8 +41,9 @@ class _Narrow(Method):
 
     def describe(self, bucket: BucketInfo, variant) -> list:
         n = str(self.narrow).replace("torch.", "")
-        return [f"{k} {list(s)}: cast to {n}, summed in {n}, cast back to {bucket.dtype}"
-                for k, s in zip(bucket.keys, bucket.shapes)]
+        return tensor_lines(bucket, f"each value cast to {n}, summed in {n}, cast back to {bucket.dtype}",
+                            self.wire_bytes(bucket, variant), f"{n} values", rule="in proportion to its values (its "
+                            f"exact bytes: 2 per value)")
 
 
 @register_method

@@ -43,6 +43,7 @@ from typing import ClassVar
 import torch
 
 from fxpar.compress.bytegrad import ByteGrad
+from fxpar.compress.describe import tensor_lines
 from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.errors import StrategyError
@@ -180,4 +181,13 @@ class QAdam(Method):
                  f"ByteGrad's uint8 codes ({ByteGrad().wire_bytes(bucket, None)} B)")
         tail = "; the bucket's result is Adam's direction m / (sqrt(v) + eps), bias-corrected, which QAdamOptimizer " \
                "scales by lr"
-        return [warm if variant == WARMUP else after, tail]
+        if variant == WARMUP:
+            per = tensor_lines(bucket, "its gradient all-reduced in full precision", self.wire_bytes(bucket, variant),
+                               f"{bucket.dtype} gradient")
+        else:
+            m = -(-bucket.numel // bucket.dp)
+            per = tensor_lines(bucket, f"its momentum m as uint8 codes against a float32 min and max per chunk (the "
+                                       f"flat bucket cut into {bucket.dp} chunks of {m}), ByteGrad's "
+                                       "scatter-reduce-gather", self.wire_bytes(bucket, variant),
+                               "momentum as uint8 codes + min/max share")
+        return [warm if variant == WARMUP else after, tail] + per

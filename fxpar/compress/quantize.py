@@ -59,6 +59,7 @@ from typing import ClassVar
 
 import torch
 
+from fxpar.compress.describe import tensor_lines
 from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.compress.packing import elias_omega_length, pack_bits, packed_nbytes, unpack_bits
@@ -198,6 +199,9 @@ def elias_bit_count(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, c
     return int(32 * -(-n // chunk) + elias_omega_length(idx + 1).sum() + (idx > 0).sum())
 
 
+ELIAS_SAMPLE_CHUNKS = 256      # NUQSGD.expected_elias_bits: whole chunks counted exactly before scaling
+
+
 # ---- adapting levels (ALQ, AMQ) ---------------------------------------------------------------------------------
 def _excl_cumsum(x):
     return torch.cumsum(x, 0) - x
@@ -305,11 +309,10 @@ class _Quantizer(Method):
                 f"{self.bucket} values; {before} B -> {self.wire_bytes(bucket, variant)} B per rank, all-gathered")
         if self.adaptive and variant == "adapt":
             head += "; levels adapted to the sum after this step"
-        lines = [head]
-        for key, shape in zip(bucket.keys, bucket.shapes):
-            numel = math.prod(int(x) for x in shape)
-            lines.append(f"  {key} {tuple(shape)}: {numel} values -> {self._bits()}-bit codes")
-        return lines
+        how = (f"each value as a {self._bits()}-bit code (a sign and one of {self._s()} levels) + a float32 norm per "
+               f"{self.bucket}-value chunk of the flat bucket")
+        return [head] + [f"  {x}" for x in tensor_lines(bucket, how, self.wire_bytes(bucket, variant),
+                                                         f"{self._bits()}-bit codes + norm share")]
 
 
 @register_method
@@ -366,6 +369,30 @@ class NUQSGD(_BitsQuantizer):
     def elias_bits(self, flat: torch.Tensor, u: torch.Tensor) -> int:
         """The bits NUQSGD's Elias-coded message of ``flat`` would take with draws ``u`` (:func:`elias_bit_count`)."""
         return elias_bit_count(flat, self._levels({}), u, self.bucket)
+
+    def expected_elias_bits(self, numel: int) -> int:
+        """:meth:`elias_bits` of a bucket of ``numel`` values, estimated on a standard-normal gradient (seed 0, its
+        own generator): exact up to :data:`ELIAS_SAMPLE_CHUNKS` chunks; beyond, the per-value bits of that many
+        whole chunks scaled to ``numel`` plus 32 bits per chunk of the bucket."""
+        gen = torch.Generator().manual_seed(0)
+        sample = min(numel, ELIAS_SAMPLE_CHUNKS * self.bucket)
+        g = torch.randn(sample, generator=gen, dtype=torch.float64)
+        u = torch.rand(sample, generator=gen, dtype=torch.float64)
+        bits = self.elias_bits(g, u)
+        if sample == numel:
+            return bits
+        per_value = (bits - 32 * -(-sample // self.bucket)) / sample
+        return int(round(per_value * numel)) + 32 * -(-numel // self.bucket)
+
+    def describe(self, bucket: BucketInfo, variant) -> list:
+        lines = super().describe(bucket, variant)
+        est = self.expected_elias_bits(bucket.numel)
+        fixed = 8 * self.wire_bytes(bucket, variant)
+        return lines[:1] + [
+            f"  Elias-coded (the paper's count, §4: a 32-bit norm per chunk, per value the Elias omega code of its "
+            f"level index + 1 and a sign bit where nonzero): about {est} bits ({-(-est // 8)} B, "
+            f"{est / fixed:.3g}x the {fixed} bits sent), estimated on a standard-normal gradient of "
+            f"{bucket.numel} values (seed 0); the packed fixed-width codes are what travels"] + lines[1:]
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ import torch
 
 from fxpar.errors import StrategyError
 
+from .describe import tensor_lines
 from .feature import register_method
 from .method import BucketInfo, Method
 
@@ -120,8 +121,13 @@ class TopK(_Sparse):
     def describe(self, bucket, variant) -> list:
         k = sparse_k(self.ratio, bucket.numel)
         ef = "the rest kept as a residual for the next step" if self.error_feedback else "the rest dropped"
-        return [f"the {k} of {bucket.numel} largest |values| (gradient + residual) over "
-                f"{', '.join(bucket.keys)}: int32 index + {bucket.dtype} value pairs, one all-gather; {ef}"]
+        pct = f"{100 * k / bucket.numel:.3g}%"
+        return [f"the {k} of {bucket.numel} largest |values| (gradient + residual) over the bucket's "
+                f"{len(bucket.keys)} tensor(s): int32 index + {bucket.dtype} value pairs, one all-gather; {ef}"] + \
+            tensor_lines(bucket, f"the top {pct} of the flat bucket's values with their int32 indices (which tensor "
+                                 "they fall in changes each step)", self.wire_bytes(bucket, variant),
+                         f"top {pct} of values + int32 indices", rule="in proportion to its values (its share if its "
+                         "values are as large as the rest's)")
 
 
 @register_method
@@ -157,5 +163,9 @@ class RandomK(_Sparse):
         k = sparse_k(self.ratio, bucket.numel)
         scale = f" scaled by {bucket.numel}/{k}" if self.unbiased and k != bucket.numel else ""
         ef = "; the rest kept as a residual" if self.error_feedback else ""
-        return [f"{k} of {bucket.numel} values of {', '.join(bucket.keys)} drawn at random per rank{scale}: int32 "
-                f"index + {bucket.dtype} value pairs, one all-gather{ef}"]
+        pct = f"{100 * k / bucket.numel:.3g}%"
+        return [f"{k} of {bucket.numel} values of the bucket's {len(bucket.keys)} tensor(s) drawn at random per "
+                f"rank{scale}: int32 index + {bucket.dtype} value pairs, one all-gather{ef}"] + \
+            tensor_lines(bucket, f"a random {pct} of the flat bucket's values{scale} with their int32 indices",
+                         self.wire_bytes(bucket, variant), f"random {pct} of values + int32 indices",
+                         rule="in proportion to its values (its expected share: every value is drawn alike)")

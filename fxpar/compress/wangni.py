@@ -32,6 +32,7 @@ from typing import ClassVar
 
 import torch
 
+from fxpar.compress.describe import tensor_lines
 from fxpar.compress.feature import register_method
 from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.compress.quantize import rank_generator
@@ -140,4 +141,9 @@ class Wangni(Method):
         k = capacity(bucket.numel, self.ratio)
         return [f"Wangni: keep each value with p_i = min(1, lambda |g_i|), expected density {self.ratio}; "
                 f"{k} (value, int32 index) slots per rank: {bucket.numel * bucket.element_size} B -> "
-                f"{self.wire_bytes(bucket, variant)} B, all-gathered"]
+                f"{self.wire_bytes(bucket, variant)} B, all-gathered"] + \
+            tensor_lines(bucket, f"values kept with probability growing with |g_i| (expected {self.ratio:g} of the "
+                                 "flat bucket) and sent as g_i / p_i with their int32 indices, in fixed slots",
+                         self.wire_bytes(bucket, variant), "kept values + int32 indices",
+                         rule="in proportion to its values (the slots are the bucket's, filled by whichever "
+                              "values are kept)")

@@ -92,15 +92,16 @@ def training_reference(model, batches, loss_fn, lr: float, method, buckets: list
                        microbatches: int = 1) -> tuple:
     """SGD on ``model`` in one process, data parallel over ``buckets[0].dp`` shards, each bucket summed by
     ``bucket_math(method, infos, flats, states, inputs, variant) -> (total, new_states)`` (``infos``, ``flats``,
-    ``states``, ``inputs``: per rank, in rank order). ``buckets``: the program's :class:`BucketInfo` of one stage,
-    summed in index order; each shard (cut into ``microbatches``) makes its gradient scaled by
-    ``1 / (dp * microbatches)``. Returns (losses, state_dict)."""
+    ``states``, ``inputs``: per rank, in rank order). ``buckets``: the program's :class:`BucketInfo` of every stage
+    (``bucket_infos`` of each), summed stage by stage in index order; a rank holds one stage, so each (stage, dp
+    rank) draws from its own generator, seeded as the runtime seeds a rank's. Each shard (cut into
+    ``microbatches``) makes its gradient scaled by ``1 / (dp * microbatches)``. Returns (losses, state_dict)."""
     m = copy.deepcopy(model)
     named = dict(m.named_parameters())
     dp = buckets[0].dp
-    gens = [generator_for(method) for _ in range(dp)]
-    infos = {b.index: [dataclasses.replace(b, dp_rank=r) for r in range(dp)] for b in buckets}
-    states = {i: [dict(method.init_state(infos[i][r], gens[r])) for r in range(dp)] for i in infos}
+    gens = {(b.stage, r): generator_for(method) for b in buckets for r in range(dp)}
+    infos = {(b.stage, b.index): [dataclasses.replace(b, dp_rank=r) for r in range(dp)] for b in buckets}
+    states = {i: [dict(method.init_state(infos[i][r], gens[i[0], r])) for r in range(dp)] for i in infos}
     losses = []
     for step, batch in enumerate(batches):
         *inputs, target = batch
@@ -116,12 +117,13 @@ def training_reference(model, batches, loss_fn, lr: float, method, buckets: list
                 acc = g if acc is None else {k: acc[k] + g[k] for k in acc}
             grads.append(acc)
         update = {}
-        for b in sorted(buckets, key=lambda b: b.index):
+        for b in sorted(buckets, key=lambda b: (b.stage, b.index)):
+            at = (b.stage, b.index)
             flats = [torch.cat([grads[r][k].reshape(-1) for k in b.keys]) for r in range(dp)]
-            variant = method.variant(infos[b.index][0], step, states[b.index][0])
-            draws = [list(method.host_inputs(infos[b.index][r], step, states[b.index][r], variant, gens[r]))
+            variant = method.variant(infos[at][0], step, states[at][0])
+            draws = [list(method.host_inputs(infos[at][r], step, states[at][r], variant, gens[b.stage, r]))
                      for r in range(dp)]
-            summed, states[b.index] = bucket_math(method, infos[b.index], flats, states[b.index], draws, variant)
+            summed, states[at] = bucket_math(method, infos[at], flats, states[at], draws, variant)
             for key, view in zip(b.keys, b.views(summed)):
                 update[key] = view
         with torch.no_grad():
