@@ -256,12 +256,14 @@ class _Versions:
     """The weight versions of an asynchronous window, from its items' labels (``F0.3@2``, ``STEP0@3``).
 
     ``steps``: item index -> (stage, version) of each update; :meth:`stashed_until` says how long the version an
-    update replaces stays held (the runtime's ``VersionStore``: a version goes at the first update of its stage
-    after the last F or B that names it)."""
+    update replaces stays held: the runtime's ``VersionStore`` drops a version at the first update of its stage after
+    the last F or B that names it, and the executor keeps the weights the stage's last forward read (their storages,
+    to tell saved weights from activations) until a forward on another version has run."""
 
     def __init__(self, labels):
         self.steps: dict = {}
         self.last_use: dict = {}
+        self.forwards: list = []              # (item index, stage, version) of each versioned F
         self.n = len(labels)
         for i, label in enumerate(labels):
             m = _VERSIONED.match(label) if isinstance(label, str) else None
@@ -272,15 +274,21 @@ class _Versions:
                 self.steps[i] = (stage, version)
             elif kind in ("F", "B"):
                 self.last_use[(stage, version)] = i
+            if kind == "F":
+                self.forwards.append((i, stage, version))
 
     def stashed_until(self, i):
         """The update at item i replaces its stage's newest version: the index of the item after which that version
         is freed, if a later F or B still names it; None if it goes at once."""
-        stage, version = self.steps[i]
-        last = self.last_use.get((stage, version - 1), -1)
-        if last <= i:
-            return None
-        return next((j for j in sorted(self.steps) if j > last and self.steps[j][0] == stage), self.n)
+        stage, old = self.steps[i][0], self.steps[i][1] - 1
+        last = self.last_use.get((stage, old), -1)
+        ends = []
+        if last > i:
+            ends.append(next((j for j in sorted(self.steps) if j > last and self.steps[j][0] == stage), self.n))
+        read = [v for j, s, v in self.forwards if s == stage and j < i]
+        if read and read[-1] == old:
+            ends.append(next((j for j, s, v in self.forwards if s == stage and j > i and v != old), self.n))
+        return max(ends) if ends else None
 
 
 def _category(st) -> str:
