@@ -42,6 +42,7 @@ def test_measured_peak_is_the_predicted_one(clusters, schedule, options):
 
 
 @pytest.mark.cost
+@pytest.mark.slow
 def test_the_schedules_hold_different_weight_versions():
     """Stage 0 of two (p - s = 2): PipeDream stashes a second version, 2BW holds two, PipeMare one plus its velocity,
     Pipelined Backpropagation one; the last stage holds one under PipeDream, two under 2BW."""
