@@ -56,12 +56,15 @@ class Item:
 
     ``keep``: ``None`` (the next graph reads them), a later item's label, ``"end"``, or a dict
     ``{flat output index: label or "end"}``; see :func:`cost_models.memory.sequence_peak`.
+    ``beside``: ``(bytes while it runs, bytes after its end)`` the runtime makes for this graph outside it (a
+    feature's copy of the weights the graph reads; what an update's correction builds after it), freed by the next.
     """
     gm: torch.fx.GraphModule
     label: str = ""
     keep: object = None
     groups: object = None         # {(axis, ranks in the graph's CommInfo): this rank's ranks}: ranks sharing a
     #                               graph lowered for another rank (tensor parallelism: one graph per stage)
+    beside: tuple = (0.0, 0.0)
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,10 @@ class _Message:
 @dataclass(frozen=True)
 class _Wait:
     label: object = None
+
+
+def _beside(item) -> tuple:
+    return tuple(getattr(item, "beside", None) or (0.0, 0.0))
 
 
 def _is_comm(x) -> bool:
@@ -226,10 +233,10 @@ def compile_sequence(seq, cluster, cache: dict, rank: int = 0) -> SequenceProgra
     flat = cache.get(("flat", shape))
     if flat is None:
         flat = cache[("flat", shape)] = _Flat(items, parts, rank)
-    mkey = ("memory", tuple((id(p.liveness), it.label, _freeze(it.keep)) if p is not None else ("-", it.label)
-                            for it, p in zip(items, parts)))
+    mkey = ("memory", tuple((id(p.liveness), it.label, _freeze(it.keep), _beside(it)) if p is not None
+                            else ("-", it.label) for it, p in zip(items, parts)))
     memory = cache.get(mkey)
     if memory is None:
-        memory = cache[mkey] = sequence_peak([(p.liveness, it.label, it.keep) if p is not None
+        memory = cache[mkey] = sequence_peak([(p.liveness, it.label, it.keep, _beside(it)) if p is not None
                                               else (None, it.label, None) for it, p in zip(items, parts)])
     return SequenceProgram(rank, items, parts, flat, memory)

@@ -25,6 +25,11 @@
     tensor until the step's sends complete); otherwise freed with its graph;
   - an output that is a view of a held value (STEP's reduced gradients, views of RG's buffer) extends it.
 
+* an **asynchronous update** (a versioned ``STEPs@u``): its new weights and state replace the persistent ones (held
+  once, in the state), the gradient accumulators it read are freed, and the weights it replaced (version u-1) stay
+  while a later F or B of the window names that version, until the stage's first update after that last use (the
+  runtime's ``VersionStore``: PipeDream's stash of p-s versions, 2BW's two, one for the schedules that read the
+  newest weights);
 * a graph's **own** bytes are its liveness peak less every placeholder that is state, a microbatch or a held
   value (one storage, counted once, however many views of it the graph takes).
 
@@ -35,6 +40,7 @@ received message before the graph that reads it, scratch inside one kernel.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from fxpar import meta as M
@@ -45,6 +51,8 @@ __all__ = ["sequence_peak", "sequence_timeline"]
 _PERSISTENT = ("param", "buffer", "opt_state")          # categories
 _BATCH = (Role.INPUT, Role.TARGET)
 _CATEGORIES = ("param", "buffer", "opt_state", "input", "activation", "grad", "new_state", "temporary")
+# a versioned action's label (``fxpar.schedule``'s text form): kind, stage, microbatch, weight version
+_VERSIONED = re.compile(r"^(STEP|F|B|I|W)(\d+)(?:\.(\d+))?@(\d+)$")
 
 
 @dataclass
@@ -79,7 +87,7 @@ class _Walk:
         self.batch = 0.0
         self.readers: dict = {}               # fake storage key -> [(item index, placeholder role)]
         self.backward: set = set()            # items that read saved values (B, I, W)
-        for i, (lv, _, _) in enumerate(runs):
+        for i, (lv, *_) in enumerate(runs):
             if lv is None:
                 continue
             for st in _placeholders(lv):
@@ -99,6 +107,12 @@ class _Walk:
         self.values: list = []
         self.accumulated: dict = {}           # (graph, gradient key) -> the value that holds its sum
         self.owned: set = set()
+        self.bound: set = set()               # ids of the held values the current graph reads
+        self.versions = _Versions(self.labels)
+
+    def is_update(self, i) -> bool:
+        """Item i is an asynchronous update (``STEPs@v``): it steps its stage inside the window."""
+        return self.versions.steps.get(i) is not None
 
     def until(self, j, spec) -> int:
         if spec == "end":
@@ -124,7 +138,7 @@ class _Walk:
         for v in self.values:                 # graphs not linked by fake storages (none bound): a value freed here by
             if v.keep_label and v.until == i and not bound:     # a label is taken to be one of the graph's inputs
                 v.until = -1
-        self.outside = outside
+        self.outside, self.bound = outside, bound
         return lv.peak_bytes - outside, (lv.live[-1] if lv.live else 0.0) - outside
 
     def _bind(self, i, lv, key):
@@ -159,6 +173,9 @@ class _Walk:
         accumulator (counted at the graph's end)."""
         per_out = _check_keep(i, self.labels[i], keep, lv)
         extra, seen = 0.0, set()
+        update = self.is_update(i)
+        if update:
+            self._update(i, lv)
         gathered = self._gathered_until(i, lv)
         for idx, st in ((idx, st) for idx, parts in enumerate(lv.out_parts) for st in parts):
             if id(st) in seen:
@@ -172,6 +189,8 @@ class _Walk:
                                                                   else None) or st.keys & self.state_keys
                                                      or st.role in _BATCH or st.category in _PERSISTENT):
                 continue                    # the graph hands on what it was given: held already
+            elif update and st.category == "new_state":
+                continue                    # the stage's new weights and state replace the persistent ones
             elif spec is not None:
                 self.values.append(_Value(st.nbytes, st.keys, _category(st), self.until(i, spec), id(lv),
                                           keep_label=spec != "end"))
@@ -181,6 +200,20 @@ class _Walk:
                 self.values.append(_Value(st.nbytes, st.keys, _category(st), self.n, id(lv)))
         self.values = [v for v in self.values if v.until is None or v.until > i]
         return extra
+
+    def _update(self, i, lv) -> None:
+        """An asynchronous update (``STEPs@u``, ``fxpar/runtime``'s ``VersionStore``): the gradient accumulators it
+        read are freed after it (the next microbatch's backward starts fresh ones); the stage's weights before it
+        (version u-1) stay, as a stashed version, while a later F or B names that version, until the first update
+        of the stage after that last use."""
+        for key in [k for k, v in self.accumulated.items() if id(v) in self.bound]:
+            acc = self.accumulated.pop(key)
+            acc.until = i
+            self.owned.discard(id(acc))
+        until = self.versions.stashed_until(i)
+        if until is not None:
+            nbytes = sum(st.nbytes for st in _placeholders(lv) if st.category == "param")
+            self.values.append(_Value(nbytes, set(), "param", until, id(lv)))
 
     def _accumulate(self, i, lv, grad, st) -> float:
         """A parameter gradient: the first per graph and key stays to the end (the executor's accumulator, or its
@@ -219,6 +252,45 @@ class _Walk:
         return i + 1 < self.n and self.runs[i + 1][0] is None
 
 
+class _Versions:
+    """The weight versions of an asynchronous window, from its items' labels (``F0.3@2``, ``STEP0@3``).
+
+    ``steps``: item index -> (stage, version) of each update; :meth:`stashed_until` says how long the version an
+    update replaces stays held: the runtime's ``VersionStore`` drops a version at the first update of its stage after
+    the last F or B that names it, and the executor keeps the weights the stage's last forward read (their storages,
+    to tell saved weights from activations) until a forward on another version has run."""
+
+    def __init__(self, labels):
+        self.steps: dict = {}
+        self.last_use: dict = {}
+        self.forwards: list = []              # (item index, stage, version) of each versioned F
+        self.n = len(labels)
+        for i, label in enumerate(labels):
+            m = _VERSIONED.match(label) if isinstance(label, str) else None
+            if m is None:
+                continue
+            kind, stage, version = m.group(1), int(m.group(2)), int(m.group(4))
+            if kind == "STEP":
+                self.steps[i] = (stage, version)
+            elif kind in ("F", "B"):
+                self.last_use[(stage, version)] = i
+            if kind == "F":
+                self.forwards.append((i, stage, version))
+
+    def stashed_until(self, i):
+        """The update at item i replaces its stage's newest version: the index of the item after which that version
+        is freed, if a later F or B still names it; None if it goes at once."""
+        stage, old = self.steps[i][0], self.steps[i][1] - 1
+        last = self.last_use.get((stage, old), -1)
+        ends = []
+        if last > i:
+            ends.append(next((j for j in sorted(self.steps) if j > last and self.steps[j][0] == stage), self.n))
+        read = [v for j, s, v in self.forwards if s == stage and j < i]
+        if read and read[-1] == old:
+            ends.append(next((j for j, s, v in self.forwards if s == stage and j > i and v != old), self.n))
+        return max(ends) if ends else None
+
+
 def _category(st) -> str:
     """A value held between graphs: what forward made is an activation; else the category liveness gave it."""
     return "activation" if st.producer.meta.get(M.PHASE.name) == "forward" else st.category
@@ -235,22 +307,28 @@ def sequence_peak(runs) -> tuple:
     that is not a graph (a send, a recv, a wait). ``keep`` says how long the graph's outputs stay: ``None``
     (default: by what the executor does with them, see the module docstring), a later item's label (e.g.
     ``"B0.3"`` for the activations ``"F0.3"`` saves), ``"end"``, or a dict ``{flat output index: label or
-    "end"}`` (others default). The breakdown: bytes at the peak by category (they add up to the peak), and
-    ``carried``: how many of them are values held from earlier graphs.
+    "end"}`` (others default). An item may carry a fourth element, ``(bytes while it runs, bytes after its
+    end)`` that the runtime makes for the graph outside it (``cost_models.Item.beside``). Labels of versioned actions
+    (``F0.3@2``, ``STEP0@3``) mark an asynchronous window: each update replaces its stage's weights and state, frees
+    the gradient accumulators it read, and leaves the weights it replaced held while a later F or B names their
+    version. The breakdown: bytes at the peak by category (they add up to the peak; ``beside``: the item's own
+    bytes outside its graph), and ``carried``: how many of them are values held from earlier graphs.
     """
     w = _Walk(runs)
     peak, best = w.base, None
-    for i, (lv, _, keep) in enumerate(runs):
+    for i, (lv, _, keep, *rest) in enumerate(runs):
         if lv is None:
             continue
+        during, after = rest[0] if rest else (0.0, 0.0)
         own, own_end = w.own(i, lv)
         held, outside = w.held(), w.outside
         total = sum(held.values())
         extra = w.after(i, lv, keep)
-        if w.base + total + own > peak:
-            peak, best = w.base + total + own, (i, lv.peak_index, held, outside, 0.0)
-        if extra and w.base + total + own_end + extra > peak:
-            peak, best = w.base + total + own_end + extra, (i, len(lv.nodes) - 1, held, outside, extra)
+        if w.base + total + own + during > peak:
+            peak, best = w.base + total + own + during, (i, lv.peak_index, held, outside, 0.0, during)
+        end = max(extra, after)
+        if end and w.base + total + own_end + end > peak:
+            peak, best = w.base + total + own_end + end, (i, len(lv.nodes) - 1, held, outside, extra, after)
     return peak, _breakdown(w, runs, best), best[0] if best else -1
 
 
@@ -262,15 +340,17 @@ def sequence_timeline(runs) -> tuple:
     of an accumulator's first sum at a graph's end) is :func:`sequence_peak`'s peak."""
     w = _Walk(runs)
     out = []
-    for i, (lv, label, keep) in enumerate(runs):
+    for i, (lv, label, keep, *rest) in enumerate(runs):
         if lv is None:
             continue
+        during, beside_after = rest[0] if rest else (0.0, 0.0)
         own, own_end = w.own(i, lv)
         held = w.held()
         total = sum(held.values())
         extra = w.after(i, lv, keep)
         after = w.held()
-        out.append((label, w.base + total + max(own, own_end + extra), w.base + sum(after.values()),
+        out.append((label, w.base + total + max(own + during, own_end + max(extra, beside_after)),
+                    w.base + sum(after.values()),
                     held.get("grad", 0.0), after.get("grad", 0.0)))
     return w.base, out
 
@@ -283,7 +363,7 @@ def _breakdown(w, runs, best) -> dict:
     out["carried"] = 0.0
     if best is None:
         return out
-    i, at, held, outside, extra = best
+    i, at, held, outside, extra, beside = best
     lv = runs[i][0]
     for st in lv.storages:
         if st.start <= at <= st.end and st.category not in _PERSISTENT:
@@ -291,7 +371,10 @@ def _breakdown(w, runs, best) -> dict:
         elif st.start <= at <= st.end:
             outside -= st.nbytes              # the graph's own state placeholders are counted once, above
     out["input"] -= outside                   # its inputs held elsewhere: the batch, carried values
-    out["grad"] += extra
+    if extra >= beside:
+        out["grad"] += extra
+    else:
+        out["beside"] = beside               # what the runtime makes for the graph outside it (Item.beside)
     for cat, b in held.items():
         out[cat] = out.get(cat, 0.0) + b
     out["carried"] = sum(held.values())

@@ -359,6 +359,12 @@ class Feature:
         """Bytes rank ``rank`` holds for this feature beside what its graphs hold (per-rank state)."""
         return 0
 
+    def action_bytes(self, section, program, action, graph) -> tuple:
+        """``(bytes while it runs, bytes after its end)`` this feature's state makes for one compute ``action``
+        (``fxpar.schedule.Action``) outside its ``graph`` (the stage's ``SplitGraph``), freed before the next:
+        weights it computes for the graph to read, what it builds after an update. Default: none."""
+        return (0.0, 0.0)
+
     def priced_calls(self, section, program, calls: dict, first) -> tuple | None:
         """Where the feature changes at run time what a rank runs in a step (a time budget that leaves microbatches
         out): ``(calls, lines)``, each rank's items as ``estimate()`` should price them (``calls``: rank -> the

@@ -285,8 +285,16 @@ class Program:
             if a.kind == _K.F and (a.stage, a.microbatch) in last_bw:
                 until = last_bw[(a.stage, a.microbatch)]
                 keep = {j: until for j, (role, _) in enumerate(sg.outputs) if role == Role.SAVED}
-            out.append(Item(sg.gm, a.short(), keep, self._group_remap(a.stage, rank)))
+            out.append(Item(sg.gm, a.short(), keep, self._group_remap(a.stage, rank), self._beside(a, sg)))
         return out
+
+    def _beside(self, action, sg) -> tuple:
+        """What the features' state makes for ``action`` outside its graph ``sg`` (``Feature.action_bytes``)."""
+        during = after = 0.0
+        for name, section in self.plan.features.items():
+            d, a = get_feature(name).action_bytes(section, self, action, sg)
+            during, after = during + d, after + a
+        return during, after
 
     def _group_remap(self, stage: int, rank: int) -> dict | None:
         """The stage's graphs name the groups of the rank they were lowered for (its first holder); for ``rank``:

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cost_models.compute import tensor_bytes
 from fxpar.errors import StrategyError
 from fxpar.feature import Option, RankState, register_feature
 from fxpar.roles import GraphKind, Role
@@ -316,5 +317,49 @@ class DelayedPipelines(PipelineSchedule):
                 "momentum": section.momentum, "lr_warmup": section.lr_warmup,
                 "discrepancy_correction": section.discrepancy_correction}
 
+    # ---- what it costs ------------------------------------------------------------------------------
+    def state_bytes(self, section, program, rank: int) -> int:
+        """PipeMare's velocity estimate with ``discrepancy_correction``: one tensor per parameter of every stage the
+        rank holds (:meth:`DelayedState.setup`)."""
+        if not section.discrepancy_correction:
+            return 0
+        return int(sum(sum(_param_bytes(program, s).values()) for s in program.plan.rank_stages(rank)))
+
+    def action_bytes(self, section, program, action, graph) -> tuple:
+        """What :class:`DelayedState` makes outside the graphs, on a stage with a delay:
+
+        * F with weight prediction: the predicted weights it reads (``forward_param``), one tensor per weight;
+        * B with discrepancy correction: the extrapolated weights it reads (``backward_param``);
+        * after STEP, while the update's outputs and the weights before it live: spike compensation builds the new
+          weights key by key, ``w0 - lr * ((a + b) * v1 - (b * m) * v0)`` (the keys before, and three tensors of
+          the key's size at once); the velocity update ``gamma * d + (1 - gamma) * (w1 - w0)`` three tensors of
+          one key's size."""
+        if not section.delays[action.stage]:
+            return (0.0, 0.0)
+        kind, held = action.kind, _param_bytes(program, action.stage)
+        if kind == ActionKind.F and "lwp" in (section.correction or ""):
+            return (float(sum(held[k] for r, k in graph.inputs if r == Role.FORWARD_PARAM)), 0.0)
+        if kind == ActionKind.B and section.discrepancy_correction:
+            return (float(sum(held[k] for r, k in graph.inputs if r == Role.BACKWARD_PARAM)), 0.0)
+        if kind != ActionKind.STEP:
+            return (0.0, 0.0)
+        sizes = list(held.values())
+        after, before = 0.0, 0.0
+        if "sc" in (section.correction or ""):
+            for n in sizes:
+                after = max(after, before + 3 * n)
+                before += n
+        if section.discrepancy_correction:
+            after = max([after] + [3 * n for n in sizes])
+        return (0.0, after)
+
     def explain(self, section, program) -> list:
         return [self.papers[section.schedule]] + section.lines()
+
+
+def _param_bytes(program, stage: int) -> dict:
+    """``{parameter key: bytes}`` of a stage on its rank, in the order the runtime holds them (its update's inputs)."""
+    step = program.stages[stage].graphs[GraphKind.STEP]
+    nodes = [n for n in step.gm.graph.nodes if n.op == "placeholder"]
+    got = {k: tensor_bytes(n.meta["val"]) for (r, k), n in zip(step.inputs, nodes) if r == Role.PARAM}
+    return {k: got[k] for k in program.stages[stage].param_keys if k in got}
