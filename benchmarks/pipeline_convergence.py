@@ -104,6 +104,9 @@ def plot(curves: dict, batch: int, path: Path, title: str) -> None:
         ax.plot([batch * (i + 1) for i in range(len(ys))], smooth, label=label,
                 color="black" if base else colors[j % 10], lw=2.2 if base else 1.1,
                 ls="-" if base else ("-", "--", ":", "-.")[j % 4])
+    finite = [y for ys in curves.values() for y in ys if y == y and abs(y) != float("inf")]
+    if BASE in curves:        # a diverged curve would flatten the rest: cut the axis a little above the start
+        ax.set_ylim(min(finite) - 0.1, 1.1 * curves[BASE][0])
     ax.set_xlabel("samples (sequences)")
     ax.set_ylabel(f"training loss (mean of {k} batches)")
     ax.set_title(title, fontsize=9)
