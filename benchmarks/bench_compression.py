@@ -148,18 +148,10 @@ def main():
             def cell(key, fn, argv):
                 outs = cl.run(fn, [argv(r) for r in range(w)])
                 res.setdefault(key, []).extend(per_step_max(outs))
-            for rnd in range(args.rounds):
-                for bps in rates:
-                    link.set_rate(bps)
-                    for k in kinds:
-                        cell((bps, k), fxpar_worker, lambda r, k=k: (payloads[(bps, k)][r], batches, args.warmup))
-                    cell((bps, "DDP + powerSGD_hook"), ddp_hook_worker,
-                         lambda r: (model, batches, gpt_loss, opt, args.warmup, args.rank, 2, one_bucket_mb))
-                    cell((bps, "DDP"), ddp_hook_worker, lambda r: (model, batches, gpt_loss, opt, args.warmup, 0, 2, 25))
-                print(f"  round {rnd + 1}/{args.rounds} ({time.perf_counter() - t_start:.0f} s)", flush=True)
-            if args.rounds:          # --rounds 0: the --all-methods table alone
+            def tables(done):
+                """The tables over the rounds done so far (printed after each, so a run cut short still reports)."""
                 med = {k: statistics.median(v) for k, v in res.items()}
-                print("\nmedian step time, ms (per step, the slower rank)")
+                print(f"\nmedian step time over {done} round(s), ms (per step, the slower rank)")
                 print("| link | fxpar PowerSGD | fxpar PowerSGD + ByteScheduler | DDP + powerSGD_hook | DDP | "
                       "fxpar dp | "
                       "fxpar PowerSGD / hook | fxpar PowerSGD / DDP | + ByteScheduler / hook | + ByteScheduler / DDP |")
@@ -180,6 +172,17 @@ def main():
                         print(f"| {format_rate(bps)} | {k} | {int(est.ranks[0].comm_bytes):,} | "
                               f"{est.step_time_s * 1e3:.0f} | "
                               f"{m * 1e3:.0f} | {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} | {est.step_time_s / m:.2f} |")
+            for rnd in range(args.rounds):
+                for bps in rates:
+                    link.set_rate(bps)
+                    for k in kinds:
+                        cell((bps, k), fxpar_worker, lambda r, k=k: (payloads[(bps, k)][r], batches, args.warmup))
+                    cell((bps, "DDP + powerSGD_hook"), ddp_hook_worker,
+                         lambda r: (model, batches, gpt_loss, opt, args.warmup, args.rank, 2, one_bucket_mb))
+                    cell((bps, "DDP"), ddp_hook_worker, lambda r: (model, batches, gpt_loss, opt, args.warmup, 0, 2, 25))
+                print(f"  round {rnd + 1}/{args.rounds} ({time.perf_counter() - t_start:.0f} s, load average "
+                      f"{_load()})", flush=True)
+                tables(rnd + 1)
             if args.all_methods:
                 link.set_rate(methods_rate)
                 spec = capped(methods_rate)
