@@ -104,6 +104,11 @@ def main():
     ap.add_argument("--methods-rounds", type=int, default=1)
     ap.add_argument("--methods", default="", help="only these rows of --all-methods (comma-separated labels)")
     args = ap.parse_args()
+    chosen = [x.strip() for x in args.methods.split(",") if x.strip()]
+    unknown = [x for x in chosen if x not in every_method()]
+    if unknown:
+        raise SystemExit(f"--methods: unknown label(s) {', '.join(map(repr, unknown))}; the labels are "
+                         f"{', '.join(every_method())}")
     w = 2
     torch.manual_seed(0)
     model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(1, args.d // 64), max_seq=args.seq)
@@ -192,11 +197,6 @@ def main():
                       "estimate / measured | load (1 min) |")
                 print("|---|---|---|---|---|---|---|---|")
                 base = None
-                chosen = [x.strip() for x in args.methods.split(",") if x.strip()]
-                unknown = [x for x in chosen if x not in every_method()]
-                if unknown:
-                    raise SystemExit(f"--methods: unknown label(s) {', '.join(map(repr, unknown))}; the labels are "
-                                     f"{', '.join(every_method())}")
                 chosen = chosen and ["allreduce"] + chosen      # the "vs allreduce" column's base runs first
                 for label, gs in every_method().items():
                     if chosen and label not in chosen:
