@@ -45,6 +45,8 @@ from fxpar import compress as C  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
 from bench_capped_link import ddp_steps, fxpar_worker, per_step_max  # noqa: E402
 from netns_link import CappedLink, NetnsCluster, at_cap, calibrate_link, format_rate, parse_rate  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P  # noqa: E402
 
 
 def ddp_hook_worker(model, batches, loss_fn, optimizer, warmup, rank, start_iter, bucket_cap_mb):
@@ -68,7 +70,20 @@ def every_method():
     return {"allreduce": "allreduce", "FP16": C.FP16(), "PowerSGD r1": C.PowerSGD(rank=1, start_iter=2),
             "PowerSGD r2": C.PowerSGD(rank=2, start_iter=2), "TopK 1%": C.TopK(ratio=0.01),
             "RandomK 1%": C.RandomK(ratio=0.01), "Wangni 1%": C.Wangni(ratio=0.01), "QSGD 16": C.QSGD(levels=16),
-            "NUQSGD 4b": C.NUQSGD(bits=4), "ALQ 3b": C.ALQ(bits=3), "AMQ 3b": C.AMQ(bits=3), "ByteGrad": C.ByteGrad()}
+            "NUQSGD 4b": C.NUQSGD(bits=4), "ALQ 3b": C.ALQ(bits=3), "AMQ 3b": C.AMQ(bits=3), "ByteGrad": C.ByteGrad(),
+            "Accordion r1-r2": C.Accordion(low=C.PowerSGD(rank=1, start_iter=2), high=C.PowerSGD(rank=2, start_iter=2)),
+            # warm-up 2 of the 3 untimed steps: the timed steps send the 8-bit momentum
+            "QAdam": C.QAdam(warmup_steps=2),
+            # dp=2: "ring" needs 3 ranks; the diffusion order keeps AdamW's weight decay (BAGUA's order refuses it)
+            "Decentralized all": C.Decentralized(peers="all", order="adapt_then_combine"),
+            "DDPHook powerSGD_hook r2": C.DDPHook(P.powerSGD_hook, P.PowerSGDState(
+                process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=2, min_compression_rate=2,
+                use_error_feedback=True, warm_start=True)),
+            "DDPHook allreduce_hook": C.DDPHook(default_hooks.allreduce_hook)}
+
+
+# methods that carry Adam's moments themselves: the optimizer each pairs with (the others use AdamW, lr 1e-3)
+OWN_OPTIMIZER = {"QAdam": (C.QAdamOptimizer, {"lr": 1e-3})}
 
 
 def main():
@@ -89,6 +104,11 @@ def main():
     ap.add_argument("--methods-rounds", type=int, default=1)
     ap.add_argument("--methods", default="", help="only these rows of --all-methods (comma-separated labels)")
     args = ap.parse_args()
+    chosen = [x.strip() for x in args.methods.split(",") if x.strip()]
+    unknown = [x for x in chosen if x not in every_method()]
+    if unknown:
+        raise SystemExit(f"--methods: unknown label(s) {', '.join(map(repr, unknown))}; the labels are "
+                         f"{', '.join(every_method())}")
     w = 2
     torch.manual_seed(0)
     model = GPT(vocab=args.vocab, d=args.d, layers=args.layers, heads=max(1, args.d // 64), max_seq=args.seq)
@@ -99,9 +119,9 @@ def main():
     params = sum(p.numel() for p in model.parameters())
     one_bucket_mb = params * 4 / 2**20 + 1
 
-    def program(grad_sync, cluster=None, **more):
+    def program(grad_sync, cluster=None, optimizer=None, **more):
         return fxpar.parallelize(model, cluster or fxpar.ClusterSpec.local(w), batches[0], loss_fn=gpt_loss,
-                                 optimizer=opt, strategy=fxpar.Strategy(dp=w, grad_sync=grad_sync, **more))
+                                 optimizer=optimizer or opt, strategy=fxpar.Strategy(dp=w, grad_sync=grad_sync, **more))
     rates = [parse_rate(r) for r in args.rates.split(",")]
     methods_rate = parse_rate(args.methods_rate)
     calibrated = fxpar.ClusterSpec.calibrate(world_size=w)
@@ -133,18 +153,10 @@ def main():
             def cell(key, fn, argv):
                 outs = cl.run(fn, [argv(r) for r in range(w)])
                 res.setdefault(key, []).extend(per_step_max(outs))
-            for rnd in range(args.rounds):
-                for bps in rates:
-                    link.set_rate(bps)
-                    for k in kinds:
-                        cell((bps, k), fxpar_worker, lambda r, k=k: (payloads[(bps, k)][r], batches, args.warmup))
-                    cell((bps, "DDP + powerSGD_hook"), ddp_hook_worker,
-                         lambda r: (model, batches, gpt_loss, opt, args.warmup, args.rank, 2, one_bucket_mb))
-                    cell((bps, "DDP"), ddp_hook_worker, lambda r: (model, batches, gpt_loss, opt, args.warmup, 0, 2, 25))
-                print(f"  round {rnd + 1}/{args.rounds} ({time.perf_counter() - t_start:.0f} s)", flush=True)
-            if args.rounds:          # --rounds 0: the --all-methods table alone
+            def tables(done):
+                """The tables over the rounds done so far (printed after each, so a run cut short still reports)."""
                 med = {k: statistics.median(v) for k, v in res.items()}
-                print("\nmedian step time, ms (per step, the slower rank)")
+                print(f"\nmedian step time over {done} round(s), ms (per step, the slower rank)")
                 print("| link | fxpar PowerSGD | fxpar PowerSGD + ByteScheduler | DDP + powerSGD_hook | DDP | "
                       "fxpar dp | "
                       "fxpar PowerSGD / hook | fxpar PowerSGD / DDP | + ByteScheduler / hook | + ByteScheduler / DDP |")
@@ -165,6 +177,17 @@ def main():
                         print(f"| {format_rate(bps)} | {k} | {int(est.ranks[0].comm_bytes):,} | "
                               f"{est.step_time_s * 1e3:.0f} | "
                               f"{m * 1e3:.0f} | {min(v) * 1e3:.0f}-{max(v) * 1e3:.0f} | {est.step_time_s / m:.2f} |")
+            for rnd in range(args.rounds):
+                for bps in rates:
+                    link.set_rate(bps)
+                    for k in kinds:
+                        cell((bps, k), fxpar_worker, lambda r, k=k: (payloads[(bps, k)][r], batches, args.warmup))
+                    cell((bps, "DDP + powerSGD_hook"), ddp_hook_worker,
+                         lambda r: (model, batches, gpt_loss, opt, args.warmup, args.rank, 2, one_bucket_mb))
+                    cell((bps, "DDP"), ddp_hook_worker, lambda r: (model, batches, gpt_loss, opt, args.warmup, 0, 2, 25))
+                print(f"  round {rnd + 1}/{args.rounds} ({time.perf_counter() - t_start:.0f} s, load average "
+                      f"{_load()})", flush=True)
+                tables(rnd + 1)
             if args.all_methods:
                 link.set_rate(methods_rate)
                 spec = capped(methods_rate)
@@ -174,11 +197,11 @@ def main():
                       "estimate / measured | load (1 min) |")
                 print("|---|---|---|---|---|---|---|---|")
                 base = None
-                chosen = [x.strip() for x in args.methods.split(",") if x.strip()]
+                chosen = chosen and ["allreduce"] + chosen      # the "vs allreduce" column's base runs first
                 for label, gs in every_method().items():
                     if chosen and label not in chosen:
                         continue
-                    p = program(gs, cluster=spec)
+                    p = program(gs, cluster=spec, optimizer=OWN_OPTIMIZER.get(label))
                     pl = [p.payload(r, n_batches=n, measure_comm=True) for r in range(w)]
                     times, sent = [], None
                     for _ in range(args.methods_rounds):

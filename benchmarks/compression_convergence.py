@@ -27,6 +27,7 @@ sys.path.insert(0, str(HERE.parent))
 import fxpar  # noqa: E402
 from fxpar import compress as C  # noqa: E402
 from fxpar.testing import GPT, gpt_loss  # noqa: E402
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as P  # noqa: E402
 
 
 def methods(names: str) -> dict:
@@ -46,6 +47,14 @@ def methods(names: str) -> dict:
         "accordion": lambda: C.Accordion(low=C.PowerSGD(rank=1, start_iter=10), high=C.PowerSGD(rank=2, start_iter=10)),
         "bytegrad": lambda: C.ByteGrad(),
         "qadam": lambda: C.QAdam(warmup_steps=100),
+        # BAGUA's decentralized SGD on a ring; the diffusion order, since BAGUA's order refuses AdamW's weight decay
+        "decentralized-ring": lambda: C.Decentralized(peers="ring", order="adapt_then_combine"),
+        # BAGUA's low-precision decentralized SGD (ring, the weights' change as 8-bit codes; any optimizer)
+        "decentralized-ring-8bit": lambda: C.Decentralized(peers="ring", low_precision=True),
+        # torch's own hook run on fxpar's buckets, set as powersgd-r2
+        "ddphook-powersgd-r2": lambda: C.DDPHook(P.powerSGD_hook, P.PowerSGDState(
+            process_group=None, matrix_approximation_rank=2, start_powerSGD_iter=10, min_compression_rate=2,
+            use_error_feedback=True, warm_start=True)),
     }
     want = list(table) if names == "all" else ["allreduce"] + [n for n in names.split(",") if n != "allreduce"]
     out = {}
