@@ -22,6 +22,7 @@ from fxpar.compress.feature import bucket_infos
 from fxpar.compress.method import Comm
 from fxpar.testing import MLP
 from fxpar.testing.compress_ranks import bucket_for, sum_steps, training_reference
+from fxpar.testing.compress import bytegrad_reference
 
 EPS = torch.finfo(torch.float64).eps
 
@@ -56,21 +57,6 @@ def test_one_quantisation_errs_at_most_range_over_510():
     assert bool((packed[[0, 1, 2, 4, 5], 8:].amin(1) == 0).all() and (packed[[0, 1, 2, 4, 5], 8:].amax(1) == 255).all())
 
 
-def _reference(flats):
-    """ByteGrad's sum in one process: the same chunks, the same rank order."""
-    dp, n = len(flats), flats[0].shape[0]
-    m = chunk_size(n, dp)
-    rows = [dequantize_rows(quantize_rows(torch.cat([f, f.new_zeros(m * dp - n)]).view(dp, m)), torch.float64)
-            for f in flats]
-    out = []
-    for c in range(dp):
-        chunk = rows[0][c]
-        for r in range(1, dp):
-            chunk = chunk + rows[r][c]
-        out.append(dequantize_rows(quantize_rows(chunk.view(1, m)), torch.float64)[0])
-    return torch.cat(out)[:n]
-
-
 def _error_bound(flats, total):
     dp, n = len(flats), flats[0].shape[0]
     m = chunk_size(n, dp)
@@ -88,7 +74,7 @@ def test_sum_on_ranks_equals_the_same_math(clusters, dp, numel, traced):
     m = chunk_size(numel, dp)
     for step in range(2):
         flats = [rr[step]["flat"] for rr in records]
-        total = _reference(flats)
+        total = bytegrad_reference(flats)
         for rr in records:
             assert torch.equal(rr[step]["summed"], total)
             assert rr[step]["calls"] == [("all_to_all", dp * (8 + m)), ("all_gather", 8 + m)]
@@ -112,7 +98,7 @@ def test_traced_sum_is_an_all_to_all_then_an_all_gather():
 
 
 def _bucket_math(method, infos, flats, states, draws, variant):
-    return _reference(flats), states
+    return bytegrad_reference(flats), states
 
 
 @pytest.mark.numerics

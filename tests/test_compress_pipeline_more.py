@@ -8,12 +8,12 @@ import torch.nn.functional as F
 
 import fxpar
 import fxpar.compress as C
-from fxpar.compress.bytegrad import chunk_size, dequantize_rows, quantize_rows
 from fxpar.compress.feature import bucket_infos
 from fxpar.compress.quantize import alq_adapt, amq_adapt, quantize_dequantize
 from fxpar.compress.wangni import capacity, densify, sparsify, wangni_probabilities
 from fxpar.testing import MLP
 from fxpar.testing.compress_ranks import training_reference
+from fxpar.testing.compress import bytegrad_reference
 
 pytestmark = [pytest.mark.numerics, pytest.mark.slow]
 
@@ -21,28 +21,12 @@ LR = 0.1
 LAYOUT = dict(dp=2, pp=2, microbatches=2)
 
 
-def _bytegrad_sum(flats):
-    """ByteGrad's sum of the ranks' buckets: dp chunks each coded as uint8 against its float32 min and max, chunk c
-    decoded and added in rank order, coded again and decoded."""
-    dp, n = len(flats), flats[0].shape[0]
-    m = chunk_size(n, dp)
-    rows = [dequantize_rows(quantize_rows(torch.cat([f, f.new_zeros(m * dp - n)]).view(dp, m)), f.dtype)
-            for f in flats]
-    out = []
-    for c in range(dp):
-        chunk = rows[0][c]
-        for r in range(1, dp):
-            chunk = chunk + rows[r][c]
-        out.append(dequantize_rows(quantize_rows(chunk.view(1, m)), chunk.dtype)[0])
-    return torch.cat(out)[:n]
-
-
 def _bucket_math(method, infos, flats, states, draws, variant):
     """One bucket summed over the ranks in one process: each rank's estimate from its own draws, added in rank
     order; ALQ's and AMQ's levels adapted to that sum on an adapting step."""
     numel = flats[0].shape[0]
     if isinstance(method, C.ByteGrad):
-        return _bytegrad_sum(flats), states
+        return bytegrad_reference(flats), states
     if isinstance(method, C.Wangni):
         total, k = torch.zeros(numel, dtype=flats[0].dtype), capacity(numel, method.ratio)
         for f, d in zip(flats, draws):

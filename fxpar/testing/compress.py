@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 
 import fxpar
-from fxpar.compress.bytegrad import dequantize_rows, quantize_rows
+from fxpar.compress.bytegrad import chunk_size, dequantize_rows, quantize_rows
 from fxpar.testing.reference import replica_gradients
 
-__all__ = ["ddp_hook_worker", "sparse_reference", "sparse_bucket_math", "qadam_bucket_math", "qadam_reference",
+__all__ = ["ddp_hook_worker", "bytegrad_reference", "sparse_reference", "sparse_bucket_math", "qadam_bucket_math", "qadam_reference",
            "mlp_batches", "mlp_program", "mixing_matrix", "decentralized_reference",
            "low_precision_decentralized_reference"]
 
@@ -115,6 +115,22 @@ def sparse_reference(model, batches, loss_fn, lr: float, dp: int, buckets: list,
                 w -= lr * update[key]
         losses.append(total)
     return losses, m.state_dict()
+
+
+def bytegrad_reference(flats: list) -> torch.Tensor:
+    """ByteGrad's sum of the ranks' buckets in one process: dp chunks each coded as uint8 against its float32 min and
+    max, chunk c decoded and added in rank order, coded again and decoded."""
+    dp, n = len(flats), flats[0].shape[0]
+    m = chunk_size(n, dp)
+    rows = [dequantize_rows(quantize_rows(torch.cat([f, f.new_zeros(m * dp - n)]).view(dp, m)), f.dtype)
+            for f in flats]
+    out = []
+    for c in range(dp):
+        chunk = rows[0][c]
+        for r in range(1, dp):
+            chunk = chunk + rows[r][c]
+        out.append(dequantize_rows(quantize_rows(chunk.view(1, m)), chunk.dtype)[0])
+    return torch.cat(out)[:n]
 
 
 def _minmax_uint8_average(parts: list) -> torch.Tensor:
