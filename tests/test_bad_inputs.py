@@ -676,9 +676,15 @@ SYNC_CASES = {
     "sync_with_zero": (lambda: _dp2(zero=1, sync=S.LocalSGD(period=2)), fxpar.StrategyError,
                        r"feature 'sync' \(sync=LocalSGD\(.*conflicts with feature 'zero' \(zero=1\)",
                        r"drop one of them"),
-    "sync_with_tp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, tp=2, sync=S.LocalSGD(period=2))),
-                     fxpar.StrategyError, r"feature 'sync' \(sync=LocalSGD\(.*conflicts with feature 'tensor_parallel'",
-                     r"drop one of them"),
+    "async_timed_with_tp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, tp=2, sync=S.AsyncAveraging(
+                                interval_s=0.5))), fxpar.StrategyError,
+                            r"Strategy\(sync=AsyncAveraging\(.*interval_s=0.5.*\), tp=2\): each rank's background "
+                            r"loop snapshots .* would drift apart",
+                            r"Use S.AsyncAveraging\(every_steps=k, warmup_steps=0\)"),
+    "diloco_quantized_with_tp": (lambda: _par(world=4, _raw=fxpar.Strategy(dp=2, tp=2, sync=S.DiLoCo(
+                                     period=4, fragments=2, quantize="e3m0"))), fxpar.StrategyError,
+                                 r"Strategy\(sync=DiLoCo\(.*quantize='e3m0'.*\), tp=2\): the E3M0 format scales each "
+                                 r"tensor by its largest magnitude", r"drop quantize .* or train with tp=1"),
     "sync_with_grad_sync": (lambda: _dp2(grad_sync=C.TopK(ratio=0.5), sync=S.LocalSGD(period=2)), fxpar.StrategyError,
                             r"Strategy\(sync=LocalSGD\(period=2, warmup_steps=0\), grad_sync=TopK\(",
                             r"drop one of them"),
@@ -713,8 +719,8 @@ SYNC_CASES = {
                       r"Strategy\(sync=SSP\(staleness=2\), zero=1\): ZeRO shards the optimizer state",
                       r"drop zero .* or drop sync"),
     "dssp_with_tp": (lambda: _servers(1, world=4, tp=2, sync=S.DSSP(low=1, high=4)), fxpar.StrategyError,
-                     r"Strategy\(sync=DSSP\(low=1, high=4\), tp=2\): the parameter servers hold whole parameters",
-                     r"train with tp=1 or drop sync"),
+                     r"Strategy\(sync=DSSP\(low=1, high=4\), tp=2\): each parameter server holds whole parameter "
+                     r"tensors, and a worker is one rank", r"Train with tp=1, or use S.LocalSGD"),
     "ssp_with_pp": (lambda: _servers(1, world=4, pp=2, microbatches=2, sync=S.SSP(staleness=1)), fxpar.StrategyError,
                     r"pp=2.*sync=SSP\(staleness=1\).* with ClusterSpec\(cpu_servers=1\): each pipeline stage's "
                     r"parameters live on servers of their own", r"give cpu_servers a multiple of pp \(e.g. "
@@ -850,8 +856,12 @@ DABMD_CASES = {
                         r"Strategy\(sync=DABMD\(.*\), zero=1\): ZeRO shards one model's parameters",
                         r"drop zero or drop sync"),
     "dabmd_with_tp": (lambda: _dabmd_with(world=4, dp=2, tp=2, microbatches=2), fxpar.StrategyError,
-                      r"Strategy\(sync=DABMD\(.*\), tp=2\): the consensus mixes whole parameters",
-                      r"train with tp=1 or drop sync"),
+                      r"Strategy\(sync=DABMD\(.*\), tp=2\): each rank decides by its own clock how many "
+                      r"microbatches .* deadlock", r"train with tp=1 or drop sync"),
+    "dabmd_entropic_with_tp": (lambda: fxpar.parallelize(_net(), 4, (X, Y), CE, SGD, strategy=fxpar.Strategy(
+                                   dp=2, tp=2, microbatches=2, sync=S.DABMD(round_time_s=0.1, mirror="entropic"))),
+                               fxpar.StrategyError, r"Strategy\(sync=DABMD\(.*mirror='entropic'.*\), tp=2\)",
+                               r"the entropic map normalises each simplex parameter over all its entries"),
     "dabmd_with_pp": (lambda: _dabmd_with(world=4, dp=2, pp=2, microbatches=2), fxpar.StrategyError,
                       r"Strategy\(sync=DABMD\(.*\), pp=2\): the round's time budget",
                       r"train with pp=1 or drop sync"),

@@ -150,9 +150,14 @@ class DABMD(SyncMethod):
                                 "optimizer state over the dp replicas, while DABMD's replicas take different batches "
                                 "and hold different parameters after a ring's consensus; drop zero or drop sync")
         if strategy.tp > 1:
-            raise StrategyError(f"{me}, tp={strategy.tp}): the consensus mixes whole parameters between dp replicas "
-                                "and the round's batch is taken microbatch by microbatch on one rank, which tensor "
-                                "parallelism splits over tp ranks; train with tp=1 or drop sync")
+            entropic = ("; and the entropic map normalises each simplex parameter over all its entries, which a "
+                        "tp split would cut into shards" if self.mirror == "entropic" else "")
+            raise StrategyError(f"{me}, tp={strategy.tp}): each rank decides by its own clock how many microbatches "
+                                "of its shard it takes within the round's time budget, and the tp ranks of one replica "
+                                "run every microbatch together (their collectives pair), so they would take different "
+                                f"counts and deadlock (fixed_microbatches, the clockless mode that stands in for "
+                                f"that budget, is refused alike){entropic}; train with tp=1 or drop sync (S.LocalSGD, "
+                                "S.DiLoCo and S.SlowMo compose with tp)")
         if strategy.pp > 1 or strategy.schedule is not None:
             raise StrategyError(f"{me}, pp={strategy.pp}): the round's time budget admits one stage's microbatches "
                                 "on one rank, and a pipeline spreads each microbatch over stages; train with pp=1 "

@@ -35,13 +35,15 @@ from .runtime import SyncInfo, SyncState
 from .ssp_server import SSPServer, SSPServerRunner
 from .ssp_worker import SSPState
 
-__all__ = ["SyncFeature", "SyncSection", "GradientStep", "FEATURE", "sync_state", "shard_keys"]
+__all__ = ["SyncFeature", "SyncSection", "GradientStep", "FEATURE", "sync_state", "shard_keys", "piece_shapes",
+           "local_buckets"]
 
 FEATURE = "sync"
 ALLREDUCE, LOCAL = "allreduce", "local"
 WORKERS_GROUP = "ssp_workers"     # every worker rank, beside the parameter servers (a checkpoint's group)
 # features whose gradient or parameter layout assumes replicas that agree every step
-CONFLICTS = ("tensor_parallel", "zero", "zero_offload", "bytescheduler", "herring", "byteps", "parallax")
+TP_FEATURE = "tensor_parallel"
+CONFLICTS = ("zero", "zero_offload", "bytescheduler", "herring", "byteps", "parallax")
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,18 @@ class SyncSection(PlanSection):
                 "per step, no gradient all-reduce between averagings"]
 
 
+def tp_words(plan) -> str:
+    """What tensor parallelism inside a replica changes (empty at tp=1)."""
+    if plan.tp < 2:
+        return ""
+    return (f"tensor parallelism inside each replica (tp={plan.tp}): each tp rank averages its own shards over its dp "
+            "group (the dp ranks at its tp coordinate), after the same step's update as the replica's other tp ranks; "
+            "the bytes are the rank's shards', the outer state is per shard")
+
+
 def _note(plan, m: SyncMethod) -> None:
+    if plan.tp > 1 and not m.uses_servers:
+        plan.notes.append(f"sync: {m.summary()} -- {tp_words(plan)}")
     if isinstance(m, AsyncAveraging):
         plan.notes.append(m.note_words())
         return
@@ -133,6 +146,36 @@ def _note(plan, m: SyncMethod) -> None:
         "RunResult.features[rank]['sync']['replica'] (docs/semantics.md, 'Synchronisation methods')")
 
 
+def piece_shapes(plan, stage: int, captured) -> dict:
+    """``{key: shape}``: the piece of each of stage ``stage``'s parameters one rank holds. Under tensor parallelism
+    (the ``tensor_parallel`` section's per-parameter layouts: a mesh axis or None per dim) a split dim is cut evenly
+    over its axis (a split divides its dim), so every tp rank holds pieces of one shape; else the whole shapes."""
+    shapes = {k: tuple(int(x) for x in sh) for k, sh in captured.param_shapes.items()}
+    tp = plan.features.get(TP_FEATURE)
+    if tp is None or stage >= len(tp.stages) or "params" not in tp.stages[stage]:
+        return shapes
+    sizes = {a: int(n) for a, n in tp.axes}
+    for k, dims in tp.stages[stage]["params"].items():
+        if k in shapes:
+            shapes[k] = tuple(n // sizes[a] if a is not None else n for n, a in zip(shapes[k], dims))
+    return shapes
+
+
+def local_buckets(plan, stage: int, captured, dp_rank: int = -1) -> list:
+    """:func:`~fxpar.compress.feature.bucket_infos` of the rank's pieces (:func:`piece_shapes`): what a dp
+    gradient bucket holds on each rank, and what the averaging all-reduces, under tensor parallelism one shard."""
+    shapes = piece_shapes(plan, stage, captured)
+    out = []
+    for b in bucket_infos(plan, stage, captured, dp_rank):
+        sh = tuple(shapes[k] for k in b.keys)
+        offsets, off = [], 0
+        for x in sh:
+            offsets.append(off)
+            off += int(torch.Size(x).numel())
+        out.append(dataclasses.replace(b, shapes=sh, offsets=tuple(offsets), numel=off))
+    return out
+
+
 def hierarchy_group(size: int) -> str:
     """The name of the process groups of ``size`` consecutive dp replicas (hierarchical Local SGD)."""
     return f"sync_{size}"
@@ -158,6 +201,30 @@ def _async_groups(m: SyncMethod, plan) -> None:
     """Timed asynchronous averaging: the averaging loops' process groups (the dp groups, under a name of their own)."""
     if isinstance(m, AsyncAveraging) and m.timed:
         plan.groups[ASYNC_GROUP] = [list(g) for g in plan.mesh.groups("dp")]
+
+
+def _check_tensor_parallel(m: SyncMethod, strategy) -> None:
+    """The methods that average elementwise over dp compose with tensor parallelism inside a replica: each tp rank
+    averages its own shards over its dp group (a replica's tp ranks all average after the same step's update, so
+    the copies tp keeps whole stay equal). Refused, with the reason, where a method needs more."""
+    me = f"Strategy(sync={m.summary()}, tp={strategy.tp})"
+    if m.uses_servers:
+        raise StrategyError(f"{me}: each parameter server holds whole parameter tensors, and a worker is one rank that "
+                            "pushes the change of its whole replica and reads whole tensors back at its own clock; "
+                            "tensor parallelism splits a replica over tp ranks, whose pushes and reads would have to "
+                            "be one worker's. Train with tp=1, or use S.LocalSGD / S.DiLoCo / S.SlowMo with tp")
+    if isinstance(m, AsyncAveraging) and m.timed:
+        raise StrategyError(f"{me}: each rank's background loop snapshots its parameters between two updates at its "
+                            "own moment, so the tp ranks of one replica would average after different steps: the "
+                            "copies of the parameters tensor parallelism keeps whole on every tp rank (LayerNorm "
+                            "weights, the row-parallel Linear's bias) would drift apart. Use "
+                            f"S.AsyncAveraging(every_steps=k, warmup_steps={m.warmup_steps}) (every tp rank averages "
+                            "after the same step) or tp=1")
+    if getattr(m, "quantize", None):
+        raise StrategyError(f"{me}: the {m.quantize.upper()} format scales each tensor by its largest magnitude, and "
+                            "under tensor parallelism a rank holds a shard of a split tensor, so the scales and codes "
+                            "would be the shards', not the whole tensor's; drop quantize (the fragments are "
+                            "all-reduced unquantized) or train with tp=1")
 
 
 def method_of(section: SyncSection) -> SyncMethod:
@@ -240,10 +307,8 @@ class SyncFeature(Feature):
             raise StrategyError(f"Strategy(sync={m.summary()}, grad_sync={g!r}): the sync method removes the gradient "
                                 "all-reduce after its warm-up, and the grad_sync method would change that all-reduce; "
                                 "they do not compose: drop one of them")
-        if m.uses_servers and strategy.tp > 1:
-            raise StrategyError(f"Strategy(sync={m.summary()}, tp={strategy.tp}): the parameter servers hold whole "
-                                "parameters and each worker pushes the change of its whole replica, which tensor "
-                                "parallelism splits over tp ranks; train with tp=1 or drop sync")
+        if strategy.tp > 1:
+            _check_tensor_parallel(m, strategy)
         if m.uses_servers and strategy.option("zero"):
             raise StrategyError(f"Strategy(sync={m.summary()}, zero={strategy.option('zero')!r}): ZeRO shards the "
                                 "optimizer state over dp replicas that step together, while SSP's workers step at "
@@ -323,9 +388,9 @@ class SyncFeature(Feature):
         span = max(p for p, _ in levels) if levels and not isinstance(levels[0][0], str) else m.period
         count = sum(m.group_at(t, levels) is not None for t in range(span)) if span != m.period else 1
         quantized = getattr(m, "quantize", None)
-        for (at, _), b in zip(dp_bucket_indices(plan, stage), bucket_infos(plan, stage, captured)):
+        for (at, _), b in zip(dp_bucket_indices(plan, stage), local_buckets(plan, stage, captured)):
             nbytes = b.numel * b.element_size
-            sent = (m.wire_bytes([(int(torch.Size(captured.param_shapes[k]).numel()), b.element_size) for k in b.keys])
+            sent = (m.wire_bytes([(int(torch.Size(sh).numel()), b.element_size) for sh in b.shapes])
                     if quantized else nbytes)
             row = {"bucket": at, "keys": list(b.keys), "numel": b.numel, "dtype": b.dtype, "plain_bytes": nbytes,
                    "window_bytes": sent, "wire_bytes": sent * count // span, "collectives": [],
@@ -371,7 +436,7 @@ class SyncFeature(Feature):
         dp_ranks = program.plan.group_of("dp", rank)
         me = list(dp_ranks).index(rank)
         return [b for s in program.plan.rank_stages(rank)
-                for b in bucket_infos(program.plan, s, program.stages[s].captured, me)]
+                for b in local_buckets(program.plan, s, program.stages[s].captured, me)]
 
     def rank_info(self, section, program, rank):
         buckets = self._buckets(program, rank)
@@ -437,14 +502,16 @@ class SyncFeature(Feature):
             return []
         levels = tuple(sorted(getattr(m, "hierarchical", ())))      # resolved by plan(): {period: group size}
 
-        def nbytes(s, keys=None):
+        pieces = {s: piece_shapes(program.plan, s, program.stages[s].captured) for s in stages}
+
+        def nbytes(s, keys=None):   # the rank's pieces of ``keys`` (under tensor parallelism its shards)
             cap = program.stages[s].captured
             keys = program.stages[s].param_keys if keys is None else keys
-            return sum(int(torch.Size(cap.param_shapes[k]).numel()) * cap.param_dtypes[k].itemsize for k in keys)
+            return sum(int(torch.Size(pieces[s][k]).numel()) * cap.param_dtypes[k].itemsize for k in keys)
 
         def sent(s, keys):          # what one rank sends for ``keys``: quantized, their scales and 4-bit codes
             cap = program.stages[s].captured
-            return m.wire_bytes([(int(torch.Size(cap.param_shapes[k]).numel()), cap.param_dtypes[k].itemsize)
+            return m.wire_bytes([(int(torch.Size(pieces[s][k]).numel()), cap.param_dtypes[k].itemsize)
                                  for k in keys])
 
         total = sum(nbytes(s) for s in stages)
@@ -498,6 +565,8 @@ class SyncFeature(Feature):
     def explain(self, section, program) -> list:
         m = method_of(section)
         lines = section.lines() + [f"method: {m.summary()}; {m.paper}"]
+        if tp_words(program.plan):
+            lines.append(tp_words(program.plan))
         if hasattr(m, "explain_lines"):
             return lines + m.explain_lines()
         if m.uses_servers:
