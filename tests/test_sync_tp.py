@@ -5,7 +5,8 @@ Each tp rank averages its own shards over its dp group (the dp ranks at its tp c
 state per shard; a replica's tp ranks average after the same step's update. Averaging and the outer steps are
 elementwise, so tp changes only the rounding of the forward and backward: dp=2 x tp=2 equals the same method at dp=2
 without tp to 1e-10 in the losses and in every replica's parameters, gathered from its tp ranks' pieces, over seven
-steps (the warm-up's gradient all-reduce, then three averagings: the warm-up boundary and two whole periods). The
+steps (the warm-up's gradient all-reduce, then three averagings: the warm-up boundary and two whole periods;
+SlowMo over two microbatches). The
 averaging all-reduces each rank's shard bytes once per averaging, over its dp group; ``estimate()`` counts the shard
 bytes over the period in place of the gradient bucket's all-reduce, ``explain()`` and ``program.schedule`` say the
 same bytes. A checkpoint in the middle of a window resumes every rank's pieces, its outer state included, bitwise.
@@ -81,8 +82,9 @@ def _shard_bytes(prog) -> int:
 def test_dp2_tp2_equals_dp2(clusters, name):
     method = METHODS[name]
     batches = token_batches(STEPS)
-    plain = _program(method, 1).run_local(batches, cluster=clusters.get(2))
-    prog = _program(method, 2)
+    extra = {"microbatches": 2} if name == "SlowMo" else {}      # the gradients accumulated over two microbatches
+    plain = _program(method, 1, **extra).run_local(batches, cluster=clusters.get(2))
+    prog = _program(method, 2, **extra)
     res = prog.run_local(batches, cluster=clusters.get(4), measure_comm=True)
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(plain.losses), rtol=1e-10, atol=1e-10)
     want = [plain.features[d]["sync"]["replica"] for d in range(2)]

@@ -9,7 +9,9 @@ the bucket during the warm-up and hands back the rank's own gradient after. The 
 
 What travels per rank: during the warm-up, each bucket's all-reduce, as plain data parallelism; after, nothing on
 the steps between two averagings and one all-reduce of the stage's parameters (``P`` bytes, the same bytes as
-the gradient buckets) on each averaging step: ``P`` bytes per ``H`` steps. ``estimate()`` counts the window's mean,
+the gradient buckets) on each averaging step: ``P`` bytes per ``H`` steps. Under tensor parallelism inside a replica
+``P`` is the rank's shards (:func:`piece_shapes`), all-reduced over its dp group; the methods that need more than
+elementwise averaging refuse tp (:func:`_check_tensor_parallel`). ``estimate()`` counts the window's mean,
 ``P // H`` bytes per step, where the buckets' all-reduces were (hierarchical Local SGD: ``P`` times the averagings in
 its largest period's window, over that window). :meth:`SyncFeature.window` lists the averaging actions step by
 step for ``program.schedule(rank)``.
