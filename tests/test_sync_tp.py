@@ -6,7 +6,7 @@ state per shard; a replica's tp ranks average after the same step's update. Aver
 elementwise, so tp changes only the rounding of the forward and backward: dp=2 x tp=2 equals the same method at dp=2
 without tp to 1e-10 in the losses and in every replica's parameters, gathered from its tp ranks' pieces, over seven
 steps (the warm-up's gradient all-reduce, then three averagings: the warm-up boundary and two whole periods;
-SlowMo over two microbatches). The
+SlowMo over two microbatches; DiLoCo under Mesh-TensorFlow layouts, the others under the Megatron preset). The
 averaging all-reduces each rank's shard bytes once per averaging, over its dp group; ``estimate()`` counts the shard
 bytes over the period in place of the gradient bucket's all-reduce, ``explain()`` and ``program.schedule`` say the
 same bytes. A checkpoint in the middle of a window resumes every rank's pieces, its outer state included, bitwise.
@@ -38,15 +38,19 @@ METHODS = {
 }
 
 
-def _program(method, tp: int, n: int = 1, dp: int = 2, **strategy):
+# Mesh-TensorFlow layouts (the rest propagated: fc's bias and fc2 split with them), the embedding split by width
+LAYOUTS = {"blocks.*.fc.weight": ("tp", None), "wte.weight": (None, "tp")}
+
+
+def _program(method, tp: int, n: int = 1, dp: int = 2, sharding="megatron", **strategy):
     batches = token_batches(max(n, 1))
-    extra = dict(tp=tp, sharding="megatron") if tp > 1 else {}
+    extra = dict(tp=tp, sharding=sharding) if tp > 1 else {}
     return fxpar.parallelize(tiny_gpt(), fxpar.ClusterSpec.local(dp * tp), batches[0], loss_fn=gpt_loss,
                              optimizer=SGD_M, strategy=fxpar.Strategy(dp=dp, sync=method, **extra, **strategy))
 
 
 def _layouts(prog) -> dict:
-    """``{key: [mesh axis or None per dim]}``: how the Megatron preset split each parameter."""
+    """``{key: [mesh axis or None per dim]}``: how the tp mode split each parameter."""
     return prog.plan.section("tensor_parallel").stages[0]["params"]
 
 
@@ -84,7 +88,7 @@ def test_dp2_tp2_equals_dp2(clusters, name):
     batches = token_batches(STEPS)
     extra = {"microbatches": 2} if name == "SlowMo" else {}      # the gradients accumulated over two microbatches
     plain = _program(method, 1, **extra).run_local(batches, cluster=clusters.get(2))
-    prog = _program(method, 2, **extra)
+    prog = _program(method, 2, sharding=LAYOUTS if name == "DiLoCo" else "megatron", **extra)
     res = prog.run_local(batches, cluster=clusters.get(4), measure_comm=True)
     torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(plain.losses), rtol=1e-10, atol=1e-10)
     want = [plain.features[d]["sync"]["replica"] for d in range(2)]
