@@ -35,6 +35,8 @@ METHODS = {
     "DiLoCo-streaming": S.DiLoCo(period=4, warmup_steps=1, fragments=2, delay=1, outer=NESTEROV),
     "SlowMo": S.SlowMo(period=2, warmup_steps=1, slow_lr=1.0, slow_momentum=0.5),
     "AsyncAveraging-every-steps": S.AsyncAveraging(every_steps=2, warmup_steps=1),
+    # the Euclidean map with full mixing, replica 0 taking both microbatches every round, replica 1 its first
+    "DABMD-euclidean": S.DABMD(round_time_s=None, fixed_microbatches=(2, 1)),
 }
 
 
@@ -86,7 +88,8 @@ def _shard_bytes(prog) -> int:
 def test_dp2_tp2_equals_dp2(clusters, name):
     method = METHODS[name]
     batches = token_batches(STEPS)
-    extra = {"microbatches": 2} if name == "SlowMo" else {}      # the gradients accumulated over two microbatches
+    # SlowMo: the gradients accumulated over two microbatches; DABMD: a replica takes them microbatch by microbatch
+    extra = {"microbatches": 2} if name in ("SlowMo", "DABMD-euclidean") else {}
     plain = _program(method, 1, **extra).run_local(batches, cluster=clusters.get(2))
     prog = _program(method, 2, sharding=LAYOUTS if name == "DiLoCo" else "megatron", **extra)
     res = prog.run_local(batches, cluster=clusters.get(4), measure_comm=True)
@@ -118,6 +121,28 @@ def test_dp2_tp2_equals_dp2(clusters, name):
             for t in (1, 3, 5):
                 assert Counter(calls[t]) - local == Counter({("all_reduce", shard): 1}), (r, t)
                 assert calls[t][-1] == ("all_reduce", shard)                         # after the update
+
+
+@pytest.mark.numerics
+def test_dabmd_budget_tp_ranks_of_a_replica_take_the_same_microbatches(clusters):
+    """DABMD under a time budget at dp=2 x tp=2, the first tp rank of replica 1 four times as slow: each rank's clock
+    decides, and the replica's tp ranks max-reduce their stop flag over their group, so every round they take the
+    same microbatches (unequal counts would pair one rank's tp collectives with another microbatch's) and the run
+    ends. ``estimate()`` prices a replica at its slowest tp rank's count."""
+    batches = token_batches(3)
+    method = S.DABMD(round_time_s=0.01)
+    prog = fxpar.parallelize(tiny_gpt(), fxpar.ClusterSpec.local(4, slowdown={2: 4.0}), batches[0], loss_fn=gpt_loss,
+                             optimizer=(torch.optim.SGD, {"lr": 0.1}),
+                             strategy=fxpar.Strategy(dp=2, tp=2, sharding="megatron", microbatches=4, sync=method))
+    assert prog.plan.groups["sync_replica"] == [[0, 1], [2, 3]]
+    res = prog.run_local(batches, cluster=clusters.get(4))
+    taken = [res.features[r]["sync"]["microbatches_taken"] for r in range(4)]
+    assert len(taken[0]) == 3 and taken[0] == taken[1] and taken[2] == taken[3], taken
+    assert all(1 <= k <= 4 for row in taken for k in row)
+    # by the cost model, rank 2 admits one microbatch within 10 ms and rank 3 all four: replica 1 is priced at one
+    note = prog.estimate().notes[-1]
+    assert note.startswith("DABMD, a budget of 10 ms per round: ranks 0, 1: 4 of 4 microbatch(es)"), note
+    assert "rank 2: 1 of 4 microbatch(es)" in note and "rank 3: 1 of 4 microbatch(es)" in note, note
 
 
 @pytest.mark.numerics

@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from fxpar.errors import StrategyError
+from fxpar.runtime.groups import group
 from fxpar.schedule import ActionKind
 
 from .method import SyncMethod, _is_number, register_method
@@ -51,6 +52,7 @@ MIRRORS = ("euclidean", "entropic")
 MIXINGS = ("full", "ring")
 SIMPLEX_TOL = 1e-6            # how far a simplex parameter's sum may be from 1
 _TAG_RIGHT, _TAG_LEFT = 7301, 7302     # consensus messages to the right / left ring neighbour
+REPLICA_GROUP = "sync_replica"         # under tensor parallelism: the tp ranks of one dp replica
 
 
 def mixing_matrix(mixing: str, n: int) -> list:
@@ -149,15 +151,11 @@ class DABMD(SyncMethod):
             raise StrategyError(f"{me}, zero={strategy.option('zero')!r}): ZeRO shards one model's parameters and "
                                 "optimizer state over the dp replicas, while DABMD's replicas take different batches "
                                 "and hold different parameters after a ring's consensus; drop zero or drop sync")
-        if strategy.tp > 1:
-            entropic = ("; and the entropic map normalises each simplex parameter over all its entries, which a "
-                        "tp split would cut into shards" if self.mirror == "entropic" else "")
-            raise StrategyError(f"{me}, tp={strategy.tp}): each rank decides by its own clock how many microbatches "
-                                "of its shard it takes within the round's time budget, and the tp ranks of one replica "
-                                "run every microbatch together (their collectives pair), so they would take different "
-                                f"counts and deadlock (fixed_microbatches, the clockless mode that stands in for "
-                                f"that budget, is refused alike){entropic}; train with tp=1 or drop sync (S.LocalSGD, "
-                                "S.DiLoCo and S.SlowMo compose with tp)")
+        if strategy.tp > 1 and self.mirror == "entropic":
+            raise StrategyError(f"{me}, tp={strategy.tp}): the entropic map normalises each simplex parameter over "
+                                "all its entries (x exp(-lr g) / sum), and tensor parallelism may split a parameter "
+                                "into shards whose sums are not the whole one's; use mirror='euclidean' (it composes "
+                                "with tp) or train with tp=1")
         if strategy.pp > 1 or strategy.schedule is not None:
             raise StrategyError(f"{me}, pp={strategy.pp}): the round's time budget admits one stage's microbatches "
                                 "on one rank, and a pipeline spreads each microbatch over stages; train with pp=1 "
@@ -274,6 +272,12 @@ class DABMD(SyncMethod):
             return m
         return max(1, min(m, math.floor(self.round_time_s / microbatch_s * (1 + 1e-9))))
 
+    @staticmethod
+    def replica_groups(dp: int, tp: int) -> list:
+        """The ranks of each dp replica (``pp=1``: rank = dp index * tp + tp index): under tensor parallelism they
+        agree on every microbatch they take."""
+        return [list(range(d * tp, (d + 1) * tp)) for d in range(dp)]
+
     def priced_calls(self, program, calls: dict, first) -> tuple:
         """Each rank's step as its round runs it: the forward and backward of the microbatches it takes
         (:meth:`taken`, from its own seconds per microbatch in ``first``, the estimate of every microbatch: a
@@ -282,10 +286,14 @@ class DABMD(SyncMethod):
         taking microbatches when the next would overrun the budget, and waits for the others at the consensus)."""
         m = program.plan.microbatches
         per = program.plan.global_batch // max(1, program.dp * m)          # samples per microbatch
+        tp = program.plan.tp
+        secs = {r: first.work_time_s(r, lambda label: label[:1] in ("F", "B")) / m for r in calls}
+        # a replica's tp ranks take a microbatch only where every one of them would (the slowest decides)
+        k_of = {r: min(self.taken(r // tp, secs[q], m) for q in range(r - r % tp, r - r % tp + tp) if q in secs)
+                for r in calls}
         out, rows = {}, {}
         for r, items in calls.items():
-            mb_s = first.work_time_s(r, lambda label: label[:1] in ("F", "B")) / m
-            k = self.taken(r % program.dp, mb_s, m)
+            mb_s, k = secs[r], k_of[r]
             out[r] = [it for it in items if _microbatch(getattr(it, "label", "")) < k]
             rows.setdefault((k, round(mb_s, 9)), []).append(r)
         budget = ("fixed_microbatches" if self.fixed_microbatches else
@@ -314,7 +322,10 @@ def _ranks(rs: list) -> str:
 
 class DABMDState(SyncState):
     """One DABMD node: the round's admission of microbatches (its wrapped F and B actions), the mean gradient of
-    the samples taken (its bucket sums), the entropic step and the consensus after the update, the batch sizes."""
+    the samples taken (its bucket sums), the entropic step and the consensus after the update, the batch sizes.
+    Under tensor parallelism (Euclidean map) the rank is one tp rank of its replica: it mixes its own pieces over its
+    dp group, and the replica's tp ranks max-reduce their stop flags before each microbatch after the first, so they
+    take the same ones."""
 
     def setup(self, ex) -> None:
         super().setup(ex)
@@ -330,6 +341,9 @@ class DABMDState(SyncState):
             if why:
                 raise RuntimeError(f"rank {self.rank}: Strategy(sync={self.sync.summary()}): parameter {k!r} is not "
                                    f"on the probability simplex ({why}); initialise it there or use mirror='euclidean'")
+        # tensor parallelism: the replica's tp ranks, who stop taking microbatches together (a stop flag max-reduced)
+        ranks = ex.p.bindings.get(REPLICA_GROUP)
+        self.replica_pg = group(ranks, REPLICA_GROUP) if ranks and len(ranks) > 1 else None
         self.grads: dict = {}
         self.batch_sizes: list = []          # samples taken, per round
         self.taken: list = []                # microbatches taken, per round
@@ -356,6 +370,10 @@ class DABMDState(SyncState):
         used = time.perf_counter() - self.t0
         if used + used / i > self.sync.round_time_s:     # the next microbatch would not end within the budget
             self.stopped = True
+        if self.replica_pg is not None:                  # every tp rank of the replica takes it, or none does
+            flag = torch.tensor([1.0 if self.stopped else 0.0], dtype=torch.float64)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.replica_pg)
+            self.stopped = bool(flag.item())
         return not self.stopped
 
     def _forward(self, ex, a, w, idx) -> None:

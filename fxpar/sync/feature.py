@@ -31,7 +31,7 @@ from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, Slot, enabled_features, register_feature
 
 from .async_avg import ASYNC_GROUP, AsyncAveraging, AsyncAveragingState
-from .dabmd import DABMDState
+from .dabmd import DABMD, REPLICA_GROUP, DABMDState
 from .method import DiLoCo, SyncMethod, method_from_dict, model_blocks
 from .runtime import SyncInfo, SyncState
 from .ssp_server import SSPServer, SSPServerRunner
@@ -116,7 +116,9 @@ def tp_words(plan) -> str:
 
 def _note(plan, m: SyncMethod) -> None:
     if plan.tp > 1 and not m.uses_servers:
-        plan.notes.append(f"sync: {m.summary()} -- {tp_words(plan)}")
+        budget = ("; a replica's tp ranks take the same microbatches every round (each rank's stop flag max-reduced "
+                  "over them: the slowest decides)" if m.name == "dabmd" and not m.fixed_microbatches else "")
+        plan.notes.append(f"sync: {m.summary()} -- {tp_words(plan)}{budget}")
     if isinstance(m, AsyncAveraging):
         plan.notes.append(m.note_words())
         return
@@ -200,15 +202,19 @@ def _hierarchy(m: SyncMethod, plan, cluster) -> SyncMethod:
 
 
 def _async_groups(m: SyncMethod, plan) -> None:
-    """Timed asynchronous averaging: the averaging loops' process groups (the dp groups, under a name of their own)."""
+    """Timed asynchronous averaging: the averaging loops' process groups (the dp groups, under a name of their own).
+    DABMD's budget under tensor parallelism: each replica's tp ranks, who agree on the microbatches they take."""
     if isinstance(m, AsyncAveraging) and m.timed:
         plan.groups[ASYNC_GROUP] = [list(g) for g in plan.mesh.groups("dp")]
+    if m.name == "dabmd" and plan.tp > 1 and not m.fixed_microbatches:
+        plan.groups[REPLICA_GROUP] = DABMD.replica_groups(plan.dp, plan.tp)
 
 
 def _check_tensor_parallel(m: SyncMethod, strategy) -> None:
     """The methods that average elementwise over dp compose with tensor parallelism inside a replica: each tp rank
     averages its own shards over its dp group (a replica's tp ranks all average after the same step's update, so
-    the copies tp keeps whole stay equal). Refused, with the reason, where a method needs more."""
+    the copies tp keeps whole stay equal; DABMD's tp ranks agree on each microbatch they take). Refused, with the
+    reason, where a method needs more (DABMD's entropic map: its own check_strategy)."""
     me = f"Strategy(sync={m.summary()}, tp={strategy.tp})"
     if m.uses_servers:
         raise StrategyError(f"{me}: each parameter server holds whole parameter tensors, and a worker is one rank that "
