@@ -348,13 +348,17 @@ def sequence_timeline(runs) -> tuple:
     """``(shared bytes, per graph item [(label, bytes while it runs, bytes after it, gradient accumulators' bytes
     while it runs, and after it)])`` of
     one rank's step sequence (``runs`` as for :func:`sequence_peak`), the walk's memory action by action. Shared
-    bytes: the state and the batch, held throughout; the others count them too. ``max`` of the second column (and
-    of an accumulator's first sum at a graph's end) is :func:`sequence_peak`'s peak."""
+    bytes: the state and the batch, held throughout; the others count them too. "After it" is after the items that
+    are not graphs up to the next graph too (a sent tensor let go of at a message item). ``max`` of the second column
+    (and of an accumulator's first sum at a graph's end) is :func:`sequence_peak`'s peak."""
     w = _Walk(runs)
     out = []
     for i, (lv, label, keep, *rest) in enumerate(runs):
         if lv is None:
             w.passed(i)
+            if out:
+                after = w.held()
+                out[-1] = out[-1][:2] + (w.base + sum(after.values()), out[-1][3], after.get("grad", 0.0))
             continue
         during, beside_after = rest[0] if rest else (0.0, 0.0)
         own, own_end = w.own(i, lv)

@@ -20,7 +20,7 @@ from .portable import pack_graph_module, unpack_graph_module
 from .runner import RankRunner, RunResult
 from .roles import GraphKind, Role
 from .schedule import Action, ActionKind, carried_versions
-from .schedule.sends import send_releases
+from .schedule.sends import send_releases, sent_until
 from .sharding import ShardingMap
 from .explain import explain_program
 from .planner import build_schedule, check_batch
@@ -270,7 +270,8 @@ class Program:
             if a.kind in (_K.B, _K.W):
                 last_bw[(a.stage, a.microbatch)] = a.short()
         releases = send_releases(self.pipe_schedule.actions)[pr]
-        sent, ends = self._sent_until(acts, releases), set(releases)
+        ends = set(releases)
+        sent = {j: "end" if r is None else acts[r].short() for j, r in sent_until(acts, releases).items()}
         out = []
         which = {_K.SEND_F: "acts_out", _K.SEND_B: "grads_out", _K.RECV_F: "acts_in", _K.RECV_B: "grads_in"}
         for j, a in enumerate(acts):
@@ -293,25 +294,6 @@ class Program:
                 role = Role.ACT if a.kind == _K.F else Role.ACT_GRAD
                 keep = {**(keep or {}), **{k: sent[j] for k, (r, _) in enumerate(sg.outputs) if r == role}}
             out.append(Item(sg.gm, a.short(), keep, self._group_remap(a.stage, rank), self._beside(a, sg)))
-        return out
-
-    @staticmethod
-    def _sent_until(acts, releases: dict) -> dict:
-        """Index of a compute action whose output a later SEND sends -> until when the runtime holds it: the label of
-        the RECV after which it waits on the send (:func:`fxpar.schedule.sends.send_releases`), or ``"end"``."""
-        free = {k: j for j, ks in releases.items() for k in ks}
-        made = {}                             # (kind of output, stage, microbatch) -> the compute that made it
-        out = {}
-        for j, a in enumerate(acts):
-            if a.kind == _K.F:
-                made[("F", a.stage, a.microbatch)] = j
-            elif a.kind in (_K.B, _K.I):
-                made[("B", a.stage, a.microbatch)] = j
-            elif a.kind in (_K.SEND_F, _K.SEND_B):
-                src = made.get(("F" if a.kind == _K.SEND_F else "B", a.stage, a.microbatch))
-                if src is not None:
-                    r = free.get(j)
-                    out[src] = "end" if r is None else acts[r].short()
         return out
 
     def _beside(self, action, sg) -> tuple:

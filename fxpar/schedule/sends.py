@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from fxpar.schedule.ir import RECVS, SENDS, Action, ActionKind
 
-__all__ = ["send_releases", "message_key"]
+__all__ = ["send_releases", "message_key", "sent_until"]
 
 _K = ActionKind
 
@@ -81,4 +81,22 @@ def send_releases(actions: dict) -> dict:
                         pending[r] = [p for p in pending[r] if p[1] >= clock[r][p[0]]]
                 ptr[r] += 1
                 moved = True
+    return out
+
+
+def sent_until(acts: list, releases: dict) -> dict:
+    """For one rank's list ``acts`` and its part of :func:`send_releases`: ``{index of a compute action whose output a
+    later SEND sends: index of the RECV after which the rank waits on that send, or None (the window's end)}``. The
+    output is F's activations for ``SF``, B's (or I's) input gradients for ``SB``."""
+    free = {k: j for j, ks in releases.items() for k in ks}
+    made, out = {}, {}
+    for j, a in enumerate(acts):
+        if a.kind == _K.F:
+            made[("F", a.stage, a.microbatch)] = j
+        elif a.kind in (_K.B, _K.I):
+            made[("B", a.stage, a.microbatch)] = j
+        elif a.kind in SENDS:
+            src = made.get(("F" if a.kind == _K.SEND_F else "B", a.stage, a.microbatch))
+            if src is not None:
+                out[src] = free.get(j)
     return out
