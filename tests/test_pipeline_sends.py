@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import fxpar
-from fxpar.schedule import gpipe, one_f_one_b, pipedream, pipedream_2bw, pipelined_bp, pipemare
+from fxpar.schedule import (chimera, gpipe, interleaved, one_f_one_b, pipedream, pipedream_2bw, pipelined_bp,
+                            pipemare, zb1p)
 from fxpar.schedule.ir import RECVS, SENDS
 from fxpar.schedule.sends import message_key, send_releases
 from fxpar.testing import SkipNet, class_batches, max_abs_diff
@@ -73,13 +74,16 @@ def test_messages_held_do_not_grow_with_the_window(name, p):
     assert max(m for m, _ in long.values()) <= 2 * p, long
 
 
+SYNCHRONOUS_MORE = {"interleaved": interleaved, "zb1p": zb1p, "chimera": chimera}   # several stages a rank, split B
+
+
 @pytest.mark.structure
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", list(SCHEDULES) + list(SYNCHRONOUS_MORE))
 @pytest.mark.parametrize("p", [2, 4])
 def test_every_release_waits_on_a_message_already_received(name, p):
     """A send is waited right after a RECV only if its receiver's RECV happened before that RECV (through program
     order and messages): then the data is there and the wait returns without the receiver doing anything more."""
-    sched = SCHEDULES[name](p, 8)
+    sched = {**SCHEDULES, **SYNCHRONOUS_MORE}[name](p, 8)
     before = _happens_before(sched)
     recv_at = {message_key(a, r): (r, j) for r, acts in sched.actions.items()
                for j, a in enumerate(acts) if a.kind in RECVS}

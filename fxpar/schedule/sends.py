@@ -11,13 +11,13 @@ receives, so every rank keeps a vector clock over the schedule -- per rank, how 
 to have run. A RECV merges the sender's clock at its SEND. Right after a RECV, the rank waits on (and drops) every
 send of its own whose matching RECV the merged clock shows done: the receiver had completed that receive before it
 sent what was just received (directly, or through other ranks), so the data has gone and the wait returns at once.
-The sends no RECV releases are waited at the window's end, as before. In 1F1B's steady state a stage holds the
+The sends no RECV releases are waited at the window's end. In 1F1B's steady state a stage holds the
 activations it sent until the gradient of a later microbatch comes back, and the gradients it sent until the next
 forward input arrives: a bound set by the schedule's depth, not by the window's length.
 
 Collectives (``RG``) also order ranks, but the rule ignores them: it releases fewer sends, never an unsafe one. The
 runtime (``fxpar/runtime/executor.py``) and the memory walk (``fxpar.program``'s step sequence for
-``cost_models.step_memory``) both follow this table.
+``cost_models.step_memory``, and Wavelet's wave timelines) follow this table.
 """
 from __future__ import annotations
 
