@@ -17,7 +17,9 @@ Each method's loss per batch (the mean over its microbatches, each at the weight
 its final loss (the mean of the last ``--tail`` batches) beside GPipe's in a table, and, where matplotlib is
 installed (``pip install -e ".[plot]"``), the curves against samples to a PNG.
 
-    python benchmarks/pipeline_convergence.py [--steps 300] [--pp 2] [--microbatches 4] [--lr 0.1] [--out docs/img]
+At pp=4 the stages' delays are ``D_s = 3, 2, 1, 0`` updates (one at most at pp=2); the files then end in ``_pp4``.
+
+    python benchmarks/pipeline_convergence.py [--steps 300] [--pp 2|4] [--microbatches 4] [--lr 0.1] [--out docs/img]
 """
 from __future__ import annotations
 
@@ -137,6 +139,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     title = (f"asynchronous pipelines beside GPipe, pp={args.pp}, {args.microbatches} microbatches, SGD lr {args.lr} "
              f"momentum {args.momentum}, char GPT on pydoc_data.topics")
+    if args.pp < 2:
+        ap.error(f"--pp {args.pp}: the schedules compared here are pipelines; give --pp 2 or more")
     if args.replot:
         p = Path(args.replot)
         curves = {k: v for k, v in from_csv(p).items() if k != "samples"}
@@ -151,7 +155,7 @@ def main(argv=None) -> int:
     wanted = args.only.split(",") if args.only else None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"pipeline_convergence{args.tag}"
+    stem = f"pipeline_convergence{'' if args.pp == 2 else f'_pp{args.pp}'}{args.tag}"
     curves, table = {}, []
     for label, (pp, schedule, options) in methods(args.pp, args.warmup).items():
         if wanted and label.split()[0] not in wanted:

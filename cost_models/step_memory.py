@@ -22,7 +22,9 @@
     reader (the oldest waiting value first); ZeRO-3's gathered parameters (read as ``unsharded``) from UNSHARD
     to RESHARD, after the stage's last backward;
   - an output no later graph reads and a message follows: kept to the end (the executor holds each sent
-    tensor until the step's sends complete); otherwise freed with its graph;
+    tensor until it waits on the send); otherwise freed with its graph. A ``keep`` label naming an item that is
+    not a graph frees the value at that item: ``fxpar.program`` names the RECV after which the runtime waits on
+    the send (:func:`fxpar.schedule.sends.send_releases`), or ``"end"``;
   - an output that is a view of a held value (STEP's reduced gradients, views of RG's buffer) extends it.
 
 * an **asynchronous update** (a versioned ``STEPs@u``): its new weights and state replace the persistent ones (held
@@ -172,16 +174,19 @@ class _Walk:
         """Graph i has run: drop what it freed, start its outputs. Returns the transient of a first sum into an
         accumulator (counted at the graph's end)."""
         per_out = _check_keep(i, self.labels[i], keep, lv)
-        extra, seen = 0.0, set()
+        extra, seen, made = 0.0, set(), {}
         update = self.is_update(i)
         if update:
             self._update(i, lv)
         gathered = self._gathered_until(i, lv)
         for idx, st in ((idx, st) for idx, parts in enumerate(lv.out_parts) for st in parts):
-            if id(st) in seen:
+            spec = per_out.get(idx) if isinstance(keep, dict) else keep
+            if id(st) in seen:                # one storage under two outputs: held until the later of their ends
+                v = made.get(id(st))
+                if v is not None and spec is not None:
+                    v.until = max(v.until, self.until(i, spec))
                 continue
             seen.add(id(st))
-            spec = per_out.get(idx) if isinstance(keep, dict) else keep
             grad = lv.out_grad_of[idx] if idx < len(lv.out_grad_of) else None
             if grad is not None and spec is None:
                 extra = max(extra, self._accumulate(i, lv, grad, st))
@@ -192,8 +197,9 @@ class _Walk:
             elif update and st.category == "new_state":
                 continue                    # the stage's new weights and state replace the persistent ones
             elif spec is not None:
-                self.values.append(_Value(st.nbytes, st.keys, _category(st), self.until(i, spec), id(lv),
-                                          keep_label=spec != "end"))
+                made[id(st)] = _Value(st.nbytes, st.keys, _category(st), self.until(i, spec), id(lv),
+                                      keep_label=spec != "end")
+                self.values.append(made[id(st)])
             elif self._read_later(i, st.keys):
                 self.values.append(_Value(st.nbytes, st.keys, "param" if gathered else _category(st), gathered, id(lv)))
             elif self._message_follows(i):
@@ -250,6 +256,11 @@ class _Walk:
 
     def _message_follows(self, i) -> bool:
         return i + 1 < self.n and self.runs[i + 1][0] is None
+
+    def passed(self, i) -> None:
+        """Item i is not a graph (a send, a recv, a wait): drop the values held until it (a sent tensor the
+        runtime lets go of after that receive)."""
+        self.values = [v for v in self.values if v.until is None or v.until != i]
 
 
 class _Versions:
@@ -318,6 +329,7 @@ def sequence_peak(runs) -> tuple:
     peak, best = w.base, None
     for i, (lv, _, keep, *rest) in enumerate(runs):
         if lv is None:
+            w.passed(i)
             continue
         during, after = rest[0] if rest else (0.0, 0.0)
         own, own_end = w.own(i, lv)
@@ -336,12 +348,17 @@ def sequence_timeline(runs) -> tuple:
     """``(shared bytes, per graph item [(label, bytes while it runs, bytes after it, gradient accumulators' bytes
     while it runs, and after it)])`` of
     one rank's step sequence (``runs`` as for :func:`sequence_peak`), the walk's memory action by action. Shared
-    bytes: the state and the batch, held throughout; the others count them too. ``max`` of the second column (and
-    of an accumulator's first sum at a graph's end) is :func:`sequence_peak`'s peak."""
+    bytes: the state and the batch, held throughout; the others count them too. "After it" is after the items that
+    are not graphs up to the next graph too (a sent tensor let go of at a message item). ``max`` of the second column
+    (and of an accumulator's first sum at a graph's end) is :func:`sequence_peak`'s peak."""
     w = _Walk(runs)
     out = []
     for i, (lv, label, keep, *rest) in enumerate(runs):
         if lv is None:
+            w.passed(i)
+            if out:
+                after = w.held()
+                out[-1] = out[-1][:2] + (w.base + sum(after.values()), out[-1][3], after.get("grad", 0.0))
             continue
         during, beside_after = rest[0] if rest else (0.0, 0.0)
         own, own_end = w.own(i, lv)

@@ -20,6 +20,7 @@ from .portable import pack_graph_module, unpack_graph_module
 from .runner import RankRunner, RunResult
 from .roles import GraphKind, Role
 from .schedule import Action, ActionKind, carried_versions
+from .schedule.sends import send_releases, sent_until
 from .sharding import ShardingMap
 from .explain import explain_program
 from .planner import build_schedule, check_batch
@@ -268,15 +269,19 @@ class Program:
         for a in acts:
             if a.kind in (_K.B, _K.W):
                 last_bw[(a.stage, a.microbatch)] = a.short()
+        releases = send_releases(self.pipe_schedule.actions)[pr]
+        ends = set(releases)
+        sent = {j: "end" if r is None else acts[r].short() for j, r in sent_until(acts, releases).items()}
         out = []
         which = {_K.SEND_F: "acts_out", _K.SEND_B: "grads_out", _K.RECV_F: "acts_in", _K.RECV_B: "grads_in"}
-        for a in acts:
+        for j, a in enumerate(acts):
             if a.kind in which:
                 peer = a.peer * self.plan.width + d
                 nbytes = sum(int(torch.Size(sh).numel()) * torch.empty((), dtype=dt).element_size()
                              for _, sh, dt in self.stages[a.stage].messages[which[a.kind]])
                 send = a.kind in (_K.SEND_F, _K.SEND_B)
-                out.append(M.CommInfo("send" if send else "recv", "pp", (rank, peer) if send else (peer, rank), nbytes))
+                info = M.CommInfo("send" if send else "recv", "pp", (rank, peer) if send else (peer, rank), nbytes)
+                out.append((a.short(), info) if j in ends else info)   # a RECV that lets go of sends: labelled
                 continue
             sg = self.stages[a.stage].graphs.get(a.kind.name)
             if sg is None:
@@ -285,6 +290,9 @@ class Program:
             if a.kind == _K.F and (a.stage, a.microbatch) in last_bw:
                 until = last_bw[(a.stage, a.microbatch)]
                 keep = {j: until for j, (role, _) in enumerate(sg.outputs) if role == Role.SAVED}
+            if j in sent:                     # the message it sends: held until the runtime waits on the send
+                role = Role.ACT if a.kind == _K.F else Role.ACT_GRAD
+                keep = {**(keep or {}), **{k: sent[j] for k, (r, _) in enumerate(sg.outputs) if r == role}}
             out.append(Item(sg.gm, a.short(), keep, self._group_remap(a.stage, rank), self._beside(a, sg)))
         return out
 
@@ -314,6 +322,8 @@ class Program:
         ``fxpar.meta.CommInfo`` (send/recv: ``ranks=(src, dst)``, bytes of the whole message)."""
         out = []
         for item in self._calls(rank):
+            if isinstance(item, tuple):               # a labelled message: (label, CommInfo)
+                item = item[1]
             if isinstance(item, M.CommInfo):
                 out.append(item)
             else:
@@ -424,6 +434,7 @@ class Program:
                            params={k: self._params[k] for k in keys}, buffers=dict(self._buffers),
                            optimizer=self.optimizer, groups=all_groups, bindings=bindings,
                            lr_scheduler=self._lr_scheduler, settings=settings,
+                           releases=send_releases(sched.actions)[pr],
                            foreign_buffers=tuple(sorted(
                                k for s, st in enumerate(self.stages) if self.plan.stage_to_rank[s][0] != pr
                                for sg in st.graphs.values() for r, k in sg.outputs if r == Role.NEW_BUFFER)))

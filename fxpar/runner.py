@@ -23,7 +23,8 @@ class RunResult:
 
     ``losses``: one float per step, the global-batch loss. ``step_times``: seconds per step (slowest
     rank). ``state_dict()``: trained parameters and buffers under the model's own keys.
-    Measured per rank: ``comm`` (point-to-point sends/receives and bytes), ``comm_calls`` (with
+    Measured per rank: ``comm`` (point-to-point sends/receives and bytes; ``held_sends`` / ``held_send_bytes``: the
+    most messages, and their bytes, sent and not yet let go at once), ``comm_calls`` (with
     ``measure_comm=True``: per step the collectives run, ``(kind, bytes)``), ``peak_activations`` /
     ``peak_activation_bytes`` (stage -> most microbatches whose saved tensors were alive at once, and their
     bytes), ``action_times`` (rank -> per step ``{(kind, stage): (seconds, count)}``), ``timelines`` (rank ->

@@ -4,8 +4,9 @@ Pipelined Backpropagation, PipeMare), as ``tests/test_memory_measured.py`` holds
 What each holds (``cost_models.step_memory``, ``fxpar/features/pipeline_delayed.py``): PipeDream stashes the
 versions a later F or B of stage s names (p - s at most), 2BW two; Pipelined Backpropagation and PipeMare one, with
 PipeMare's velocity beside it, the weights weight prediction and discrepancy correction compute for F and B, and what
-spike compensation builds after an update. An asynchronous window holds each sent message to its end, so its peak
-grows with the window: the run covers the two batches of the window ``estimate()`` prices (the program's schedule).
+spike compensation builds after an update. A sent message is held until the receive after which the rank waits on
+it (``fxpar.schedule.sends``), in the run and in the walk alike; the run covers the two batches of the window
+``estimate()`` prices (the program's schedule).
 """
 import pytest
 import torch

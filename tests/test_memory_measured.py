@@ -162,7 +162,7 @@ def test_two_microbatches_measured_peak_is_the_predicted_one(clusters, zero, rec
     (0, "full", "1f1b"), (1, "selective", "1f1b"), (2, "none", "1f1b"), (3, "selective", "1f1b"), (0, "none", "zb1p")])
 def test_pipeline_measured_peak_is_the_predicted_one(clusters, zero, recompute, schedule):
     """pp=2 x dp=2 x 4 microbatches: besides the above, received activations a forward saves, every sent tensor
-    (the executor keeps it until the step's sends complete) and, under zb1p, what I hands W and the gradients W
+    (the executor keeps it until the receive after which it waits on the send) and, under zb1p, what I hands W and the gradients W
     returns from it. Off by 512 bytes in about 0.9 MB: each rank holds its whole slice of the batch (tokens and
     targets) while a stage's graphs read only one of the two, which is all the model sees."""
     prog, res = _run(clusters, zero, recompute, steps=1, pp=2, microbatches=4, schedule=schedule)

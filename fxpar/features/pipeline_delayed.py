@@ -23,7 +23,10 @@ corrected, by this feature's per-rank state (:class:`DelayedState`):
     ``gamma = 0.1 ** (1 / D_s)``, and the backward runs on ``w - D_s * delta``: the weights extrapolated back to
     those its forward used.
 
-``fxpar.testing.async_reference.delayed_pipeline_reference`` holds the same math in one process. A checkpoint
+``fxpar.testing.async_reference.delayed_pipeline_reference`` holds the same math in one process. The papers' method
+sections could not be read (docs/strategies/pipelines.md, "Checked against the papers"): the constants above rest on
+the properties the papers choose them for, which ``tests/test_pipeline_pbp.py`` checks (SC's total impulse is plain
+momentum's; LWP's horizon is the delay; the warm-up runs from 1/D to 1; gamma^D = 0.1), not on the papers' text. A checkpoint
 carries what the next window's first ``D_s`` forwards read (the stage's versions before the newest, through the
 runtime; with weight prediction their momentum, through :class:`DelayedState`), so a resumed run is the run that
 never stopped, bit for bit.

@@ -38,6 +38,7 @@ from fxpar.errors import StrategyError
 from fxpar.feature import Option, register_feature
 from fxpar.roles import Role
 from fxpar.schedule import ActionKind
+from fxpar.schedule.sends import send_releases, sent_until
 from fxpar.schedule.wavelet import WAVES, wavelet
 
 from .pipeline import PipelineSchedule, PipelineSection
@@ -140,18 +141,24 @@ class WaveletSchedule(PipelineSchedule):
 
 def _tick_runs(program, pr: int) -> tuple:
     """The tick wave's items on pipeline rank ``pr`` in order (``(Liveness or None, label, keep)``: a graph, F's saved
-    values kept until their backward, or a message), then the step's tail (RG, STEP) of the stages the tick wave runs
+    values kept until their backward and a sent output until the runtime lets go of it, or a message), then the step's tail (RG, STEP) of the stages the tick wave runs
     there; returns ``(runs, number of tail graphs)``."""
     acts = program.pipe_schedule.actions[pr]
     half = program.plan.microbatches // WAVES
-    wave = [a for a in acts if a.kind not in (_K.REDUCE_GRAD, _K.STEP) and a.microbatch is not None
-            and a.microbatch < half]
-    mine = {a.stage for a in wave if a.kind in (_K.F, _K.B)}
-    tail = [a for a in acts if a.kind in (_K.REDUCE_GRAD, _K.STEP) and a.stage in mine]
+    wave = [(j, a) for j, a in enumerate(acts) if a.kind not in (_K.REDUCE_GRAD, _K.STEP)
+            and a.microbatch is not None and a.microbatch < half]
+    mine = {a.stage for _, a in wave if a.kind in (_K.F, _K.B)}
+    tail = [(j, a) for j, a in enumerate(acts) if a.kind in (_K.REDUCE_GRAD, _K.STEP) and a.stage in mine]
+    # what the wave sends is held until the step's RECV after which the runtime waits on it (either wave's RECV):
+    # in the wave's own timeline, until its last item before that RECV
+    sent = {}
+    for j, r in sent_until(acts, send_releases(program.pipe_schedule.actions)[pr]).items():
+        before = [a for k, a in wave if k < r] if r is not None else []
+        sent[j] = before[-1].short() if before else "end"
     runs, cache, n_tail = [], {}, 0
-    for a in wave + tail:
+    for j, a in wave + tail:
         if a.kind not in (_K.F, _K.B, _K.REDUCE_GRAD, _K.STEP):
-            runs.append((None, a.short(), None))            # a message: what the wave sent is held to the step's end
+            runs.append((None, a.short(), None))            # a message
             continue
         sg = program.stages[a.stage].graphs.get(a.kind.name)
         if sg is None:
@@ -161,7 +168,10 @@ def _tick_runs(program, pr: int) -> tuple:
             lv = cache[id(sg.gm)] = cost_models.liveness(sg.gm)
         keep = None
         if a.kind == _K.F:
-            keep = {j: f"B{a.stage}.{a.microbatch}" for j, (role, _) in enumerate(sg.outputs) if role == Role.SAVED}
+            keep = {k: f"B{a.stage}.{a.microbatch}" for k, (role, _) in enumerate(sg.outputs) if role == Role.SAVED}
+        if j in sent:
+            role = Role.ACT if a.kind == _K.F else Role.ACT_GRAD
+            keep = {**(keep or {}), **{k: sent[j] for k, (r, _) in enumerate(sg.outputs) if r == role}}
         runs.append((lv, a.short(), keep))
         n_tail += a.kind in (_K.REDUCE_GRAD, _K.STEP)
     return runs, n_tail

@@ -7,8 +7,9 @@ the role of each input and output (:class:`passes.split_graphs.SplitGraph`), whi
 runtime reads: it never looks at ``node.meta``.
 
 Semantics (those of :func:`fxpar.schedule.simulate`): actions run strictly in list order; a SEND
-posts ``isend`` and goes on (outstanding sends are waited for at the end of the step); a RECV
-blocks until the tensors are there. A message is several tensors sent back to back on one tag per
+posts ``isend`` and goes on; a RECV blocks until the tensors are there. A sent tensor is held until its send is
+waited: right after the RECV that :func:`fxpar.schedule.sends.send_releases` names for it (the receiver is known to
+have its message: the wait cannot block), else at the end of the window. A message is several tensors sent back to back on one tag per
 (direction, consuming stage), so the n-th send of a channel meets the n-th receive.
 
 State a rank keeps: per held stage its parameters (one dict per weight version for asynchronous
@@ -70,6 +71,7 @@ class RankPayload:
     features: dict = field(default_factory=dict)   # feature name -> (its RankState class, the rank's info)
     tp: int = 1                    # tensor-parallel ranks per dp replica: rank = (pipe rank * dp + dp index) * tp + tp index
     foreign_buffers: tuple = ()    # buffers a stage's forward updates whose first holder is another pipeline rank
+    releases: dict = field(default_factory=dict)   # index of a RECV -> indices of the SENDs waited right after it
 
 
 def make_scheduler(spec, optimizer):
@@ -94,12 +96,19 @@ def straggle(factor: float, wall_s: float, cpu_s: float) -> float:
     return time.perf_counter()
 
 
+def _wait_sends(sends: list) -> None:
+    """Wait on one message's sends, binding no tensor of it to a name that outlives the call (the tensors die with
+    the list)."""
+    for pair in sends:
+        pair[0].wait()
+
+
 class _Window:
     """What lives for one run of the action list: messages, saved values, gradient sums, timings."""
 
     def __init__(self, micro, n_groups: int, store):
         self.micro = micro
-        self.fwd, self.bwd, self.saved, self.sends = {}, {}, {}, []
+        self.fwd, self.bwd, self.saved, self.sends = {}, {}, {}, {}     # sends: SEND index -> [(work, tensor)]
         self.acc, self.owned, self.synced, self.pending = {}, set(), {}, {}
         self.loss_sums = [0.0] * n_groups
         self.store = store
@@ -168,7 +177,8 @@ class Executor:
         self.last_stage = len(p.stage_to_rank) - 1
         self.n_inputs = p.settings.n_inputs
         self.loss_sums, self.step_times = [], []
-        self.comm = {"sent_bytes": 0, "sends": 0, "recvs": 0}
+        # held_sends / held_send_bytes: the most messages (and their bytes) sent and not yet waited, at once
+        self.comm = {"sent_bytes": 0, "sends": 0, "recvs": 0, "held_sends": 0, "held_send_bytes": 0}
         self.comm_calls: list = []
         self.measure_comm = p.settings.measure_comm
         self.measure_memory = p.settings.measure_memory
@@ -247,9 +257,12 @@ class Executor:
         if not self.p.settings.save_to:
             self.prev_params = {}            # the store holds them while the window reads them, no longer
         w.per_batch = per_batch
+        releases = self.p.releases
         for idx, a in enumerate(actions):
             tc, cpu = time.perf_counter(), time.process_time()
             self.handlers[a.kind](a, w, idx)
+            for k in releases.get(idx, ()):     # sends the peer is known to have received: wait, let go
+                _wait_sends(w.sends.pop(k, ()))
             end = time.perf_counter()
             if self.p.settings.slowdown > 1 and a.is_compute:      # a straggler (ClusterSpec.slowdown)
                 end = straggle(self.p.settings.slowdown, end - tc, time.process_time() - cpu)
@@ -260,8 +273,8 @@ class Executor:
             rec[0] += end - tc
             rec[1] += 1
             w.timeline.append((a.kind.value, a.stage, a.microbatch, tc, end))
-        for work, _ in w.sends:
-            work.wait()
+        for k in list(w.sends):
+            _wait_sends(w.sends.pop(k))
         self.busy.append(w.busy)
         self.action_times.append(w.times)
         self.timelines.append(w.timeline)
@@ -527,9 +540,12 @@ class Executor:
             t = box[key].contiguous()
             if self.p2p_staged:
                 t = t.cpu()
-            w.sends.append((dist.isend(t, peer, tag=tag), t))
+            w.sends.setdefault(idx, []).append((dist.isend(t, peer, tag=tag), t))
             self.comm["sent_bytes"] += t.numel() * t.element_size()
         self.comm["sends"] += 1
+        held = sum(t.numel() * t.element_size() for sends in w.sends.values() for _, t in sends)
+        self.comm["held_sends"] = max(self.comm["held_sends"], len(w.sends))
+        self.comm["held_send_bytes"] = max(self.comm["held_send_bytes"], held)
 
     def _recv(self, a, w, idx):
         s, i = a.stage, a.microbatch

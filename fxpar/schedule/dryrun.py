@@ -16,8 +16,9 @@ Runtime semantics this simulator implements -- and that an executor must impleme
   gradient exists once I is done; W adds only weight gradients). ``FULL s.i`` needs nothing: it is
   the whole one-stage step.
 * Sends are asynchronous (default, ``blocking_sends=False``): a SEND posts the tensor and the rank goes
-  on at once (``isend``; the runtime keeps the buffer alive and waits on every outstanding send before
-  the schedule ends). The message arrives ``comm`` later. A RECV blocks until its message has arrived.
+  on at once (``isend``; the runtime keeps the buffer alive until it waits on the send: right after the RECV
+  :func:`fxpar.schedule.sends.send_releases` names, where the receiver is known to have the message, else at the
+  end of the schedule). The message arrives ``comm`` later. A RECV blocks until its message has arrived.
   Messages between two ranks are matched in order per channel (src, dst, F or B): the n-th
   ``SF``/``SB`` from src to dst pairs with the n-th ``RF``/``RB`` at dst from src (``validate`` checks
   that the pairs agree). With ``blocking_sends=True`` a SEND instead waits for its RECV (rendezvous),
