@@ -22,6 +22,7 @@ from .roles import GraphKind, Role
 from .schedule import Action, ActionKind, carried_versions
 from .sharding import ShardingMap
 from .explain import explain_program
+from .optim import eager_step_compute
 from .planner import build_schedule, check_batch
 from .runtime.checkpoint import CheckpointError, incomplete_message, is_complete
 from .errors import StrategyError
@@ -341,6 +342,8 @@ class Program:
                     est = cost_models.estimate(calls, self.cluster, server_nodes=getattr(self.cluster, "server_nodes", None))
                     est.bubble = est.idle_fraction_where(is_compute_label)
                     est.notes += list(notes)
+            if not self.optimizer.traced:
+                self._price_eager_step(est)
             for r in est.ranks:      # what the features hold per rank beside the graphs (error-feedback residuals ...)
                 for name, section in self.plan.features.items():
                     extra = get_feature(name).state_bytes(section, self, r.rank)
@@ -349,6 +352,36 @@ class Program:
                         r.memory_breakdown[f"feature {name}"] = extra
             self._estimate = est
         return self._estimate
+
+    def eager_step_compute(self, rank: int) -> tuple:
+        """``(ops, flops, bytes, classes)`` of the eager optimizer step rank ``rank`` runs after its graphs when fxpar
+        does not trace the optimizer (:func:`fxpar.optim.eager_step_compute` over the parameters of its stages);
+        ``(0, 0, 0, ())`` for a traced optimizer."""
+        if self.optimizer.traced:
+            return 0, 0, 0, ()
+        params = {(s, k): (tuple(self._params[k].shape), self._params[k].dtype)
+                  for s in self.plan.rank_stages(rank) for k in self.stages[s].param_keys}
+        return eager_step_compute(self.optimizer, params)
+
+    def _price_eager_step(self, est) -> None:
+        """Add to ``est`` the eager optimizer step each rank runs after its graphs (an optimizer fxpar does not
+        trace): its compute at the rank's device rates, each aten op paying its dispatch, serial at the step's
+        end."""
+        from cost_models.compute import inner_time
+        worst = 0.0
+        for r in est.ranks:
+            ops, flops, nbytes, classes = self.eager_step_compute(r.rank)
+            dev = self.cluster.device_of(r.rank)
+            t = inner_time((ops, flops, nbytes, 0, classes), dev) + ops * getattr(dev, "op_overhead_s", 0.0)
+            r.compute_time_s += t
+            r.end_time_s += t
+            worst = max(worst, t)
+        est.step_time_s = max((r.end_time_s for r in est.ranks), default=0.0)
+        for r in est.ranks:
+            r.idle_fraction = 1 - r.compute_time_s / est.step_time_s if est.step_time_s > 0 else 0.0
+        est.notes.append(f"optimizer {self.optimizer.name} is not traced: each rank steps it eagerly after its graphs "
+                         f"(the weights copied into torch's parameters, the gradients cloned, torch's step, the new "
+                         f"weights cloned out), priced at up to {worst * 1e3:.3f} ms per step, serial at the step's end")
 
     def explain(self) -> str:
         return explain_program(self)
