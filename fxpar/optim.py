@@ -28,8 +28,7 @@ import torch
 
 from .errors import InputError
 
-__all__ = ["OptimizerSpec", "resolve_optimizer", "check_optimizer_params", "TRACEABLE", "ELEMENTWISE",
-           "eager_step_compute"]
+__all__ = ["OptimizerSpec", "resolve_optimizer", "check_optimizer_params", "TRACEABLE", "ELEMENTWISE"]
 
 
 @dataclass
@@ -251,27 +250,3 @@ def _adam(kw, params, grads, states, lr, step, decoupled):
     update = F._foreach_mul(F._foreach_div(exp_avg, denom), step_size)
     return F._foreach_sub(params, update), [exp_avg, exp_avg_sq]
 
-
-def eager_step_compute(spec: OptimizerSpec, params: dict) -> tuple:
-    """``(ops, flops, bytes, classes)``: what one step of an optimizer fxpar does not trace costs a rank, which runs
-    it eagerly after its graphs (``fxpar.runtime.executor.Executor._eager_step``): per parameter the weight copied
-    into torch's leaf and the gradient cloned onto it, ``torch.optim``'s own ``step()``, and the new weight cloned
-    out. ``params``: key -> ``(shape, dtype)`` of the parameters the rank steps. Run on meta tensors under
-    :func:`cost_models.compute.eager_compute`; the optimizer's first step (which makes its state) runs uncounted
-    first, so the count is a step of the steady state."""
-    from cost_models.compute import eager_compute
-    shapes = {k: (tuple(int(x) for x in sh), dt) for k, (sh, dt) in params.items()}
-    weights = {k: torch.empty(sh, dtype=dt, device="meta") for k, (sh, dt) in shapes.items()}
-    grads = {k: torch.empty(sh, dtype=dt, device="meta") for k, (sh, dt) in shapes.items()}
-    leaves = {k: torch.nn.Parameter(torch.empty(sh, dtype=dt, device="meta")) for k, (sh, dt) in shapes.items()}
-    opt = spec.make_torch_optimizer(list(leaves.values()))
-
-    def step():
-        for k, leaf in leaves.items():           # the executor's _eager_step, op for op
-            with torch.no_grad():
-                leaf.copy_(weights[k])
-            leaf.grad = grads[k].detach().clone()
-        opt.step()
-        return {k: leaf.detach().clone() for k, leaf in leaves.items()}
-    step()
-    return eager_compute(step)[1]

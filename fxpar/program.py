@@ -22,12 +22,12 @@ from .roles import GraphKind, Role
 from .schedule import Action, ActionKind, carried_versions
 from .sharding import ShardingMap
 from .explain import explain_program
-from .optim import eager_step_compute
 from .planner import build_schedule, check_batch
 from .runtime.checkpoint import CheckpointError, incomplete_message, is_complete
 from .errors import StrategyError
 import cost_models
 from cost_models import Item
+from cost_models.compute import eager_step_compute, inner_time
 
 __all__ = ["Program", "RunResult", "RankRunner", "Stage", "ActionList"]
 
@@ -355,7 +355,7 @@ class Program:
 
     def eager_step_compute(self, rank: int) -> tuple:
         """``(ops, flops, bytes, classes)`` of the eager optimizer step rank ``rank`` runs after its graphs when fxpar
-        does not trace the optimizer (:func:`fxpar.optim.eager_step_compute` over the parameters of its stages);
+        does not trace the optimizer (:func:`cost_models.compute.eager_step_compute` over the parameters of its stages);
         ``(0, 0, 0, ())`` for a traced optimizer."""
         if self.optimizer.traced:
             return 0, 0, 0, ()
@@ -367,7 +367,6 @@ class Program:
         """Add to ``est`` the eager optimizer step each rank runs after its graphs (an optimizer fxpar does not
         trace): its compute at the rank's device rates, each aten op paying its dispatch, serial at the step's
         end."""
-        from cost_models.compute import inner_time
         worst = 0.0
         for r in est.ranks:
             ops, flops, nbytes, classes = self.eager_step_compute(r.rank)
