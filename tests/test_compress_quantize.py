@@ -619,3 +619,21 @@ def test_elias_bits_of_indices_is_the_omega_code_count():
     _, idx = quantize_module.encode_with_indices(flat, levels, u, 100, 4)
     assert set(idx.tolist()) == set(range(8))
     assert int(quantize_module.elias_bits_of_indices(idx, 7, 10)) == elias_bit_count(flat, levels, u, 100)
+
+
+@pytest.mark.structure
+def test_step_records_are_kept_in_checkpoints_and_reported():
+    """What NUQSGD records of each step travels in the rank's checkpoint and comes back in the report."""
+    from fxpar.compress.runtime import CompressInfo, CompressState
+    method = NUQSGD(bits=3, bucket=64)
+    b = bucket_for(100, "float64", 2, 0)
+    st = CompressState(CompressInfo("nuqsgd", method, (b,), (0, 1)), 0)
+    key = (b.stage, b.index)
+    for bits in (310, 295):
+        st._done(key, b, {"elias_bits": torch.tensor(bits)})
+    saved = st.save()
+    again = CompressState(CompressInfo("nuqsgd", method, (b,), (0, 1)), 0)
+    again.load(saved)
+    assert again.records == st.records == {key: [310, 295]} and again.steps[key] == 2
+    report = again.report()[key]
+    assert report["elias_bits"] == [310, 295] and report["packed_bits"] == 8 * method.wire_bytes(b, None)
