@@ -353,7 +353,7 @@ class Program:
             self._estimate = est
         return self._estimate
 
-    def eager_step_compute(self, rank: int) -> tuple:
+    def eager_step_compute(self, rank: int, unpriced: list | None = None) -> tuple:
         """``(ops, flops, bytes, classes)`` of the eager optimizer step rank ``rank`` runs after its graphs when fxpar
         does not trace the optimizer (:func:`cost_models.compute.eager_step_compute` over the parameters of its stages);
         ``(0, 0, 0, ())`` for a traced optimizer."""
@@ -361,15 +361,15 @@ class Program:
             return 0, 0, 0, ()
         params = {(s, k): (tuple(self._params[k].shape), self._params[k].dtype)
                   for s in self.plan.rank_stages(rank) for k in self.stages[s].param_keys}
-        return eager_step_compute(self.optimizer, params)
+        return eager_step_compute(self.optimizer, params, unpriced)
 
     def _price_eager_step(self, est) -> None:
         """Add to ``est`` the eager optimizer step each rank runs after its graphs (an optimizer fxpar does not
         trace): its compute at the rank's device rates, each aten op paying its dispatch, serial at the step's
         end."""
-        worst = 0.0
+        worst, unpriced = 0.0, []
         for r in est.ranks:
-            ops, flops, nbytes, classes = self.eager_step_compute(r.rank)
+            ops, flops, nbytes, classes = self.eager_step_compute(r.rank, unpriced)
             dev = self.cluster.device_of(r.rank)
             t = inner_time((ops, flops, nbytes, 0, classes), dev) + ops * getattr(dev, "op_overhead_s", 0.0)
             r.compute_time_s += t
@@ -380,7 +380,8 @@ class Program:
             r.idle_fraction = 1 - r.compute_time_s / est.step_time_s if est.step_time_s > 0 else 0.0
         est.notes.append(f"optimizer {self.optimizer.name} is not traced: each rank steps it eagerly after its graphs "
                          f"(the weights copied into torch's parameters, the gradients cloned, torch's step, the new "
-                         f"weights cloned out), priced at up to {worst * 1e3:.3f} ms per step, serial at the step's end")
+                         f"weights cloned out), priced at up to {worst * 1e3:.3f} ms per step, serial at the step's end"
+                         + (f"; torch's step itself is not priced: {unpriced[0]}" if unpriced else ""))
 
     def explain(self) -> str:
         return explain_program(self)
