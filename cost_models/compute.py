@@ -44,7 +44,7 @@ from fxpar import meta as M
 
 __all__ = ["OpCost", "GraphCompute", "FLOP_RULES", "ZERO_COST_TARGETS", "node_cost", "node_time",
            "graph_compute", "op_cost", "tensor_bytes", "numel", "concrete", "fused_adam_cost", "inner_compute",
-           "inner_time", "NARROW_COLUMNS", "SELECTION_CLASSES", "eager_compute", "merge_classes"]
+           "inner_time", "NARROW_COLUMNS", "SELECTION_CLASSES", "eager_compute", "merge_classes", "eager_step_compute"]
 
 aten = torch.ops.aten
 
@@ -554,3 +554,37 @@ def graph_compute(gm: torch.fx.GraphModule, device) -> GraphCompute:
         if c.rule == "default":
             gc.defaulted[str(n.target)] += 1
     return gc
+
+
+def eager_step_compute(spec, params: dict, unpriced: list | None = None) -> tuple:
+    """``(ops, flops, bytes, classes)``: what one step of an optimizer fxpar does not trace (``spec``: its
+    :class:`fxpar.optim.OptimizerSpec`) costs a rank, which runs
+    it eagerly after its graphs (``fxpar.runtime.executor.Executor._eager_step``): per parameter the weight copied
+    into torch's leaf and the gradient cloned onto it, ``torch.optim``'s own ``step()``, and the new weight cloned
+    out. ``params``: key -> ``(shape, dtype)`` of the parameters the rank steps. Run on meta tensors under
+    :func:`eager_compute`; the optimizer's first step (which makes its state) runs uncounted
+    first, so the count is a step of the steady state. An optimizer whose step cannot run on meta tensors (it reads
+    a value, ``.item()``, or needs a closure) is left out: the runtime's copies alone are counted, and ``unpriced``
+    (a list) receives why."""
+    shapes = {k: (tuple(int(x) for x in sh), dt) for k, (sh, dt) in params.items()}
+    weights = {k: torch.empty(sh, dtype=dt, device="meta") for k, (sh, dt) in shapes.items()}
+    grads = {k: torch.empty(sh, dtype=dt, device="meta") for k, (sh, dt) in shapes.items()}
+    leaves = {k: torch.nn.Parameter(torch.empty(sh, dtype=dt, device="meta")) for k, (sh, dt) in shapes.items()}
+    opt = spec.make_torch_optimizer(list(leaves.values()))
+
+    def step(run_optimizer=True):
+        for k, leaf in leaves.items():           # the executor's _eager_step, op for op
+            with torch.no_grad():
+                leaf.copy_(weights[k])
+            leaf.grad = grads[k].detach().clone()
+        if run_optimizer:
+            opt.step()
+        return {k: leaf.detach().clone() for k, leaf in leaves.items()}
+    try:
+        step()
+    except Exception as e:                        # noqa: BLE001 -- any optimizer of the user's
+        if unpriced is not None:
+            unpriced.append(f"{type(opt).__name__}.step() does not run on meta tensors ({type(e).__name__}: "
+                            f"{str(e).splitlines()[0][:120]})")
+        return eager_compute(step, False)[1]
+    return eager_compute(step)[1]

@@ -249,3 +249,4 @@ def _adam(kw, params, grads, states, lr, step, decoupled):
     denom = F._foreach_add(F._foreach_div(F._foreach_sqrt(exp_avg_sq), bias_correction2_sqrt), eps)
     update = F._foreach_mul(F._foreach_div(exp_avg, denom), step_size)
     return F._foreach_sub(params, update), [exp_avg, exp_avg_sq]
+

@@ -28,6 +28,7 @@ from .runtime.checkpoint import CheckpointError, incomplete_message, is_complete
 from .errors import StrategyError
 import cost_models
 from cost_models import Item
+from cost_models.compute import eager_step_compute, inner_time
 
 __all__ = ["Program", "RunResult", "RankRunner", "Stage", "ActionList"]
 
@@ -351,6 +352,8 @@ class Program:
                     est = cost_models.estimate(calls, self.cluster, server_nodes=getattr(self.cluster, "server_nodes", None))
                     est.bubble = est.idle_fraction_where(is_compute_label)
                     est.notes += list(notes)
+            if not self.optimizer.traced:
+                self._price_eager_step(est)
             for r in est.ranks:      # what the features hold per rank beside the graphs (error-feedback residuals ...)
                 for name, section in self.plan.features.items():
                     extra = get_feature(name).state_bytes(section, self, r.rank)
@@ -359,6 +362,36 @@ class Program:
                         r.memory_breakdown[f"feature {name}"] = extra
             self._estimate = est
         return self._estimate
+
+    def eager_step_compute(self, rank: int, unpriced: list | None = None) -> tuple:
+        """``(ops, flops, bytes, classes)`` of the eager optimizer step rank ``rank`` runs after its graphs when fxpar
+        does not trace the optimizer (:func:`cost_models.compute.eager_step_compute` over the parameters of its stages);
+        ``(0, 0, 0, ())`` for a traced optimizer."""
+        if self.optimizer.traced:
+            return 0, 0, 0, ()
+        params = {(s, k): (tuple(self._params[k].shape), self._params[k].dtype)
+                  for s in self.plan.rank_stages(rank) for k in self.stages[s].param_keys}
+        return eager_step_compute(self.optimizer, params, unpriced)
+
+    def _price_eager_step(self, est) -> None:
+        """Add to ``est`` the eager optimizer step each rank runs after its graphs (an optimizer fxpar does not
+        trace): its compute at the rank's device rates, each aten op paying its dispatch, serial at the step's
+        end."""
+        worst, unpriced = 0.0, []
+        for r in est.ranks:
+            ops, flops, nbytes, classes = self.eager_step_compute(r.rank, unpriced)
+            dev = self.cluster.device_of(r.rank)
+            t = inner_time((ops, flops, nbytes, 0, classes), dev) + ops * getattr(dev, "op_overhead_s", 0.0)
+            r.compute_time_s += t
+            r.end_time_s += t
+            worst = max(worst, t)
+        est.step_time_s = max((r.end_time_s for r in est.ranks), default=0.0)
+        for r in est.ranks:
+            r.idle_fraction = 1 - r.compute_time_s / est.step_time_s if est.step_time_s > 0 else 0.0
+        est.notes.append(f"optimizer {self.optimizer.name} is not traced: each rank steps it eagerly after its graphs "
+                         f"(the weights copied into torch's parameters, the gradients cloned, torch's step, the new "
+                         f"weights cloned out), priced at up to {worst * 1e3:.3f} ms per step, serial at the step's end"
+                         + (f"; torch's step itself is not priced: {unpriced[0]}" if unpriced else ""))
 
     def explain(self) -> str:
         return explain_program(self)

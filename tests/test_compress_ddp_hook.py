@@ -6,6 +6,7 @@ what the hook's future returned. Then ``DDPHook(hook, fresh_state).sum`` replays
 from fxpar's side (each rank's buffer scaled by 1/dp, as fxpar's buckets come) and must return the same tensors."""
 import copy
 import functools
+import math
 import pickle
 import threading
 
@@ -258,12 +259,107 @@ def test_refuses_hooks_that_cannot_travel():
 
 
 @STRUCTURE
-def test_explain_says_bytes_are_measured():
+def test_explain_says_what_the_hook_sends():
     info = BucketInfo(0, 0, 1, ("w",), ((4, 4),), (0,), 16, "float64", 2)
     m = DDPHook(dh.fp16_compress_hook)
-    assert "measured" in " ".join(m.describe(info, None))
+    said = " ".join(m.describe(info, None))
+    assert "float16" in said and "all_reduce of 32 B" in said and "measure" in said
     assert "fp16_compress_hook" in m.summary()
     assert m.to_dict()["hook"].endswith("default_hooks.fp16_compress_hook")
+
+
+# ---- what the plan and estimate() price for a hook: what torch's hooks send, as they form it --------------------
+SHAPES = ((8, 16), (16,), (4, 3, 3), (2, 40), (5,), (30, 2))
+
+
+def _info(shapes=SHAPES) -> BucketInfo:
+    offsets, at = [], 0
+    for sh in shapes:
+        offsets.append(at)
+        at += math.prod(sh)
+    return BucketInfo(0, 0, 1, tuple(f"t{i}" for i in range(len(shapes))), shapes, tuple(offsets), at, "float64", 2)
+
+
+def _powersgd_formula(shapes, rank, rate) -> tuple:
+    """torch's powerSGD_hook, steps I-III: each gradient as an n x m matrix (m: the rest of its dims) at r = min(n,
+    m, rank) is compressed when (n + m) r rate < n m, adding n r to P and m r to Q; the others go whole."""
+    whole = p = q = 0
+    for sh in shapes:
+        n, m = sh[0], math.prod(sh) // sh[0]
+        r = min(n, m, rank)
+        if (n + m) * r * rate < n * m:
+            p, q = p + n * r, q + m * r
+        else:
+            whole += math.prod(sh)
+    return whole, p, q
+
+
+def users_hook(state, bucket):
+    """A hook of the user's own (module level: it travels by pickle)."""
+    return dh.allreduce_hook(state, bucket)
+
+
+@STRUCTURE
+@pytest.mark.filterwarnings("ignore:.*worth compressing:UserWarning")
+@pytest.mark.parametrize("rank, rate", [(1, 2.0), (2, 1.0), (2, 0.0), (4, 0.5)])
+def test_powerSGD_hook_is_priced_by_its_P_and_Q(rank, rate):
+    state = psgd.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=3, min_compression_rate=rate)
+    m, info = DDPHook(psgd.powerSGD_hook, state), _info()
+    assert [m.variant(info, k, {}) for k in range(5)] == ["allreduce"] * 3 + ["powersgd"] * 2
+    whole, p, q = _powersgd_formula(SHAPES, rank, rate)
+    assert p > 0
+    assert m.collectives(info, "powersgd") == [("all_reduce", 8 * whole), ("all_reduce", 8 * p), ("all_reduce", 8 * q)]
+    assert m.collectives(info, "allreduce") == [("all_reduce", 8 * info.numel)]
+    assert m.wire_bytes(info, "powersgd") == 8 * (whole + p + q)
+    # its compute is priced as fxpar's PowerSGD with the state's options (the same math), which sends the same
+    like, variant = m.priced_like(info, "powersgd")
+    assert like == C.PowerSGD(rank=rank, start_iter=3, min_compression_rate=rate, error_feedback=True, warm_start=True)
+    assert variant == "warm" and like.wire_bytes(info, variant) == m.wire_bytes(info, "powersgd")
+    assert m.priced_like(info, "allreduce") is None
+    assert f"all_reduce of {8 * p} B" in m.describe(info, "powersgd")[0]
+
+
+@STRUCTURE
+def test_torch_hooks_and_a_users_hook_are_priced_by_what_they_send():
+    info = _info()
+    n = info.numel
+    assert DDPHook(dh.allreduce_hook).collectives(info, None) == [("all_reduce", 8 * n)]
+    assert DDPHook(dh.allreduce_hook).priced_like(info, None) is None
+    for hook in (dh.fp16_compress_hook, dh.bf16_compress_hook, functools.partial(dh.fp16_compress_hook)):
+        m = DDPHook(hook)
+        assert m.collectives(info, None) == [("all_reduce", 2 * n)] and m.wire_bytes(info, None) == 2 * n
+        assert isinstance(m.priced_like(info, None)[0], (C.FP16, C.BF16))
+    batched = DDPHook(psgd.batched_powerSGD_hook, psgd.PowerSGDState(None, matrix_approximation_rank=2,
+                                                                     start_powerSGD_iter=2))
+    side = math.ceil(math.sqrt(n))
+    assert batched.collectives(info, "powersgd") == [("all_reduce", 8 * side * 2)] * 2
+    assert batched.collectives(info, "allreduce") == [("all_reduce", 8 * n)]
+    # a hook of the user's own, or torch's PowerSGD hook with a state that is not a PowerSGDState: an all-reduce,
+    # said in explain() and the plan's notes
+    for m in (DDPHook(users_hook), DDPHook(psgd.powerSGD_hook, {"rank": 2})):
+        assert m.torch_hook() is None and m.variant(info, 10, {}) is None
+        assert m.collectives(info, None) == [("all_reduce", 8 * n)] and m.priced_like(info, None) is None
+        assert "user's own" in m.describe(info, None)[0] and "priced as one plain all-reduce" in m.plan_note()
+
+
+@NUMERICS
+@pytest.mark.parametrize("hook", [dh.allreduce_hook, dh.fp16_compress_hook, dh.bf16_compress_hook, users_hook],
+                         ids=lambda h: h.__name__)
+def test_measured_bytes_equal_what_the_plan_prices(clusters, hook):
+    """Per bucket (several), the collectives measured on each rank are those the plan declares, and estimate()'s
+    bytes are theirs (an all-reduce at dp=2 sends its bytes once: 2 (N-1)/N S); a user's hook is priced as the
+    all-reduce it issues here, and the plan's notes say it is priced so."""
+    model, batches, loss_fn = _data("mlp")
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, bucket_cap_mb=0.004, grad_sync=C.DDPHook(hook)))
+    rows = prog.plan.section("ddp_hook").stages[0]
+    assert len(rows) >= 2
+    declared = [tuple(c) for row in rows for c in row["declared"]]
+    res = prog.run_local(batches[:2], cluster=clusters.get(2), measure_comm=True)
+    for r in range(2):
+        assert res.comm_calls[r] == [declared] * 2
+    assert prog.estimate().ranks[0].comm_bytes == pytest.approx(sum(b for _, b in declared), rel=1e-12)
+    assert any("priced as one plain all-reduce" in n for n in prog.plan.notes) == (hook is users_hook)
 
 
 @STRUCTURE
@@ -338,13 +434,12 @@ def test_run_local_equals_ddp_with_the_hook(clusters, name, kind):
 
 @NUMERICS
 def test_measured_bytes_and_explain(clusters):
-    """A hook's bytes are not known before it runs: the plan counts the bucket's plain all-reduce, explain() says
-    so, and a measured run reports what the hook handed over (fp16: half the bucket)."""
+    """The plan counts what torch's fp16 hook sends (half the bucket) and a measured run reports it."""
     model, batches, loss_fn = _data("mlp")
     prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
                              strategy=fxpar.Strategy(dp=2, grad_sync=C.DDPHook(dh.fp16_compress_hook)))
     numel = sum(p.numel() for p in model.parameters())
-    assert f"wire_bytes={numel * 8}" in prog.explain() and "measured" in prog.explain()
+    assert f"wire_bytes={numel * 2}" in prog.explain() and "measure" in prog.explain()
     res = prog.run_local(batches[:2], cluster=clusters.get(2), measure_comm=True)
     for r in range(2):
         assert res.comm_calls[r] == [[("all_reduce", numel * 2)]] * 2
@@ -480,3 +575,14 @@ def test_measured_bytes_of_powerSGD_hook_include_its_callbacks(clusters):
     for r in range(2):
         assert res.comm_calls[r] == [[("all_reduce", numel * 8)]] * 2 + \
             [[("all_reduce", whole * 8), ("all_reduce", P * 8), ("all_reduce", Q * 8)]] * 2
+    # the plan prices the same: the steps after the start, and (first_step) those before it
+    row, = prog.plan.section("ddp_hook").stages[0]
+    assert row["declared"] == [["all_reduce", whole * 8], ["all_reduce", P * 8], ["all_reduce", Q * 8]]
+    assert row["first_step"]["declared"] == [["all_reduce", numel * 8]]
+    est = prog.estimate()
+    assert est.ranks[0].comm_bytes == pytest.approx((whole + P + Q) * 8, rel=1e-12)
+    # fxpar's PowerSGD with the same options sends the same bytes
+    own = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                            strategy=fxpar.Strategy(dp=2, grad_sync=C.PowerSGD(rank=2, start_iter=2,
+                                                                               min_compression_rate=1.0)))
+    assert own.estimate().ranks[0].comm_bytes == pytest.approx(est.ranks[0].comm_bytes, rel=1e-12)

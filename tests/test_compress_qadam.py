@@ -205,3 +205,35 @@ def test_a_weight_tied_across_stages_is_refused():
         fxpar.parallelize(model, fxpar.ClusterSpec.local(4), batches[0], loss_fn=gpt_loss,
                           optimizer=(C.QAdamOptimizer, {"lr": LR}),
                           strategy=fxpar.Strategy(dp=2, pp=2, microbatches=2, grad_sync=C.QAdam()))
+
+
+@pytest.mark.cost
+def test_the_eager_optimizer_step_is_priced(monkeypatch):
+    """QAdamOptimizer is not traced: each rank runs it eagerly after its graph (Executor._eager_step), and
+    estimate() prices that step -- per parameter tensor of n values 7 aten ops (the weight copied into torch's
+    parameter, the gradient detached and cloned onto it, torch's ``grad * lr`` and ``sub_``, the new weight detached
+    and cloned out), elementwise bytes 5 n (``grad * lr`` reads and writes n, ``sub_`` reads 2 n and writes n) and
+    copy bytes 7 n (``copy_`` in and out 3 n, each clone 2 n), times the element size -- serial at the step's end:
+    the step time is the graph's plus that step's roofline time and dispatch."""
+    model, batches = _model(), mlp_batches(1)
+    prog = _program(model, batches, C.QAdam(warmup_steps=2))
+    assert not prog.optimizer.traced
+    params = list(model.parameters())
+    n, es = sum(p.numel() for p in params), params[0].element_size()
+    ops, flops, nbytes, classes = prog.eager_step_compute(0)
+    assert ops == 7 * len(params)
+    assert dict((c, b) for c, _, b in classes) == {"elementwise": 5 * n * es, "copy": 7 * n * es}
+    assert nbytes == 12 * n * es
+    from cost_models.compute import inner_time
+    dev = prog.cluster.device_of(0)
+    t = inner_time((ops, flops, nbytes, 0, classes), dev) + ops * dev.op_overhead_s
+    assert t > 0
+    est = prog.estimate()
+    assert any("QAdamOptimizer is not traced" in line for line in est.notes)
+    monkeypatch.setattr(fxpar.Program, "_price_eager_step", lambda self, est: None)
+    base = _program(model, batches, C.QAdam(warmup_steps=2)).estimate()
+    assert est.step_time_s == pytest.approx(base.step_time_s + t, rel=1e-12)
+    assert est.ranks[0].compute_time_s == pytest.approx(base.ranks[0].compute_time_s + t, rel=1e-12)
+    # a traced optimizer's step is in its graph: nothing is added
+    traced = _program(model, batches, "allreduce", optimizer=(torch.optim.SGD, {"lr": 0.1}))
+    assert traced.optimizer.traced and traced.eager_step_compute(0) == (0, 0, 0, ())

@@ -31,6 +31,7 @@ from fxpar.compress.quantize import (ALQ, AMQ, NUQSGD, QSGD, alq_adapt, amq_adap
 from fxpar.compress.wangni import Wangni, capacity, densify, sparsify, wangni_probabilities
 from fxpar.errors import StrategyError
 from fxpar.testing import MLP
+from fxpar.testing.compress import elias_bits_of_message, nuqsgd_reference
 from fxpar.testing.compress_ranks import bucket_for, sum_steps, training_reference
 
 N_DRAWS = 20000
@@ -411,6 +412,10 @@ def _bucket_math(method, infos, flats, states, draws, variant):
         return total, states
     levels, bits = method._levels(states[0]), method._bits()
     parts = [quantize_dequantize(f, levels, d[0], method.bucket, bits) for f, d in zip(flats, draws)]
+    if isinstance(method, NUQSGD):      # each rank's state: the Elias bits of its message, counted from its codes
+        states = [{"elias_bits": torch.tensor(elias_bits_of_message(encode(f, levels, d[0], method.bucket, bits), numel,
+                                                                    method.bucket, bits, method._s()))}
+                  for f, d in zip(flats, draws)]
     total = parts[0]
     for part in parts[1:]:
         total = total + part
@@ -432,15 +437,15 @@ def _reference(method, records_by_rank, numel):
         recs = [rr[step] for rr in records_by_rank]
         total, states = _bucket_math(method, infos, [r["flat"] for r in recs], states, [r["inputs"] for r in recs],
                                      recs[0]["variant"])
-        out.append((total, {k: v.clone() for k, v in states[0].items()}))
+        out.append((total, [{k: v.clone() for k, v in st.items()} for st in states]))
     return out
 
 
 def _check_on_ranks(method, records_by_rank, numel):
     dp = len(records_by_rank)
     ref = _reference(method, records_by_rank, numel)
-    for step, (total, state) in enumerate(ref):
-        for rr in records_by_rank:
+    for step, (total, states) in enumerate(ref):
+        for rr, state in zip(records_by_rank, states):
             rec = rr[step]
             assert torch.equal(rec["summed"], total), (step, (rec["summed"] - total).abs().max())
             assert rec["state"].keys() == state.keys() and all(torch.equal(rec["state"][k], state[k]) for k in state)
@@ -568,3 +573,67 @@ def test_names_work_as_grad_sync_strings():
     for name, cls in [("qsgd", QSGD), ("nuqsgd", NUQSGD), ("alq", ALQ), ("amq", AMQ), ("wangni", Wangni)]:
         assert C.registered_methods()[name] is cls and getattr(C, cls.__name__) is cls
         assert fxpar.Strategy(dp=2, grad_sync=name).grad_sync == name
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
+def test_nuqsgd_records_the_elias_bits_each_rank_sent(clusters):
+    """Each rank records, per step and bucket, the Elias-coded bits (the paper's count, §4) of the codes it sent:
+    equal, exactly, to the count taken from each rank's encoded message in a one-process reference with the same
+    draws; below the fixed-width bits that travel (a gradient's values sit mostly at the low levels, whose codes are
+    short); the training equals the reference to 1e-10."""
+    method, model, batches = NUQSGD(bits=3, bucket=512), _model(), _batches(3)
+    prog = _program(model, batches, dp=2, bucket_cap_mb=0.004, grad_sync=method)
+    infos = bucket_infos(prog.plan, 0, prog.stages[0].captured)
+    assert len(infos) >= 2
+    res = prog.run_local(batches, cluster=clusters.get(2))
+    losses, state, elias = nuqsgd_reference(model, batches, F.mse_loss, 0.1, method, infos)
+    torch.testing.assert_close(torch.tensor(res.losses), torch.tensor(losses), rtol=1e-10, atol=1e-10)
+    for r in range(2):
+        report = res.features[r]["nuqsgd"]
+        assert sorted(report) == [(0, b.index) for b in infos]
+        for b in infos:
+            got = report[(0, b.index)]
+            assert got["elias_bits"] == elias[(0, b.index)][r]
+            assert len(got["elias_bits"]) == len(batches)
+            assert got["packed_bits"] == 8 * method.wire_bytes(b, None)
+            if b.numel >= 256:           # a chunk of a few values has large normalised values: long codes
+                assert all(e < got["packed_bits"] for e in got["elias_bits"]), (b.numel, got)
+    # the ranks drew differently, so they sent different messages
+    assert res.features[0]["nuqsgd"] != res.features[1]["nuqsgd"]
+    assert sum(b.numel >= 256 for b in infos) >= 2
+    assert "RunResult.features[rank]['nuqsgd']" in prog.explain()
+
+
+@pytest.mark.structure
+def test_elias_bits_of_indices_is_the_omega_code_count():
+    """The traced count (a table of each level index's bits) equals elias_bit_count's, which codes each value with
+    packing.elias_omega_length, on a bucket with every level used."""
+    g = torch.Generator().manual_seed(4)
+    flat = torch.randn(1000, dtype=torch.float64, generator=g) * torch.logspace(-6, 0, 1000, dtype=torch.float64)
+    flat[:100] = 0
+    flat[7] = -3.0                      # a chunk of one value: its level is 1, the top index
+    u = torch.rand(1000, dtype=torch.float64, generator=g)
+    m = NUQSGD(bits=4, bucket=100)
+    levels = m._levels({})
+    _, idx = quantize_module.encode_with_indices(flat, levels, u, 100, 4)
+    assert set(idx.tolist()) == set(range(8))
+    assert int(quantize_module.elias_bits_of_indices(idx, 7, 10)) == elias_bit_count(flat, levels, u, 100)
+
+
+@pytest.mark.structure
+def test_step_records_are_kept_in_checkpoints_and_reported():
+    """What NUQSGD records of each step travels in the rank's checkpoint and comes back in the report."""
+    from fxpar.compress.runtime import CompressInfo, CompressState
+    method = NUQSGD(bits=3, bucket=64)
+    b = bucket_for(100, "float64", 2, 0)
+    st = CompressState(CompressInfo("nuqsgd", method, (b,), (0, 1)), 0)
+    key = (b.stage, b.index)
+    for bits in (310, 295):
+        st._done(key, b, {"elias_bits": torch.tensor(bits)})
+    saved = st.save()
+    again = CompressState(CompressInfo("nuqsgd", method, (b,), (0, 1)), 0)
+    again.load(saved)
+    assert again.records == st.records == {key: [310, 295]} and again.steps[key] == 2
+    report = again.report()[key]
+    assert report["elias_bits"] == [310, 295] and report["packed_bits"] == 8 * method.wire_bytes(b, None)

@@ -218,7 +218,7 @@ class Accordion(Method):
                           f"{self.low.start_iter} (start_iter)"]
         return [head] + describe_layout(bucket, self.layout(bucket, settings))
 
-    def report(self, bucket: BucketInfo, state: dict) -> dict:
+    def report(self, bucket: BucketInfo, state: dict, records=()) -> dict:
         """The run's result (``RunResult.features[rank]["accordion"][(stage, bucket)]``): the switches made
         (``count``) and the latest ones, oldest first (``log``: ``(step, parameter key, "high" | "low")``)."""
         return {"count": int(state["log_count"][0]), "log": self.switch_log(bucket, state)}

@@ -23,6 +23,11 @@ pickle is refused by name when the checkpoint is taken.
 Bytes: collectives a hook issues from its future's callbacks (``powerSGD_hook``'s all-reduces of P and Q) run on
 the backend's threads; the callbacks the hook chains are run under the rank's ``CommCounter`` there too, so a run
 with ``measure_comm=True`` counts every collective the hook issues (:func:`_counted_callbacks`).
+
+Pricing: the plan and ``estimate()`` count what torch's own hooks send, as those hooks form it
+(:meth:`DDPHook.collectives`: ``powerSGD_hook``'s P and Q per matrix from its ``PowerSGDState``), and their compute as
+a traced method doing the same math (:meth:`DDPHook.priced_like`). A hook of the user's own is priced as one plain
+all-reduce of the bucket, which the plan's notes and ``explain()`` say.
 """
 from __future__ import annotations
 
@@ -30,14 +35,17 @@ import base64
 import contextlib
 import copy
 import functools
+import math
 import pickle
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar
 
 import torch
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
@@ -46,7 +54,7 @@ from fxpar.compress.method import BucketInfo, Comm, Method
 from fxpar.errors import StrategyError
 from fxpar.runtime.measure import CommCounter
 
-__all__ = ["DDPHook", "HookBucket", "hook_name"]
+__all__ = ["DDPHook", "HookBucket", "hook_name", "powersgd_hook_sizes", "batched_powersgd_hook_sizes"]
 
 
 def hook_name(hook) -> str:
@@ -245,15 +253,137 @@ class DDPHook(Method):
         for k, v in saved["attributes"].items():
             object.__setattr__(self.state, k, copy.deepcopy(v))
 
+    # ---- what it costs and says ----
+    def torch_hook(self) -> str | None:
+        """Which of torch's hooks this is (``"allreduce"``, ``"fp16"``, ``"bf16"``, ``"powerSGD"``,
+        ``"batched_powerSGD"``; a ``functools.partial`` of one counts), or None: a hook of the user's own, whose
+        bytes the plan cannot know."""
+        kind = _TORCH_HOOKS.get(getattr(self.hook, "func", self.hook))
+        if kind in ("powerSGD", "batched_powerSGD") and not all(
+                hasattr(self.state, a) for a in ("matrix_approximation_rank", "start_powerSGD_iter",
+                                                 "min_compression_rate", "use_error_feedback", "warm_start")):
+            return None                 # not a PowerSGDState: what it sends is not torch's formula
+        return kind
+
+    def variant(self, bucket: BucketInfo, step: int, state: dict):
+        """torch's PowerSGD hooks: ``"allreduce"`` while the hook's iteration count (``PowerSGDState.iter``, one per
+        step, from 0) is below ``start_powerSGD_iter``, then ``"powersgd"``; other hooks: None. For the plan and the
+        cost models only: the hook itself decides from its state."""
+        if self.torch_hook() in ("powerSGD", "batched_powerSGD"):
+            return "allreduce" if step < self.state.start_powerSGD_iter else "powersgd"
+        return None
+
+    def collectives(self, bucket: BucketInfo, variant) -> list:
+        """``[(kind, bytes), ...]`` the hook issues on ``bucket``, in order, as torch's hooks form them
+        (``torch/distributed/algorithms/ddp_comm_hooks``): ``allreduce_hook`` all-reduces the bucket;
+        ``fp16_compress_hook`` / ``bf16_compress_hook`` a copy in 2-byte floats; ``powerSGD_hook`` before
+        ``start_powerSGD_iter`` the bucket, after it three all-reduces (:func:`powersgd_hook_sizes`: the tensors it
+        does not compress, whole, then P, then Q, each possibly empty); ``batched_powerSGD_hook`` after its start P
+        and Q of the bucket padded to a square (:func:`batched_powersgd_hook_sizes`). A hook of the user's own: one
+        all-reduce of the bucket, a guess the plan notes (:meth:`plan_note`)."""
+        es, kind = bucket.element_size, self.torch_hook()
+        if kind in ("fp16", "bf16"):
+            return [("all_reduce", bucket.numel * 2)]
+        if variant == "powersgd" and kind == "powerSGD":
+            st = self.state
+            return [("all_reduce", n * es) for n in powersgd_hook_sizes(
+                bucket.shapes, st.matrix_approximation_rank, st.min_compression_rate)]
+        if variant == "powersgd" and kind == "batched_powerSGD":
+            return [("all_reduce", n * es) for n in batched_powersgd_hook_sizes(
+                bucket.numel, self.state.matrix_approximation_rank)]
+        return [("all_reduce", bucket.numel * es)]
+
     def wire_bytes(self, bucket: BucketInfo, variant) -> int:
-        """A hook's bytes are not known before it runs: the plan counts the bucket's plain all-reduce; a run with
-        ``measure_comm=True`` reports what the hook handed over."""
-        return bucket.numel * bucket.element_size
+        """The bytes of :meth:`collectives`; a run with ``measure_comm=True`` reports what the hook handed over."""
+        return sum(n for _, n in self.collectives(bucket, variant))
+
+    def priced_like(self, bucket: BucketInfo, variant):
+        """The compute of torch's hooks, as the cost models price it: ``fp16_compress_hook`` / ``bf16_compress_hook``
+        as :class:`~fxpar.compress.fp16.FP16` / ``BF16`` (the same casts), ``powerSGD_hook`` after its start as
+        :class:`~fxpar.compress.powersgd.PowerSGD` with the state's options (the same math, equal to the hook to
+        1e-10: ``tests/test_compress_powersgd.py``). ``allreduce_hook`` computes nothing; ``batched_powerSGD_hook``
+        and a user's hook: not priced."""
+        from fxpar.compress.fp16 import BF16, FP16
+        from fxpar.compress.powersgd import PowerSGD
+        kind = self.torch_hook()
+        if kind == "fp16":
+            return FP16(), None
+        if kind == "bf16":
+            return BF16(), None
+        if kind == "powerSGD" and variant == "powersgd":
+            st = self.state
+            like = PowerSGD(rank=int(st.matrix_approximation_rank), start_iter=int(st.start_powerSGD_iter),
+                            min_compression_rate=float(st.min_compression_rate),
+                            error_feedback=bool(st.use_error_feedback), warm_start=bool(st.warm_start),
+                            orthogonalization_epsilon=float(getattr(st, "orthogonalization_epsilon", 0.0)))
+            with warnings.catch_warnings():      # the hook's own layout is told in describe()
+                warnings.simplefilter("ignore")
+                like.layout(bucket)
+            return like, ("warm" if like.warm_start else "fresh")
+        return None
+
+    def plan_note(self) -> str:
+        if self.torch_hook() is None:
+            return (f"the hook {hook_name(self.hook)} is the user's own: in the plan and estimate() each bucket is "
+                    "priced as one plain all-reduce of the bucket, with none of the hook's compute (what it sends is not "
+                    "known before it runs; run_local(measure_comm=True) measures it); " + super().plan_note())
+        return super().plan_note()
 
     def describe(self, bucket: BucketInfo, variant) -> list:
-        return [f"DDP comm hook {hook_name(self.hook)} (state {type(self.state).__name__}) sums the bucket; its bytes "
-                "are not known before it runs: wire_bytes counts a plain all-reduce of the bucket, "
-                "run_local(measure_comm=True) reports those measured"]
+        head = f"DDP comm hook {hook_name(self.hook)} (state {type(self.state).__name__}) sums the bucket"
+        kind = self.torch_hook()
+        sent = ", ".join(f"{k} of {n} B" for k, n in self.collectives(bucket, variant))
+        if kind is None:
+            return [f"{head}; a hook of the user's own: what it sends is not known before it runs, so the plan and "
+                    f"estimate() price it as one plain all-reduce of the bucket ({sent}) and none of its compute; "
+                    "run_local(measure_comm=True) reports the bytes measured"]
+        how = {"allreduce": "torch's allreduce_hook: the bucket all-reduced",
+               "fp16": "torch's fp16_compress_hook: the bucket all-reduced in float16",
+               "bf16": "torch's bf16_compress_hook: the bucket all-reduced in bfloat16"}.get(kind)
+        if how is None and variant != "powersgd":
+            how = (f"torch's {kind}_hook before start_powerSGD_iter={self.state.start_powerSGD_iter}: the bucket "
+                   "all-reduced")
+        elif how is None and kind == "powerSGD":
+            st = self.state
+            how = (f"torch's powerSGD_hook (rank {st.matrix_approximation_rank}, min_compression_rate "
+                   f"{st.min_compression_rate}): the tensors it does not compress all-reduced whole, then P and Q")
+        elif how is None:
+            how = (f"torch's batched_powerSGD_hook (rank {self.state.matrix_approximation_rank}): P and Q of the "
+                   "bucket padded to a square; its compute is not priced")
+        return [f"{head}; {how} ({sent}, as torch's hook forms them; run_local(measure_comm=True) measures them)"]
+
+
+def powersgd_hook_sizes(shapes, rank: int, min_compression_rate: float) -> tuple:
+    """``(whole, P, Q)``: the elements ``powerSGD_hook`` all-reduces for a bucket of gradients of ``shapes`` after
+    its start (torch's ``powerSGD_hook`` steps I-III): each gradient viewed as a matrix ``n x m`` (``n`` its first
+    dim, ``m`` the product of the rest) at rank ``r = min(n, m, rank)`` is compressed when
+    ``(n + m) r min_compression_rate < n m`` (torch's ``_should_compress``), adding ``n r`` to P and ``m r`` to Q;
+    the others are sent whole."""
+    whole = p = q = 0
+    for shape in shapes:
+        numel = 1
+        for s in shape:
+            numel *= int(s)
+        n = int(shape[0]) if len(shape) else 1
+        m = numel // n if n else 0
+        r = min(n, m, int(rank))
+        if (n + m) * r * min_compression_rate < n * m:
+            p, q = p + n * r, q + m * r
+        else:
+            whole += numel
+    return whole, p, q
+
+
+def batched_powersgd_hook_sizes(numel: int, rank: int) -> tuple:
+    """``(P, Q)``: the elements ``batched_powerSGD_hook`` all-reduces after its start: the bucket padded to a
+    square of side ``ceil(sqrt(numel))``, P and Q each ``side x rank``."""
+    side = math.ceil(math.sqrt(numel))
+    return side * int(rank), side * int(rank)
+
+
+_TORCH_HOOKS = {default_hooks.allreduce_hook: "allreduce", default_hooks.fp16_compress_hook: "fp16",
+                default_hooks.bf16_compress_hook: "bf16", torch_powersgd.powerSGD_hook: "powerSGD",
+                torch_powersgd.batched_powerSGD_hook: "batched_powerSGD"}
 
 
 def _fields(state) -> dict:

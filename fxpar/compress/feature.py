@@ -230,7 +230,8 @@ class CompressedSum(Pass):
                                                 parts=parts if len(parts) > 1 else ()))
             ops, flops, nbytes = info.get("compute", (0, 0, 0))
             M.set_meta(call, M.INNER_COMPUTE, (int(ops), int(flops), int(nbytes),
-                                               len(row.get("pieces") or info["collectives"]),
+                                               len(row.get("pieces") or info["collectives"]
+                                                   or info.get("declared") or ()),
                                                tuple((str(k), int(f), int(n)) for k, f, n in
                                                      info.get("compute_classes", ()))))
             out = div if div is not None else wait
@@ -327,12 +328,17 @@ class CompressFeature(Feature):
                    "collectives": collectives, "compute": compute, "compute_classes": classes}
             if m.eager:              # not traced: the collectives the method declares, for the cost models
                 row["declared"] = [[str(k), int(n)] for k, n in m.collectives(b, v)]
+                like = m.priced_like(b, v)
+                if like is not None:     # its compute: that of a traced method doing the same math
+                    _, row["compute"], row["compute_classes"] = _traced_sum(like[0], b, like[1])
             if section.schedule:
                 part = section.schedule["partition_bytes"]
                 row["pieces"] = [[c.kind, n] for c in _phased(m, b, v).collectives for n in piece_bytes(c, part)]
             v0 = m.variant(b, 0, state)
             if v0 != v:              # the first steps sum another way: what they send
                 row["first_step"] = {"wire_bytes": int(m.wire_bytes(b, v0)), "collectives": _traced_sum(m, b, v0)[0]}
+                if m.eager:
+                    row["first_step"]["declared"] = [[str(k), int(n)] for k, n in m.collectives(b, v0)]
             rows.append(row)
         while len(section.stages) <= stage:
             section.stages.append([])
@@ -380,15 +386,24 @@ class CompressFeature(Feature):
         for s in range(len(section.stages)):
             for b, row in zip(bucket_infos(program.plan, s, program.stages[s].captured), section.stages[s]):
                 v = m.variant(b, STEADY_STEP, dict(m.init_state(b, generator_for(m))))
-                coll = ", ".join(f"{k} of {n} bytes" for k, n in row["collectives"]) or "collectives run eagerly"
+                coll = _collectives_words(row)
                 lines.append(f"stage {s} bucket {b.index}: {b.numel} values ({b.dtype}), {row['plain_bytes']} bytes "
                              f"all-reduced plainly -> wire_bytes={row['wire_bytes']} ({coll})")
                 first = row.get("first_step")
                 if first is not None:        # the first steps (before a start_iter, a warm-up) send otherwise
-                    coll0 = ", ".join(f"{k} of {n} bytes" for k, n in first["collectives"]) or "collectives run eagerly"
+                    coll0 = _collectives_words(first)
                     lines.append(f"  until the method starts: wire_bytes={first['wire_bytes']} ({coll0})")
                 lines += [f"  {x}" for x in m.describe(b, v)]
         return lines
+
+
+def _collectives_words(row: dict) -> str:
+    """A plan row's collectives in words: the traced sum's, or those an eager method declares."""
+    if row.get("collectives"):
+        return ", ".join(f"{k} of {n} bytes" for k, n in row["collectives"])
+    if row.get("declared"):
+        return "run eagerly, as declared: " + ", ".join(f"{k} of {n} bytes" for k, n in row["declared"])
+    return "collectives run eagerly"
 
 
 DEFAULT_PARTITION_MB = 1      # ByteScheduler's piece under compression, unless partition_mb is given

@@ -175,6 +175,12 @@ class Method:
         method's from here. Default: one all-reduce of :meth:`wire_bytes`."""
         return [("all_reduce", int(self.wire_bytes(bucket, variant)))]
 
+    def priced_like(self, bucket: BucketInfo, variant):
+        """For an ``eager`` method (whose sum is not traced, so the cost models see none of its compute): ``(method,
+        variant)``, a traced method whose sum of ``bucket`` does the same compute, which the plan traces and prices in
+        its place; None: the compute is not priced. Default: None."""
+        return None
+
     def host_state(self):
         """What of this method's own objects (not its per-bucket state tensors) a rank's checkpoint keeps
         (picklable; None: nothing), such as a DDP comm hook's state object."""
@@ -183,9 +189,15 @@ class Method:
     def load_host_state(self, saved) -> None:
         """Restore what :meth:`host_state` returned, on resume."""
 
-    def report(self, bucket: BucketInfo, state: dict):
+    def report(self, bucket: BucketInfo, state: dict, records=()):
         """What this rank's state of ``bucket`` tells the run's result at its end (picklable; None: nothing):
-        ``RunResult.features[rank][<method name>][(stage, index)]``."""
+        ``RunResult.features[rank][<method name>][(stage, index)]``. ``records``: what :meth:`step_record` returned
+        at each step of the run, oldest first."""
+        return None
+
+    def step_record(self, bucket: BucketInfo, state: dict):
+        """What the rank keeps of ``bucket``'s step, from the state the step's sum returned (picklable; None:
+        nothing): handed to :meth:`report` as ``records`` at the run's end, and saved in checkpoints."""
         return None
 
     def describe(self, bucket: BucketInfo, variant) -> list:

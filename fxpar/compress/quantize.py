@@ -67,7 +67,8 @@ from fxpar.errors import StrategyError
 
 __all__ = ["QSGD", "NUQSGD", "ALQ", "AMQ", "rank_generator", "uniform_levels", "exponential_levels", "encode", "decode",
            "quantize_dequantize", "level_indices", "expected_variance", "normalised", "alq_adapt", "amq_adapt",
-           "elias_bit_count", "qsgd_variance_bound", "nuqsgd_variance_bound"]
+           "elias_bit_count", "elias_bits_of_indices", "elias_value_bits", "encode_with_indices", "qsgd_variance_bound",
+           "nuqsgd_variance_bound"]
 
 
 # ---- levels --------------------------------------------------------------------------------------------------
@@ -117,6 +118,12 @@ def level_indices(r: torch.Tensor, levels: torch.Tensor, u: torch.Tensor) -> tor
 
 def encode(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int, bits: int) -> torch.Tensor:
     """``flat`` quantized: the chunks' float32 scales and the packed signed codes, one uint8 buffer."""
+    return encode_with_indices(flat, levels, u, chunk, bits)[0]
+
+
+def encode_with_indices(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int, bits: int) -> tuple:
+    """``(buffer, indices)``: :func:`encode`'s buffer and each value's level index (int64), the magnitude part of
+    its code."""
     n, s = flat.shape[0], levels.shape[0] - 1
     v = _chunks(flat, chunk)
     scale32 = _scales(v)
@@ -126,7 +133,7 @@ def encode(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int
     # s - idx where the value is negative, s + idx elsewhere: integer arithmetic, without a select over a mask
     # that flips at random (4-5x a comparison's time on CPU)
     codes = torch.addcmul(s + idx, idx, (flat < 0).to(idx.dtype), value=-2)
-    return torch.cat([scale32.view(torch.uint8), pack_bits(codes, bits)])
+    return torch.cat([scale32.view(torch.uint8), pack_bits(codes, bits)]), idx
 
 
 def decode(buf: torch.Tensor, levels: torch.Tensor, n: int, chunk: int, bits: int, dtype) -> torch.Tensor:
@@ -188,6 +195,28 @@ def _chunk_bound(flat, chunk, eps):
         v = flat[start:start + chunk].to(torch.float64)
         total = total + eps(v.shape[0]) * (v * v).sum()
     return total
+
+
+def elias_value_bits(s: int) -> list:
+    """Per level index ``j`` in ``0..s``: the bits NUQSGD's Elias-coded message spends on a value of that index,
+    the Elias omega code of ``j + 1`` and a sign bit where ``j > 0`` (Python ints: a table the traced sum indexes)."""
+    return [omega_bits(j + 1) + (1 if j > 0 else 0) for j in range(s + 1)]
+
+
+def omega_bits(x: int) -> int:
+    """Bits of Elias's omega code of the positive integer ``x`` (the final 0, then the recursive groups)."""
+    total = 1
+    while x > 1:
+        total += x.bit_length()
+        x = x.bit_length() - 1
+    return total
+
+
+def elias_bits_of_indices(idx: torch.Tensor, s: int, chunks: int) -> torch.Tensor:
+    """The Elias-coded message's bits (an int64 0-d tensor) of values with level indices ``idx`` (``s`` levels per
+    sign) in ``chunks`` chunks: 32 per chunk (the norm) plus :func:`elias_value_bits` per value; traceable."""
+    table = torch.tensor(elias_value_bits(s), dtype=torch.int64, device=idx.device)
+    return table[idx].sum() + 32 * chunks
 
 
 def elias_bit_count(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int) -> int:
@@ -290,15 +319,19 @@ class _Quantizer(Method):
 
     def sum(self, flat, state, inputs, bucket, comm: Comm, variant) -> tuple:
         levels, n, bits = self._levels(state), flat.shape[0], self._bits()
-        buf = encode(flat, levels, inputs[0], self.bucket, bits)
+        buf, idx = encode_with_indices(flat, levels, inputs[0], self.bucket, bits)
         everyone = comm.all_gather(buf).view(comm.size, buf.shape[0])
         summed = decode(everyone[0], levels, n, self.bucket, bits, flat.dtype)
         for r in range(1, comm.size):
             summed = summed + decode(everyone[r], levels, n, self.bucket, bits, flat.dtype)
-        return summed, self._next_state(summed, state, variant)
+        return summed, {**self._next_state(summed, state, variant), **self._sent_state(idx, n)}
 
     def _next_state(self, summed, state, variant) -> dict:
         return state
+
+    def _sent_state(self, idx, n: int) -> dict:
+        """State entries made from this rank's level indices, the codes it sent (NUQSGD: their Elias bits)."""
+        return {}
 
     def wire_bytes(self, bucket: BucketInfo, variant) -> int:
         return 4 * -(-bucket.numel // self.bucket) + packed_nbytes(bucket.numel, self._bits())
@@ -366,6 +399,27 @@ class NUQSGD(_BitsQuantizer):
     def _levels(self, state):
         return exponential_levels(self._s())
 
+    # ---- the Elias-coded count of what each step sent ----
+    def init_state(self, bucket: BucketInfo, gen: torch.Generator) -> dict:
+        """``elias_bits``: the Elias-coded bits (:func:`elias_bit_count`'s count) of the codes this rank sent for
+        the bucket at its latest step (int64, 0 before the first)."""
+        return {"elias_bits": torch.zeros((), dtype=torch.int64)}
+
+    def _sent_state(self, idx, n: int) -> dict:
+        return {"elias_bits": elias_bits_of_indices(idx, self._s(), -(-n // self.bucket))}
+
+    def step_record(self, bucket: BucketInfo, state: dict):
+        return int(state["elias_bits"])
+
+    def report(self, bucket: BucketInfo, state: dict, records=()) -> dict:
+        """``RunResult.features[rank]["nuqsgd"][(stage, bucket)]``: ``elias_bits``, per step the Elias-coded bits of
+        the codes this rank sent (the paper's count, §4, from the real codes); ``packed_bits``, the fixed-width bits
+        that travel each step; ``elias_over_packed``: their ratio over the run's steps."""
+        packed = 8 * self.wire_bytes(bucket, None)
+        bits = [int(b) for b in records]
+        return {"elias_bits": bits, "packed_bits": packed,
+                "elias_over_packed": (sum(bits) / (packed * len(bits))) if bits else None}
+
     def elias_bits(self, flat: torch.Tensor, u: torch.Tensor) -> int:
         """The bits NUQSGD's Elias-coded message of ``flat`` would take with draws ``u`` (:func:`elias_bit_count`)."""
         return elias_bit_count(flat, self._levels({}), u, self.bucket)
@@ -392,7 +446,8 @@ class NUQSGD(_BitsQuantizer):
             f"  Elias-coded (the paper's count, §4: a 32-bit norm per chunk, per value the Elias omega code of its "
             f"level index + 1 and a sign bit where nonzero): about {est} bits ({-(-est // 8)} B, "
             f"{est / fixed:.3g}x the {fixed} bits sent), estimated on a standard-normal gradient of "
-            f"{bucket.numel} values (seed 0); the packed fixed-width codes are what travels"] + lines[1:]
+            f"{bucket.numel} values (seed 0); the packed fixed-width codes are what travels; the run counts it per "
+            "step from the codes each rank sent: RunResult.features[rank]['nuqsgd'][(stage, bucket)]"] + lines[1:]
 
 
 @dataclass(frozen=True)

@@ -136,6 +136,7 @@ class CompressState(RankState):
         self.gen = generator_for(self.method)
         self.state = {k: dict(self.method.init_state(b, self.gen)) for k, b in sorted(self.buckets.items())}
         self.steps = {k: 0 for k in self.buckets}
+        self.records = {k: [] for k in self.buckets}      # per bucket, Method.step_record of each step
         self.graphs: dict = {}         # (stage, index, variant) -> (GraphModule, state names)
         self.phased: dict = {}         # (stage, index, variant) -> the graph cut into phases (split_phases)
         self.names: dict = {}          # group tag name -> this rank's process group name
@@ -185,8 +186,7 @@ class CompressState(RankState):
             out = gm(flat, *[state[k] for k in names], *inputs)
             summed, new = out[0], dict(zip(names, out[1:]))
         self._check(b, flat, summed, state, new)
-        self.state[key] = dict(new)
-        self.steps[key] = step + 1
+        self._done(key, b, new)
         return summed
 
     def issue(self, flat: torch.Tensor, feature: str, stage: int, index: int, overlapped: bool = True) -> torch.Tensor:
@@ -226,9 +226,17 @@ class CompressState(RankState):
         b = self.buckets[key]
         summed, new = run.result[0], dict(zip(names, run.result[1:]))
         self._check(b, flat, summed, state, new)
+        self._done(key, b, new)
+        return summed
+
+    def _done(self, key, b: BucketInfo, new: dict) -> None:
+        """Bucket ``key``'s step is summed: its new state kept, its step counted, what the method records of it
+        (:meth:`Method.step_record`) kept."""
         self.state[key] = dict(new)
         self.steps[key] += 1
-        return summed
+        rec = self.method.step_record(b, self.state[key])
+        if rec is not None:
+            self.records[key].append(rec)
 
     def _bucket(self, key) -> BucketInfo:
         b = self.buckets.get(key)
@@ -295,7 +303,8 @@ class CompressState(RankState):
         """``{(stage, index): the method's report of that bucket}`` for buckets it reports on (None: none)."""
         out = {}
         for k, b in sorted(self.buckets.items()):
-            r = self.method.report(b, self.state[k])
+            recs = self.records.get(k)
+            r = self.method.report(b, self.state[k], records=list(recs)) if recs else self.method.report(b, self.state[k])
             if r is not None:
                 out[k] = r
         return out or None
@@ -305,6 +314,8 @@ class CompressState(RankState):
         out = {"state": {bucket_key(*k): {n: t.clone() for n, t in st.items()} for k, st in self.state.items()},
                "steps": {bucket_key(*k): n for k, n in self.steps.items()},
                "generator": self.gen.get_state().clone()}
+        if any(self.records.values()):
+            out["records"] = {bucket_key(*k): list(v) for k, v in self.records.items()}
         host = self.method.host_state()
         if host is not None:
             out["host"] = host
@@ -325,6 +336,7 @@ class CompressState(RankState):
                                    "other method options or buckets")
             self.state[k] = {n: t.clone() for n, t in st.items()}
             self.steps[k] = int(saved["steps"][name])
+            self.records[k] = list(saved.get("records", {}).get(name, []))
         self.gen.set_state(saved["generator"].clone())
         if "host" in saved:
             self.method.load_host_state(saved["host"])

@@ -12,7 +12,7 @@ import fxpar
 from fxpar.compress.bytegrad import chunk_size, dequantize_rows, quantize_rows
 from fxpar.testing.reference import replica_gradients
 
-__all__ = ["ddp_hook_worker", "bytegrad_reference", "sparse_reference", "sparse_bucket_math", "qadam_bucket_math", "qadam_reference",
+__all__ = ["ddp_hook_worker", "nuqsgd_reference", "elias_bits_of_message", "bytegrad_reference", "sparse_reference", "sparse_bucket_math", "qadam_bucket_math", "qadam_reference",
            "mlp_batches", "mlp_program", "mixing_matrix", "decentralized_reference",
            "low_precision_decentralized_reference"]
 
@@ -323,3 +323,38 @@ def low_precision_decentralized_reference(model, batches, loss_fn, lr: float, dp
                         off += size
         losses.append(total)
     return losses, [m.state_dict() for m in replicas]
+
+
+def elias_bits_of_message(buf: torch.Tensor, numel: int, chunk: int, bits: int, s: int) -> int:
+    """The bits NUQSGD's Elias-coded message of one rank takes, counted from the message that rank sends (``buf``:
+    the float32 norms of its ``ceil(numel / chunk)`` chunks, then ``numel`` packed ``bits``-bit codes ``s + sign *
+    level``): 32 per norm, and per value the Elias omega code of its level index + 1 and a sign bit where the index
+    is nonzero (Ramezani-Kebrya et al., NUQSGD, JMLR 2021, §4)."""
+    from fxpar.compress.packing import elias_omega_length, unpack_bits
+    chunks = -(-numel // chunk)
+    idx = (unpack_bits(buf[4 * chunks:], bits, numel).to(torch.int64) - s).abs()
+    return int(32 * chunks + elias_omega_length(idx + 1).sum() + (idx > 0).sum())
+
+
+def nuqsgd_reference(model, batches, loss_fn, lr: float, method, buckets: list) -> tuple:
+    """SGD with ``method`` (a :class:`fxpar.compress.NUQSGD`) in one process over ``buckets`` (the program's
+    :class:`BucketInfo`, dp ranks each), each rank's draws from its own generator as the runtime makes them:
+    ``(losses, state_dict, elias)``, ``elias[(stage, bucket)][rank]``: per step the Elias-coded bits of the message
+    that rank sent (:func:`elias_bits_of_message`, from its encoded buffer)."""
+    from fxpar.compress.quantize import decode, encode
+    from fxpar.testing.compress_ranks import training_reference
+    elias: dict = {}
+    bits, s = method._bits(), method._s()
+
+    def bucket_math(m, infos, flats, states, draws, variant):
+        levels, n = m._levels(states[0]), flats[0].shape[0]
+        total = None
+        for r, (f, d) in enumerate(zip(flats, draws)):
+            buf = encode(f, levels, d[0], m.bucket, bits)
+            elias.setdefault((infos[r].stage, infos[r].index), [[] for _ in flats])[r].append(
+                elias_bits_of_message(buf, n, m.bucket, bits, s))
+            part = decode(buf, levels, n, m.bucket, bits, f.dtype)
+            total = part if total is None else total + part
+        return total, states
+    losses, state = training_reference(model, batches, loss_fn, lr, method, buckets, bucket_math)
+    return losses, state, elias
