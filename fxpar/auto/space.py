@@ -218,12 +218,17 @@ class _Pricer:
         """(exposed seconds, bytes sent) of summing ``nbytes`` of gradients over ``ranks`` in buckets of
         ``bucket_mb`` MiB (None: DDP's 25): one collective per bucket, issued as backward fills it, all hidden
         behind backward but the last bucket's (``hide=False``: one collective of it all after backward)."""
+        key = ("dp_sum", kind, nbytes, ranks, bucket_mb, last_bwd, hide)
+        got = self._comm.get(key)
+        if got is not None:
+            return got
         cap = (bucket_mb * 2**20) if bucket_mb is not None else BUCKET_BYTES
         n = max(1, -(-int(nbytes) // int(cap))) if nbytes > 0 and hide else 1
         each = self.comm(kind, nbytes / n, ranks)
         total = n * each.time_s
         exposed = max(total - last_bwd, each.time_s) if hide else total
-        return exposed, n * each.wire_bytes
+        got = self._comm[key] = (exposed, n * each.wire_bytes)
+        return got
 
     def bytescheduler(self, line: dict, scale: float, ranks: tuple, bucket_mb: float | None, t_opt: float,
                       cross_ok: bool) -> tuple:
@@ -577,8 +582,12 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     if "optimizer" in c.offload:       # the gradient chunk down, the update on the host, the new chunk up
         opt_t = 2 * upd / HOST_LINK + upd * (3 + 2 * pr.n_state) / HOST_MEMORY
     else:
-        opt_t = max(upd * (3 + 2 * pr.n_state) / (d.mem_bandwidth * (d.efficiency or {}).get("memory", 1.0))
-                    + OPT_OPS_PER_TENSOR * tensors * getattr(d, "op_overhead_s", 0.0) for d in devs)
+        okey = ("opt", upd, tensors)
+        opt_t = pr._comm.get(okey)
+        if opt_t is None:
+            opt_t = pr._comm[okey] = max(
+                upd * (3 + 2 * pr.n_state) / (d.mem_bandwidth * (d.efficiency or {}).get("memory", 1.0))
+                + OPT_OPS_PER_TENSOR * tensors * getattr(d, "op_overhead_s", 0.0) for d in devs)
     # data parallelism: the heaviest stage's gradients over its dp ranks (tp index 0 of pipeline rank 0)
     sync_t, sent = 0.0, 0.0
     reduce_bytes = (cbytes if cbytes and pr.fixed.get("reduce_precision") == "compute" else pr.elem)
@@ -592,8 +601,11 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
         kind = "all_reduce" if c.zero == 0 else "reduce_scatter"
         if pr.search_buckets and c.bucket_mb is None and c.zero != 1 and c.grad_sync != "herring" \
                 and c.comm_schedule == "fifo":                         # DDP's 25 MiB unless another is faster
-            got = {bk: pr.dp_sum(kind, g_bytes, dp_ranks, bk, last_bwd) for bk in (None,) + BUCKETS_MB if bk != 25}
-            c.bucket_mb = min(got, key=lambda bk: (got[bk][0], bk is not None))
+            pick = ("bucket", kind, g_bytes, dp_ranks, last_bwd)     # the same for every variant of a line
+            if pick not in pr._comm:
+                got = {bk: pr.dp_sum(kind, g_bytes, dp_ranks, bk, last_bwd) for bk in (None,) + BUCKETS_MB if bk != 25}
+                pr._comm[pick] = min(got, key=lambda bk: (got[bk][0], bk is not None))
+            c.bucket_mb = pr._comm[pick]
         if c.grad_sync == "herring":     # its own bucket size unless pinned (the feature tunes it likewise)
             sync_t, sent, _ = pr.herring(g_bytes, c.dp, c.bucket_mb, last_bwd, line["makespan"] + opt_t)
         elif c.comm_schedule == "bytescheduler":
