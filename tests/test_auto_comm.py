@@ -205,3 +205,21 @@ def test_a_bytescheduler_pick_trains_like_one_process(clusters):
     res = prog.run_local(batches, cluster=clusters.get(2))
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL
     assert max_abs_diff(res.state_dict(), ref_state) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.cost
+def test_a_recompute_auto_pick_builds_within_its_budget():
+    """The tied GPT at 2 ranks of 300 KiB with recompute='auto' pinned: each finalist plans to the room its other
+    memory leaves (memory_budget_gb), the pick's build keeps its saved activations within that budget and its full
+    estimate within the memory budget."""
+    model, batches = tiny_gpt(), token_batches(1)
+    cl = fxpar.ClusterSpec.local(2)
+    cl = dataclasses.replace(cl, device=dataclasses.replace(cl.device, memory_bytes=300 * 1024))
+    prog = fxpar.parallelize(model, cl, batches[0], gpt_loss, ADAMW, strategy=fxpar.Strategy.auto(recompute="auto"))
+    pick = prog.auto_search.chosen
+    assert pick.recompute == "auto" and prog.strategy.memory_budget_gb == pick.budget_gb
+    section = prog.plan.section("recompute")
+    assert section.policy == "auto" and section.budget_bytes == int(pick.budget_gb * 1e9)
+    assert all(e["saved_bytes"] * e["in_flight"] <= section.budget_bytes for e in section.stages)
+    assert max(r.peak_memory_bytes for r in prog.estimate().ranks) <= 0.9 * cl.device.memory_bytes
