@@ -175,6 +175,10 @@ def test_the_new_dimensions_are_pinned_and_bad_pins_named():
     got = plan(two_nodes, grad_sync=("allreduce", "herring"), comm_schedule="fifo")
     assert {c.grad_sync for c in got.search.priced} == {None, "herring"}
     assert not any(c.comm_schedule != "fifo" for c in got.search.priced)
+    got = plan(2, comm_schedule="bytescheduler", partition_mb=1, credit_mb=2)      # its own options, fixed
+    assert got and all(c.strategy(fixed_options(got.search.auto)).partition_mb == 1 for c in got.search.priced)
+    with pytest.raises(fxpar.StrategyError, match=r"partition_mb=1.*add comm_schedule='bytescheduler'"):
+        plan(2, partition_mb=1)
     got = plan(2, recompute="auto", memory_budget_gb=1.0)
     assert all(c.recompute == "auto" and c.strategy().memory_budget_gb == 1.0 for c in got.search.priced)
     auto = fxpar.Strategy.auto(grad_sync=fxpar.compress.TopK(ratio=0.5))     # a method the search does not price

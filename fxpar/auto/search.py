@@ -97,12 +97,14 @@ def fixed_options(auto: AutoStrategy) -> dict:
 
 
 def _check_auto(auto: AutoStrategy) -> None:
-    """``allow`` entries the search knows; the fixed options make a Strategy."""
+    """``allow`` entries the search knows; the fixed options make a Strategy (with ``comm_schedule`` where it is
+    pinned to ByteScheduler alone: its own options, ``partition_mb`` and the rest, are fixed options then)."""
     bad = [a for a in auto.allow if a not in ALLOW]
     if bad:
         raise StrategyError(f"{auto}: allow entry {bad[0]!r} is not a method the planner knows; known: "
                             + "; ".join(f"{k!r} ({v})" for k, v in ALLOW.items()))
-    Strategy(**fixed_options(auto))
+    only = _choices(auto, "comm_schedule", ())
+    Strategy(**fixed_options(auto), **({"comm_schedule": only[0]} if only == ("bytescheduler",) else {}))
 
 
 class NoPlanFitsError(StrategyError):
