@@ -242,7 +242,7 @@ class _Pricer:
         tries (``BS_CREDIT_FACTORS`` x the largest piece, and all of it), within the step and, where ``cross_ok``,
         carried into the next step's forward with early updates; cross-iteration only where over ``BS_CROSS_GAIN``
         faster (the feature's rule)."""
-        key = ("bs", id(line), round(scale, 9), ranks, bucket_mb, round(t_opt, 12), cross_ok)
+        key = ("bs", line["timeline"], scale, ranks, bucket_mb, t_opt, cross_ok)
         got = self._comm.get(key)
         if got is not None:
             return got
