@@ -41,7 +41,7 @@ def megatron(row):
         x = torch.randint(0, V, (B, S))
     d = n // (t * p)
     pins = dict(dp=d, tp=t, pp=p, microbatches=B // d, recompute="full", zero=0, precision="bf16",
-                bucket_cap_mb=25, offload=())
+                bucket_cap_mb=25, offload=(), grad_sync="allreduce", comm_schedule="fifo")
     if t > 1:
         pins["sharding"] = "megatron"
     if p > 1:

@@ -91,11 +91,12 @@ def test_pruning_keeps_the_enumerated_optimum_of_the_cheap_cost():
 @pytest.mark.cost
 def test_search_returns_the_enumerated_optimum_of_the_built_programs():
     """Every candidate of a small space built and estimated in full: parallelize(strategy=Strategy.auto(...))
-    returns the one with the least predicted step time (ties: memory), having built fewer."""
+    returns the one with the least predicted step time (ties: memory), having built fewer. The space holds
+    ByteScheduler beside FIFO buckets (dp=2, one microbatch)."""
     model, batches = tiny_gpt(), token_batches(1)
     auto = fxpar.Strategy.auto(recompute="none", zero=0, microbatches=(1, 2), schedule="1f1b")
     space = fxpar.auto_plan(model, 2, batches[0], gpt_loss, ADAMW, strategy=auto, prune=False)
-    assert len(space) == 7
+    assert len(space) == 8 and sum(c.comm_schedule == "bytescheduler" for c in space) == 1
     built = {}
     for c in space:
         est = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=c.strategy()).estimate()

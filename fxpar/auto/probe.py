@@ -47,8 +47,12 @@ def truncated(model: torch.nn.Module, path: str, k: int) -> torch.nn.Module:
 
 def probe_depths(c, n_blocks: int | None) -> tuple | None:
     """The two depths a finalist is probed at, or None where it is built in full (a pipeline; a model with fewer
-    than ``PROBE_MIN_BLOCKS`` repeated blocks, or none)."""
+    than ``PROBE_MIN_BLOCKS`` repeated blocks, or none; ByteScheduler and Herring, whose own planning -- pieces,
+    credit, cross-iteration, bucket size -- is tuned on the captured step, so a cut model's choice is not the whole
+    one's; recompute="auto", whose budget is the whole model's)."""
     if c.pp > 1 or not n_blocks or n_blocks < PROBE_MIN_BLOCKS:
+        return None
+    if getattr(c, "comm_schedule", "fifo") != "fifo" or c.grad_sync == "herring" or c.recompute == "auto":
         return None
     return PROBE_DEPTHS
 

@@ -28,16 +28,20 @@ from ..optim import resolve_optimizer
 from ..strategy import AutoStrategy, Strategy
 from .probe import extrapolate, probe_depths, truncated
 from .profile import profile_model
-from .space import SCHEDULES, Candidate, _Pricer, bf16_supported, cost_candidate, rank_devices
+from .space import AUTO_IS_NONE, SCHEDULES, Candidate, _Pricer, bf16_supported, cost_candidate, rank_devices
 
 __all__ = ["auto_plan", "AutoSearch", "search", "choose", "as_auto", "finalists", "fixed_options", "NoPlanFitsError",
            "SEARCHED", "ALLOW"]
 
-RECOMPUTE = ("none", "selective", "full")
+RECOMPUTE = ("none", "selective", "full", "auto")
 MAX_MICROBATCHES = 64
 # the dimensions the search covers (Strategy.auto pins them; its other keywords are options every candidate gets)
 SEARCHED = ("dp", "tp", "pp", "schedule", "microbatches", "zero", "recompute", "sharding", "precision", "offload",
-            "bucket_cap_mb")
+            "bucket_cap_mb", "comm_schedule", "grad_sync", "memory_budget_gb")
+COMM_SCHEDULES = ("fifo", "bytescheduler")
+# the grad_sync values the search prices: a pin of only these restricts the dimension; any other grad_sync pin (a
+# compression method of fxpar.compress) is an option every candidate gets
+SEARCHED_GRAD_SYNC = ("allreduce", "herring", "bf16")
 PRECISION_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}     # the compute dtypes a profile is run in
 # methods that change the math, searched only when Strategy.auto(allow=...) names them: name -> what it adds
 ALLOW = {"compression": "bf16 gradient buckets (grad_sync='bf16': half the bytes, rounded sums)",
@@ -76,18 +80,31 @@ def _offloads(auto: AutoStrategy, zero: int, searched: bool) -> list:
     return [(), ("optimizer",)] + ([("optimizer", "params")] if zero == 3 else [])
 
 
+def _grad_sync_searched(auto: AutoStrategy) -> bool:
+    """Whether ``grad_sync`` is a searched dimension: unpinned, or pinned to values of ``SEARCHED_GRAD_SYNC``."""
+    if "grad_sync" not in auto.pins:
+        return True
+    v = auto.pins["grad_sync"]
+    vals = tuple(v) if isinstance(v, (tuple, list)) else (v,)
+    return all(isinstance(x, str) and x in SEARCHED_GRAD_SYNC for x in vals)
+
+
 def fixed_options(auto: AutoStrategy) -> dict:
-    """Options every candidate gets (the keywords of Strategy.auto that are not searched dimensions)."""
-    return {k: v for k, v in auto.pins.items() if k not in SEARCHED}
+    """Options every candidate gets (the keywords of Strategy.auto that are not searched dimensions; a ``grad_sync``
+    pin outside ``SEARCHED_GRAD_SYNC``, a compression method, is one)."""
+    return {k: v for k, v in auto.pins.items()
+            if k not in SEARCHED or (k == "grad_sync" and not _grad_sync_searched(auto))}
 
 
 def _check_auto(auto: AutoStrategy) -> None:
-    """``allow`` entries the search knows; the fixed options make a Strategy."""
+    """``allow`` entries the search knows; the fixed options make a Strategy (with ``comm_schedule`` where it is
+    pinned to ByteScheduler alone: its own options, ``partition_mb`` and the rest, are fixed options then)."""
     bad = [a for a in auto.allow if a not in ALLOW]
     if bad:
         raise StrategyError(f"{auto}: allow entry {bad[0]!r} is not a method the planner knows; known: "
                             + "; ".join(f"{k!r} ({v})" for k, v in ALLOW.items()))
-    Strategy(**fixed_options(auto))
+    only = _choices(auto, "comm_schedule", ())
+    Strategy(**fixed_options(auto), **({"comm_schedule": only[0]} if only == ("bytescheduler",) else {}))
 
 
 class NoPlanFitsError(StrategyError):
@@ -156,13 +173,14 @@ class AutoSearch:
         if self.chosen is not None:
             lines.append(f"  chosen: {self.chosen.strategy(fixed_options(self.auto))}")
         lines += ["", "  ranked: finalists by their full estimate (built or probed), then the rest by the cheap cost",
-                  f"  {'':>3}  {'plan':<46} {'cheap step':>10} {'peak':>10} {'built step':>10} {'peak':>10} "
+                  f"  {'':>3}  {'plan':<62} {'cheap step':>10} {'peak':>10} {'built step':>10} {'peak':>10} "
                   f"{'sent/rank':>10}"]
         for i, c in enumerate(self.ranked[:top]):
             full = c.full or {}
             built = (f"{full['step_s'] * 1e3:>8.3f}ms {fmt_bytes(full['peak_bytes']):>10}"
                      if full and math.isfinite(full["step_s"]) else f"{'-':>10} {'-':>10}")
-            lines.append(f"  {i + 1:>3}  {str(c)[:46]:<46} {c.step_s * 1e3:>8.3f}ms {fmt_bytes(c.peak_bytes):>10} "
+            row = str(c) + (" (cross-iteration)" if c.cross_iteration else "")     # ByteScheduler's, by its cost
+            lines.append(f"  {i + 1:>3}  {row[:62]:<62} {c.step_s * 1e3:>8.3f}ms {fmt_bytes(c.peak_bytes):>10} "
                          f"{built} {fmt_bytes(c.predicted[2]):>10}" + (f"  {full['note']}" if full.get("note") else "")
                          + ("  probed" if "probe" in full else ""))
         rej = self.rejected()
@@ -220,8 +238,9 @@ def _divisors(n: int) -> list:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _check_pins(auto: AutoStrategy, prof, world: int, batch: int, model_name: str) -> None:
+def _check_pins(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, model_name: str) -> None:
     """A pinned dimension that the world size or the model rules out is named with what rules it out."""
+    world = cluster.world_size
     for name in ("dp", "tp", "pp"):
         for v in _choices(auto, name, ()):
             if not isinstance(v, int) or v < 1 or world % v:
@@ -246,6 +265,25 @@ def _check_pins(auto: AutoStrategy, prof, world: int, batch: int, model_name: st
     for v in _choices(auto, "schedule", ()):
         if v not in schedule_names():
             raise StrategyError(f"{auto}: schedule={v!r} is not a pipeline schedule; choose among {schedule_names()}")
+    if "grad_sync" in auto.pins and _grad_sync_searched(auto):
+        vals = _choices(auto, "grad_sync", ())
+        if "herring" in vals and (cluster.nodes < 2 or cluster.devices_per_node < 2):
+            raise StrategyError(f"{auto}: grad_sync='herring' sums within nodes, then across them; the ClusterSpec has "
+                                f"{cluster.nodes} node(s) of {cluster.devices_per_node} device(s). Give it at least 2 "
+                                "nodes of at least 2 devices (ClusterSpec.preset(..., nodes=2), ClusterSpec.local(4, "
+                                "nodes=2, devices_per_node=2)) or pin grad_sync='allreduce'")
+    v = auto.pins.get("memory_budget_gb")
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+        raise StrategyError(f"{auto}: memory_budget_gb={v!r}: recompute='auto''s budget of saved activations per "
+                            "stage, a positive number of GB (1e9 bytes); or leave it out (the room under the memory "
+                            "budget)")
+    if v is not None and "auto" not in _choices(auto, "recompute", RECOMPUTE):
+        raise StrategyError(f"{auto}: memory_budget_gb={v!r} is recompute='auto''s budget, and the recompute pin "
+                            f"{auto.pins['recompute']!r} leaves no 'auto': add 'auto' to it or drop memory_budget_gb")
+    for v in _choices(auto, "comm_schedule", ()):
+        if v not in COMM_SCHEDULES:
+            raise StrategyError(f"{auto}: comm_schedule={v!r} is not a gradient communication order the planner "
+                                f"searches; pin one or more of {COMM_SCHEDULES}")
 
 
 def _precisions(auto: AutoStrategy, cluster: ClusterSpec, elem: int) -> tuple:
@@ -292,6 +330,16 @@ def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, trace
             modes = [None] if tp == 1 else [m for m in ("megatron", "auto") if m != "auto" or not tp & (tp - 1)]
             modes = [x for x in modes if x is None or x in _choices(auto, "sharding", modes)]
             syncs = [None] + (["bf16"] if "compression" in auto.allow and dp > 1 else [])
+            # Herring: several nodes of several ranks each, data parallelism alone (its feature's conditions)
+            if dp > 1 and tp == 1 and pp == 1 and cluster.nodes > 1 and per_node > 1 and dp % per_node == 0 \
+                    and dp // per_node > 1:
+                syncs.append("herring")
+            if "grad_sync" in auto.pins and _grad_sync_searched(auto):
+                pinned = [None if x == "allreduce" else x for x in _choices(auto, "grad_sync", ())]
+                syncs = [g for g in pinned if g is None or g == "herring" and g in syncs or g == "bf16" and dp > 1]
+            # ByteScheduler: gradients summed over dp by plain all-reduce, one stage, one microbatch (the fused step
+            # its cheap cost simulates), repeated blocks to order; not with ZeRO or tp (the features refuse it)
+            orders = _choices(auto, "comm_schedule", COMM_SCHEDULES)
             for sched in scheds:
                 for m in ms:
                     if per_dp % m:
@@ -305,10 +353,14 @@ def _enumerate(auto: AutoStrategy, prof, cluster: ClusterSpec, batch: int, trace
                                 for gs in syncs:
                                     if gs and (z or tp > 1):
                                         continue
-                                    for prec in precisions:
-                                        for off in offs:
-                                            out.append(Candidate(dp, tp, pp, sched, m, z, rc, mode, gs, prec, off,
-                                                                 bucket))
+                                    for cs in orders:
+                                        if cs != "fifo" and (dp == 1 or z or tp > 1 or pp > 1 or m > 1 or gs
+                                                             or not prof.n_blocks):
+                                            continue
+                                        for prec in precisions:
+                                            for off in offs:
+                                                out.append(Candidate(dp, tp, pp, sched, m, z, rc, mode, gs, prec,
+                                                                     off, bucket, comm_schedule=cs))
     return out
 
 
@@ -336,17 +388,22 @@ def search(model, cluster: ClusterSpec, example: tuple, loss_fn, optimizer, auto
     t1 = time.perf_counter()
     batch = int(example[0].shape[0])
     name = type(model).__name__
-    _check_pins(auto, prof, cluster.world_size, batch, name)
+    _check_pins(auto, prof, cluster, batch, name)
     elem = max((p.element_size() for p in model.parameters()), default=4)
     profiles = {p: profile_model(model, example, loss_fn, dtype=PRECISION_DTYPES[p])
                 for p in _precisions(auto, cluster, elem) if p in PRECISION_DTYPES}
     t1 = time.perf_counter()
     pr = _Pricer(prof, cluster, batch, n_state, elem, profiles, fixed_options(auto))
     pr.search_buckets = "bucket_cap_mb" not in auto.pins
-    budget = auto.margin * smallest_device(cluster).memory_bytes
+    pr.traced = spec.traced
+    pr.budget = budget = auto.margin * smallest_device(cluster).memory_bytes
+    pr.auto_only = _choices(auto, "recompute", RECOMPUTE) == ("auto",)
+    pr.budget_pin = auto.pins.get("memory_budget_gb")
     priced = []
     for c in _enumerate(auto, prof, cluster, batch, spec.traced, elem):
         cost_candidate(c, pr)
+        if c.note == AUTO_IS_NONE:       # the same plan as recompute="none": not a candidate of its own
+            continue
         c.fits = c.fits and c.peak_bytes <= budget
         priced.append(c)
     fitting = [c for c in priced if c.fits]
@@ -408,18 +465,26 @@ def as_auto(strategy) -> AutoStrategy:
 
 def finalists(s: AutoSearch) -> list:
     """``(finalists, the rest)``: the fastest fitting candidate (cheap cost) of each of the ``finalists`` families
-    whose fastest is fastest (a family: mesh and schedule), with every tp mode of a tensor-parallel one; then the
-    ranking (the undominated candidates), in order, built only while none of the finalists fits."""
-    first, fams, seen = [], [], set()
+    whose fastest is fastest (a family: mesh and schedule), with every tp mode of a tensor-parallel one, and beside a
+    ByteScheduler one its FIFO twin (the same point with FIFO buckets: whether cross-iteration overlap pays is decided
+    on the captured step, near the feature's 2% the build may decide otherwise); then the ranking (the undominated
+    candidates), in order, built only while none of the finalists fits."""
+    first, fams, seen, twins = [], [], set(), set()
     for c in s.fitting:
-        key = (c.family, c.microbatches, c.zero, c.recompute, c.grad_sync, c.precision, c.offload, c.bucket_mb)
+        point = (c.family, c.microbatches, c.zero, c.recompute, c.grad_sync, c.precision, c.offload, c.budget_gb)
+        key = point + (c.bucket_mb, c.comm_schedule)
         if c.family not in fams:
             if len(fams) == s.auto.finalists:
                 continue
             fams.append(c.family)
             seen.add(key)
+            if c.comm_schedule != "fifo":
+                twins.add(point)
             first.append(c)
         elif key in seen and c.sharding is not None:      # the same point under the other tp mode
+            first.append(c)
+        elif point in twins and c.comm_schedule == "fifo":  # the fastest FIFO twin of a ByteScheduler finalist
+            twins.discard(point)
             first.append(c)
     return first, [c for c in s.ranked if all(c is not f for f in first)]
 

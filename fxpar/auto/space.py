@@ -18,6 +18,25 @@ the gradient bucket size. Its cheap figures:
   ZeRO-3's gathers of each stage's parameters in forward and backward), hidden behind the last backward except
   the last bucket; one collective per bucket (each pays the link's latency), so the bucket size is chosen per
   candidate among ``BUCKETS_MB`` by this cost where the user does not pin it;
+- ByteScheduler (``comm_schedule="bytescheduler"``; one stage, one microbatch, plain all-reduce): its own simulation
+  (``cost_models.comm_tuning.simulate``, what the feature tunes its partition and credit on) run on the profile's
+  timeline, one piece per block's gradients (the parameters outside the blocks ready at the end of backward and
+  needed first), over the credits the feature tries, with and without cross-iteration overlap (kept only where it
+  is predicted over 2% faster, as the feature decides); what it predicts against FIFO buckets on the same timeline
+  is added to the FIFO figure (where FIFO's exposed sum is under ``BS_MIN_SHARE`` of the step, ByteScheduler is
+  priced as FIFO: it could gain less than that). Cross-iteration overlap holds two more copies of the gradients (the
+  pieces carried in and out of the step, as ``estimate()`` counts them);
+- Herring (``grad_sync="herring"``; several nodes, data parallelism alone): each bucket's chain as the feature
+  prices it -- reduce-scatter in the node, all-reduce of a shard across nodes, all-gather in the node -- hidden
+  behind backward but the last bucket's, plus the issue of its two extra collectives per bucket; the bucket size as
+  the feature tunes it: the largest of ``HERRING_BUCKET_MB`` whose step is within 2% of the least;
+- recompute ``"auto"`` (the least recompute whose saved activations fit ``memory_budget_gb``; the budget the
+  activations' room under the memory budget once the candidate's parameters, gradients, optimizer state and
+  workspace are counted, or the pinned ``memory_budget_gb``): searched only where ``"none"`` does not fit that room.
+  Priced on the lower convex hull of (activations, recompute time) through ``none``, ``selective`` and ``full`` at
+  the room: what recomputing a share of the blocks under one policy and the rest under the next reaches. The
+  feature's min-cut plans node by node for the least recompute FLOPs that fit (``passes.recompute.auto_decide``);
+  the hull is the cheap cost's figure for it, the built finalist's estimate the exact one;
 - mixed precision (``precision="bf16"``): every figure of forward and backward from a profile run in bf16 (half the
   bytes of each activation, message and memory-bound op); the master parameters, the gradients and the optimizer
   state stay in the model's dtype, and a bf16 copy of the rank's parameters is held through the step;
@@ -31,10 +50,13 @@ the gradient bucket size. Its cheap figures:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 
 from cost_models.comm import collective_cost
 from cost_models.compute import fp32_share
+from cost_models.comm_tuning import BucketTiming, simulate as simulate_comm
+from ..features.herring import HERRING_BUCKET_MB
 from ..schedule import ScheduleError, simulate
 from ..schedule.registry import get_schedule
 from ..strategy import Strategy
@@ -56,6 +78,14 @@ COMPUTE_BYTES = {"bf16": 2, "fp16": 2}
 OPT_OPS_PER_TENSOR = 4                            # ops the traced update runs per parameter tensor (copies, views)
 ZERO_OPS_PER_TENSOR = 4                           # ops ZeRO adds per parameter tensor (into and out of its chunks)
 ZERO3_EXPOSED = 0.5                               # the share of ZeRO-3's gathers the compute does not hide
+# ByteScheduler's credits the cheap cost simulates, in units of the largest piece (the feature's credit factors,
+# cost_models.comm_tuning), and the gain cross-iteration overlap must show to be kept (the feature's _CROSS_GAIN)
+BS_CREDIT_FACTORS = (1, 2, 4, 8)
+BS_CROSS_GAIN = 0.02
+# below this share of the step, FIFO's exposed gradient sum leaves ByteScheduler too little to gain to be simulated:
+# it is priced as FIFO (no cross-iteration), which it can beat by less than that share
+BS_MIN_SHARE = 0.01
+HERRING_NEAR = 0.02                               # Herring's bucket sizes within 2% count as equal: the larger wins
 MEMORY_CLASSES = ("parameters", "gradients", "optimizer state", "activations", "workspace")
 TIME_PARTS = ("compute", "recompute", "pipeline bubble", "tp comm", "pp comm", "dp sync", "optimizer")
 
@@ -74,7 +104,9 @@ class Candidate:
     grad_sync: str | None = None          # a compression method the user allowed
     precision: str = "fp32"               # the compute dtype ("fp32": the model's own)
     offload: tuple = ()                   # ZeRO-Offload: ("optimizer",) or ("optimizer", "params")
-    bucket_mb: float | None = None        # gradient bucket size (None: DDP's 25 MiB)
+    bucket_mb: float | None = None        # gradient bucket size (None: DDP's 25 MiB, or Herring's own choice)
+    comm_schedule: str = "fifo"           # "bytescheduler": ByteScheduler's priority, pieces and credit
+    budget_gb: float | None = None        # recompute="auto": its memory_budget_gb (the activations' room)
     step_s: float = 0.0
     peak_bytes: float = 0.0
     comm_bytes: float = 0.0
@@ -83,6 +115,7 @@ class Candidate:
     fits: bool = True
     full: dict | None = None                        # the built program's estimate: step_s, peak_bytes, comm_bytes
     note: str = ""
+    cross_iteration: bool | None = None             # ByteScheduler: whether its cheap cost kept cross-iteration
 
     def options(self) -> dict:
         """The Strategy keywords of this candidate."""
@@ -93,6 +126,8 @@ class Candidate:
             kw["zero"] = self.zero
         if self.recompute != "none":
             kw["recompute"] = self.recompute
+        if self.recompute == "auto" and self.budget_gb is not None:
+            kw["memory_budget_gb"] = self.budget_gb
         if self.sharding is not None:
             kw["sharding"] = self.sharding
         if self.grad_sync is not None:
@@ -103,6 +138,8 @@ class Candidate:
             kw["offload"] = self.offload
         if self.bucket_mb is not None:
             kw["bucket_cap_mb"] = self.bucket_mb
+        if self.comm_schedule != "fifo":
+            kw["comm_schedule"] = self.comm_schedule
         return kw
 
     def strategy(self, fixed: dict | None = None) -> Strategy:
@@ -120,11 +157,13 @@ class Candidate:
         """Everything but the mesh: ``m=4, zero=1, recompute=full``."""
         out = [f"sharding={self.sharding}"] if self.sharding else []
         out += [f"m={self.microbatches}"] + ([f"zero={self.zero}"] if self.zero else [])
-        out += [f"recompute={self.recompute}"] if self.recompute != "none" else []
+        out += [f"recompute={self.recompute}" + (f"({self.budget_gb:.4g}GB)" if self.recompute == "auto" and
+                                                   self.budget_gb is not None else "")] if self.recompute != "none" else []
         out += [f"grad_sync={self.grad_sync}"] if self.grad_sync else []
         out += [self.precision] if self.precision != "fp32" else []
         out += [f"offload={'+'.join(self.offload)}"] if self.offload else []
         out += [f"bucket={self.bucket_mb:g}MiB"] if self.bucket_mb is not None else []
+        out += [self.comm_schedule] if self.comm_schedule != "fifo" else []
         return ", ".join(out)
 
     @property
@@ -151,6 +190,10 @@ class _Pricer:
         self.profiles = profiles or {}           # compute dtype -> its profile (see profile_model(dtype=...))
         self.fixed = fixed or {}                 # the options every candidate gets (reduce_precision, ...)
         self.search_buckets = False              # choose each candidate's bucket size among BUCKETS_MB
+        self.traced = True                       # the optimizer is traced (ByteScheduler's cross-iteration needs it)
+        self.budget = float("inf")               # the bytes a plan may use per device (recompute="auto"'s room)
+        self.auto_only = False                   # recompute is pinned to "auto": kept where it recomputes nothing
+        self.budget_pin = None                   # Strategy.auto(memory_budget_gb=...): recompute="auto"'s budget
         # a float32 model on a GPU: its matmuls at the TF32 or the plain float32 rate (cost_models.compute.fp32_share)
         self.devs_fp32 = [replace(d, peak_flops=d.peak_flops * fp32_share(d)) if d.kind == "cuda" and elem_bytes == 4
                           else d for d in self.devs]
@@ -175,12 +218,98 @@ class _Pricer:
         """(exposed seconds, bytes sent) of summing ``nbytes`` of gradients over ``ranks`` in buckets of
         ``bucket_mb`` MiB (None: DDP's 25): one collective per bucket, issued as backward fills it, all hidden
         behind backward but the last bucket's (``hide=False``: one collective of it all after backward)."""
+        key = ("dp_sum", kind, nbytes, ranks, bucket_mb, last_bwd, hide)
+        got = self._comm.get(key)
+        if got is not None:
+            return got
         cap = (bucket_mb * 2**20) if bucket_mb is not None else BUCKET_BYTES
         n = max(1, -(-int(nbytes) // int(cap))) if nbytes > 0 and hide else 1
         each = self.comm(kind, nbytes / n, ranks)
         total = n * each.time_s
         exposed = max(total - last_bwd, each.time_s) if hide else total
-        return exposed, n * each.wire_bytes
+        got = self._comm[key] = (exposed, n * each.wire_bytes)
+        return got
+
+    def bytescheduler(self, line: dict, scale: float, ranks: tuple, bucket_mb: float | None, t_opt: float,
+                      cross_ok: bool) -> tuple:
+        """``(seconds ByteScheduler's own simulation predicts over FIFO buckets, cross-iteration kept?)`` for a
+        one-stage, one-microbatch step whose figures ``line`` holds, its gradients ``scale`` x the parameter bytes
+        summed over ``ranks``. The timeline: forward runs the part before the blocks, the blocks, the part after;
+        backward the reverse. Each block's gradients are one piece, made as backward leaves the block and needed
+        as forward enters it; the parameters outside the blocks are made at the end of backward and needed first
+        (a tied embedding's are). FIFO: those pieces packed in backward order into buckets of ``bucket_mb`` (DDP's
+        25 MiB), all in flight, waited at the optimizer. ByteScheduler: priority by need, each credit the feature
+        tries (``BS_CREDIT_FACTORS`` x the largest piece, and all of it), within the step and, where ``cross_ok``,
+        carried into the next step's forward with early updates; cross-iteration only where over ``BS_CROSS_GAIN``
+        faster (the feature's rule)."""
+        key = ("bs", line["timeline"], scale, ranks, bucket_mb, t_opt, cross_ok)
+        got = self._comm.get(key)
+        if got is not None:
+            return got
+        tl = line["timeline"]
+        pre_f, blk_f, post_f, pre_b, blk_b, post_b, n = tl
+        t_fwd = pre_f + n * blk_f + post_f
+        t_bwd = post_b + n * blk_b + pre_b
+        blk = self.prof.block_param_bytes * scale
+        rest = (self.prof.rest_param_bytes if n else self.prof.param_bytes) * scale
+        groups = [(post_b + (n - i) * blk_b, pre_f + i * blk_f, blk) for i in range(n)] + [(t_bwd, 0.0, rest)]
+        groups = [g for g in groups if g[2] > 0]
+        groups.sort(key=lambda g: g[0])                       # backward order
+        devs = self.devs
+        issue = max(getattr(d, "collective_issue_s", 0.0) + getattr(d, "comm_cpu_s", 0.0) for d in devs)
+        per_byte = max(getattr(d, "comm_cpu_per_byte", 0.0) for d in devs)
+        comm_s = lambda nb: self.comm("all_reduce", nb, ranks).time_s      # noqa: E731
+        cap = (bucket_mb * 2**20) if bucket_mb is not None else BUCKET_BYTES
+        fifo, cur = [], None
+        for ready, _, nb in groups:
+            if cur is not None and cur[1] + nb <= cap:
+                cur[0], cur[1] = ready, cur[1] + nb
+            else:
+                cur = [ready, nb]
+                fifo.append(cur)
+        fb = [BucketTiming(r, 0.0, [nb], i) for i, (r, nb) in enumerate(fifo)]
+        total = sum(g[2] for g in groups)
+        base = simulate_comm(fb, t_fwd, t_bwd, comm_s, int(total) + 1, False, t_opt, issue, per_byte).step_s
+        order = sorted(range(len(groups)), key=lambda i: (groups[i][1], -i))
+        prio = {i: k for k, i in enumerate(order)}
+        bts = [BucketTiming(r, need, [int(nb)], prio[i]) for i, (r, need, nb) in enumerate(groups)]
+        big = max(int(g[2]) for g in groups)
+        credits = sorted({big * f for f in BS_CREDIT_FACTORS} | {sum(int(g[2]) for g in groups)})
+        best = {}
+        for cross in ((False, True) if cross_ok else (False,)):
+            best[cross] = min(simulate_comm(bts, t_fwd, t_bwd, comm_s, cr, cross, t_opt, issue, per_byte,
+                                            early=cross).step_s for cr in credits)
+        cross = cross_ok and best[True] < best[False] * (1 - BS_CROSS_GAIN)
+        got = self._comm[key] = (best[cross] - base, cross)
+        return got
+
+    def herring(self, nbytes: float, world: int, bucket_mb: float | None, last_bwd: float, rest: float) -> tuple:
+        """``(exposed seconds, bytes sent, bucket MiB)`` of Herring's sums of ``nbytes`` of gradients over ``world``
+        ranks, nodes of ``devices_per_node``: each bucket's chain (reduce-scatter in the node, all-reduce of its
+        shard across nodes, all-gather in the node), one after another as backward makes the buckets, hidden behind
+        backward but the last one's, and the issue of its two collectives more than an all-reduce per bucket. The
+        bucket size: ``bucket_mb``, else as the feature tunes it (``plan_herring_buckets``): among
+        ``HERRING_BUCKET_MB`` the largest whose step (``rest`` + the sum's exposed seconds) is within 2% of the
+        least."""
+        key = ("herring", round(nbytes), world, bucket_mb, round(last_bwd, 12), round(rest, 12))
+        got = self._comm.get(key)
+        if got is not None:
+            return got
+        per = self.cluster.devices_per_node
+        node, cross = tuple(range(per)), tuple(range(0, world, per))
+        issue = max(getattr(d, "collective_issue_s", 0.0) for d in self.devs)
+        tried = {}
+        for mb in ((bucket_mb,) if bucket_mb is not None else HERRING_BUCKET_MB):
+            n = max(1, -(-int(nbytes) // int(mb * 2**20))) if nbytes > 0 else 1
+            each, shard = nbytes / n, nbytes / n / per
+            parts = (self.comm("reduce_scatter", each, node), self.comm("all_reduce", shard, cross),
+                     self.comm("all_gather", shard, node))
+            chain = sum(x.time_s for x in parts)
+            tried[mb] = (max(n * chain - last_bwd, chain) + 2 * n * issue, n * sum(x.wire_bytes for x in parts))
+        least = min(t for t, _ in tried.values())
+        mb = max(m for m, (t, _) in tried.items() if rest + t <= (rest + least) * (1 + HERRING_NEAR))
+        got = self._comm[key] = (*tried[mb], mb)
+        return got
 
     def comm(self, kind: str, nbytes: float, ranks: tuple):
         key = (kind, round(nbytes), ranks)
@@ -341,19 +470,75 @@ def _pipeline(c: Candidate, pr: _Pricer) -> dict | None:
         sent.append(2 * m * per_rank_stages * (msg or prof.largest(b) / 4))
     k = m * per_rank_stages            # the stage passes a rank runs (interleaved: v per microbatch)
     busy = k * (comp + rec + tpc) + (0 if sched is None else 2 * k * p2p)
+    timeline = None
+    if sched is None and c.tp == 1:    # one stage: where each block's forward and backward fall (ByteScheduler)
+        nb = split[0][0]
+        timeline = (t[("pre", "fwd")], blk_f, t[("post", "fwd")], t[("pre", "bwd")] + again_whole,
+                    blk_b + again, t[("post", "bwd")], int(nb)) if not whole else \
+            (F[0], 0.0, 0.0, B[0], 0.0, 0.0, 0)
     return {"makespan": makespan, "last_bwd": B[max(B, key=B.get)], "stage_params": stage_params, "acts": acts,
+            "timeline": timeline,
             "work": 2 * prof.largest(b), "per_rank_stages": per_rank_stages, "sent": sent, "prof": prof,
             "time": {"compute": k * comp, "recompute": k * rec, "tp comm": k * tpc,
                      "pp comm": 0.0 if sched is None else 2 * k * p2p,
                      "pipeline bubble": max(makespan - busy, 0.0)}}
 
 
+AUTO_IS_NONE = "recompute='auto' recomputes nothing here: 'none' fits its budget"
+
+
+def _auto_line(c: Candidate, pr: _Pricer, other: float) -> dict | str:
+    """The figures of ``c`` (``recompute="auto"``) when its saved activations may take ``other`` bytes less than the
+    memory budget (or the pinned ``memory_budget_gb``): on the lower convex hull of (activations, recompute time)
+    through the policies none, selective and full, at that room. ``AUTO_IS_NONE`` where 'none' fits it; a note
+    (str) where even the smallest policy's activations do not."""
+    lines = {}
+    for rc in ("none", "selective", "full"):
+        key = (c.precision, c.dp, c.tp, c.pp, c.schedule, c.microbatches, rc)
+        if key not in pr._lines:
+            pr._lines[key] = _pipeline(replace(c, recompute=rc), pr)
+        lines[rc] = pr._lines[key]
+    pinned = pr.budget_pin
+    c.budget_gb = pinned if pinned is not None else math.floor(max(pr.budget - other, 0.0) / 1e3) / 1e6
+    room = c.budget_gb * 1e9
+    none = lines["none"]
+    if room >= none["acts"]:
+        return AUTO_IS_NONE
+    pts = sorted(lines.values(), key=lambda ln: -ln["acts"])      # most activations (least recompute) first
+    hull = [pts[0]]
+    for q in pts[1:]:
+        if q["acts"] >= hull[-1]["acts"]:
+            continue
+        while len(hull) > 1:     # drop the last vertex while it lies above the segment from the one before it to q
+            a, b = hull[-2], hull[-1]
+            lean = lambda ln: ln["time"]["recompute"]     # noqa: E731
+            if (lean(b) - lean(a)) * (a["acts"] - q["acts"]) >= (lean(q) - lean(a)) * (a["acts"] - b["acts"]):
+                hull.pop()
+            else:
+                break
+        hull.append(q)
+    if room < hull[-1]["acts"]:
+        return (f"recompute='auto' under a budget of {room / 1e9:.4g} GB: below the smallest policy's activations "
+                f"({hull[-1]['acts'] / 1e9:.4g} GB, full recompute)")
+    a, b = next((hull[i], hull[i + 1]) for i in range(len(hull) - 1) if hull[i + 1]["acts"] <= room)
+    w = (a["acts"] - room) / (a["acts"] - b["acts"])
+    mix = lambda x, y: x + w * (y - x)                    # noqa: E731
+    out = dict(a)
+    out.update(makespan=mix(a["makespan"], b["makespan"]), last_bwd=mix(a["last_bwd"], b["last_bwd"]), acts=room,
+               work=max(a["work"], b["work"]), time={k: mix(a["time"][k], b["time"][k]) for k in a["time"]},
+               timeline=None if a["timeline"] is None else tuple(mix(x, y) for x, y in zip(a["timeline"],
+                                                                                         b["timeline"])))
+    out["timeline"] = out["timeline"] and out["timeline"][:-1] + (a["timeline"][-1],)
+    return out
+
+
 def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     """Fill ``c``'s cheap figures; ``c.note`` says why it cannot run (then ``c.fits`` is False and its step is
     infinite). The part its ZeRO stage, offload and bucket size do not change is priced once (:func:`_pipeline`)."""
-    key = (c.precision, c.dp, c.tp, c.pp, c.schedule, c.microbatches, c.recompute)
+    rc = "none" if c.recompute == "auto" else c.recompute
+    key = (c.precision, c.dp, c.tp, c.pp, c.schedule, c.microbatches, rc)
     if key not in pr._lines:
-        pr._lines[key] = _pipeline(c, pr)
+        pr._lines[key] = _pipeline(replace(c, recompute=rc) if rc != c.recompute else c, pr)
     line = pr._lines[key]
     if line is None:
         c.note = f"schedule {c.schedule} cannot run {c.microbatches} microbatches"
@@ -377,9 +562,32 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
     if cbytes:                         # the compute copy of the parameters a forward and backward read
         held += (stage_params / (c.dp if c.zero == 3 else 1) if "params" not in c.offload else gathered) \
             * cbytes / pr.elem
+    if c.recompute == "auto":          # the activations' room under the budget decides what it recomputes
+        got = _auto_line(c, pr, held + grads + states + line["work"])
+        if got == AUTO_IS_NONE and not pr.auto_only:
+            c.note, c.fits, c.step_s = got, False, float("inf")
+            return c
+        if isinstance(got, str) and got != AUTO_IS_NONE:
+            c.memory = {"parameters": held, "gradients": grads, "optimizer state": states,
+                        "activations": line["acts"], "workspace": line["work"]}
+            c.peak_bytes = sum(c.memory.values())
+            c.note, c.fits, c.step_s = got, False, float("inf")
+            return c
+        line = got if isinstance(got, dict) else line
     c.memory = {"parameters": held, "gradients": grads, "optimizer state": states, "activations": line["acts"],
                 "workspace": line["work"]}
     c.peak_bytes = sum(c.memory.values())
+    upd = chunk
+    tensors = prof.param_tensors / (c.pp if c.pp > 1 else 1)
+    if "optimizer" in c.offload:       # the gradient chunk down, the update on the host, the new chunk up
+        opt_t = 2 * upd / HOST_LINK + upd * (3 + 2 * pr.n_state) / HOST_MEMORY
+    else:
+        okey = ("opt", upd, tensors)
+        opt_t = pr._comm.get(okey)
+        if opt_t is None:
+            opt_t = pr._comm[okey] = max(
+                upd * (3 + 2 * pr.n_state) / (d.mem_bandwidth * (d.efficiency or {}).get("memory", 1.0))
+                + OPT_OPS_PER_TENSOR * tensors * getattr(d, "op_overhead_s", 0.0) for d in devs)
     # data parallelism: the heaviest stage's gradients over its dp ranks (tp index 0 of pipeline rank 0)
     sync_t, sent = 0.0, 0.0
     reduce_bytes = (cbytes if cbytes and pr.fixed.get("reduce_precision") == "compute" else pr.elem)
@@ -391,10 +599,26 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
         # all_gather's figure is the shard it sends. ZeRO-1 reduce-scatters once after backward; ZeRO-2 and 3 as the
         # buckets fill; the updated chunks are all-gathered after the update (ZeRO-3: before each use instead)
         kind = "all_reduce" if c.zero == 0 else "reduce_scatter"
-        if pr.search_buckets and c.bucket_mb is None and c.zero != 1:   # DDP's 25 MiB unless another is faster
-            got = {bk: pr.dp_sum(kind, g_bytes, dp_ranks, bk, last_bwd) for bk in (None,) + BUCKETS_MB if bk != 25}
-            c.bucket_mb = min(got, key=lambda bk: (got[bk][0], bk is not None))
-        if c.zero == 0:
+        if pr.search_buckets and c.bucket_mb is None and c.zero != 1 and c.grad_sync != "herring" \
+                and c.comm_schedule == "fifo":                         # DDP's 25 MiB unless another is faster
+            pick = ("bucket", kind, g_bytes, dp_ranks, last_bwd)     # the same for every variant of a line
+            if pick not in pr._comm:
+                got = {bk: pr.dp_sum(kind, g_bytes, dp_ranks, bk, last_bwd) for bk in (None,) + BUCKETS_MB if bk != 25}
+                pr._comm[pick] = min(got, key=lambda bk: (got[bk][0], bk is not None))
+            c.bucket_mb = pr._comm[pick]
+        if c.grad_sync == "herring":     # its own bucket size unless pinned (the feature tunes it likewise)
+            sync_t, sent, _ = pr.herring(g_bytes, c.dp, c.bucket_mb, last_bwd, line["makespan"] + opt_t)
+        elif c.comm_schedule == "bytescheduler":
+            sync_t, sent = pr.dp_sum("all_reduce", g_bytes, dp_ranks, c.bucket_mb, last_bwd)
+            c.cross_iteration = False
+            if sync_t > BS_MIN_SHARE * (line["makespan"] + sync_t + opt_t):     # else nothing worth its simulation
+                gain, c.cross_iteration = pr.bytescheduler(line, g_bytes / prof.param_bytes, dp_ranks, c.bucket_mb,
+                                                           opt_t, pr.traced)
+                sync_t = max(sync_t + gain, 0.0)
+            if c.cross_iteration:        # the pieces carried into the step and out of it (estimate()'s figure)
+                c.memory["gradients"] += 2 * grads
+                c.peak_bytes += 2 * grads
+        elif c.zero == 0:
             sync_t, sent = pr.dp_sum("all_reduce", g_bytes, dp_ranks, c.bucket_mb, last_bwd)
         else:
             rs_t, rs_sent = pr.dp_sum("reduce_scatter", g_bytes, dp_ranks, c.bucket_mb, last_bwd, hide=c.zero > 1)
@@ -410,13 +634,6 @@ def cost_candidate(c: Candidate, pr: _Pricer) -> Candidate:
             sync_t += ZERO_OPS_PER_TENSOR * prof.param_tensors * max(getattr(d, "op_overhead_s", 0.0) for d in devs)
     for x in line["sent"]:
         sent += x
-    upd = chunk
-    tensors = prof.param_tensors / (c.pp if c.pp > 1 else 1)
-    if "optimizer" in c.offload:       # the gradient chunk down, the update on the host, the new chunk up
-        opt_t = 2 * upd / HOST_LINK + upd * (3 + 2 * pr.n_state) / HOST_MEMORY
-    else:
-        opt_t = max(upd * (3 + 2 * pr.n_state) / (d.mem_bandwidth * (d.efficiency or {}).get("memory", 1.0))
-                    + OPT_OPS_PER_TENSOR * tensors * getattr(d, "op_overhead_s", 0.0) for d in devs)
     c.step_s = line["makespan"] + sync_t + opt_t
     c.comm_bytes = sent
     c.time = {**line["time"], "dp sync": sync_t, "optimizer": opt_t}
