@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import csv
 import functools
+import math
 import os
 import sys
 import time
@@ -143,10 +144,17 @@ def plot(curves: dict, path: Path, title: str) -> None:
     k = 10
     colors = plt.cm.tab20.colors
     for ax, (rec, group) in zip(axes[0], panels.items()):
-        for j, (label, ys) in enumerate(group.items()):
-            smooth = [sum(ys[max(0, i - k + 1):i + 1]) / len(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
-            ax.plot(smooth, label=label, color="black" if label == "allreduce" else colors[(2 * j) % 20],
+        smooth = {label: [sum(ys[max(0, i - k + 1):i + 1]) / len(ys[max(0, i - k + 1):i + 1]) for i in range(len(ys))]
+                  for label, ys in group.items()}
+        base = [y for y in smooth.get("allreduce", next(iter(smooth.values()))) if math.isfinite(y)]
+        lo = min(y for ys in smooth.values() for y in ys if math.isfinite(y)) - 0.1
+        hi = max(base) + 0.2                # the y range plain dp spans: a diverging curve leaves the plot
+        for j, (label, ys) in enumerate(smooth.items()):
+            off = any(not math.isfinite(y) or y > hi for y in ys)
+            ax.plot(ys, label=label + (" (leaves the plot)" if off else ""),
+                    color="black" if label == "allreduce" else colors[(2 * j) % 20],
                     lw=2.0 if label == "allreduce" else 1.0, ls=("-", "--", ":", "-.")[j % 4])
+        ax.set_ylim(lo, hi)
         ax.set_xlabel("step")
         ax.set_ylabel(f"training loss (mean of {k} steps)")
         ax.set_title(f"{title}{', ' + RECIPE_TITLES.get(rec, rec) if rec else ''}", fontsize=9)
