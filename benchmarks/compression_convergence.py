@@ -10,8 +10,8 @@ compared with plain dp (``allreduce``) trained under the same recipe:
   al., NeurIPS 2019, Algorithm 2; epfml/powersgd ``hyperparameters.md``, Tables 1 and 4), lr ``--sgd-lr`` warmed up
   linearly from ``lr / ranks`` over the first 1/60 of the steps and divided by 10 at 1/2 and at 5/6 of them (their
   5-epoch warm-up and decays at epochs 150 and 250 of 300; Accordion, Agarwal et al., MLSys 2021, trains ResNet-18
-  on the same recipe); PowerSGD starts compressing at 10% of the steps (torch's ``PowerSGDState`` advice for
-  ``start_powerSGD_iter``);
+  with the same warm-up and decays, heavy-ball momentum 0.9); PowerSGD starts compressing at 10% of the steps (torch's ``PowerSGDState`` advice for
+  ``start_powerSGD_iter``); ``--sgd-schedule constant`` keeps ``--sgd-lr`` throughout instead;
 - ``adamw``: AdamW at a constant ``--lr`` (QAdam, which carries Adam's moments itself, with its
   ``QAdamOptimizer``), PowerSGD from step 10.
 
@@ -114,10 +114,13 @@ def paper_schedule(optimizer, steps: int, ranks: int):
 def recipe(name: str, args) -> dict:
     """``optimizer``, ``lr_scheduler`` and PowerSGD's ``start_iter`` of recipe ``name`` (``sgd`` or ``adamw``)."""
     if name == "sgd":
+        constant = args.sgd_schedule == "constant"
         return {"optimizer": (torch.optim.SGD, {"lr": args.sgd_lr, "momentum": 0.9, "nesterov": True}),
-                "lr_scheduler": functools.partial(paper_schedule, steps=args.steps, ranks=args.ranks),
+                "lr_scheduler": None if constant else functools.partial(paper_schedule, steps=args.steps,
+                                                                        ranks=args.ranks),
                 "start_iter": max(2, args.steps // 10), "lr": args.sgd_lr,
-                "label": f"SGD Nesterov 0.9, lr {args.sgd_lr} (warm-up, /10 at 1/2 and 5/6)"}
+                "label": f"SGD Nesterov 0.9, lr {args.sgd_lr}" + (" constant" if constant else
+                                                                   " (warm-up, /10 at 1/2 and 5/6)")}
     return {"optimizer": (torch.optim.AdamW, {"lr": args.lr}), "lr_scheduler": None, "start_iter": 10,
             "lr": args.lr, "label": f"AdamW, lr {args.lr}"}
 
@@ -214,6 +217,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-3, help="AdamW's learning rate (the adamw recipe)")
     ap.add_argument("--sgd-lr", type=float, default=0.1, help="SGD's peak learning rate (the sgd recipe)")
+    ap.add_argument("--sgd-schedule", choices=("paper", "constant"), default="paper",
+                    help="the sgd recipe's lr schedule: the papers' warm-up and decays, or a constant --sgd-lr")
     ap.add_argument("--optimizer", choices=("paper", "adamw", "sgd"), default="paper",
                     help="paper: each method under its papers' recipe (see the module's text); adamw / sgd: every "
                          "method under that recipe")
