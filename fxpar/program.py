@@ -213,6 +213,14 @@ class Program:
         threads a rank runs with (the code depends on it; None: as ``run_local`` gives each rank, the machine's cores
         shared by the ranks)."""
         self._check_rank(rank)
+
+        def no_graph(labels):
+            return StrategyError(f"program.compiled_code(rank={rank}, graph={graph!r}): rank {rank} runs no graph "
+                                 f"{graph!r}; its graphs: {', '.join(labels)}")
+        labels = self.graphs(rank)
+        compiling = any(type(get_feature(name)).code is not Feature.code for name in self.plan.features)
+        if graph is not None and graph not in labels and compiling:     # said before any graph compiles (seconds)
+            raise no_graph(labels)
         for name, section in self.plan.features.items():
             out = get_feature(name).code(section, self, rank, threads)
             if out is not None:
@@ -225,8 +233,7 @@ class Program:
         if graph is None:
             return out
         if graph not in out:
-            raise StrategyError(f"program.compiled_code(rank={rank}, graph={graph!r}): rank {rank} runs no graph "
-                                f"{graph!r}; its graphs: {', '.join(out)}")
+            raise no_graph(out)
         return out[graph]
 
     def history(self, rank: int = 0) -> list:

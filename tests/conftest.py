@@ -1,3 +1,4 @@
+import math
 from pathlib import Path
 
 import pytest
@@ -78,6 +79,8 @@ def _file_seconds() -> dict:
 def pytest_heaviest_files_first(items):
     """The heaviest files first (file_seconds.txt), each file's tests in their own order (its module-wide builds are
     made once): pytest-xdist hands tests out in this order, so the long ones start early instead of ending the run
-    on one worker while the other idles. Every worker collects the same order."""
+    on one worker while the other idles. A file not listed there (added since the list was made) goes before them:
+    its cost is unknown, and a heavy file last would end the run on one worker, while a light one first costs
+    nothing. Every worker collects the same order."""
     seconds = _file_seconds()
-    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], 0.0))
+    items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], math.inf))
