@@ -9,8 +9,9 @@
 of its own on one inductor cache directory (a new, empty one unless ``--cache-dir``): the first compiles (cold cache),
 the second finds every graph in inductor's FX graph cache. Each process runs ``parallelize`` and then
 ``program.compiled_code(0)``, which compiles every graph rank 0 runs as the rank does at its first call (from the
-graphs' shapes, for the CPU threads ``run_local`` gives a rank); printed: wall and CPU seconds of each part, the CPU
-of inductor's compile workers included (the process's and its children's), and the load average.
+graphs' shapes, for the CPU threads ``run_local`` gives a rank); printed: wall and CPU seconds of each part (CPU: the
+process's and its children's that ended and were reaped: inductor's compile workers, as far as their pool reaped
+them), and the load average.
 
 ``--tiny``: ``fxpar.testing.tiny_gpt`` (2 layers, width 16, float64, the model most tests train) on an 8 x 16 batch
 with the strategy named, AdamW: the per-call cost a numerics test pays in its own process.
