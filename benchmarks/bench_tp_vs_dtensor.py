@@ -3,6 +3,7 @@
 model, same batches, same ranks (gloo, CPU), side by side in one run.
 
     python benchmarks/bench_tp_vs_dtensor.py [--d 256] [--layers 4] [--seq 128] [--batch 8] [--steps 8] [--rounds 2]
+    python benchmarks/bench_tp_vs_dtensor.py --compile [--no-profile]
 
 The model is a GPT-like stack whose blocks have separate q/k/v/o Linears and an MLP (fc1, fc2), so Megatron's
 split (Shoeybi et al. 2019, §3) applies fully: q, k, v, fc1 column-parallel, o, fc2 row-parallel, attention on
@@ -22,9 +23,15 @@ does, so the same module runs whole, or on half the heads under DTensor.
 3. Where the time goes: the collectives of one step per side (count, bytes; ``fxpar.runtime.measure.CommCounter``)
    and, unless ``--no-profile``, rank 0's ``torch.profiler`` self CPU time per op and step, side by side (fxpar:
    two profiled runs of different lengths subtracted, so only steady steps count).
+
+``--compile``: two sides more, ``Strategy(tp=2, sharding="megatron", compile=True)`` (each rank's step graph through
+inductor, compiled at its first step, a warm-up step) and DTensor with ``torch.compile`` on the parallelized model
+(forward and backward through inductor at the first warm-up step; the AdamW update eager, as on the plain DTensor
+side), in the same rounds; the agreement check then includes the compiled fxpar side.
 """
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -130,7 +137,7 @@ def dtensor_model(model):
     return m
 
 
-def dtensor_worker(model, batches, warmup, foreach, profile=False):
+def dtensor_worker(model, batches, warmup, foreach, profile=False, compiled=False):
     """One rank of DTensor tp: every rank sees the whole batch. Returns losses, step times, the collectives of one
     more (untimed) step and, with ``profile``, rank 0's per-step profile of the steps after warm-up instead."""
     import contextlib
@@ -139,6 +146,8 @@ def dtensor_worker(model, batches, warmup, foreach, profile=False):
     from torch.distributed.tensor.experimental import implicit_replication
     m = dtensor_model(model)
     o = OPT[0](m.parameters(), **OPT[1], foreach=foreach)
+    if compiled:
+        m = torch.compile(m)
     # foreach AdamW over DTensor (split Linears) and plain tensors (embeddings, norms, head) raises "got mixed
     # torch.Tensor and DTensor"; torch's documented remedy is implicit_replication(): plain tensors count as
     # replicated DTensors inside it. Without foreach the update loops over tensors and needs nothing.
@@ -173,17 +182,17 @@ def dtensor_worker(model, batches, warmup, foreach, profile=False):
 
 # ---- fxpar side ------------------------------------------------------------------------------------------------
 
-def fxpar_program(model, batches, sharding, world, passes=()):
+def fxpar_program(model, batches, sharding, world, passes=(), compile=False):
     return fxpar.parallelize(model, fxpar.ClusterSpec.local(world), batches[0], loss_fn, OPT,
-                             strategy=fxpar.Strategy(tp=world, sharding=sharding, passes=list(passes)))
+                             strategy=fxpar.Strategy(tp=world, sharding=sharding, passes=list(passes), compile=compile))
 
 
-def fxpar_side(model, batches, sharding, world):
+def fxpar_side(model, batches, sharding, world, compile=False):
     """``(label, program)``, or ``(label, None)`` with the error printed where building fails: the benchmark goes
     on with the other sides and says so."""
-    label = f"fxpar {sharding}"
+    label = f"fxpar {sharding}{' compiled' if compile else ''}"
     try:
-        return label, fxpar_program(model, batches, sharding, world)
+        return label, fxpar_program(model, batches, sharding, world, compile=compile)
     except Exception as e:                  # noqa: BLE001 -- reported, the side is left out
         print(f"{label}: FAILS to build, left out: {type(e).__name__}: {str(e).splitlines()[0]}")
         return label, None
@@ -263,6 +272,9 @@ def _tp_note(prog):
 
 # ---- the run ---------------------------------------------------------------------------------------------------
 
+_SIDES = (("megatron", False), ("auto", False))
+
+
 def agreement(args, lc, world, steps=4):
     """float64, small: every side's losses for ``steps`` AdamW steps; prints each side's largest difference from one
     process and each fxpar side's from DTensor, and says DISAGREE above ``TOL``."""
@@ -270,8 +282,8 @@ def agreement(args, lc, world, steps=4):
     model, batches = make(small, torch.float64)
     ref, _ = single_process(model, batches, 0, 1)
     losses = {}
-    for sharding in ("megatron", "auto"):
-        label, prog = fxpar_side(model, batches, sharding, world)
+    for sharding, compiled in _SIDES + ((("megatron", True),) if args.compile else ()):
+        label, prog = fxpar_side(model, batches, sharding, world, compiled)
         if prog is not None:
             losses[label] = prog.run_local(batches, cluster=lc).losses
     out = lc.run(dtensor_worker, [(model, batches, 0, args.foreach)] * world)
@@ -304,6 +316,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--foreach", type=int, default=1, help="DTensor side: AdamW(foreach=...)")
     ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--compile", action="store_true", help="also fxpar megatron compile=True and DTensor + torch.compile")
     args = ap.parse_args()
     args.n = args.warmup + args.steps
     world = 2
@@ -314,19 +327,26 @@ def main():
     with fxpar.LocalCluster(world) as lc:
         agreement(args, lc, world)
         progs = {}
-        for sharding in ("megatron", "auto"):
+        for sharding, compiled in _SIDES + ((("megatron", True),) if args.compile else ()):
             t0 = time.perf_counter()
-            label, prog = fxpar_side(model, batches, sharding, world)
+            label, prog = fxpar_side(model, batches, sharding, world, compiled)
             if prog is not None:
                 progs[label] = prog
                 print(f"parallelize({label}): {time.perf_counter() - t0:.1f} s; {_tp_note(prog)}")
-        times = {s: [] for s in [*progs, "DTensor", "1 process, 1 thread", "1 process, 2 threads"]}
-        for _ in range(args.rounds):
+        dts = ("DTensor", "DTensor + torch.compile") if args.compile else ("DTensor",)
+        times = {s: [] for s in [*progs, *dts, "1 process, 1 thread", "1 process, 2 threads"]}
+        for r in range(args.rounds):
             for name, prog in progs.items():
                 times[name] += prog.run_local(batches, cluster=lc).step_times[args.warmup:]
-            out = lc.run(dtensor_worker, [(model, batches, args.warmup, args.foreach)] * world)
-            times["DTensor"] += [max(o["step_times"][i] for o in out) for i in range(args.steps)]
-            dt_comm = out[0]["comm"]
+            for side in dts:
+                out = lc.run(dtensor_worker, [(model, batches, args.warmup, args.foreach, False, side != "DTensor")]
+                             * world)
+                times[side] += [max(o["step_times"][i] for o in out) for i in range(args.steps)]
+                if side == "DTensor":
+                    dt_comm = out[0]["comm"]
+            print(f"round {r}: load average {os.getloadavg()[0]:.1f}; medians "
+                  + ", ".join(f"{k} {statistics.median(v[-args.steps:]) * 1e3:.1f} ms" for k, v in times.items()
+                              if v and not k.startswith("1 process")))
             times["1 process, 1 thread"] += single_process(model, batches, args.warmup, 1)[1]
             times["1 process, 2 threads"] += single_process(model, batches, args.warmup, 2)[1]
         print("\ncollectives per step, rank 0:")

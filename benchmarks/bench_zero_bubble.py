@@ -1,7 +1,7 @@
 """Zero bubble (ZB-H1, ``schedule="zb1p"``) vs 1F1B, fxpar and torch.distributed.pipelining side by side
 in one run: step time, measured idle fraction, and the cost model's predicted idle fraction.
 
-    python benchmarks/bench_zero_bubble.py [--pp 2] [--microbatches 4 8] [--steps 8] [--rounds 3]
+    python benchmarks/bench_zero_bubble.py [--pp 2] [--microbatches 4 8] [--steps 8] [--rounds 3] [--compile]
 
 Same model (a GPT with an untied LM head, 8 layers, d=128), same weights, batches, ranks and AdamW on
 every side. fxpar runs ``1f1b`` and ``zb1p`` (one stage per rank, backward split into I and W);
@@ -14,10 +14,14 @@ step time), compute = F/B/I/W) and the cost model's, on a ClusterSpec calibrated
 unless ``--no-calibrate``: ``idle est`` counts as compute the F/B/I/W graphs only, as the executor does
 (``Estimate.idle_fraction_where``), ``est all`` every graph, the optimizer STEP included
 (``Estimate.idle_fraction``), ``no late`` as ``idle est`` without the calibrated ``late_recv_s`` (a receive
-posted after its send while the sender computes; printed with the cluster).
+posted after its send while the sender computes; printed with the cluster). ``--compile``: fxpar's ``1f1b`` and
+``zb1p`` also with ``compile=True`` (every F, B, I, W, REDUCE_GRAD and STEP graph through inductor; each rank compiles
+at its first step, a warm-up step, and loads from inductor's cache in later rounds), the same rows beside the eager
+ones; torch's sides stay eager.
 """
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -58,6 +62,7 @@ def main():
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--torch", nargs="*", default=["1f1b", "interleaved_zb", "zbv"])
     ap.add_argument("--no-calibrate", action="store_true")
+    ap.add_argument("--compile", action="store_true", help="also fxpar's schedules with compile=True")
     args = ap.parse_args()
     pp = args.pp
     torch.manual_seed(0)
@@ -75,9 +80,10 @@ def main():
           f"op overhead {cluster.device.op_overhead_s * 1e6:.2f} us, late recv {cluster.device.late_recv_s * 1e3:.2f} ms")
     with fxpar.LocalCluster(pp) as lc:
         for m in args.microbatches:
-            progs = {name: fxpar.parallelize(model, cluster, batches[0], gpt_loss, opt, strategy=fxpar.Strategy(
-                pp=pp, schedule=name, microbatches=m, split_points=[f"blocks.{c}" for c in cuts1]))
-                for name in ("1f1b", "zb1p")}
+            progs = {f"{name}{' compiled' if c else ''}": fxpar.parallelize(
+                model, cluster, batches[0], gpt_loss, opt, strategy=fxpar.Strategy(
+                    pp=pp, schedule=name, microbatches=m, split_points=[f"blocks.{c}" for c in cuts1], compile=c))
+                for c in ((False, True) if args.compile else (False,)) for name in ("1f1b", "zb1p")}
             times = {k: [] for k in [f"fxpar {n}" for n in progs] + [f"torch {t}" for t in args.torch]}
             idle = {k: [] for k in progs}
             losses = {}
@@ -93,10 +99,10 @@ def main():
                     times[f"torch {t}"] += [max(o["step_times"][i] for o in out) for i in range(args.steps)]
                     losses[f"torch {t}"] = next(o["losses"] for o in out if o["losses"] is not None)
             base = statistics.median(times["torch 1f1b"]) if "torch 1f1b" in times else None
-            print(f"\nm={m}: dry-run bubble (F=1, B=2 | F=I=W=1): 1f1b "
+            print(f"\nm={m} (load average {os.getloadavg()[0]:.1f}): dry-run bubble (F=1, B=2 | F=I=W=1): 1f1b "
                   f"{simulate(get_schedule('1f1b', pp, m)).bubble_fraction:.3f}, zb1p "
                   f"{simulate(get_schedule('zb1p', pp, m), F=1, I=1, W=1).bubble_fraction:.3f}")
-            print(f"{'side':<22} {'median ms':>9} {'min ms':>7} {'/ torch 1f1b':>12} {'idle meas':>9} {'idle est':>8} "
+            print(f"{'side':<26} {'median ms':>9} {'min ms':>7} {'/ torch 1f1b':>12} {'idle meas':>9} {'idle est':>8} "
                   f"{'est all':>7} {'no late':>7} {'|dloss| vs torch 1f1b':>22}")
             ref = losses.get("torch 1f1b")
             for k, ts in times.items():
@@ -112,7 +118,7 @@ def main():
                     e0 = cost_models.estimate({r: p._calls(r) for r in range(p.world_size)}, cl0)
                 no_late = f"{e0.idle_fraction_where(is_work):7.3f}" if e else f"{'':7}"
                 dl = max(abs(a - b) for a, b in zip(losses[k], ref)) if ref else float("nan")
-                print(f"{k:<22} {med * 1e3:9.1f} {min(ts) * 1e3:7.1f} {med / base if base else float('nan'):12.3f} "
+                print(f"{k:<26} {med * 1e3:9.1f} {min(ts) * 1e3:7.1f} {med / base if base else float('nan'):12.3f} "
                       f"{meas} {est} {est_all} {no_late} {dl:22.2e}")
 
 

@@ -65,6 +65,7 @@ class Item:
     groups: object = None         # {(axis, ranks in the graph's CommInfo): this rank's ranks}: ranks sharing a
     #                               graph lowered for another rank (tensor parallelism: one graph per stage)
     beside: tuple = (0.0, 0.0)
+    fused: bool = False           # compiled by an op-fusing compiler: priced by cost_models.fusion
 
 
 @dataclass(frozen=True)
@@ -226,7 +227,7 @@ def _freeze(keep):
 def compile_sequence(seq, cluster, cache: dict, rank: int = 0) -> SequenceProgram:
     """Compile rank ``rank``'s sequence; graphs, shapes and memory are shared through ``cache``."""
     items = [_item(e, rank, i) for i, e in enumerate(seq)]
-    parts = [compile_program(it.gm, cluster, cache) if isinstance(it, Item) else None for it in items]
+    parts = [compile_program(it.gm, cluster, cache, it.fused) if isinstance(it, Item) else None for it in items]
     shape = tuple(("g", id(p.steps), it.label) if p is not None else
                   ("m", it.info.kind, it.label) if isinstance(it, _Message) else ("w", it.label)
                   for it, p in zip(items, parts))

@@ -49,7 +49,7 @@ import torch.fx
 
 from fxpar import meta as M
 
-from .compute import graph_compute, pays_dispatch
+from .compute import GraphCompute, graph_compute, pays_dispatch
 from .memory import liveness
 
 __all__ = ["Program", "CoreSharing", "cold_ops", "compile_program", "simulate", "SimResult", "DeadlockError",
@@ -73,9 +73,13 @@ class Program:
     heterogeneous cluster the cluster on its own (``ClusterSpec.on_device``).
     """
 
-    def __init__(self, gm, cluster):
+    def __init__(self, gm, cluster, fused: bool = False):
         self.gm = gm
         gc = graph_compute(gm, cluster.device)
+        if fused:                 # compiled by an op-fusing compiler: its kernels' times (cost_models.fusion)
+            from .fusion import fused_times
+            _, times, _ = fused_times(gm, cluster.device)
+            gc = GraphCompute(costs=gc.costs, times=times, defaulted=gc.defaulted)
         self.compute = gc
         self.comm_nodes: list = []
         self.segments: list = []          # list of [(node name, seconds)]
@@ -89,6 +93,8 @@ class Program:
         returned = _returned_nodes(gm)
         cold_s = getattr(cluster.device, "cold_op_s", 0.0)
         cold = cold_ops(gm, cluster.device) if cold_s > 0 else {}
+        if fused:                 # a node fused into another's kernel runs no code of its own
+            cold = {n: k for n, k in cold.items() if gc.times.get(n, 0.0) > 0 or n.op == "output"}
 
         def flush():
             if seg:
@@ -218,14 +224,16 @@ def _waited_via_getitem(n) -> bool:
     return any(u.target is operator.getitem and any(w.target is _WAIT for w in u.users) for u in n.users)
 
 
-def compile_program(gm, cluster, cache: dict) -> Program:
-    """The :class:`Program` of ``gm``, shared by graph identity, then by (code, input shapes)."""
-    p = cache.get(id(gm))
+def compile_program(gm, cluster, cache: dict, fused: bool = False) -> Program:
+    """The :class:`Program` of ``gm``, shared by graph identity, then by (code, input shapes); ``fused``: priced as an
+    op-fusing compiler runs it (:mod:`cost_models.fusion`)."""
+    ikey = id(gm) if not fused else ("fused", id(gm))
+    p = cache.get(ikey)
     if p is not None:
         return p
     phs = tuple((tuple(v.shape), v.dtype) if hasattr(v, "shape") else repr(v)
                 for v in (n.meta.get("val") for n in gm.graph.nodes if n.op == "placeholder"))
-    skey = (hash(gm.code), phs)
+    skey = (hash(gm.code), phs) + (("fused",) if fused else ())
     base = cache.get(skey)
     if base is not None and base.gm.code == gm.code:
         p = Program.__new__(Program)
@@ -236,9 +244,9 @@ def compile_program(gm, cluster, cache: dict) -> Program:
         p.infos = [n.meta[M.COMM.name] for n in p.comm_nodes]
         p.comm_names = [n.name for n in p.comm_nodes]
     else:
-        p = Program(gm, cluster)
+        p = Program(gm, cluster, fused)
         cache[skey] = p
-    cache[id(gm)] = p
+    cache[ikey] = p
     return p
 
 

@@ -3,8 +3,10 @@
 Numerics: compiled runs against eager fxpar on the same program (float64 to 1e-10: inductor's C++ kernels sum
 reductions in their own order, about 1e-12 apart here; float32 to rtol 1e-4), per graph kind. Structure: the ranks
 issue the same collectives, in the same order with the same bytes, compiled and eager; inductor's code keeps the
-issue-to-wait windows of the FX graph. Bad input: an option value that is not True/False, no C++ compiler, a graph
-that does not compile. Compile time dominates: tiny models, and all but one numerics case are ``slow``.
+issue-to-wait windows of the FX graph. ``compile="auto"``: the cost model's decision on a CPU ClusterSpec and a GPU
+preset (meta models, nothing run), its Plan section through JSON, the fusion model on a small graph, and one run where
+it compiles. Bad input: an option value that is not True/False/"auto", compile_steps without "auto", no C++ compiler,
+a graph that does not compile. Compile time dominates: tiny models, and all but one numerics case are ``slow``.
 """
 import re
 import warnings
@@ -13,11 +15,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import cost_models
 import fxpar
 import fxpar.features.compile as comp
+from cost_models import fusion
+from cost_models.compute import OpCost, node_cost, node_time
 from fxpar.collectives import C10D, is_wait
 from fxpar.runtime.launch import local_threads
-from fxpar.testing import MLP, gpt_loss, max_abs_diff, tiny_gpt
+from fxpar.testing import GPT, MLP, gpt_loss, max_abs_diff, tiny_gpt
 
 SGD_M = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2})
@@ -29,11 +34,12 @@ def _batches(steps=2, dtype=None):
             for _ in range(steps)]
 
 
-def _both(clusters, strategy: dict, opt=ADAMW, dtype=torch.float64, **run):
-    """The same tiny GPT program eager and compiled; returns ``(eager result, compiled result, compiled program)``."""
+def _both(clusters, strategy: dict, opt=ADAMW, dtype=torch.float64, compile=True, **run):
+    """The same tiny GPT program eager and compiled (``compile``: True, or "auto" where it picks inductor); returns
+    ``(eager result, compiled result, compiled program)``."""
     batches = _batches()
     out = []
-    for flag in (False, True):
+    for flag in (False, compile):
         model = tiny_gpt(layers=1).to(dtype)
         n = strategy.get("dp", 1) * strategy.get("tp", 1) * strategy.get("pp", 1)
         prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(n), batches[0], loss_fn=gpt_loss, optimizer=opt,
@@ -92,6 +98,20 @@ def test_fused_step_dp2_float64_matches_eager_and_keeps_collective_windows(clust
 
 @pytest.mark.numerics
 @pytest.mark.slow
+def test_auto_compiles_the_tiny_gpt_on_cpu_and_matches_eager(clusters):
+    # the tiny GPT's step is its ops' dispatch: the model predicts about 0.2x compiled (the same graphs as the
+    # compile=True case above, so inductor's cache serves them)
+    eager, compiled, prog = _both(clusters, {"dp": 2, "bucket_cap_mb": 0.004}, compile="auto")
+    sec = prog.plan.section("compile")
+    assert sec.backend == "inductor" and sec.compiled_s < (1 - comp.AUTO_MARGIN) * sec.eager_s
+    _close64(eager, compiled)
+    again = fxpar.parallelize(tiny_gpt(layers=1).double(), fxpar.ClusterSpec.local(2), _batches()[0], loss_fn=gpt_loss,
+                              optimizer=ADAMW, plan=fxpar.Plan.from_json(prog.plan.to_json()))
+    assert again.plan.section("compile") == sec and again.graphs(0)["step"].code == prog.graphs(0)["step"].code
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
 def test_fused_step_dp2_float32_within_tolerance(clusters):
     eager, compiled, _ = _both(clusters, {"dp": 2}, opt=SGD_M, dtype=torch.float32)
     torch.testing.assert_close(torch.tensor(compiled.losses), torch.tensor(eager.losses), rtol=1e-5, atol=0)
@@ -125,10 +145,100 @@ def _mlp_program(**strategy):
 
 
 @pytest.mark.structure
-@pytest.mark.parametrize("value", ["auto", 1, "inductor"])
-def test_compile_takes_true_or_false(value):
-    with pytest.raises(fxpar.StrategyError, match=r"compile=.*True.*False"):
+@pytest.mark.parametrize("value", [1, "inductor", None])
+def test_compile_takes_true_false_or_auto(value):
+    with pytest.raises(fxpar.StrategyError, match=r"compile=.*True.*False.*'auto'"):
         fxpar.Strategy(dp=2, compile=value)
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("kw, says", [
+    ({"compile": True, "compile_steps": 100}, r"compile_steps is what compile='auto' weighs.*pass compile='auto'"),
+    ({"compile": "auto", "compile_steps": 0}, r"compile_steps=0.*positive int"),
+    ({"compile": "auto", "compile_steps": 2.5}, r"compile_steps=2.5.*positive int"),
+])
+def test_compile_steps_needs_auto_and_a_positive_int(kw, says):
+    with pytest.raises(fxpar.StrategyError, match=says):
+        fxpar.Strategy(dp=2, **kw)
+
+
+# ---- compile="auto": the cost model's decision ---------------------------------------------------------------
+def _meta_gpt_program(cluster, n, **strategy):
+    """A GPT on the meta device (nothing allocated, nothing run), AdamW, ``Strategy(dp=n, **strategy)``."""
+    with torch.device("meta"):
+        model = GPT(vocab=2048, d=256, layers=2, heads=4, max_seq=64)
+    x = torch.randint(0, 2048, (8 * n, 64), device="meta")
+    return fxpar.parallelize(model, cluster, (x, x), loss_fn=gpt_loss, optimizer=ADAMW,
+                             strategy=fxpar.Strategy(dp=n, **strategy))
+
+
+@pytest.mark.cost
+def test_fusion_model_counts_kernels_and_bytes_of_a_small_graph():
+    # x @ w (a library kernel), then add, relu (fused with the sum that reads them) and sum: eager 4 aten ops; compiled
+    # 2 kernels, and the fused region reads mm's result once and writes the sum, not add's and relu's results
+    def f(x, w, b):
+        return torch.relu(x @ w + b).sum(1)
+    gm = torch.fx.experimental.proxy_tensor.make_fx(f)(torch.randn(64, 32), torch.randn(32, 128), torch.randn(128))
+    device = fxpar.ClusterSpec.local(1).device
+    fc = fusion.fused_compute(gm, device)
+    assert (fc.ops, fc.extern, fc.kernels, len(fc.regions)) == (4, 1, 2, 1)
+    kinds, regions = fusion.regions(gm)
+    flops, nbytes, kernels = fusion._region_cost(regions[0], {n: node_cost(n) for n in gm.graph.nodes}, kinds)
+    assert nbytes == 4 * (64 * 128 + 128 + 64) and kernels == 1          # mm's result and b in, the sum out
+    eager = sum(node_time(node_cost(n), device) + device.op_overhead_s for n in gm.graph.nodes
+                if n.op == "call_function")
+    mm = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.mm.default)
+    fused = node_time(OpCost(flops, nbytes, "elementwise", "fused"), device) * fusion.CODE_FACTOR["cpu"] \
+        + fusion.CALL_S["cpu"]
+    assert fc.eager_s == pytest.approx(eager) and fc.compiled_s == pytest.approx(
+        node_time(node_cost(mm), device) + device.op_overhead_s + fused)
+
+
+@pytest.mark.cost
+def test_auto_compiles_on_a_gpu_preset_and_not_on_this_cpu(monkeypatch):
+    monkeypatch.setattr(comp, "compiler_missing", lambda: None)        # the decision, whatever this machine has
+    # CPU: the benchmark GPT's matrix products are most of its step; the model predicts 0.96x, inside its error
+    cpu = _meta_gpt_program(fxpar.ClusterSpec.local(2), 2, compile="auto")
+    sec = cpu.plan.section("compile")
+    assert sec.asked == "auto" and sec.backend == "eager" and "under the 10% gain" in sec.why
+    assert 1 - comp.AUTO_MARGIN < sec.compiled_s / sec.eager_s < 1.0
+    assert cpu.plan.optimizer["kernel"] == "fused"                      # eager keeps the fused CPU update
+    assert "compile='auto': eager: the cost model predicts" in cpu.explain()
+    assert "rank 0 step: predicted" in cpu.explain()                    # per graph, op by op and compiled
+    assert "compiled graphs priced" not in str(cpu.estimate().notes)
+    # the same model on H100s: each eager op launches a kernel (5 us) and moves its bytes; fused, fewer do both
+    gpus = fxpar.ClusterSpec.preset("h100", nodes=1, gpus_per_node=8)
+    gpu = _meta_gpt_program(gpus, 8, compile="auto")
+    sec = gpu.plan.section("compile")
+    assert sec.backend == "inductor" and sec.compiled_s < (1 - comp.AUTO_MARGIN) * sec.eager_s
+    assert "compile_steps not given: the compile time is not weighed" in sec.why
+    assert gpu.plan.optimizer["kernel"] == "foreach"                    # inductor generates the update
+    lines = gpu.explain()
+    assert "compile='auto': compiled by torch._inductor" in lines and "rank 0 compiles: step" in lines
+    # estimate() prices the graph as compiled: its fused kernels' time, below the same graph op by op
+    gm = gpu.graphs(0)["step"]
+    est = gpu.estimate()
+    eager_est = cost_models.estimate({r: [cost_models.Item(gm, "FULL")] for r in range(8)}, gpus)
+    assert est.ranks[0].compute_time_s < eager_est.ranks[0].compute_time_s
+    assert est.ranks[0].compute_time_s == pytest.approx(fusion.fused_compute(gm, gpus.device).compiled_s)
+    assert any("compiled graphs priced" in n for n in est.notes)
+    # the decision is in the Plan, typed, and survives JSON
+    back = fxpar.Plan.from_json(gpu.plan.to_json())
+    assert back.section("compile") == sec and back.to_json() == gpu.plan.to_json()
+    # over a short run the compile time does not pay back: eager, and why
+    short = _meta_gpt_program(gpus, 8, compile="auto", compile_steps=10).plan.section("compile")
+    assert short.backend == "eager" and short.steps == 10 and "more than compile_steps=10" in short.why
+
+
+@pytest.mark.structure
+def test_auto_without_a_c_compiler_runs_eager_and_says_why(monkeypatch):
+    monkeypatch.setattr(comp, "compiler_missing", lambda: "a C++ compiler (g++ is not on PATH)")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")                   # compile='auto' asked for nothing: no warning, a reason
+        prog, _ = _mlp_program(compile="auto")
+    sec = prog.plan.section("compile")
+    assert (sec.backend, sec.asked) == ("eager", "auto") and "missing a C++ compiler" in sec.why
+    assert "compile='auto': eager: inductor is not usable here: missing a C++ compiler" in prog.explain()
 
 
 @pytest.mark.structure

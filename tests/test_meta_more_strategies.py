@@ -46,6 +46,7 @@ STRATEGIES = {
     "wavelet": (2, dict(dp=2, microbatches=2, schedule="wavelet"), {}),
     "wavelet_pp2": (2, dict(pp=2, microbatches=2, schedule="wavelet"), {}),
     "compile": (2, dict(dp=2, compile=True), {}),
+    "compile_auto": (2, dict(dp=2, compile="auto"), {}),
 }
 _UNTIED = ("hetpipe",)          # weights tied across stages are refused there (support matrix)
 

@@ -4,9 +4,11 @@ fxpar owns each rank's whole step as graphs (the fused one-stage step, or F/B/I/
 the features' own); eager, they run op by op. With ``compile=True`` each rank compiles each graph it runs with
 inductor's ``compile_fx`` (C++ and OpenMP on CPU) at its first call, and runs the compiled code from then on:
 
-* option ``compile`` (False; True); ``"auto"`` is refused until a probe or the cost model decides it;
+* option ``compile`` (False; True; ``"auto"``: the cost model decides, :func:`decide`) and ``compile_steps`` (the
+  steps of the run, for ``"auto"`` to weigh inductor's compile time against what it saves over them);
 * its Plan section :class:`CompileSection`: the backend the ranks use (``"inductor"``, or ``"eager"`` with why:
-  no working C++ compiler, a one-line warning when the Plan is made);
+  no working C++ compiler, a one-line warning when the Plan is made; ``"auto"`` found it does not pay) and, for
+  ``"auto"``, the figures it decided on;
 * its planning (:meth:`Compile.plan`): the traced Adam/AdamW update runs as list ops inductor compiles itself
   (inductor has no lowering for ``aten._fused_adamw_``, fxpar's fused CPU kernel);
 * its per-rank state :class:`CompileState`: once the rank's graphs are bound to its groups
@@ -17,7 +19,10 @@ inductor's ``compile_fx`` (C++ and OpenMP on CPU) at its first call, and runs th
 * its report (``RunResult.features[rank]["compile"]``): per graph, compiled or why not, seconds, inductor's cache
   (``"hit"``: a second ``parallelize`` of the same model compiles nothing), inductor's code and the CPU threads
   its kernels are made for (the rank's own: ``torch.get_num_threads()`` where it compiles);
-* its lines in ``explain()``: which graphs compile, which run eager and why.
+* its lines in ``explain()``: which graphs compile, which run eager and why; for ``"auto"``, the decision and each
+  graph's predicted seconds op by op and compiled;
+* its cost effect (:meth:`Compile.priced_calls`): ``estimate()`` prices each graph that compiles as inductor's fused
+  kernels (``cost_models.fusion``).
 
 Shapes are static: the graphs are made for ``example_inputs``' shapes, and a batch of another shape (a smaller last
 batch) is refused before any rank starts, with or without ``compile``. So a graph compiles once per run, never again
@@ -35,7 +40,7 @@ import re
 import shutil
 import time
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from unittest import mock
 
 import torch
@@ -49,12 +54,30 @@ from fxpar.errors import StrategyError
 from fxpar.feature import Feature, Option, PlanSection, RankState, register_feature
 from fxpar.roles import GraphKind
 from fxpar.runtime.launch import local_threads
+from cost_models.compute import graph_compute
+from cost_models.fusion import fused_times
+from cost_models.sequence import Item
 from passes.functional_collectives import functional_collectives
+from passes.fuse_optimizer import fused_chain_times
 
-__all__ = ["Compile", "CompileSection", "CompileState", "CompiledGraph", "compiler_missing", "eager_reason",
-           "graph_label"]
+__all__ = ["Compile", "CompileSection", "CompileState", "CompiledGraph", "compiler_missing", "decide", "eager_reason",
+           "graph_label", "AUTO_MARGIN", "COMPILE_CPU_S_PER_NODE", "CUDA_LAUNCH_S"]
 
 _OPTION = "compile"
+_STEPS = "compile_steps"
+# compile="auto" compiles where the cost model predicts the compiled step at most (1 - AUTO_MARGIN) of the eager one:
+# on the benchmark GPT on CPU (docs/strategies/compile.md) the model predicted 0.96 where the steps measured 0.97-1.03
+# (CPU seconds), so a predicted gain under 10% is inside its error
+AUTO_MARGIN = 0.10
+# CPU seconds inductor takes to compile a graph cold, per FX node: GPT-2 small's dp=2 step (2,567 nodes) took 101 s
+# of CPU (the compile workers' included) on the 2-core machine, 3.3 s from inductor's cache
+# (benchmarks/bench_parallelize.py --compile; docs/benchmarks.md)
+COMPILE_CPU_S_PER_NODE = 101.0 / 2567
+# the host's cost of one CUDA kernel launch through the driver and runtime, 4-6 us (measured on an RTX 5070 Ti,
+# CUDA 13: github.com/xiaguan/cuda-kernel-launch-lab, "From Launch Overhead to CUDA Graph"; NVIDIA's "Getting
+# Started with CUDA Graphs" describes the same few microseconds): where a CUDA device's spec gives no op_overhead_s
+# (the GPU presets), "auto" prices each eager op and each compiled kernel at 5 us
+CUDA_LAUNCH_S = 5e-6
 
 
 def compiler_missing() -> str | None:
@@ -93,11 +116,24 @@ def eager_reason(gm: torch.fx.GraphModule) -> str | None:
 @dataclass
 class CompileSection(PlanSection):
     """The decision: the backend each rank's graphs run on (``"inductor"``; ``"eager"`` where ``why`` says what is
-    missing)."""
+    missing, or why ``compile="auto"`` found compiling does not pay). ``asked``: ``"true"`` or ``"auto"``. For
+    ``"auto"``: the cost model's seconds of one step op by op (``eager_s``) and compiled (``compiled_s``), on the
+    slowest stage; the predicted CPU seconds of compiling cold (``compile_s``); ``steps`` (``compile_steps``, 0: not
+    given); per stage ``[eager s, compiled s, FX nodes, aten ops, kernels]`` of its training step, one microbatch
+    (``stages``)."""
     backend: str = "inductor"
     why: str = ""
+    asked: str = "true"
+    eager_s: float = 0.0
+    compiled_s: float = 0.0
+    compile_s: float = 0.0
+    steps: int = 0
+    stages: dict = field(default_factory=dict)
 
     def lines(self) -> list:
+        if self.asked == "auto":
+            return [f"compile='auto': {'compiled by torch._inductor' if self.backend == 'inductor' else 'eager'}: "
+                    f"{self.why}"]
         if self.backend != "inductor":
             return [f"compile=True asked, but the graphs run eager: {self.why}"]
         return ["every graph a rank runs is compiled by torch._inductor (C++/OpenMP on CPU) at its first call on the "
@@ -172,31 +208,69 @@ class Compile(Feature):
     options = {_OPTION: Option(False, "True: each rank compiles every graph it runs with torch._inductor's compile_fx "
                                       "at its first call (cached on disk: a second parallelize of the same model "
                                       "compiles nothing); a graph that cannot compile runs eager, with a warning. "
-                                      "Shapes are static. False (default): eager. 'auto' is refused (no probe decides "
-                                      "it yet)")}
+                                      "Shapes are static. 'auto': compile where the cost model predicts the step at "
+                                      "most 0.9x the eager one (and, with compile_steps, the compile time paid back "
+                                      "over the run); eager otherwise, with the reason in the Plan and explain(). "
+                                      "False (default): eager"),
+               _STEPS: Option(None, "with compile='auto': the steps the run will take; 'auto' then compiles only where "
+                                    "the time saved over them exceeds the predicted compile time")}
     section = CompileSection
     state = CompileState
 
     def validate(self, strategy) -> None:
-        v = strategy.option(_OPTION)
-        if v == "auto":
-            raise StrategyError("Strategy(compile='auto'): no probe or cost model decides compilation yet; pass "
-                                "compile=True (every graph through torch._inductor) or compile=False (eager)")
-        if not isinstance(v, bool):
-            raise StrategyError(f"Strategy(compile={v!r}): pass True (every graph through torch._inductor) or False "
-                                "(eager, the default)")
+        v, steps = strategy.option(_OPTION), strategy.option(_STEPS)
+        if not (isinstance(v, bool) or v == "auto"):
+            raise StrategyError(f"Strategy(compile={v!r}): pass True (every graph through torch._inductor), False "
+                                "(eager, the default) or 'auto' (compile where the cost model says it pays)")
+        if steps is not None:
+            if v != "auto":
+                raise StrategyError(f"Strategy(compile={v!r}, compile_steps={steps!r}): compile_steps is what "
+                                    "compile='auto' weighs the compile time against; pass compile='auto' or drop it")
+            if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+                raise StrategyError(f"Strategy(compile_steps={steps!r}): pass the number of steps the run will take, "
+                                    "a positive int")
 
     def plan(self, strategy, plan, cluster):
+        auto = strategy.option(_OPTION) == "auto"
         missing = compiler_missing()
         if missing is not None:
-            warnings.warn(f"Strategy(compile=True): inductor is not usable here, missing {missing}; the graphs run "
-                          "eager", UserWarning, stacklevel=2)
-            return CompileSection(backend="eager", why=f"inductor is not usable here: missing {missing}")
+            if not auto:
+                warnings.warn(f"Strategy(compile=True): inductor is not usable here, missing {missing}; the graphs run "
+                              "eager", UserWarning, stacklevel=2)
+            return CompileSection(backend="eager", why=f"inductor is not usable here: missing {missing}",
+                                  asked="auto" if auto else "true")
+        if auto:        # decided once the stages are captured (plan_stage), before any pass reads the update's kernel
+            return CompileSection(backend="undecided", asked="auto", steps=strategy.option(_STEPS) or 0)
         _unfuse_update(plan)
         return CompileSection()
 
     def adopt(self, section, strategy, plan, cluster):
-        return self.plan(strategy, plan, cluster)
+        if section.asked != "auto" or section.backend == "undecided":
+            return self.plan(strategy, plan, cluster)
+        if section.backend == "inductor":      # a handed-back decision stays, where inductor is usable here
+            missing = compiler_missing()
+            if missing is not None:
+                return replace(section, backend="eager", why=f"inductor is not usable here: missing {missing}")
+            _unfuse_update(plan)
+        return section
+
+    def plan_stage(self, section, plan, stage: int, captured, cluster, schedule) -> None:
+        if section.backend != "undecided":
+            return
+        rank = plan.stage_ranks(stage)[0]
+        device = cluster.device_of(rank) if hasattr(cluster, "device_of") else cluster.device
+        section.stages[f"stage{stage}"] = list(_priced(captured.gm, _priced_device(device), plan.optimizer or {}))
+        if stage == plan.n_stages - 1:
+            decide(section, plan)
+
+    def priced_calls(self, section, program, calls: dict, first):
+        """Each graph a rank compiles priced as inductor's fused kernels (``cost_models.fusion``)."""
+        if section.backend != "inductor":
+            return None
+        out = {r: [replace(it, fused=True) if isinstance(it, Item) and eager_reason(it.gm) is None else it
+                   for it in items] for r, items in calls.items()}
+        return out, ["compiled graphs priced as inductor runs them: library kernels (matmuls, attention) as eager, "
+                     "the other ops fused into a kernel per reduction (cost_models.fusion)"]
 
     def rank_info(self, section, program, rank: int):
         if section.backend != "inductor":
@@ -229,6 +303,14 @@ class Compile(Feature):
 
     def explain(self, section, program) -> list:
         lines = section.lines()
+        if section.asked == "auto" and section.backend != "undecided" and not section.why.startswith("inductor is not"):
+            device = _priced_device(program.cluster.device_of(0) if hasattr(program.cluster, "device_of")
+                                    else program.cluster.device)
+            for s in program.plan.rank_stages(0):
+                for kind, sg in program.stages[s].graphs.items():
+                    _, times, fc = fused_times(sg.gm, device)
+                    lines.append(f"rank 0 {graph_label(s, kind)}: predicted {fc.eager_s * 1e3:.3f} ms op by op "
+                                 f"({fc.ops} aten ops), {fc.compiled_s * 1e3:.3f} ms compiled ({fc.kernels} kernels)")
         if section.backend != "inductor":
             return lines
         eager = _known_eager(program, 0)
@@ -238,6 +320,60 @@ class Compile(Feature):
         lines.append("inductor's code: program.compiled_code(rank); what each rank compiled and how long it took: "
                      "RunResult.features[rank]['compile']")
         return lines
+
+
+# ---- compile="auto" -----------------------------------------------------------------------------------------
+def decide(section: CompileSection, plan) -> None:
+    """``compile="auto"``'s decision, from the stages priced in ``section.stages``: compile where the slowest stage's
+    step compiled is predicted at most ``1 - AUTO_MARGIN`` of its step op by op and, where ``section.steps`` is
+    given, the seconds saved over them exceed the predicted compile time; else eager. Writes ``backend``, ``why``
+    and the figures; where it compiles, the traced update runs as list ops inductor compiles (as compile=True)."""
+    m = max(1, plan.microbatches)
+    priced = list(section.stages.values())
+    eager = max(p[0] for p in priced) * m
+    compiled = max(p[1] for p in priced) * m
+    nodes = max(p[2] for p in priced)
+    section.eager_s, section.compiled_s = eager, compiled
+    section.compile_s = nodes * COMPILE_CPU_S_PER_NODE
+    ratio = compiled / eager if eager > 0 else 1.0
+    saved = eager - compiled
+    ops = sum(p[3] for p in priced)
+    kernels = sum(p[4] for p in priced)
+    figures = (f"the cost model predicts a step {compiled * 1e3:.3f} ms compiled ({kernels} kernels) against "
+               f"{eager * 1e3:.3f} ms op by op ({ops} aten ops), {ratio:.2f}x")
+    if ratio > 1 - AUTO_MARGIN:
+        section.backend = "eager"
+        section.why = f"{figures}: under the {AUTO_MARGIN:.0%} gain the model's error allows"
+        return
+    payback = section.compile_s / saved
+    if section.steps and section.steps * saved <= section.compile_s:
+        section.backend = "eager"
+        section.why = (f"{figures}, but compiling (about {section.compile_s:.0f} CPU s cold) pays back after "
+                       f"{payback:.0f} steps, more than compile_steps={section.steps}")
+        return
+    section.backend = "inductor"
+    over = (f"over compile_steps={section.steps} it saves {section.steps * saved:.1f} s" if section.steps
+            else "compile_steps not given: the compile time is not weighed")
+    section.why = (f"{figures}; compiling takes about {section.compile_s:.0f} CPU s cold and pays back after "
+                   f"{payback:.0f} steps ({over})")
+    _unfuse_update(plan)
+
+
+def _priced_device(device):
+    """The device ``"auto"`` prices on: a CUDA spec without a per-op cost gets a kernel launch's (CUDA_LAUNCH_S)."""
+    if getattr(device, "kind", "cpu") == "cuda" and not getattr(device, "op_overhead_s", 0.0):
+        return replace(device, op_overhead_s=CUDA_LAUNCH_S)
+    return device
+
+
+def _priced(gm: torch.fx.GraphModule, device, optimizer: dict) -> tuple:
+    """``(eager s, compiled s, nodes, aten ops, kernels)`` of a stage's captured training step; eager with the
+    update as the program runs it eager (one fused kernel where ``Plan.optimizer`` says so)."""
+    _, times, fc = fused_times(gm, device)
+    eager = fc.eager_s
+    if optimizer.get("kernel") == "fused":
+        eager = sum(fused_chain_times(gm, graph_compute(gm, device).times, device, optimizer).values())
+    return eager, fc.compiled_s, len(gm.graph.nodes), fc.ops, fc.kernels
 
 
 # ---- helpers -----------------------------------------------------------------------------------------------
