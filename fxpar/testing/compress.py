@@ -133,23 +133,6 @@ def bytegrad_reference(flats: list) -> torch.Tensor:
     return torch.cat(out)[:n]
 
 
-def _minmax_uint8_average(parts: list) -> torch.Tensor:
-    """The mean of ``parts`` (one flat tensor per rank) as BAGUA's scatter-reduce-gather in 8 bits computes it:
-    chunk ``c`` of every rank, each as uint8 codes against its float32 min and max, decoded and added in rank order
-    by rank ``c``, which codes the sum again for everyone; the parts arrive already divided by the rank count."""
-    dp, n = len(parts), parts[0].shape[0]
-    m = -(-n // dp)
-    rows = [torch.cat([p, p.new_zeros(m * dp - n)]).view(dp, m) for p in parts]
-    decoded = [dequantize_rows(quantize_rows(r), r.dtype) for r in rows]
-    out = []
-    for c in range(dp):
-        total = decoded[0][c]
-        for r in range(1, dp):
-            total = total + decoded[r][c]
-        out.append(dequantize_rows(quantize_rows(total.view(1, m)), total.dtype)[0])
-    return torch.cat(out)[:n]
-
-
 def qadam_bucket_math(flats: list, m: torch.Tensor, v: torch.Tensor, t: int, warmup_steps: int, betas: tuple,
                       eps: float) -> tuple:
     """QAdam on one bucket at step ``t`` (1 first), every rank: ``flats`` the ranks' gradients scaled by 1/dp, ``m``
@@ -165,7 +148,7 @@ def qadam_bucket_math(flats: list, m: torch.Tensor, v: torch.Tensor, t: int, war
         m = torch.lerp(m, g, 1 - b1)
         v = v * b2 + g * g * (1 - b2)
     else:
-        m = _minmax_uint8_average([torch.lerp(m, f * dp, 1 - b1) / dp for f in flats])
+        m = bytegrad_reference([torch.lerp(m, f * dp, 1 - b1) / dp for f in flats])   # BAGUA's 8-bit scatter-reduce-gather
     bc1 = torch.tensor(1 - b1 ** t, dtype=torch.float64)
     bc2_sqrt = torch.tensor(math.sqrt(1 - b2 ** t), dtype=torch.float64)
     return m / (v.sqrt() / bc2_sqrt + eps) / bc1, m, v
