@@ -148,7 +148,8 @@ def qadam_bucket_math(flats: list, m: torch.Tensor, v: torch.Tensor, t: int, war
         m = torch.lerp(m, g, 1 - b1)
         v = v * b2 + g * g * (1 - b2)
     else:
-        m = bytegrad_reference([torch.lerp(m, f * dp, 1 - b1) / dp for f in flats])   # BAGUA's 8-bit scatter-reduce-gather
+        # BAGUA's 8-bit scatter-reduce-gather of each rank's momentum
+        m = bytegrad_reference([torch.lerp(m, f * dp, 1 - b1) / dp for f in flats])
     bc1 = torch.tensor(1 - b1 ** t, dtype=torch.float64)
     bc2_sqrt = torch.tensor(math.sqrt(1 - b2 ** t), dtype=torch.float64)
     return m / (v.sqrt() / bc2_sqrt + eps) / bc1, m, v
