@@ -215,8 +215,10 @@ def omega_bits(x: int) -> int:
 def elias_bits_of_indices(idx: torch.Tensor, s: int, chunks: int) -> torch.Tensor:
     """The Elias-coded message's bits (an int64 0-d tensor) of values with level indices ``idx`` (``s`` levels per
     sign) in ``chunks`` chunks: 32 per chunk (the norm) plus :func:`elias_value_bits` per value; traceable."""
-    table = torch.tensor(elias_value_bits(s), dtype=torch.int64, device=idx.device)
-    return table[idx].sum() + 32 * chunks
+    # int8 per value (a value's code is at most a few dozen bits), summed in int64: the gather's temporary is a
+    # byte per value, not eight
+    table = torch.tensor(elias_value_bits(s), dtype=torch.int8, device=idx.device)
+    return table[idx].sum(dtype=torch.int64) + 32 * chunks
 
 
 def elias_bit_count(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int) -> int:
