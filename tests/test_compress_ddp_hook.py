@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import fxpar
 from fxpar import compress as C
 from fxpar.compress.ddp_hook import DDPHook, HookBucket
+from fxpar.compress.feature import CompressSection
 from fxpar.compress.method import BucketInfo, Comm
 from fxpar.errors import StrategyError
 from fxpar.testing import MLP, class_batches, gpt_loss, regression_batches, tiny_gpt, token_batches
@@ -266,6 +267,12 @@ def test_explain_says_what_the_hook_sends():
     assert "float16" in said and "all_reduce of 32 B" in said and "measure" in said
     assert "fp16_compress_hook" in m.summary()
     assert m.to_dict()["hook"].endswith("default_hooks.fp16_compress_hook")
+    # the plan's printed section names the hook and its state; the pickle that carries them in JSON is not shown
+    section = CompressSection(method=m.to_dict())
+    head = section.lines()[0]
+    assert "fp16_compress_hook" in head and "state='NoneType'" in head and "timeout_s=300.0" in head
+    assert "pickle" not in head and m.to_dict()["pickle"] not in head
+    assert DDPHook.from_dict(section.method).hook is dh.fp16_compress_hook
 
 
 # ---- what the plan and estimate() price for a hook: what torch's hooks send, as they form it --------------------

@@ -124,6 +124,7 @@ class DDPHook(Method):
     timeout_s: float = 300.0
 
     name: ClassVar[str] = "ddp_hook"
+    unshown: ClassVar[tuple] = ("pickle",)      # the hook and its state, for from_dict, not for reading
     paper: ClassVar[str] = "torch.nn.parallel.DistributedDataParallel.register_comm_hook (DDP communication hooks)"
     eager: ClassVar[bool] = True
 

@@ -81,7 +81,9 @@ class CompressSection(PlanSection):
         buckets = [b for st in self.stages for b in st]
         plain = sum(b["plain_bytes"] for b in buckets)
         wire = sum(b["wire_bytes"] for b in buckets)
-        opts = ", ".join(f"{k}={v!r}" for k, v in self.method.items() if k != "method")
+        cls = _METHODS.get(self.method.get("method"))
+        hidden = ("method",) + (cls.unshown if cls is not None else ())
+        opts = ", ".join(f"{k}={v!r}" for k, v in self.method.items() if k not in hidden)
         head = f"gradient buckets compressed by {self.method.get('method')!r} ({opts})"
         if not buckets:
             return [head]

@@ -115,6 +115,8 @@ class Method:
     # fxpar.compress.runtime.CompressState: Decentralized reads the bucket's weights and moves them after the update);
     # None: CompressState
     rank_state: ClassVar[type | None] = None
+    # keys of :meth:`to_dict` that carry the method for a machine (a pickle), left out of the Plan's printed lines
+    unshown: ClassVar[tuple] = ()
 
     # ---- options -----------------------------------------------------------------------------------
     def check(self, dp: int) -> None:
