@@ -183,6 +183,7 @@ class _Server:
         self.answered = [0] * self.n       # clock reads answered, per worker
         self.final_at = [0] * self.n       # the clock of each worker's last final read
         self.saves = [0] * self.n          # saves answered, per worker
+        self.saving: list = []             # saves not answered yet: (worker, rank, clock)
         self.start_clock = 0               # the clock the run started at (a resume's)
         self.resumed_from: dict | None = None      # a resume: the clock table it restored (ClockTable.state())
         self.start: torch.Tensor | None = None     # a resume: the shard it started from (the others' must match)
@@ -222,25 +223,39 @@ class _Server:
         elif kind == STOP:
             self.stopped += 1
         elif kind == SAVE:
-            self._save(w, src, clock)
+            self._check_save(w, clock)
+            self.saving.append((w, src, clock))
         elif kind == RESTORE:
             self._restore(w, src, clock, need)
         else:
             raise RuntimeError(f"SSP parameter server rank {p.rank}: rank {src} sent message kind {kind}; the workers "
                                "run another program than the servers: rebuild them all from one fxpar.parallelize")
         self.pending = _answer(self)
+        self._answer_saves()
 
-    def _save(self, w: int, src: int, clock: int) -> None:
-        """A worker's save after its final read: the clock every worker pushed and the clock table (the shard is
-        the parameters every worker read finally, which the checkpoint holds)."""
+    def _check_save(self, w: int, clock: int) -> None:
+        """A worker's save comes after its final read: every worker's pushes up to ``clock`` are folded in."""
         if self.shard.by_clock or self.shard.folded != clock:
             raise RuntimeError(f"SSP parameter server rank {self.p.rank}: worker {w} saves at clock {clock}, and the "
                                f"server holds every worker's pushes up to clock {self.shard.folded} and later clocks "
                                f"{sorted(self.shard.by_clock)}: every worker saves after the same number of steps")
+
+    def _answer_saves(self) -> None:
+        """Answer the saves once every worker has read finally at their clock (so no read of that clock is still
+        to be recorded): each worker gets the same state, the clock every worker pushed and the clock table (the
+        shard is the parameters every worker read finally, which the checkpoint holds)."""
+        if not self.saving or self.pending:
+            return
+        clock = self.saving[0][2]
+        if any(f != clock for f in self.final_at):
+            return
         blob = pickle.dumps({"clock": self.shard.folded, "table": self.table.state()})
-        dist.send(torch.tensor([len(blob), self.shard.folded, 0, 0], dtype=torch.float64), src, tag=TAG_REPLY)
-        dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src, tag=TAG_SHARD)
-        self.saves[w] += 1
+        for w, src, c in self.saving:
+            self._check_save(w, c)
+            dist.send(torch.tensor([len(blob), self.shard.folded, 0, 0], dtype=torch.float64), src, tag=TAG_REPLY)
+            dist.send(torch.frombuffer(bytearray(blob), dtype=torch.uint8), src, tag=TAG_SHARD)
+            self.saves[w] += 1
+        self.saving = []
 
     def _restore(self, w: int, src: int, clock: int, nbytes: int) -> None:
         """A worker's first message after it loaded a checkpoint: the shard and the clock it resumes at, and the
