@@ -109,6 +109,29 @@ def test_the_constants_keep_what_the_papers_choose_them_for(m, D):
     assert velocity_decay(D) ** D == pytest.approx(0.1, rel=1e-12)
 
 
+@pytest.mark.structure
+def test_the_constants_by_hand():
+    """The constants' values for a few settings, worked by hand, as docs/strategies/pipelines.md's table states them:
+    spike compensation's (a, b) = (m^D, 1 + m + ... + m^(D-1)), PipeMare's warm-up factor D^-(1 - k/K) (k = 0 at a
+    stage's first update) and velocity decay 0.1^(1/D). The warm-up against the one independent implementation found,
+    Ajanthan et al. (ICML 2025), ``PluralisResearch/AsyncPP`` ``main_with_runtime.py`` ``adjust_learning_rate``: update
+    u (0 first) at ``lr / tau^(1 - min((u + 1)/K, 1))``, tau the stage's warm-up forwards (D): the same form and
+    delay, counted from 1, so its update u has ``lr_factor``'s factor of update u + 1."""
+    by_hand = {(0.9, 0): (1.0, 0.0), (0.9, 1): (0.9, 1.0), (0.9, 2): (0.81, 1.9), (0.5, 3): (0.125, 1.75)}
+    for (m, D), ab in by_hand.items():
+        assert spike_coefficients(m, D) == pytest.approx(ab, rel=1e-12, abs=1e-15), (m, D)
+    assert [lr_factor(4, k, 2) for k in range(4)] == pytest.approx([0.25, 0.5, 1.0, 1.0], rel=1e-12)
+    assert [lr_factor(1, k, 3) for k in range(4)] == [1.0] * 4          # D = 1: lr/1 from the start
+    assert velocity_decay(1) == pytest.approx(0.1, rel=1e-12)
+    assert velocity_decay(2) == pytest.approx(0.1 ** 0.5, rel=1e-12)
+    K = 7
+    for D in (1, 2, 5):
+        for u in range(K + 2):
+            independent = 1.0 / D ** (1.0 - min((u + 1) / K, 1.0))
+            assert lr_factor(D, u + 1, K) == pytest.approx(independent, rel=1e-12), (D, u)
+    assert lr_factor(5, 0, K) == pytest.approx(1 / 5, rel=1e-12)        # fxpar's first update: the full 1/D
+
+
 # ---- the math ------------------------------------------------------------------------------------------------
 @pytest.mark.numerics
 @pytest.mark.parametrize("correction", [None, "sc", "lwp", "sc+lwp"])

@@ -26,10 +26,12 @@ corrected, by this feature's per-rank state (:class:`DelayedState`):
 ``fxpar.testing.async_reference.delayed_pipeline_reference`` holds the same math in one process. The papers' method
 sections could not be read (docs/strategies/pipelines.md, "Checked against the papers"): the constants above rest on
 the properties the papers choose them for, which ``tests/test_pipeline_pbp.py`` checks (SC's total impulse is plain
-momentum's; LWP's horizon is the delay; the warm-up runs from 1/D to 1; gamma^D = 0.1), not on the papers' text. A checkpoint
-carries what the next window's first ``D_s`` forwards read (the stage's versions before the newest, through the
-runtime; with weight prediction their momentum, through :class:`DelayedState`), so a resumed run is the run that
-never stopped, bit for bit.
+momentum's; LWP's horizon is the delay; the warm-up runs from 1/D to 1; gamma^D = 0.1), not on the papers' text. The
+warm-up has the form and delay of one independent implementation (Ajanthan et al., ICML 2025, which counts updates
+from 1 where ``lr_factor`` counts from 0); the rest has none to compare with. A checkpoint carries what the next
+window's first ``D_s`` forwards read (the stage's versions before the newest, through the runtime; with weight
+prediction their momentum, through :class:`DelayedState`), so a resumed run is the run that never stopped, bit for
+bit.
 """
 from __future__ import annotations
 

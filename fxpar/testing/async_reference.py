@@ -13,7 +13,7 @@ Pipelined Backpropagation (Kosson et al. MLSys'21) and PipeMare (Yang et al. MLS
 microbatch i's forward on stage s computes with ``W_s^{max(0, i - D_s)}`` (``D_s = p - s - 1``) and its backward
 differentiates through ``W_s^i``, the stage's weights when the backward runs: every tensor autograd saves that is a
 weight (or a view of one) is swapped for the same view of the backward's weights, the rest (activations) stay the
-forward's. Then ``W_s^{i+1} = step(W_s^i, g_s^i)``, with the corrections written out as the papers state them
+forward's. Then ``W_s^{i+1} = step(W_s^i, g_s^i)``, with the corrections written out as fxpar reads the papers
 (:func:`delayed_pipeline_reference`).
 
 All take the stage partition (``[program.stages[s].param_keys for s]``) and an optimizer
@@ -127,7 +127,8 @@ def delayed_pipeline_reference(model, stage_keys: list, batches: list, loss_fn, 
     """Losses per batch (mean of its microbatches) and the final state dict of Pipelined Backpropagation
     (``schedule="pipelined_bp"``, ``correction`` None, "sc", "lwp" or "sc+lwp") or PipeMare (``"pipemare"``,
     ``lr_warmup``, ``discrepancy_correction``): one update per microbatch on every stage, stage s's gradient
-    ``D_s = p - s - 1`` updates late. Written from the papers' equations, for SGD with momentum m, learning rate lr,
+    ``D_s = p - s - 1`` updates late. Written from fxpar's reading of the papers, whose method sections could not be
+    checked (docs/strategies/pipelines.md, "Checked against the papers"), for SGD with momentum m, learning rate lr,
     gradient g (weight decay included), momentum buffer v:
 
     * spike compensation (Kosson et al.): ``v' = m v + g``, ``w' = w - lr (m^D v' + (1 - m^D)/(1 - m) g)``;
