@@ -20,9 +20,10 @@ What fxpar builds (the generator is ``fxpar/schedule/wavelet.py``):
   chunk's sum is all-reduced over dp (and, with pp > 1, with the stage's other copy) and the chunk updates once,
   with the mean over both waves' microbatches. Both waves compute with the same weights, so the step is
   synchronous training on the global batch (both waves' samples over every rank):
-  ``fxpar.testing.reference_training`` to 1e-10. This is fxpar's reading: the paper's section on how the waves'
-  gradients are synchronised could not be read (docs/strategies/pipelines.md, "Checked against the papers"), and
-  the Papers with Code summary of the paper calls Wavelet asynchronous data parallelism, which this build is not;
+  ``fxpar.testing.reference_training`` to 1e-10. The paper's text could not be read (docs/strategies/pipelines.md,
+  "Checked against the papers"); a reader's notes of it give its "Model synchronization between waves" the same
+  math, synchronising "over 2*N data parallel tasks on 2*N GPUs" (``ruipeterpan/paper_notes``), not the
+  asynchronous data parallelism of the Papers with Code summary;
 * the memory model: :func:`wave_peak` combines one wave's per-action timeline with itself half a cycle later
   (with pp > 1: rank r's tick timeline with rank pp-1-r's, ``cost_models.wave_memory``); ``program.estimate()``'s
   per-rank peak walks the interleaved step as the rank runs it (the two waves together, which the tracker

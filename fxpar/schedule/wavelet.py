@@ -18,6 +18,9 @@ cycle after another in each wave. In a slot where a rank has work of both waves 
   rank ``r`` the tock wave's forward of stage ``p-1-r`` falls in the slot of the tick wave's backward of stage
   ``r`` (and the tock's backward in the slot of the tick's next forward): each rank holds the two waves'
   activations in turn. Each rank holds stages ``r`` and ``p-1-r``, the two copies of a stage (one per wave).
+  This is fxpar's reading; a reader's notes of the paper (``ruipeterpan/paper_notes``) give it N-1 tock waves on
+  N GPUs, each GPU's partition switched round-robin, which agrees with this one at ``p = 2`` only
+  (docs/strategies/pipelines.md, "Checked against the papers").
 
 Both waves add their gradients into the one accumulator per parameter and rank; each stage reduces them over its
 holders and ``dp`` (``RG``) after its last backward on the rank and updates once (``STEP``): an update sums the two
