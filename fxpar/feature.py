@@ -355,6 +355,12 @@ class Feature:
         resumes from, or None): refuse, or warn about, a run this feature cannot serve as asked. Default: nothing."""
 
     # ---- what it costs and what it says --------------------------------------------------------------
+    def held_shape(self, section, program, rank: int, stage: int, key: str, shape: tuple) -> tuple:
+        """The shape of the piece of parameter ``key`` (of ``stage``; ``shape``: as the features before this one
+        leave it) that rank ``rank`` holds and steps when the optimizer runs eagerly. Default: ``shape`` (the
+        feature cuts nothing)."""
+        return shape
+
     def state_bytes(self, section, program, rank: int) -> int:
         """Bytes rank ``rank`` holds for this feature beside what its graphs hold (per-rank state)."""
         return 0

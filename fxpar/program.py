@@ -376,8 +376,13 @@ class Program:
         ``(0, 0, 0, ())`` for a traced optimizer."""
         if self.optimizer.traced:
             return 0, 0, 0, ()
-        params = {(s, k): (tuple(self._params[k].shape), self._params[k].dtype)
-                  for s in self.plan.rank_stages(rank) for k in self.stages[s].param_keys}
+        params = {}
+        for s in self.plan.rank_stages(rank):
+            for k in self.stages[s].param_keys:
+                shape = tuple(self._params[k].shape)
+                for name, section in self.plan.features.items():    # the piece the rank holds (tp cuts some)
+                    shape = tuple(get_feature(name).held_shape(section, self, rank, s, k, shape))
+                params[(s, k)] = (shape, self._params[k].dtype)
         return eager_step_compute(self.optimizer, params, unpriced)
 
     def _price_eager_step(self, est) -> None:

@@ -99,3 +99,20 @@ def test_an_untraced_optimizer_over_offloaded_whole_parameters_equals_torch(clus
     res = prog.run_local(batches, cluster=clusters.get(2))
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < 1e-10
     assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
+
+
+@pytest.mark.cost
+def test_the_eager_step_is_priced_on_the_pieces_a_rank_holds():
+    """Under Megatron tp=2 each rank steps half of every weight (fc1's rows, fc2's columns): the eager Adagrad step
+    is priced on those pieces, (16, 16) and (8, 16), not on the whole (32, 16) and (8, 32)."""
+    from cost_models.compute import eager_step_compute
+    model, batches = _matrices()
+    prog = fxpar.parallelize(model, 2, batches[0], F.mse_loss, ADAGRAD,
+                             strategy=fxpar.Strategy(tp=2, sharding="megatron"))
+    assert not prog.optimizer.traced
+    dt = torch.float64
+    pieces = eager_step_compute(prog.optimizer, {(0, "fc1.weight"): ((16, 16), dt), (0, "fc2.weight"): ((8, 16), dt)})
+    whole = eager_step_compute(prog.optimizer, {(0, "fc1.weight"): ((32, 16), dt), (0, "fc2.weight"): ((8, 32), dt)})
+    assert pieces[2] < whole[2]
+    for rank in range(2):
+        assert prog.eager_step_compute(rank) == pieces

@@ -381,6 +381,18 @@ class TensorParallelFeature(Feature):
                 "shapes": {k: list(v) for k, v in program.stages[s].captured.param_shapes.items()}}
             for s in program.plan.rank_stages(rank)}}
 
+    def held_shape(self, section, program, rank, stage, key, shape):
+        dims = section.stages[stage]["params"].get(key) if stage < len(section.stages) else None
+        if not dims or not any(dims):
+            return shape
+        mesh = Mesh(tuple((a, int(n)) for a, n in section.axes))
+        c = mesh.coords(rank % program.plan.tp)
+        piece = torch.empty(shape, device="meta")
+        for d, axis in enumerate(dims):       # as Pieces cuts: torch.chunk along each split dim
+            if axis is not None:
+                piece = piece.chunk(mesh.axis_size(axis), dim=d)[c[axis]]
+        return tuple(piece.shape)
+
     def explain(self, section, program) -> list:
         """Per module on rank 0: parameters split (and how), the collectives the lowering inserted (by phase and
         kind, bytes handed to them per step), and the parameter bytes each rank holds."""
