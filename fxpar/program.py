@@ -619,6 +619,7 @@ class Program:
         res = RunResult(losses=losses, step_times=times,
                         per_rank_losses={i: r["loss_sums"] for i, r in enumerate(results)},
                         comm_calls={i: r["comm_calls"] for i, r in enumerate(results)},
+                        comm_groups={i: r.get("comm_groups", []) for i, r in enumerate(results)},
                         _state=self._full_state([r.get("state", {}) for r in results]),
                         optimizer_state={k: v for r in results for k, v in r.get("optimizer_state", {}).items()})
         res.comm = {i: r["comm"] for i, r in enumerate(results)}

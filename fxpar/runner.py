@@ -25,7 +25,8 @@ class RunResult:
     rank). ``state_dict()``: trained parameters and buffers under the model's own keys.
     Measured per rank: ``comm`` (point-to-point sends/receives and bytes; ``held_sends`` / ``held_send_bytes``: the
     most messages, and their bytes, sent and not yet let go at once), ``comm_calls`` (with
-    ``measure_comm=True``: per step the collectives run, ``(kind, bytes)``), ``peak_activations`` /
+    ``measure_comm=True``: per step the collectives run, ``(kind, bytes)``; ``comm_groups`` beside it: per step, per
+    call, the global ranks of the group it ran over), ``peak_activations`` /
     ``peak_activation_bytes`` (stage -> most microbatches whose saved tensors were alive at once, and their
     bytes), ``action_times`` (rank -> per step ``{(kind, stage): (seconds, count)}``), ``timelines`` (rank ->
     per step ``(kind, stage, microbatch, start, end)``), ``bubble`` (per step, the idle share of the ranks'
@@ -54,6 +55,7 @@ class RunResult:
     step_times: list
     per_rank_losses: dict = field(default_factory=dict)
     comm_calls: dict = field(default_factory=dict)
+    comm_groups: dict = field(default_factory=dict)
     _state: dict = field(default_factory=dict, repr=False)
     optimizer_state: dict = field(default_factory=dict, repr=False)
     comm: dict = field(default_factory=dict)

@@ -121,6 +121,11 @@ def test_dp2_tp2_equals_dp2(clusters, name):
             for t in (1, 3, 5):
                 assert Counter(calls[t]) - local == Counter({("all_reduce", shard): 1}), (r, t)
                 assert calls[t][-1] == ("all_reduce", shard)                         # after the update
+                assert res.comm_groups[r][t][-1] == (r % 2, r % 2 + 2)              # over the rank's dp group
+            for t in range(STEPS):                # tp's all-reduces inside a step: over the replica's tp pair
+                tp_pair = (r - r % 2, r - r % 2 + 1)
+                assert set(res.comm_groups[r][t]) <= {tp_pair, (r % 2, r % 2 + 2)}
+                assert tp_pair in res.comm_groups[r][t] and len(res.comm_groups[r][t]) == len(calls[t])
 
 
 @pytest.mark.numerics

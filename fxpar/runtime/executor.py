@@ -180,6 +180,7 @@ class Executor:
         # held_sends / held_send_bytes: the most messages (and their bytes) sent and not yet waited, at once
         self.comm = {"sent_bytes": 0, "sends": 0, "recvs": 0, "held_sends": 0, "held_send_bytes": 0}
         self.comm_calls: list = []
+        self.comm_groups: list = []       # per step, per call: the global ranks of its group
         self.measure_comm = p.settings.measure_comm
         self.measure_memory = p.settings.measure_memory
         self.peak_memory: list = []          # measure_memory: per window (most live tensor bytes, bytes at its start)
@@ -246,6 +247,7 @@ class Executor:
         with CommCounter() as counter:
             out = self.run_window(micro, per_batch)
         self.comm_calls.append(counter.calls)
+        self.comm_groups.append(counter.groups)
         return out
 
     def run_window(self, micro: list, per_batch: int | None = None) -> list:
@@ -696,7 +698,7 @@ def train(payload: RankPayload, batches: list) -> dict:
         note_step("after")
         ex.drain()             # what the features hold in flight, before results and checkpoints
     out = {"loss_sums": ex.loss_sums, "step_times": ex.step_times, "comm": ex.comm, "busy": ex.busy,
-           "comm_calls": ex.comm_calls, "peak_versions": ex.peak_versions,
+           "comm_calls": ex.comm_calls, "comm_groups": ex.comm_groups, "peak_versions": ex.peak_versions,
            "peak_version_bytes": ex.peak_version_bytes, "act_peak": ex.act_peak,
            "act_peak_bytes": ex.act_peak_bytes, "action_times": ex.action_times,
            "weight_log": ex.weight_log, "timelines": ex.timelines}

@@ -14,6 +14,8 @@ alive on the rank, and their peak: the measured side of "peak memory per rank",
 """
 from __future__ import annotations
 
+import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from cost_models.tracker import MemoryTracker
@@ -45,10 +47,29 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if hasattr(t, "element_size") else 0
 
 
+def _group_ranks(func, args, kwargs) -> tuple:
+    """The global ranks of the process group a collective op runs over (its ``group_name`` or ``process_group``
+    argument), in the group's order; ``()`` where the op names none this can resolve."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in ("group_name", "process_group"):
+            g = kwargs.get(a.name, args[i] if i < len(args) else None)
+            try:
+                if isinstance(g, str):
+                    from torch.distributed.distributed_c10d import _resolve_process_group
+                    g = _resolve_process_group(g)
+                elif isinstance(g, torch.ScriptObject):         # c10d's ops carry the group boxed
+                    g = dist.ProcessGroup.unbox(g)
+                return tuple(dist.get_process_group_ranks(g))
+            except Exception:              # noqa: BLE001 -- a group this process cannot name: recorded as unknown
+                return ()
+    return ()
+
+
 class CommCounter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.calls: list = []        # (kind, bytes handed to the collective)
+        self.groups: list = []       # per call: the global ranks of its process group
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -59,10 +80,12 @@ class CommCounter(TorchDispatchMode):
                 t = args[0]
                 tensors = t if isinstance(t, (list, tuple)) else [t]
                 self.calls.append((kind, sum(x.numel() * x.element_size() for x in tensors)))
+                self.groups.append(_group_ranks(func, args, kwargs))
         elif func.namespace == "c10d":
             kind, at = _C10D.get(func._schema.name.split("::")[-1], (None, 0))
             if kind is not None:
                 self.calls.append((kind, _nbytes(args[at])))
+                self.groups.append(_group_ranks(func, args, kwargs))
         return func(*args, **kwargs)
 
     @property
