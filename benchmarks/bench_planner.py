@@ -8,7 +8,8 @@
 ``plan``: GPT-2 small (12 layers, h=768, seq 1024, global batch 32) on 8 A100s (one node), and a 32-layer h=4096
 GPT (32 heads, seq 2048, global batch 512) on 64 A100s (8 nodes), both on the ``meta`` device: the first call (cold:
 imports and the fake-tensor warm-up) and the best of three more (warm), the profile's share, the candidates priced,
-and the plan ranked first. ``--build`` also times ``parallelize(strategy="auto")`` (the finalists built or probed);
+and the plan ranked first. ``--build`` also times ``parallelize(strategy="auto")`` (the finalists built or probed), with the finalists past the first
+estimated in forked workers (the default) and without (``Strategy.auto(workers=0)``), CPU here and in the workers;
 ``--megatron-1t`` adds Megatron-LM's 1T row (Table 1, row 10: 128 layers, h=25600, on 3,072 A100s), unpinned.
 
 ``alpa``: Alpa's GPT benchmark on p3.16xlarge machines (tests/test_auto_alpa.py: the published figures and where
@@ -32,6 +33,7 @@ build is listed, not measured.
 import argparse
 import contextlib
 import os
+import resource
 import statistics
 import sys
 import time
@@ -51,6 +53,12 @@ from fxpar.testing import GPT, MLP, gpt_loss, regression_batches, token_batches 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-4})
 
 
+def _children_cpu() -> float:
+    """CPU seconds of this process's ended children (the planner's forked workers)."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def _time_plan(name, model, cluster, batch, build: bool):
     t0 = time.perf_counter()
     first = fxpar.auto_plan(model, cluster, (batch, batch), gpt_loss, ADAMW)
@@ -65,14 +73,17 @@ def _time_plan(name, model, cluster, batch, build: bool):
           f"{min(warm):.2f}s (profile {s.seconds['profile']:.2f}s); first: {got[0].strategy()} "
           f"predicted {got[0].step_s * 1e3:.1f} ms, {got[0].peak_bytes / 2**30:.1f} GiB")
     if build:
-        t0, c0 = time.perf_counter(), time.process_time()
-        prog = fxpar.parallelize(model, cluster, (batch, batch), gpt_loss, ADAMW, strategy="auto")
-        found = prog.auto_search
-        sec, probed = found.seconds, sum("probe" in c.full for c in found.built)
-        print(f"  parallelize(strategy='auto'): {time.perf_counter() - t0:.1f}s ({time.process_time() - c0:.1f}s CPU; "
-              f"search {sec['search']:.2f}s, finalists {sec['build']:.1f}s: {len(found.built) - probed} built, "
-              f"{probed} probed, {len(found.skipped)} not built), chose {prog.strategy}; load "
-              f"{os.getloadavg()[0]:.1f}")
+        for workers in (None, 0):      # finalists past the first in forked workers (one per CPU), then none
+            t0, c0, k0 = time.perf_counter(), time.process_time(), _children_cpu()
+            prog = fxpar.parallelize(model, cluster, (batch, batch), gpt_loss, ADAMW,
+                                     strategy=fxpar.Strategy.auto(workers=workers))
+            found = prog.auto_search
+            sec, probed = found.seconds, sum("probe" in c.full for c in found.built)
+            print(f"  parallelize(strategy=Strategy.auto(workers={workers})): {time.perf_counter() - t0:.1f}s "
+                  f"({time.process_time() - c0:.1f}s CPU here, {_children_cpu() - k0:.1f}s in "
+                  f"{sec.get('workers', 0)} workers; search {sec['search']:.2f}s, finalists {sec['build']:.1f}s: "
+                  f"{len(found.built) - probed} built, {probed} probed, {len(found.skipped)} not built), chose "
+                  f"{prog.strategy}; load {os.getloadavg()[0]:.1f}")
     del first
 
 

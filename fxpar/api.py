@@ -20,6 +20,7 @@ import torch
 from .batch_semantics import batch_notes
 from .auto import as_auto, choose
 from .auto import search as auto_search
+from .auto.workers import worker_count
 from .capture import capture_training_step, captures_differ, shared_captures
 from .cluster import ClusterSpec
 from ._tracing import BatchLayout
@@ -74,14 +75,16 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
             raise StrategyError("parallelize(plan=..., strategy='auto'): a handed-back Plan is already decided; pass "
                                 "its strategy (program.strategy) with it, or drop plan= to search again")
         layout = BatchLayout.of(example_inputs, loss_fn)
+        auto = as_auto(strategy)
         found = auto_search(model, cluster, layout.flatten(example_inputs, "example_inputs"), loss_fn, optimizer,
-                            as_auto(strategy))
+                            auto)
         # finalists on the same microbatch (a tp point's two modes) trace it once; check_capture traces each twice;
-        # one-stage finalists past the first are probed on the model cut to 1 and 2 blocks (fxpar/auto/probe.py)
+        # one-stage finalists past the first are probed on the model cut to 1 and 2 blocks (fxpar/auto/probe.py);
+        # the finalists past the first are estimated in forked workers while this process builds the first
         with contextlib.nullcontext() if check_capture else shared_captures():
             program, _ = choose(found, lambda s, model=model: parallelize(
                 model, cluster, example_inputs, loss_fn, optimizer, s, lr_scheduler, check_capture=check_capture),
-                model=model)
+                model=model, workers=worker_count(auto.workers))
         program.auto_search = found
         return program
     explicit = strategy is not None          # a handed-back Plan with no Strategy: the Plan says what runs

@@ -170,14 +170,18 @@ class Strategy(metaclass=_StrategyType):
         return self.dp * self.tp * self.pp
 
     @classmethod
-    def auto(cls, allow=(), margin: float = 0.9, finalists: int = 3, **pins) -> "AutoStrategy":
+    def auto(cls, allow=(), margin: float = 0.9, finalists: int = 3, workers: int | None = None,
+             **pins) -> "AutoStrategy":
         """The automatic planner (docs/strategies/auto.md): it searches the mesh, the pipeline schedule, the
         microbatches and the features' options it knows by the cost models. A keyword pins a searched dimension to
         a value or a tuple of values (``Strategy.auto(tp=8)``, ``Strategy.auto(microbatches=(4, 8))``); any other
         Strategy keyword is an option every candidate gets. Methods that change the math are searched only when
         ``allow`` names them. ``margin``: the share of a device's memory a plan may be predicted to use;
-        ``finalists``: how many of the best candidates are built and estimated in full before one is chosen."""
-        return AutoStrategy(pins=dict(pins), allow=tuple(allow), margin=margin, finalists=finalists)
+        ``finalists``: how many of the best candidates are built and estimated in full before one is chosen.
+        ``workers``: how many forked processes estimate the finalists past the first while this one builds it
+        (``fxpar.auto.workers``): None, one per CPU this process may run on (none on one CPU or without ``fork``);
+        0, every finalist in this process. The choice is the same either way."""
+        return AutoStrategy(pins=dict(pins), allow=tuple(allow), margin=margin, finalists=finalists, workers=workers)
 
     @classmethod
     def coerce(cls, strategy, world_size: int) -> "Strategy":
@@ -219,6 +223,7 @@ class AutoStrategy:
     allow: tuple = ()
     margin: float = 0.9
     finalists: int = 3
+    workers: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.margin, (int, float)) and 0 < self.margin <= 1):
@@ -227,6 +232,10 @@ class AutoStrategy:
         if not isinstance(self.finalists, int) or self.finalists < 1:
             raise StrategyError(f"Strategy.auto(finalists={self.finalists!r}): how many candidates are built in "
                                 "full, a positive int")
+        if self.workers is not None and (not isinstance(self.workers, int) or isinstance(self.workers, bool)
+                                         or self.workers < 0):
+            raise StrategyError(f"Strategy.auto(workers={self.workers!r}): how many processes estimate finalists "
+                                "beside this one, an int >= 0 (0: none), or None for one per CPU")
         owned = _feature_registry.option_defaults()
         for k in self.pins:
             if k not in _FIELDS and k not in owned:

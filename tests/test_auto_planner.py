@@ -193,9 +193,10 @@ def test_finalists_on_one_microbatch_share_its_capture_and_build_what_their_own_
     model, batches = tiny_gpt(), token_batches(1)
     traced, programs, choose = _traces(monkeypatch), {}, api_mod.choose
 
-    def recording(found, build, model=None):         # the whole model's builds (a probe's would pass model=)
+    def recording(found, build, model=None, workers=0):   # the whole model's builds (a probe's would pass model=),
+        # all in this process, where the traces are counted and the programs kept (not in forked workers)
         return choose(found, lambda s, **cut: build(s, **cut) if cut else programs.setdefault(str(s), build(s)),
-                      model=model)
+                      model=model, workers=0)
     monkeypatch.setattr(api_mod, "choose", recording)
     prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy="auto")
     built = prog.auto_search.built

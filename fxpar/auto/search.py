@@ -29,6 +29,7 @@ from ..strategy import AutoStrategy, Strategy
 from .probe import extrapolate, probe_depths, truncated
 from .profile import profile_model
 from .space import AUTO_IS_NONE, SCHEDULES, Candidate, _Pricer, bf16_supported, cost_candidate, rank_devices
+from .workers import Forked
 
 __all__ = ["auto_plan", "AutoSearch", "search", "choose", "as_auto", "finalists", "fixed_options", "NoPlanFitsError",
            "SEARCHED", "ALLOW"]
@@ -169,7 +170,9 @@ class AutoSearch:
                             f"{' and '.join(map(str, probed[0].full['probe']))} blocks, the estimate composed to "
                             f"{self.blocks[1]})" if probed else "")
                          + (f", {len(self.skipped)} not built (cheap step x {CHEAP_FLOOR} above the best built "
-                            "one's full step)" if self.skipped else "") + f", in {self.seconds.get('build', 0):.2f}s")
+                            "one's full step)" if self.skipped else "") + f", in {self.seconds.get('build', 0):.2f}s"
+                         + (f" ({self.seconds['workers']} forked worker(s) beside this process)"
+                            if self.seconds.get("workers") else ""))
         if self.chosen is not None:
             lines.append(f"  chosen: {self.chosen.strategy(fixed_options(self.auto))}")
         lines += ["", "  ranked: finalists by their full estimate (built or probed), then the rest by the cheap cost",
@@ -489,66 +492,127 @@ def finalists(s: AutoSearch) -> list:
     return first, [c for c in s.ranked if all(c is not f for f in first)]
 
 
-def choose(s: AutoSearch, build, model: torch.nn.Module | None = None) -> tuple:
+def choose(s: AutoSearch, build, model: torch.nn.Module | None = None, workers: int = 0) -> tuple:
     """Estimate the :func:`finalists` in full and keep the fastest that fits (ties: less memory). Returns
     ``(program, candidate)``. ``build(strategy) -> Program`` builds on the user's model; with ``model`` (that
     model), ``build(strategy, model=cut)`` builds on a cut copy of it for the probes (without, every finalist is
-    built).
+    built). ``workers``: forked processes that estimate the finalists past the first while this one builds it
+    (:mod:`fxpar.auto.workers`; 0: none); the decisions below are taken in the same order either way.
 
     The cheap cost's first finalist is built; each other one-stage finalist of a model with repeated blocks is
     probed (:mod:`fxpar.auto.probe`: built on the model cut to 1 and 2 blocks, its estimate composed to the whole
     depth); a pipeline is built. A probed finalist that comes within ``PROBE_MARGIN`` of the best built one is then
-    built too, so the returned program is always a build of the whole model, and the pick is the best by the full
-    estimates. Past the finalists, candidates are built in rank order until one fits."""
+    built too, and so is the best one whose whole build ran in a worker, so the returned program is always this
+    process's build of the whole model, and the pick is the best by the full estimates. Past the finalists,
+    candidates are built in rank order until one fits."""
     t0 = time.perf_counter()
     first, rest = finalists(s)
     path, n_blocks = s.blocks
+    fixed = fixed_options(s.auto)
     cut: dict = {}              # depth -> the cut model, held so a shared capture's key (its id) stays its own
-    programs: dict = {}         # id(candidate) -> its program, built in full
+    programs: dict = {}         # id(candidate) -> its program, built in full here
+    whole: set = set()          # id(candidate) whose figures are a whole build's (here or in a worker)
 
-    def full_build(c) -> None:
-        try:
-            prog = build(c.strategy(fixed_options(s.auto)))
-            figures = _figures(prog.estimate())
-        except Exception as e:  # noqa: BLE001 - a candidate the program builder refuses is reported and skipped
-            _refused(c, e)
-            return
-        programs[id(c)] = prog
+    def depths_of(i: int, c):
+        return probe_depths(c, n_blocks) if i > 0 and model is not None else None
+
+    def probe_figures(c, depths, models: dict) -> list:
+        for k in depths:
+            if k not in models:
+                models[k] = truncated(model, path, k)
+        return [_figures(build(c.strategy(fixed), model=models[k]).estimate()) for k in depths]
+
+    def set_whole(c, figures: dict) -> None:
         was = c.full if c.full and "probe" in c.full else None
         c.full = {**figures, "note": ""}
         if was is not None:                 # what the probe had composed, beside the whole build's figures
             c.full["probed"] = {k: was[k] for k in ("step_s", "peak_bytes", "comm_bytes", "probe")}
+        whole.add(id(c))
         _memory_note(c, s.budget_bytes)
 
-    def probed(c, depths) -> bool:
-        try:
-            got = []
-            for k in depths:
-                if k not in cut:
-                    cut[k] = truncated(model, path, k)
-                got.append(_figures(build(c.strategy(fixed_options(s.auto)), model=cut[k]).estimate()))
-        except Exception:  # noqa: BLE001 - a model that does not run cut short is built whole instead
-            return False
+    def set_probed(c, depths, got: list) -> None:
         c.full = {**extrapolate(got[0], got[1], depths[0], depths[1], n_blocks), "note": "", "probe": tuple(depths)}
         _memory_note(c, s.budget_bytes * (1 + PROBE_MARGIN))       # near the budget: built whole if it is chosen
-        return True
+
+    def full_build(c) -> None:
+        try:
+            prog = build(c.strategy(fixed))
+            figures = _figures(prog.estimate())
+        except Exception as e:  # noqa: BLE001 - a candidate the program builder refuses is reported and skipped
+            _refused(c, f"{type(e).__name__}: {e}")
+            return
+        programs[id(c)] = prog
+        set_whole(c, figures)
+
+    def evaluate(members: list) -> list:    # in a worker: each member's figures, or why there are none
+        models: dict = {}
+        out = []
+        for c, depths in members:
+            try:
+                out.append(("probe", probe_figures(c, depths, models)) if depths is not None
+                           else ("whole", _figures(build(c.strategy(fixed)).estimate())))
+            except Exception as e:  # noqa: BLE001 - the parent decides, as it would on its own build
+                out.append(("error", f"{type(e).__name__}: {e}"))
+        return out
+
+    pool, group_of = None, {}
+    if workers and len(first) > 1:
+        groups: dict = {}       # one task per (family, microbatches, probe depths): a tp point's modes share captures
+        for i, c in enumerate(first[1:], 1):
+            d = depths_of(i, c)
+            members = groups.setdefault((c.family, c.microbatches, d), [])
+            group_of[id(c)] = ((c.family, c.microbatches, d), len(members))
+            members.append((c, d))
+        pool = Forked(workers)
+        for key, members in groups.items():
+            pool.submit(key, lambda members=members: evaluate(members))
+        pool.start()
+
+    def from_worker(c):
+        if pool is None or id(c) not in group_of:
+            return None
+        key, j = group_of[id(c)]
+        got = pool.result(key)
+        return got[1][j] if got is not None and got[0] == "ok" else None
 
     def best_built():
-        done = [c for c in s.built if c.fits and id(c) in programs]
+        done = [c for c in s.built if c.fits and id(c) in whole]
         return min(done, key=_key) if done else None
 
-    for i, c in enumerate(first):
+    try:
+        for i, c in enumerate(first):
+            best = best_built()
+            if best is not None and c.step_s * CHEAP_FLOOR > best.full["step_s"]:
+                s.skipped.append(c)         # no build of it can beat the best built one, by the cheap cost's error
+                continue
+            depths, got = depths_of(i, c), from_worker(c)
+            if depths is not None:
+                if got is None:
+                    try:
+                        got = ("probe", probe_figures(c, depths, cut))
+                    except Exception:  # noqa: BLE001 - a model that does not run cut short is built whole instead
+                        got = None
+                if got is not None and got[0] == "probe":
+                    set_probed(c, depths, got[1])
+                else:
+                    full_build(c)
+            elif got is not None and got[0] == "whole":
+                set_whole(c, got[1])
+            elif got is not None:
+                _refused(c, got[1])
+            else:
+                full_build(c)
+            s.built.append(c)
+    finally:
+        if pool is not None:
+            s.seconds["workers"] = pool.started
+            pool.close()
+    while True:                 # the best by the full estimates, built here; a probed rival near it, built too
         best = best_built()
-        if best is not None and c.step_s * CHEAP_FLOOR > best.full["step_s"]:
-            s.skipped.append(c)         # no build of it can beat the best built one, by the cheap cost's error
+        if best is not None and id(best) not in programs:
+            full_build(best)        # its whole build ran in a worker: the program returned is built here
             continue
-        depths = probe_depths(c, n_blocks) if i > 0 and model is not None else None
-        if depths is None or not probed(c, depths):
-            full_build(c)
-        s.built.append(c)
-    while True:                 # the best by the full estimates, built whole; a probed rival near it, built too
-        best = best_built()
-        near = [c for c in s.built if c.fits and id(c) not in programs and c.full and
+        near = [c for c in s.built if c.fits and id(c) not in whole and c.full and
                 (best is None or c.full["step_s"] <= best.full["step_s"] * (1 + PROBE_MARGIN))]
         if not near:
             break
@@ -571,9 +635,10 @@ def _figures(est) -> dict:
             "comm_bytes": max(r.comm_bytes for r in est.ranks)}
 
 
-def _refused(c: Candidate, e: Exception) -> None:
+def _refused(c: Candidate, why: str) -> None:
+    """``why``: the builder's error as ``TypeName: message``."""
     c.full = {"step_s": math.inf, "peak_bytes": c.peak_bytes, "comm_bytes": c.comm_bytes,
-              "note": f"refused: {type(e).__name__}: {str(e)[:160]}"}
+              "note": f"refused: {why[:160 + why.find(': ') + 2]}"}
     c.fits = False
 
 

@@ -1,0 +1,102 @@
+"""Finalists estimated side by side: forked processes return the figures of the finalists past the first (a probe's
+two cut builds, or a whole build's estimate) while this process builds the first one.
+
+A forked process starts as a copy of this one (the model, the search, the shared captures made so far), so what it
+builds is what this process would build; only the figures come back (plain numbers, through a pipe), never a
+program. :func:`fxpar.auto.search.choose` then takes its decisions in the same order, with the same rules, as it
+does without workers, reading a finalist's figures from its worker instead of computing them; a finalist whose
+figures came from a worker and that is chosen is built here, so the program returned is this process's build::
+
+    pool = Forked(2)
+    pool.submit("tp", lambda: [probe(c) for c in tp_finalists])    # runs in a forked copy of this process
+    pool.start()
+    prog = build(first)                                              # meanwhile, here
+    figures = pool.result("tp")        # ("ok", value) | ("error", "TypeName: message") | None (the process died)
+    pool.close()
+
+Where ``fork`` is not a start method (Windows; macOS defaults away from it), on one CPU, or inside a daemonic
+process (which may not have children), there are no workers and every finalist is estimated here.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import os
+from multiprocessing.connection import wait
+
+__all__ = ["worker_count", "Forked"]
+
+
+def worker_count(asked: int | None) -> int:
+    """How many worker processes to use: ``asked`` (``Strategy.auto(workers=...)``), or for None one per CPU this
+    process may run on; 0 where workers cannot be forked here."""
+    if asked == 0 or "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
+        return 0
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if asked is None:
+        return cpus if cpus > 1 else 0
+    return asked
+
+
+def _child(conn, fn) -> None:
+    try:
+        out = ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - reported to the parent, which decides
+        out = ("error", f"{type(e).__name__}: {e}")
+    try:
+        conn.send(out)
+    finally:
+        conn.close()
+
+
+class Forked:
+    """Tasks run in forked processes, at most ``n`` at once, in the order submitted."""
+
+    def __init__(self, n: int):
+        self.n = max(1, n)
+        self.ctx = multiprocessing.get_context("fork")
+        self.queued: list = []          # (key, fn) not started
+        self.running: dict = {}         # connection -> (key, process)
+        self.done: dict = {}            # key -> result
+        self.started = 0
+
+    def submit(self, key, fn) -> None:
+        self.queued.append((key, fn))
+
+    def start(self) -> None:
+        """Start queued tasks while fewer than ``n`` run."""
+        while self.queued and len(self.running) < self.n:
+            key, fn = self.queued.pop(0)
+            recv, send = self.ctx.Pipe(duplex=False)
+            proc = self.ctx.Process(target=_child, args=(send, fn), daemon=True)
+            proc.start()
+            send.close()
+            self.running[recv] = (key, proc)
+            self.started += 1
+
+    def result(self, key):
+        """The task ``key``'s result: ``("ok", value)``, ``("error", text)``, or None if its process ended without
+        one (then the caller computes it itself)."""
+        while key not in self.done:
+            if not self.running:
+                self.start()
+                if not self.running:
+                    raise KeyError(key)
+            for conn in wait(list(self.running)):
+                k, proc = self.running.pop(conn)
+                try:
+                    self.done[k] = conn.recv()
+                except (EOFError, OSError):
+                    self.done[k] = None
+                conn.close()
+                proc.join()
+            self.start()
+        return self.done[key]
+
+    def close(self) -> None:
+        """End what still runs (a result no longer needed) and forget the queue."""
+        self.queued.clear()
+        for conn, (_, proc) in list(self.running.items()):
+            proc.terminate()
+            proc.join()
+            conn.close()
+        self.running.clear()
