@@ -39,6 +39,30 @@ def test_a_task_returns_its_value_its_error_or_nothing_if_its_process_dies():
 
 
 @pytest.mark.structure
+@pytest.mark.skipif(not FORK, reason="no fork start method here: the planner runs without workers")
+def test_a_hung_task_is_ended_and_answers_nothing():
+    """A worker that never answers (a forked copy can hang on a lock another thread held) is ended after the
+    timeout, and the caller computes the task itself; the other task still answers."""
+    import time
+    pool = Forked(2)
+    pool.submit("hangs", lambda: time.sleep(600))
+    pool.submit("value", lambda: 7)
+    pool.start()
+    t0 = time.monotonic()
+    assert pool.result("hangs", timeout_s=0.5) is None
+    assert time.monotonic() - t0 < 30
+    assert pool.result("value", timeout_s=30) == ("ok", 7)
+    assert not pool.running
+    pool.close()
+
+
+@pytest.mark.structure
+def test_no_workers_once_cuda_is_initialised(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    assert worker_count(None) == 0 and worker_count(2) == 0
+
+
+@pytest.mark.structure
 def test_workers_must_be_a_count():
     for bad in (-1, 1.5, True):
         with pytest.raises(fxpar.StrategyError, match=r"Strategy.auto\(workers=.*an int >= 0"):

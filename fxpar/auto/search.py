@@ -572,7 +572,8 @@ def choose(s: AutoSearch, build, model: torch.nn.Module | None = None, workers: 
         if pool is None or id(c) not in group_of:
             return None
         key, j = group_of[id(c)]
-        got = pool.result(key)
+        # a worker does what this process does in about the time it took here so far: far past that, it is hung
+        got = pool.result(key, timeout_s=max(60.0, 10 * (time.perf_counter() - t0)))
         return got[1][j] if got is not None and got[0] == "ok" else None
 
     def best_built():
@@ -586,6 +587,8 @@ def choose(s: AutoSearch, build, model: torch.nn.Module | None = None, workers: 
                 s.skipped.append(c)         # no build of it can beat the best built one, by the cheap cost's error
                 continue
             depths, got = depths_of(i, c), from_worker(c)
+            if got is not None and got[0] == "error":
+                got = None                  # estimated here, as without workers: its own error is the answer
             if depths is not None:
                 if got is None:
                     try:
@@ -598,8 +601,6 @@ def choose(s: AutoSearch, build, model: torch.nn.Module | None = None, workers: 
                     full_build(c)
             elif got is not None and got[0] == "whole":
                 set_whole(c, got[1])
-            elif got is not None:
-                _refused(c, got[1])
             else:
                 full_build(c)
             s.built.append(c)

@@ -14,13 +14,16 @@ figures came from a worker and that is chosen is built here, so the program retu
     figures = pool.result("tp")        # ("ok", value) | ("error", "TypeName: message") | None (the process died)
     pool.close()
 
-Where ``fork`` is not a start method (Windows; macOS defaults away from it), on one CPU, or inside a daemonic
-process (which may not have children), there are no workers and every finalist is estimated here.
+Where ``fork`` is not a start method (Windows; macOS defaults away from it), on one CPU, inside a daemonic process
+(which may not have children), or once this process has initialised CUDA (a forked child cannot use it), there are no
+workers and every finalist is estimated here. A worker's error is not taken as the finalist's: the finalist is
+estimated here again, so a failure of the fork itself cannot change the pick.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
+import time
 from multiprocessing.connection import wait
 
 __all__ = ["worker_count", "Forked"]
@@ -30,6 +33,9 @@ def worker_count(asked: int | None) -> int:
     """How many worker processes to use: ``asked`` (``Strategy.auto(workers=...)``), or for None one per CPU this
     process may run on; 0 where workers cannot be forked here."""
     if asked == 0 or "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
+        return 0
+    import torch
+    if torch.cuda.is_initialized():         # a forked child cannot use CUDA again: its builds would fail there
         return 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if asked is None:
@@ -73,15 +79,28 @@ class Forked:
             self.running[recv] = (key, proc)
             self.started += 1
 
-    def result(self, key):
+    def result(self, key, timeout_s: float | None = None):
         """The task ``key``'s result: ``("ok", value)``, ``("error", text)``, or None if its process ended without
-        one (then the caller computes it itself)."""
+        one, or gave none within ``timeout_s`` seconds of this call (it is ended then: a forked copy of a process
+        whose threads held a lock can hang; the caller computes the task itself)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while key not in self.done:
             if not self.running:
                 self.start()
                 if not self.running:
                     raise KeyError(key)
-            for conn in wait(list(self.running)):
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready = wait(list(self.running), left)
+            if not ready and deadline is not None and time.monotonic() >= deadline:
+                for conn, (k, proc) in list(self.running.items()):
+                    if k == key:
+                        proc.terminate()
+                        proc.join()
+                        conn.close()
+                        del self.running[conn]
+                self.done[key] = None
+                break
+            for conn in ready:
                 k, proc = self.running.pop(conn)
                 try:
                     self.done[k] = conn.recv()
