@@ -264,19 +264,20 @@ def alq_adapt(flat: torch.Tensor, levels: torch.Tensor, chunk: int, sweeps: int)
     q = P[1, :n] - r * P[0, :n]                 # P1[k] - r_k P0[k], per candidate r_k
     lv = levels.to(device=flat.device, dtype=torch.float64)
     s = lv.shape[0] - 1
-    slot = torch.arange(s + 1, device=flat.device)
+    at_level = [torch.arange(s + 1, device=flat.device) == j for j in range(s)]
+    outside = torch.full_like(r, math.inf)
     for _ in range(sweeps):
         for j in range(1, s):
             bounds = lv[j - 1:j + 2]                                      # [a, x0, b]
-            a, x0, b = bounds.unbind()
+            a, x0, b = bounds[0], bounds[1], bounds[2]
             at = P[:, torch.searchsorted(r, bounds)]                      # (moment, [i_a, k0, i_b])
             u = at[1:] - bounds * at[:-1]            # P1 - y P0 and P2 - y P1 at each bound y's index
-            minus_d, c = (u[:, 0] - u[:, 2]).unbind()
-            f = torch.where((r > a) & (r < b), c + (a - b) * q - minus_d * r, math.inf)
+            ends = u[:, 0] - u[:, 2]
+            minus_d, c, a_b = ends[0], ends[1], a - b
+            f = torch.where((r > a) & (r < b), c + a_b * q - minus_d * r, outside)
             best, k = torch.min(f, 0)
-            here = c + (a - b) * u[0, 1] - minus_d * x0
-            moved = torch.where(best < here, r.index_select(0, k.reshape(1)).reshape(()), x0)
-            lv = torch.where(slot == j, moved, lv)
+            here = c + a_b * u[0, 1] - minus_d * x0
+            lv = torch.where(at_level[j], torch.where(best < here, r.take(k), x0), lv)
     return lv
 
 
