@@ -31,7 +31,8 @@ from fxpar.compress.quantize import (ALQ, AMQ, NUQSGD, QSGD, alq_adapt, amq_adap
 from fxpar.compress.wangni import Wangni, capacity, densify, sparsify, wangni_probabilities
 from fxpar.errors import StrategyError
 from fxpar.testing import MLP
-from fxpar.testing.compress import elias_bits_of_message, nuqsgd_reference
+from fxpar.testing.compress import (adaptive_variance, alq_reference, amq_reference, elias_bits_of_message,
+                                    nuqsgd_reference)
 from fxpar.testing.compress_ranks import bucket_for, sum_steps, training_reference
 
 N_DRAWS = 20000
@@ -201,6 +202,53 @@ def test_alq_and_amq_unbiased_on_their_adapted_levels():
         _assert_unbiased_with_variance(q, v, exact)
         # every value's variance is at most a quarter of its interval squared
         assert exact <= (normalised(v, chunk)[1] * (levels.diff().max() ** 2) / 4).sum()
+
+
+def _adapt_inputs():
+    """Small buckets of several shapes of data (exact zeros, a chunk of one value, a heavy tail), with the bits,
+    chunk and sweeps to adapt them at."""
+    g = torch.Generator().manual_seed(23)
+    normal = torch.randn(150, generator=g, dtype=torch.float64)
+    normal[::9] = 0
+    uniform = torch.rand(130, generator=g, dtype=torch.float64) - 0.5
+    sparse = torch.randn(160, generator=g, dtype=torch.float64) * (torch.rand(160, generator=g, dtype=torch.float64) < 0.3)
+    heavy = torch.log(torch.rand(121, generator=g, dtype=torch.float64)) * torch.sign(
+        torch.randn(121, generator=g, dtype=torch.float64))
+    return [(normal, 2, 40, 1), (normal, 3, 40, 3), (uniform, 4, 64, 2), (sparse, 3, 32, 2), (heavy, 4, 30, 3),
+            (uniform, 3, 130, 4)]
+
+
+@pytest.mark.structure
+@pytest.mark.parametrize("case", range(6))
+def test_adaptation_equals_the_papers_update_one_candidate_at_a_time(case):
+    """ALQ's and AMQ's adaptation (each level's candidates, and AMQ's multipliers, as one tensor) equal the papers'
+    update (Faghri et al. 2020, §3.1-3.2) written as plain loops over Python floats (``fxpar.testing.compress``): the
+    same levels and multiplier, and their variance to float64 rounding."""
+    flat, bits, chunk, sweeps = _adapt_inputs()[case]
+    s = 2 ** (bits - 1) - 1
+    r, w = (x.tolist() for x in normalised(flat, chunk))
+    init = exponential_levels(s)
+    got = alq_adapt(flat, init, chunk, sweeps)
+    want = alq_reference(r, w, init.tolist(), sweeps)
+    torch.testing.assert_close(got, torch.tensor(want, dtype=torch.float64), rtol=1e-12, atol=0)
+    assert not torch.equal(got, init) or s == 1          # the update moved a level
+    assert math.isclose(float(expected_variance(flat, got, chunk)), adaptive_variance(r, w, want), rel_tol=1e-12)
+    for p0 in (0.5, 0.37):
+        p = amq_adapt(flat, torch.tensor([p0], dtype=torch.float64), s, chunk, grid=19)
+        want_p = amq_reference(r, w, p0, s, 19)
+        torch.testing.assert_close(p, torch.tensor([want_p], dtype=torch.float64), rtol=1e-12, atol=0)
+        levels = [0.0] + [want_p ** k for k in range(s - 1, -1, -1)]
+        assert math.isclose(float(expected_variance(flat, exponential_levels(s, p), chunk)),
+                            adaptive_variance(r, w, levels), rel_tol=1e-12)
+
+
+@pytest.mark.structure
+def test_amqs_traced_adaptation_does_not_grow_with_its_grid():
+    """AMQ's candidates are one tensor: the traced adaptation has as many nodes for 99 candidates as for 3."""
+    flat, p = torch.zeros(500, dtype=torch.float64), torch.tensor([0.5], dtype=torch.float64)
+    sizes = [len(make_fx(lambda f, q: amq_adapt(f, q, 3, 64, grid), tracing_mode="fake")(flat, p).graph.nodes)
+             for grid in (3, 99)]
+    assert sizes[0] == sizes[1], sizes
 
 
 @pytest.mark.numerics

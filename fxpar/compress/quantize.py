@@ -234,52 +234,70 @@ ELIAS_SAMPLE_CHUNKS = 256      # NUQSGD.expected_elias_bits: whole chunks counte
 
 
 # ---- adapting levels (ALQ, AMQ) ---------------------------------------------------------------------------------
-def _excl_cumsum(x):
-    return torch.cumsum(x, 0) - x
-
-
-def _interval_variance(r, w, a, x, b):
-    """The variance of the values in ``(a, b)`` with one level at ``x`` between ``a`` and ``b``."""
-    inside = (r > a) & (r < b)
-    below = (x - r) * (r - a)
-    above = (b - r) * (r - x)
-    return torch.where(inside, w * torch.where(r < x, below, above), torch.zeros_like(r)).sum()
+def _sorted_prefix_sums(flat: torch.Tensor, chunk: int) -> tuple:
+    """``(r, P)``: the normalised values sorted, and ``P[m, k] = sum_{i<k} w_i r_i^m`` for ``m = 0, 1, 2`` (float64,
+    ``(3, n + 1)``), ``w`` each value's weight (:func:`normalised`). The weighted count, mass and second moment of
+    the values in any index range ``[i, k)`` are then ``P[:, k] - P[:, i]``: the expected variance over an interval
+    of levels is a few lookups, whatever the interval holds."""
+    r, w = normalised(flat, chunk)
+    r, order = torch.sort(r)
+    w = w[order]
+    moments = torch.stack([w, w * r, w * r * r])
+    return r, torch.cat([moments.new_zeros(3, 1), torch.cumsum(moments, 1)], 1)
 
 
 def alq_adapt(flat: torch.Tensor, levels: torch.Tensor, chunk: int, sweeps: int) -> torch.Tensor:
     """ALQ's coordinate descent (Faghri et al. 2020, §3.1) on the expected variance of quantizing ``flat``: each
     interior level in turn moves to the minimiser over the data points strictly between its neighbours, when that
-    is lower than where it is. Returns the new levels (float64)."""
-    r, w = normalised(flat, chunk)
-    r, order = torch.sort(r)
-    w = w[order]
+    is lower than where it is. Returns the new levels (float64).
+
+    The variance of the values in ``[a, b]`` with one level at ``x`` between, the values below ``x`` (indices
+    ``[i_a, k)`` of the sorted values) and the rest (``[k, i_b)``), is
+    ``sum_[i_a,k) w (x - r)(r - a) + sum_[k,i_b) w (b - r)(r - x) = C + (a - b) (P1[k] - x P0[k]) + D x`` with
+    ``C = P2[i_a] - P2[i_b] - a P1[i_a] + b P1[i_b]`` and ``D = P1[i_b] - P1[i_a] + a P0[i_a] - b P0[i_b]``
+    (:func:`_sorted_prefix_sums`; a value equal to ``a``, ``x`` or ``b`` adds zero on either side). So one level's
+    step is that line at every data point ``x = r_k`` (``P1[k] - r_k P0[k]`` computed once) and at the level itself,
+    a few tensor ops over all candidates at once; the levels go in turn, as coordinate descent does, each from its
+    neighbours' latest values."""
+    r, P = _sorted_prefix_sums(flat, chunk)
+    n = r.shape[0]
+    q = P[1, :n] - r * P[0, :n]                 # P1[k] - r_k P0[k], per candidate r_k
     lv = levels.to(device=flat.device, dtype=torch.float64)
     s = lv.shape[0] - 1
+    at_level = [torch.arange(s + 1, device=flat.device) == j for j in range(s)]
+    outside = torch.full_like(r, math.inf)
     for _ in range(sweeps):
         for j in range(1, s):
-            a, x0, b = lv[j - 1], lv[j], lv[j + 1]
-            inside = (r > a) & (r < b)
-            wi = torch.where(inside, w, torch.zeros_like(w))
-            # f(x) at x = r_k: sum_{r < x} w (x - r)(r - a) + sum_{r >= x} w (b - r)(r - x), from prefix sums
-            pa, pb = _excl_cumsum(wi * (r - a)), _excl_cumsum(wi * r * (r - a))
-            c, d = wi * (b - r) * r, wi * (b - r)
-            f = r * pa - pb + (c.sum() - _excl_cumsum(c)) - r * (d.sum() - _excl_cumsum(d))
-            k = torch.argmin(torch.where(inside, f, torch.full_like(f, math.inf))).reshape(1)
-            cand = r.index_select(0, k).reshape(())
-            lower = _interval_variance(r, w, a, cand, b) < _interval_variance(r, w, a, x0, b)
-            better = inside.index_select(0, k).reshape(()) & lower
-            lv = torch.cat([lv[:j], torch.where(better, cand, x0).reshape(1), lv[j + 1:]])
+            bounds = lv[j - 1:j + 2]                                      # [a, x0, b]
+            a, x0, b = bounds[0], bounds[1], bounds[2]
+            at = P[:, torch.searchsorted(r, bounds)]                      # (moment, [i_a, k0, i_b])
+            u = at[1:] - bounds * at[:-1]            # P1 - y P0 and P2 - y P1 at each bound y's index
+            ends = u[:, 0] - u[:, 2]
+            minus_d, c, a_b = ends[0], ends[1], a - b
+            f = torch.where((r > a) & (r < b), c + a_b * q - minus_d * r, outside)
+            best, k = torch.min(f, 0)
+            here = c + a_b * u[0, 1] - minus_d * x0
+            lv = torch.where(at_level[j], torch.where(best < here, r.take(k), x0), lv)
     return lv
 
 
 def amq_adapt(flat: torch.Tensor, p: torch.Tensor, s: int, chunk: int, grid: int) -> torch.Tensor:
     """AMQ (Faghri et al. 2020, §3.2): the multiplier among the current one and ``grid`` points evenly inside
     ``(0, 1)`` whose levels ``{0, p^(s-1), ..., 1}`` give the least expected variance on ``flat`` (the current
-    one on a tie). Returns a 1-element float64 tensor."""
-    r, w = normalised(flat, chunk)
+    one on a tie). Returns a 1-element float64 tensor.
+
+    Every candidate at once: their levels are the rows of a ``(grid + 1, s + 1)`` tensor; each interval
+    ``[l_t, l_t+1]`` holds the sorted values ``[i_t, i_t+1)`` and adds
+    ``sum w (l_t+1 - r)(r - l_t) = -S2 + (l_t + l_t+1) S1 - l_t l_t+1 S0`` (``S`` from
+    :func:`_sorted_prefix_sums`; a value on a level adds zero on either side)."""
+    r, P = _sorted_prefix_sums(flat, chunk)
     p = p.to(device=flat.device, dtype=torch.float64).reshape(1)
     cands = torch.cat([p, torch.arange(1, grid + 1, dtype=torch.float64, device=flat.device) / (grid + 1)])
-    var = torch.stack([_variance(r, w, exponential_levels(s, cands[i])) for i in range(grid + 1)])
+    powers = torch.pow(cands.unsqueeze(1), torch.arange(s - 1, -1, -1, dtype=torch.float64, device=flat.device))
+    lv = torch.cat([powers.new_zeros(grid + 1, 1), powers], 1)                    # exponential_levels per row
+    sums = P[:, torch.searchsorted(r, lv)].diff(dim=2)                            # (moment, candidate, interval)
+    lo, hi = lv[:, :-1], lv[:, 1:]
+    var = ((lo + hi) * sums[1] - sums[2] - lo * hi * sums[0]).sum(1)
     return cands.index_select(0, torch.argmin(var).reshape(1))
 
 

@@ -14,7 +14,7 @@ from fxpar.testing.reference import replica_gradients
 
 __all__ = ["ddp_hook_worker", "nuqsgd_reference", "elias_bits_of_message", "bytegrad_reference", "sparse_reference", "sparse_bucket_math", "qadam_bucket_math", "qadam_reference",
            "mlp_batches", "mlp_program", "mixing_matrix", "decentralized_reference",
-           "low_precision_decentralized_reference"]
+           "low_precision_decentralized_reference", "adaptive_variance", "alq_reference", "amq_reference"]
 
 
 def ddp_hook_worker(model, batches, loss_fn, optimizer, hook: str, bucket_cap_mb: float = 25.0) -> dict:
@@ -342,3 +342,44 @@ def nuqsgd_reference(model, batches, loss_fn, lr: float, method, buckets: list) 
         return total, states
     losses, state = training_reference(model, batches, loss_fn, lr, method, buckets, bucket_math)
     return losses, state, elias
+
+
+# ---- ALQ and AMQ's adaptation, one value and one candidate at a time ------------------------------------------------
+def adaptive_variance(r: list, w: list, levels: list) -> float:
+    """``sum_i w_i (l_t+1 - r_i)(r_i - l_t)``, ``l_t <= r_i <= l_t+1`` (Faghri et al. 2020, eq. 3 with the empirical
+    distribution of the normalised values ``r`` weighted ``w``), a loop over the values, summed with ``math.fsum``."""
+    terms = []
+    for ri, wi in zip(r, w):
+        t = max(i for i in range(len(levels) - 1) if levels[i] <= ri)
+        terms.append(wi * (levels[t + 1] - ri) * (ri - levels[t]))
+    return math.fsum(terms)
+
+
+def alq_reference(r: list, w: list, levels: list, sweeps: int) -> list:
+    """ALQ's coordinate descent (Faghri et al. 2020, §3.1) as the paper states it, on Python floats: ``sweeps``
+    times, each interior level ``l_j`` in turn moves to the data point strictly between its neighbours (their latest
+    values) that gives the least expected variance (:func:`adaptive_variance`, the first such point on a tie),
+    when that variance is lower than at ``l_j`` itself."""
+    lv = list(levels)
+    for _ in range(sweeps):
+        for j in range(1, len(lv) - 1):
+            best, best_var = None, None
+            for x in sorted(ri for ri in r if lv[j - 1] < ri < lv[j + 1]):
+                var = adaptive_variance(r, w, lv[:j] + [x] + lv[j + 1:])
+                if best_var is None or var < best_var:
+                    best, best_var = x, var
+            if best is not None and best_var < adaptive_variance(r, w, lv):
+                lv[j] = best
+    return lv
+
+
+def amq_reference(r: list, w: list, p: float, s: int, grid: int) -> float:
+    """AMQ's update (Faghri et al. 2020, §3.2) on Python floats: of the current multiplier ``p`` and the grid
+    ``j / (grid + 1)``, ``j = 1..grid``, the one whose levels ``{0, p^(s-1), ..., p, 1}`` give the least expected
+    variance (:func:`adaptive_variance`), the first on a tie."""
+    best, best_var = None, None
+    for c in [p] + [j / (grid + 1) for j in range(1, grid + 1)]:
+        var = adaptive_variance(r, w, [0.0] + [c ** k for k in range(s - 1, -1, -1)])
+        if best_var is None or var < best_var:
+            best, best_var = c, var
+    return best
