@@ -43,6 +43,24 @@ def _gpt2_small_meta():
     return model, torch.randint(0, 50257, (32, 1024), device="meta")
 
 
+# Programs built with one strategy alone (tiny_gpt, 2 ranks, token_batches(1)[0], AdamW), by strategy: the tests
+# that compare the search's builds with such a program share it. Only reads follow.
+_ALONE: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_alone_builds():
+    yield
+    _ALONE.clear()
+
+
+def _alone(strategy: fxpar.Strategy):
+    key = repr(strategy)
+    if key not in _ALONE:
+        _ALONE[key] = fxpar.parallelize(tiny_gpt(), 2, token_batches(1)[0], gpt_loss, ADAMW, strategy=strategy)
+    return _ALONE[key]
+
+
 @pytest.mark.structure
 def test_allow_pins_and_margin_are_checked():
     model, batches = tiny_gpt(), token_batches(1)
@@ -99,7 +117,7 @@ def test_search_returns_the_enumerated_optimum_of_the_built_programs():
     assert len(space) == 8 and sum(c.comm_schedule == "bytescheduler" for c in space) == 1
     built = {}
     for c in space:
-        est = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=c.strategy()).estimate()
+        est = _alone(c.strategy()).estimate()
         built[str(c)] = (est.step_time_s, max(r.peak_memory_bytes for r in est.ranks))
     best = min(built, key=built.get)
     prog = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=auto)
@@ -205,7 +223,7 @@ def test_finalists_on_one_microbatch_share_its_capture_and_build_what_their_own_
     shapes = {(c.dp, c.microbatches) for c in whole}
     assert len([t for t in traced if t[0] is None]) == len(shapes) < len(whole)
     for c in built:
-        alone = fxpar.parallelize(model, 2, batches[0], gpt_loss, ADAMW, strategy=c.strategy())
+        alone = _alone(c.strategy())
         est = alone.estimate()
         assert c.full["step_s"] == est.step_time_s
         assert c.full["peak_bytes"] == max(r.peak_memory_bytes for r in est.ranks)

@@ -36,12 +36,27 @@ def _batches(kind, n=3, batch=8):
 MODELS = {"gpt": (lambda: tiny_gpt(seed=None), gpt_loss), "mlp": (lambda: MLP().double(), F.mse_loss)}
 
 
+# (model, batches, loss_fn, program) by everything that makes them: tests that build the same program share one
+# build (each test starts from the same seed, so the model a test would make is this one). Only reads follow.
+_BUILT: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_builds():
+    yield
+    _BUILT.clear()
+    _PP.clear()
+
+
 def _program(kind, opt, strategy, n=3, cluster=None, **kw):
-    make, loss_fn = MODELS[kind]
-    model, batches = make(), _batches(kind, n)
-    prog = fxpar.parallelize(model, cluster or fxpar.ClusterSpec.local(strategy.size), batches[0], loss_fn=loss_fn,
-                             optimizer=opt, strategy=strategy, **kw)
-    return model, batches, loss_fn, prog
+    key = repr((kind, opt, strategy, n, cluster, sorted(kw.items())))
+    if key not in _BUILT:
+        make, loss_fn = MODELS[kind]
+        model, batches = make(), _batches(kind, n)
+        prog = fxpar.parallelize(model, cluster or fxpar.ClusterSpec.local(strategy.size), batches[0],
+                                 loss_fn=loss_fn, optimizer=opt, strategy=strategy, **kw)
+        _BUILT[key] = model, batches, loss_fn, prog
+    return _BUILT[key]
 
 
 _PP: dict = {}

@@ -71,18 +71,49 @@ LAYOUTS = {"gpt": {"blocks.*.fc.weight": ("tp", None), "blocks.*.fc.bias": ("tp"
            "annotated": {}}
 
 
+# Programs built and runs checked in this module, by their configuration: tests that build the same program (the
+# same model, sharding, mesh and cluster) share one build, and tests that check the same run against one process
+# share that check and its result. Only reads follow; a test run alone builds and checks for itself.
+_BUILT: dict = {}
+_RUNS: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _shared_builds():
+    yield
+    _BUILT.clear()
+    _RUNS.clear()
+
+
+def _key(name, mode, cluster_kw, strategy) -> str:
+    return repr((name, mode, sorted((cluster_kw or {}).items()), sorted(strategy.items())))
+
+
+def _build(name, mode, cluster_kw=None, **strategy):
+    """(model, batches, loss_fn, opt, program) for MODELS[name] under ``sharding=mode`` and ``strategy``."""
+    key = _key(name, mode, cluster_kw, strategy)
+    if key not in _BUILT:
+        model, batches, loss_fn, opt = MODELS[name]()
+        sharding = LAYOUTS[name] if mode == "layouts" else mode
+        st = fxpar.Strategy(sharding=sharding, **strategy)
+        prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(st.size, **(cluster_kw or {})), batches[0], loss_fn,
+                                 opt, strategy=st)
+        _BUILT[key] = (model, batches, loss_fn, opt, prog)
+    return _BUILT[key]
+
+
 def _run(clusters, name, mode, cluster_kw=None, **strategy):
-    model, batches, loss_fn, opt = MODELS[name]()
-    sharding = LAYOUTS[name] if mode == "layouts" else mode
-    st = fxpar.Strategy(sharding=sharding, **strategy)
+    key = _key(name, mode, cluster_kw, strategy)
+    if key in _RUNS:                                 # this very run was checked below already
+        return _RUNS[key]
+    model, batches, loss_fn, opt, prog = _build(name, mode, cluster_kw, **strategy)
     ref_losses, ref_state = reference_training(model, batches, loss_fn, opt)
-    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(st.size, **(cluster_kw or {})), batches[0], loss_fn, opt,
-                             strategy=st)
-    res = prog.run_local(batches, cluster=clusters.get(st.size), measure_comm=True)
+    res = prog.run_local(batches, cluster=clusters.get(prog.world_size), measure_comm=True)
     assert max(abs(a - b) for a, b in zip(res.losses, ref_losses)) < TOL, (res.losses, ref_losses)
     assert max_abs_diff(res.state_dict(), ref_state) < TOL
     split = [k for st_ in prog.plan.section("tensor_parallel").stages for k, v in st_["params"].items() if any(v)]
     assert split, "nothing was split: the test would prove nothing"
+    _RUNS[key] = prog, res
     return prog, res
 
 
@@ -161,9 +192,9 @@ def test_one_graph_for_every_tp_rank_and_explain_bytes_are_what_ranks_sent(clust
 @pytest.mark.slow
 @pytest.mark.numerics
 def test_auto_is_no_dearer_than_megatron_and_a_handed_back_plan_is_reused(clusters):
-    model, batches, loss_fn, opt = MODELS["gpt"]()
+    model, batches, loss_fn, opt, prog = _build("gpt", "auto", FAST, tp=2)      # Strategy(tp=2): auto is the default
     spec = fxpar.ClusterSpec.local(2, **FAST)
-    prog = fxpar.parallelize(model, spec, batches[0], loss_fn, opt, strategy=fxpar.Strategy(tp=2))
+    assert prog.strategy == fxpar.Strategy(tp=2)
     notes = [n for n in prog.stages[0].notes if n.startswith("tofu: its plan")]
     assert notes and ("cheaper than Megatron" in notes[0] or "as cheap as Megatron" in notes[0]), prog.stages[0].notes
     plan = fxpar.Plan.from_json(prog.plan.to_json())
@@ -262,9 +293,8 @@ def test_an_op_without_a_rule_runs_whole_and_explain_names_it(clusters):
 @pytest.mark.parametrize("mesh", [dict(dp=2, tp=2), dict(tp=2, pp=2, microbatches=2, schedule="1f1b")])
 def test_measured_peak_memory_is_the_predicted_one(clusters, mesh):
     """Each rank's measured peak (dispatch-level tracker) against ``estimate()``'s, on the local graphs it runs."""
-    model, batches, loss_fn, opt = MODELS["gpt"]()
-    st = fxpar.Strategy(sharding="megatron", **mesh)
-    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(st.size), batches[0], loss_fn, opt, strategy=st)
+    model, batches, loss_fn, opt, prog = _build("gpt", "megatron", **mesh)
+    st = prog.strategy
     est = prog.estimate()
     res = prog.run_local(batches[:2], cluster=clusters.get(st.size), measure_memory=True)
     for r in range(st.size):

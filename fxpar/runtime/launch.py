@@ -227,8 +227,11 @@ def serve(conn) -> None:
 
 
 # What a rank imports before it can take work: loaded once in the forkserver, so each rank is a fork of a process
-# that has them (about a second of CPU a rank instead of the seconds an import of torch takes).
-_PRELOAD = ("torch", "torch.distributed", "torch._higher_order_ops.triton_kernel_wrap", "fxpar.runtime.launch")
+# that has them (about a second of CPU a rank instead of the seconds an import of torch takes). torch._dynamo is
+# there because every torch.optim optimizer's constructor imports it (torch._disable_dynamo): about a second of CPU
+# in each rank's first optimizer otherwise, once per forkserver instead.
+_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._higher_order_ops.triton_kernel_wrap",
+            "fxpar.runtime.launch")
 
 
 def start_context():
