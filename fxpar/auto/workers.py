@@ -26,6 +26,8 @@ import os
 import time
 from multiprocessing.connection import wait
 
+import torch
+
 __all__ = ["worker_count", "Forked"]
 
 
@@ -34,7 +36,6 @@ def worker_count(asked: int | None) -> int:
     process may run on; 0 where workers cannot be forked here."""
     if asked == 0 or "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
         return 0
-    import torch
     if torch.cuda.is_initialized():         # a forked child cannot use CUDA again: its builds would fail there
         return 0
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
