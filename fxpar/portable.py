@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 __all__ = ["PackedGraphModule", "pack_graph_module", "unpack_graph_module"]
 
@@ -125,6 +126,8 @@ def unpack_graph_module(p: PackedGraphModule) -> torch.fx.GraphModule:
         node = g.create_node(op, target, _unpack_value(args, env), _unpack_value(kwargs, env), name=name)
         node.meta.update(meta)
         env[name] = node
-    gm = torch.fx.GraphModule(dict(p.attrs), g)
+    # lazy: its Python code is generated at its first call (or ``.code``), not here: a rank binds its graphs'
+    # collectives and compression calls (each a recompile) before it runs them, and some graphs it never runs
+    gm = _LazyGraphModule(dict(p.attrs), g)
     gm.meta.update(p.meta)
     return gm

@@ -179,7 +179,8 @@ class Strategy(metaclass=_StrategyType):
         ``allow`` names them. ``margin``: the share of a device's memory a plan may be predicted to use;
         ``finalists``: how many of the best candidates are built and estimated in full before one is chosen.
         ``workers``: how many forked processes estimate the finalists past the first while this one builds it
-        (``fxpar.auto.workers``): None, one per CPU this process may run on (none on one CPU or without ``fork``);
+        (``fxpar.auto.workers``): None, one per CPU this process may run on (none on one CPU, without ``fork``, or while
+        the load average is at least the CPU count);
         0, every finalist in this process. The choice is the same either way."""
         return AutoStrategy(pins=dict(pins), allow=tuple(allow), margin=margin, finalists=finalists, workers=workers)
 

@@ -57,6 +57,17 @@ def test_a_hung_task_is_ended_and_answers_nothing():
 
 
 @pytest.mark.structure
+@pytest.mark.skipif(not FORK, reason="no fork start method here: the planner runs without workers")
+def test_no_workers_by_default_while_the_cpus_are_busy(monkeypatch):
+    import fxpar.auto.workers as W
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    monkeypatch.setattr(W, "_load", lambda: float(cpus))
+    assert worker_count(None) == 0 and worker_count(2) == 2
+    monkeypatch.setattr(W, "_load", lambda: cpus - 0.5)
+    assert worker_count(None) == (cpus if cpus > 1 else 0)
+
+
+@pytest.mark.structure
 def test_no_workers_once_cuda_is_initialised(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     assert worker_count(None) == 0 and worker_count(2) == 0

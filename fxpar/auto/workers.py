@@ -33,15 +33,25 @@ __all__ = ["worker_count", "Forked"]
 
 def worker_count(asked: int | None) -> int:
     """How many worker processes to use: ``asked`` (``Strategy.auto(workers=...)``), or for None one per CPU this
-    process may run on; 0 where workers cannot be forked here."""
+    process may run on, none while those CPUs are busy (a load average over the last minute of at least their
+    number: a worker then runs beside other work and adds the CPU of its copied pages, it saves no time); 0 where
+    workers cannot be forked here."""
     if asked == 0 or "fork" not in multiprocessing.get_all_start_methods() or multiprocessing.current_process().daemon:
         return 0
     if torch.cuda.is_initialized():         # a forked child cannot use CUDA again: its builds would fail there
         return 0
+    if asked is not None:
+        return asked
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    if asked is None:
-        return cpus if cpus > 1 else 0
-    return asked
+    return cpus if cpus > 1 and _load() < cpus else 0
+
+
+def _load() -> float:
+    """The machine's load average over the last minute (0 where the OS does not say)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return 0.0
 
 
 def _child(conn, fn) -> None:

@@ -229,9 +229,12 @@ def serve(conn) -> None:
 # What a rank imports before it can take work: loaded once in the forkserver, so each rank is a fork of a process
 # that has them (about a second of CPU a rank instead of the seconds an import of torch takes). torch._dynamo is
 # there because every torch.optim optimizer's constructor imports it (torch._disable_dynamo): about a second of CPU
-# in each rank's first optimizer otherwise, once per forkserver instead.
+# in each rank's first optimizer otherwise, once per forkserver instead. The executor, the features, the compression
+# and synchronisation methods and the passes are what unpickling a rank's payload imports (about 0.3-0.6 s of CPU a
+# rank otherwise, more without bytecode caches).
 _PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._higher_order_ops.triton_kernel_wrap",
-            "fxpar.runtime.launch")
+            "fxpar.runtime.launch", "fxpar.runtime.executor", "fxpar.features", "fxpar.compress", "fxpar.sync",
+            "passes")
 
 
 def start_context():
