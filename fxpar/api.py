@@ -21,7 +21,7 @@ from .batch_semantics import batch_notes
 from .auto import as_auto, choose
 from .auto import search as auto_search
 from .auto.workers import worker_count
-from .capture import capture_training_step, captures_differ, shared_captures
+from .capture import capture_training_step, captures_differ, shared_captures, unshared_captures
 from .cluster import ClusterSpec
 from ._tracing import BatchLayout
 from .errors import InputError, StrategyError
@@ -135,9 +135,10 @@ def parallelize(model: torch.nn.Module, cluster, example_inputs, loss_fn=None, o
         if split is None:
             return [capture_training_step(model, micro, loss.fn, spec, grad_scale=scale)]
         return [capture_training_step(model, micro, loss.fn, spec, stage=st, grad_scale=scale) for st in split.stages]
-    captured = capture_all()
+    with unshared_captures() if check_capture else contextlib.nullcontext():
+        captured = capture_all()
     if check_capture:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), unshared_captures():
             warnings.simplefilter("ignore")           # what the first capture warned about, it said once
             again = capture_all()
         for s, (a, b) in enumerate(zip(captured, again)):

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
 import random
 import time
 import warnings
@@ -59,7 +60,7 @@ except ImportError:                     # numpy is optional: only its random sta
     np = None
 
 __all__ = ["StepSignature", "CapturedStep", "ForwardTrace", "capture_training_step", "trace_forward",
-           "shared_captures"]
+           "shared_captures", "unshared_captures", "model_fingerprint"]
 
 
 @dataclass
@@ -321,28 +322,90 @@ class _StageRunner(torch.fx.Interpreter):
 class _SharedCaptures:
     """The captures made inside :func:`shared_captures`: ``(key, pristine copy, loss n_classes)`` each."""
 
-    def __init__(self):
+    def __init__(self, across_models: bool = False):
         self.entries: list = []
         self.impure = False
         self.hits = 0
+        self.across_models = across_models
 
 
 _SHARED: _SharedCaptures | None = None
 
 
 @contextlib.contextmanager
-def shared_captures():
+def shared_captures(across_models: bool = False):
     """Within it, :func:`capture_training_step` on the same model, microbatch (structure, shapes, dtypes, devices,
     strides and, off ``meta``, values), loss, optimizer, grad scale and frozen keys as an earlier call returns a
     deep copy of that capture instead of tracing again (the copy is what a second trace gives: the trace is
     deterministic in these). A pipeline stage's capture is not shared (its stage graph is made per call), nor one
-    whose forward drew Python randomness or changed a module attribute (a second trace could differ)."""
+    whose forward drew Python randomness or changed a module attribute (a second trace could differ).
+
+    ``across_models=True``: "the same model" is any model alike in everything the trace reads
+    (:func:`model_fingerprint`), not only the same object; a capture that warned is not shared then (a copy would
+    not warn again). For many builds of models made alike, such as a test module's."""
     global _SHARED
-    outer, _SHARED = _SHARED, _SharedCaptures()
+    outer, _SHARED = _SHARED, _SharedCaptures(across_models)
     try:
         yield _SHARED
     finally:
         _SHARED = outer
+
+
+@contextlib.contextmanager
+def unshared_captures():
+    """Within it, every capture traces (an enclosing :func:`shared_captures` is set aside): what
+    ``parallelize(check_capture=True)`` compares must be two traces."""
+    global _SHARED
+    outer, _SHARED = _SHARED, None
+    try:
+        yield
+    finally:
+        _SHARED = outer
+
+
+def _fingerprint_value(v, depth: int = 0):
+    """What :func:`model_fingerprint` keeps of an attribute: plain values and small containers of them as they are,
+    a tensor by its metadata and bytes, anything else by identity (alike only if it is the same object)."""
+    if isinstance(v, _PLAIN) or isinstance(v, (torch.dtype, torch.device)):
+        return v
+    if isinstance(v, torch.Tensor):
+        if v.device.type == "meta" or isinstance(v, torch._subclasses.FakeTensor):
+            return ("tensor", tuple(v.shape), v.dtype, v.device.type, id(v))
+        data = v.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes() if v.numel() else b""
+        return ("tensor", tuple(v.shape), v.dtype, v.device.type, v.stride(), v.requires_grad,
+                hashlib.sha256(data).hexdigest())
+    if depth < 3 and isinstance(v, (tuple, list)) and len(v) <= 64:
+        return (type(v).__name__, tuple(_fingerprint_value(x, depth + 1) for x in v))
+    if depth < 3 and isinstance(v, (set, frozenset)) and len(v) <= 256 and all(isinstance(x, _PLAIN) for x in v):
+        return (type(v).__name__, tuple(sorted(v, key=repr)))
+    if depth < 3 and isinstance(v, Mapping) and len(v) <= 64:
+        return (type(v).__name__, tuple((_fingerprint_value(k, depth + 1), _fingerprint_value(x, depth + 1))
+                                        for k, x in v.items()))
+    return ("object", id(v))
+
+
+def model_fingerprint(model: torch.nn.Module):
+    """A key equal for two models whose training step traces alike: the same module tree (each module's class, by
+    identity, and mode), the same attributes (:func:`_fingerprint_value`: plain values, tensors by their bytes,
+    any other object, hooks included, by identity), parameters and buffers of the same names, shapes, dtypes,
+    devices, strides, ``requires_grad`` and ties, under the same default dtype and grad mode. Their values do not
+    enter: the trace runs on fake tensors. None where the model cannot be keyed so."""
+    try:
+        parts = [torch.get_default_dtype(), torch.is_grad_enabled()]
+        for path, mod in model.named_modules(remove_duplicate=False):
+            parts.append((path, id(type(mod)), tuple(
+                (k, _fingerprint_value(v)) for k, v in mod.__dict__.items()
+                if k not in ("_parameters", "_buffers", "_modules"))))
+        first: dict = {}
+        for kind, named in (("p", model.named_parameters(remove_duplicate=False)),
+                            ("b", model.named_buffers(remove_duplicate=False))):
+            for k, t in named:
+                tie = first.setdefault(id(t), k)
+                parts.append((kind, k, tuple(t.shape), t.dtype, t.device.type, t.stride(), t.requires_grad, tie,
+                              type(t).__name__))
+        return tuple(parts)
+    except (TypeError, RuntimeError, ValueError):     # an attribute that does not hash or compare: not keyed
+        return None
 
 
 def _loss_key(loss_fn):
@@ -387,8 +450,11 @@ def _shared_or_captured(model, batch, loss_fn, optimizer, stage, grad_scale, fro
     if shared is None or stage is not None:
         return _capture_training_step(model, batch, loss_fn, optimizer, stage=stage, grad_scale=grad_scale,
                                       frozen=frozen)
+    model_key = model_fingerprint(model) if shared.across_models else id(model)
+    if model_key is None:
+        return _capture_training_step(model, batch, loss_fn, optimizer, grad_scale=grad_scale, frozen=frozen)
     leaves, spec = torch.utils._pytree.tree_flatten(batch)
-    key = (id(model), leaves, spec, _loss_key(loss_fn), optimizer, float(grad_scale),
+    key = (model_key, leaves, spec, _loss_key(loss_fn), optimizer, float(grad_scale),
            None if frozen is None else tuple(frozen))
     for k, pristine, n_classes in shared.entries:
         if _same_call(k, key):
@@ -397,7 +463,16 @@ def _shared_or_captured(model, batch, loss_fn, optimizer, stage, grad_scale, fro
                 loss_fn.n_classes = n_classes
             return copy.deepcopy(pristine)
     shared.impure = False
-    cap = _capture_training_step(model, batch, loss_fn, optimizer, stage=None, grad_scale=grad_scale, frozen=frozen)
+    if shared.across_models:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            cap = _capture_training_step(model, batch, loss_fn, optimizer, grad_scale=grad_scale, frozen=frozen)
+        for w in said:                             # said again as they were, outside the recording
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        shared.impure |= bool(said)
+    else:
+        cap = _capture_training_step(model, batch, loss_fn, optimizer, stage=None, grad_scale=grad_scale,
+                                     frozen=frozen)
     if not shared.impure:
         shared.entries.append((key, copy.deepcopy(cap), getattr(loss_fn, "n_classes", _UNSET)
                                if len(key[3]) > 1 else _UNSET))

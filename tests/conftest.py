@@ -36,6 +36,19 @@ def clusters():
     c.close()
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _shared_captures(request):
+    """A test module's builds of models made alike trace their training step once (``fxpar.capture.shared_captures``
+    with ``across_models=True``: the later ones get copies). A module that tests capture itself, or changes what a
+    trace reads between its tests, sets ``SHARED_CAPTURES = False``."""
+    if not getattr(request.module, "SHARED_CAPTURES", True):
+        yield None
+        return
+    from fxpar.capture import shared_captures
+    with shared_captures(across_models=True) as shared:
+        yield shared
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -12,6 +12,9 @@ from fxpar.capture import capture_training_step
 from fxpar.optim import resolve_optimizer
 from fxpar.testing import GPT, BNConvNet, EncoderModel, gpt_loss, max_abs_diff, reference_training
 
+# capture is what these tests test: each build traces (tests/conftest.py)
+SHARED_CAPTURES = False
+
 OPTS = [(torch.optim.SGD, {"lr": 0.1}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "dampening": 0.1}),
         (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 0.01}),
         (torch.optim.Adam, {"lr": 1e-2, "weight_decay": 0.1}), (torch.optim.AdamW, {"lr": 1e-2})]

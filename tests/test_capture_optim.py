@@ -12,6 +12,9 @@ from fxpar.capture import capture_training_step
 from fxpar.optim import OptimizerSpec, resolve_optimizer
 from fxpar.testing import GPT, gpt_loss, tiny_gpt
 
+# capture is what these tests test: each build traces (tests/conftest.py)
+SHARED_CAPTURES = False
+
 pytestmark = pytest.mark.structure
 
 OPTS = [(torch.optim.AdamW, {"lr": 1e-3}), (torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.1}),

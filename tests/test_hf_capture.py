@@ -19,6 +19,9 @@ from fxpar.capture import capture_training_step
 from fxpar.optim import resolve_optimizer
 from fxpar.testing.hf import HF_MODELS, hf_example
 
+# capture is what these tests test: each build traces (tests/conftest.py)
+SHARED_CAPTURES = False
+
 pytestmark = pytest.mark.structure
 
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import atexit
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -31,7 +32,7 @@ import torch.multiprocessing as mp
 
 from ..errors import ClusterSpecError, InputError, RankFailedError
 
-__all__ = ["LocalCluster", "find_free_port", "init_from_env", "shutdown_env_group", "serve", "check_main_guard",
+__all__ = ["LocalCluster", "find_free_port", "init_from_env", "shutdown_env_group", "serve", "send", "check_main_guard",
            "check_local_capacity", "note_step", "RANK_BASE_BYTES"]
 
 # Memory of one spawned rank before any model state: the interpreter, torch and a gloo group. Measured
@@ -200,6 +201,15 @@ def shutdown_env_group(wait_s: float = 60.0) -> None:
         dist.destroy_process_group()
 
 
+def send(conn, obj) -> None:
+    """Send ``obj`` over a rank's pipe as one plain pickle: tensors travel by value inside it. (``conn.send`` would
+    move each tensor's storage to shared memory and pass a file descriptor per storage, each over a connection of its
+    own with an authentication handshake: milliseconds per tensor, and the sender's tensors left in shared memory,
+    where a rank's in-place update would reach them.) The other side reads it with ``pickle.loads(conn.recv_bytes())``,
+    which also reads what ``conn.send`` sent."""
+    conn.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+
+
 def serve(conn) -> None:
     """A rank's loop once its process group is up: run each ``(fn, args)`` the parent sends, answer
     ``("ok", result)`` or ``("err", traceback)``; ``None`` or a closed pipe ends it and leaves the group.
@@ -207,19 +217,19 @@ def serve(conn) -> None:
     import torch.distributed as dist
     while True:
         try:
-            msg = conn.recv()
+            msg = pickle.loads(conn.recv_bytes())
         except EOFError:
             break
         except BaseException:  # noqa: BLE001 - a payload that does not unpickle here
-            conn.send(("err", "while receiving the work for this rank:\n" + traceback.format_exc()))
+            send(conn, ("err", "while receiving the work for this rank:\n" + traceback.format_exc()))
             continue
         if msg is None:
             break
         fn, args = msg
         try:
-            conn.send(("ok", fn(*args)))
+            send(conn, ("ok", fn(*args)))
         except BaseException:  # noqa: BLE001 - reported to the parent, which stops everyone
-            conn.send(("err", traceback.format_exc()))
+            send(conn, ("err", traceback.format_exc()))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001
@@ -315,7 +325,7 @@ class LocalCluster:
             raise RuntimeError("this LocalCluster was stopped after a failure; create a new one")
         self.progress[:] = [_IDLE] * self.world_size
         for conn, args in zip(self.conns, per_rank_args):
-            conn.send((fn, tuple(args)))
+            send(conn, (fn, tuple(args)))
         return self._collect(None, what=getattr(fn, "__name__", "run"), timeout_s=timeout_s)
 
     def _collect(self, expect, what: str, timeout_s: float | None = None) -> list:
@@ -342,7 +352,7 @@ class LocalCluster:
                     if r not in pending:
                         continue
                     try:
-                        kind, value = obj.recv()
+                        kind, value = pickle.loads(obj.recv_bytes())
                     except EOFError:             # the pipe closes as the process dies: report the death
                         self._fail({r: None}, what)
                     if kind == "err":
@@ -367,7 +377,7 @@ class LocalCluster:
                     continue
                 if self.conns[r].poll():
                     try:
-                        kind, value = self.conns[r].recv()
+                        kind, value = pickle.loads(self.conns[r].recv_bytes())
                     except (EOFError, OSError):
                         kind, value = "err", None
                     if kind == "err":
