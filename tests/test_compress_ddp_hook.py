@@ -604,11 +604,13 @@ def test_powerSGD_hook_compute_is_counted_from_torchs_own_code(rank, rate, feedb
     counting its ops: its collectives are the formula's; its matmuls, per compressed n x m gradient at rank r, are
     P = M Q and Q = M^T P (2 n m r FLOPs each, r output columns: ``matmul_narrow``) and P Q^T (2 n m r, ``matmul``);
     before start_powerSGD_iter it scales the bucket and divides the all-reduced one (N FLOPs each). The hook's own
-    state is untouched."""
+    state and the process's random state are untouched."""
     state = psgd.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=3, min_compression_rate=rate,
                                use_error_feedback=feedback, warm_start=True)
     m, info = DDPHook(psgd.powerSGD_hook, state), _info()
+    rng = torch.get_rng_state()
     (ops, flops, nbytes, classes), sent = m.dry_run(info, "powersgd")
+    assert torch.equal(torch.get_rng_state(), rng)          # the hook's draws leave the process's generator alone
     assert sent == m.collectives(info, "powersgd")
     narrow = wide = 0               # P Q^T is n x m: narrow too where m <= NARROW_COLUMNS
     for sh in SHAPES:
