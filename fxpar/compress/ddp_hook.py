@@ -25,9 +25,10 @@ the backend's threads; the callbacks the hook chains are run under the rank's ``
 with ``measure_comm=True`` counts every collective the hook issues (:func:`_counted_callbacks`).
 
 Pricing: the plan and ``estimate()`` count what torch's own hooks send, as those hooks form it
-(:meth:`DDPHook.collectives`: ``powerSGD_hook``'s P and Q per matrix from its ``PowerSGDState``), and their compute as
-a traced method doing the same math (:meth:`DDPHook.priced_like`). A hook of the user's own is priced as one plain
-all-reduce of the bucket, which the plan's notes and ``explain()`` say.
+(:meth:`DDPHook.collectives`: ``powerSGD_hook``'s P and Q per matrix from its ``PowerSGDState``), and their compute
+counted from torch's own code, the hook run on meta tensors against a group that moves nothing
+(:meth:`DDPHook.dry_run`). A hook of the user's own is priced as one plain all-reduce of the bucket, which the plan's
+notes and ``explain()`` say.
 """
 from __future__ import annotations
 
