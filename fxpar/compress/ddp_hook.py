@@ -341,7 +341,8 @@ class DDPHook(Method):
         return cost, list(group.sent)
 
     def priced_like(self, bucket: BucketInfo, variant):
-        """The compute of torch's hooks, as the cost models price it: ``fp16_compress_hook`` / ``bf16_compress_hook``
+        """A traced method doing the same math as torch's hooks (the plan prices :meth:`dry_run`'s count, which
+        answers for these hooks; this is what they are compared with): ``fp16_compress_hook`` / ``bf16_compress_hook``
         as :class:`~fxpar.compress.fp16.FP16` / ``BF16`` (the same casts), ``powerSGD_hook`` after its start as
         :class:`~fxpar.compress.powersgd.PowerSGD` with the state's options (the same math, equal to the hook to
         1e-10: ``tests/test_compress_powersgd.py``). ``allreduce_hook`` computes nothing; ``batched_powerSGD_hook``
