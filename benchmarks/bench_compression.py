@@ -19,10 +19,13 @@ planned at each cap on ``ClusterSpec.calibrate()`` with the link as ``netns_link
 there, and ``program.estimate()``'s step time is printed beside the measured one (goal: within 25% at 500 Mbit/s),
 with the spread of the measured steps (the fastest and slowest step of the cell over its rounds).
 Then (``--all-methods``), at ``--methods-rate`` (default 500 Mbit/s; ``none``: uncapped), every method's bytes per
-step per rank (measured), its step time, and ``estimate()`` of the method's program planned on that link.
+step per rank (measured), its step time, and ``estimate()`` of the method's program planned on that link, then how
+many rows' estimates are within 25% of the measured step (and which are not).
 
     python benchmarks/bench_compression.py [--rates none,1gbit,500mbit] [--rank 2] [--steps 5] [--rounds 3]
     python benchmarks/bench_compression.py --rates 500mbit --all-methods --methods-rounds 2
+    python benchmarks/bench_compression.py --rates 500mbit --rounds 0 --steps 4 --all-methods   # the 17 rows only
+    python benchmarks/bench_compression.py --rates 500mbit --rounds 0 --steps 4 --all-methods --methods "NUQSGD 4b"
 """
 from __future__ import annotations
 
@@ -197,6 +200,7 @@ def main():
                       "estimate / measured | load (1 min) |")
                 print("|---|---|---|---|---|---|---|---|")
                 base = None
+                ratios = {}
                 chosen = chosen and ["allreduce"] + chosen      # the "vs allreduce" column's base runs first
                 for label, gs in every_method().items():
                     if chosen and label not in chosen:
@@ -210,8 +214,12 @@ def main():
                         times.extend(per_step_max(outs))
                     base = base or sent
                     m, est = statistics.median(times), p.estimate().step_time_s
+                    ratios[label] = est / m
                     print(f"| {label} | {sent:,} | {sent / base:.3f} | {m * 1e3:.0f} | {min(times) * 1e3:.0f}-"
                           f"{max(times) * 1e3:.0f} | {est * 1e3:.0f} | {est / m:.2f} | {_load()} |", flush=True)
+                outside = {k: r for k, r in ratios.items() if not 0.75 <= r <= 1.25}
+                print(f"\nestimate within 25% of measured: {len(ratios) - len(outside)} of {len(ratios)} rows"
+                      + (f"; outside: {', '.join(f'{k} {r:.2f}' for k, r in outside.items())}" if outside else ""))
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s")
 
 

@@ -483,7 +483,11 @@ class _Costing(TorchDispatchMode):
             c = op_cost(func, list(args), out)          # every op pays its dispatch, as a graph's (views too)
             f, b = int(concrete(c.flops)), int(concrete(c.bytes))
             self.ops, self.flops, self.bytes = self.ops + 1, self.flops + f, self.bytes + b
-            acc = self.classes.setdefault(c.op_class, [0, 0])
+            cls = c.op_class
+            if func.overloadpacket in _MATMULS and isinstance(out, torch.Tensor) \
+                    and concrete(out.shape[-1]) <= NARROW_COLUMNS:
+                cls = "matmul_narrow"                   # a low-rank factor, as inner_compute classes it
+            acc = self.classes.setdefault(cls, [0, 0])
             acc[0] += f
             acc[1] += b
         return out
@@ -491,8 +495,9 @@ class _Costing(TorchDispatchMode):
 
 def eager_compute(fn, *args, **kwargs) -> tuple:
     """``(fn(*args, **kwargs), (ops, flops, bytes, classes))``: the call's result and its aten ops costed as they
-    run (:func:`op_cost`), as :func:`inner_compute` costs a graph's -- what a rank computes on the host beside a
-    traced graph (a compressed sum's random draws, ``Method.host_inputs``)."""
+    run (:func:`op_cost`), as :func:`inner_compute` costs a graph's (a matmul with at most :data:`NARROW_COLUMNS`
+    output columns is class ``"matmul_narrow"``) -- what a rank computes on the host beside a traced graph (a
+    compressed sum's random draws, ``Method.host_inputs``; an eager method's sum, ``Method.eager_sum_compute``)."""
     with _Costing() as mode:
         out = fn(*args, **kwargs)
     classes = tuple((k, f, b) for k, (f, b) in sorted(mode.classes.items()) if f or b)

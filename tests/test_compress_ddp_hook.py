@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import fxpar
 from fxpar import compress as C
+from cost_models.compute import NARROW_COLUMNS
 from fxpar.compress.ddp_hook import DDPHook, HookBucket
 from fxpar.compress.feature import CompressSection
 from fxpar.compress.method import BucketInfo, Comm
@@ -593,3 +594,75 @@ def test_measured_bytes_of_powerSGD_hook_include_its_callbacks(clusters):
                             strategy=fxpar.Strategy(dp=2, grad_sync=C.PowerSGD(rank=2, start_iter=2,
                                                                                min_compression_rate=1.0)))
     assert own.estimate().ranks[0].comm_bytes == pytest.approx(est.ranks[0].comm_bytes, rel=1e-12)
+
+
+@STRUCTURE
+@pytest.mark.filterwarnings("ignore:.*worth compressing:UserWarning")
+@pytest.mark.parametrize("rank, rate, feedback", [(1, 2.0, True), (2, 1.0, True), (2, 1.0, False), (4, 0.5, True)])
+def test_powerSGD_hook_compute_is_counted_from_torchs_own_code(rank, rate, feedback):
+    """The plan prices torch's powerSGD_hook by running it (on meta tensors, against a group that moves nothing) and
+    counting its ops: its collectives are the formula's; its matmuls, per compressed n x m gradient at rank r, are
+    P = M Q and Q = M^T P (2 n m r FLOPs each, r output columns: ``matmul_narrow``) and P Q^T (2 n m r, ``matmul``);
+    before start_powerSGD_iter it scales the bucket and divides the all-reduced one (N FLOPs each). The hook's own
+    state and the process's random state are untouched."""
+    state = psgd.PowerSGDState(None, matrix_approximation_rank=rank, start_powerSGD_iter=3, min_compression_rate=rate,
+                               use_error_feedback=feedback, warm_start=True)
+    m, info = DDPHook(psgd.powerSGD_hook, state), _info()
+    rng = torch.get_rng_state()
+    (ops, flops, nbytes, classes), sent = m.dry_run(info, "powersgd")
+    assert torch.equal(torch.get_rng_state(), rng)          # the hook's draws leave the process's generator alone
+    assert sent == m.collectives(info, "powersgd")
+    narrow = wide = 0               # P Q^T is n x m: narrow too where m <= NARROW_COLUMNS
+    for sh in SHAPES:
+        n = sh[0]
+        cols = math.prod(sh) // n
+        r = min(n, cols, rank)
+        if (n + cols) * r * rate < n * cols:
+            narrow += 4 * n * cols * r
+            if cols <= NARROW_COLUMNS:
+                narrow += 2 * n * cols * r
+            else:
+                wide += 2 * n * cols * r
+    by = {k: (f, b) for k, f, b in classes}
+    assert narrow > 0 and by["matmul_narrow"][0] == narrow and by.get("matmul", (0,))[0] == wide
+    assert flops == sum(f for _, f, _ in classes) and nbytes == sum(b for _, _, b in classes) and ops > 0
+    assert m.eager_sum_compute(info, "powersgd") == (ops, flops, nbytes, classes)
+    (ops0, flops0, _, classes0), sent0 = m.dry_run(info, "allreduce")
+    assert sent0 == m.collectives(info, "allreduce") == [("all_reduce", 8 * info.numel)]
+    assert flops0 == 2 * info.numel and {k for k, _, _ in classes0} <= {"elementwise", "view"}
+    assert state.iter == 0 and not state.error_dict and not state.p_memory_dict and not state.q_memory_dict
+
+
+@STRUCTURE
+def test_torch_default_hooks_compute_is_counted():
+    """allreduce_hook: the bucket scaled to DDP's units and the all-reduced bucket divided (N FLOPs each);
+    fp16/bf16_compress_hook: also the casts to 2 bytes and back, and the all-reduce of the 2-byte copy. A hook of the
+    user's own is not run (not counted: priced as a plain all-reduce)."""
+    info = _info()
+    n = info.numel
+    (_, flops, _, classes), sent = DDPHook(dh.allreduce_hook).dry_run(info, None)
+    assert sent == [("all_reduce", 8 * n)] and flops == 2 * n
+    for hook in (dh.fp16_compress_hook, dh.bf16_compress_hook):
+        (_, flops, nbytes, classes), sent = DDPHook(hook).dry_run(info, None)
+        assert sent == [("all_reduce", 2 * n)] == DDPHook(hook).collectives(info, None)
+        assert flops >= 2 * n and "copy" in {k for k, _, _ in classes}
+    assert DDPHook(users_hook).dry_run(info, None) is None and DDPHook(users_hook).eager_sum_compute(info, None) is None
+
+
+@STRUCTURE
+@pytest.mark.filterwarnings("ignore:.*worth compressing:UserWarning")
+def test_the_plan_prices_the_hooks_counted_compute():
+    """A plan of DDPHook(powerSGD_hook) carries, per bucket, the compute dry_run counts (what estimate() prices)."""
+    model, batches, loss_fn = _data("mlp")
+    state = psgd.PowerSGDState(None, matrix_approximation_rank=1, start_powerSGD_iter=2)
+    hook = DDPHook(psgd.powerSGD_hook, state)
+    prog = fxpar.parallelize(model, fxpar.ClusterSpec.local(2), batches[0], loss_fn=loss_fn, optimizer=SGD,
+                             strategy=fxpar.Strategy(dp=2, grad_sync=hook))
+    from fxpar.compress.feature import bucket_infos
+    rows = prog.plan.section("ddp_hook").stages[0]
+    infos = bucket_infos(prog.plan, 0, prog.stages[0].captured)
+    assert rows and len(rows) == len(infos)
+    for row, b in zip(rows, infos):
+        ops, flops, nbytes, classes = hook.eager_sum_compute(b, "powersgd")
+        assert row["compute"] == [ops, flops, nbytes]
+        assert row["compute_classes"] == [[k, f, n] for k, f, n in classes]

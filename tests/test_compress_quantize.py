@@ -25,9 +25,9 @@ from fxpar.compress.method import Comm
 from fxpar.compress import quantize as quantize_module
 from fxpar.compress.packing import pack_bits, unpack_bits
 from fxpar.compress.quantize import (ALQ, AMQ, NUQSGD, QSGD, alq_adapt, amq_adapt, decode, elias_bit_count,
-                                     encode, expected_variance, exponential_levels, level_indices, normalised,
-                                     nuqsgd_variance_bound, qsgd_variance_bound, quantize_dequantize,
-                                     uniform_levels)
+                                     encode, expected_variance, exponential_levels, halving_intervals, level_indices,
+                                     normalised, nuqsgd_variance_bound, qsgd_variance_bound,
+                                     quantize_dequantize, uniform_levels)
 from fxpar.compress.wangni import Wangni, capacity, densify, sparsify, wangni_probabilities
 from fxpar.errors import StrategyError
 from fxpar.testing import MLP
@@ -685,3 +685,58 @@ def test_step_records_are_kept_in_checkpoints_and_reported():
     assert again.records == st.records == {key: [310, 295]} and again.steps[key] == 2
     report = again.report()[key]
     assert report["elias_bits"] == [310, 295] and report["packed_bits"] == 8 * method.wire_bytes(b, None)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_nuqsgds_intervals_from_the_exponent_equal_the_search(dtype, bits):
+    """NUQSGD reads each value's interval among its levels {0, 2^-(s-1), ..., 1} from the value's exponent
+    (``halving_intervals``): bit for bit the interval the search over the levels finds, on normalised magnitudes
+    of a bucket, on every level and its neighbours below and above, on 0, 1, the smallest subnormal and values far
+    below the first level."""
+    s = 2 ** (bits - 1) - 1
+    levels = exponential_levels(s).to(dtype)
+    gen = torch.Generator().manual_seed(0)
+    flat = torch.randn(20_000, generator=gen, dtype=torch.float64).to(dtype)
+    r = normalised(flat, 1024)[0].to(dtype)
+    tiny = torch.finfo(dtype).smallest_normal
+    inf = torch.full_like(levels, math.inf)
+    edges = torch.cat([levels, torch.nextafter(levels, -inf).clamp(min=0), torch.nextafter(levels, inf).clamp(max=1),
+                       torch.tensor([0.0, 1.0, tiny, tiny / 2 ** 10, 2.0 ** -(s + 3), 1e-30], dtype=dtype)])
+    for x in (r, edges, torch.rand(50_000, generator=gen, dtype=dtype) ** 12):
+        searched = (torch.searchsorted(levels, x, right=True) - 1).clamp(0, s - 1)
+        assert torch.equal(halving_intervals(x, s), searched)
+        u = torch.rand(x.shape, generator=gen, dtype=dtype)
+        assert torch.equal(level_indices(x, levels, u, halving=True), level_indices(x, levels, u))
+
+
+@pytest.mark.structure
+def test_nuqsgds_sum_has_no_level_search():
+    """NUQSGD's traced sum finds its intervals by elementwise ops (the exponent), with no ``searchsorted``: its
+    cost is its bytes', which the estimate prices (a search over levels that split the values mispredicts a branch
+    per comparison on CPU, which no per-class rate prices); QSGD, ALQ and AMQ still search their levels."""
+    from fxpar.compress.feature import _sum_graph
+    from fxpar.compress.method import BucketInfo
+    b = BucketInfo(0, 0, 1, ("w",), ((4096,),), (0,), 4096, "float32", 2, 0)
+    for m, searches in ((NUQSGD(bits=4), 0), (QSGD(levels=16), 1), (ALQ(bits=3), 1), (AMQ(bits=3), 1)):
+        v = m.variant(b, 1 << 30, dict(m.init_state(b, torch.Generator().manual_seed(0))))
+        gm = _sum_graph(m, b, v)
+        targets = [str(n.target) for n in gm.graph.nodes if n.op == "call_function"]
+        assert sum("searchsorted" in t for t in targets) == searches, (m, targets)
+        assert ("aten.frexp.Tensor" in targets) == (searches == 0)
+
+
+@pytest.mark.structure
+def test_the_elias_count_sums_in_int32_unless_it_could_overflow():
+    """NUQSGD's per-step Elias count sums the per-value bits in int32 (a sum CPU vectorises) where the bucket's most
+    bits cannot reach 2^31, in int64 otherwise (traced on meta tensors: a bucket of 2^31 / 8 values at 4 bits, whose
+    values take at most 8 bits, would reach it); the count is int64 either way."""
+    most = max(quantize_module.elias_value_bits(7))
+    assert most == 8
+    for numel, dtype in ((4096, torch.int32), (2 ** 31 // most - 1, torch.int32), (2 ** 31 // most, torch.int64)):
+        idx = torch.empty(numel, dtype=torch.int64, device="meta")
+        gm = make_fx(lambda i: quantize_module.elias_bits_of_indices(i, 7, 4))(idx)
+        sums = [n for n in gm.graph.nodes if n.op == "call_function" and "sum" in str(n.target)]
+        assert len(sums) == 1 and sums[0].meta["val"].dtype == dtype
+        assert gm(idx).dtype == torch.int64

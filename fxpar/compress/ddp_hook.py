@@ -25,9 +25,10 @@ the backend's threads; the callbacks the hook chains are run under the rank's ``
 with ``measure_comm=True`` counts every collective the hook issues (:func:`_counted_callbacks`).
 
 Pricing: the plan and ``estimate()`` count what torch's own hooks send, as those hooks form it
-(:meth:`DDPHook.collectives`: ``powerSGD_hook``'s P and Q per matrix from its ``PowerSGDState``), and their compute as
-a traced method doing the same math (:meth:`DDPHook.priced_like`). A hook of the user's own is priced as one plain
-all-reduce of the bucket, which the plan's notes and ``explain()`` say.
+(:meth:`DDPHook.collectives`: ``powerSGD_hook``'s P and Q per matrix from its ``PowerSGDState``), and their compute
+counted from torch's own code, the hook run on meta tensors against a group that moves nothing
+(:meth:`DDPHook.dry_run`). A hook of the user's own is priced as one plain all-reduce of the bucket, which the plan's
+notes and ``explain()`` say.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 from torch.distributed import distributed_c10d as c10d
+from torch.distributed.distributed_c10d import ProcessGroup, Work
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as torch_powersgd
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
@@ -298,8 +300,49 @@ class DDPHook(Method):
         """The bytes of :meth:`collectives`; a run with ``measure_comm=True`` reports what the hook handed over."""
         return sum(n for _, n in self.collectives(bucket, variant))
 
+    def eager_sum_compute(self, bucket: BucketInfo, variant):
+        """``(ops, flops, bytes, classes)`` of one steady call of torch's ``allreduce_hook``, ``fp16_compress_hook``,
+        ``bf16_compress_hook`` or ``powerSGD_hook`` on ``bucket`` at ``variant``: :meth:`dry_run`'s count. None for
+        ``batched_powerSGD_hook`` and a hook of the user's own (then :meth:`priced_like` answers)."""
+        run = self.dry_run(bucket, variant)
+        return None if run is None else run[0]
+
+    def dry_run(self, bucket: BucketInfo, variant):
+        """``((ops, flops, bytes, classes), [(kind, bytes), ...])``: what :meth:`sum` computes, counted op by op
+        (``cost_models.compute.eager_compute``), and the collectives it issues, for one steady call of torch's
+        ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook`` or ``powerSGD_hook`` on ``bucket`` (at
+        ``variant``) -- the bucket scaled to DDP's units, then torch's hook itself, run on meta tensors of the
+        bucket's layout against a dp group that moves nothing (:class:`_StandInGroup`: each collective's future
+        holds its own tensors), so nothing is computed or sent. ``powerSGD_hook`` runs on a copy of the state whose
+        memories are empty and whose ``iter`` is ``start_powerSGD_iter`` (``"powersgd"``) or 0 (``"allreduce"``):
+        once uncounted (its first call on a bucket makes the error, P and Q memories and draws Q), then counted --
+        its error feedback (the add, the clone, the residual), the concatenation and copy back of the tensors it
+        sends whole, the orthogonalisations of Q and P, the three matmuls and the divisions, as its code runs them.
+        None for ``batched_powerSGD_hook`` and a hook of the user's own."""
+        kind = self.torch_hook()
+        if kind not in ("allreduce", "fp16", "bf16", "powerSGD"):
+            return None
+        from cost_models.compute import eager_compute
+        group = _StandInGroup(max(bucket.dp_rank, 0), bucket.dp)
+        state = group if kind != "powerSGD" else _pricing_state(self.state, group)
+        at = int(self.state.start_powerSGD_iter) if kind == "powerSGD" and variant == "powersgd" else 0
+
+        def call(flat):
+            if kind == "powerSGD":
+                state.iter = at                     # the hook counts its calls: each one at the variant's step
+            buf = flat * bucket.dp                  # sum(): DDP's units
+            return self.hook(state, HookBucket(buf, bucket)).wait()
+        flat = torch.empty(bucket.numel, dtype=bucket.torch_dtype, device="meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            call(flat)                              # the first call on a bucket: its memories made
+            group.sent.clear()
+            _, cost = eager_compute(call, flat)
+        return cost, list(group.sent)
+
     def priced_like(self, bucket: BucketInfo, variant):
-        """The compute of torch's hooks, as the cost models price it: ``fp16_compress_hook`` / ``bf16_compress_hook``
+        """A traced method doing the same math as torch's hooks (the plan prices :meth:`dry_run`'s count, which
+        answers for these hooks; this is what they are compared with): ``fp16_compress_hook`` / ``bf16_compress_hook``
         as :class:`~fxpar.compress.fp16.FP16` / ``BF16`` (the same casts), ``powerSGD_hook`` after its start as
         :class:`~fxpar.compress.powersgd.PowerSGD` with the state's options (the same math, equal to the hook to
         1e-10: ``tests/test_compress_powersgd.py``). ``allreduce_hook`` computes nothing; ``batched_powerSGD_hook``
@@ -485,6 +528,52 @@ def _counted_callbacks(counters):
             _patch_depth -= 1
             if _patch_depth == 0:
                 torch._C.Future.then, torch._C.Future.add_done_callback = _THEN, _ADD_DONE
+
+
+class _Done(Work):
+    """A collective that is done: its future holds the tensors it was handed."""
+
+    def __init__(self, tensors):
+        super().__init__()
+        self._future = torch.futures.Future()
+        self._future.set_result(tensors)
+
+    def get_future(self):
+        return self._future
+
+    def wait(self, timeout=None):
+        return True
+
+
+class _StandInGroup(ProcessGroup):
+    """A dp group of ``size`` ranks that moves nothing (a hook run to count its compute,
+    :meth:`DDPHook.eager_sum_compute`): every all-reduce is done at once, its future holding the tensors it was
+    handed; ``sent`` lists each as ``("all_reduce", bytes)``."""
+
+    def __init__(self, rank: int, size: int):
+        super().__init__(rank, size)
+        self._size = size
+        self.sent: list = []
+
+    def size(self) -> int:
+        return self._size
+
+    def allreduce(self, tensors, opts=None):
+        self.sent.append(("all_reduce", sum(t.numel() * t.element_size() for t in tensors)))
+        return _Done(tensors)
+
+    def getBackendName(self) -> str:
+        return "fxpar-stand-in"
+
+
+def _pricing_state(state, group):
+    """A copy of the ``PowerSGDState`` ``state`` on ``group``, with empty memories (error, P, Q) and its own
+    generator, for a hook run that counts its compute."""
+    fields = _fields(state)
+    fields.update(error_dict={}, p_memory_dict={}, q_memory_dict={}, rng=copy.deepcopy(fields.get("rng")))
+    out = _rebuild_state(type(state), fields)
+    out.process_group = group
+    return out
 
 
 def _has_group(state) -> bool:

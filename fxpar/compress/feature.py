@@ -330,8 +330,12 @@ class CompressFeature(Feature):
                    "collectives": collectives, "compute": compute, "compute_classes": classes}
             if m.eager:              # not traced: the collectives the method declares, for the cost models
                 row["declared"] = [[str(k), int(n)] for k, n in m.collectives(b, v)]
-                like = m.priced_like(b, v)
-                if like is not None:     # its compute: that of a traced method doing the same math
+                counted = m.eager_sum_compute(b, v)
+                like = m.priced_like(b, v) if counted is None else None
+                if counted is not None:  # its compute: the ops its sum runs, counted
+                    row["compute"] = [int(x) for x in counted[:3]]
+                    row["compute_classes"] = [[str(k), int(f), int(n)] for k, f, n in counted[3]]
+                elif like is not None:   # its compute: that of a traced method doing the same math
                     _, row["compute"], row["compute_classes"] = _traced_sum(like[0], b, like[1])
             if section.schedule:
                 part = section.schedule["partition_bytes"]

@@ -183,6 +183,13 @@ class Method:
         its place; None: the compute is not priced. Default: None."""
         return None
 
+    def eager_sum_compute(self, bucket: BucketInfo, variant):
+        """For an ``eager`` method: ``(ops, flops, bytes, classes)`` of what its sum of ``bucket`` computes at
+        ``variant`` (``cost_models.compute.eager_compute``'s count of the sum's own aten ops, run where it costs
+        nothing: on meta tensors), which the plan prices in place of :meth:`priced_like`'s; None: not counted (then
+        :meth:`priced_like` answers). Default: None."""
+        return None
+
     def host_state(self):
         """What of this method's own objects (not its per-bucket state tensors) a rank's checkpoint keeps
         (picklable; None: nothing), such as a DDP comm hook's state object."""

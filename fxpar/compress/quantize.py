@@ -67,8 +67,8 @@ from fxpar.errors import StrategyError
 
 __all__ = ["QSGD", "NUQSGD", "ALQ", "AMQ", "rank_generator", "uniform_levels", "exponential_levels", "encode", "decode",
            "quantize_dequantize", "level_indices", "expected_variance", "normalised", "alq_adapt", "amq_adapt",
-           "elias_bit_count", "elias_bits_of_indices", "elias_value_bits", "encode_with_indices", "qsgd_variance_bound",
-           "nuqsgd_variance_bound"]
+           "elias_bit_count", "elias_bits_of_indices", "elias_value_bits", "encode_with_indices", "halving_intervals",
+           "qsgd_variance_bound", "nuqsgd_variance_bound"]
 
 
 # ---- levels --------------------------------------------------------------------------------------------------
@@ -107,13 +107,29 @@ def _scales(v: torch.Tensor) -> torch.Tensor:
     return torch.where(s32.to(norm.dtype) < norm, torch.nextafter(s32, torch.full_like(s32, math.inf)), s32)
 
 
-def level_indices(r: torch.Tensor, levels: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+def level_indices(r: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, halving: bool = False) -> torch.Tensor:
     """Stochastic rounding of ``r`` (in ``[0, 1]``) to ``levels``: the index of the level above with probability
-    ``(r - l_t) / (l_t+1 - l_t)`` (``u`` uniform in ``[0, 1)``), else of the level below."""
+    ``(r - l_t) / (l_t+1 - l_t)`` (``u`` uniform in ``[0, 1)``), else of the level below. ``halving``: ``levels``
+    are NUQSGD's, ``{0, 2^-(s-1), ..., 1/2, 1}``, whose interval is read from ``r``'s exponent
+    (:func:`halving_intervals`) instead of searched for."""
     s = levels.shape[0] - 1
-    t = (torch.searchsorted(levels, r, right=True) - 1).clamp(0, s - 1)
+    if halving:
+        t = halving_intervals(r, s)
+    else:
+        t = (torch.searchsorted(levels, r, right=True) - 1).clamp(0, s - 1)
     lo, hi = levels[t], levels[t + 1]
     return t + (u < (r - lo) / (hi - lo)).to(t.dtype)
+
+
+def halving_intervals(r: torch.Tensor, s: int) -> torch.Tensor:
+    """Per value of ``r`` (in ``[0, 1]``), the index ``t`` of its interval ``[l_t, l_t+1)`` among NUQSGD's levels
+    ``l_0 = 0, l_j = 2^(j-s)`` (the last interval closed: ``t <= s - 1``) -- what ``searchsorted(levels, r,
+    right=True) - 1`` clamped to ``[0, s - 1]`` gives, bit for bit, read from the exponent instead: ``r = m 2^e``
+    with ``m`` in ``[1/2, 1)`` (``frexp``, exact) lies in ``[2^(e-1), 2^e)``, so ``t = e - 1 + s``, clamped, and 0
+    where ``r`` is 0. A binary search over levels that split the values (NUQSGD's do: they are dense where
+    normalised magnitudes lie) mispredicts a branch per comparison on CPU, 2-5x the time of these elementwise ops."""
+    _, e = torch.frexp(r)
+    return ((e + (s - 1)).clamp(0, s - 1) * (r > 0)).to(torch.int64)
 
 
 def encode(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int, bits: int) -> torch.Tensor:
@@ -121,15 +137,17 @@ def encode(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int
     return encode_with_indices(flat, levels, u, chunk, bits)[0]
 
 
-def encode_with_indices(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int, bits: int) -> tuple:
+def encode_with_indices(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int, bits: int,
+                        halving: bool = False) -> tuple:
     """``(buffer, indices)``: :func:`encode`'s buffer and each value's level index (int64), the magnitude part of
-    its code."""
+    its code. ``halving``: ``levels`` are NUQSGD's (:func:`level_indices`)."""
     n, s = flat.shape[0], levels.shape[0] - 1
     v = _chunks(flat, chunk)
     scale32 = _scales(v)
     scale = scale32.to(flat.dtype).unsqueeze(1)
     r = torch.where(scale > 0, v.abs() / torch.where(scale > 0, scale, torch.ones_like(scale)), 0.0)
-    idx = level_indices(r.reshape(-1)[:n], levels.to(device=flat.device, dtype=flat.dtype), u.to(flat.device))
+    idx = level_indices(r.reshape(-1)[:n], levels.to(device=flat.device, dtype=flat.dtype), u.to(flat.device),
+                        halving)
     # s - idx where the value is negative, s + idx elsewhere: integer arithmetic, without a select over a mask
     # that flips at random (4-5x a comparison's time on CPU)
     codes = torch.addcmul(s + idx, idx, (flat < 0).to(idx.dtype), value=-2)
@@ -215,10 +233,13 @@ def omega_bits(x: int) -> int:
 def elias_bits_of_indices(idx: torch.Tensor, s: int, chunks: int) -> torch.Tensor:
     """The Elias-coded message's bits (an int64 0-d tensor) of values with level indices ``idx`` (``s`` levels per
     sign) in ``chunks`` chunks: 32 per chunk (the norm) plus :func:`elias_value_bits` per value; traceable."""
-    # int8 per value (a value's code is at most a few dozen bits), summed in int64: the gather's temporary is a
-    # byte per value, not eight
-    table = torch.tensor(elias_value_bits(s), dtype=torch.int8, device=idx.device)
-    return table[idx].sum(dtype=torch.int64) + 32 * chunks
+    # summed in int32 where the sum cannot overflow it (CPU sums int32 into int32 with vector instructions, at its
+    # bytes' time; a sum that widens each value, int8 or int32 into int64, converts value by value, 20-30x that),
+    # else in int64
+    bits = elias_value_bits(s)
+    wide = idx.numel() * max(bits) >= 2 ** 31
+    table = torch.tensor(bits, dtype=torch.int64 if wide else torch.int32, device=idx.device)
+    return table[idx].sum(dtype=table.dtype).to(torch.int64) + 32 * chunks
 
 
 def elias_bit_count(flat: torch.Tensor, levels: torch.Tensor, u: torch.Tensor, chunk: int) -> int:
@@ -314,6 +335,7 @@ def _check_int(method: str, option: str, value, lo: int, hi: int | None, why: st
 class _Quantizer(Method):
     """A stochastic quantizer: subclasses give ``_s()``, ``_bits()`` and ``_levels(state)``."""
     adaptive: ClassVar[bool] = False
+    halving: ClassVar[bool] = False      # NUQSGD's fixed levels: each value's interval read from its exponent
 
     def __post_init__(self):
         self._check_options()
@@ -339,7 +361,7 @@ class _Quantizer(Method):
 
     def sum(self, flat, state, inputs, bucket, comm: Comm, variant) -> tuple:
         levels, n, bits = self._levels(state), flat.shape[0], self._bits()
-        buf, idx = encode_with_indices(flat, levels, inputs[0], self.bucket, bits)
+        buf, idx = encode_with_indices(flat, levels, inputs[0], self.bucket, bits, self.halving)
         everyone = comm.all_gather(buf).view(comm.size, buf.shape[0])
         summed = decode(everyone[0], levels, n, self.bucket, bits, flat.dtype)
         for r in range(1, comm.size):
@@ -415,6 +437,7 @@ class NUQSGD(_BitsQuantizer):
                             "Communication-efficient Data-parallel SGD via Nonuniform Quantization, JMLR 2021")
     bits: int = 4
     bucket: int = 1024
+    halving: ClassVar[bool] = True
 
     def _levels(self, state):
         return exponential_levels(self._s())
