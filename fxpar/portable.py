@@ -14,6 +14,7 @@ sent to ranks (``RankPayload``, the pipeline's ``StageProgram``) pickle their gr
 """
 from __future__ import annotations
 
+import contextlib
 import pickle
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ import torch
 import torch.fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-__all__ = ["PackedGraphModule", "pack_graph_module", "unpack_graph_module"]
+__all__ = ["PackedGraphModule", "pack_graph_module", "packing_once", "unpack_graph_module"]
 
 
 @dataclass(frozen=True)
@@ -97,8 +98,33 @@ def _picklable(d: dict, keep) -> dict:
     return out
 
 
+_PACKED: dict | None = None      # id(GraphModule) -> (it, its packed form), while packing_once() is open
+
+
+@contextlib.contextmanager
+def packing_once():
+    """Within it, a GraphModule pickled several times (the same graphs in every rank's payload) is packed once; the
+    graphs must not change inside it."""
+    global _PACKED
+    outer, _PACKED = _PACKED, {}
+    try:
+        yield
+    finally:
+        _PACKED = outer
+
+
 def pack_graph_module(gm: torch.fx.GraphModule) -> PackedGraphModule:
     """``gm`` as plain, picklable data (node ``meta`` keeps the ``fxpar_*`` keys only)."""
+    if _PACKED is not None:
+        got = _PACKED.get(id(gm))
+        if got is not None and got[0] is gm:
+            return got[1]
+        packed = _PACKED[id(gm)] = (gm, _pack(gm))
+        return packed[1]
+    return _pack(gm)
+
+
+def _pack(gm: torch.fx.GraphModule) -> PackedGraphModule:
     nodes, attrs = [], {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":

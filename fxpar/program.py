@@ -16,7 +16,7 @@ from .errors import InputError
 from .feature import ExtraRank, Feature, get_feature, registered_features
 from .host import HostSettings
 from .runtime.launch import LocalCluster, check_local_capacity, check_main_guard, init_from_env
-from .portable import pack_graph_module, unpack_graph_module
+from .portable import pack_graph_module, packing_once, unpack_graph_module
 from .runner import RankRunner, RunResult
 from .roles import GraphKind, Role
 from .schedule import Action, ActionKind, carried_versions
@@ -554,7 +554,8 @@ class Program:
             own = cluster is None
             lc = cluster or LocalCluster(n_ranks, backend=self.cluster.backend)
             try:
-                results = lc.run(fn, args, timeout_s=timeout_s)
+                with packing_once():                  # the ranks' payloads share their graphs: packed once
+                    results = lc.run(fn, args, timeout_s=timeout_s)
             finally:
                 if own:
                     lc.close()
