@@ -5,6 +5,7 @@ Both sides use them: ``fxpar.tools.calibrate`` measures with them, and fxpar's r
 (``ClusterSpec.comm_priority``, ``ClusterSpec.host_memory_reuse``)."""
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -57,6 +58,20 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 _REUSE_BYTES = 1 << 30        # blocks up to 1 GiB from the heap; glibc builds that cap M_MMAP_THRESHOLD get 32 MiB
 
 
+@functools.lru_cache(maxsize=None)
+def _glibc_mallopt():
+    """glibc's ``mallopt``, or None where the C library is another (found once: ``find_library`` runs ldconfig)."""
+    import ctypes
+    import ctypes.util
+    try:
+        mallopt = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return None
+    if not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"):      # glibc's thresholds; musl has other rules
+        return None
+    return mallopt
+
+
 def reuse_freed_memory(limit: int = _REUSE_BYTES) -> bool:
     """Keep the memory a training step frees for the next step (``ClusterSpec.host_memory_reuse``).
 
@@ -71,13 +86,8 @@ def reuse_freed_memory(limit: int = _REUSE_BYTES) -> bool:
     caching allocator does) instead of faulting it in again. Process-wide; call it before the step's first
     allocation. Returns False where the C library is not glibc (nothing is changed)."""
     import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    if not hasattr(ctypes.CDLL(None), "gnu_get_libc_version"):      # glibc's thresholds; musl has other rules
+    mallopt = _glibc_mallopt()
+    if mallopt is None:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     limit = int(min(limit, 2**31 - 1))
