@@ -63,6 +63,7 @@ def _refresh_in(gm, before: dict, mode) -> bool:
     metadata in place must be run: the caller propagates the whole graph instead."""
     changed: set = set()
     env: dict = {}
+    memo = _Memo(mode)
 
     def same(a, b):
         return _same_args(a, b, env, changed, before)
@@ -93,9 +94,7 @@ def _refresh_in(gm, before: dict, mode) -> bool:
                 return False
             args, kwargs = map_arg((n.args, n.kwargs), value_of)
             try:
-                result = _run_foreach(n.target, args, kwargs, mode)
-                if result is _NO_VAL:
-                    result = n.target(*args, **kwargs)
+                result = memo.run(n.target, args, kwargs)
             except Exception as e:  # noqa: BLE001 - re-raised naming the node
                 raise NodeFailed(n, e) from e
             new = _own_value(result, args, kwargs, mode)
@@ -128,6 +127,99 @@ def _own_value(result, args, kwargs, mode):
     return map_aggregate(result, lambda r: _extract(r, mode))
 
 
+class _Memo:
+    """An op's value by what it is given: the first call of an op on inputs of given shapes, strides, dtypes,
+    devices and offsets (and given constants) runs it on fake tensors; a later alike call (the same op at the same
+    place in the next of a model's repeated blocks) makes its value from the first one's, as the fake mode's own
+    cache does (``FakeTensorMode._output_from_cache_entry``): a new tensor of the recorded metadata, or for a view
+    one over its input's storage. Only ops whose value is a function of that metadata are remembered: no in-place
+    or out= op, nothing data-dependent, each result either a new tensor or (a view op) a view of its first input."""
+
+    def __init__(self, mode):
+        self.mode = mode
+        self.seen: dict = {}
+
+    def run(self, target, args, kwargs):
+        key = self._key(target, args, kwargs)
+        hit = self.seen.get(key) if key is not None else None
+        if hit is not None:
+            return self._make(hit, args)
+        result = _run_foreach(target, args, kwargs, self.mode)
+        if result is _NO_VAL:
+            result = target(*args, **kwargs)
+        if key is not None:
+            entry = self._entry(target, result, args, kwargs)
+            if entry is not None:
+                self.seen[key] = entry
+        return result
+
+    @staticmethod
+    def _key(target, args, kwargs):
+        if not isinstance(target, torch._ops.OpOverload) or target.__name__.startswith("_foreach_"):
+            return None
+        schema = target._schema
+        if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments) \
+                or torch.Tag.dynamic_output_shape in target.tags or torch.Tag.data_dependent_output in target.tags \
+                or torch.Tag.inplace_view in target.tags:
+            return None
+        try:
+            key = (target, _meta_key(args), _meta_key(kwargs))
+            hash(key)
+        except (_Unkeyed, TypeError):
+            return None
+        return key
+
+    def _entry(self, target, result, args, kwargs):
+        outs = result if isinstance(result, tuple) else (result,)
+        if not outs or any(type(r) is not FakeTensor or r.fake_mode is not self.mode or r.requires_grad
+                           or r.constant is not None or any(type(d) is not int for d in r.shape) for r in outs):
+            return None
+        metas = tuple((tuple(r.shape), r.stride(), r.dtype, r.layout, r.storage_offset(), r.device) for r in outs)
+        if target.is_view:
+            if len(outs) != 1 or not args or type(args[0]) is not FakeTensor \
+                    or _storages(outs) != _storages(args[0]) or _aliases(outs, (args[1:], kwargs)):
+                return None
+            return (isinstance(result, tuple), metas, True)
+        if _aliases(outs, (args, kwargs)) or any(m[4] != 0 for m in metas) or len(set(_storages(outs))) != len(outs):
+            return None
+        return (isinstance(result, tuple), metas, False)
+
+    def _make(self, entry, args):
+        as_tuple, metas, view = entry
+        out = []
+        storage = args[0].untyped_storage() if view else None
+        with in_kernel_invocation_manager(self.mode):
+            for shape, stride, dtype, layout, offset, device in metas:
+                empty = torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta")
+                if view:
+                    empty.set_(storage, offset, shape, stride)
+                out.append(FakeTensor(self.mode, empty, device))
+        return tuple(out) if as_tuple else out[0]
+
+
+class _Unkeyed(Exception):
+    pass
+
+
+def _meta_key(a):
+    if type(a) is FakeTensor:
+        if a.requires_grad or a.constant is not None:     # a value the mode knows: ops on it may read it
+            raise _Unkeyed
+        return ("T", a.shape, a.stride(), a.dtype, a.device, a.layout, a.storage_offset())
+    if isinstance(a, torch.Tensor):
+        raise _Unkeyed
+    if isinstance(a, (list, tuple)):
+        return (type(a) is list, tuple(_meta_key(x) for x in a))
+    if isinstance(a, dict):
+        return tuple((k, _meta_key(v)) for k, v in a.items())
+    if isinstance(a, py_sym_types):
+        raise _Unkeyed
+    if a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout,
+                                   torch.memory_format)):
+        return (type(a), a)
+    raise _Unkeyed
+
+
 def _run_foreach(target, args, kwargs, mode):
     """A functional ``_foreach_*`` op (tensor lists in, a list of new tensors out) over lists whose elements repeat a
     few shapes (a model's repeated blocks): run on one element of each kind (the same shape, strides, dtype, device,
@@ -153,7 +245,7 @@ def _run_foreach(target, args, kwargs, mode):
         key = []
         for i in lists:
             x = args[i][j]
-            if type(x) is FakeTensor:
+            if type(x) is FakeTensor and x.constant is None:
                 key.append((x.shape, x.stride(), x.dtype, x.device, x.layout, x.storage_offset(), x.requires_grad))
             elif isinstance(x, (int, float, bool)):
                 key.append((type(x), x))
@@ -171,18 +263,20 @@ def _run_foreach(target, args, kwargs, mode):
         sub[i] = [args[i][j] for j in reps]
     got = target(*sub)
     if not isinstance(got, (list, tuple)) or len(got) != len(reps) or _aliases(got, sub) or any(
-            type(r) is not FakeTensor or r.requires_grad or r.storage_offset() != 0 for r in got):
+            type(r) is not FakeTensor or r.requires_grad or r.storage_offset() != 0 or r.constant is not None
+            for r in got):
         return _NO_VAL
     made = dict(zip(reps, got))
-    out = []
+    metas = {j: (r.shape, r.stride(), r.dtype, r.layout, r.device) for j, r in made.items()}   # the fake device:
+    out = []                                                                                   # read outside the kernel
     with in_kernel_invocation_manager(mode):
         for j, k in enumerate(of):
             if j in made:
                 out.append(made[j])
                 continue
-            r = made[first[k]]
-            out.append(FakeTensor(mode, torch.empty_strided(r.shape, r.stride(), dtype=r.dtype, layout=r.layout,
-                                                            device="meta"), r.device))
+            shape, stride, dtype, layout, device = metas[first[k]]
+            out.append(FakeTensor(mode, torch.empty_strided(shape, stride, dtype=dtype, layout=layout, device="meta"),
+                                  device))
     return out
 
 
