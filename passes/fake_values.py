@@ -28,7 +28,6 @@ from torch.fx.experimental.proxy_tensor import py_sym_types, snapshot_fake
 from torch.fx.immutable_collections import immutable_list
 from torch.fx.node import map_aggregate, map_arg
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["record", "refresh", "single_fake_mode", "NodeFailed"]
 
@@ -285,7 +284,7 @@ def _is_input(t, args, kwargs) -> bool:
 
 
 def _input_ids(v) -> set:
-    return {id(t) for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)}
+    return {id(t) for t in _leaves(v, torch.Tensor)}
 
 
 def _placeholder(n, val, old, mode, changed):
@@ -309,9 +308,8 @@ def single_fake_mode(gm: torch.fx.GraphModule):
     """The one fake mode of every fake tensor among ``gm``'s values; None where there are none, or several."""
     modes = set()
     for n in gm.graph.nodes:
-        for v in tree_flatten(n.meta.get("val"))[0]:
-            if isinstance(v, FakeTensor):
-                modes.add(v.fake_mode)
+        for v in _leaves(n.meta.get("val"), FakeTensor):
+            modes.add(v.fake_mode)
     return modes.pop() if len(modes) == 1 else None
 
 
@@ -335,12 +333,26 @@ def _propagate_whole(gm) -> None:
         raise NodeFailed(node, e) from e
 
 
+def _leaves(v, kind):
+    """The ``kind`` instances in ``v`` and the lists, tuples and dicts it nests, in order."""
+    if isinstance(v, kind):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _leaves(x, kind)
+    elif isinstance(v, dict):
+        for x in v.values():
+            yield from _leaves(x, kind)
+
+
 def _in_mode(v, mode):
     if isinstance(v, FakeTensor):
         return v if v.fake_mode is mode else mode.from_tensor(v)
     if isinstance(v, torch.Tensor):
         return mode.from_tensor(v)
     if isinstance(v, (list, tuple)):
+        if all(type(x) is FakeTensor and x.fake_mode is mode for x in v):
+            return v
         return type(v)(_in_mode(x, mode) for x in v)
     return v
 
@@ -383,7 +395,7 @@ def _same_value(a, b) -> bool:
 
 
 def _storages(v) -> list:
-    return [t.untyped_storage()._cdata for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor)]
+    return [t.untyped_storage()._cdata for t in _leaves(v, torch.Tensor)]
 
 
 def _same_storages(a, b) -> bool:
@@ -407,7 +419,7 @@ def _alike_inputs(n, old, env: dict, changed: set, before: dict) -> bool:
             r.alias_info is not None for r in n.target._schema.returns) or any(
             a.alias_info is not None and a.alias_info.is_write for a in n.target._schema.arguments):
         return False
-    ins = [x for x in old[1:3] for x in tree_flatten(x)[0] if isinstance(x, torch.fx.Node)]
+    ins = list(_leaves(old[1:3], torch.fx.Node))
     was = [before[x][3] if x in before else x.meta.get("val", _NO_VAL) for x in ins]
     if any(v is _NO_VAL for v in was) or _aliases(old[3], was):
         return False
