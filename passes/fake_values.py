@@ -333,16 +333,25 @@ def _propagate_whole(gm) -> None:
         raise NodeFailed(node, e) from e
 
 
-def _leaves(v, kind):
+def _leaves(v, kind) -> list:
     """The ``kind`` instances in ``v`` and the lists, tuples and dicts it nests, in order."""
+    out: list = []
+    _collect(v, kind, out)
+    return out
+
+
+def _collect(v, kind, out: list) -> None:
     if isinstance(v, kind):
-        yield v
+        out.append(v)
     elif isinstance(v, (list, tuple)):
         for x in v:
-            yield from _leaves(x, kind)
+            if isinstance(x, kind):
+                out.append(x)
+            elif isinstance(x, (list, tuple, dict)):
+                _collect(x, kind, out)
     elif isinstance(v, dict):
         for x in v.values():
-            yield from _leaves(x, kind)
+            _collect(x, kind, out)
 
 
 def _in_mode(v, mode):
