@@ -4,12 +4,16 @@ device) recomputed only where an edit can have changed it, not over the whole gr
 A pass that edits a graph calls :func:`record` before its first edit and :func:`refresh` after its last. A node's
 value is recomputed (its op run on fake tensors) when the node is new, when its op, its constant arguments or its
 value were changed since the record, or when an input's value differs from the recorded input's (a node replaced
-by another of an alike value over the same storage counts as the same); a recomputed value equal in every
-property to the recorded one, and not a view of an input, keeps the recorded object and stops there (a view's
-recorded value aliases the recorded input's storage, which the memory model's storage keys must follow). Every other node keeps its value.
-Each value depends only on its op, its constant arguments and its inputs' values, so the result equals a
-propagation over the whole graph (``torch.fx.passes.fake_tensor_prop.FakeTensorProp``), at the cost of the edited
-region::
+by another of an alike value over the same storage counts as the same; for an op whose recorded value shared no
+storage with its recorded inputs -- a new tensor, not a view, not an input handed back -- an alike value over
+another storage counts as the same too: such a value depends on its inputs' metadata alone); a recomputed value equal
+in every property to the recorded one, and not a view of an input, keeps the recorded object and stops there (a
+view's recorded value aliases the recorded input's storage, which the memory model's storage keys must follow).
+Every other node keeps its value. Each value depends only on its op, its constant arguments and its inputs' values,
+so the result equals a propagation over the whole graph (``torch.fx.passes.fake_tensor_prop.FakeTensorProp``), at
+the cost of the edited region. Within it, an op called again on inputs alike to an earlier call's (the same op in
+the next of a model's repeated blocks) gets a value made from the earlier one's (:class:`_Memo`), and a
+``_foreach_*`` op runs once per kind of element of its lists (:func:`_run_foreach`)::
 
     before = record(gm)
     ...                                   # insert casts, change a view's shape, replace a placeholder's value
