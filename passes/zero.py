@@ -101,9 +101,14 @@ class ZeroShard(Pass):
             stats["reduce_scatter"] += 1
         opt_nodes = [x for x in g.nodes if x.op == "call_function" and M.get(x, M.PHASE) == "optimizer"]
         last_ph = phs[-1]
+        states: dict = {}           # parameter key -> its optimizer states' inputs ("exp_avg:<key>")
+        for rk in sig.inputs:
+            if rk[0] == Role.OPT_STATE:
+                states.setdefault(rk[1].split(":", 1)[1], []).append(rk)
+        order = {x: i for i, x in enumerate(g.nodes)}       # stage 3: the nodes' order, kept as gathers go in
         for k in keys:
             p = ph_of[(Role.PARAM, k)]
-            for sk in [rk for rk in sig.inputs if rk[0] == Role.OPT_STATE and rk[1].split(":", 1)[1] == k]:
+            for sk in states.get(k, ()):
                 ph_of[sk].meta["val"] = ph_of[sk].meta["val"].new_empty([sizes[k]])
             if z < 3:            # the optimizer reads this rank's chunk of the whole parameter (the runtime cuts it)
                 with g.inserting_after(last_ph):
@@ -120,7 +125,7 @@ class ZeroShard(Pass):
                 self._gather_once(g, p, shapes[k], numels[k], n, ranks)
                 stats["all_gather"] += 1
             else:
-                self._gather_for_use(g, p, k, shapes[k], numels[k], n, ranks)
+                self._gather_for_use(g, p, k, shapes[k], numels[k], n, ranks, order)
                 stats["all_gather"] += 2
         if z == 3 and not per_step:
             _prefetch(g)
@@ -210,11 +215,12 @@ class ZeroShard(Pass):
 
     # ---- stage 3: gather each parameter before its forward use, and again before its backward use ------
     @staticmethod
-    def _gather_for_use(g, p, key, shape, numel, n, ranks) -> None:
+    def _gather_for_use(g, p, key, shape, numel, n, ranks, order: dict) -> None:
+        """``order``: position of every node (taken before the gathers went in: they only ever go in before a node
+        that was there, so the order of those nodes stands; what this reads is among them, else it is taken again)."""
         c = chunk_numel(numel, n)
         full_val = p.meta["val"]
         p.meta["val"] = full_val.new_empty([c])
-        order = {x: i for i, x in enumerate(g.nodes)}
         by_phase = {}
         for u in p.users:
             by_phase.setdefault(M.get(u, M.PHASE), []).append(u)
@@ -232,7 +238,7 @@ class ZeroShard(Pass):
 
         fwd_users = by_phase.get("forward", [])
         if fwd_users:
-            first = min(fwd_users, key=order.__getitem__)
+            first = min(_known(g, order, fwd_users), key=order.__getitem__)
             full = gather(first, "forward", M.get(first, M.MODULE, ""))
             for u in fwd_users:
                 u.replace_input_with(p, full)
@@ -251,14 +257,14 @@ class ZeroShard(Pass):
         reads = [(u, x) for x in made for u in x.users if M.get(u, M.PHASE) == "backward"]
         if not bwd_users and not reads:
             return
-        first = min(bwd_users + [u for u, _ in reads], key=order.__getitem__)
+        first = min(_known(g, order, bwd_users + [u for u, _ in reads]), key=order.__getitem__)
         mod = M.get(first, M.MODULE, "")
         full_b = gather(first, "backward", mod)
         M.set_meta(full_b, M.RECOMPUTE_OF, full.name if full is not None else p.name)
         for u in bwd_users:
             u.replace_input_with(p, full_b)
         copies = {full: full_b} if full is not None else {}
-        for x in sorted(made - {full}, key=order.__getitem__):       # forward order: inputs before users
+        for x in sorted(_known(g, order, made - {full}), key=order.__getitem__):   # forward order: inputs first
             with g.inserting_before(first):
                 y = g.node_copy(x, lambda a: copies.get(a, a))
             _stamp(y, "backward", mod)
@@ -327,6 +333,15 @@ class ZeroShard(Pass):
             count += 1
         out.args = (tuple(outs),)
         return count
+
+
+def _known(g, order: dict, nodes):
+    """``nodes``, with ``order`` taken again over the graph if one of them is not in it."""
+    nodes = list(nodes)
+    if any(x not in order for x in nodes):
+        order.clear()
+        order.update((x, i) for i, x in enumerate(g.nodes))
+    return nodes
 
 
 def _prefetch(g) -> None:

@@ -93,3 +93,44 @@ def test_an_op_that_fails_on_the_new_values_is_named():
     with pytest.raises(NodeFailed, match="reduction dim") as e:
         refresh(gm, before)
     assert e.value.node is mm
+
+
+def _storage_classes(gm) -> dict:
+    """Each node's value, as the first node whose value shares its storage (views alias what they view)."""
+    first, out = {}, {}
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        if isinstance(v, torch.Tensor):
+            out[n.name] = first.setdefault(v.untyped_storage()._cdata, n.name)
+    return out
+
+
+def test_the_repeated_blocks_values_are_made_from_the_first_ones_with_the_whole_propagations_storages(monkeypatch):
+    import passes.fake_values as FV
+    made = []
+    make = FV._Memo._make
+    monkeypatch.setattr(FV._Memo, "_make", lambda self, entry, args: made.append(entry[2]) or make(self, entry, args))
+    gm = _captured()
+    CastToCompute(torch.bfloat16).run(gm, PassContext())
+    assert {n.name: _meta(n.meta.get("val")) for n in gm.graph.nodes} == _whole(gm)
+    whole = copy.deepcopy(gm)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(whole, mode).propagate_dont_convert_inputs(
+        *[mode.from_tensor(n.meta["val"]) for n in whole.graph.find_nodes(op="placeholder")])
+    assert _storage_classes(gm) == _storage_classes(whole)
+    assert True in made and False in made          # views and new tensors both made from an earlier alike call
+
+
+def test_a_foreach_op_runs_once_per_kind_of_element_and_gives_the_ops_values():
+    from passes.fake_values import _NO_VAL, _run_foreach
+    mode = FakeTensorMode()
+    with mode:
+        xs = [torch.empty(s, dtype=torch.float32) for s in [(4, 3), (3,), (4, 3), (3,), (4, 3), (2, 2)]]
+        ys = [torch.empty_like(x) for x in xs]
+        for op, args in [(A._foreach_mul.Scalar, (xs, 2.0)), (A._foreach_add.List, (xs, ys)),
+                         (A._foreach_sqrt.default, (xs,)), (A._foreach_addcmul.Scalar, (xs, ys, ys, 0.5))]:
+            got, want = _run_foreach(op, args, {}, mode), op(*args)
+            assert got is not _NO_VAL and _meta(got) == _meta(want)
+            ins = {t.untyped_storage()._cdata for t in xs + ys}
+            assert len({t.untyped_storage()._cdata for t in got} | ins) == len(got) + len(ins)   # all new storages
+        assert _run_foreach(A._foreach_add_.List, (xs, ys), {}, mode) is _NO_VAL    # in place: run as it is
