@@ -58,9 +58,19 @@ print(json.dumps(out))
 """
 
 
+_RAN: dict = {}      # the run's output, kept for the process: a worker that runs this module's tests in two parts
+                     # (pytest-xdist may hand it other tests between them, which ends the module fixture) runs it once
+
+
 @pytest.fixture(scope="module")
 def examples():
     """Each example's printed text, or its traceback, from one run of RUNNER over EXAMPLES."""
+    if "out" not in _RAN:
+        _RAN["out"] = _run_examples()
+    return _RAN["out"]
+
+
+def _run_examples() -> dict:
     try:
         import transformers  # noqa: F401
         todo = EXAMPLES
