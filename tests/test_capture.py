@@ -172,3 +172,58 @@ def test_gc_paused_nests_and_restores_on_error():
         assert gc.isenabled()
     finally:
         (gc.enable if was else gc.disable)()
+
+
+@pytest.mark.structure
+def test_models_alike_share_a_fingerprint_and_any_traced_difference_parts_them():
+    from fxpar.capture import model_fingerprint
+    torch.manual_seed(0)
+    a, b = GPT(), GPT()
+    with torch.no_grad():
+        b.wte.weight.add_(1.0)                             # values do not enter: the trace runs on fake tensors
+    assert model_fingerprint(a) == model_fingerprint(b)
+    assert model_fingerprint(a) != model_fingerprint(GPT(d=64))          # shapes
+    assert model_fingerprint(a) != model_fingerprint(GPT(tie_weights=False))   # ties
+    c = GPT(); c.eval()
+    assert model_fingerprint(a) != model_fingerprint(c)                 # a module's mode
+    d = GPT(); d.blocks[0].flag = True
+    assert model_fingerprint(a) != model_fingerprint(d)                 # a plain attribute forward may read
+    e, f = GPT(), GPT()
+    e.scale, f.scale = torch.ones(2), torch.full((2,), 2.0)             # a tensor attribute: by its bytes
+    assert model_fingerprint(e) != model_fingerprint(f)
+    g = GPT().double()
+    assert model_fingerprint(a) != model_fingerprint(g)                 # dtypes
+
+
+@pytest.mark.structure
+def test_shared_captures_across_models_copy_alike_models_trace_and_keep_warnings():
+    import warnings
+    import fxpar.capture as C
+    spec = resolve_optimizer((torch.optim.SGD, {"lr": 0.1}))
+    batch = (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8)))
+    torch.manual_seed(0)
+    with C.shared_captures(across_models=True) as shared:
+        first = capture_training_step(GPT(), batch, gpt_loss, spec)
+        again = capture_training_step(GPT(), batch, gpt_loss, spec)
+        other = capture_training_step(GPT(d=64), batch, gpt_loss, spec)
+        with C.unshared_captures():
+            fresh = capture_training_step(GPT(), batch, gpt_loss, spec)
+    assert shared.hits == 1 and again.gm is not first.gm and again.gm.code == first.gm.code
+    assert other.gm.code != first.gm.code and fresh.gm.code == first.gm.code
+
+    class Warns(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            warnings.warn("forward says so", UserWarning)
+            return self.fc(x)
+    mse = torch.nn.functional.mse_loss
+    xy = (torch.randn(2, 4), torch.randn(2, 4))
+    with C.shared_captures(across_models=True) as shared:
+        m = Warns()
+        for _ in range(2):                                 # a capture that warned is traced again, and warns again
+            with pytest.warns(UserWarning, match="forward says so"):
+                capture_training_step(m, xy, mse, spec)
+    assert shared.hits == 0

@@ -90,3 +90,33 @@ def test_pipeline_dropout_is_seeded_and_redrawn(clusters):
     c = p.run_local([(x, x)] * 3, cluster=clusters.get(2), seed=4)
     assert a.losses == b.losses and a.losses != c.losses
     assert len(set(a.losses)) == 3
+
+
+@pytest.mark.structure
+def test_a_runs_graphs_are_packed_once_and_unpacked_lazily():
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from fxpar.portable import packing_once
+    gm = torch.fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU()))
+    with packing_once():
+        a, b = pack_graph_module(gm), pack_graph_module(gm)
+    assert a is b                                          # every rank's payload pickles the one packed form
+    assert pack_graph_module(gm) is not a                  # outside: packed again (the graph may have changed)
+    back = unpack_graph_module(pickle.loads(pickle.dumps(a)))
+    assert isinstance(back, _LazyGraphModule) and back.code == gm.code
+    x = torch.randn(2, 3)
+    assert torch.equal(back(x), gm(x))
+
+
+@pytest.mark.structure
+def test_the_ranks_pipe_carries_tensors_by_value():
+    import multiprocessing
+    from fxpar.runtime.launch import send
+    a, b = multiprocessing.Pipe()
+    t = torch.arange(4.0)
+    send(a, ("ok", {"w": t}))
+    kind, got = pickle.loads(b.recv_bytes())
+    assert kind == "ok" and torch.equal(got["w"], t) and not t.is_shared()
+    got["w"].add_(1)                                       # the receiver's copy is its own
+    assert torch.equal(t, torch.arange(4.0))
+    a.send(("ready", None))                                # what conn.send sent reads the same way
+    assert pickle.loads(b.recv_bytes()) == ("ready", None)
