@@ -464,11 +464,14 @@ def _shared_or_captured(model, batch, loss_fn, optimizer, stage, grad_scale, fro
             return copy.deepcopy(pristine)
     shared.impure = False
     if shared.across_models:
-        with warnings.catch_warnings(record=True) as said:
-            warnings.simplefilter("always")
-            cap = _capture_training_step(model, batch, loss_fn, optimizer, grad_scale=grad_scale, frozen=frozen)
-        for w in said:                             # said again as they were, outside the recording
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+        try:
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                cap = _capture_training_step(model, batch, loss_fn, optimizer, grad_scale=grad_scale,
+                                             frozen=frozen)
+        finally:
+            for w in said:                         # said again as they were, outside the recording (an error too)
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
         shared.impure |= bool(said)
     else:
         cap = _capture_training_step(model, batch, loss_fn, optimizer, stage=None, grad_scale=grad_scale,
