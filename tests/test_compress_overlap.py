@@ -161,6 +161,37 @@ def test_the_phases_compute_what_the_traced_sum_computes(method):
             assert all(torch.equal(a, w) for a, w in zip(run.result, want))
 
 
+@STRUCTURE
+@pytest.mark.parametrize("sched", [None, {"priority": {(0, 0): 0}, "partition_bytes": 64, "credit_bytes": 128}],
+                         ids=["fifo", "bytescheduler"])
+def test_a_finished_sum_lets_go_of_its_pieces_without_the_cycle_collector(sched):
+    """What a sum sent and received is freed once the sum ends and its result is taken, by reference counting alone:
+    no reference cycle between a sum and its pieces keeps the bucket's sends and results until Python's cycle
+    collector runs (on a 26M-parameter GPT that was about 100 MB a step, faulted in afresh by the next steps)."""
+    import gc
+    import weakref
+    ph, env = _runs(PSGD, step=5, n_buckets=1)[1][0]
+    sent = []
+
+    def issue(coll, t):
+        sent.append(weakref.ref(t))
+        return t.clone()
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        flight = InFlight(issue, **_settings(sched))
+        run = Running((0, 0), 0, ph, dict(env))
+        flight.ready(run)
+        flight.drain()
+        assert run.result is not None and len(sent) >= 2           # PowerSGD's P and Q at least
+        del run, flight, env
+        assert [r() for r in sent] == [None] * len(sent)
+    finally:
+        if was:
+            gc.enable()
+
+
 def _echo(coll, t):
     """A collective of a one-rank group: it returns what it is given."""
     return t.clone()

@@ -54,7 +54,10 @@ class Running:
 
 @dataclass
 class _Piece:
-    run: Running
+    """One collective piece of a sum. It names its sum by key, and does not hold it: a sum holds its pieces, and a
+    reference back would make a cycle that keeps the pieces' tensors (a bucket's sends and results) alive until
+    Python's cycle collector runs, several steps later on a large model, as heap the next steps fault in afresh."""
+    key: tuple
     coll: object
     send: torch.Tensor
     nbytes: int
@@ -145,7 +148,7 @@ class InFlight:
         r.next = k + 1
         if k == r.last:
             r.result = tuple(r.env[n] for n in r.phased.outputs)
-            r.env = {}
+            r.env, r.pieces = {}, {}         # every piece was waited: what the sum sent and got is let go
             return
         for c in r.phased.issues[k]:
             send = r.env[c.send].contiguous()
@@ -156,7 +159,7 @@ class InFlight:
                 rows = nb // c.row_bytes if len(sizes) > 1 else None
                 part = send if rows is None else send[at:at + rows]
                 at += rows or 0
-                ps.append(_Piece(r, c, part, nb, self.seq))
+                ps.append(_Piece(r.key, c, part, nb, self.seq))
                 self.seq += 1
                 heapq.heappush(self.queue, (r.priority, ps[-1].seq, ps[-1]))
         if self.fifo:
@@ -182,13 +185,13 @@ class InFlight:
         p.issued_at = self.event
         self.inflight.append(p)
         self.used += p.nbytes
-        self.log.append(("issue", p.run.key, p.coll.name, p.seq, p.nbytes))
+        self.log.append(("issue", p.key, p.coll.name, p.seq, p.nbytes))
 
     def _wait(self, p: _Piece) -> None:
         p.got = C10D.wait_tensor(p.out)
         self.inflight.remove(p)
         self.used -= p.nbytes
-        self.log.append(("wait", p.run.key, p.coll.name, p.seq, p.nbytes))
+        self.log.append(("wait", p.key, p.coll.name, p.seq, p.nbytes))
 
 
 def _assemble(parts: list, coll) -> torch.Tensor:
