@@ -20,7 +20,9 @@ there, and ``program.estimate()``'s step time is printed beside the measured one
 with the spread of the measured steps (the fastest and slowest step of the cell over its rounds).
 Then (``--all-methods``), at ``--methods-rate`` (default 500 Mbit/s; ``none``: uncapped), every method's bytes per
 step per rank (measured), its step time, and ``estimate()`` of the method's program planned on that link, then how
-many rows' estimates are within 25% of the measured step (and which are not).
+many rows' estimates are within 25% of the measured step (and which are not). The bytes come from a run of the
+first compressed step with ``measure_comm=True`` (every op through the rank's counting dispatch mode), the step
+times from runs without it.
 
     python benchmarks/bench_compression.py [--rates none,1gbit,500mbit] [--rank 2] [--steps 5] [--rounds 3]
     python benchmarks/bench_compression.py --rates 500mbit --all-methods --methods-rounds 2
@@ -206,11 +208,15 @@ def main():
                     if chosen and label not in chosen:
                         continue
                     p = program(gs, cluster=spec, optimizer=OWN_OPTIMIZER.get(label))
-                    pl = [p.payload(r, n_batches=n, measure_comm=True) for r in range(w)]
-                    times, sent = [], None
+                    # the bytes from a counted run (every op through fxpar's counting dispatch mode), the times
+                    # from runs without it: the mode's per-op cost is not the method's
+                    counted = batches[:args.warmup + 1]
+                    pl = [p.payload(r, n_batches=len(counted), measure_comm=True) for r in range(w)]
+                    sent = cl.run(_measured_worker, [(pl[r], counted, args.warmup) for r in range(w)])[0]["bytes"]
+                    pl = [p.payload(r, n_batches=n) for r in range(w)]
+                    times = []
                     for _ in range(args.methods_rounds):
                         outs = cl.run(_measured_worker, [(pl[r], batches, args.warmup) for r in range(w)])
-                        sent = outs[0]["bytes"]
                         times.extend(per_step_max(outs))
                     base = base or sent
                     m, est = statistics.median(times), p.estimate().step_time_s
@@ -234,7 +240,8 @@ def _measured_worker(payload, batches, warmup):
     for b in batches:
         ex.step(b)
     ex.drain()
-    return {"step_times": ex.step_times[warmup:], "bytes": sum(b for _, b in ex.comm_calls[-1])}
+    return {"step_times": ex.step_times[warmup:],
+            "bytes": sum(b for _, b in ex.comm_calls[-1]) if ex.comm_calls else None}
 
 
 if __name__ == "__main__":

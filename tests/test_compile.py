@@ -130,6 +130,23 @@ def test_fused_step_dp2_float32_within_tolerance(clusters):
 
 @pytest.mark.numerics
 @pytest.mark.slow
+def test_compressed_dp_step_compiles_around_its_bucket_sums_and_matches_eager(clusters):
+    """PowerSGD's step calls its bucket sums as Python functions (``bucket_sum`` / ``bucket_sum_wait``): the stretches
+    of the step between them compile, the sums run between compiled code, and the run is eager's: losses, weights and
+    every collective (P and Q of each bucket, in order, with their bytes) alike."""
+    from fxpar import compress as C
+    method = C.PowerSGD(rank=1, start_iter=1, error_feedback=False, warm_start=False, min_compression_rate=0.5)
+    eager, compiled, prog = _both(clusters, {"dp": 2, "bucket_cap_mb": 0.004, "grad_sync": method})
+    _close64(eager, compiled)
+    report = compiled.features[0]["compile"]
+    assert report["step"]["compiled"] == "in parts" and "bucket_sum" in report["step"]["why"]
+    parts = sorted(lb for lb in report if lb.startswith("step.part"))
+    calls = sum(1 for n in prog.graphs(0)["step"].graph.nodes if comp._python_call(n))
+    assert calls > 2 and len(parts) > 2 and all(report[lb]["compiled"] is True for lb in parts), report
+
+
+@pytest.mark.numerics
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy, rows, windows", [
     ({"dp": 2, "microbatches": 2}, 8, True),                       # F, B, REDUCE_GRAD, STEP
     ({"pp": 2, "microbatches": 2, "schedule": "1f1b"}, 4, False),  # a pipeline: SEND/RECV between compiled graphs
@@ -295,16 +312,21 @@ class _Insert(fxpar.Pass):
 
 
 @pytest.mark.structure
-def test_python_function_in_a_graph_is_named_and_runs_eager():
+def test_python_function_in_a_graph_is_named_and_the_graph_compiles_around_it():
     prog, batches = _mlp_program(compile=True, passes=[_Insert(_ident)])
     text = prog.explain()
-    assert "rank 0 runs eager: step (node" in text and "calls the Python function _ident" in text
-    assert prog.compiled_code(0, "step").startswith("# runs eager: node ") and "_ident" in prog.compiled_code(0, "step")
-    with pytest.warns(RuntimeWarning, match=r"graph step \(kind FULL\) runs eager: .*_ident"):
-        res = prog.run_local(batches)
-    assert res.features[0]["compile"]["step"]["compiled"] is False
+    assert "rank 0 compiles in parts: step," in text and "calls the Python function _ident" in text
+    code = prog.compiled_code(0, "step")
+    assert code.startswith("# node ") and "_ident" in code.splitlines()[0] and "# ---- part 1" in code
+    assert "def call(" in code                          # the stretch after the call: inductor's code
+    res = prog.run_local(batches)
+    report = res.features[0]["compile"]
+    assert report["step"]["compiled"] == "in parts" and "_ident" in report["step"]["why"]
+    parts = [lb for lb in report if lb.startswith("step.part")]
+    assert parts and all(report[lb]["compiled"] is True for lb in parts), report
     eager, _ = _mlp_program(passes=[_Insert(_ident)])
-    assert res.losses == eager.run_local(batches).losses
+    for a, b in zip(res.losses, eager.run_local(batches).losses):
+        assert abs(a - b) <= 1e-10 * max(1.0, abs(a))
 
 
 @pytest.mark.structure

@@ -15,7 +15,8 @@ inductor's ``compile_fx`` (C++ and OpenMP on CPU) at its first call, and runs th
   (:meth:`~fxpar.feature.RankState.after_setup`), each graph's callable becomes a :class:`CompiledGraph`. At its
   first call it makes the graph's collectives functional (``passes.functional_collectives``: inductor refuses the
   in-place ``all_reduce_``) and compiles it from fake copies of the call's arguments. A graph inductor cannot
-  compile runs eager, with one warning naming the graph, its kind and the op;
+  compile runs eager, with one warning naming the graph, its kind and the op; a graph that calls Python functions
+  (a compression method's bucket sums) compiles in parts around the calls (:func:`around_calls`);
 * its report (``RunResult.features[rank]["compile"]``): per graph, compiled or why not, seconds, inductor's cache
   (``"hit"``: a second ``parallelize`` of the same model compiles nothing), inductor's code and the CPU threads
   its kernels are made for (the rank's own: ``torch.get_num_threads()`` where it compiles);
@@ -102,15 +103,75 @@ def graph_label(stage: int, kind) -> str:
     return "step" if kind == GraphKind.FULL else f"stage{stage}.{getattr(kind, 'value', kind)}"
 
 
+def _python_call(n: torch.fx.Node) -> bool:
+    """Whether ``n`` calls a Python function rather than an operator (inductor would trace it with fake tensors,
+    running its side effects): a compression feature's ``bucket_sum``, a pass's own function."""
+    return n.op == "call_function" and not isinstance(n.target, (torch._ops.OperatorBase, torch._ops.OpOverloadPacket)) \
+        and getattr(n.target, "__module__", None) != "_operator"
+
+
 def eager_reason(gm: torch.fx.GraphModule) -> str | None:
     """Why ``gm`` cannot go to inductor as it stands (None: nothing known): a node that calls a Python function
-    rather than an operator (inductor would trace it with fake tensors, running its side effects)."""
+    rather than an operator. Such a graph is compiled in parts around those calls (:func:`around_calls`)."""
     for n in gm.graph.nodes:
-        if n.op == "call_function" and not isinstance(n.target, (torch._ops.OperatorBase, torch._ops.OpOverloadPacket)) \
-                and getattr(n.target, "__module__", None) != "_operator":
+        if _python_call(n):
             name = getattr(n.target, "__qualname__", None) or repr(n.target)
             return f"node {n.name} calls the Python function {name}, which inductor cannot compile"
     return None
+
+
+def around_calls(gm: torch.fx.GraphModule) -> tuple:
+    """``gm`` cut around its Python calls: ``(top, parts)``, where ``top`` is a GraphModule (``split_module``, the
+    original order kept) that runs each stretch of operators between two Python calls as one submodule and each
+    Python call (with the ``getitem`` nodes that unpack its result) as another, and ``parts`` names the stretches
+    worth compiling (at least one operator that is not a view or a ``getitem``), in order. The Python calls run
+    where the graph placed them, between compiled code; what crosses a cut is what the original graph kept alive
+    there."""
+    from torch.fx.passes.split_module import split_module
+    part, where = 0, {}
+    for n in gm.graph.nodes:
+        if n.op in ("placeholder", "output", "get_attr"):
+            continue
+        if _python_call(n):
+            part += 1
+            where[n] = part
+            part += 1
+        elif n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[0], torch.fx.Node) \
+                and _python_call(n.args[0]):
+            where[n] = where[n.args[0]]           # a Python call's results are unpacked beside it
+        else:
+            where[n] = part
+    top = split_module(gm, gm, lambda n: where[n], keep_original_order=True)
+    parts = []
+    for n in list(top.graph.nodes):
+        if n.op != "call_module":
+            continue
+        sub = getattr(top, n.target)
+        if any(_python_call(m) for m in sub.graph.nodes):
+            continue
+        if any(m.op == "call_function" and isinstance(m.target, torch._ops.OpOverload)
+               and not m.target.is_view for m in sub.graph.nodes):
+            parts.append(n.target)
+            out = sub.graph.find_nodes(op="output")[0]
+            if isinstance(out.args[0], torch.fx.Node):     # one result: returned as a tuple, as inductor takes it
+                out.args = ((out.args[0],),)
+                sub.recompile()
+                with top.graph.inserting_after(n):
+                    first = top.graph.call_function(operator.getitem, (n, 0))
+                n.replace_all_uses_with(first, delete_user_cb=lambda u: u is not first)
+    top.recompile()
+    return top, parts
+
+
+class _Part(torch.nn.Module):
+    """A compiled stretch of a graph cut around Python calls, called where ``split_module`` calls its submodule."""
+
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args):
+        return self.fn(*args)
 
 
 @dataclass
@@ -181,6 +242,8 @@ class CompileState(RankState):
                           f"share storage otherwise than before; it compiles again for them (variant {variant + 1})",
                           RuntimeWarning, stacklevel=3)
         why = self.info.eager.get(cg.label) or eager_reason(cg.gm)
+        if why is not None and any(_python_call(n) for n in cg.gm.graph.nodes):
+            return self._around_calls(cg, why)
         t0 = time.perf_counter()
         fn, cache, code = None, None, None
         if why is None:
@@ -196,6 +259,22 @@ class CompileState(RankState):
                        f"{why}")
             return cg.gm
         return fn
+
+    def _around_calls(self, cg: CompiledGraph, why: str):
+        """``cg`` compiled in parts around its Python calls (:func:`around_calls`): each stretch of operators is a
+        graph of its own (``"<label>.part<i>"`` in the report), compiled at its first call, or eager where inductor
+        fails on it; the calls run between them."""
+        t0 = time.perf_counter()
+        top, parts = around_calls(cg.gm)
+        for i, name in enumerate(parts, 1):
+            setattr(top, name, _Part(CompiledGraph(getattr(top, name), f"{cg.label}.part{i}", cg.kind, self)))
+        top.recompile()
+        calls = sum(1 for n in cg.gm.graph.nodes if _python_call(n))
+        self.graphs[cg.label] = {"kind": str(getattr(cg.kind, "value", cg.kind)), "compiled": "in parts",
+                                 "why": f"{why}: compiled in {len(parts)} parts around its {calls} Python call(s), "
+                                        f"{cg.label}.part1 to .part{len(parts)}",
+                                 "seconds": time.perf_counter() - t0, "cache": None, "code": None, "threads": _threads()}
+        return top
 
     def report(self):
         return {label: dict(g) for label, g in self.graphs.items()}
@@ -315,8 +394,9 @@ class Compile(Feature):
             return lines
         eager = _known_eager(program, 0)
         labels = [graph_label(s, k) for s in program.plan.rank_stages(0) for k in program.stages[s].graphs]
-        lines.append("rank 0 compiles: " + (", ".join(lb for lb in labels if lb not in eager) or "nothing"))
-        lines += [f"rank 0 runs eager: {lb} ({why})" for lb, why in eager.items()]
+        lines.append("rank 0 compiles: " + (", ".join(lb for lb in labels if lb not in eager) or "nothing whole"))
+        lines += [f"rank 0 compiles in parts: {lb}, each stretch between its Python calls, the calls eager ({why})"
+                  for lb, why in eager.items()]
         lines.append("inductor's code: program.compiled_code(rank); what each rank compiled and how long it took: "
                      "RunResult.features[rank]['compile']")
         return lines
@@ -468,13 +548,21 @@ def _code(gm: torch.fx.GraphModule, across: bool, backend: str, threads: int) ->
     if device.type != "cpu" and backend == "gloo":
         stage_through_host(g, backend="gloo")
     why = eager_reason(g)
-    if why is None:
-        try:
-            _, _, text = _inductor(g, None, threads)
-            return text or "# inductor wrote no code for this graph"
-        except Exception as e:  # noqa: BLE001 - as on a rank: the graph runs eager
-            why = f"{_failed_op(e)} did not compile ({_first_line(e)[:200]})"
-    return f"# runs eager: {why}"
+    if why is not None:                  # compiled in parts around its Python calls, as a rank does
+        top, parts = around_calls(g)
+        texts = [f"# {why}: compiled in {len(parts)} parts around its Python calls"]
+        for i, name in enumerate(parts, 1):
+            texts += [f"# ---- part {i} ({name}) ----", _code_of(getattr(top, name), threads)]
+        return "\n".join(texts)
+    return _code_of(g, threads)
+
+
+def _code_of(g: torch.fx.GraphModule, threads: int) -> str:
+    try:
+        _, _, text = _inductor(g, None, threads)
+        return text or "# inductor wrote no code for this graph"
+    except Exception as e:  # noqa: BLE001 - as on a rank: the graph runs eager
+        return f"# runs eager: {_failed_op(e)} did not compile ({_first_line(e)[:200]})"
 
 
 @contextlib.contextmanager
