@@ -25,6 +25,7 @@ first compressed step with ``measure_comm=True`` (every op through the rank's co
 times from runs without it.
 
     python benchmarks/bench_compression.py [--rates none,1gbit,500mbit] [--rank 2] [--steps 5] [--rounds 3]
+    python benchmarks/bench_compression.py --rates 500mbit --rounds 3 --compile       # + fxpar PowerSGD compiled
     python benchmarks/bench_compression.py --rates 500mbit --all-methods --methods-rounds 2
     python benchmarks/bench_compression.py --rates 500mbit --rounds 0 --steps 4 --all-methods   # the 17 rows only
     python benchmarks/bench_compression.py --rates 500mbit --rounds 0 --steps 4 --all-methods --methods "NUQSGD 4b"
@@ -103,6 +104,8 @@ def main():
     ap.add_argument("--vocab", type=int, default=2048)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--compile", action="store_true",
+                    help="also fxpar PowerSGD with compile=True (the step compiled in parts around its bucket sums)")
     ap.add_argument("--all-methods", action="store_true",
                     help="also every method's bytes, step time and estimate() at --methods-rate")
     ap.add_argument("--methods-rate", default="500mbit", help="the link of the --all-methods table (none: uncapped)")
@@ -141,6 +144,8 @@ def main():
     kinds = {"fxpar PowerSGD": {"grad_sync": psgd},
              "fxpar PowerSGD + ByteScheduler": {"grad_sync": psgd, "comm_schedule": "bytescheduler"},
              "fxpar dp": {"grad_sync": "allreduce"}}
+    if args.compile:
+        kinds["fxpar PowerSGD compiled"] = {"grad_sync": psgd, "compile": True}
     programs = {}
     for bps in rates:               # each planned (and predicted) on the link it runs on
         cl = capped(bps)
@@ -171,6 +176,10 @@ def main():
                                                                "DDP + powerSGD_hook", "DDP", "fxpar dp"))
                     print(f"| {format_rate(bps)} | {f * 1e3:.0f} | {fb * 1e3:.0f} | {h * 1e3:.0f} | {d * 1e3:.0f} | "
                           f"{fd * 1e3:.0f} | {f / h:.2f} | {f / d:.2f} | {fb / h:.2f} | {fb / d:.2f} |")
+                    if (bps, "fxpar PowerSGD compiled") in med:
+                        fc = med[(bps, "fxpar PowerSGD compiled")]
+                        print(f"|   compiled ({format_rate(bps)}) | {fc * 1e3:.0f} ms | / hook {fc / h:.2f} | "
+                              f"/ DDP {fc / d:.2f} | / eager fxpar PowerSGD {fc / f:.2f} |")
                 print("\nestimate() against measured (median step, ms; the fastest and slowest step of the cell)")
                 print("| link | program | bytes per step (plan) | predicted | measured | spread | "
                       "predicted / measured |")

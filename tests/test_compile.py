@@ -330,6 +330,38 @@ def test_python_function_in_a_graph_is_named_and_the_graph_compiles_around_it():
 
 
 @pytest.mark.structure
+def test_a_bucket_built_by_copies_goes_to_inductor_as_one_cat():
+    """passes.bucket fills a fresh buffer by copying each gradient into its slot; functionalised, that is a chain of
+    slice_scatters inductor fuses into one loop testing every slot at every element, so the graph inductor gets
+    builds the same buffer as one cat of the flattened gradients (same values; a transposed gradient included). A
+    buffer read before its last copy is left as it is."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def build(a, b):
+        buf = torch.empty(a.numel() + b.numel(), dtype=a.dtype)
+        buf[:a.numel()].view(a.shape).copy_(a)
+        buf[a.numel():].view(b.shape).copy_(b)
+        return buf * 2
+
+    def early(a, b):
+        buf = torch.empty(a.numel() + b.numel(), dtype=a.dtype)
+        buf[:a.numel()].view(a.shape).copy_(a)
+        first = buf.sum()
+        buf[a.numel():].view(b.shape).copy_(b)
+        return buf * first
+
+    a, b = torch.randn(2, 3), torch.randn(3, 4).t()
+    gm = make_fx(build)(a, b)
+    assert comp.buckets_as_cat(gm) == 1
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.cat.default in targets
+    assert torch.ops.aten.copy_.default not in targets and torch.ops.aten.empty.memory_format not in targets
+    assert torch.equal(gm(a, b), build(a, b))
+    gm = make_fx(early)(a, b)
+    assert comp.buckets_as_cat(gm) == 0 and torch.ops.aten.copy_.default in [n.target for n in gm.graph.nodes]
+
+
+@pytest.mark.structure
 def test_graph_that_fails_to_compile_names_the_op_and_runs_eager():
     prog, batches = _mlp_program(compile=True, passes=[_Insert(torch.ops.fxpar_test_compile.ident.default)])
     with warnings.catch_warnings(record=True) as caught:
