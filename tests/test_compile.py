@@ -360,6 +360,17 @@ def test_a_bucket_built_by_copies_goes_to_inductor_as_one_cat():
     gm = make_fx(early)(a, b)
     assert comp.buckets_as_cat(gm) == 0 and torch.ops.aten.copy_.default in [n.target for n in gm.graph.nodes]
 
+    def wider(a, b):                        # bfloat16 gradients summed in a float32 bucket: copy_ casts
+        buf = torch.empty(a.numel() + b.numel(), dtype=torch.float32)
+        buf[:a.numel()].view(a.shape).copy_(a)
+        buf[a.numel():a.numel() + b.numel()].view(b.shape).copy_(b)
+        return buf * 2
+    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+    gm = make_fx(wider)(a16, b16)
+    assert comp.buckets_as_cat(gm) == 1
+    got = gm(a16, b16)
+    assert got.dtype == torch.float32 and torch.equal(got, wider(a16, b16))
+
 
 @pytest.mark.structure
 def test_graph_that_fails_to_compile_names_the_op_and_runs_eager():

@@ -571,8 +571,11 @@ def buckets_as_cat(gm: torch.fx.GraphModule) -> int:
             continue
         with gm.graph.inserting_before(last.next):       # in order, after the last copy
             flats = []
-            for _, _, _, _, c in slots:
-                flats.append(gm.graph.call_function(aten.reshape.default, (c.args[1], [-1])))
+            for _, _, _, _, c in slots:       # copy_ casts to the buffer's dtype (fp32 sums of bf16 gradients)
+                src = c.args[1]
+                if "dtype" in e.kwargs:
+                    src = gm.graph.call_function(aten.to.dtype, (src, e.kwargs["dtype"]))
+                flats.append(gm.graph.call_function(aten.reshape.default, (src, [-1])))
             cat = gm.graph.call_function(aten.cat.default, (flats,))
         e.replace_all_uses_with(cat, delete_user_cb=lambda u: u in others)
         for _, _, sl, v, c in slots:
