@@ -346,10 +346,13 @@ class Compile(Feature):
         """Each graph a rank compiles priced as inductor's fused kernels (``cost_models.fusion``)."""
         if section.backend != "inductor":
             return None
-        out = {r: [replace(it, fused=True) if isinstance(it, Item) and eager_reason(it.gm) is None else it
-                   for it in items] for r, items in calls.items()}
+        # a graph that calls Python functions compiles in parts around them: priced as fused too (its calls are
+        # priced by the features that put them there; the few fusions a cut prevents are not counted)
+        out = {r: [replace(it, fused=True) if isinstance(it, Item) else it for it in items]
+               for r, items in calls.items()}
         return out, ["compiled graphs priced as inductor runs them: library kernels (matmuls, attention) as eager, "
-                     "the other ops fused into a kernel per reduction (cost_models.fusion)"]
+                     "the other ops fused into a kernel per reduction (cost_models.fusion); a graph compiled in parts "
+                     "around Python calls alike"]
 
     def rank_info(self, section, program, rank: int):
         if section.backend != "inductor":
