@@ -373,6 +373,26 @@ def test_a_bucket_built_by_copies_goes_to_inductor_as_one_cat():
 
 
 @pytest.mark.structure
+def test_a_graph_that_cannot_be_cut_around_its_calls_runs_eager_whole(monkeypatch):
+    """Where cutting a graph around its Python calls fails, the rank runs the graph eager, with one warning that says
+    so, as for a graph inductor fails on."""
+    prog, batches = _mlp_program(passes=[_Insert(_ident)])
+    gm = prog.graphs(0)["step"]
+
+    def refuse(gm):
+        raise RuntimeError("no cut for this graph")
+    monkeypatch.setattr(comp, "around_calls", refuse)
+    monkeypatch.setattr(comp, "_WARNED", set(), raising=False)
+    state = comp.CompileState(comp.CompileInfo(eager={}), rank=0)
+    cg = comp.CompiledGraph(gm, "step", "FULL", state)
+    args = [torch.randn(n.meta["val"].shape, dtype=n.meta["val"].dtype) for n in gm.graph.find_nodes(op="placeholder")]
+    with pytest.warns(RuntimeWarning, match=r"graph step .*runs eager: node .*_ident.*cutting the graph around its "
+                                            r"calls failed \(no cut for this graph\)"):
+        fn = state.compile(cg, tuple(args), 0)
+    assert fn is gm and state.report()["step"]["compiled"] is False
+
+
+@pytest.mark.structure
 def test_graph_that_fails_to_compile_names_the_op_and_runs_eager():
     prog, batches = _mlp_program(compile=True, passes=[_Insert(torch.ops.fxpar_test_compile.ident.default)])
     with warnings.catch_warnings(record=True) as caught:

@@ -243,7 +243,10 @@ class CompileState(RankState):
                           RuntimeWarning, stacklevel=3)
         why = self.info.eager.get(cg.label) or eager_reason(cg.gm)
         if why is not None and any(_python_call(n) for n in cg.gm.graph.nodes):
-            return self._around_calls(cg, why)
+            try:
+                return self._around_calls(cg, why)
+            except Exception as e:  # noqa: BLE001 - a graph that cannot be cut runs eager whole, as a failed compile
+                why = f"{why}; cutting the graph around its calls failed ({_first_line(e)[:200]})"
         t0 = time.perf_counter()
         fn, cache, code = None, None, None
         if why is None:
