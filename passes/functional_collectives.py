@@ -37,7 +37,7 @@ import torch.fx
 from fxpar.collectives import C10D
 from fxpar.pass_manager import Pass, PassContext, PassResult
 
-__all__ = ["FunctionalCollectives", "functional_collectives", "IN_PLACE"]
+__all__ = ["FunctionalCollectives", "functional_collectives", "fold_buckets", "IN_PLACE"]
 
 aten = torch.ops.aten
 
@@ -100,8 +100,46 @@ def _fold(g: torch.fx.Graph, buf: torch.fx.Node, coll: torch.fx.Node, slots: lis
     return cat
 
 
+def _slot_head(u: torch.fx.Node) -> bool:
+    """Whether ``u`` (a user of a bucket buffer) is a slot: ``slice`` -> ``view`` -> ``copy_`` into the view."""
+    if u.target is not aten.slice.Tensor or len(u.users) != 1:
+        return False
+    (view,) = u.users
+    if view.target is not aten.view.default or len(view.users) != 1:
+        return False
+    (cp,) = view.users
+    return cp.target is aten.copy_.default and cp.args[0] is view
+
+
+def fold_buckets(gm: torch.fx.GraphModule) -> int:
+    """Every bucket buffer of ``gm`` that no in-place collective reduces -- one a compression method's bucket sum
+    reads, or one a graph cut around Python calls returns -- made one ``cat`` of its flattened sources where it is
+    first read, as :func:`functional_collectives` makes a reduced one (functionalised, the copies are a chain of
+    ``slice_scatter``\ s over the whole buffer, which inductor fuses into one loop that tests every slot at every
+    element: 31 ms against 2 ms for a 6.3M-element bucket of 20 gradients). Returns how many changed."""
+    g = gm.graph
+    changed = 0
+    for buf in [n for n in g.nodes if n.op == "call_function" and n.target is aten.empty.memory_format]:
+        pos = {n: i for i, n in enumerate(g.nodes)}
+        readers = [u for u in buf.users if not _slot_head(u)]
+        if not readers:
+            continue
+        first = min(readers, key=pos.__getitem__)
+        slots = _slots(buf, first, pos)
+        if slots is None:
+            continue
+        buf.replace_all_uses_with(_fold(g, buf, first, slots))
+        g.erase_node(buf)
+        changed += 1
+    if changed:
+        g.lint()
+        gm.recompile()
+    return changed
+
+
 def functional_collectives(gm: torch.fx.GraphModule) -> int:
-    """Make every in-place collective of ``gm`` functional (see the module's docstring); returns how many changed."""
+    """Make every in-place collective of ``gm`` functional (see the module's docstring), and fold the bucket buffers
+    no collective reduces (:func:`fold_buckets`); returns how many changed."""
     g = gm.graph
     changed = 0
     for coll in [n for n in g.nodes if n.op == "call_function" and n.target in IN_PLACE]:
@@ -126,7 +164,7 @@ def functional_collectives(gm: torch.fx.GraphModule) -> int:
     if changed:
         g.lint()
         gm.recompile()
-    return changed
+    return changed + fold_buckets(gm)
 
 
 class FunctionalCollectives(Pass):

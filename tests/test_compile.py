@@ -330,46 +330,44 @@ def test_python_function_in_a_graph_is_named_and_the_graph_compiles_around_it():
 
 
 @pytest.mark.structure
-def test_a_bucket_built_by_copies_goes_to_inductor_as_one_cat():
-    """passes.bucket fills a fresh buffer by copying each gradient into its slot; functionalised, that is a chain of
-    slice_scatters inductor fuses into one loop testing every slot at every element, so the graph inductor gets
-    builds the same buffer as one cat of the flattened gradients (same values; a transposed gradient included). A
-    buffer read before its last copy is left as it is."""
+def test_a_bucket_no_collective_reduces_goes_to_inductor_as_one_cat():
+    """A bucket that no in-place collective reduces (a compression method's bucket sum reads it, or a graph cut
+    around Python calls returns it) reaches inductor as one cat of the flattened gradients, as a reduced bucket does
+    (passes.functional_collectives): same values, a transposed gradient included. A buffer read before its last copy,
+    or one whose copies cast, keeps its copies."""
     from torch.fx.experimental.proxy_tensor import make_fx
+
+    from passes.functional_collectives import fold_buckets
 
     def build(a, b):
         buf = torch.empty(a.numel() + b.numel(), dtype=a.dtype)
         buf[:a.numel()].view(a.shape).copy_(a)
-        buf[a.numel():].view(b.shape).copy_(b)
+        buf[a.numel():a.numel() + b.numel()].view(b.shape).copy_(b)
         return buf * 2
 
     def early(a, b):
         buf = torch.empty(a.numel() + b.numel(), dtype=a.dtype)
         buf[:a.numel()].view(a.shape).copy_(a)
         first = buf.sum()
-        buf[a.numel():].view(b.shape).copy_(b)
+        buf[a.numel():a.numel() + b.numel()].view(b.shape).copy_(b)
         return buf * first
-
-    a, b = torch.randn(2, 3), torch.randn(3, 4).t()
-    gm = make_fx(build)(a, b)
-    assert comp.buckets_as_cat(gm) == 1
-    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
-    assert torch.ops.aten.cat.default in targets
-    assert torch.ops.aten.copy_.default not in targets and torch.ops.aten.empty.memory_format not in targets
-    assert torch.equal(gm(a, b), build(a, b))
-    gm = make_fx(early)(a, b)
-    assert comp.buckets_as_cat(gm) == 0 and torch.ops.aten.copy_.default in [n.target for n in gm.graph.nodes]
 
     def wider(a, b):                        # bfloat16 gradients summed in a float32 bucket: copy_ casts
         buf = torch.empty(a.numel() + b.numel(), dtype=torch.float32)
         buf[:a.numel()].view(a.shape).copy_(a)
         buf[a.numel():a.numel() + b.numel()].view(b.shape).copy_(b)
         return buf * 2
-    a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
-    gm = make_fx(wider)(a16, b16)
-    assert comp.buckets_as_cat(gm) == 1
-    got = gm(a16, b16)
-    assert got.dtype == torch.float32 and torch.equal(got, wider(a16, b16))
+
+    a, b = torch.randn(2, 3), torch.randn(3, 4).t()
+    gm = make_fx(build)(a, b)
+    assert fold_buckets(gm) == 1
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert torch.ops.aten.cat.default in targets
+    assert torch.ops.aten.copy_.default not in targets and torch.ops.aten.empty.memory_format not in targets
+    assert torch.equal(gm(a, b), build(a, b))
+    for kept, args in ((early, (a, b)), (wider, (a.to(torch.bfloat16), b.to(torch.bfloat16)))):
+        gm = make_fx(kept)(*args)
+        assert fold_buckets(gm) == 0 and torch.ops.aten.copy_.default in [n.target for n in gm.graph.nodes]
 
 
 @pytest.mark.structure
