@@ -44,7 +44,7 @@ def test_measured_bytes_follow_the_switch(clusters):
     prog = program(model, batches, loss_fn, acc)
     (b,) = plan_buckets(prog.plan, 0, prog.stages[0].captured)
     res = prog.run_local(batches, cluster=clusters.get(2), measure_comm=True)
-    plain, hi, lo = b.numel * 8, high.wire_bytes(b, "warm"), low.wire_bytes(b, "warm")
+    plain, hi, lo = b.numel * 8, high.wire_bytes(b, "compressed"), low.wire_bytes(b, "compressed")
     assert lo < hi < plain
     want = [plain, plain, hi, hi, lo, lo, lo]
     for r in range(2):

@@ -322,7 +322,7 @@ def test_powerSGD_hook_is_priced_by_its_P_and_Q(rank, rate):
     # its compute is priced as fxpar's PowerSGD with the state's options (the same math), which sends the same
     like, variant = m.priced_like(info, "powersgd")
     assert like == C.PowerSGD(rank=rank, start_iter=3, min_compression_rate=rate, error_feedback=True, warm_start=True)
-    assert variant == "warm" and like.wire_bytes(info, variant) == m.wire_bytes(info, "powersgd")
+    assert variant == "compressed" and like.wire_bytes(info, variant) == m.wire_bytes(info, "powersgd")
     assert m.priced_like(info, "allreduce") is None
     assert f"all_reduce of {8 * p} B" in m.describe(info, "powersgd")[0]
 

@@ -123,7 +123,7 @@ def test_a_sum_is_cut_into_phases_at_its_collectives():
     assert [[(c.kind, c.nbytes) for c in cs] for cs in ph.issues] == [
         [("all_reduce", 8 * uncompressed_size(lay)), ("all_reduce", 8 * p_size(lay))],
         [("all_reduce", 8 * q_size(lay))], []]
-    assert sum(c.nbytes for c in ph.collectives) == psgd.wire_bytes(b, "warm")
+    assert sum(c.nbytes for c in ph.collectives) == psgd.wire_bytes(b, "compressed")
     assert ph.needs[0] == () and ph.issues[0][1].name in ph.needs[1]
     ph0, _ = _phased(psgd, b, step=0)                       # before start_iter: one all-reduce, then nothing
     assert [[c.kind for c in cs] for cs in ph0.issues] == [["all_reduce"], []]

@@ -239,8 +239,8 @@ def test_bytes_and_explain():
     q = sum(t.cols * t.rank for t in lay if t.compressed)
     whole = sum(t.numel for t in lay if not t.compressed)
     assert p and q and whole
-    assert m.wire_bytes(info, "warm") == (p + q + whole) * es
-    lines = m.describe(info, "warm")
+    assert m.wire_bytes(info, "compressed") == (p + q + whole) * es
+    lines = m.describe(info, "compressed")
     assert len(lines) == len(info.keys)
     assert any("compressed as 32 x 16 at rank 2" in x for x in lines)
     assert any("sent whole" in x for x in lines)

@@ -363,7 +363,7 @@ class DDPHook(Method):
             with warnings.catch_warnings():      # the hook's own layout is told in describe()
                 warnings.simplefilter("ignore")
                 like.layout(bucket)
-            return like, ("warm" if like.warm_start else "fresh")
+            return like, "compressed"
         return None
 
     def plan_note(self) -> str:

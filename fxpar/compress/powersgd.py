@@ -281,15 +281,17 @@ class PowerSGD(Method):
         return st
 
     def variant(self, bucket: BucketInfo, step: int, state: dict):
-        if step < self.start_iter:
-            return "allreduce"
-        if not self.warm_start or step == self.start_iter:
-            return "fresh"
-        return "warm"
+        # one graph for every compressed step: where its Qs come from (drawn afresh or the last step's, warm started)
+        # is the host's choice (host_inputs), so a bucket's sum is traced once, not once per source
+        return "allreduce" if step < self.start_iter else "compressed"
 
     def host_inputs(self, bucket: BucketInfo, step: int, state: dict, variant, gen: torch.Generator) -> list:
-        if variant != "fresh":
+        """The compressed sum's ``[Qs to start from, the seed generator's state after this step]``: the last
+        step's Qs (warm start, after the first compressed step), or Qs drawn afresh as the hook draws them."""
+        if variant == "allreduce":
             return []
+        if self.warm_start and step > self.start_iter:
+            return [state["q"], state["rng"]]
         seed, rng = draw_seed(state["rng"], bucket.index, bucket.count)
         return [random_q(self.layout(bucket), seed, bucket.torch_dtype), rng]
 
@@ -303,9 +305,7 @@ class PowerSGD(Method):
         x = flat * comm.size
         if self.error_feedback:
             x = x + state["residual"]
-        q_in = inputs[0] if variant == "fresh" else state["q"]
-        if variant == "fresh":
-            new["rng"] = inputs[1]
+        q_in, new["rng"] = inputs
         out, q = power_step(x, q_in, self.layout(bucket), comm, self.orthogonalization_epsilon)
         if self.error_feedback:
             new["residual"] = x - out
