@@ -88,12 +88,35 @@ def _file_seconds() -> dict:
     return {f: float(s) for s, f in (line.split() for line in lines if line.strip() and not line.startswith("#"))}
 
 
+def _xdist_groups(config, items) -> None:
+    """Under ``--dist loadgroup``, each test marked ``xdist_group(name)`` has its node id end in ``@name``: the
+    scheduler hands out tests by that suffix, a group's tests to one worker. pytest-xdist adds it by assigning
+    ``Item._nodeid``, which pytest 9.2 no longer reads (it keeps the id as ``Item._id``, a ``NodeId``): there the
+    groups were silently lost and their module-wide builds made on both workers. Adds the suffix where it is
+    missing."""
+    if not getattr(config.option, "loadgroup", False):
+        return
+    for item in items:
+        names = sorted({m.args[0] if m.args else m.kwargs.get("name", "default")
+                        for m in item.iter_markers("xdist_group")})
+        if not names or item.nodeid.endswith("@" + "_".join(names)):
+            continue
+        nodeid = f"{item.nodeid}@{'_'.join(names)}"
+        if hasattr(item, "_id"):                   # pytest >= 9.2
+            from _pytest.nodeid import coerce_node_id
+            item._id = coerce_node_id(nodeid)
+        else:
+            item._nodeid = nodeid
+        assert item.nodeid == nodeid, (item.nodeid, nodeid)
+
+
 @pytest.hookimpl(trylast=True, specname="pytest_collection_modifyitems")   # after `-m` deselected: what runs
-def pytest_heaviest_files_first(items):
+def pytest_heaviest_files_first(config, items):
     """The heaviest files first (file_seconds.txt), each file's tests in their own order (its module-wide builds are
     made once): pytest-xdist hands tests out in this order, so the long ones start early instead of ending the run
     on one worker while the other idles. A file not listed there (added since the list was made) goes before them:
     its cost is unknown, and a heavy file last would end the run on one worker, while a light one first costs
     nothing. Every worker collects the same order."""
+    _xdist_groups(config, items)
     seconds = _file_seconds()
     items.sort(key=lambda item: -seconds.get(item.nodeid.split("::")[0], math.inf))
