@@ -3,6 +3,7 @@ such; ``parallelize(strategy=Strategy.auto(workers=2))`` decides exactly as with
 program."""
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import os
 
@@ -36,6 +37,21 @@ def test_a_task_returns_its_value_its_error_or_nothing_if_its_process_dies():
     assert pool.started == 3
     pool.close()
     assert worker_count(0) == 0 and worker_count(3) == 3
+
+
+@pytest.mark.structure
+@pytest.mark.skipif(not FORK, reason="no fork start method here: the planner runs without workers")
+def test_a_worker_starts_with_the_parents_objects_frozen_and_the_parent_collects_as_before():
+    # gc.freeze() before the fork: the child's collector does not walk (and so copy) the pages of every object it
+    # inherited; the parent's own collection is unchanged after the fork
+    keep = [[i] for i in range(10_000)]            # objects the child inherits
+    pool = Forked(1)
+    pool.submit("frozen", lambda: (gc.get_freeze_count(), len(keep)))
+    pool.start()
+    assert gc.get_freeze_count() == 0
+    (status, (frozen, n)), = [pool.result("frozen")]
+    assert status == "ok" and n == len(keep) and frozen >= len(keep)
+    pool.close()
 
 
 @pytest.mark.structure
