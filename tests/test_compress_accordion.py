@@ -20,18 +20,20 @@ NUMERICS, STRUCTURE = pytest.mark.numerics, pytest.mark.structure
 def _steps(method, infos, steps, comm):
     gen = torch.Generator().manual_seed(0)
     states = [method.init_state(b, gen) for b in infos]
-    outs, variants = [], []
+    outs, variants, drawn = [], [], []
     for step in range(steps):
         row = []
         for b in infos:
             v = method.variant(b, step, states[b.index])
             ins = method.host_inputs(b, step, states[b.index], v, gen)
+            rng = states[b.index]["rng"]
             s, states[b.index] = method.sum(local_grads(b, step, comm.rank) / comm.size, states[b.index], ins, b,
                                             comm, v)
             row.append(s)
             variants.append(v)
+            drawn.append(not torch.equal(rng, states[b.index]["rng"]))   # the seed generator moved: Qs drawn afresh
         outs.append(row)
-    return outs, states, variants
+    return outs, states, variants, drawn
 
 
 def _always_critical_is_high(kind, steps):
@@ -41,8 +43,8 @@ def _always_critical_is_high(kind, steps):
     high = PowerSGD(rank=2, start_iter=2, min_compression_rate=1.0)
     acc = Accordion(low=PowerSGD(rank=1, start_iter=2, min_compression_rate=1.0), high=high, threshold=0.0,
                     interval=2)
-    a, states, variants = _steps(acc, infos, steps, comm)
-    p, _, _ = _steps(high, infos, steps, comm)
+    a, states, variants, _ = _steps(acc, infos, steps, comm)
+    p, _, _, _ = _steps(high, infos, steps, comm)
     same = all(torch.equal(x, y) for ra, rp in zip(a, p) for x, y in zip(ra, rp))
     logs = [acc.switch_log(b, s) for b, s in zip(infos, states)]
     return same, logs, sorted({v[2] for v in variants})
@@ -63,10 +65,10 @@ def _never_critical_goes_low(steps):
     infos = bucket_infos("mlp", 1, world, rank)
     acc = Accordion(low=PowerSGD(rank=1, start_iter=2, min_compression_rate=1.0),
                     high=PowerSGD(rank=2, start_iter=2, min_compression_rate=1.0), threshold=1e9, interval=2)
-    outs, states, variants = _steps(acc, infos, steps, comm)
+    outs, states, variants, drawn = _steps(acc, infos, steps, comm)
     b = infos[0]
     return (acc.switch_log(b, states[0]), [acc.wire_bytes(b, v) for v in variants],
-            [v[0] for v in variants], float(outs[-1][0].abs().max()), b.keys)
+            [v[0] for v in variants], drawn, float(outs[-1][0].abs().max()), b.keys)
 
 
 @NUMERICS
@@ -76,10 +78,12 @@ def test_never_critical_drops_every_layer_to_the_low_rank(clusters):
     starts the Qs afresh at the new ranks, and the bytes drop."""
     res = clusters.get(2).run(_never_critical_goes_low, [(7,)] * 2)
     assert res[0][0] == res[1][0]                   # every rank took the same decisions
-    log, wire, phases, size, keys = res[0]
+    log, wire, phases, drawn, size, keys = res[0]
     # every tensor is logged going low (a vector is sent whole at either rank: its switch changes no bytes)
     assert log == [(4, k, "low") for k in keys]
-    assert phases == ["allreduce", "allreduce", "fresh", "warm", "fresh", "warm", "warm"]
+    assert phases == ["allreduce"] * 2 + ["compressed"] * 5
+    # the Qs are drawn afresh at the first compressed step and at the switch, and warm-started between
+    assert drawn == [False, False, True, False, True, False, False]
     assert wire[4] < wire[3] and wire[4] == wire[6]
     assert 0 < size < float("inf")
 

@@ -143,14 +143,15 @@ class Accordion(Method):
 
     def variant(self, bucket: BucketInfo, step: int, state: dict):
         settings, boundary, _ = self._decide(bucket, step, state)
+        # one graph per (settings, boundary) for every compressed step: where its Qs come from (drawn afresh or the
+        # last step's) is the host's choice (host_inputs), as in PowerSGD
+        return ("allreduce" if step < self.low.start_iter else "compressed"), settings, boundary
+
+    def _fresh_qs(self, step: int, state: dict, settings: tuple) -> bool:
+        """Whether the step draws its Qs afresh: without warm start, at the first compressed step, and where a tensor
+        changes rank (its Q's shape changes)."""
         current = tuple(bool(x) for x in state["high"].tolist())
-        if step < self.low.start_iter:
-            phase = "allreduce"
-        elif not self.low.warm_start or step == self.low.start_iter or settings != current:
-            phase = "fresh"
-        else:
-            phase = "warm"
-        return phase, settings, boundary
+        return not self.low.warm_start or step == self.low.start_iter or settings != current
 
     def host_inputs(self, bucket: BucketInfo, step: int, state: dict, variant, gen: torch.Generator) -> list:
         phase, settings, boundary = variant
@@ -164,9 +165,13 @@ class Accordion(Method):
                     count += 1
             out += [norms, torch.tensor([int(s) for s in settings], dtype=torch.int64), log,
                     torch.tensor([count], dtype=torch.int64)]
-        if phase == "fresh":
-            seed, rng = draw_seed(state["rng"], bucket.index, bucket.count)
-            out += [random_q(self.layout(bucket, settings), seed, bucket.torch_dtype), rng]
+        if phase == "compressed":
+            lay = self.layout(bucket, settings)
+            if self._fresh_qs(step, state, settings):
+                seed, rng = draw_seed(state["rng"], bucket.index, bucket.count)
+                out += [random_q(lay, seed, bucket.torch_dtype), rng]
+            else:
+                out += [state["q"][:q_size(lay)], state["rng"]]
         return out
 
     # ---- traced ----
@@ -185,11 +190,7 @@ class Accordion(Method):
             if self.low.error_feedback:
                 x = x + state["residual"]
             nq = q_size(lay)
-            if phase == "fresh":
-                q_in = inputs[0]
-                new["rng"] = inputs[1]
-            else:
-                q_in = state["q"][:nq]
+            q_in, new["rng"] = inputs
             out, q = power_step(x, q_in, lay, comm, self.low.orthogonalization_epsilon)
             if self.low.error_feedback:
                 new["residual"] = x - out
