@@ -122,14 +122,15 @@ def test_ranks_reuse_freed_memory_by_default_and_train_as_single_process(cluster
         assert max_abs_diff(res.state_dict(), ref_state) < 1e-10
 
 
-def _frozen_and_tracked():
+def _frozen():
     import gc
-    return gc.get_freeze_count(), len(gc.get_objects())
+    return gc.get_freeze_count()
 
 
 @pytest.mark.numerics
 def test_a_rank_keeps_what_it_inherits_out_of_its_collections(clusters):
     """A rank starts with the forkserver's objects (torch, fxpar) in the collector's permanent generation: its full
-    collections walk only what the rank made, instead of touching, and so copying, every inherited page."""
-    for frozen, tracked in clusters.get(2).run(_frozen_and_tracked, [()] * 2):
-        assert frozen > 100_000 and frozen > tracked, (frozen, tracked)
+    collections walk only what the rank made, instead of touching, and so copying, every inherited page. (The
+    generations the collector walks hold what the rank made since: how many depends on the tests it ran before.)"""
+    for frozen in clusters.get(2).run(_frozen, [()] * 2):
+        assert frozen > 100_000, frozen          # torch's and fxpar's objects, about 290,000 here; 0 without it
